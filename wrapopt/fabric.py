@@ -1,0 +1,528 @@
+"""Fabric and compute profiles: the measured (or stated) facts the cost model uses.
+
+A ``FabricProfile`` holds, per mesh axis, the latency of each collective per
+message size; it answers ``collective_s(...)`` for the cost model through a
+monotone piecewise log-log interpolator, and keeps an alpha-beta summary
+(latency + bytes / bandwidth) for reports and extrapolation. A profile is
+either ``measured`` (``wrapopt profile-fabric``) or ``analytical`` (built from
+stated latency and bandwidth numbers); the kind is shown wherever it is used.
+
+Message size convention: ``nbytes`` is always the *unsharded* size of the
+tensor, i.e. the all-gather output, the reduce-scatter input, the all-reduce
+buffer. That is the number the cost model knows for a unit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from wrapopt.errors import ProfileError
+
+__all__ = [
+    "COLLECTIVES",
+    "CollectiveCurve",
+    "AxisProfile",
+    "FabricProfile",
+    "ComputeProfile",
+    "ANALYTICAL_FABRICS",
+    "analytical_fabric",
+    "load_profile_json",
+]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+FABRIC_FORMAT = "wrapopt.fabric/1"
+COMPUTE_FORMAT = "wrapopt.compute/1"
+
+
+def _pava(values: list[float]) -> list[float]:
+    """Isotonic (non-decreasing) least-squares fit: pool adjacent violators.
+
+    Raw medians are noisy; the interpolator must not let a larger message be
+    predicted faster than a smaller one (the search would exploit the noise).
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out.extend([s / c] * int(c))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCurve:
+    """Latency of one collective on one axis, per message size."""
+
+    sizes_bytes: tuple[int, ...]
+    latency_s: tuple[float, ...]  # median over repeats of the max over ranks
+    spread: tuple[float, ...] = ()  # (p90 - p10) / median over repeats, per size
+    # Derived, not serialised: isotonic fit in log-log space and alpha-beta.
+    _log_sizes: tuple[float, ...] = field(default=(), compare=False, repr=False)
+    _log_lat: tuple[float, ...] = field(default=(), compare=False, repr=False)
+    alpha_s: float = field(default=0.0, compare=False)
+    bandwidth_bytes_per_s: float = field(default=math.inf, compare=False)
+    fit_error: float = field(default=0.0, compare=False)  # median relative error of alpha-beta
+
+    def __post_init__(self) -> None:
+        if len(self.sizes_bytes) != len(self.latency_s) or not self.sizes_bytes:
+            raise ProfileError("a collective curve needs as many latencies as sizes, and at least one")
+        if any(b <= a for a, b in zip(self.sizes_bytes, self.sizes_bytes[1:])):
+            raise ProfileError("collective curve sizes must be strictly increasing")
+        if any(not (t > 0 and math.isfinite(t)) for t in self.latency_s):
+            raise ProfileError("collective latencies must be positive and finite")
+        mono = _pava(list(self.latency_s))
+        object.__setattr__(self, "_log_sizes", tuple(math.log(s) for s in self.sizes_bytes))
+        object.__setattr__(self, "_log_lat", tuple(math.log(t) for t in mono))
+        alpha, bw, err = _fit_alpha_beta(self.sizes_bytes, self.latency_s)
+        object.__setattr__(self, "alpha_s", alpha)
+        object.__setattr__(self, "bandwidth_bytes_per_s", bw)
+        object.__setattr__(self, "fit_error", err)
+
+    def time_s(self, nbytes: float) -> tuple[float, bool]:
+        """Latency for ``nbytes``; the flag says it was extrapolated past the largest size."""
+        if nbytes <= 0:
+            return 0.0, False
+        xs, ys = self._log_sizes, self._log_lat
+        if nbytes <= self.sizes_bytes[0]:
+            return math.exp(ys[0]), False  # latency-bound below the smallest size
+        if nbytes > self.sizes_bytes[-1]:
+            # Past the table: the last point plus the extra bytes at the fitted bandwidth.
+            extra = (nbytes - self.sizes_bytes[-1]) / self.bandwidth_bytes_per_s
+            return math.exp(ys[-1]) + extra, True
+        lx = math.log(nbytes)
+        i = bisect.bisect_left(xs, lx)
+        if xs[i] == lx:
+            return math.exp(ys[i]), False
+        w = (lx - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1])), False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sizes_bytes": list(self.sizes_bytes),
+            "latency_s": list(self.latency_s),
+            "spread": list(self.spread),
+            "alpha_s": self.alpha_s,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "fit_error": self.fit_error,
+        }
+
+
+def _fit_alpha_beta(sizes: tuple[int, ...], lat: tuple[float, ...]) -> tuple[float, float, float]:
+    """Least squares of ``t = alpha + n / bw`` weighted by 1/t (relative error)."""
+    w = [1.0 / t for t in lat]
+    sw = sum(wi * wi for wi in w)
+    sx = sum(wi * wi * n for wi, n in zip(w, sizes))
+    sy = sum(wi * wi * t for wi, t in zip(w, lat))
+    sxx = sum(wi * wi * n * n for wi, n in zip(w, sizes))
+    sxy = sum(wi * wi * n * t for wi, n, t in zip(w, sizes, lat))
+    det = sw * sxx - sx * sx
+    if len(sizes) < 2 or det <= 0:
+        return lat[0], math.inf, 0.0
+    slope = (sw * sxy - sx * sy) / det
+    alpha = (sy - slope * sx) / sw
+    if slope <= 0:  # no bandwidth term visible in the range measured
+        slope = max(1e-15, (lat[-1] - lat[0]) / max(1, sizes[-1] - sizes[0]))
+    alpha = max(alpha, 0.0)
+    errs = sorted(abs(alpha + slope * n - t) / t for n, t in zip(sizes, lat))
+    return alpha, 1.0 / slope, errs[len(errs) // 2]
+
+
+@dataclass(frozen=True, slots=True)
+class AxisProfile:
+    """Collectives measured on one kind of process group.
+
+    ``group_size`` ranks take part; ``ranks_per_node_in_group`` of them share a
+    node (``group_size`` for an intra-node group, 1 for a group with one rank
+    per node).
+    """
+
+    name: str  # "intra", "inter", "world", or a stated name
+    group_size: int
+    ranks_per_node_in_group: int
+    curves: tuple[tuple[str, CollectiveCurve], ...]
+
+    def curve(self, collective: str) -> CollectiveCurve:
+        for name, c in self.curves:
+            if name == collective:
+                return c
+        raise ProfileError(f"axis {self.name!r} has no {collective} measurements")
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticalLink:
+    """Stated latency and achieved bandwidth of one level of the fabric."""
+
+    latency_s: float  # per ring step
+    bandwidth_bytes_per_s: float  # achieved per GPU (bus bandwidth)
+    source: str
+
+
+@dataclass(frozen=True)
+class FabricProfile:
+    """Collective latencies per axis, measured or analytical.
+
+    See [Note: collective cost lookup] in ``collective_s``.
+    """
+
+    kind: str  # "measured" or "analytical"
+    name: str
+    backend: str
+    world_size: int
+    ranks_per_node: int
+    axes: tuple[AxisProfile, ...]
+    # [Note: overlap factor] Collectives in flight slow compute down (they
+    # occupy SMs on a GPU, cores on a CPU) and compute slows collectives. Both
+    # are measured by running each alone and both together; 0 = no slowdown.
+    overlap_compute_slowdown: float = 0.0
+    overlap_comm_slowdown: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    intra: AnalyticalLink | None = None  # only for analytical profiles
+    inter: AnalyticalLink | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("measured", "analytical"):
+            raise ProfileError(f"fabric kind must be 'measured' or 'analytical', got {self.kind!r}")
+        if self.kind == "analytical" and (self.intra is None or self.inter is None):
+            raise ProfileError("an analytical fabric needs both intra- and inter-node links")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.kind})"
+
+    def collective_s(
+        self, collective: str, group_size: int, ranks_per_node_in_group: int, nbytes: float
+    ) -> tuple[float, str | None]:
+        """Seconds for one collective on a group; the second item is a caveat or None.
+
+        [Note: collective cost lookup] A measured profile answers only for
+        axes it measured (same group size and the same number of ranks per
+        node); any other group is rescaled from the closest axis with the ring
+        model and the caveat says so. An analytical profile applies the ring
+        model to its stated links for any group.
+        """
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0, None
+        key = (collective, group_size, ranks_per_node_in_group, int(nbytes))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if self.kind == "analytical":
+            out = (_ring_time(collective, group_size, ranks_per_node_in_group, nbytes, self.intra, self.inter), None)
+        else:
+            out = self._measured_time(collective, group_size, ranks_per_node_in_group, nbytes)
+        self._cache[key] = out
+        return out
+
+    def _measured_time(self, collective: str, p: int, rpn: int, nbytes: float) -> tuple[float, str | None]:
+        exact = [a for a in self.axes if a.group_size == p and a.ranks_per_node_in_group == rpn]
+        if exact:
+            t, extrapolated = exact[0].curve(collective).time_s(nbytes)
+            caveat = (
+                f"{collective} of {nbytes / 2**20:.1f} MiB extrapolated past the largest size measured on axis {exact[0].name}"
+                if extrapolated
+                else None
+            )
+            return t, caveat
+        # Rescale from the nearest axis of the same kind (intra vs inter) by the ring model.
+        same_kind = [a for a in self.axes if (a.ranks_per_node_in_group > 1) == (rpn > 1)] or list(self.axes)
+        base = min(same_kind, key=lambda a: abs(math.log(a.group_size / p)))
+        c = base.curve(collective)
+        factor = (p - 1) / p * base.group_size / max(1, base.group_size - 1)
+        per_step = c.alpha_s / max(1, base.group_size - 1)
+        t = per_step * (p - 1) + factor * (c.time_s(nbytes)[0] - c.alpha_s)
+        return max(t, c.alpha_s), (
+            f"{collective} on a group of {p} rescaled from axis {base.name} ({base.group_size} ranks) "
+            "by the ring model: the profile did not measure this group"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": FABRIC_FORMAT,
+            "kind": self.kind,
+            "name": self.name,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "ranks_per_node": self.ranks_per_node,
+            "overlap_compute_slowdown": self.overlap_compute_slowdown,
+            "overlap_comm_slowdown": self.overlap_comm_slowdown,
+            "axes": [
+                {
+                    "name": a.name,
+                    "group_size": a.group_size,
+                    "ranks_per_node_in_group": a.ranks_per_node_in_group,
+                    "collectives": {n: c.to_json() for n, c in a.curves},
+                }
+                for a in self.axes
+            ],
+            "meta": self.meta,
+        }
+        if self.kind == "analytical":
+            d["links"] = {
+                lvl: {"latency_s": l.latency_s, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s, "source": l.source}
+                for lvl, l in (("intra", self.intra), ("inter", self.inter))
+            }
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], *, source: str = "<dict>") -> "FabricProfile":
+        r = _Reader(d, source)
+        if r.get("format", str) != FABRIC_FORMAT:
+            raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}, expected {FABRIC_FORMAT!r}")
+        links: dict[str, AnalyticalLink] = {}
+        if r.get("kind", str) == "analytical":
+            for lvl in ("intra", "inter"):
+                lr = r.sub(f"links.{lvl}")
+                links[lvl] = AnalyticalLink(
+                    lr.num("latency_s"), lr.num("bandwidth_bytes_per_s"), str(lr.d.get("source", ""))
+                )
+        axes = []
+        for i, ad in enumerate(r.get("axes", list)):
+            ar = _Reader(ad, f"{source}: axes[{i}]")
+            curves = []
+            for cname, cd in ar.get("collectives", dict).items():
+                cr = _Reader(cd, f"{source}: axes[{i}].collectives.{cname}")
+                try:
+                    curves.append(
+                        (
+                            cname,
+                            CollectiveCurve(
+                                tuple(int(x) for x in cr.get("sizes_bytes", list)),
+                                tuple(float(x) for x in cr.get("latency_s", list)),
+                                tuple(float(x) for x in cd.get("spread", [])),
+                            ),
+                        )
+                    )
+                except (ProfileError, TypeError, ValueError) as e:
+                    raise ProfileError(f"{cr.where}: {e}") from None
+            axes.append(AxisProfile(ar.get("name", str), int(ar.num("group_size")), int(ar.num("ranks_per_node_in_group")), tuple(curves)))
+        return cls(
+            kind=r.get("kind", str),
+            name=r.get("name", str),
+            backend=r.get("backend", str),
+            world_size=int(r.num("world_size")),
+            ranks_per_node=int(r.num("ranks_per_node")),
+            axes=tuple(axes),
+            overlap_compute_slowdown=float(d.get("overlap_compute_slowdown", 0.0)),
+            overlap_comm_slowdown=float(d.get("overlap_comm_slowdown", 0.0)),
+            meta=dict(d.get("meta", {})),
+            intra=links.get("intra"),
+            inter=links.get("inter"),
+        )
+
+    def save(self, path: str) -> None:
+        from wrapopt._io import atomic_write_json
+
+        atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "FabricProfile":
+        d = load_profile_json(path)
+        return cls.from_json(d, source=str(path))
+
+    def summary_rows(self) -> list[tuple[str, str, int, float, float, float]]:
+        """(axis, collective, group size, alpha us, bandwidth GB/s, fit error) for reports."""
+        rows = []
+        for a in self.axes:
+            for n, c in a.curves:
+                rows.append((a.name, n, a.group_size, c.alpha_s * 1e6, c.bandwidth_bytes_per_s / 1e9, c.fit_error))
+        return rows
+
+
+def _ring_time(collective: str, p: int, rpn: int, nbytes: float, intra: AnalyticalLink, inter: AnalyticalLink) -> float:
+    """Ring-algorithm time on stated links: (p-1) latency steps plus (p-1)/p of
+    the bytes over the slowest link the ring crosses (inter-node as soon as the
+    group spans nodes)."""
+    link = intra if rpn >= p else inter
+    steps = (p - 1) * (2 if collective == "all_reduce" else 1)
+    volume = (p - 1) / p * nbytes * (2 if collective == "all_reduce" else 1)
+    return steps * link.latency_s + volume / link.bandwidth_bytes_per_s
+
+
+# Named analytical fabrics. Each number is stated with its source; achieved
+# bandwidth is taken as ~80% of the link's line rate, the usual NCCL busbw.
+ANALYTICAL_FABRICS: dict[str, dict[str, Any]] = {
+    "h100-nvlink-ib400": {
+        "description": "8x H100 SXM per node, NVLink 4 inside, 8x 400 Gb/s InfiniBand NDR between nodes",
+        "ranks_per_node": 8,
+        "intra": AnalyticalLink(
+            latency_s=5e-6,
+            bandwidth_bytes_per_s=360e9,
+            source="NVLink 4: 450 GB/s per direction per GPU (NVIDIA H100 datasheet); ~80% achieved busbw; ~5 us per ring step (nccl-tests small-message latency)",
+        ),
+        "inter": AnalyticalLink(
+            latency_s=10e-6,
+            bandwidth_bytes_per_s=40e9,
+            source="one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s (DGX H100 datasheet); ~80% achieved; ~10 us per inter-node ring step",
+        ),
+        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8, "memory_capacity_bytes": 80 * 2**30,
+                    "source": "H100 SXM dense BF16 989 TFLOP/s at 45% MFU; HBM3 3.35 TB/s at 80%; 80 GiB"},
+    },
+    "a100-nvlink-ib200": {
+        "description": "8x A100 80GB per node, NVLink 3 inside, 200 Gb/s HDR InfiniBand per GPU between nodes",
+        "ranks_per_node": 8,
+        "intra": AnalyticalLink(5e-6, 240e9, "NVLink 3: 300 GB/s per direction per GPU (A100 datasheet); ~80% achieved"),
+        "inter": AnalyticalLink(12e-6, 20e9, "200 Gb/s HDR = 25 GB/s per GPU (DGX A100 datasheet); ~80% achieved"),
+        "compute": {"flops_per_s": 312e12 * 0.45, "memory_bandwidth_bytes_per_s": 2.0e12 * 0.8, "memory_capacity_bytes": 80 * 2**30,
+                    "source": "A100 dense BF16 312 TFLOP/s at 45% MFU; HBM2e 2.0 TB/s at 80%; 80 GiB"},
+    },
+    "h100-nvlink-eth100": {
+        "description": "8x H100 per node, NVLink 4 inside, 100 Gb/s Ethernet (one NIC per node) between nodes",
+        "ranks_per_node": 8,
+        "intra": AnalyticalLink(5e-6, 360e9, "NVLink 4 as in h100-nvlink-ib400"),
+        "inter": AnalyticalLink(30e-6, 12.5e9 * 0.8 / 8, "one 100 Gb/s NIC = 12.5 GB/s shared by 8 GPUs; ~80% achieved; TCP ~30 us per step"),
+        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8, "memory_capacity_bytes": 80 * 2**30,
+                    "source": "as in h100-nvlink-ib400"},
+    },
+}
+DEFAULT_ANALYTICAL = "h100-nvlink-ib400"
+
+
+def analytical_fabric(name: str = DEFAULT_ANALYTICAL, *, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
+    """A labelled analytical profile for a cluster that is not measured here.
+
+    Example:
+        >>> f = analytical_fabric("h100-nvlink-ib400", world_size=64)
+        >>> f.kind
+        'analytical'
+    """
+    if name not in ANALYTICAL_FABRICS:
+        raise ProfileError(f"unknown analytical fabric {name!r}; choose one of {sorted(ANALYTICAL_FABRICS)}")
+    spec = ANALYTICAL_FABRICS[name]
+    rpn = ranks_per_node or spec["ranks_per_node"]
+    return FabricProfile(
+        kind="analytical",
+        name=name,
+        backend="nccl (assumed)",
+        world_size=world_size,
+        ranks_per_node=rpn,
+        axes=(),
+        meta={"description": spec["description"], "compute": {k: v for k, v in spec["compute"].items()}},
+        intra=spec["intra"],
+        inter=spec["inter"],
+    )
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """How fast one device computes, measured or stated.
+
+    ``module_times`` (optional) are measured self times per module at the
+    traced batch; the cost model prefers them to FLOP-based estimates.
+    """
+
+    kind: str  # "measured" or "analytical"
+    device: str
+    flops_per_s: float  # achieved dense matmul throughput
+    memory_bandwidth_bytes_per_s: float
+    memory_capacity_bytes: int | None = None
+    # Fixed cost per FSDP unit per all-gather (hooks, copy-in, copy-out), seconds.
+    unit_overhead_s: float = 0.0
+    # Fixed cost per module call (kernel launches / op dispatch), seconds.
+    module_overhead_s: float = 0.0
+    module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": COMPUTE_FORMAT,
+            "kind": self.kind,
+            "device": self.device,
+            "flops_per_s": self.flops_per_s,
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "unit_overhead_s": self.unit_overhead_s,
+            "module_overhead_s": self.module_overhead_s,
+            "module_times": [list(t) for t in self.module_times],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], *, source: str = "<dict>") -> "ComputeProfile":
+        r = _Reader(d, source)
+        if r.get("format", str) != COMPUTE_FORMAT:
+            raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}, expected {COMPUTE_FORMAT!r}")
+        cap = d.get("memory_capacity_bytes")
+        return cls(
+            kind=r.get("kind", str),
+            device=r.get("device", str),
+            flops_per_s=r.num("flops_per_s"),
+            memory_bandwidth_bytes_per_s=r.num("memory_bandwidth_bytes_per_s"),
+            memory_capacity_bytes=int(cap) if cap is not None else None,
+            unit_overhead_s=float(d.get("unit_overhead_s", 0.0)),
+            module_overhead_s=float(d.get("module_overhead_s", 0.0)),
+            module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
+            meta=dict(d.get("meta", {})),
+        )
+
+    @classmethod
+    def analytical(cls, name: str = DEFAULT_ANALYTICAL) -> "ComputeProfile":
+        spec = ANALYTICAL_FABRICS[name]["compute"]
+        return cls(
+            kind="analytical",
+            device=name,
+            flops_per_s=spec["flops_per_s"],
+            memory_bandwidth_bytes_per_s=spec["memory_bandwidth_bytes_per_s"],
+            memory_capacity_bytes=spec["memory_capacity_bytes"],
+            unit_overhead_s=20e-6,
+            module_overhead_s=5e-6,
+            meta={"source": spec["source"]},
+        )
+
+    def save(self, path: str) -> None:
+        from wrapopt._io import atomic_write_json
+
+        atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "ComputeProfile":
+        return cls.from_json(load_profile_json(path), source=str(path))
+
+
+class _Reader:
+    """Field access on a JSON dict with errors that name the file and the field."""
+
+    def __init__(self, d: Any, where: str):
+        if not isinstance(d, dict):
+            raise ProfileError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        self.d, self.where = d, where
+
+    def get(self, key: str, typ: type) -> Any:
+        if key not in self.d:
+            raise ProfileError(f"{self.where}: missing field {key!r}")
+        v = self.d[key]
+        if not isinstance(v, typ):
+            raise ProfileError(f"{self.where}: field {key!r} must be {typ.__name__}, got {type(v).__name__}")
+        return v
+
+    def num(self, key: str) -> float:
+        v = self.get(key, (int, float))  # type: ignore[arg-type]
+        if isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ProfileError(f"{self.where}: field {key!r} must be a non-negative number, got {v!r}")
+        return float(v)
+
+    def sub(self, dotted: str) -> "_Reader":
+        cur: Any = self.d
+        for part in dotted.split("."):
+            if not isinstance(cur, dict) or part not in cur:
+                raise ProfileError(f"{self.where}: missing field {dotted!r}")
+            cur = cur[part]
+        return _Reader(cur, f"{self.where}: {dotted}")
+
+
+def load_profile_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such profile file; create one with `wrapopt profile-fabric --out {path}`") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not valid JSON ({e})") from None

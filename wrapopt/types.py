@@ -1,0 +1,290 @@
+"""Frozen dataclasses passed between the pipeline stages.
+
+Stages import this module (and ``fabric``, ``errors``), never each other; see
+``docs/design.md`` for who produces and who consumes each type.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+__all__ = [
+    "ModuleInfo",
+    "ModelGraph",
+    "MeshSpec",
+    "UnitSpec",
+    "PlanSpec",
+    "OptimizerKind",
+    "SimOptions",
+    "UnitCost",
+    "TimelineEvent",
+    "CostEstimate",
+    "ROOT",
+]
+
+ROOT = ""  # the FQN of the root module, as in ``named_modules()``
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleInfo:
+    """What the tracer learned about one module. FLOPs and bytes are *self*
+    figures (this module's own ops, children excluded) unless named ``total_``."""
+
+    fqn: str
+    cls: str
+    parent: str | None  # None for the root
+    children: tuple[str, ...]
+    depth: int
+    # Parameters registered directly on this module, after de-duplication of
+    # tied parameters (a tied parameter is counted at its first FQN only).
+    own_numel: int
+    own_bytes: int
+    own_trainable_numel: int
+    own_trainable_bytes: int
+    own_bytes_by_dtype: tuple[tuple[str, int], ...]
+    total_numel: int  # own + all descendants, de-duplicated
+    total_bytes: int
+    fwd_flops: float  # summed over all calls of this module in one step
+    bwd_flops: float
+    saved_bytes: int  # activations saved for backward by this module's own ops
+    output_bytes: int  # bytes of the module's outputs (first call)
+    order: int  # position of the first call in forward order; -1 if never called
+    num_calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGraph:
+    """The model as the later stages see it: a module tree with costs.
+
+    ``tree`` is a networkx DiGraph with parent -> child edges keyed by FQN; the
+    node attribute ``info`` holds the ``ModuleInfo``. ``modules`` lists the
+    same infos in ``named_modules()`` order.
+    """
+
+    model_class: str
+    modules: tuple[ModuleInfo, ...]
+    tree: nx.DiGraph = field(compare=False, repr=False)
+    # Groups of FQNs of one shared parameter (tied embeddings, shared layers).
+    tied_groups: tuple[tuple[str, ...], ...]
+    # Repeated-block chains: runs of same-class siblings in a ModuleList or
+    # Sequential ("transformer blocks"), each in execution order; an
+    # encoder-decoder has two. Chains never nest.
+    block_chains: tuple[tuple[str, ...], ...]
+    param_shapes: tuple[tuple[str, tuple[int, ...], str], ...]  # (fqn, shape, dtype)
+    input_bytes: int
+    estimates: tuple[str, ...] = ()  # figures that are estimates, and why
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return tuple(b for chain in self.block_chains for b in chain)
+
+    @property
+    def block_classes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.info(c[0]).cls for c in self.block_chains))
+
+    def info(self, fqn: str) -> ModuleInfo:
+        return self.tree.nodes[fqn]["info"]
+
+    @property
+    def root(self) -> ModuleInfo:
+        return self.info(ROOT)
+
+    @property
+    def num_params(self) -> int:
+        return self.root.total_numel
+
+    @property
+    def param_bytes(self) -> int:
+        return self.root.total_bytes
+
+    @property
+    def trainable_bytes(self) -> int:
+        return sum(m.own_trainable_bytes for m in self.modules)
+
+    def subtree(self, fqn: str) -> list[str]:
+        """FQNs of ``fqn`` and all its descendants, in ``named_modules()`` order."""
+        if fqn == ROOT:
+            return [m.fqn for m in self.modules]
+        prefix = fqn + "."
+        return [m.fqn for m in self.modules if m.fqn == fqn or m.fqn.startswith(prefix)]
+
+    def call_order(self) -> list[ModuleInfo]:
+        """Modules that ran, in forward order of their first call."""
+        return sorted((m for m in self.modules if m.order >= 0), key=lambda m: m.order)
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """The data-parallel mesh a plan runs on.
+
+    ``shard_size`` ranks share one copy of the parameters (FSDP's shard group);
+    ``world_size // shard_size`` such groups replicate it (HSDP). ``shard_size ==
+    world_size`` is plain FSDP.
+    """
+
+    world_size: int
+    ranks_per_node: int
+    shard_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.ranks_per_node < 1 or self.shard_size < 1:
+            raise ValueError(f"mesh sizes must be positive, got {self}")
+        if self.world_size % self.ranks_per_node and self.world_size > self.ranks_per_node:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of {self.ranks_per_node} "
+                "ranks per node; pass --gpus-per-node that divides the world size"
+            )
+        if self.shard_size > self.world_size or self.world_size % self.shard_size:
+            raise ValueError(
+                f"shard group of {self.shard_size} ranks does not divide the world of "
+                f"{self.world_size}; use a divisor of the world size"
+            )
+
+    @property
+    def replicate_size(self) -> int:
+        return self.world_size // self.shard_size
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.ranks_per_node)
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_size > 1
+
+    def to_json(self) -> dict[str, Any]:
+        shape = [self.replicate_size, self.shard_size] if self.is_hsdp else [self.shard_size]
+        names = ["replicate", "shard"] if self.is_hsdp else ["shard"]
+        return {
+            "world_size": self.world_size,
+            "ranks_per_node": self.ranks_per_node,
+            "shard_size": self.shard_size,
+            "shape": shape,
+            "axis_names": names,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSpec:
+    """One FSDP unit: ``fully_shard(modules)`` with its per-unit choices.
+
+    ``modules == (ROOT,)`` is the root unit. Several modules form one unit
+    through ``fully_shard([m1, m2, ...])`` (contiguous blocks, tied groups).
+    """
+
+    modules: tuple[str, ...]
+    # True: free after forward, re-gather in backward. False: keep until
+    # backward. An int N: reshard to groups of N ranks (hpZ-style re-gather).
+    reshard_after_forward: bool | int = True
+    checkpoint: bool = False  # activation checkpointing of the unit's modules
+
+    @property
+    def is_root(self) -> bool:
+        return self.modules == (ROOT,)
+
+    @property
+    def name(self) -> str:
+        if self.is_root:
+            return "<root>"
+        if len(self.modules) == 1:
+            return self.modules[0]
+        return f"{self.modules[0]}..{self.modules[-1].rsplit('.', 1)[-1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSpec:
+    """A complete wrapping decision: the units (root last) and the mesh."""
+
+    units: tuple[UnitSpec, ...]
+    mesh: MeshSpec
+    # Explicit forward prefetch depth (``set_modules_to_forward_prefetch``);
+    # 0 leaves FSDP2's implicit behaviour.
+    forward_prefetch: int = 0
+    shard: bool = True  # False: no sharding at all (DDP-like replication)
+    label: str = ""
+
+    @property
+    def root(self) -> UnitSpec:
+        return self.units[-1]
+
+
+class OptimizerKind(enum.Enum):
+    ADAMW = "adamw"  # two fp32 states per trainable parameter
+    SGD_MOMENTUM = "sgd"  # one fp32 state
+    NONE = "none"
+
+    @property
+    def states_per_param(self) -> int:
+        return {"adamw": 2, "sgd": 1, "none": 0}[self.value]
+
+
+@dataclass(kw_only=True)
+class SimOptions:
+    """Knobs of the step being simulated (not of the plan)."""
+
+    optimizer: OptimizerKind = OptimizerKind.ADAMW
+    param_dtype_bytes: int | None = None  # mixed precision: bytes per gathered element
+    reduce_dtype_bytes: int | None = None  # bytes per reduce-scattered element
+    grad_accumulation: int = 1  # micro-batches per step; sync on the last only
+    batch_scale: float = 1.0  # per-rank batch relative to the traced batch
+
+    def __post_init__(self) -> None:
+        if self.grad_accumulation < 1:
+            raise ValueError(f"grad_accumulation must be >= 1, got {self.grad_accumulation}")
+        if self.batch_scale <= 0:
+            raise ValueError(f"batch_scale must be positive, got {self.batch_scale}")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCost:
+    name: str
+    param_bytes: int  # unsharded, as gathered
+    fwd_s: float
+    bwd_s: float
+    all_gather_s: float
+    reduce_scatter_s: float
+    saved_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    lane: str  # "compute" or "comm"
+    kind: str  # "fwd", "bwd", "recompute", "all_gather", "reduce_scatter", "all_reduce", "optim"
+    unit: str
+    start_s: float
+    end_s: float
+    memory_bytes: int = 0  # memory right after the event starts
+
+
+@dataclass(frozen=True, slots=True)
+class CostEstimate:
+    """The simulator's prediction for one plan, per rank."""
+
+    step_s: float
+    fwd_s: float
+    bwd_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    peak_bytes: int
+    peak_breakdown: tuple[tuple[str, int], ...]  # category -> bytes at the peak
+    units: tuple[UnitCost, ...]
+    timeline: tuple[TimelineEvent, ...] = field(repr=False, default=())
+    notes: tuple[str, ...] = ()  # extrapolations and other caveats
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s,
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "peak_bytes": self.peak_bytes,
+            "peak_breakdown": dict(self.peak_breakdown),
+            "notes": list(self.notes),
+        }
