@@ -123,7 +123,8 @@ class MeshSpec:
 
     ``shard_size`` ranks share one copy of the parameters (FSDP's shard group);
     ``world_size // shard_size`` such groups replicate it (HSDP). ``shard_size ==
-    world_size`` is plain FSDP.
+    world_size`` is plain FSDP; ``shard_size == 1`` is no sharding at all
+    (every rank holds everything, gradients are all-reduced: DDP-like).
     """
 
     world_size: int
@@ -204,7 +205,6 @@ class PlanSpec:
     # Explicit forward prefetch depth (``set_modules_to_forward_prefetch``);
     # 0 leaves FSDP2's implicit behaviour.
     forward_prefetch: int = 0
-    shard: bool = True  # False: no sharding at all (DDP-like replication)
     label: str = ""
 
     @property

@@ -1,0 +1,448 @@
+"""plan -> CostEstimate: an event simulation of one FSDP2 training step, per rank.
+
+Two lanes: *compute* (the default stream / the Python thread on CPU) and
+*comm* (collectives). The simulation walks the forward in execution order and
+the backward in reverse, placing each unit's all-gather, compute and
+reduce-scatter where FSDP2 places them, and tracks memory at every event.
+The notes below are the assumptions; code cites them as ``# See [Note: ...]``.
+
+[Note: segments] Forward compute is a sequence of *segments*: runs of
+consecutive module calls owned by the same unit (see [Note: unit
+ownership] in ``units.py``). The root unit owns the embedding at the start and
+the head at the end, so it has segments at both ends; a unit needs its
+parameters gathered before its first segment.
+
+[Note: all-gather issue] A unit's all-gather is issued at its pre-forward.
+On a GPU the CPU runs ahead, so the next unit's all-gather is already issued
+while this unit computes (FSDP2 lets at most one all-gather run ahead:
+depth 1). On CPU (gloo) there is no running ahead: without explicit prefetch
+the all-gather is issued when compute reaches the unit, and is exposed.
+``PlanSpec.forward_prefetch = k`` issues it k units early
+(``set_modules_to_forward_prefetch``). All collectives share one lane and
+run in issue order.
+
+[Note: reshard after forward] True frees the gathered parameters after the
+unit's last forward segment and re-gathers them in backward; False keeps them
+to backward (no second all-gather); an int N keeps a 1/N copy and re-gathers
+over N ranks of one node. The root is never resharded after forward.
+
+[Note: backward schedule] Backward walks the segments in reverse. At a
+unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
+the next unit's in backward order. A checkpointed unit first recomputes its
+forward. After the unit's last backward segment its gradients are
+reduce-scattered (then all-reduced across the replicate axis under HSDP);
+the unsharded gradients live until that lands. The step ends when the last
+collective lands, plus the optimizer step (memory-bound on the local shard).
+
+[Note: memory] At any instant: sharded parameters + sharded gradients +
+optimizer state (all / shard size) + gathered units + unsharded gradients
+awaiting reduce-scatter + saved activations not yet consumed + the working
+set of the segment computing now (its largest module output, twice: the
+output and the incoming gradient in backward). A checkpointed unit keeps only
+its input during forward and re-saves its activations while it recomputes.
+
+[Note: overlap] Collectives are not free when overlapped: a compute segment
+that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
+times longer over the overlapped part, and a collective issued while compute
+is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
+measured by the profiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from wrapopt.fabric import ComputeProfile, FabricProfile
+from wrapopt.types import (
+    CostEstimate,
+    ModelGraph,
+    PlanSpec,
+    SimOptions,
+    TimelineEvent,
+    UnitCost,
+    UnitSpec,
+)
+from wrapopt.units import ancestors, owner_index
+
+__all__ = ["simulate", "Simulator"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    fqn: str
+    anc: tuple[str, ...]
+    fwd_s: float
+    bwd_s: float
+    saved: int
+    out: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    unit: int
+    fwd_s: float
+    bwd_s: float
+    saved: int
+    work: int  # working set: largest module output in the segment
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Everything about a set of units that does not depend on per-unit choices."""
+
+    segments: tuple[_Segment, ...]
+    order: tuple[int, ...]  # units in forward order of first segment (units that run)
+    numel: tuple[int, ...]
+    storage_bytes: tuple[int, ...]
+    trainable_numel: tuple[int, ...]
+    trainable_bytes: tuple[int, ...]
+    saved: tuple[int, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    input_bytes: tuple[int, ...]  # what a checkpointed unit keeps (its input ~ its output)
+    work: tuple[int, ...]
+    last_fwd_segment: tuple[int, ...]
+
+
+class Simulator:
+    """Scores plans for one model, fabric, compute profile and step options.
+
+    Building one costs a pass over the module graph; ``simulate`` then runs in
+    well under a millisecond for a 32-block model (layouts are cached per set
+    of units), which keeps the search from ever waiting on the cost model.
+    """
+
+    def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, options: SimOptions | None = None):
+        self.graph, self.fabric, self.compute = graph, fabric, compute
+        self.options = options or SimOptions()
+        measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
+        scale = self.options.batch_scale
+        entries = []
+        for m in graph.call_order():
+            if measured:
+                f, b = measured.get(m.fqn, (0.0, 0.0))
+            else:
+                f = m.fwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
+                b = m.bwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
+            entries.append(_Entry(m.fqn, ancestors(m.fqn), f * scale, b * scale, int(m.saved_bytes * scale), int(m.output_bytes * scale)))
+        self._entries = tuple(entries)
+        self._param_modules = tuple(
+            (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes)
+            for m in graph.modules
+            if m.own_numel
+        )
+        self._layouts: dict[tuple[tuple[str, ...], ...], _Layout] = {}
+        self._elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
+
+    # -- layout ---------------------------------------------------------------------------
+
+    def layout(self, units: tuple[UnitSpec, ...]) -> _Layout:
+        key = tuple(u.modules for u in units)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._build_layout(units)
+            if len(self._layouts) > 4096:
+                self._layouts.clear()
+            self._layouts[key] = lay
+        return lay
+
+    def _build_layout(self, units: tuple[UnitSpec, ...]) -> _Layout:
+        n = len(units)
+        index = owner_index(units)
+
+        def owner(anc: tuple[str, ...]) -> int:
+            for a in anc:
+                i = index.get(a)
+                if i is not None:
+                    return i
+            return n - 1
+
+        numel, sbytes, tnumel, tbytes = [0] * n, [0] * n, [0] * n, [0] * n
+        for anc, ne, nb, tn, tb in self._param_modules:
+            u = owner(anc)
+            numel[u] += ne
+            sbytes[u] += nb
+            tnumel[u] += tn
+            tbytes[u] += tb
+        segs: list[list[Any]] = []
+        saved, fwd, bwd, work = [0] * n, [0.0] * n, [0.0] * n, [0] * n
+        for e in self._entries:
+            u = owner(e.anc)
+            saved[u] += e.saved
+            fwd[u] += e.fwd_s
+            bwd[u] += e.bwd_s
+            work[u] = max(work[u], e.out)
+            if segs and segs[-1][0] == u:
+                s = segs[-1]
+                s[1] += e.fwd_s
+                s[2] += e.bwd_s
+                s[3] += e.saved
+                s[4] = max(s[4], e.out)
+            else:
+                segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out])
+        segments = tuple(_Segment(*s) for s in segs)
+        order = tuple(dict.fromkeys([n - 1] + [s.unit for s in segments]))
+        last = [-1] * n
+        for i, s in enumerate(segments):
+            last[s.unit] = i
+        info = self.graph.info
+        inputs = [
+            max((info(m).output_bytes for m in u.modules if m in self.graph.tree), default=0) if not u.is_root else 0
+            for u in units
+        ]
+        return _Layout(segments, order, tuple(numel), tuple(sbytes), tuple(tnumel), tuple(tbytes), tuple(saved),
+                       tuple(fwd), tuple(bwd), tuple(int(x * self.options.batch_scale) for x in inputs), tuple(work), tuple(last))
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def _coll(self, name: str, group: int, rpn_in_group: int, nbytes: float, notes: set[str]) -> float:
+        t, caveat = self.fabric.collective_s(name, group, rpn_in_group, nbytes)
+        if caveat:
+            notes.add(caveat)
+        return t
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
+        """Predict one training step of ``plan`` (see the notes at the top of this file)."""
+        units, mesh, opt = plan.units, plan.mesh, self.options
+        lay = self.layout(units)
+        n = len(units)
+        notes: set[str] = set()
+        ev: list[TimelineEvent] = []
+        shard = mesh.shard_size
+        gather_elem = opt.param_dtype_bytes or self._elem
+        reduce_elem = opt.reduce_dtype_bytes or gather_elem
+        rpn_shard = min(shard, mesh.ranks_per_node)
+        rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
+        ovl_c = 1.0 + self.fabric.overlap_compute_slowdown
+        ovl_m = 1.0 + self.fabric.overlap_comm_slowdown
+        unit_oh = self.compute.unit_overhead_s
+
+        P = [lay.numel[i] * gather_elem for i in range(n)]  # gathered bytes
+        G = [lay.trainable_numel[i] * reduce_elem for i in range(n)]  # unsharded grad bytes
+        ag = [self._coll("all_gather", shard, rpn_shard, P[i], notes) for i in range(n)]
+        rs = [self._coll("reduce_scatter", shard, rpn_shard, G[i], notes) for i in range(n)]
+        ar_bytes = [G[i] / shard for i in range(n)]
+        ar = [self._coll("all_reduce", mesh.world_size // shard, rpn_rep, ar_bytes[i], notes) for i in range(n)]
+        rag = [0.0] * n  # backward re-gather cost per unit
+        keep = [0] * n  # bytes kept between forward and backward
+        for i, u in enumerate(units):
+            raf = u.reshard_after_forward
+            if u.is_root or raf is False:
+                keep[i] = P[i]
+            elif raf is True:
+                rag[i] = ag[i]
+            else:  # int: keep a 1/N copy, re-gather within N ranks (See [Note: reshard after forward])
+                keep[i] = P[i] // max(1, shard // raf) if raf < shard else P[i]
+                rag[i] = self._coll("all_gather", raf, min(raf, mesh.ranks_per_node), P[i], notes) if raf > 1 else 0.0
+
+        # Static memory: See [Note: memory].
+        storage = sum(lay.storage_bytes)
+        trainable = sum(lay.trainable_bytes)
+        sharded_params = storage / shard
+        sharded_grads = trainable / shard
+        optim = trainable * opt.optimizer.states_per_param / shard
+        accum = sum(G) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
+        static = sharded_params + sharded_grads + optim + accum
+        gathered = 0.0
+        acts = 0.0
+        peak = 0.0
+        peak_parts: dict[str, float] = {}
+        grads_pending = 0.0
+
+        def note_mem(work: float) -> float:
+            nonlocal peak, peak_parts
+            total = static + gathered + acts + grads_pending + work
+            if total > peak:
+                peak = total
+                peak_parts = {
+                    "sharded_params": sharded_params,
+                    "sharded_grads": sharded_grads,
+                    "optimizer_state": optim,
+                    "accumulated_grads": accum,
+                    "unsharded_params": gathered,
+                    "unsharded_grads": grads_pending,
+                    "activations": acts,
+                    "working_set": work,
+                }
+            return total
+
+        # ---- forward: See [Note: segments], [Note: all-gather issue] -------------------
+        order = lay.order
+        pos = {u: k for k, u in enumerate(order)}
+        runs_ahead = not self.compute.device.startswith("cpu")  # See [Note: all-gather issue]
+        depth = max(plan.forward_prefetch, 1 if runs_ahead else 0)
+        ag_end = [0.0] * n
+        issued = [False] * n
+        t = 0.0  # compute lane
+        c = 0.0  # comm lane
+        comm_total = 0.0
+
+        def issue_ag(u: int, at: float, kind: str = "all_gather", dur: float | None = None) -> float:
+            nonlocal c, gathered, comm_total
+            d = ag[u] if dur is None else dur
+            start = max(at, c)
+            d = d * (ovl_m if t > start else 1.0)
+            c = start + d
+            comm_total += d
+            gathered += P[u] if kind == "all_gather" else P[u] - keep[u]
+            if record and d > 0:
+                ev.append(TimelineEvent("comm", "all_gather", units[u].name, start, c, int(note_mem(0))))
+            note_mem(0)
+            return c
+
+        def run(dur: float, kind: str, u: int, work: float) -> None:
+            nonlocal t
+            start = t
+            busy = max(0.0, min(c, start + dur) - start)  # comm overlapping this compute
+            t = start + dur + busy * (ovl_c - 1.0)
+            m = note_mem(work)
+            if record and t > start:
+                ev.append(TimelineEvent("compute", kind, units[u].name, start, t, int(m)))
+
+        ag_end[order[0]] = issue_ag(order[0], 0.0)
+        issued[order[0]] = True
+        seen_first = [False] * n
+        for si, s in enumerate(lay.segments):
+            u = s.unit
+            if not seen_first[u]:
+                seen_first[u] = True
+                if not issued[u]:
+                    ag_end[u] = issue_ag(u, t)
+                    issued[u] = True
+                t = max(t, ag_end[u]) + unit_oh
+                # Prefetch `depth` units ahead, issued now (this unit's pre-forward).
+                if depth:
+                    k = pos[u] + depth
+                    if k < len(order) and not issued[order[k]]:
+                        nxt = order[k]
+                        ag_end[nxt] = issue_ag(nxt, t)
+                        issued[nxt] = True
+            ck = units[u].checkpoint
+            run(s.fwd_s, "fwd", u, s.work)
+            acts += 0 if ck else s.saved
+            if si == lay.last_fwd_segment[u]:
+                if ck:
+                    acts += lay.input_bytes[u]
+                gathered -= P[u] - keep[u]  # reshard after forward
+        fwd_end = t
+
+        # ---- backward: See [Note: backward schedule] ---------------------------------------
+        # Backward prefetch follows post-forward order reversed: the root (whose
+        # forward ends last) comes first and prefetches the last block.
+        border = sorted(order, key=lambda u: -lay.last_fwd_segment[u])
+        bpos = {u: k for k, u in enumerate(border)}
+        bag_end = [0.0] * n
+        bissued = [False] * n
+        first_b = [False] * n
+        done_segments = [0] * n
+        nseg = [0] * n
+        for s in lay.segments:
+            nseg[s.unit] += 1
+        pending: list[tuple[float, float]] = []  # (end time, bytes) of unsharded grads awaiting reduction
+
+        def need_regather(u: int) -> bool:
+            return rag[u] > 0
+
+        for s in reversed(lay.segments):
+            u = s.unit
+            if not first_b[u]:
+                first_b[u] = True
+                if need_regather(u) and not bissued[u]:
+                    bag_end[u] = issue_ag(u, t, "re_gather", rag[u])
+                    bissued[u] = True
+                t = max(t, bag_end[u]) + (unit_oh if need_regather(u) else 0.0)
+                k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
+                if k < len(border) and need_regather(border[k]) and not bissued[border[k]]:
+                    bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])
+                    bissued[border[k]] = True
+                grads_pending += G[u]
+                if units[u].checkpoint:
+                    acts -= lay.input_bytes[u]
+                    acts += lay.saved[u]  # recompute re-saves the unit's activations
+                    run(lay.fwd_s[u], "recompute", u, lay.work[u])
+            run(s.bwd_s, "bwd", u, 2 * s.work)
+            acts -= s.saved
+            done_segments[u] += 1
+            if done_segments[u] == nseg[u]:
+                gathered -= keep[u] if not need_regather(u) else P[u]
+                # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
+                dur = rs[u] + ar[u]
+                start = max(t, c)
+                d = dur * (ovl_m if t > start else 1.0)
+                c = start + d
+                comm_total += d
+                pending.append((c, G[u]))
+                if record and d > 0:
+                    ev.append(TimelineEvent("comm", "reduce_scatter", units[u].name, start, c, 0))
+                t += unit_oh
+            # Gradients whose reduction has landed are freed.
+            still = [(e, b) for e, b in pending if e > t]
+            grads_pending -= sum(b for e, b in pending if e <= t)
+            pending = still
+        bwd_end = t
+        end = max(t, c)
+        optim_s = (storage / shard) * (2 + 2 * opt.optimizer.states_per_param) / self.compute.memory_bandwidth_bytes_per_s
+        step = end + optim_s
+        if record:
+            ev.append(TimelineEvent("compute", "optim", "<all>", end, step, int(static)))
+
+        micro = opt.grad_accumulation
+        if micro > 1:
+            # Earlier micro-batches: the same forward and backward without the
+            # reduce-scatters (set_requires_gradient_sync(False)).
+            step += (micro - 1) * bwd_end
+        compute_s = sum(lay.fwd_s) + sum(lay.bwd_s) + sum(lay.fwd_s[i] for i in range(n) if units[i].checkpoint)
+        compute_s *= micro
+        exposed = max(0.0, step - compute_s - optim_s)
+        ucosts = tuple(
+            UnitCost(units[i].name, int(P[i]), lay.fwd_s[i], lay.bwd_s[i], ag[i], rs[i], lay.saved[i]) for i in range(n)
+        )
+        return CostEstimate(
+            step_s=step,
+            fwd_s=fwd_end,
+            bwd_s=bwd_end - fwd_end,
+            compute_s=compute_s,
+            comm_s=comm_total,
+            exposed_comm_s=exposed,
+            peak_bytes=int(peak),
+            peak_breakdown=tuple((k, int(v)) for k, v in peak_parts.items()),
+            units=ucosts,
+            timeline=tuple(ev),
+            notes=tuple(sorted(notes)),
+        )
+
+
+def simulate(
+    graph: ModelGraph,
+    plan: PlanSpec,
+    fabric: FabricProfile,
+    compute: ComputeProfile,
+    options: SimOptions | None = None,
+    *,
+    record: bool = False,
+) -> CostEstimate:
+    """One-shot form of ``Simulator(graph, fabric, compute, options).simulate(plan)``.
+
+    The plan is validated first (``PlanError`` names the offending modules).
+
+    Example:
+        >>> from wrapopt import zoo, trace_model
+        >>> from wrapopt.fabric import analytical_fabric, ComputeProfile
+        >>> from wrapopt.search.baselines import baselines
+        >>> model, x = zoo.build("gpt-tiny", "meta")
+        >>> g = trace_model(model, x)
+        >>> from wrapopt.types import MeshSpec
+        >>> mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+        >>> plan = baselines(g, mesh)["per-block"]
+        >>> est = simulate(g, plan, analytical_fabric(world_size=8), ComputeProfile.analytical())
+        >>> est.step_s > 0
+        True
+    """
+    from wrapopt.units import validate_plan
+
+    validate_plan(graph, plan)
+    return Simulator(graph, fabric, compute, options).simulate(plan, record=record)
+

@@ -1,0 +1,96 @@
+"""The plans people pick by hand, always scored beside wrapopt's answer.
+
+- ``per-block``: one unit per transformer block (Accelerate's
+  ``transformer_auto_wrap_policy``, TorchTitan's per-layer ``fully_shard``).
+- ``size-1e8``: FSDP1's ``size_based_auto_wrap_policy`` at its 1e8 default,
+  replayed exactly (``_recursive_wrap``): wrap a module when the parameters
+  not already wrapped below it reach the threshold; ModuleList/ModuleDict are
+  never wrapped.
+- ``every-leaf``: every leaf module that owns parameters.
+- ``root-only``: one unit, the whole model.
+- ``no-shard``: no sharding at all (DDP-like); shown because on a slow fabric
+  FSDP can lose to plain replication when memory allows.
+
+A baseline that would split tied parameters leaves the offending modules to
+their common parent instead (FSDP2 cannot shard one parameter in two units).
+"""
+
+from __future__ import annotations
+
+from wrapopt.errors import PlanError
+from wrapopt.types import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.units import validate_plan
+
+__all__ = ["baselines", "make_plan", "BASELINE_NAMES"]
+
+BASELINE_NAMES = ("per-block", "size-1e8", "every-leaf", "root-only", "no-shard")
+_NEVER_WRAP = ("ModuleList", "ModuleDict")
+
+
+def make_plan(
+    graph: ModelGraph,
+    mesh: MeshSpec,
+    modules: list[tuple[str, ...]] | list[str],
+    *,
+    label: str = "",
+    reshard_after_forward: bool | int = True,
+    checkpoint: bool = False,
+    forward_prefetch: int = 0,
+) -> PlanSpec:
+    """A plan from unit module lists (innermost first is not required: they are
+    ordered bottom-up here), with the root appended."""
+    groups = [(m,) if isinstance(m, str) else tuple(m) for m in modules]
+    groups = [g for g in groups if g != (ROOT,)]
+    # Bottom-up: deeper units first, then by forward order.
+    groups.sort(key=lambda g: (-min(graph.info(m).depth for m in g), min(graph.info(m).order for m in g)))
+    units = tuple(UnitSpec(g, reshard_after_forward, checkpoint) for g in groups) + (UnitSpec((ROOT,)),)
+    return PlanSpec(units=units, mesh=mesh, forward_prefetch=forward_prefetch, label=label)
+
+
+def _drop_tie_splits(graph: ModelGraph, mesh: MeshSpec, modules: list[str], label: str) -> PlanSpec:
+    tied_modules = {p.rsplit(".", 1)[0] if "." in p else ROOT for g in graph.tied_groups for p in g}
+    kept = []
+    for m in modules:
+        prefix = m + "."
+        holds_tied = any(t == m or t.startswith(prefix) for t in tied_modules)
+        kept.append((m, holds_tied))
+    plan = make_plan(graph, mesh, [m for m, _ in kept], label=label)
+    try:
+        validate_plan(graph, plan)
+        return plan
+    except PlanError:
+        return make_plan(graph, mesh, [m for m, tied in kept if not tied], label=label)
+
+
+def _size_based(graph: ModelGraph, min_num_params: int) -> list[str]:
+    wrapped: list[str] = []
+
+    def rec(fqn: str, only_children: bool) -> int:
+        info = graph.info(fqn)
+        if info.total_numel < min_num_params:  # policy(recurse=True)
+            return 0
+        total_wrapped = sum(rec(c, False) for c in info.children)
+        remainder = info.total_numel - total_wrapped
+        if not only_children and remainder >= min_num_params and info.cls not in _NEVER_WRAP:
+            wrapped.append(fqn)
+            return info.total_numel
+        return total_wrapped
+
+    rec(ROOT, True)
+    return wrapped
+
+
+def baselines(graph: ModelGraph, mesh: MeshSpec) -> dict[str, PlanSpec]:
+    """The named baseline plans for ``graph`` on ``mesh`` (``per-block`` only if
+    the model has a block chain)."""
+    out: dict[str, PlanSpec] = {}
+    if graph.blocks:
+        out["per-block"] = _drop_tie_splits(graph, mesh, list(graph.blocks), "per-block")
+    out["size-1e8"] = _drop_tie_splits(graph, mesh, _size_based(graph, int(1e8)), "size-1e8")
+    leaves = [m.fqn for m in graph.modules if not m.children and m.own_numel and m.fqn != ROOT]
+    out["every-leaf"] = _drop_tie_splits(graph, mesh, leaves, "every-leaf")
+    out["root-only"] = make_plan(graph, mesh, [], label="root-only")
+    # No sharding = a shard group of one rank: FSDP2 on a (world, 1) mesh replicates.
+    replicate = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=1)
+    out["no-shard"] = make_plan(graph, replicate, [], label="no-shard")
+    return out
