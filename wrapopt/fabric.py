@@ -125,11 +125,16 @@ def _fit_alpha_beta(sizes: tuple[int, ...], lat: tuple[float, ...]) -> tuple[flo
     sxy = sum(wi * wi * n * t for wi, n, t in zip(w, sizes, lat))
     det = sw * sxx - sx * sx
     if len(sizes) < 2 or det <= 0:
-        return lat[0], math.inf, 0.0
+        # One size cannot separate latency from bandwidth. Extrapolation must not be free:
+        # take the whole time of the size as transfer, a lower bound on the bandwidth.
+        return lat[0], sizes[-1] / lat[-1], 0.0
     slope = (sw * sxy - sx * sy) / det
     alpha = (sy - slope * sx) / sw
-    if slope <= 0:  # no bandwidth term visible in the range measured
-        slope = max(1e-15, (lat[-1] - lat[0]) / max(1, sizes[-1] - sizes[0]))
+    if slope <= 0:
+        # No bandwidth term visible (latency-bound range or noisy medians): the same lower
+        # bound on the bandwidth, never a near-infinite one that makes extrapolation free.
+        slope = lat[-1] / sizes[-1]
+        alpha = (sy - slope * sx) / sw
     alpha = max(alpha, 0.0)
     errs = sorted(abs(alpha + slope * n - t) / t for n, t in zip(sizes, lat))
     return alpha, 1.0 / slope, errs[len(errs) // 2]

@@ -180,6 +180,7 @@ class UnitSpec:
     modules: tuple[str, ...]
     # True: free after forward, re-gather in backward. False: keep until
     # backward. An int N: reshard to groups of N ranks (hpZ-style re-gather).
+    # Plans give the root False, FSDP2's own default for the root.
     reshard_after_forward: bool | int = True
     checkpoint: bool = False  # activation checkpointing of the unit's modules
 

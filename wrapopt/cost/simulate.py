@@ -24,7 +24,8 @@ run in issue order.
 [Note: reshard after forward] True frees the gathered parameters after the
 unit's last forward segment and re-gathers them in backward; False keeps them
 to backward (no second all-gather); an int N keeps a 1/N copy and re-gathers
-over N ranks of one node. The root is never resharded after forward.
+over N ranks of one node. Plans keep the root unsharded (False), FSDP2's
+default for the root.
 
 [Note: backward schedule] Backward walks the segments in reverse. At a
 unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
@@ -230,7 +231,7 @@ class Simulator:
         keep = [0] * n  # bytes kept between forward and backward
         for i, u in enumerate(units):
             raf = u.reshard_after_forward
-            if u.is_root or raf is False:
+            if raf is False:
                 keep[i] = P[i]
             elif raf is True:
                 rag[i] = ag[i]

@@ -43,7 +43,8 @@ def make_plan(
     groups = [g for g in groups if g != (ROOT,)]
     # Bottom-up: deeper units first, then by forward order.
     groups.sort(key=lambda g: (-min(graph.info(m).depth for m in g), min(graph.info(m).order for m in g)))
-    units = tuple(UnitSpec(g, reshard_after_forward, checkpoint) for g in groups) + (UnitSpec((ROOT,)),)
+    # The root keeps its parameters from forward to backward, as FSDP2 does by default.
+    units = tuple(UnitSpec(g, reshard_after_forward, checkpoint) for g in groups) + (UnitSpec((ROOT,), False),)
     return PlanSpec(units=units, mesh=mesh, forward_prefetch=forward_prefetch, label=label)
 
 

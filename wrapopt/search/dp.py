@@ -212,6 +212,6 @@ def dp_plans(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...]
             if not feasible:
                 continue
             label = f"dp(reshard={'T' if reshard else 'F'},ckpt={'T' if ckpt else 'F'})"
-            plan = PlanSpec(units=tuple(units) + (UnitSpec((ROOT,)),), mesh=mesh, label=label)
+            plan = PlanSpec(units=tuple(units) + (UnitSpec((ROOT,), False),), mesh=mesh, label=label)
             out.append((label, plan, total if math.isfinite(total) else float("inf")))
     return out

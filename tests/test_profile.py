@@ -1,0 +1,227 @@
+"""Fabric and compute profiling: measured on local gloo ranks, checked for shape, not speed.
+
+Each spawn of ranks costs a few seconds, so every spawned worker below checks
+several things at once. No assertion here is about wall time (see STYLE.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from wrapopt import zoo
+from wrapopt.errors import DistributedError, ModelError, ProfileError
+from wrapopt.fabric import COLLECTIVES, ComputeProfile, FabricProfile, analytical_fabric
+from wrapopt.launch import spawn
+from wrapopt.profile import (
+    add_cli_arguments,
+    format_fabric,
+    measure_compute,
+    measure_fabric,
+    measure_unit_overhead,
+    profile_fabric_main,
+    run_cli,
+)
+from wrapopt.profile import fabric as profile_fabric
+
+SMALL_SIZES = [4 * 2**10, 64 * 2**10, 2**20]
+
+
+# --- workers: module-level, so the 'spawn' start method can import them ----------------------
+
+
+def _two_rank_worker(rank: int, world: int) -> dict:
+    fabric = measure_fabric(sizes_bytes=SMALL_SIZES, repeats=3, progress=False, measure_overlap=True)
+    unit_s = measure_unit_overhead(num_layers=4, repeats=2, warmup=1)
+    return {"fabric": fabric.to_json(), "unit_overhead_s": unit_s}
+
+
+def _two_by_two_worker(rank: int, world: int) -> dict:
+    # ranks_per_node comes from LOCAL_WORLD_SIZE, as under torchrun.
+    return measure_fabric(sizes_bytes=SMALL_SIZES[:2], collectives=("all_gather", "reduce_scatter"), repeats=3,
+                          progress=False, measure_overlap=False).to_json()
+
+
+def _dying_worker(rank: int, world: int, kwargs: dict) -> dict | None:
+    if rank == 1:  # dies mid-measurement, as an OOM-killed or crashed rank does
+        threading.Timer(0.3, os._exit, (3,)).start()
+    return profile_fabric._profile_worker(rank, world, kwargs)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict]:
+    return spawn(_two_rank_worker, world_size=2, timeout_s=120)
+
+
+# --- measured fabric on 2 ranks ----------------------------------------------------------------
+
+
+def test_every_rank_gets_the_same_measured_profile(two_rank_results: list[dict]) -> None:
+    first, second = (r["fabric"] for r in two_rank_results)
+    assert first == second  # latencies, meta and overlap factors alike
+    fabric = FabricProfile.from_json(first)
+    assert fabric.kind == "measured" and fabric.world_size == 2 and fabric.backend == "gloo"
+    assert [(a.name, a.group_size, a.ranks_per_node_in_group) for a in fabric.axes] == [("world", 2, 2)]
+    assert {n for n, _ in fabric.axes[0].curves} == set(COLLECTIVES)
+    assert fabric.meta["hosts"] and fabric.meta["torch_version"] == torch.__version__
+    assert fabric.meta["repeats"] == 3 and fabric.meta["dtype"] == "float32"
+    assert fabric.overlap_compute_slowdown >= 0 and fabric.overlap_comm_slowdown >= 0
+    assert math.isfinite(fabric.overlap_compute_slowdown) and math.isfinite(fabric.overlap_comm_slowdown)
+
+
+def test_measured_curves_interpolate_monotonically(two_rank_results: list[dict]) -> None:
+    fabric = FabricProfile.from_json(two_rank_results[0]["fabric"])
+    for axis in fabric.axes:
+        for name, curve in axis.curves:
+            assert len(curve.sizes_bytes) == len(SMALL_SIZES) and len(curve.spread) == len(SMALL_SIZES)
+            grid = [2 ** (k / 4) for k in range(4 * 10, 4 * 26)]  # 1 KiB .. 64 MiB, past both ends
+            times = [curve.time_s(n)[0] for n in grid]
+            assert all(t > 0 for t in times)
+            assert all(b >= a for a, b in zip(times, times[1:])), f"{axis.name} {name} not monotone"
+            # The cost model's entry point agrees with the curve on the measured group.
+            t, caveat = fabric.collective_s(name, 2, 2, 2**19)
+            assert t == curve.time_s(2**19)[0] and caveat is None
+            assert 0 < curve.bandwidth_bytes_per_s < 1e13  # a finite, plausible bandwidth even if noisy
+
+
+def test_measured_profile_json_round_trip(two_rank_results: list[dict], tmp_path) -> None:
+    fabric = FabricProfile.from_json(two_rank_results[0]["fabric"])
+    path = tmp_path / "fabric.json"
+    fabric.save(str(path))
+    again = FabricProfile.load(str(path))
+    assert again == fabric and again.meta == fabric.meta
+    assert again.collective_s("all_gather", 2, 2, 3e5) == fabric.collective_s("all_gather", 2, 2, 3e5)
+    text = format_fabric(again)
+    assert "MEASURED" in text.splitlines()[0] and "ANALYTICAL" not in text
+    assert "axis world" in text and "1.00 MiB" in text and "reduce_scatter" in text
+
+
+def test_unit_overhead_is_measured_under_a_group(two_rank_results: list[dict]) -> None:
+    values = [r["unit_overhead_s"] for r in two_rank_results]
+    assert values[0] == values[1]  # max over ranks: the ranks agree
+    assert 0 <= values[0] < 1.0
+
+
+# --- layouts, the command, failures ------------------------------------------------------------
+
+
+def test_two_nodes_of_two_measure_intra_inter_and_world_separately() -> None:
+    results = spawn(_two_by_two_worker, world_size=4, timeout_s=120, env={"LOCAL_WORLD_SIZE": "2"})
+    assert all(r == results[0] for r in results)
+    fabric = FabricProfile.from_json(results[0])
+    layout = {a.name: (a.group_size, a.ranks_per_node_in_group) for a in fabric.axes}
+    assert layout == {"intra": (2, 2), "inter": (2, 1), "world": (4, 2)}
+    assert fabric.ranks_per_node == 2 and fabric.name == "gloo-2x2" and fabric.meta["simulated_nodes"] is True
+    # Each axis answers for its own group; an unmeasured group gets a caveat.
+    assert fabric.collective_s("all_gather", 2, 1, 2**16)[1] is None
+    assert fabric.collective_s("all_gather", 4, 2, 2**16)[1] is None
+    assert fabric.collective_s("all_gather", 8, 2, 2**16)[1] is not None
+    text = format_fabric(fabric)
+    assert "axis intra" in text and "axis inter" in text and "axis world" in text and "simulated" in text
+
+
+def test_cli_profiles_with_spawned_ranks_and_prints_a_summary(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    out = tmp_path / "sub" / "fabric.json"
+    args = parser.parse_args(["--out", str(out), "--sizes", "4KiB,64KiB", "--repeats", "3", "--no-overlap", "--timeout", "60"])
+    assert run_cli(args) == 0
+    fabric = FabricProfile.load(str(out))
+    assert fabric.kind == "measured" and fabric.world_size == 2
+    assert fabric.axes[0].curve("all_gather").sizes_bytes == (4096, 65536)
+    printed = capsys.readouterr().out
+    assert "MEASURED" in printed and "alpha us" in printed and f"wrote {out}" in printed
+    assert "overlap: not measured" in printed
+
+
+def test_cli_argument_errors() -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    with pytest.raises(SystemExit):  # argparse: bad size, exit code 2 with a message
+        parser.parse_args(["--out", "f.json", "--sizes", "4 parsecs"])
+    args = parser.parse_args(["--out", "f.json", "--max-size", "1KiB"])
+    with pytest.raises(ValueError, match="max-size"):
+        run_cli(args)
+
+
+def test_unwritable_output_fails_before_measuring(monkeypatch) -> None:
+    def no_spawn(*a, **k):
+        raise AssertionError("ranks were spawned although the output cannot be written")
+
+    monkeypatch.setattr(profile_fabric.launch, "spawn", no_spawn)
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ProfileError, match="/proc/nope/f.json"):
+        profile_fabric_main("/proc/nope/f.json")
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    with pytest.raises(ProfileError, match="choose another --out"):
+        run_cli(parser.parse_args(["--out", "/proc/nope/f.json"]))
+
+
+def test_a_rank_dying_mid_profile_is_named_and_no_file_is_written(tmp_path) -> None:
+    out = tmp_path / "fabric.json"
+    kwargs = dict(sizes_bytes=None, repeats=3, warmup=1, ranks_per_node=None, measure_overlap=True, progress=False)
+    with pytest.raises(DistributedError, match="rank 1"):
+        profile_fabric._measure_spawned(str(out), worker=_dying_worker, world_size=2, timeout_s=60, kwargs=kwargs)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_measure_fabric_needs_a_process_group() -> None:
+    with pytest.raises(ProfileError, match="process group"):
+        measure_fabric()
+
+
+# --- analytical fabric -------------------------------------------------------------------------
+
+
+def test_analytical_profile_is_labelled_everywhere(tmp_path) -> None:
+    fabric = analytical_fabric("h100-nvlink-ib400", world_size=16)
+    assert fabric.kind == "analytical" and "analytical" in fabric.label
+    text = format_fabric(fabric)
+    assert text.splitlines()[0] == "fabric h100-nvlink-ib400: ANALYTICAL (stated numbers, not measured)"
+    assert "MEASURED" not in text and "ring model, analytical" in text
+    path = tmp_path / "a.json"
+    fabric.save(str(path))
+    assert FabricProfile.load(str(path)).kind == "analytical"
+
+
+# --- compute -----------------------------------------------------------------------------------
+
+
+def test_compute_profile_fields_are_positive_and_round_trip(tmp_path) -> None:
+    prof = measure_compute(device="cpu", repeats=2)
+    assert prof.kind == "measured" and prof.device == "cpu"
+    assert prof.flops_per_s > 0 and prof.memory_bandwidth_bytes_per_s > 0
+    assert prof.memory_capacity_bytes is not None and prof.memory_capacity_bytes > 2**20
+    assert prof.module_overhead_s > 0
+    assert prof.unit_overhead_s == 0.0 and "not measured" in prof.meta["unit_overhead"]  # no process group here
+    path = tmp_path / "compute.json"
+    prof.save(str(path))
+    assert ComputeProfile.load(str(path)) == prof
+
+
+def test_module_times_cover_every_module_of_gpt_tiny() -> None:
+    entry = zoo.get_entry("gpt-tiny")
+    model, inputs = zoo.build("gpt-tiny")
+    prof = measure_compute(model=model, example_inputs=inputs, loss_fn=entry.loss, repeats=2)
+    times = {fqn: (f, b) for fqn, f, b in prof.module_times}
+    assert set(times) == {fqn for fqn, _ in model.named_modules()}  # root "" included
+    assert all(f >= 0 and b >= 0 for f, b in times.values())
+    # Modules that compute something got time; the never-called ModuleList container got none.
+    for fqn in ("wte", "layers.0.attn", "layers.3.mlp.fc1", "lm_head", ""):
+        assert times[fqn][0] > 0 and times[fqn][1] > 0, fqn
+    assert times["layers"] == (0.0, 0.0)
+    assert all(p.grad is None for p in model.parameters())  # the model is left as it was given
+
+
+def test_module_times_need_real_weights() -> None:
+    model = nn.Linear(4, 4, device="meta")
+    with pytest.raises(ModelError, match="real weights"):
+        measure_compute(model=model, example_inputs=(torch.ones(2, 4),))

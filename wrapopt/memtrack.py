@@ -1,0 +1,117 @@
+"""Peak live tensor bytes of a real step on any device (CPU included).
+
+CUDA has ``torch.cuda.max_memory_allocated``; CPU has nothing like it, and
+process RSS mixes in the allocator, the interpreter and libraries. So on CPU
+the benchmark counts what the cost model predicts: bytes of tensor storage
+alive at each instant of the step.
+
+How: at the start the bytes held by what the step can touch are summed once
+(the model's parameters, buffers and gradients, the optimizer's state and
+FSDP2's internal buffers; other models in the process are not counted).
+During the step PyTorch's profiler records every allocation and free of the
+CPU allocator (``profile_memory=True``), storage resizes included (FSDP2 frees
+and re-allocates unsharded parameters by resizing storage). The peak is the
+start figure plus the highest running sum of those events.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["LiveBytesTracker"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return t
+    inner = getattr(t, "_local_tensor", None)  # DTensor
+    return inner if isinstance(inner, torch.Tensor) else None
+
+
+class LiveBytesTracker:
+    """``with LiveBytesTracker(model, optimizer) as m: step()`` then ``m.peak_bytes``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, device: str = "cpu"):
+        self.device = torch.device(device).type
+        self._model, self._optimizer = model, optimizer
+        self._refs: list[weakref.ref] = []
+        self.peak_bytes = 0
+        self.start_bytes = 0
+
+    def _seed(self) -> None:
+        for t in list(self._model.parameters()) + list(self._model.buffers()):
+            self._add(t)
+            if t.grad is not None:
+                self._add(t.grad)
+        if self._optimizer is not None:
+            for st in self._optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        self._add(v)
+        for m in self._model.modules():
+            get_state = getattr(m, "_get_fsdp_state", None)
+            group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+            for fp in getattr(group, "fsdp_params", []) or []:
+                for v in vars(fp).values() if hasattr(fp, "__dict__") else []:
+                    self._add_any(v)
+                for name in getattr(type(fp), "__slots__", ()):
+                    self._add_any(getattr(fp, name, None))
+
+    def _add_any(self, v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            self._add(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, torch.Tensor):
+                    self._add(x)
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._seed()
+        self.start_bytes = self._live()
+        self._refs = []
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        events = sorted(
+            (e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"
+        )
+        running = best = 0
+        for _, nbytes in events:
+            running += nbytes
+            best = max(best, running)
+        self.peak_bytes = self.start_bytes + best
+        return False
+
+    def _add(self, t: torch.Tensor) -> None:
+        loc = _local(t)
+        if loc is not None and loc.device.type == self.device and not loc.is_meta:
+            try:
+                self._refs.append(weakref.ref(loc))
+            except TypeError:
+                pass
+
+    def _live(self) -> int:
+        seen: dict[int, int] = {}
+        alive = []
+        for r in self._refs:
+            t = r()
+            if t is None:
+                continue
+            alive.append(r)
+            try:
+                s = t.untyped_storage()
+                ptr = s.data_ptr()
+                if ptr:
+                    seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
+            except (RuntimeError, NotImplementedError):
+                continue
+        self._refs = alive
+        return sum(seen.values())
