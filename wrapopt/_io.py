@@ -8,7 +8,7 @@ import re
 import tempfile
 from typing import Any
 
-__all__ = ["atomic_write_text", "atomic_write_json", "fmt_bytes", "parse_bytes"]
+__all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "fmt_bytes", "parse_bytes"]
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -43,6 +43,19 @@ def check_writable(path: str | os.PathLike) -> None:
     os.makedirs(directory, exist_ok=True)
     if not os.access(directory, os.W_OK) or (os.path.isdir(path)):
         raise OSError(f"cannot write {path}: directory not writable or path is a directory")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file (never pickle or eval); errors name the file."""
+    from wrapopt.errors import WrapoptError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise WrapoptError(f"{os.fspath(path)}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WrapoptError(f"{os.fspath(path)}: not valid JSON ({e})") from None
 
 
 def fmt_bytes(n: float) -> str:

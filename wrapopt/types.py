@@ -277,6 +277,13 @@ class CostEstimate:
     timeline: tuple[TimelineEvent, ...] = field(repr=False, default=())
     notes: tuple[str, ...] = ()  # extrapolations and other caveats
 
+    def summary_json(self) -> dict[str, Any]:
+        """The headline figures only (for baselines in a plan file)."""
+        d = self.to_json()
+        d.pop("units")
+        d.pop("timeline")
+        return d
+
     def to_json(self) -> dict[str, Any]:
         return {
             "step_s": self.step_s,
@@ -288,4 +295,10 @@ class CostEstimate:
             "peak_bytes": self.peak_bytes,
             "peak_breakdown": dict(self.peak_breakdown),
             "notes": list(self.notes),
+            "units": [
+                {"name": u.name, "param_bytes": u.param_bytes, "fwd_s": u.fwd_s, "bwd_s": u.bwd_s,
+                 "all_gather_s": u.all_gather_s, "reduce_scatter_s": u.reduce_scatter_s, "saved_bytes": u.saved_bytes}
+                for u in self.units
+            ],
+            "timeline": [[e.lane, e.kind, e.unit, e.start_s, e.end_s, e.memory_bytes] for e in self.timeline],
         }

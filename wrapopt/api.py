@@ -1,0 +1,258 @@
+"""``optimize_wrap``: the one place that wires the stages together.
+
+trace -> profile (or a given / analytical profile) -> search -> WrapPlan ->
+apply. Inside a process group every rank profiles, rank 0 searches, the plan
+travels to every rank as JSON text, and every rank applies it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from wrapopt._io import fmt_bytes, parse_bytes
+from wrapopt.cost import Simulator
+from wrapopt.errors import ModelError, ProfileError
+from wrapopt.fabric import DEFAULT_ANALYTICAL, ANALYTICAL_FABRICS, ComputeProfile, FabricProfile, analytical_fabric
+from wrapopt.plan import WrapPlan
+from wrapopt.search import Scored, SearchResult, search_plan
+from wrapopt.trace import trace_model
+from wrapopt.types import MeshSpec, ModelGraph, SimOptions
+
+__all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "MEMORY_HEADROOM"]
+
+MEMORY_HEADROOM = 0.90  # `--memory auto`: plan for 90% of the device, leave the rest to the allocator
+
+
+@dataclass
+class OptimizeResult:
+    """What ``optimize_wrap`` returns."""
+
+    plan: WrapPlan
+    model: nn.Module | None  # the sharded model when a process group is initialised
+    baselines: dict[str, Scored]
+    search: SearchResult = field(repr=False)
+    graph: ModelGraph = field(repr=False)
+    fabric: FabricProfile = field(repr=False)
+    compute: ComputeProfile = field(repr=False)
+
+    def report(self) -> str:
+        """A text table: the chosen plan and every baseline, predicted time and memory."""
+        return format_report(self.search, self.fabric, self.compute, self.plan.mesh)
+
+
+def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec,
+                  measured: dict[str, Any] | None = None) -> str:
+    budget = "none" if result.memory_budget == float("inf") else fmt_bytes(result.memory_budget)
+    lines = [
+        f"fabric: {fabric.label}" + ("  <- ANALYTICAL: stated numbers, not measured" if fabric.kind == "analytical" else ""),
+        f"compute: {compute.device} ({compute.kind})   mesh: {mesh.world_size} ranks, {mesh.ranks_per_node} per node, "
+        f"shard group {mesh.shard_size}   memory budget: {budget} per rank",
+    ]
+    head = f"{'':2}{'plan':34} {'units':>5} {'pred step':>10} {'exposed':>9} {'pred peak':>11} {'fits':>4}"
+    if measured:
+        head += f" {'meas step':>10} {'meas peak':>11}"
+    lines += [head, "-" * len(head)]
+    rows = [("*", result.best)] + [(" ", s) for s in result.baselines.values() if s.plan != result.best.plan]
+    for mark, s in rows:
+        e = s.estimate
+        row = (f"{mark:2}{(s.plan.label or 'wrapopt')[:34]:34} {len(s.plan.units):5d} {e.step_s * 1e3:8.2f}ms "
+               f"{e.exposed_comm_s * 1e3:7.2f}ms {fmt_bytes(e.peak_bytes):>11} {'yes' if s.fits else 'NO':>4}")
+        if measured:
+            m = measured.get(s.plan.label)
+            row += f" {m['step_s'] * 1e3:8.2f}ms {fmt_bytes(m['peak_bytes']):>11}" if m else f" {'-':>10} {'-':>11}"
+        lines.append(row)
+    lines.append("* = wrapopt's choice")
+    if result.notes:
+        lines.append("notes: " + "; ".join(result.notes[:3]))
+    return "\n".join(lines)
+
+
+def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_size: int, ranks_per_node: int) -> FabricProfile:
+    """A profile object from a profile, a file path, or the name of an analytical fabric."""
+    if isinstance(fabric, FabricProfile):
+        return fabric
+    if fabric is None:
+        return analytical_fabric(DEFAULT_ANALYTICAL, world_size=world_size, ranks_per_node=ranks_per_node)
+    text = os.fspath(fabric)
+    if text in ANALYTICAL_FABRICS:
+        return analytical_fabric(text, world_size=world_size, ranks_per_node=ranks_per_node)
+    if not os.path.exists(text):
+        raise ProfileError(
+            f"--fabric {text!r} is neither a profile file nor a named analytical fabric "
+            f"({', '.join(ANALYTICAL_FABRICS)}); measure one with `wrapopt profile-fabric --out fabric.json`"
+        )
+    return FabricProfile.load(text)
+
+
+def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -> list[str]:
+    """A measured profile from another world size or node shape: error, or a stated rescaling."""
+    if fabric.kind != "measured":
+        return []
+    if fabric.world_size == mesh.world_size and fabric.ranks_per_node == mesh.ranks_per_node:
+        return []
+    msg = (f"the fabric profile was measured on {fabric.world_size} ranks ({fabric.ranks_per_node} per node), "
+           f"the plan is for {mesh.world_size} ({mesh.ranks_per_node} per node)")
+    if not rescale:
+        raise ProfileError(msg + "; measure the target mesh, or pass rescale=True / --rescale-fabric to rescale by the ring model")
+    return [msg + "; collective times rescaled by the ring model"]
+
+
+def auto_memory_budget(compute: ComputeProfile) -> float | None:
+    cap = compute.memory_capacity_bytes
+    return cap * MEMORY_HEADROOM if cap else None
+
+
+def plan_model(
+    graph: ModelGraph,
+    model_for_fingerprint: nn.Module,
+    *,
+    mesh: MeshSpec,
+    fabric: FabricProfile,
+    compute: ComputeProfile,
+    memory_budget: float | None,
+    options: SimOptions | None = None,
+    notes: list[str] | None = None,
+) -> tuple[WrapPlan, SearchResult]:
+    """Search and package the answer as a WrapPlan (no process group needed)."""
+    sim = Simulator(graph, fabric, compute, options)
+    result = search_plan(graph, sim, mesh, memory_budget=memory_budget)
+    best = result.best
+    plan = WrapPlan.from_search(
+        best.plan,
+        model_for_fingerprint,
+        sim.simulate(best.plan, record=True),  # the same estimate, with its timeline
+        fabric={"name": fabric.name, "kind": fabric.kind, "backend": fabric.backend, "world_size": fabric.world_size,
+                "ranks_per_node": fabric.ranks_per_node, "compute": compute.device, "compute_kind": compute.kind,
+                "notes": list(notes or [])},
+        baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
+                   for k, s in result.baselines.items()},
+    )
+    return plan, result
+
+
+def optimize_wrap(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Any,
+    *,
+    world_size: int | None = None,
+    gpus_per_node: int | None = None,
+    fabric: FabricProfile | str | os.PathLike | None = None,
+    memory_budget: int | float | str | None = None,
+    seed: int = 0,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    compute: ComputeProfile | str | None = None,
+    plan: WrapPlan | str | os.PathLike | None = None,
+    save_plan: str | os.PathLike | None = None,
+    rescale_fabric: bool = False,
+) -> OptimizeResult:
+    """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
+
+    Without a process group this only plans: for ``world_size`` ranks
+    (default: ``gpus_per_node`` or 8) on ``fabric`` (default: the built-in
+    analytical H100 + InfiniBand profile, labelled as such). Inside a job
+    started by ``torchrun`` every rank measures the fabric unless one is
+    given, rank 0 searches, and every rank applies the plan; ``.model`` is
+    then the sharded model, ready for the optimizer.
+
+    Args:
+        model: the model, with real weights or on the meta device.
+        example_inputs: one per-rank batch of positional inputs.
+        memory_budget: bytes, or "80GiB"/"80GB", or "auto" (90% of the device).
+        plan: a WrapPlan or plan file to apply instead of searching.
+        save_plan: where to write the plan (rank 0 writes, atomically).
+
+    Example:
+        >>> from wrapopt import optimize_wrap, zoo
+        >>> model, x = zoo.build("llama-7b")
+        >>> res = optimize_wrap(model, x, world_size=64, gpus_per_node=8)  # doctest: +SKIP
+        >>> print(res.report())  # doctest: +SKIP
+    """
+    torch.manual_seed(seed)
+    in_group = dist.is_initialized()
+    rank = dist.get_rank() if in_group else 0
+    if in_group:
+        if world_size is not None and world_size != dist.get_world_size():
+            raise ModelError(f"world_size={world_size} but the process group has {dist.get_world_size()} ranks")
+        world_size = dist.get_world_size()
+        gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    else:
+        gpus_per_node = gpus_per_node or min(world_size or 8, 8)
+        world_size = world_size or gpus_per_node
+    mesh = MeshSpec(world_size=world_size, ranks_per_node=min(gpus_per_node, world_size), shard_size=world_size)
+
+    # Local work first (errors here are raised on every rank before any collective).
+    graph = trace_model(model, example_inputs, loss_fn=loss_fn)
+    given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if given_plan is not None:
+        given_plan.check_model(model)
+    if isinstance(compute, str):
+        compute = ComputeProfile.load(compute)
+    fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)
+
+    if in_group and given_plan is None:
+        from wrapopt.profile import measure_compute, measure_fabric
+
+        if fab is None:
+            fab = measure_fabric(progress=rank == 0)
+        if compute is None:
+            compute = measure_compute()
+            compute = _broadcast_json(compute.to_json(), ComputeProfile.from_json)
+    if compute is None:
+        compute = ComputeProfile.analytical() if fab is None or fab.kind == "analytical" else _local_compute()
+    assert fab is not None or given_plan is not None
+    budget = _budget(memory_budget, compute)
+
+    if given_plan is not None:
+        wplan, result = given_plan, None
+    else:
+        notes = check_fabric_fits(fab, mesh, rescale=rescale_fabric)  # type: ignore[arg-type]
+        text = None
+        if rank == 0:
+            wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget, notes=notes)  # type: ignore[arg-type]
+            text = wplan.to_json()
+        if in_group:
+            text = _broadcast_json(text, lambda d, **_: d)
+            if rank != 0:
+                wplan = WrapPlan.from_json(text)
+                sim = Simulator(graph, fab, compute)  # type: ignore[arg-type]
+                result = search_plan(graph, sim, mesh, memory_budget=budget)
+    if save_plan is not None and rank == 0:
+        wplan.save(save_plan)
+    sharded = wplan.apply(model) if in_group else None
+    if result is None:  # a given plan: score it and the baselines for the report
+        sim = Simulator(graph, fab or analytical_fabric(world_size=world_size), compute)
+        result = search_plan(graph, sim, wplan.mesh, memory_budget=budget)
+    return OptimizeResult(plan=wplan, model=sharded, baselines=result.baselines, search=result, graph=graph,
+                          fabric=fab or analytical_fabric(world_size=world_size), compute=compute)
+
+
+def _budget(memory_budget: int | float | str | None, compute: ComputeProfile) -> float | None:
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
+        b = auto_memory_budget(compute)
+        if b is None:
+            raise ModelError("--memory auto needs a device capacity; the compute profile has none: give bytes or 80GiB")
+        return b
+    return float(parse_bytes(memory_budget))
+
+
+def _local_compute() -> ComputeProfile:
+    from wrapopt.profile import measure_compute
+
+    return measure_compute()
+
+
+def _broadcast_json(obj: Any, parse: Callable[..., Any]) -> Any:
+    """Rank 0's JSON-able object on every rank (sent as JSON text, never pickled user data)."""
+    import json
+
+    box = [json.dumps(obj) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return parse(json.loads(box[0]))  # type: ignore[arg-type]

@@ -1,0 +1,137 @@
+"""Human-readable views: the traced module tree, a plan, the step timeline (PNG)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from wrapopt._io import fmt_bytes
+from wrapopt.errors import WrapoptError
+from wrapopt.types import ROOT, ModelGraph
+
+__all__ = ["format_graph", "graph_to_json", "format_plan", "draw_timeline"]
+
+
+def _flops(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
+    """The module tree folded below ``depth``: parameters, FLOPs and saved activations
+    per subtree, execution order and calls."""
+    totals: dict[str, list[float]] = {}
+    for m in reversed(graph.modules):  # children before parents in named_modules order reversed
+        t = totals.setdefault(m.fqn, [0.0, 0.0, 0.0])
+        t[0] += m.fwd_flops
+        t[1] += m.bwd_flops
+        t[2] += m.saved_bytes
+        if m.parent is not None:
+            p = totals.setdefault(m.parent, [0.0, 0.0, 0.0])
+            for i in range(3):
+                p[i] += t[i]
+    head = f"{'module':48} {'class':22} {'params':>12} {'fwd FLOPs':>10} {'bwd FLOPs':>10} {'saved act':>11} {'order':>5} {'calls':>5}"
+    lines = [f"{graph.model_class}: {graph.num_params:,} parameters ({fmt_bytes(graph.param_bytes)}), "
+             f"{len(graph.modules)} modules, block chains: "
+             + (", ".join(f"{len(c)} x {graph.info(c[0]).cls}" for c in graph.block_chains) or "none"),
+             head, "-" * len(head)]
+    for m in graph.modules:
+        if m.depth > depth:
+            continue
+        name = ("  " * m.depth + (m.fqn.rsplit(".", 1)[-1] if m.fqn else "<root>"))[:48]
+        f, b, a = totals[m.fqn]
+        folded = "+" if m.depth == depth and m.children else " "
+        lines.append(f"{name:47}{folded} {m.cls[:22]:22} {m.total_numel:12,} {_flops(f):>10} {_flops(b):>10} "
+                     f"{fmt_bytes(a):>11} {m.order:5d} {m.num_calls:5d}")
+    if graph.tied_groups:
+        lines.append("tied parameters (kept in one unit): " + "; ".join(" = ".join(g) for g in graph.tied_groups))
+    called = {m.fqn for m in graph.modules if m.order >= 0}
+    # Containers (ModuleList, ...) are never called themselves; only report modules none of whose parts ran.
+    never = [m.fqn for m in graph.modules if m.order < 0 and m.fqn != ROOT
+             and not any(c.startswith(m.fqn + ".") for c in called)]
+    if never:
+        lines.append(f"never called: {', '.join(never[:8])}")
+    for e in graph.estimates:
+        lines.append(f"note: {e}")
+    return "\n".join(lines)
+
+
+def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
+    return {
+        "format": "wrapopt.graph/1",
+        "model_class": graph.model_class,
+        "num_params": graph.num_params,
+        "param_bytes": graph.param_bytes,
+        "tied_groups": [list(g) for g in graph.tied_groups],
+        "block_chains": [list(c) for c in graph.block_chains],
+        "estimates": list(graph.estimates),
+        "modules": [
+            {"fqn": m.fqn, "class": m.cls, "parent": m.parent, "depth": m.depth, "own_numel": m.own_numel,
+             "own_bytes": m.own_bytes, "own_trainable_numel": m.own_trainable_numel, "total_numel": m.total_numel,
+             "fwd_flops": m.fwd_flops, "bwd_flops": m.bwd_flops, "saved_bytes": m.saved_bytes,
+             "output_bytes": m.output_bytes, "order": m.order, "num_calls": m.num_calls}
+            for m in graph.modules
+        ],
+    }
+
+
+def format_plan(plan) -> str:
+    p = plan.prediction
+    fab = plan.fabric
+    lines = [
+        f"plan {plan.spec.label or ''} for {plan.model.get('class')} ({plan.model.get('num_params', 0):,} parameters), "
+        f"wrapopt {plan.wrapopt_version}, {plan.created}",
+        f"mesh: {plan.mesh.world_size} ranks, {plan.mesh.ranks_per_node} per node, shard group {plan.mesh.shard_size}"
+        + (" (HSDP)" if plan.mesh.is_hsdp else ""),
+        f"scored on fabric {fab.get('name')} ({str(fab.get('kind', '?')).upper()}), compute {fab.get('compute')}",
+    ]
+    if p:
+        lines.append(f"predicted: step {p.get('step_s', 0) * 1e3:.2f} ms, exposed comm {p.get('exposed_comm_s', 0) * 1e3:.2f} ms, "
+                     f"peak {fmt_bytes(p.get('peak_bytes', 0))} per rank")
+    lines.append(f"{len(plan.units)} units (applied in this order, root last):")
+    for i, u in enumerate(plan.units):
+        mods = "<root>" if u.is_root else (u.modules[0] if len(u.modules) == 1 else f"[{u.modules[0]} .. {u.modules[-1]}] ({len(u.modules)} modules)")
+        lines.append(f"  {i:3d}  {mods:50} reshard_after_forward={u.reshard_after_forward} checkpoint={u.checkpoint}")
+    if plan.baselines:
+        lines.append("baselines on the same fabric:")
+        for name, b in plan.baselines.items():
+            lines.append(f"  {name:12} {b.get('num_units', 0):4d} units  step {b.get('step_s', 0) * 1e3:9.2f} ms  "
+                         f"peak {fmt_bytes(b.get('peak_bytes', 0)):>11}  {'fits' if b.get('fits') else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def draw_timeline(plan, path: str | os.PathLike) -> None:
+    """Compute and comm lanes of the predicted step, and the memory curve, to a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise WrapoptError("drawing needs matplotlib: pip install 'wrapopt[plot]'") from None
+    events = plan.prediction.get("timeline") or []
+    if not events:
+        raise WrapoptError("this plan file has no predicted timeline; re-run `wrapopt search` to make one")
+    colors = {"fwd": "#4c72b0", "bwd": "#55a868", "recompute": "#8172b2", "all_gather": "#dd8452",
+              "reduce_scatter": "#c44e52", "all_reduce": "#937860", "optim": "#8c8c8c"}
+    fig, (ax, axm) = plt.subplots(2, 1, figsize=(12, 5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    lanes = {"compute": 1, "comm": 0}
+    seen = set()
+    for lane, kind, _unit, start, end, _mem in events:
+        ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (lanes[lane] - 0.4, 0.8), color=colors.get(kind, "#999"),
+                       label=kind if kind not in seen else None, edgecolor="white", linewidth=0.3)
+        seen.add(kind)
+    ax.set_yticks([0, 1], ["comm", "compute"])
+    ax.legend(loc="upper right", ncol=4, fontsize=8)
+    ax.set_title(f"predicted step of plan {plan.spec.label or ''}: {plan.prediction.get('step_s', 0) * 1e3:.2f} ms "
+                 f"on {plan.fabric.get('name')} ({plan.fabric.get('kind')})")
+    mem = sorted((s * 1e3, m) for lane, _k, _u, s, _e, m in events if lane == "compute" and m)
+    if mem:
+        axm.step([x for x, _ in mem], [m / 2**20 for _, m in mem], where="post")
+    axm.set_ylabel("memory (MiB)")
+    axm.set_xlabel("time (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
