@@ -1,10 +1,9 @@
 """Measure collective latency per message size on each mesh axis.
 
 ``measure_fabric()`` runs on every rank of a live process group and returns the
-same measured ``FabricProfile`` on each. ``profile_fabric_main()`` is the body
-of ``wrapopt profile-fabric``: under ``torchrun`` it measures in place, else it
-spawns local gloo/NCCL ranks itself; either way the file is written once, by
-rank 0, atomically, and only after a complete measurement.
+same measured ``FabricProfile`` on each. The ``wrapopt profile-fabric`` command
+that spawns ranks and writes the file lives in ``wrapopt.profile.cli``; the
+printed report in ``wrapopt.profile.report``.
 
 [Note: fabric timing protocol] Per size: a barrier on the world group,
 warm-up calls, then ``repeats`` timed repeats back to back (a collective
@@ -25,8 +24,8 @@ measurement.
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import importlib
 import os
 import socket
 import sys
@@ -38,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from wrapopt import launch
-from wrapopt._io import check_writable, fmt_bytes, parse_bytes
+from wrapopt._io import fmt_bytes
 from wrapopt.errors import ProfileError
 from wrapopt.fabric import COLLECTIVES, AxisProfile, CollectiveCurve, FabricProfile
 
-__all__ = ["default_sizes", "measure_fabric", "profile_fabric_main", "add_cli_arguments", "run_cli", "format_fabric"]
+__all__ = ["default_sizes", "measure_fabric"]
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names; keep both working (torch>=2.6).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -432,222 +431,22 @@ def _comm_under_compute(issue: Callable[[], list[Any]], step: Callable[[], None]
     return landed if landed is not None else time.perf_counter() - t0
 
 
-# --- report --------------------------------------------------------------------------------------
+# --- names that moved ----------------------------------------------------------------------------
+
+# The command and the report moved to their own modules; ``wrapopt.profile.fabric.<name>`` still
+# resolves them, imported on first use (an import at the top would be circular: cli imports this).
+_MOVED = {
+    "format_fabric": "wrapopt.profile.report",
+    "_table": "wrapopt.profile.report",
+    **dict.fromkeys(
+        ("profile_fabric_main", "add_cli_arguments", "run_cli", "_under_torchrun", "_check_out", "_profile_worker",
+         "_measure_spawned", "_sizes_arg", "_size_arg"),
+        "wrapopt.profile.cli",
+    ),
+}
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return [fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
-
-
-def format_fabric(profile: FabricProfile) -> str:
-    """A human-readable report: the kind first, the alpha-beta summary, then latency per size.
-
-    Used by ``wrapopt profile-fabric`` and ``wrapopt show fabric.json``.
-
-    Example:
-        >>> from wrapopt.fabric import analytical_fabric
-        >>> print(format_fabric(analytical_fabric(world_size=16)).splitlines()[0])
-        fabric h100-nvlink-ib400: ANALYTICAL (stated numbers, not measured)
-    """
-    m = profile.meta
-    lines: list[str] = []
-    if profile.kind == "analytical":
-        lines.append(f"fabric {profile.name}: ANALYTICAL (stated numbers, not measured)")
-        if m.get("description"):
-            lines.append(f"  {m['description']}")
-    else:
-        sim = "  [nodes simulated on one host]" if m.get("simulated_nodes") else ""
-        lines.append(f"fabric {profile.name}: MEASURED{sim}")
-        hosts = sorted(set(h for h in m.get("hosts", []) if h))
-        lines.append(f"  hosts {', '.join(hosts) or '?'}; torch {m.get('torch_version', '?')}"
-                     + (f", NCCL {m['nccl_version']}" if m.get("nccl_version") else "")
-                     + f"; {m.get('dtype', '?')}; {m.get('date', '?')}")
-        lines.append(f"  {m.get('statistic', 'median')}, {m.get('repeats', '?')} repeats after {m.get('warmup', '?')} warm-up")
-    lines.append(f"  backend {profile.backend}, {profile.world_size} ranks, {profile.ranks_per_node} per node")
-    if profile.kind == "analytical":
-        lines.append(f"  overlap (stated): compute {profile.overlap_compute_slowdown:.0%} slower with collectives "
-                     f"in flight, collectives {profile.overlap_comm_slowdown:.0%} slower under compute")
-    elif m.get("overlap_measured", True):
-        lines.append(f"  overlap: compute {profile.overlap_compute_slowdown:.0%} slower with collectives in flight, "
-                     f"collectives {profile.overlap_comm_slowdown:.0%} slower under compute")
-    else:
-        lines.append("  overlap: not measured (taken as perfect: no slowdown)")
-    if profile.kind == "analytical":
-        for lvl, link in (("intra", profile.intra), ("inter", profile.inter)):
-            assert link is not None  # FabricProfile.__post_init__ checks it
-            lines.append(f"  {lvl}: {link.latency_s * 1e6:.1f} us per ring step, "
-                         f"{link.bandwidth_bytes_per_s / 1e9:.1f} GB/s  ({link.source})")
-        intra_p = min(profile.ranks_per_node, profile.world_size)
-        groups = [("intra", intra_p, intra_p)]
-        if profile.world_size > profile.ranks_per_node:
-            groups.append(("world", profile.world_size, profile.ranks_per_node))
-        short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
-        sizes = [2**20 * 4**i for i in range(6)]
-        rows = [[fmt_bytes(n)] + [f"{profile.collective_s(c, p, r, n)[0] * 1e3:.3f}" for _, p, r in groups for c in COLLECTIVES]
-                for n in sizes]
-        header = ["size"] + [f"{g}({p}) {short[c]}" for g, p, _ in groups for c in COLLECTIVES]
-        lines += ["", "latency per message size, ms (ring model, analytical; AG all-gather, RS reduce-scatter, "
-                  "AR all-reduce):", *_table(header, rows)]
-        return "\n".join(lines)
-
-    rows = [[a, c, str(p), f"{alpha:.1f}", f"{bw:.3f}", f"{err:.0%}"] for a, c, p, alpha, bw, err in profile.summary_rows()]
-    lines += ["", *_table(["axis", "collective", "ranks", "alpha us", "GB/s", "fit err"], rows)]
-    for axis in profile.axes:
-        names = [n for n, _ in axis.curves]
-        sizes = sorted({s for _, c in axis.curves for s in c.sizes_bytes})
-        rows = []
-        for n in sizes:
-            row = [fmt_bytes(n)]
-            for _, c in axis.curves:
-                i = c.sizes_bytes.index(n) if n in c.sizes_bytes else -1
-                spread = f" ({c.spread[i]:.0%})" if 0 <= i < len(c.spread) else ""
-                row.append(f"{c.latency_s[i] * 1e3:.3f}{spread}" if i >= 0 else "-")
-            rows.append(row)
-        lines += ["", f"axis {axis.name}: {axis.group_size} ranks, {axis.ranks_per_node_in_group} per node; "
-                  "latency ms ((p90 - p10) / median)", *_table(["size", *names], rows)]
-    return "\n".join(lines)
-
-
-# --- the profile-fabric command -------------------------------------------------------------
-
-
-def _under_torchrun() -> bool:
-    return dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def _check_out(out_path: str) -> None:
-    try:
-        check_writable(out_path)
-    except OSError as e:
-        raise ProfileError(f"cannot write the fabric profile to {out_path}: {e.strerror or e}; choose another --out") from None
-
-
-def _profile_worker(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    profile = measure_fabric(**kwargs)
-    return profile.to_json() if rank == 0 else None  # one copy through the result queue is enough
-
-
-def _measure_spawned(
-    out_path: str, *, worker: Callable[..., Any], world_size: int, timeout_s: float, kwargs: dict[str, Any]
-) -> FabricProfile:
-    """Spawn local ranks running ``worker``; save rank 0's profile only if every rank finished."""
-    results = launch.spawn(worker, world_size=world_size, args=(kwargs,), timeout_s=timeout_s)
-    profile = FabricProfile.from_json(results[0], source="rank 0")
-    profile.save(out_path)
-    return profile
-
-
-def profile_fabric_main(
-    out_path: str,
-    *,
-    world_size: int = 2,
-    ranks_per_node: int | None = None,
-    sizes_bytes: tuple[int, ...] | list[int] | None = None,
-    repeats: int = 7,
-    warmup: int = 2,
-    measure_overlap: bool = True,
-    progress: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> FabricProfile:
-    """Measure the fabric and write it to ``out_path`` (the body of ``wrapopt profile-fabric``).
-
-    Under ``torchrun`` (or inside an initialised group) every rank measures
-    and rank 0 writes. Otherwise ``world_size`` local ranks are spawned and
-    the parent writes rank 0's profile. The output path is checked before
-    anything is measured; a rank that fails, dies or overruns ``timeout_s``
-    raises ``DistributedError`` naming it, and no file is written.
-
-    Args:
-        out_path: where the profile JSON goes.
-        world_size: ranks to spawn when not under torchrun (ignored under it).
-        ranks_per_node: ranks per node; under spawn, fewer than ``world_size``
-            simulates several nodes on this host (labelled ``simulated_nodes``).
-        sizes_bytes, repeats, warmup, measure_overlap, progress: as in ``measure_fabric``.
-        timeout_s: limit on every collective, and on the whole spawned run (+30 s start-up).
-
-    Returns:
-        The profile written.
-
-    Example:
-        >>> profile_fabric_main("fabric.json", world_size=2)  # doctest: +SKIP
-    """
-    kwargs = dict(sizes_bytes=sizes_bytes, repeats=repeats, warmup=warmup, ranks_per_node=ranks_per_node,
-                  measure_overlap=measure_overlap, progress=progress)
-    if not _under_torchrun():
-        if world_size < 2:
-            raise ValueError(f"world_size must be at least 2, got {world_size}")
-        _check_out(out_path)
-        return _measure_spawned(out_path, worker=_profile_worker, world_size=world_size, timeout_s=timeout_s, kwargs=kwargs)
-
-    owns_group = not dist.is_initialized()
-    launch.init_from_env(timeout_s=timeout_s)
-    try:
-        # Rank 0 writes, so rank 0 checks; every rank learns the verdict, so none is left waiting.
-        verdict: list[str | None] = [None]
-        if dist.get_rank() == 0:
-            try:
-                _check_out(out_path)
-            except ProfileError as e:
-                verdict[0] = str(e)
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            raise ProfileError(verdict[0])
-        profile = measure_fabric(**kwargs)
-        if dist.get_rank() == 0:
-            profile.save(out_path)
-        _barrier()  # no rank reports success before the file exists
-        return profile
-    finally:
-        if owns_group:
-            launch.shutdown()
-
-
-def _sizes_arg(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(parse_bytes(s) for s in text.split(",") if s.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--sizes: {e} (example: 4KiB,64KiB,1MiB)") from None
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``profile-fabric`` options to a (sub)parser."""
-    parser.add_argument("--out", required=True, help="fabric profile JSON to write")
-    parser.add_argument("--world-size", type=int, default=2, help="local ranks to spawn when not under torchrun (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="ranks per node (default LOCAL_WORLD_SIZE or the world size); fewer simulates nodes locally")
-    parser.add_argument("--sizes", type=_sizes_arg, default=None, help="message sizes, e.g. 4KiB,64KiB,1MiB")
-    parser.add_argument("--max-size", type=_size_arg, default=None, help="drop default sizes above this, e.g. 4MiB")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per size (median kept; default 7)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default 2)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck rank is reported")
-    parser.add_argument("--no-overlap", action="store_true", help="skip the compute/communication overlap measurement")
-    parser.add_argument("--quiet", action="store_true", help="no progress line and no summary table")
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """Run ``profile-fabric`` from parsed arguments; library errors propagate to ``cli.main``."""
-    sizes = args.sizes or default_sizes()
-    if args.max_size is not None:
-        sizes = tuple(s for s in sizes if s <= args.max_size)
-        if not sizes:
-            raise ValueError(f"--max-size {fmt_bytes(args.max_size)} leaves no message size to measure")
-    profile = profile_fabric_main(
-        args.out, world_size=args.world_size, ranks_per_node=args.ranks_per_node, sizes_bytes=sizes,
-        repeats=args.repeats, warmup=args.warmup, measure_overlap=not args.no_overlap,
-        progress=not args.quiet, timeout_s=args.timeout,
-    )
-    rank0 = dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
-    if rank0:
-        if not args.quiet:
-            print(format_fabric(profile))
-        print(f"wrote {args.out}")
-    return 0
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

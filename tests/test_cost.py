@@ -1,0 +1,146 @@
+"""The FSDP2 step simulator: each modelled effect moves the prediction the right way."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from wrapopt import zoo
+from wrapopt.cost import Simulator, simulate
+from wrapopt.errors import PlanError
+from wrapopt.fabric import AxisProfile, CollectiveCurve, ComputeProfile, FabricProfile, analytical_fabric
+from wrapopt.search import baselines
+from wrapopt.trace import trace_model
+from wrapopt.types import MeshSpec, OptimizerKind, PlanSpec, SimOptions, UnitSpec
+
+
+@pytest.fixture(scope="module")
+def llama():
+    e = zoo.get_entry("llama-7b")
+    return trace_model(e.build("meta"), e.inputs())
+
+
+MESH = MeshSpec(world_size=64, ranks_per_node=8, shard_size=64)
+FAB = analytical_fabric(world_size=64)
+GPU = ComputeProfile.analytical()
+
+
+def _per_block(g, mesh=MESH, **unit_kw):
+    b = baselines(g, mesh)["per-block"]
+    units = tuple(dataclasses.replace(u, **unit_kw) if not u.is_root else u for u in b.units)
+    return PlanSpec(units, mesh, label="pb")
+
+
+def test_breakdown_adds_up_and_static_terms(llama):
+    est = simulate(llama, _per_block(llama), FAB, GPU)
+    assert sum(v for _, v in est.peak_breakdown) == pytest.approx(est.peak_bytes, rel=1e-9)
+    parts = dict(est.peak_breakdown)
+    shard = llama.param_bytes / 64
+    assert parts["sharded_params"] == pytest.approx(shard, rel=1e-6)
+    assert parts["optimizer_state"] == pytest.approx(2 * shard, rel=1e-6)  # AdamW: two states
+    assert est.step_s >= est.compute_s > 0
+
+
+def test_optimizer_kind_changes_state_memory(llama):
+    plan = _per_block(llama)
+    adam = simulate(llama, plan, FAB, GPU, SimOptions(optimizer=OptimizerKind.ADAMW))
+    sgd = simulate(llama, plan, FAB, GPU, SimOptions(optimizer=OptimizerKind.SGD_MOMENTUM))
+    none = simulate(llama, plan, FAB, GPU, SimOptions(optimizer=OptimizerKind.NONE))
+    assert adam.peak_bytes > sgd.peak_bytes > none.peak_bytes
+
+
+def test_reshard_after_forward_false_trades_memory_for_time(llama):
+    on = simulate(llama, _per_block(llama), FAB, GPU)
+    off = simulate(llama, _per_block(llama, reshard_after_forward=False), FAB, GPU)
+    assert off.peak_bytes > on.peak_bytes
+    assert off.comm_s < on.comm_s  # no re-gather in backward
+
+
+def test_checkpointing_trades_time_for_memory(llama):
+    plain = simulate(llama, _per_block(llama), FAB, GPU)
+    ck = simulate(llama, _per_block(llama, checkpoint=True), FAB, GPU)
+    assert ck.peak_bytes < plain.peak_bytes
+    assert ck.compute_s > plain.compute_s
+
+
+def test_slower_fabric_is_slower(llama):
+    fast = simulate(llama, _per_block(llama), FAB, GPU)
+    slow = simulate(llama, _per_block(llama), analytical_fabric("h100-nvlink-eth100", world_size=64), GPU)
+    assert slow.step_s > fast.step_s and slow.exposed_comm_s > fast.exposed_comm_s
+
+
+def test_many_small_units_pay_latency(llama):
+    b = baselines(llama, MESH)
+    leaf = simulate(llama, b["every-leaf"], FAB, GPU)
+    block = simulate(llama, b["per-block"], FAB, GPU)
+    assert leaf.step_s > block.step_s
+
+
+def test_hsdp_adds_replicate_all_reduce_and_uses_fast_axis(llama):
+    fsdp = simulate(llama, _per_block(llama), FAB, GPU)
+    hsdp_mesh = MeshSpec(world_size=64, ranks_per_node=8, shard_size=8)
+    hsdp = simulate(llama, _per_block(llama, mesh=hsdp_mesh), FAB, GPU)
+    assert hsdp.step_s < fsdp.step_s  # all-gathers on NVLink instead of InfiniBand
+    assert dict(hsdp.peak_breakdown)["sharded_params"] == pytest.approx(8 * dict(fsdp.peak_breakdown)["sharded_params"])
+
+
+def test_mixed_precision_halves_gathered_bytes(llama):
+    e = zoo.get_entry("llama-tiny")
+    g = trace_model(e.build("meta"), e.inputs())  # fp32 parameters
+    mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+    plan = baselines(g, mesh)["per-block"]
+    fp32 = simulate(g, plan, analytical_fabric(world_size=8), GPU)
+    bf16 = simulate(g, plan, analytical_fabric(world_size=8), GPU, SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=2))
+    assert bf16.units[0].param_bytes * 2 == fp32.units[0].param_bytes
+    assert bf16.comm_s < fp32.comm_s
+
+
+def test_gradient_accumulation_costs_micro_batches(llama):
+    one = simulate(llama, _per_block(llama), FAB, GPU)
+    four = simulate(llama, _per_block(llama), FAB, GPU, SimOptions(grad_accumulation=4))
+    assert four.step_s > 3 * one.compute_s
+    assert dict(four.peak_breakdown).get("accumulated_grads", 0) > 0
+
+
+def test_cpu_without_prefetch_exposes_all_gathers():
+    e = zoo.get_entry("gpt-tiny")
+    g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+    mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+    cpu = ComputeProfile(kind="measured", device="cpu", flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10)
+    fab = analytical_fabric(world_size=2)
+    plan = baselines(g, mesh)["per-block"]
+    implicit = simulate(g, plan, fab, cpu)
+    explicit = simulate(g, dataclasses.replace(plan, forward_prefetch=1), fab, cpu)
+    assert explicit.fwd_s < implicit.fwd_s
+
+
+def test_illegal_plans_are_rejected_with_names():
+    e = zoo.get_entry("gpt-tiny")
+    g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+    mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+    root = UnitSpec(("",), False)
+    with pytest.raises(PlanError, match="wte.weight"):
+        simulate(g, PlanSpec((UnitSpec(("wte",)), root), mesh), FAB, GPU)
+    with pytest.raises(PlanError, match="layers.0"):
+        simulate(g, PlanSpec((UnitSpec(("layers.0",)), UnitSpec(("layers.0",)), root), mesh), FAB, GPU)
+    with pytest.raises(PlanError, match="nope"):
+        simulate(g, PlanSpec((UnitSpec(("nope",)), root), mesh), FAB, GPU)
+
+
+def test_extrapolation_is_reported_not_fatal(llama):
+    curve = CollectiveCurve((4096, 65536), (1e-4, 3e-4))
+    axis = AxisProfile("world", 64, 8, tuple((c, curve) for c in ("all_gather", "reduce_scatter", "all_reduce")))
+    fab = FabricProfile(kind="measured", name="tiny-table", backend="gloo", world_size=64, ranks_per_node=8, axes=(axis,))
+    est = Simulator(llama, fab, GPU).simulate(_per_block(llama))
+    assert est.step_s > 0
+    assert any("extrapolated" in n for n in est.notes)
+
+
+def test_timeline_is_ordered_per_lane(llama):
+    est = simulate(llama, _per_block(llama), FAB, GPU, record=True)
+    for lane in ("compute", "comm"):
+        ev = [e for e in est.timeline if e.lane == lane]
+        assert ev
+        assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(ev, ev[1:]))
+    assert max(e.end_s for e in est.timeline) == pytest.approx(est.step_s)
