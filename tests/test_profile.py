@@ -28,7 +28,7 @@ from wrapopt.profile import (
     profile_fabric_main,
     run_cli,
 )
-from wrapopt.profile import fabric as profile_fabric
+from wrapopt.profile import cli as profile_fabric
 
 SMALL_SIZES = [4 * 2**10, 64 * 2**10, 2**20]
 

@@ -433,6 +433,11 @@ class ComputeProfile:
     unit_overhead_s: float = 0.0
     # Fixed cost per module call (kernel launches / op dispatch), seconds.
     module_overhead_s: float = 0.0
+    # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters:
+    # on small models the step is bound by per-tensor dispatch, not by bytes.
+    optimizer_tensor_s: float = 0.0
+    # Forward + backward of the loss, which runs outside the model's modules.
+    loss_s: float = 0.0
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -446,6 +451,8 @@ class ComputeProfile:
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "unit_overhead_s": self.unit_overhead_s,
             "module_overhead_s": self.module_overhead_s,
+            "optimizer_tensor_s": self.optimizer_tensor_s,
+            "loss_s": self.loss_s,
             "module_times": [list(t) for t in self.module_times],
             "meta": self.meta,
         }
@@ -464,6 +471,8 @@ class ComputeProfile:
             memory_capacity_bytes=int(cap) if cap is not None else None,
             unit_overhead_s=float(d.get("unit_overhead_s", 0.0)),
             module_overhead_s=float(d.get("module_overhead_s", 0.0)),
+            optimizer_tensor_s=float(d.get("optimizer_tensor_s", 0.0)),
+            loss_s=float(d.get("loss_s", 0.0)),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
             meta=dict(d.get("meta", {})),
         )

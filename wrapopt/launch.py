@@ -5,7 +5,8 @@ local processes with the gloo (CPU) or NCCL (GPU) backend, a free port, one
 thread per rank on CPU, a timeout on every collective, and the barrier +
 ``destroy_process_group()`` ending every rank needs. It returns each rank's
 return value, or raises ``DistributedError`` naming the rank that failed,
-died or overran the timeout; the other ranks are killed, never left hanging.
+died or hung (not only the peer that timed out waiting for it); the other
+ranks are killed, never left hanging.
 
 ``init_from_env()`` does the same set-up inside a job started by ``torchrun``.
 """
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import time
 import traceback
+from queue import Empty
 from typing import Any, Callable
 
 import torch
@@ -118,6 +121,8 @@ def spawn(
 
     ``fn`` must be importable (module-level). Results travel through a
     multiprocessing queue, so keep them small (numbers, dicts, lists).
+    A failure raises ``DistributedError`` whose first line names the likely
+    culprit; see [Note: naming the rank at fault].
 
     Example:
         >>> def hello(rank, world): return rank
@@ -139,44 +144,40 @@ def spawn(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s + 30.0  # start-up slack on top of the collective timeout
+    errors: dict[int, str] = {}  # rank -> "Type: message\ntraceback", in the order reported
+    limit_s = timeout_s + 30.0  # start-up slack on top of the collective timeout
+    deadline = time.monotonic() + limit_s
     failure: str | None = None
     try:
         while len(results) < world_size and failure is None:
             try:
                 rank, status, payload = queue.get(timeout=0.2)
-            except Exception:  # queue.Empty
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    time.sleep(0.5)  # let its error message arrive first
-                    while not queue.empty():
-                        rank, status, payload = queue.get()
-                        if status == "error":
-                            failure = f"rank {rank} failed: {payload}"
-                            break
-                        results[rank] = payload
-                    failure = failure or f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+            except Empty:
+                exited = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if exited:
+                    time.sleep(0.5)  # let a report sent just before exiting arrive first
+                    _drain(queue, results, errors)
+                    if errors or any(r not in results for r in exited):
+                        failure = _explain(procs, results, errors)
                 elif time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in results]
-                    failure = f"ranks {missing} did not finish within {timeout_s:.0f} s (timeout); they were killed"
+                    _drain(queue, results, errors)
+                    missing = [r for r in range(world_size) if r not in results and r not in errors]
+                    failure = f"{_ranks(missing)} did not report within {limit_s:.0f} s (hung?); all ranks were killed"
+                    if results:
+                        failure += f" ({_ranks(sorted(results))} had finished)"
+                    if errors:
+                        failure += "\n" + _explain(procs, results, errors)
                 continue
+            (results if status == "ok" else errors)[rank] = payload
             if status == "error":
-                failure = f"rank {rank} failed: {payload}"
-                # A peer that died silently is the cause; the reporting rank saw its socket close.
-                time.sleep(0.5)
-                silent = [r for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
-                reported = set()
-                while not queue.empty():
-                    r2, s2, _ = queue.get()
-                    reported.add(r2)
-                silent = [r for r in silent if r not in reported]
-                if silent:
-                    failure = (
-                        f"rank {silent[0]} died with exit code {procs[silent[0]].exitcode}; "
-                        f"rank {rank} then failed: {payload.splitlines()[0]}"
-                    )
-            else:
-                results[rank] = payload
+                time.sleep(0.5)  # peers failing for the same reason report within moments
+                _drain(queue, results, errors)
+                if _is_symptom(payload):
+                    # Peers stuck in the same collective time out a little later; give them a moment
+                    # so that only the silent ranks are blamed.
+                    time.sleep(_SYMPTOM_GRACE_S)
+                    _drain(queue, results, errors)
+                failure = _explain(procs, results, errors)
     finally:
         for p in procs:
             p.join(timeout=5.0 if failure is None else 0.1)
@@ -187,3 +188,72 @@ def spawn(
     if failure is not None:
         raise DistributedError(failure.rstrip())
     return [results[r] for r in range(world_size)]
+
+
+# [Note: naming the rank at fault]
+# The rank that reports an error is often not the one at fault. A rank that dies (OOM killer,
+# os._exit, segfault) sends nothing; a rank that hangs (an endless loop, a collective the others
+# never enter) sends nothing either. Its peers then fail inside a collective with a *symptom*:
+# "Connection reset by peer" or "Timed out waiting 5000ms". So the first line of the error names,
+# in this order: a rank that raised something other than a symptom (the cause); else the ranks
+# that exited without reporting ("died with exit code N"); else, when the report is a symptom,
+# the ranks still alive that never reported ("did not respond (hung?)"); then the reporting rank
+# and the first line of its error. Its traceback follows on the next lines.
+
+_SYMPTOM_GRACE_S = 1.5  # after a symptom, how long peers stuck in the same collective get to report
+# How a peer's death or hang looks from a rank waiting on it: the error types c10d, gloo and NCCL
+# raise, with a message about a timeout or a lost connection. A ValueError("timeout must be > 0")
+# from user code is a cause, not a symptom.
+_SYMPTOM_TYPES = frozenset({
+    "RuntimeError", "DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "OSError",
+    "TimeoutError", "ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError",
+})
+_SYMPTOM = re.compile(
+    r"timed? ?out|timeout|connection (reset|closed|refused|aborted)|reset by peer|broken pipe|socket closed"
+    r"|end of file|unreachable|watchdog",
+    re.IGNORECASE,
+)
+
+
+def _is_symptom(payload: str) -> bool:
+    kind, _, message = payload.partition("\n")[0].partition(": ")
+    return kind in _SYMPTOM_TYPES and bool(_SYMPTOM.search(message))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _died(rank: int, exitcode: int) -> str:
+    return f"rank {rank} exited with code 0" if exitcode == 0 else f"rank {rank} died with exit code {exitcode}"
+
+
+def _drain(queue: Any, results: dict[int, Any], errors: dict[int, str]) -> None:
+    """Move every report already in the queue into ``results`` or ``errors``."""
+    while True:
+        try:
+            rank, status, payload = queue.get_nowait()
+        except Empty:
+            return
+        (results if status == "ok" else errors)[rank] = payload
+
+
+def _explain(procs: list[Any], results: dict[int, Any], errors: dict[int, str]) -> str:
+    """One first line naming the likely culprit, then the reporting rank's traceback; see the Note."""
+    silent = [r for r in range(len(procs)) if r not in results and r not in errors]
+    dead = [r for r in silent if procs[r].exitcode is not None]
+    causes = [r for r, e in errors.items() if not _is_symptom(e)]
+    if causes:
+        rank = causes[0]
+        return f"rank {rank} failed: {errors[rank]}"
+    if not errors:  # exited without a word, e.g. os._exit(3) inside fn before any peer noticed
+        return "; ".join(_died(r, procs[r].exitcode) for r in dead) + " before reporting a result"
+    rank = next(iter(errors))
+    head, _, rest = errors[rank].partition("\n")
+    if dead:
+        culprit = "; ".join(_died(r, procs[r].exitcode) for r in dead)
+    elif silent:
+        culprit = f"{_ranks(silent)} did not respond (hung?)"
+    else:  # every rank reported a symptom: nobody to blame but the reporter
+        return f"rank {rank} failed: {errors[rank]}"
+    return f"{culprit}; rank {rank} then failed: {head}\n{rest}"

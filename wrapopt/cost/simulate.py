@@ -135,6 +135,7 @@ class Simulator:
         )
         self._layouts: dict[tuple[tuple[str, ...], ...], _Layout] = {}
         self._elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
+        self._num_tensors = len(graph.param_shapes)
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -328,6 +329,7 @@ class Simulator:
                 if ck:
                     acts += lay.input_bytes[u]
                 gathered -= P[u] - keep[u]  # reshard after forward
+        run(self.compute.loss_s * opt.batch_scale, "loss", n - 1, 0)  # the loss: outside every module
         fwd_end = t
 
         # ---- backward: See [Note: backward schedule] ---------------------------------------
@@ -385,7 +387,11 @@ class Simulator:
             pending = still
         bwd_end = t
         end = max(t, c)
+        # Optimizer: read/write the local shard and its states (memory-bound), plus a
+        # fixed dispatch cost per parameter tensor (dominant for small models).
         optim_s = (storage / shard) * (2 + 2 * opt.optimizer.states_per_param) / self.compute.memory_bandwidth_bytes_per_s
+        if opt.optimizer.states_per_param:
+            optim_s += self._num_tensors * self.compute.optimizer_tensor_s
         step = end + optim_s
         if record:
             ev.append(TimelineEvent("compute", "optim", "<all>", end, step, int(static)))
@@ -396,6 +402,7 @@ class Simulator:
             # reduce-scatters (set_requires_gradient_sync(False)).
             step += (micro - 1) * bwd_end
         compute_s = sum(lay.fwd_s) + sum(lay.bwd_s) + sum(lay.fwd_s[i] for i in range(n) if units[i].checkpoint)
+        compute_s += self.compute.loss_s * opt.batch_scale
         compute_s *= micro
         exposed = max(0.0, step - compute_s - optim_s)
         ucosts = tuple(

@@ -32,7 +32,14 @@ import torch.nn as nn
 from wrapopt.errors import ModelError, ProfileError
 from wrapopt.fabric import ComputeProfile
 
-__all__ = ["measure_compute", "measure_module_times", "measure_module_overhead", "measure_unit_overhead"]
+__all__ = [
+    "measure_compute",
+    "measure_module_times",
+    "measure_module_overhead",
+    "measure_unit_overhead",
+    "measure_optimizer_overhead",
+    "measure_loss_time",
+]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -244,6 +251,50 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     return float(out[0])
 
 
+def measure_optimizer_overhead(*, num_tensors: int = 32, repeats: int = 5) -> float:
+    """Seconds per parameter tensor of one AdamW step on FSDP2-sharded parameters; collective.
+
+    The step on sharded (DTensor) parameters is dominated by per-tensor
+    dispatch on small models: ``num_tensors`` tiny tensors are sharded with
+    ``fully_shard`` and one ``AdamW.step()`` is timed (median, max over ranks).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise ProfileError("measure_optimizer_overhead needs a process group")
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(dev_type, (dist.get_world_size(),))
+    model = nn.Sequential(*(nn.Linear(8, 8, device=device) for _ in range(num_tensors // 2)))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    t = _time_reps(opt.step, repeats=repeats, warmup=2, sync=_sync_for(device))
+    out = torch.tensor([t / num_tensors], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out[0])
+
+
+def measure_loss_time(model: nn.Module, example_inputs: tuple[Any, ...], loss_fn: Callable[..., torch.Tensor],
+                      *, repeats: int = 5) -> float:
+    """Seconds of the loss's forward and backward on the model's real output (outside every module)."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    with torch.no_grad():
+        out = model(*inputs)
+    dev = out.device if isinstance(out, torch.Tensor) else torch.device("cpu")
+
+    def run() -> None:
+        o = out.detach().requires_grad_(True) if isinstance(out, torch.Tensor) else out
+        loss = loss_fn(o, inputs)
+        if loss.requires_grad:
+            loss.backward()
+
+    return _time_reps(run, repeats=repeats, warmup=1, sync=_sync_for(dev))
+
+
 def measure_compute(
     *,
     device: torch.device | str | None = None,
@@ -295,6 +346,13 @@ def measure_compute(
     if model is not None:
         module_times = measure_module_times(model, example_inputs, loss_fn=loss_fn, repeats=repeats)
         meta["module_times"] = "measured self times; backward attributed by forward share"
+    loss_s = 0.0
+    if model is not None and loss_fn is not None:
+        loss_s = measure_loss_time(model, example_inputs, loss_fn, repeats=repeats)
+    optimizer_tensor_s = 0.0
+    if dist.is_initialized():
+        optimizer_tensor_s = measure_optimizer_overhead(repeats=repeats)
+        meta["optimizer"] = "AdamW step on fully_shard parameters, per tensor"
     if unit_overhead_s is None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             unit_overhead_s = measure_unit_overhead(repeats=repeats)
@@ -310,6 +368,8 @@ def measure_compute(
         memory_capacity_bytes=_memory_capacity_bytes(device),
         unit_overhead_s=unit_overhead_s,
         module_overhead_s=measure_module_overhead(device=device, repeats=repeats),
+        optimizer_tensor_s=optimizer_tensor_s,
+        loss_s=loss_s,
         module_times=module_times,
         meta=meta,
     )

@@ -25,7 +25,6 @@ measurement.
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import socket
 import sys
@@ -432,21 +431,3 @@ def _comm_under_compute(issue: Callable[[], list[Any]], step: Callable[[], None]
 
 
 # --- names that moved ----------------------------------------------------------------------------
-
-# The command and the report moved to their own modules; ``wrapopt.profile.fabric.<name>`` still
-# resolves them, imported on first use (an import at the top would be circular: cli imports this).
-_MOVED = {
-    "format_fabric": "wrapopt.profile.report",
-    "_table": "wrapopt.profile.report",
-    **dict.fromkeys(
-        ("profile_fabric_main", "add_cli_arguments", "run_cli", "_under_torchrun", "_check_out", "_profile_worker",
-         "_measure_spawned", "_sizes_arg", "_size_arg"),
-        "wrapopt.profile.cli",
-    ),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
