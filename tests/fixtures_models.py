@@ -92,15 +92,25 @@ class LoRAModel(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Top-1 routing: each token goes to the expert with the largest gate logit."""
+    """Top-1 routing: each token goes to the expert with the largest gate logit.
 
-    def __init__(self, dim: int = DIM, num_experts: int = 4):
+    ``dense=False`` gathers each expert's tokens with a boolean mask (a
+    data-dependent shape: it cannot run on meta tensors); ``dense=True`` runs
+    every expert on every token and keeps the chosen one with a one-hot mask
+    (same result, shapes known in advance).
+    """
+
+    def __init__(self, dim: int = DIM, num_experts: int = 4, *, dense: bool = False):
         super().__init__()
+        self.dense = dense
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = nn.ModuleList(MLPBlock(dim) for _ in range(num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         choice = self.gate(x).argmax(dim=-1)
+        if self.dense:
+            onehot = F.one_hot(choice, len(self.experts)).to(x.dtype)
+            return sum(onehot[..., e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             mask = choice == e
@@ -109,10 +119,10 @@ class MoEBlock(nn.Module):
 
 
 class MoEModel(nn.Module):
-    def __init__(self, dim: int = DIM, num_experts: int = 4):
+    def __init__(self, dim: int = DIM, num_experts: int = 4, *, dense: bool = False):
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.moe = MoEBlock(dim, num_experts)
+        self.moe = MoEBlock(dim, num_experts, dense=dense)
         self.out = nn.Linear(dim, dim)
         with torch.no_grad():
             # A fixed gate: expert e sees the tokens whose largest feature among

@@ -78,13 +78,13 @@ def parse_bytes(text: str | int | float) -> int:
     Raises ValueError with what is accepted otherwise.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError(f"memory budget must be positive, got {text}")
+        if int(text) <= 0:
+            raise ValueError(f"memory budget must be at least one byte, got {text}")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read memory size {text!r}: write bytes (85899345920) or a size such as 80GiB or 80GB")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise ValueError(f"memory budget must be positive, got {text!r}")
-    return int(value)
+        raise ValueError(f"memory budget must be at least one byte, got {text!r}")
+    return value

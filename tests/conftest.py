@@ -1,0 +1,40 @@
+"""Shared fixtures: the repository root on ``sys.path`` (so ``tests.fixtures_models``
+imports and works as a CLI ``MODEL``), and a traced gpt-tiny reused by several tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> str:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def gpt_tiny():
+    """``(model, inputs, graph)`` for zoo gpt-tiny built on meta (4 blocks, tied wte/lm_head)."""
+    from wrapopt import zoo
+    from wrapopt.trace import trace_model
+
+    model, inputs = zoo.build("gpt-tiny", "meta")
+    graph = trace_model(model, inputs, loss_fn=zoo.ZOO["gpt-tiny"].loss)
+    return model, inputs, graph
+
+
+@pytest.fixture(scope="session")
+def llama_tiny():
+    """``(model, inputs, graph)`` for zoo llama-tiny built on meta (6 blocks, no ties)."""
+    from wrapopt import zoo
+    from wrapopt.trace import trace_model
+
+    model, inputs = zoo.build("llama-tiny", "meta")
+    graph = trace_model(model, inputs, loss_fn=zoo.ZOO["llama-tiny"].loss)
+    return model, inputs, graph

@@ -1,0 +1,421 @@
+"""WrapPlan: the file format (round trip, atomic write, malformed files), the
+model check, plan validation (units.validate_plan), the FSDP1 policy export,
+and the byte-size parser used for memory budgets."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from wrapopt import zoo
+from wrapopt._io import parse_bytes
+from wrapopt.cost import simulate
+from wrapopt.errors import PlanError, PlanMismatchError
+from wrapopt.fabric import ComputeProfile, analytical_fabric
+from wrapopt.plan import PLAN_FORMAT, WrapPlan, model_fingerprint
+from wrapopt.search.baselines import BASELINE_NAMES, baselines, make_plan
+from wrapopt.types import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.units import validate_plan
+
+MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+
+
+def _from_search(graph, model, spec: PlanSpec) -> WrapPlan:
+    fabric = analytical_fabric(world_size=spec.mesh.world_size, ranks_per_node=spec.mesh.ranks_per_node)
+    compute = ComputeProfile.analytical()
+    estimate = simulate(graph, spec, fabric, compute, record=True)
+    scored = {name: simulate(graph, b, fabric, compute).summary_json()
+              for name, b in baselines(graph, spec.mesh).items()}
+    return WrapPlan.from_search(
+        spec, model, estimate,
+        fabric={"name": fabric.name, "kind": fabric.kind, "world_size": fabric.world_size},
+        baselines=scored,
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt_baselines(gpt_tiny):
+    _, _, graph = gpt_tiny
+    return baselines(graph, MESH)
+
+
+@pytest.fixture
+def per_block_plan(gpt_tiny, gpt_baselines) -> WrapPlan:
+    model, _, graph = gpt_tiny
+    return _from_search(graph, model, gpt_baselines["per-block"])
+
+
+@pytest.fixture
+def rich_plan(gpt_tiny) -> WrapPlan:
+    """A plan that uses every per-unit field: a grouped unit, hpZ resharding,
+    checkpointing, explicit prefetch, an HSDP mesh and a label."""
+    model, _, graph = gpt_tiny
+    mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=8)
+    units = (
+        UnitSpec(("layers.0", "layers.1"), 2, True),
+        UnitSpec(("layers.2",), False, False),
+        UnitSpec(("layers.3",), True, True),
+        UnitSpec((ROOT,), False),
+    )
+    spec = PlanSpec(units=units, mesh=mesh, forward_prefetch=1, label="rich")
+    validate_plan(graph, spec)
+    return _from_search(graph, model, spec)
+
+
+# --- baselines and from_search ------------------------------------------------------------------
+
+
+def test_baselines_are_legal_and_named(gpt_tiny, gpt_baselines):
+    _, _, graph = gpt_tiny
+    assert tuple(gpt_baselines) == BASELINE_NAMES
+    for name, spec in gpt_baselines.items():
+        validate_plan(graph, spec)
+        assert spec.label == name and spec.units[-1].is_root
+    assert [u.modules for u in gpt_baselines["per-block"].units] == [
+        ("layers.0",), ("layers.1",), ("layers.2",), ("layers.3",), (ROOT,)]
+    assert gpt_baselines["no-shard"].mesh.shard_size == 1
+
+
+def test_from_search_records_provenance(per_block_plan, gpt_tiny):
+    model, _, _ = gpt_tiny
+    p = per_block_plan
+    assert p.model == model_fingerprint(model)
+    assert p.model["num_params"] == sum(q.numel() for q in model.parameters())
+    assert p.prediction["step_s"] > 0 and p.prediction["peak_bytes"] > 0 and p.prediction["timeline"]
+    assert p.fabric["kind"] == "analytical"
+    assert set(p.baselines) == set(BASELINE_NAMES)
+    assert p.created and p.wrapopt_version
+
+
+# --- file round trip --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["per_block_plan", "rich_plan"])
+def test_save_load_round_trip(which, request, tmp_path):
+    plan: WrapPlan = request.getfixturevalue(which)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = WrapPlan.load(path)
+    assert loaded.units == plan.units
+    assert loaded.mesh == plan.mesh
+    assert loaded.spec.forward_prefetch == plan.spec.forward_prefetch
+    assert loaded.spec.label == plan.spec.label
+    assert loaded.spec == plan.spec
+    assert loaded.to_json() == plan.to_json()
+    # Saving what was loaded gives the same bytes.
+    again = tmp_path / "again.json"
+    loaded.save(again)
+    assert again.read_text() == path.read_text()
+
+
+def test_round_trip_keeps_hsdp_hpz_and_checkpoint(rich_plan, tmp_path):
+    rich_plan.save(tmp_path / "p.json")
+    loaded = WrapPlan.load(tmp_path / "p.json")
+    assert loaded.units[0] == UnitSpec(("layers.0", "layers.1"), 2, True)
+    assert loaded.units[1].reshard_after_forward is False
+    assert loaded.mesh.is_hsdp and loaded.mesh.replicate_size == 2
+    assert loaded.spec.forward_prefetch == 1 and loaded.spec.label == "rich"
+
+
+def test_file_is_plain_json(per_block_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    per_block_plan.save(path)
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)  # the standard library alone
+    assert data["format"] == PLAN_FORMAT == "wrapopt.plan/1"
+    assert data["units"][-1] == {"modules": [""], "reshard_after_forward": False, "checkpoint": False}
+    assert [u["modules"] for u in data["units"][:-1]] == [[f"layers.{i}"] for i in range(4)]
+    assert data["mesh"]["world_size"] == 8 and data["mesh"]["axis_names"] == ["shard"]
+    assert data["model"]["class"] == "GPT"
+    assert data["label"] == "per-block"
+    assert set(data["baselines"]) == set(BASELINE_NAMES)
+
+
+def test_save_is_atomic_and_leaves_no_temp_files(per_block_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("old contents")
+    per_block_plan.save(path)
+    per_block_plan.save(path)  # overwrite an existing plan
+    assert sorted(os.listdir(tmp_path)) == ["plan.json"]
+    assert WrapPlan.load(path).spec == per_block_plan.spec
+
+
+def test_failed_save_leaves_old_file_and_no_temp(per_block_plan, tmp_path, monkeypatch):
+    path = tmp_path / "plan.json"
+    per_block_plan.save(path)
+    good = path.read_text()
+    per_block_plan.spec = PlanSpec(units=per_block_plan.units, mesh=MESH, label="changed")
+
+    def fail_replace(src, dst):  # the temp file is written, then the rename fails
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(os, "replace", fail_replace)
+    with pytest.raises(OSError, match="simulated"):
+        per_block_plan.save(path)
+    monkeypatch.undo()
+    assert path.read_text() == good
+    assert sorted(os.listdir(tmp_path)) == ["plan.json"]
+
+
+# --- malformed files ------------------------------------------------------------------------------
+
+
+def _write(tmp_path, data, name="bad.json") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def _mutated(plan: WrapPlan, change) -> dict:
+    data = copy.deepcopy(plan.to_json())
+    change(data)
+    return data
+
+
+def test_not_json_names_the_file(tmp_path):
+    path = _write(tmp_path, "{ this is not json")
+    with pytest.raises(PlanError, match="not a JSON plan file") as exc:
+        WrapPlan.load(path)
+    assert path in str(exc.value)
+
+
+def test_missing_file_names_the_file(tmp_path):
+    path = str(tmp_path / "nope.json")
+    with pytest.raises(PlanError) as exc:
+        WrapPlan.load(path)
+    assert path in str(exc.value)
+
+
+def test_json_that_is_not_an_object(tmp_path):
+    path = _write(tmp_path, "[1, 2]")
+    with pytest.raises(PlanError) as exc:
+        WrapPlan.load(path)
+    assert path in str(exc.value)
+
+
+def _set(key_path: str, value):
+    def change(d):
+        *parents, last = key_path.split(".")
+        for k in parents:
+            d = d[int(k)] if isinstance(d, list) else d[k]
+        d[int(last) if isinstance(d, list) else last] = value
+
+    return change
+
+
+def _drop(key: str):
+    return lambda d: d.pop(key)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (_set("format", "wrapopt.fabric/1"), "format"),
+        (_set("format", "something-else"), "format"),
+        (_set("format", "wrapopt.plan/99"), "format"),
+        (_set("format", "wrapopt.plan/x"), "format"),
+        (_drop("units"), "units"),
+        (_set("units", []), "units"),
+        (_set("units.0.reshard_after_forward", "yes"), "units[0].reshard_after_forward"),
+        (_set("units.0.reshard_after_forward", 0), "units[0].reshard_after_forward"),
+        (_set("units.1.checkpoint", "no"), "units[1].checkpoint"),
+        (_set("units.2.modules", []), "units[2].modules"),
+        (_set("units.2.modules", "layers.2"), "units[2].modules"),
+        (_set("mesh.world_size", 0), "mesh.world_size"),
+        (_set("mesh.world_size", "8"), "mesh.world_size"),
+        (_drop("mesh"), "mesh"),
+        (_set("mesh.shard_size", 3), "mesh"),
+        (_drop("model"), "model"),
+        (_set("forward_prefetch", -1), "forward_prefetch"),
+        (_set("mixed_precision", {"param_dtype": "int3"}), "mixed_precision"),
+    ],
+)
+def test_malformed_field_names_file_and_field(per_block_plan, tmp_path, change, field):
+    path = _write(tmp_path, _mutated(per_block_plan, change))
+    with pytest.raises(PlanError) as exc:
+        WrapPlan.load(path)
+    msg = str(exc.value)
+    assert path in msg
+    assert field in msg
+
+
+@pytest.mark.parametrize("field, value", [("prediction", [1, 2]), ("fabric", "abc"), ("baselines", 5)])
+def test_provenance_fields_must_be_objects(per_block_plan, tmp_path, field, value):
+    path = _write(tmp_path, _mutated(per_block_plan, _set(field, value)))
+    with pytest.raises(PlanError) as exc:
+        WrapPlan.load(path)
+    assert path in str(exc.value) and field in str(exc.value)
+
+
+def test_newer_format_says_upgrade(per_block_plan, tmp_path):
+    path = _write(tmp_path, _mutated(per_block_plan, _set("format", "wrapopt.plan/99")))
+    with pytest.raises(PlanError, match="newer") as exc:
+        WrapPlan.load(path)
+    assert "wrapopt.plan/99" in str(exc.value)
+
+
+def test_units_must_end_with_root(per_block_plan, tmp_path):
+    path = _write(tmp_path, _mutated(per_block_plan, lambda d: d["units"].pop()))
+    with pytest.raises(PlanError, match="root") as exc:
+        WrapPlan.load(path)
+    assert path in str(exc.value) and "units" in str(exc.value)
+
+
+# --- the model check -------------------------------------------------------------------------------
+
+
+def test_check_model_accepts_the_planned_model(per_block_plan, tmp_path):
+    model, _ = zoo.build("gpt-tiny", "meta")
+    per_block_plan.check_model(model)
+    per_block_plan.save(tmp_path / "p.json")
+    WrapPlan.load(tmp_path / "p.json").check_model(model)
+
+
+def test_check_model_on_another_model_names_what_differs(per_block_plan):
+    llama, _ = zoo.build("llama-tiny", "meta")
+    with pytest.raises(PlanMismatchError) as exc:
+        per_block_plan.check_model(llama)
+    msg = str(exc.value)
+    assert isinstance(exc.value, PlanError)
+    assert "GPT" in msg and "Llama" in msg
+    assert "parameters only in the plan: layers.0.attn.k_proj.bias" in msg
+    assert "parameters only in the model: embed_tokens.weight" in msg
+
+
+def test_check_model_names_modules_the_model_lacks(gpt_tiny):
+    gpt, _, _ = gpt_tiny
+    llama, _ = zoo.build("llama-tiny", "meta")
+    spec = PlanSpec(units=(UnitSpec(("layers.0",)), UnitSpec(("wpe",)), UnitSpec((ROOT,), False)), mesh=MESH)
+    plan = WrapPlan(spec=spec, model=model_fingerprint(gpt))
+    with pytest.raises(PlanMismatchError, match="modules in the plan but not in the model: wpe"):
+        plan.check_model(llama)
+
+
+def test_check_model_names_changed_shapes():
+    small, _ = zoo.build("gpt-tiny", "meta")
+    with torch.device("meta"):
+        wide = zoo.GPT(vocab=2048, dim=64, n_layers=4, n_heads=4, max_seq=128)
+    plan = WrapPlan(spec=PlanSpec(units=(UnitSpec((ROOT,), False),), mesh=MESH), model=model_fingerprint(small))
+    with pytest.raises(PlanMismatchError, match=r"wpe\.weight \[64, 64\]->\[128, 64\]"):
+        plan.check_model(wide)
+
+
+# --- validate_plan ---------------------------------------------------------------------------------
+
+
+def test_validate_rejects_unknown_module(gpt_tiny):
+    _, _, graph = gpt_tiny
+    spec = PlanSpec(units=(UnitSpec(("layers.7",)), UnitSpec((ROOT,), False)), mesh=MESH)
+    with pytest.raises(PlanError, match=r"layers\.7"):
+        validate_plan(graph, spec)
+
+
+def test_validate_rejects_module_listed_twice(gpt_tiny):
+    _, _, graph = gpt_tiny
+    spec = PlanSpec(units=(UnitSpec(("layers.0",)), UnitSpec(("layers.1", "layers.0")), UnitSpec((ROOT,), False)),
+                    mesh=MESH)
+    with pytest.raises(PlanError, match=r"'layers\.0'"):
+        validate_plan(graph, spec)
+
+
+def test_validate_rejects_split_tied_group(gpt_tiny):
+    _, _, graph = gpt_tiny
+    spec = PlanSpec(units=(UnitSpec(("wte",)), UnitSpec((ROOT,), False)), mesh=MESH)
+    with pytest.raises(PlanError) as exc:
+        validate_plan(graph, spec)
+    assert "wte.weight" in str(exc.value) and "lm_head.weight" in str(exc.value)
+
+
+def test_validate_accepts_tied_group_in_one_unit(gpt_tiny):
+    _, _, graph = gpt_tiny
+    validate_plan(graph, PlanSpec(units=(UnitSpec(("wte", "lm_head")), UnitSpec((ROOT,), False)), mesh=MESH))
+
+
+def test_validate_rejects_root_not_last(gpt_tiny):
+    _, _, graph = gpt_tiny
+    spec = PlanSpec(units=(UnitSpec((ROOT,), False), UnitSpec(("layers.0",))), mesh=MESH)
+    with pytest.raises(PlanError, match="root"):
+        validate_plan(graph, spec)
+
+
+def test_validate_rejects_nested_modules_in_one_unit(gpt_tiny):
+    _, _, graph = gpt_tiny
+    spec = PlanSpec(units=(UnitSpec(("layers.0", "layers.0.mlp")), UnitSpec((ROOT,), False)), mesh=MESH)
+    with pytest.raises(PlanError, match=r"layers\.0\.mlp"):
+        validate_plan(graph, spec)
+
+
+def test_validate_rejects_hpz_not_dividing_shard_group(gpt_tiny):
+    _, _, graph = gpt_tiny
+    spec = PlanSpec(units=(UnitSpec(("layers.0",), 3), UnitSpec((ROOT,), False)), mesh=MESH)
+    with pytest.raises(PlanError, match="reshard_after_forward=3"):
+        validate_plan(graph, spec)
+
+
+# --- FSDP1 policy export -------------------------------------------------------------------------
+
+
+def test_fsdp1_policy_rejects_grouped_unit(gpt_tiny):
+    model, _, graph = gpt_tiny
+    spec = make_plan(graph, MESH, [("layers.0", "layers.1"), "layers.2", "layers.3"], label="grouped")
+    plan = WrapPlan(spec=spec, model=model_fingerprint(model))
+    with pytest.raises(PlanError, match=r"layers\.0"):
+        plan.to_fsdp1_policy()
+
+
+def test_fsdp1_policy_wraps_exactly_the_plan_modules(per_block_plan):
+    model, _ = zoo.build("gpt-tiny", "meta")
+    policy = per_block_plan.to_fsdp1_policy()
+    assert policy(model, True, 0) is True  # FSDP1 first asks about the root with recurse=True
+    wrapped = {name for name, m in model.named_modules() if name != ROOT and policy(m, False, 0)}
+    assert wrapped == {"layers.0", "layers.1", "layers.2", "layers.3"}
+    # recurse=True always descends.
+    assert all(policy(m, True, 0) for _, m in model.named_modules())
+
+
+def test_fsdp1_policy_names_missing_modules(per_block_plan):
+    llama, _ = zoo.build("llama-tiny", "meta")
+    wrong = WrapPlan(
+        spec=PlanSpec(units=(UnitSpec(("layers.0",)), UnitSpec(("wte",)), UnitSpec((ROOT,), False)), mesh=MESH),
+        model=per_block_plan.model,
+    )
+    with pytest.raises(PlanError, match="wte"):
+        wrong.to_fsdp1_policy()(llama, True, 0)
+
+
+# --- parse_bytes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("80GiB", 80 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("80 gib", 80 * 2**30),
+        ("85899345920", 85_899_345_920),
+        (1024, 1024),
+        ("1.5KiB", 1536),
+        ("512MiB", 512 * 2**20),
+        ("  2TB ", 2 * 10**12),
+        ("100b", 100),
+    ],
+)
+def test_parse_bytes_accepts(text, expected):
+    value = parse_bytes(text)
+    assert value == expected and isinstance(value, int)
+
+
+@pytest.mark.parametrize("text", ["lots", "-5GB", "", "80 GiBs", "0", "0GB", "GB", -1, 0, "80 XB"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["0.5", 0.4])
+def test_parse_bytes_never_returns_zero(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
