@@ -92,8 +92,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from wrapopt.report import format_plan
 
     data: Any = read_json(args.file)
-    fmt = data.get("format", "") if isinstance(data, dict) else ""
-    if fmt.startswith("wrapopt.fabric/"):
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if isinstance(fmt, str) and fmt.startswith("wrapopt.fabric/"):
         prof = FabricProfile.from_json(data, source=args.file)
         if args.json:
             print(json.dumps(prof.to_json(), indent=1))

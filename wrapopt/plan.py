@@ -194,7 +194,11 @@ class WrapPlan:
         mp = data.get("mixed_precision") or {"param_dtype": None, "reduce_dtype": None}
         if not isinstance(mp, dict) or any(v not in (None, "float32", "bfloat16", "float16") for v in mp.values()):
             raise fail("mixed_precision", "must map param_dtype/reduce_dtype to null, 'float32', 'bfloat16' or 'float16'")
-        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label", "")))
+        for fld in ("prediction", "fabric", "baselines"):
+            v = data.get(fld)
+            if v is not None and not isinstance(v, dict):
+                raise fail(fld, "must be an object")
+        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""))
         return cls(
             spec=spec,
             model=model,

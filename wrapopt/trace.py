@@ -87,6 +87,10 @@ class _FusedAttention(TorchFunctionMode):
 
 
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is not None and attn_mask.requires_grad:
+        # A trained mask (T5's relative position bias) needs the math path's mask gradient.
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
@@ -337,7 +341,8 @@ def _is_data_dependent(e: Exception) -> bool:
     text = str(e)
     return any(
         s in text
-        for s in ("cannot be called on meta tensors", "data-dependent", "Cannot copy out of meta tensor", "meta tensor")
+        for s in ("cannot be called on meta tensors", "data-dependent", "Cannot copy out of meta tensor", "meta tensor",
+                  "data-independent implementation", "torch.nonzero()")
     ) and "shape" not in text.split("meta")[0][-20:]
 
 
