@@ -7,7 +7,9 @@ reduce-scatter where FSDP2 places them, and tracks memory at every event.
 The notes below are the assumptions; code cites them as ``# See [Note: ...]``.
 
 [Note: segments] Forward compute is a sequence of *segments*: runs of
-consecutive module calls owned by the same unit (see [Note: unit
+consecutive module calls owned by the same unit and inside the same block
+(or top-level child), so memory is freed block by block even when one unit
+owns many blocks (see [Note: unit
 ownership] in ``units.py``). The root unit owns the embedding at the start and
 the head at the end, so it has segments at both ends; a unit needs its
 parameters gathered before its first segment.
@@ -77,6 +79,8 @@ class _Entry:
     bwd_s: float
     saved: int
     out: int
+    grad_numel: int  # trainable parameters registered on this module
+    piece: str  # the block (or top-level child) it belongs to: segments never span two
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,7 @@ class _Segment:
     bwd_s: float
     saved: int
     work: int  # working set: largest module output in the segment
+    grad_numel: int  # gradients that appear during this segment's backward
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +124,14 @@ class Simulator:
         self.options = options or SimOptions()
         measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
         scale = self.options.batch_scale
+        blocks = set(graph.blocks)
+
+        def piece(fqn: str) -> str:
+            for a in ancestors(fqn):
+                if a in blocks:
+                    return a
+            return fqn.split(".", 1)[0]
+
         entries = []
         for m in graph.call_order():
             if measured:
@@ -126,7 +139,8 @@ class Simulator:
             else:
                 f = m.fwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
                 b = m.bwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
-            entries.append(_Entry(m.fqn, ancestors(m.fqn), f * scale, b * scale, int(m.saved_bytes * scale), int(m.output_bytes * scale)))
+            entries.append(_Entry(m.fqn, ancestors(m.fqn), f * scale, b * scale, int(m.saved_bytes * scale),
+                                  int(m.output_bytes * scale), m.own_trainable_numel, piece(m.fqn)))
         self._entries = tuple(entries)
         self._param_modules = tuple(
             (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes)
@@ -175,15 +189,16 @@ class Simulator:
             fwd[u] += e.fwd_s
             bwd[u] += e.bwd_s
             work[u] = max(work[u], e.out)
-            if segs and segs[-1][0] == u:
+            if segs and segs[-1][0] == u and segs[-1][6] == e.piece:
                 s = segs[-1]
                 s[1] += e.fwd_s
                 s[2] += e.bwd_s
                 s[3] += e.saved
                 s[4] = max(s[4], e.out)
+                s[5] += e.grad_numel
             else:
-                segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out])
-        segments = tuple(_Segment(*s) for s in segs)
+                segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, e.piece])
+        segments = tuple(_Segment(*s[:6]) for s in segs)
         order = tuple(dict.fromkeys([n - 1] + [s.unit for s in segments]))
         last = [-1] * n
         for i, s in enumerate(segments):
@@ -244,10 +259,11 @@ class Simulator:
         storage = sum(lay.storage_bytes)
         trainable = sum(lay.trainable_bytes)
         sharded_params = storage / shard
-        sharded_grads = trainable / shard
+        # Sharded gradients appear unit by unit as reduce-scatters land (zero_grad(set_to_none=True)).
+        sharded_grads = 0.0
         optim = trainable * opt.optimizer.states_per_param / shard
         accum = sum(G) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
-        static = sharded_params + sharded_grads + optim + accum
+        static = sharded_params + optim + accum
         gathered = 0.0
         acts = 0.0
         peak = 0.0
@@ -256,7 +272,7 @@ class Simulator:
 
         def note_mem(work: float) -> float:
             nonlocal peak, peak_parts
-            total = static + gathered + acts + grads_pending + work
+            total = static + sharded_grads + gathered + acts + grads_pending + work
             if total > peak:
                 peak = total
                 peak_parts = {
@@ -329,7 +345,8 @@ class Simulator:
                 if ck:
                     acts += lay.input_bytes[u]
                 gathered -= P[u] - keep[u]  # reshard after forward
-        run(self.compute.loss_s * opt.batch_scale, "loss", n - 1, 0)  # the loss: outside every module
+        # The loss runs outside every module; it holds the model's output and one temporary of its size.
+        run(self.compute.loss_s * opt.batch_scale, "loss", n - 1, 2 * self.graph.root.output_bytes * opt.batch_scale)
         fwd_end = t
 
         # ---- backward: See [Note: backward schedule] ---------------------------------------
@@ -342,9 +359,11 @@ class Simulator:
         first_b = [False] * n
         done_segments = [0] * n
         nseg = [0] * n
+        seg_grads = [0] * n
         for s in lay.segments:
             nseg[s.unit] += 1
-        pending: list[tuple[float, float]] = []  # (end time, bytes) of unsharded grads awaiting reduction
+            seg_grads[s.unit] += s.grad_numel
+        pending: list[tuple[float, float, float]] = []  # (end, unsharded bytes, sharded bytes) awaiting reduction
 
         def need_regather(u: int) -> bool:
             return rag[u] > 0
@@ -361,15 +380,18 @@ class Simulator:
                 if k < len(border) and need_regather(border[k]) and not bissued[border[k]]:
                     bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])
                     bissued[border[k]] = True
-                grads_pending += G[u]
                 if units[u].checkpoint:
                     acts -= lay.input_bytes[u]
                     acts += lay.saved[u]  # recompute re-saves the unit's activations
                     run(lay.fwd_s[u], "recompute", u, lay.work[u])
+            # Unsharded gradients appear as the unit's backward reaches their modules
+            # (the rest of the unit's, e.g. of modules that never ran, at its end).
+            grads_pending += s.grad_numel * reduce_elem
             run(s.bwd_s, "bwd", u, 2 * s.work)
             acts -= s.saved
             done_segments[u] += 1
             if done_segments[u] == nseg[u]:
+                grads_pending += G[u] - seg_grads[u] * reduce_elem
                 gathered -= keep[u] if not need_regather(u) else P[u]
                 # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
                 dur = rs[u] + ar[u]
@@ -377,14 +399,16 @@ class Simulator:
                 d = dur * (ovl_m if t > start else 1.0)
                 c = start + d
                 comm_total += d
-                pending.append((c, G[u]))
+                pending.append((c, G[u], lay.trainable_bytes[u] / shard))
                 if record and d > 0:
                     ev.append(TimelineEvent("comm", "reduce_scatter", units[u].name, start, c, 0))
                 t += unit_oh
             # Gradients whose reduction has landed are freed.
-            still = [(e, b) for e, b in pending if e > t]
-            grads_pending -= sum(b for e, b in pending if e <= t)
-            pending = still
+            for e, b, sb in pending:
+                if e <= t:
+                    grads_pending -= b
+                    sharded_grads += sb
+            pending = [p for p in pending if p[0] > t]
         bwd_end = t
         end = max(t, c)
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
