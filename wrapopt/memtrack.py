@@ -54,6 +54,10 @@ class LiveBytesTracker:
         for m in self._model.modules():
             get_state = getattr(m, "_get_fsdp_state", None)
             group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+            # The all-gather output FSDP2 keeps from the previous step's last forward unshard.
+            ag_state = getattr(getattr(group, "comm_ctx", None), "all_gather_state", None)
+            if ag_state is not None:
+                self._add_any(getattr(ag_state.all_gather_result, "all_gather_output", None))
             for fp in getattr(group, "fsdp_params", []) or []:
                 for v in vars(fp).values() if hasattr(fp, "__dict__") else []:
                     self._add_any(v)

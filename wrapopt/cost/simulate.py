@@ -44,6 +44,14 @@ set of the segment computing now (its largest module output, twice: the
 output and the incoming gradient in backward). A checkpointed unit keeps only
 its input during forward and re-saves its activations while it recomputes.
 
+[Note: all-gather buffer] On a GPU, FSDP2 keeps the output buffer of a
+forward all-gather alive until the next unit's forward all-gather has been
+copied out (so the copy-out overlaps the next collective), and the last one
+of the forward until the next step's first: one unit's gathered size more,
+always, and the whole model for a root-only plan. On CPU (gloo) the
+all-gather is asynchronous and the buffer is freed right after the copy-out.
+Every copy-out briefly holds the buffer beside the unsharded parameters.
+
 [Note: overlap] Collectives are not free when overlapped: a compute segment
 that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
 times longer over the overlapped part, and a collective issued while compute
@@ -272,7 +280,7 @@ class Simulator:
 
         def note_mem(work: float) -> float:
             nonlocal peak, peak_parts
-            total = static + sharded_grads + gathered + acts + grads_pending + work
+            total = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + work
             if total > peak:
                 peak = total
                 peak_parts = {
@@ -281,6 +289,7 @@ class Simulator:
                     "optimizer_state": optim,
                     "accumulated_grads": accum,
                     "unsharded_params": gathered,
+                    "all_gather_buffer": ag_buffer,
                     "unsharded_grads": grads_pending,
                     "activations": acts,
                     "working_set": work,
@@ -289,8 +298,10 @@ class Simulator:
 
         # ---- forward: See [Note: segments], [Note: all-gather issue] -------------------
         order = lay.order
-        pos = {u: k for k, u in enumerate(order)}
         runs_ahead = not self.compute.device.startswith("cpu")  # See [Note: all-gather issue]
+        # The previous step's last forward all-gather output is still held at step start.
+        ag_buffer = float(P[order[-1]]) if runs_ahead else 0.0
+        pos = {u: k for k, u in enumerate(order)}
         depth = max(plan.forward_prefetch, 1 if runs_ahead else 0)
         ag_end = [0.0] * n
         issued = [False] * n
@@ -331,6 +342,9 @@ class Simulator:
                     ag_end[u] = issue_ag(u, t)
                     issued[u] = True
                 t = max(t, ag_end[u]) + unit_oh
+                note_mem(P[u])  # copy-out: the all-gather output beside the unsharded parameters
+                if runs_ahead:
+                    ag_buffer = P[u]  # See [Note: all-gather buffer]
                 # Prefetch `depth` units ahead, issued now (this unit's pre-forward).
                 if depth:
                     k = pos[u] + depth
@@ -376,6 +390,8 @@ class Simulator:
                     bag_end[u] = issue_ag(u, t, "re_gather", rag[u])
                     bissued[u] = True
                 t = max(t, bag_end[u]) + (unit_oh if need_regather(u) else 0.0)
+                if need_regather(u):
+                    note_mem(P[u])  # copy-out transient; freed at once in backward
                 k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
                 if k < len(border) and need_regather(border[k]) and not bissued[border[k]]:
                     bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])

@@ -1,0 +1,187 @@
+"""Predicted against measured: the loop shared by the demo, the fidelity and plan benchmarks.
+
+``evaluate(model, world_size=2, plan_set=...)`` starts local ranks that
+measure the fabric and the device, trace the model, let wrapopt choose a plan
+under the budget, build the requested comparison plans, predict every plan
+with the simulator, and run real steps of all of them interleaved. Rank 0
+returns one row per plan with both figures, and the profiles it used.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from wrapopt.types import MeshSpec, ModelGraph, PlanSpec, UnitSpec
+
+__all__ = ["evaluate", "PLAN_SETS", "spearman"]
+
+
+def _log(rank: int, quiet: bool, msg: str) -> None:
+    if rank == 0 and not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _variants(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
+    """The baselines, groupings of 1, 2 and 4 blocks with and without resharding
+    after forward and activation checkpointing, and explicit prefetch."""
+    from wrapopt.search import baselines
+
+    base = baselines(graph, mesh)
+    out = list(base.values())
+    root = base["root-only"].units[-1]
+    for size in (1, 2, 4):
+        groups = [c[i:i + size] for c in graph.block_chains for i in range(0, len(c), size)]
+        if not groups or (size > 1 and all(len(g) == 1 for g in groups)):
+            continue
+        for raf, ck in ((True, False), (False, False), (True, True)):
+            name = f"groups-of-{size}" + ("" if raf else ",keep") + (",ckpt" if ck else "")
+            out.append(PlanSpec(tuple(UnitSpec(g, raf, ck) for g in groups) + (root,), mesh, label=name))
+    blocks = [u for u in out if u.label == "groups-of-1"]
+    if blocks:
+        out.append(replace(blocks[0], forward_prefetch=1, label="groups-of-1,prefetch"))
+    return out
+
+
+def _baselines(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
+    from wrapopt.search import baselines
+
+    return list(baselines(graph, mesh).values())
+
+
+PLAN_SETS: dict[str, Callable[[ModelGraph, MeshSpec], list[PlanSpec]]] = {
+    "baselines": _baselines,
+    "variants": _variants,
+}
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    from wrapopt import zoo
+    from wrapopt._io import parse_bytes
+    from wrapopt.api import _broadcast_json
+    from wrapopt.bench import measure_plans
+    from wrapopt.cost import Simulator
+    from wrapopt.fabric import ComputeProfile
+    from wrapopt.profile import measure_compute, measure_fabric
+    from wrapopt.search import search_plan
+    from wrapopt.trace import trace_model
+
+    quiet = cfg["quiet"]
+    entry = zoo.get_entry(cfg["model"])
+    inputs = entry.inputs()
+    t0 = time.perf_counter()
+    _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {dist.get_backend()} ranks ...")
+    fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=False,
+                            ranks_per_node=cfg["ranks_per_node"])
+    _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, per-module times) ...")
+    compute = measure_compute(model=entry.build("cpu", seed=0), example_inputs=inputs, loss_fn=entry.loss, repeats=5)
+    compute = _broadcast_json(compute.to_json(), ComputeProfile.from_json)
+    _log(rank, quiet, "[3/5] tracing on the meta device and searching ...")
+    graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss)
+    mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
+    sim = Simulator(graph, fabric, compute)
+    budget = cfg["budget"]
+    if budget == "midway":
+        probe = search_plan(graph, sim, mesh)
+        peaks = [s.estimate.peak_bytes for s in probe.baselines.values()]
+        budget_bytes, budget_why = (min(peaks) + max(peaks)) / 2, "midway between the smallest and largest predicted baseline peak"
+    elif budget in (None, "none"):
+        budget_bytes, budget_why = float("inf"), "none"
+    else:
+        budget_bytes, budget_why = float(parse_bytes(budget)), "given"
+    result = search_plan(graph, sim, mesh, memory_budget=budget_bytes)
+    chosen = replace(result.best.plan, label="wrapopt:" + (result.best.plan.label or "plan"))
+    plans = [chosen]
+    seen = {(chosen.units, chosen.mesh, chosen.forward_prefetch)}
+    for p in PLAN_SETS[cfg["plan_set"]](graph, mesh):
+        key = (p.units, p.mesh, p.forward_prefetch)
+        if key not in seen:
+            seen.add(key)
+            plans.append(p)
+    preds = [sim.simulate(p) for p in plans]
+    _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats after warm-up ...")
+    measured = measure_plans(lambda: entry.build("cpu", seed=0), plans, inputs, entry.loss,
+                             repeats=cfg["repeats"], warmup=2)
+    _log(rank, quiet, f"[5/5] done in {time.perf_counter() - t0:.1f} s")
+    if rank != 0:
+        return None
+    rows = []
+    for i, (p, e, m) in enumerate(zip(plans, preds, measured)):
+        rows.append({
+            "plan": p.label, "units": len(p.units), "chosen": i == 0, "fits": e.peak_bytes <= budget_bytes,
+            "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s), "meas_spread": m.spread,
+            "pred_peak_bytes": e.peak_bytes, "meas_peak_bytes": m.peak_bytes,
+        })
+    return {
+        "model": f"zoo:{cfg['model']}", "rows": rows, "plan_json": _plan_json(result, chosen, graph, entry, sim),
+        "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
+        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch": torch.__version__, "backend": dist.get_backend(), "world_size": world,
+                    "ranks_per_node": cfg["ranks_per_node"], "threads_per_rank": torch.get_num_threads()},
+    }
+
+
+def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim) -> dict[str, Any]:
+    from wrapopt.plan import WrapPlan
+
+    fab = sim.fabric
+    plan = WrapPlan.from_search(
+        chosen, entry.build("meta"), sim.simulate(chosen, record=True),
+        fabric={"name": fab.name, "kind": fab.kind, "backend": fab.backend, "world_size": fab.world_size,
+                "ranks_per_node": fab.ranks_per_node, "compute": sim.compute.device, "compute_kind": sim.compute.kind},
+        baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
+                   for k, s in result.baselines.items()},
+    )
+    return plan.to_json()
+
+
+def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = None, plan_set: str = "baselines",
+             repeats: int = 5, memory_budget: str | None = "midway", quiet: bool = False,
+             timeout_s: float = 900.0) -> dict[str, Any]:
+    """Predict and measure ``plan_set`` plans of zoo ``model`` on local gloo ranks; rank 0's rows."""
+    from wrapopt.launch import spawn
+
+    if plan_set not in PLAN_SETS:
+        raise ValueError(f"plan_set must be one of {sorted(PLAN_SETS)}, got {plan_set!r}")
+    rpn = ranks_per_node or world_size
+    cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budget": memory_budget, "quiet": quiet,
+           "ranks_per_node": rpn}
+    env = {"LOCAL_WORLD_SIZE": str(rpn), "KINETO_LOG_LEVEL": "5"}
+    t0 = time.perf_counter()
+    res = spawn(_worker, world_size=world_size, args=(cfg,), timeout_s=timeout_s, env=env)[0]
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (vx * vy) if vx and vy else float("nan")
