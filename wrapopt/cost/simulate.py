@@ -99,6 +99,7 @@ class _Segment:
     saved: int
     work: int  # working set: largest module output in the segment
     grad_numel: int  # gradients that appear during this segment's backward
+    keep: int  # what checkpointing keeps of this block: its output (~ the next block's input)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +207,15 @@ class Simulator:
                 s[5] += e.grad_numel
             else:
                 segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, e.piece])
-        segments = tuple(_Segment(*s[:6]) for s in segs)
+        seen_pieces: set[str] = set()
+        segments = []
+        for s in segs:
+            piece = s[6]
+            first = piece not in seen_pieces
+            seen_pieces.add(piece)
+            keep = int(self.graph.info(piece).output_bytes * self.options.batch_scale) if first and piece in self.graph.tree else 0
+            segments.append(_Segment(*s[:6], keep))
+        segments = tuple(segments)
         order = tuple(dict.fromkeys([n - 1] + [s.unit for s in segments]))
         last = [-1] * n
         for i, s in enumerate(segments):
@@ -354,10 +363,9 @@ class Simulator:
                         issued[nxt] = True
             ck = units[u].checkpoint
             run(s.fwd_s, "fwd", u, s.work)
-            acts += 0 if ck else s.saved
+            # Checkpointing wraps each of the unit's modules: each keeps only its boundary tensor.
+            acts += s.keep if ck else s.saved
             if si == lay.last_fwd_segment[u]:
-                if ck:
-                    acts += lay.input_bytes[u]
                 gathered -= P[u] - keep[u]  # reshard after forward
         # The loss runs outside every module; it holds the model's output and one temporary of its size.
         run(self.compute.loss_s * opt.batch_scale, "loss", n - 1, 2 * self.graph.root.output_bytes * opt.batch_scale)
@@ -396,13 +404,12 @@ class Simulator:
                 if k < len(border) and need_regather(border[k]) and not bissued[border[k]]:
                     bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])
                     bissued[border[k]] = True
-                if units[u].checkpoint:
-                    acts -= lay.input_bytes[u]
-                    acts += lay.saved[u]  # recompute re-saves the unit's activations
-                    run(lay.fwd_s[u], "recompute", u, lay.work[u])
             # Unsharded gradients appear as the unit's backward reaches their modules
             # (the rest of the unit's, e.g. of modules that never ran, at its end).
             grads_pending += s.grad_numel * reduce_elem
+            if units[u].checkpoint:  # recompute this block's forward, re-saving its activations
+                acts += s.saved - s.keep
+                run(s.fwd_s, "recompute", u, s.work)
             run(s.bwd_s, "bwd", u, 2 * s.work)
             acts -= s.saved
             done_segments[u] += 1
