@@ -55,17 +55,73 @@ def _baselines(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
     return list(baselines(graph, mesh).values())
 
 
+def _compositions(n: int, max_group: int):
+    if n == 0:
+        yield ()
+        return
+    for s in range(1, min(max_group, n) + 1):
+        for rest in _compositions(n - s, max_group):
+            yield (s,) + rest
+
+
+def _exhaustive(graph: ModelGraph, mesh: MeshSpec, *, cap: int = 72) -> list[PlanSpec]:
+    """Every contiguous grouping of every block chain (uniform reshard choice), the
+    checkpointed uniform groupings, and the baselines: the measured optimum is the
+    fastest of these. The largest group size is lowered until the set has <= cap plans."""
+    import itertools
+
+    from wrapopt.search import baselines
+
+    base = baselines(graph, mesh)
+    root = base["root-only"].units[-1]
+    longest = max((len(c) for c in graph.block_chains), default=0)
+    for max_group in range(longest, 0, -1):
+        per_chain = [list(_compositions(len(c), max_group)) for c in graph.block_chains]
+        if 2 * len(list(itertools.product(*per_chain))) <= cap:
+            break
+    out = list(base.values())
+    for combo in itertools.product(*per_chain):
+        groups = []
+        for chain, sizes in zip(graph.block_chains, combo):
+            i = 0
+            for s in sizes:
+                groups.append(chain[i:i + s])
+                i += s
+        name = "+".join("-".join(str(s) for s in sizes) for sizes in combo)
+        for raf in (True, False):
+            out.append(PlanSpec(tuple(UnitSpec(g, raf) for g in groups) + (root,), mesh,
+                                label=f"[{name}]" + ("" if raf else ",keep")))
+    out += [p for p in _variants(graph, mesh) if "ckpt" in p.label]
+    return out
+
+
 PLAN_SETS: dict[str, Callable[[ModelGraph, MeshSpec], list[PlanSpec]]] = {
     "baselines": _baselines,
     "variants": _variants,
+    "exhaustive": _exhaustive,
 }
+
+
+def _resolve_budget(spec: Any, graph: ModelGraph, sim: Any, mesh: MeshSpec) -> tuple[float, str]:
+    from wrapopt._io import parse_bytes
+    from wrapopt.search import search_plan
+
+    if spec in (None, "none", "loose"):
+        return float("inf"), "loose: none, every plan fits"
+    if spec in ("midway", "tight"):
+        probe = search_plan(graph, sim, mesh)
+        peaks = {k: s.estimate.peak_bytes for k, s in probe.baselines.items()}
+        if spec == "midway":
+            return (min(peaks.values()) + max(peaks.values())) / 2, "midway between the smallest and largest predicted baseline peak"
+        ref = peaks.get("per-block", min(peaks.values()))
+        return ref * 1.02, "tight: 2% above the per-block baseline's predicted peak, so only fine-grained plans fit"
+    return float(parse_bytes(spec)), "given"
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from wrapopt import zoo
-    from wrapopt._io import parse_bytes
     from wrapopt.api import _broadcast_json
     from wrapopt.bench import measure_plans
     from wrapopt.cost import Simulator
@@ -88,23 +144,25 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss)
     mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
     sim = Simulator(graph, fabric, compute)
-    budget = cfg["budget"]
-    if budget == "midway":
-        probe = search_plan(graph, sim, mesh)
-        peaks = [s.estimate.peak_bytes for s in probe.baselines.values()]
-        budget_bytes, budget_why = (min(peaks) + max(peaks)) / 2, "midway between the smallest and largest predicted baseline peak"
-    elif budget in (None, "none"):
-        budget_bytes, budget_why = float("inf"), "none"
-    else:
-        budget_bytes, budget_why = float(parse_bytes(budget)), "given"
-    result = search_plan(graph, sim, mesh, memory_budget=budget_bytes)
-    chosen = replace(result.best.plan, label="wrapopt:" + (result.best.plan.label or "plan"))
-    plans = [chosen]
-    seen = {(chosen.units, chosen.mesh, chosen.forward_prefetch)}
+    budgets = []
+    plans: list[PlanSpec] = []
+    index: dict[tuple, int] = {}
+    chosen_for: dict[int, list[str]] = {}
+    for spec in cfg["budgets"]:
+        budget_bytes, budget_why = _resolve_budget(spec, graph, sim, mesh)
+        result = search_plan(graph, sim, mesh, memory_budget=budget_bytes)
+        best = result.best.plan
+        key = (best.units, best.mesh, best.forward_prefetch)
+        if key not in index:
+            index[key] = len(plans)
+            plans.append(replace(best, label="wrapopt:" + (best.label or "plan")))
+        chosen_for.setdefault(index[key], []).append(str(spec))
+        budgets.append({"name": str(spec), "bytes": budget_bytes, "why": budget_why, "chosen": plans[index[key]].label,
+                        "result": result})
     for p in PLAN_SETS[cfg["plan_set"]](graph, mesh):
         key = (p.units, p.mesh, p.forward_prefetch)
-        if key not in seen:
-            seen.add(key)
+        if key not in index:
+            index[key] = len(plans)
             plans.append(p)
     preds = [sim.simulate(p) for p in plans]
     _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats after warm-up ...")
@@ -114,14 +172,18 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     if rank != 0:
         return None
     rows = []
+    budget_bytes, budget_why = budgets[0]["bytes"], budgets[0]["why"]
     for i, (p, e, m) in enumerate(zip(plans, preds, measured)):
         rows.append({
-            "plan": p.label, "units": len(p.units), "chosen": i == 0, "fits": e.peak_bytes <= budget_bytes,
+            "plan": p.label, "units": len(p.units), "chosen": i == 0, "chosen_for": chosen_for.get(i, []),
+            "fits": e.peak_bytes <= budget_bytes,
             "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s), "meas_spread": m.spread,
             "pred_peak_bytes": e.peak_bytes, "meas_peak_bytes": m.peak_bytes,
         })
     return {
-        "model": f"zoo:{cfg['model']}", "rows": rows, "plan_json": _plan_json(result, chosen, graph, entry, sim),
+        "model": f"zoo:{cfg['model']}", "rows": rows,
+        "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim),
+        "budgets": [{k: v for k, v in b.items() if k != "result"} for b in budgets],
         "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
         "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "backend": dist.get_backend(), "world_size": world,
@@ -144,16 +206,16 @@ def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim) -> dict[
 
 
 def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = None, plan_set: str = "baselines",
-             repeats: int = 5, memory_budget: str | None = "midway", quiet: bool = False,
-             timeout_s: float = 900.0) -> dict[str, Any]:
+             repeats: int = 5, memory_budget: str | None = "midway", budgets: list[str] | None = None,
+             quiet: bool = False, timeout_s: float = 900.0) -> dict[str, Any]:
     """Predict and measure ``plan_set`` plans of zoo ``model`` on local gloo ranks; rank 0's rows."""
     from wrapopt.launch import spawn
 
     if plan_set not in PLAN_SETS:
         raise ValueError(f"plan_set must be one of {sorted(PLAN_SETS)}, got {plan_set!r}")
     rpn = ranks_per_node or world_size
-    cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budget": memory_budget, "quiet": quiet,
-           "ranks_per_node": rpn}
+    cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budgets": budgets or [memory_budget],
+           "quiet": quiet, "ranks_per_node": rpn}
     env = {"LOCAL_WORLD_SIZE": str(rpn), "KINETO_LOG_LEVEL": "5"}
     t0 = time.perf_counter()
     res = spawn(_worker, world_size=world_size, args=(cfg,), timeout_s=timeout_s, env=env)[0]
