@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from wrapopt._io import fmt_bytes, parse_bytes
+from wrapopt._io import check_writable, fmt_bytes, parse_bytes
 from wrapopt.cost import Simulator
-from wrapopt.errors import ModelError, ProfileError
+from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
 from wrapopt.fabric import DEFAULT_ANALYTICAL, ANALYTICAL_FABRICS, ComputeProfile, FabricProfile, analytical_fabric
 from wrapopt.plan import WrapPlan
-from wrapopt.search import Scored, SearchResult, search_plan
+from wrapopt.search import Scored, SearchResult, baselines, search_plan
 from wrapopt.trace import trace_model
 from wrapopt.types import MeshSpec, ModelGraph, SimOptions
 
@@ -173,7 +173,7 @@ def optimize_wrap(
         >>> res = optimize_wrap(model, x, world_size=64, gpus_per_node=8)  # doctest: +SKIP
         >>> print(res.report())  # doctest: +SKIP
     """
-    torch.manual_seed(seed)
+    del seed  # the search is deterministic; kept for API stability (Optuna strategies take it)
     in_group = dist.is_initialized()
     rank = dist.get_rank() if in_group else 0
     if in_group:
@@ -194,6 +194,8 @@ def optimize_wrap(
     if isinstance(compute, str):
         compute = ComputeProfile.load(compute)
     fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)
+    if compute is None and fab is not None and fab.kind == "analytical":
+        compute = ComputeProfile.analytical(fab.name)  # stated numbers for both, as `wrapopt search` does
 
     if in_group and given_plan is None:
         from wrapopt.profile import measure_compute, measure_fabric
@@ -208,28 +210,54 @@ def optimize_wrap(
     assert fab is not None or given_plan is not None
     budget = _budget(memory_budget, compute)
 
+    result: SearchResult | None = None
     if given_plan is not None:
-        wplan, result = given_plan, None
+        wplan = given_plan
     else:
         notes = check_fabric_fits(fab, mesh, rescale=rescale_fabric)  # type: ignore[arg-type]
-        text = None
+        text: dict[str, Any] | None = None
+        failure: Exception | None = None
         if rank == 0:
-            wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget, notes=notes)  # type: ignore[arg-type]
-            text = wplan.to_json()
+            # A failure here must reach every rank (they wait in the broadcast), not hang them.
+            try:
+                if save_plan is not None:
+                    check_writable(save_plan)
+                wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget, notes=notes)  # type: ignore[arg-type]
+                text = {"plan": wplan.to_json()}
+            except (WrapoptError, ValueError, OSError) as e:
+                if not in_group:
+                    raise
+                text, failure = {"error": type(e).__name__, "message": str(e)}, e
         if in_group:
             text = _broadcast_json(text, lambda d, **_: d)
+            if "error" in text:  # type: ignore[operator]
+                if failure is not None:
+                    raise failure
+                kinds = {c.__name__: c for c in (InfeasibleError, ModelError, ProfileError, PlanError)}
+                raise kinds.get(text["error"], WrapoptError)(f"rank 0 could not make a plan: {text['message']}")  # type: ignore[index]
             if rank != 0:
-                wplan = WrapPlan.from_json(text)
-                sim = Simulator(graph, fab, compute)  # type: ignore[arg-type]
-                result = search_plan(graph, sim, mesh, memory_budget=budget)
+                wplan = WrapPlan.from_json(text["plan"])  # type: ignore[index]
     if save_plan is not None and rank == 0:
         wplan.save(save_plan)
     sharded = wplan.apply(model) if in_group else None
-    if result is None:  # a given plan: score it and the baselines for the report
-        sim = Simulator(graph, fab or analytical_fabric(world_size=world_size), compute)
-        result = search_plan(graph, sim, wplan.mesh, memory_budget=budget)
+    fab = fab or analytical_fabric(world_size=world_size, ranks_per_node=mesh.ranks_per_node)
+    if result is None:  # a given or received plan: score it beside the baselines, no search
+        result = _score_given(graph, Simulator(graph, fab, compute), wplan.spec, budget)
     return OptimizeResult(plan=wplan, model=sharded, baselines=result.baselines, search=result, graph=graph,
-                          fabric=fab or analytical_fabric(world_size=world_size), compute=compute)
+                          fabric=fab, compute=compute)
+
+
+def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | None) -> SearchResult:
+    limit = float(budget) if budget else float("inf")
+
+    def scored(p: Any) -> Scored:
+        est = sim.simulate(p)
+        return Scored(p, est, est.peak_bytes <= limit)
+
+    mine = scored(spec)
+    base = {n: scored(p) for n, p in baselines(graph, spec.mesh).items()}
+    return SearchResult(best=mine, baselines=base, candidates=(mine, *base.values()), memory_budget=limit,
+                        notes=("plan given, not searched",))
 
 
 def _budget(memory_budget: int | float | str | None, compute: ComputeProfile) -> float | None:

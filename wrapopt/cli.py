@@ -76,7 +76,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         out = plan.to_json()
         out.pop("model", None)
-        out["model"] = {k: v for k, v in plan.model.items() if k != "params"}
+        out["model"] = {k: v for k, v in plan.model.items() if k not in ("params", "module_classes")}
         print(json.dumps(out, indent=1))
     else:
         print(format_report(result, fabric, compute, mesh))
@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--memory", default=None, help="budget (default: midway between the baselines' peaks)")
     p.set_defaults(func=_cmd_demo)
+
+    from wrapopt.evidence import add_bench_parser
+    from wrapopt.export import add_export_parser
+
+    add_bench_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

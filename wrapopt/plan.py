@@ -23,7 +23,7 @@ import torch.nn as nn
 from wrapopt.errors import PlanError, PlanMismatchError
 from wrapopt.types import ROOT, CostEstimate, MeshSpec, PlanSpec, UnitSpec
 
-__all__ = ["WrapPlan", "PLAN_FORMAT", "model_fingerprint"]
+__all__ = ["WrapPlan", "PLAN_FORMAT", "model_fingerprint", "module_classes", "plan_schema", "schema_errors"]
 
 PLAN_FORMAT = "wrapopt.plan/1"
 _FORMAT_VERSION = 1
@@ -36,8 +36,14 @@ def _version() -> str:
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, Any]:
-    """Class, parameter count, and a hash of the sorted (name, shape, dtype) of
-    every parameter (tied parameters under their first name)."""
+    """Class, parameter count, a hash of the sorted (name, shape, dtype) of
+    every parameter (tied parameters under their first name), the table
+    itself, and the module names under each module class.
+
+    The classes let a plan name the modules that differ from another model
+    and be exported as a class-based wrap policy (``wrapopt.export``) without
+    the model at hand. The hash covers the parameters only.
+    """
     params = {n: (list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in model.named_parameters()}
     text = json.dumps(sorted(params.items()))
     return {
@@ -45,7 +51,43 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
         "num_params": sum(p.numel() for p in model.parameters()),
         "hash": hashlib.sha256(text.encode()).hexdigest()[:16],
         "params": {n: {"shape": s, "dtype": d} for n, (s, d) in sorted(params.items())},
+        "module_classes": module_classes(model),
     }
+
+
+def module_classes(model: nn.Module) -> dict[str, list[str]]:
+    """``{"package.module.Class": [module FQNs in named_modules() order]}``, sorted by class.
+
+    The root counts under its own class; wrappers added by sharding
+    (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``) are looked through,
+    so a sharded model reads like the model it was made from.
+    """
+    out: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        cls = type(m)
+        if _is_wrapper(cls):
+            continue
+        # fully_shard swaps a module's class for a subclass of (FSDPModule, cls): report cls.
+        plain = [b for b in cls.__bases__ if b.__name__ != "FSDPModule"]
+        if plain and len(plain) < len(cls.__bases__):
+            cls = plain[0]
+        out.setdefault(f"{cls.__module__}.{cls.__qualname__}", []).append(strip_wrapper_prefixes(name))
+    return dict(sorted(out.items()))
+
+
+# Module-name segments inserted by FSDP1 and checkpoint_wrapper around the wrapped module.
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """``"layers.0._fsdp_wrapped_module.attn"`` -> ``"layers.0.attn"``."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+
+
+def _is_wrapper(cls: type) -> bool:
+    # FSDP1's FullyShardedDataParallel, checkpoint_wrapper's CheckpointWrapper, torch.compile's OptimizedModule:
+    # each holds the real module under one of _WRAPPER_SEGMENTS and adds no parameters of its own.
+    return cls.__name__ in ("FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper", "OptimizedModule")
 
 
 @dataclass
@@ -198,6 +240,12 @@ class WrapPlan:
             v = data.get(fld)
             if v is not None and not isinstance(v, dict):
                 raise fail(fld, "must be an object")
+        # The hand checks above give the pointed messages; the schema catches the rest (a typo
+        # such as "reshard_after_foward" would otherwise be ignored and silently default to True).
+        problems = schema_errors(data)
+        if problems:
+            fld, msg = problems[0]
+            raise fail(fld, msg + " (see wrapopt/data/plan.schema.json)")
         spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""))
         return cls(
             spec=spec,
@@ -213,36 +261,58 @@ class WrapPlan:
     # -- checking and applying --------------------------------------------------------
 
     def check_model(self, model: nn.Module) -> None:
-        """Raise ``PlanMismatchError`` naming what differs if ``model`` is not the planned model."""
+        """Raise ``PlanMismatchError`` naming the modules that differ if ``model`` is not the planned model.
+
+        Compared: every parameter's name, shape and dtype, and the module
+        names the plan's units use. Module classes (when the plan records
+        them) are named in the message but do not refuse on their own: the
+        same weights under another class (eager vs SDPA attention, a subclass
+        of the root) take the same plan. Local work only (no collective), so
+        under ``torchrun`` every rank raises the same error.
+        """
         mine = self.model.get("params", {})
-        theirs = model_fingerprint(model)["params"]
+        here = model_fingerprint(model)
+        theirs = here["params"]
         missing = sorted(set(mine) - set(theirs))
         extra = sorted(set(theirs) - set(mine))
         changed = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
         unknown = sorted({m for u in self.units for m in u.modules} - {n for n, _ in model.named_modules()})
-        if missing or extra or changed or unknown:
-            parts = []
-            if unknown:
-                parts.append(f"modules in the plan but not in the model: {', '.join(unknown[:6])}")
-            if missing:
-                parts.append(f"parameters only in the plan: {', '.join(missing[:6])}")
-            if extra:
-                parts.append(f"parameters only in the model: {', '.join(extra[:6])}")
-            if changed:
-                parts.append("parameters whose shape or dtype differ: " + ", ".join(
-                    f"{n} {mine[n]['shape']}->{theirs[n]['shape']}" for n in changed[:6]))
-            raise PlanMismatchError(
-                f"this plan was made for {self.model.get('class')} with {self.model.get('num_params')} parameters, "
-                f"not for this {type(model).__name__}; " + "; ".join(parts)
-                + ". Re-run the search for this model, or pass strict=False to apply by module names only."
-            )
+        recast = _class_changes(self.model.get("module_classes"), here["module_classes"])
+        if not (missing or extra or changed or unknown):
+            return
+        differ = sorted(set(unknown) | set(recast) | {_module_of(n) for n in missing + extra + changed})
+        parts = [f"modules that differ: {_names(differ)}"]
+        if unknown:
+            parts.append(f"modules in the plan but not in the model: {_names(unknown)}")
+        if recast:
+            parts.append("modules whose class differs: " + _names([f"{n} ({recast[n]})" for n in sorted(recast)]))
+        if missing:
+            parts.append(f"parameters only in the plan: {_names(missing)}")
+        if extra:
+            parts.append(f"parameters only in the model: {_names(extra)}")
+        if changed:
+            parts.append("parameters whose shape or dtype differ: " + _names([
+                f"{n} {mine[n]['shape']}->{theirs[n]['shape']}" if mine[n]["shape"] != theirs[n]["shape"]
+                else f"{n} {mine[n]['dtype']}->{theirs[n]['dtype']}" for n in changed]))
+        raise PlanMismatchError(
+            f"this plan was made for {self.model.get('class')} with {self.model.get('num_params')} parameters, "
+            f"not for this {type(model).__name__}; " + "; ".join(parts)
+            + ". Re-run the search for this model, or pass strict=False to apply by module names only."
+        )
 
     def apply(self, model: nn.Module, mesh: Any = None, *, strict: bool = True) -> nn.Module:
         """Shard ``model`` in place with FSDP2 following this plan and return it.
 
-        ``mesh`` is a ``DeviceMesh``; by default one is built from the plan's
-        mesh on the current process group. ``strict=False`` skips the
-        fingerprint check (the module names must still exist).
+        ``mesh`` is a ``DeviceMesh`` of the plan's shape; by default one is
+        built from the plan's mesh on the current process group.
+        ``strict=False`` skips the fingerprint check and applies the plan by
+        module names only (the names must still exist). Every check runs
+        before the first collective. A model on the meta device is sharded
+        as it is; give it storage and values afterwards with
+        ``wrapopt.apply.materialize_sharded``.
+
+        Example:
+            >>> model = WrapPlan.load("plan.json").apply(model)  # doctest: +SKIP
         """
         from wrapopt.apply import apply_plan
 
@@ -250,40 +320,172 @@ class WrapPlan:
             self.check_model(model)
         return apply_plan(model, self.spec, mesh=mesh, mixed_precision=self.mixed_precision)
 
-    def to_fsdp1_policy(self):
+    def to_fsdp1_policy(self, *, split_groups: bool = False):
         """An ``auto_wrap_policy`` for FSDP1 that wraps exactly this plan's units.
 
-        FSDP1 wraps single modules only; a unit that groups several modules
-        has no FSDP1 equivalent and raises ``PlanError`` saying which.
+        Per unit it sets what FSDP1 can express (sharding strategy from
+        ``reshard_after_forward`` and the mesh, mixed precision, forward
+        prefetch) and warns about the rest; see ``wrapopt.apply.fsdp1_policy``
+        and [Note: what FSDP1 can express]. A unit grouping several modules
+        raises ``PlanError`` unless ``split_groups=True``.
+
+        Example:
+            >>> policy = plan.to_fsdp1_policy()  # doctest: +SKIP
+            >>> model = FullyShardedDataParallel(model, auto_wrap_policy=policy, **policy.root_kwargs)  # doctest: +SKIP
         """
-        grouped = [u.name for u in self.units if len(u.modules) > 1]
-        if grouped:
-            raise PlanError(
-                f"FSDP1 cannot wrap a group of modules as one unit ({', '.join(grouped[:4])}); "
-                "use plan.apply() (FSDP2) or search with single-module units"
-            )
-        return _PlanPolicy(frozenset(u.modules[0] for u in self.units if not u.is_root))
+        from wrapopt.apply import fsdp1_policy
+
+        return fsdp1_policy(self.spec, mixed_precision=self.mixed_precision, split_groups=split_groups)
+
+    def fsdp1_checkpoint_fn(self, model: nn.Module):
+        """``check_fn`` for FSDP1's ``apply_activation_checkpointing``: the modules of
+        the units this plan checkpoints."""
+        from wrapopt.apply import fsdp1_checkpoint_fn
+
+        return fsdp1_checkpoint_fn(self.spec, model)
 
 
-class _PlanPolicy:
-    """FSDP1 ``auto_wrap_policy`` wrapping the modules named in a plan.
+def _module_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else "<root>"
 
-    FSDP1 hands the policy module objects, not names; its first call is on
-    the root, so the names are resolved against that root then.
+
+def _class_changes(planned: Any, here: dict[str, list[str]]) -> dict[str, str]:
+    """``{module: "PlanClass in the plan, ModelClass here"}`` for modules present in both
+    whose class differs (plans written before classes were recorded give nothing)."""
+    if not isinstance(planned, dict):
+        return {}
+
+    def by_module(table: dict[str, list[str]]) -> dict[str, str]:
+        return {m: cls.rsplit(".", 1)[-1] for cls, mods in table.items() if isinstance(mods, list) for m in mods}
+
+    a, b = by_module(planned), by_module(here)
+    return {m or "<root>": f"{a[m]} in the plan, {b[m]} here" for m in set(a) & set(b) if a[m] != b[m]}
+
+
+def _names(items: list[str], k: int = 6) -> str:
+    shown = ", ".join(items[:k])
+    return shown + (f" (and {len(items) - k} more)" if len(items) > k else "")
+
+
+# -- the JSON schema ------------------------------------------------------------------------
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the plan file, ``wrapopt/data/plan.schema.json``."""
+    global _SCHEMA
+    if _SCHEMA is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan.schema.json")
+        with open(path, encoding="utf-8") as f:
+            _SCHEMA = json.load(f)
+    return _SCHEMA
+
+
+_SCHEMA: dict[str, Any] | None = None
+
+
+def schema_errors(data: Any, schema: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """Where ``data`` breaks the plan schema: ``[(field, message), ...]``, empty when it conforms.
+
+    A small validator for the subset of draft 2020-12 the schema uses (``type``,
+    ``const``, ``enum``, ``required``, ``properties``, ``additionalProperties``,
+    ``items``, ``prefixItems``, ``minItems``, ``minimum``, ``pattern``,
+    ``anyOf``, ``allOf``, local ``$ref``), so that loading a plan needs the
+    standard library only. Fields are written as in error messages:
+    ``units[0].modules``.
     """
+    root = plan_schema() if schema is None else schema
+    out: list[tuple[str, str]] = []
+    _check_node(data, root, root, "", out)
+    return out
 
-    def __init__(self, names: frozenset[str]):
-        self.names = names
-        self._ids: set[int] | None = None
 
-    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        if self._ids is None:  # the root: resolve the plan's names
-            found = {n: m for n, m in module.named_modules() if n in self.names}
-            missing = sorted(self.names - set(found))
-            if missing:
-                raise PlanError(f"the plan names modules this model does not have: {', '.join(missing[:6])}")
-            self._ids = {id(m) for m in found.values()}
-        return True if recurse else id(module) in self._ids
+_JSON_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+_SUPPORTED = {"type", "const", "enum", "required", "properties", "additionalProperties", "items", "prefixItems",
+              "minItems", "minimum", "pattern", "anyOf", "allOf", "$ref", "$schema", "$id", "$defs", "title",
+              "description"}
+
+
+def _check_node(v: Any, node: dict[str, Any], root: dict[str, Any], where: str, out: list[tuple[str, str]]) -> None:
+    import re
+
+    unsupported = set(node) - _SUPPORTED
+    assert not unsupported, f"plan schema uses keywords the validator lacks: {unsupported}"  # internal invariant
+    name = where or "<plan>"
+    if "$ref" in node:
+        target: Any = root
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        _check_node(v, target, root, where, out)
+    if "type" in node:
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        if not any(_JSON_TYPES[t](v) for t in types):
+            out.append((name, f"must be {' or '.join(types)}, got {_json_type(v)} {_short(v)}"))
+            return
+    if "const" in node and v != node["const"]:
+        out.append((name, f"must be {node['const']!r}, got {_short(v)}"))
+    if "enum" in node and v not in node["enum"]:
+        out.append((name, f"must be one of {', '.join(map(json.dumps, node['enum']))}, got {_short(v)}"))
+    if "minimum" in node and _JSON_TYPES["number"](v) and v < node["minimum"]:
+        out.append((name, f"must be at least {node['minimum']}, got {v!r}"))
+    if "pattern" in node and isinstance(v, str) and not re.search(node["pattern"], v):
+        out.append((name, f"must match {node['pattern']}, got {v!r}"))
+    if "anyOf" in node:
+        branches = [[] for _ in node["anyOf"]]
+        for sub, errs in zip(node["anyOf"], branches):
+            _check_node(v, sub, root, where, errs)
+        if all(branches):
+            deeper = [b for b in branches if b[0][0] != name]  # a branch that matched the type, then failed inside
+            if deeper:
+                out.append(deeper[0][0])
+            else:
+                out.append((name, "; or ".join(b[0][1] for b in branches)))
+    for sub in node.get("allOf", ()):
+        _check_node(v, sub, root, where, out)
+    if isinstance(v, dict):
+        props = node.get("properties", {})
+        for key in node.get("required", ()):
+            if key not in v:
+                out.append((_join(where, key), "is missing"))
+        extra = node.get("additionalProperties", True)
+        for key, item in v.items():
+            if key in props:
+                _check_node(item, props[key], root, _join(where, key), out)
+            elif extra is False:
+                known = ", ".join(props)
+                out.append((_join(where, key), f"is not a field of {name} (known fields: {known})"))
+            elif isinstance(extra, dict):
+                _check_node(item, extra, root, _join(where, key), out)
+    if isinstance(v, list):
+        if len(v) < node.get("minItems", 0):
+            out.append((name, f"must have at least {node['minItems']} item(s), got {len(v)}"))
+        prefix = node.get("prefixItems", ())
+        for i, item in enumerate(v):
+            sub = prefix[i] if i < len(prefix) else node.get("items")
+            if sub is not None:
+                _check_node(item, sub, root, f"{where}[{i}]", out)
+
+
+def _join(where: str, key: str) -> str:
+    if not where:
+        return key
+    return f"{where}.{key}" if key.isidentifier() else f"{where}[{key!r}]"
+
+
+def _json_type(v: Any) -> str:
+    return next((t for t, ok in _JSON_TYPES.items() if t != "number" and ok(v)), "number")
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, float) or v == v else "NaN"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _int(d: dict, key: str, source: str, prefix: str) -> int:
