@@ -19,6 +19,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a results file should read like any other
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

@@ -47,18 +47,58 @@ def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
                      f"{fmt_bytes(a):>11} {m.order:5d} {m.num_calls:5d}")
     if graph.tied_groups:
         lines.append("tied parameters (kept in one unit): " + "; ".join(" = ".join(g) for g in graph.tied_groups))
-    called = {m.fqn for m in graph.modules if m.order >= 0}
-    # Containers (ModuleList, ...) are never called themselves; only report modules none of whose parts ran.
-    never = [m.fqn for m in graph.modules if m.order < 0 and m.fqn != ROOT
-             and not any(c.startswith(m.fqn + ".") for c in called)]
+    # Containers (ModuleList, ...) are never called themselves; only modules none of whose parts ran.
+    never = graph.never_called
     if never:
-        lines.append(f"never called: {', '.join(never[:8])}")
+        lines.append(f"never called: {', '.join(never[:8])}" + (f" (+{len(never) - 8} more)" if len(never) > 8 else ""))
+    multi = graph.multi_called
+    if multi:
+        lines.append("called more than once: " + ", ".join(f"{f} ({graph.info(f).num_calls}x)" for f in multi[:8])
+                     + (f" (+{len(multi) - 8} more)" if len(multi) > 8 else ""))
+    lines.extend(_format_dataflow(graph, depth))
     for e in graph.estimates:
         lines.append(f"note: {e}")
     return "\n".join(lines)
 
 
+def _format_dataflow(graph: ModelGraph, depth: int) -> list[str]:
+    flow = graph.dataflow
+    fx_note = (f"fx graph kept ({len(graph.fx_graph.graph.nodes)} nodes)" if graph.fx_graph is not None
+               else "no fx graph kept")
+    if flow is None:
+        return [f"dataflow: not traced; {fx_note}"]
+    source = "the fx graph" if graph.fx_graph is not None else "the traced ops"
+    lines = [f"dataflow: {flow.number_of_edges()} edges between {flow.number_of_nodes()} modules "
+             f"({fmt_bytes(sum(d['bytes'] for *_, d in flow.edges(data=True)))} passed, from {source}); {fx_note}"]
+    # Folded like the table (each module stands for its subtree below ``depth``), except
+    # that a block of a block chain always stands for itself: the chain stays visible.
+    blocks = set(graph.blocks)
+
+    def fold(fqn: str) -> str:
+        parts = fqn.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in blocks:
+                return ".".join(parts[:i])
+        return ".".join(parts[:depth])
+
+    folded: dict[tuple[str, str], int] = {}
+    first: dict[tuple[str, str], int] = {}  # the first op that used the folded edge
+    for a, b, d in flow.edges(data=True):
+        key = (fold(a), fold(b))
+        if key[0] != key[1]:
+            folded[key] = folded.get(key, 0) + d["bytes"]
+            first[key] = min(first.get(key, d.get("first_op", 0)), d.get("first_op", 0))
+    edges = sorted(folded.items(), key=lambda kv: first[kv[0]])
+    if edges:
+        name = lambda f: "<root>" if f == ROOT else f  # noqa: E731
+        shown = ", ".join(f"{name(a)} -> {name(b)} ({fmt_bytes(n)})" for (a, b), n in edges[:10])
+        more = f" (+{len(edges) - 10} more)" if len(edges) > 10 else ""
+        lines.append(f"  folded to depth {depth} (blocks kept whole): {shown}{more}")
+    return lines
+
+
 def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
+    flow = graph.dataflow
     return {
         "format": "wrapopt.graph/1",
         "model_class": graph.model_class,
@@ -67,6 +107,13 @@ def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
         "tied_groups": [list(g) for g in graph.tied_groups],
         "block_chains": [list(c) for c in graph.block_chains],
         "estimates": list(graph.estimates),
+        "multi_called": list(graph.multi_called),
+        "never_called": list(graph.never_called),
+        "fx_graph": {"kept": graph.fx_graph is not None,
+                     "num_nodes": len(graph.fx_graph.graph.nodes) if graph.fx_graph is not None else 0},
+        # [src, dst, bytes, num_values]: a value produced by src's ops is read by dst's ops.
+        "dataflow": None if flow is None else [
+            [a, b, d["bytes"], d["num_values"]] for a, b, d in flow.edges(data=True)],
         "modules": [
             {"fqn": m.fqn, "class": m.cls, "parent": m.parent, "depth": m.depth, "own_numel": m.own_numel,
              "own_bytes": m.own_bytes, "own_trainable_numel": m.own_trainable_numel, "total_numel": m.total_numel,

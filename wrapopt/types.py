@@ -77,6 +77,13 @@ class ModelGraph:
     param_shapes: tuple[tuple[str, tuple[int, ...], str], ...]  # (fqn, shape, dtype)
     input_bytes: int
     estimates: tuple[str, ...] = ()  # figures that are estimates, and why
+    # The model's torch.fx GraphModule from torch.export on fake tensors, when the
+    # tracer kept one; each call_function node has meta["module_fqn"].
+    fx_graph: Any = field(default=None, compare=False, repr=False)
+    # Module dataflow: an edge A -> B (bytes, num_values, first_op) when a value an op
+    # of module A produced is read by an op of module B; nodes are the innermost
+    # modules owning ops ("" for the root's own ops). See [Note: dataflow] in trace_fx.
+    dataflow: nx.DiGraph | None = field(default=None, compare=False, repr=False)
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -111,6 +118,21 @@ class ModelGraph:
             return [m.fqn for m in self.modules]
         prefix = fqn + "."
         return [m.fqn for m in self.modules if m.fqn == fqn or m.fqn.startswith(prefix)]
+
+    @property
+    def multi_called(self) -> tuple[str, ...]:
+        """Modules called more than once in one forward (shared layers, loops)."""
+        return tuple(m.fqn for m in self.modules if m.num_calls > 1)
+
+    @property
+    def never_called(self) -> tuple[str, ...]:
+        """Modules that did not run in forward, other than containers some of whose parts ran."""
+        has_called_part = set()
+        for m in self.modules:
+            if m.order >= 0:
+                parts = m.fqn.split(".")
+                has_called_part.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        return tuple(m.fqn for m in self.modules if m.order < 0 and m.fqn != ROOT and m.fqn not in has_called_part)
 
     def call_order(self) -> list[ModuleInfo]:
         """Modules that ran, in forward order of their first call."""
