@@ -20,7 +20,7 @@ from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
 from wrapopt.fabric import DEFAULT_ANALYTICAL, ANALYTICAL_FABRICS, ComputeProfile, FabricProfile, analytical_fabric
 from wrapopt.plan import WrapPlan
-from wrapopt.search import Scored, SearchResult, baselines, search_plan
+from wrapopt.search import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, baselines, search_plan
 from wrapopt.trace import trace_model
 from wrapopt.types import MeshSpec, ModelGraph, SimOptions
 
@@ -104,6 +104,7 @@ def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -
 
 
 def auto_memory_budget(compute: ComputeProfile) -> float | None:
+    """``--memory auto``: ``MEMORY_HEADROOM`` of the device's capacity, or None when unknown."""
     cap = compute.memory_capacity_bytes
     return cap * MEMORY_HEADROOM if cap else None
 
@@ -118,10 +119,16 @@ def plan_model(
     memory_budget: float | None,
     options: SimOptions | None = None,
     notes: list[str] | None = None,
+    search: SearchOptions | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
-    """Search and package the answer as a WrapPlan (no process group needed)."""
+    """Search and package the answer as a WrapPlan (no process group needed).
+
+    ``search`` defaults to the CLI's defaults: the exact DP on every shard
+    group and an in-memory Optuna study of ``DEFAULT_TRIALS`` trials, seed 0.
+    """
     sim = Simulator(graph, fabric, compute, options)
-    result = search_plan(graph, sim, mesh, memory_budget=memory_budget)
+    search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
+    result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
     best = result.best
     plan = WrapPlan.from_search(
         best.plan,

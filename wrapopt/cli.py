@@ -46,14 +46,44 @@ def _mesh(args: argparse.Namespace):
     return MeshSpec(world_size=args.world_size, ranks_per_node=min(gpn, args.world_size), shard_size=args.world_size)
 
 
+def _search_options(args: argparse.Namespace, mesh):
+    from wrapopt.search import SearchOptions
+    from wrapopt.search.space import shard_sizes
+
+    shard = None
+    if args.shard_size is not None:
+        legal = shard_sizes(mesh)
+        if args.shard_size > mesh.world_size:
+            raise ValueError(f"--shard-size {args.shard_size} is larger than the world of {mesh.world_size} ranks")
+        if args.shard_size not in legal:
+            raise ValueError(
+                f"--shard-size {args.shard_size} must divide the world of {mesh.world_size} ranks and be a part of one "
+                f"node or whole nodes of {mesh.ranks_per_node}; choose one of {', '.join(map(str, legal))}"
+            )
+        shard = (args.shard_size,)
+    if args.trials < 0:
+        raise ValueError(f"--trials must be >= 0, got {args.trials}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    return SearchOptions(trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study_name,
+                         sampler=args.sampler, shard_sizes=shard, max_group=args.max_group, timeout_s=args.timeout,
+                         progress=progress)
+
+
 def _cmd_search(args: argparse.Namespace) -> int:
-    from wrapopt._io import check_writable
-    from wrapopt.api import _budget, check_fabric_fits, format_report, plan_model, resolve_fabric
+    from dataclasses import replace
+
+    from wrapopt._io import check_writable, fmt_bytes
+    from wrapopt.api import MEMORY_HEADROOM, _budget, check_fabric_fits, format_report, plan_model, resolve_fabric
     from wrapopt.fabric import ComputeProfile
     from wrapopt.models import resolve_model
     from wrapopt.trace import trace_model
 
     mesh = _mesh(args)
+    options = _search_options(args, mesh)
+    if options.shard_sizes:
+        mesh = replace(mesh, shard_size=options.shard_sizes[0])
     if args.out:
         check_writable(args.out)
     fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
@@ -66,23 +96,77 @@ def _cmd_search(args: argparse.Namespace) -> int:
         from wrapopt.profile import measure_compute
 
         compute = measure_compute()
+    budget = _budget(args.memory, compute)  # before tracing: a bad budget fails at once
+    budget_line = None
+    if isinstance(args.memory, str) and args.memory.strip().lower() == "auto":
+        budget_line = (f"memory budget: auto = {MEMORY_HEADROOM:.0%} of the device's {fmt_bytes(compute.memory_capacity_bytes)} "
+                       f"= {fmt_bytes(budget)} per rank ({1 - MEMORY_HEADROOM:.0%} headroom left to the allocator)")
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     model = src.build("meta")
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
-    budget = _budget(args.memory, compute)
-    plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget, notes=notes)
+    plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget, notes=notes,
+                              search=options)
     if args.out:
         plan.save(args.out)
     if args.json:
         out = plan.to_json()
         out.pop("model", None)
         out["model"] = {k: v for k, v in plan.model.items() if k not in ("params", "module_classes")}
+        out["search"] = _search_json(result, budget_line)
         print(json.dumps(out, indent=1))
     else:
+        if budget_line:
+            print(budget_line)
         print(format_report(result, fabric, compute, mesh))
+        print(_format_search(result))
         if args.out:
             print(f"wrote {args.out}")
     return 0
+
+
+def _search_json(result, budget_line: str | None) -> dict[str, Any]:
+    study = result.study
+    pick = lambda s: None if s is None else {  # noqa: E731
+        "label": s.plan.label, "shard_size": s.plan.mesh.shard_size, "num_units": len(s.plan.units),
+        "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes}
+    return {
+        "memory_budget": None if result.memory_budget == float("inf") else result.memory_budget,
+        "memory_budget_note": budget_line,
+        "dp_best": pick(result.dp_best),
+        "optuna_best": pick(result.optuna_best),
+        "pareto": [pick(s) for s in result.pareto],
+        "study": None if study is None else {"name": study.study_name, "storage": study.storage,
+                                             "sampler": study.sampler,
+                                             "finished_trials": study.num_trials, "run_here": study.num_run_here,
+                                             "seeds": study.num_seeds},
+    }
+
+
+def _format_search(result) -> str:
+    from wrapopt._io import fmt_bytes
+
+    best = result.best.plan
+    mesh = best.mesh
+    kind = ("FSDP over the world" if mesh.shard_size == mesh.world_size else "no sharding" if mesh.shard_size == 1
+            else f"HSDP: {mesh.replicate_size} replicas of a shard group of {mesh.shard_size}")
+    lines = [f"wrapopt's choice: {len(best.units)} units, {kind}, forward prefetch {best.forward_prefetch}"]
+    if result.dp_best is not None:
+        lines.append(f"exact DP best: {result.dp_best.plan.label} {result.dp_best.estimate.step_s * 1e3:.2f}ms")
+    study = result.study
+    if study is not None:
+        best = result.optuna_best
+        where = f" in {study.storage}" if study.storage else ""
+        lines.append(f"optuna study {study.study_name!r}{where} ({study.sampler}): {study.num_trials} finished trials "
+                     f"({study.num_run_here} run now, {study.num_seeds} seeds); best fitting: "
+                     + (f"{best.estimate.step_s * 1e3:.2f}ms" if best else "none"))
+    if result.pareto:
+        lines.append("time-memory Pareto front (plans that fit; none is both faster and smaller than another):")
+        for s in result.pareto[:10]:
+            lines.append(f"  {s.estimate.step_s * 1e3:9.2f}ms {fmt_bytes(s.estimate.peak_bytes):>11}  shard {s.plan.mesh.shard_size:<5d}"
+                         f" {len(s.plan.units):4d} units  {s.plan.label}")
+        if len(result.pareto) > 10:
+            lines.append(f"  ... {len(result.pareto) - 10} more")
+    return "\n".join(lines)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -158,6 +242,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rescale-fabric", action="store_true", help="allow a measured profile from another mesh, rescaled")
     p.add_argument("--out", default=None, help="write the plan here (JSON)")
     p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
+    from wrapopt.search import DEFAULT_TRIALS
+
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+                   help=f"Optuna trials in total, seeds included (default {DEFAULT_TRIALS}; 0: baselines and exact DP only)")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same search (default 0)")
+    p.add_argument("--storage", default=None,
+                   help="make the study resumable and shareable by several workers: a file path (SQLite; a path "
+                        "ending in .journal is an Optuna journal file, faster per trial) or any Optuna storage URL")
+    p.add_argument("--study-name", default=None, help="study name in --storage (default: from model, mesh, budget, fabric)")
+    p.add_argument("--sampler", choices=("auto", "tpe", "nsga2"), default="auto",
+                   help="Optuna sampler (default auto: TPE on small spaces, NSGA-II past 64 parameters)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="fix the shard group (default: search FSDP over the world and HSDP per node / nodes)")
+    p.add_argument("--max-group", type=int, default=8, help="the DP's largest number of blocks in one unit (default 8)")
+    p.add_argument("--timeout", type=float, default=None, help="stop the study after this many seconds")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress line on stderr (default: when stderr is a terminal)")
     p.set_defaults(func=_cmd_search)
 
     p = sub.add_parser("show", help="print a plan or fabric profile")

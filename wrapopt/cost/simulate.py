@@ -269,7 +269,7 @@ class Simulator:
             elif raf is True:
                 rag[i] = ag[i]
             else:  # int: keep a 1/N copy, re-gather within N ranks (See [Note: reshard after forward])
-                keep[i] = P[i] // max(1, shard // raf) if raf < shard else P[i]
+                keep[i] = P[i] // max(1, raf) if raf < shard else P[i]  # each rank keeps 1/N
                 rag[i] = self._coll("all_gather", raf, min(raf, mesh.ranks_per_node), P[i], notes) if raf > 1 else 0.0
 
         # Static memory: See [Note: memory].
