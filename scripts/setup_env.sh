@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-dev,plot}
+EXTRAS=${EXTRAS:-dev,plot,hf}
 CPU_TORCH=${WRAPOPT_CPU_TORCH:-2.13.0}
 stamp="$VENV/.wrapopt-installed"
 want="$(cat pyproject.toml | sha1sum | cut -c1-12) extras=$EXTRAS"
@@ -40,5 +40,5 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 'setup: got a CUDA torch build on a machine without a GPU; set PIP_EXTRA_INDEX_URL to a CPU wheel index')"
   fi
 fi
-$pip install -q -e ".[$EXTRAS]"
+$pip install -q -e ".[$EXTRAS]" 2> >(grep -v "is ignored: it is neither" >&2)
 echo "$want" > "$stamp"

@@ -77,12 +77,12 @@ def _callable(spec: str) -> ModelSource:
 
 
 def _hf(path: str, batch: int, seq: int) -> ModelSource:
+    if not os.path.isfile(path):
+        raise ModelError(f"hf:{path}: no such config file (give the path to a config.json)")
     try:
         import transformers
     except ImportError:
         raise ModelError("hf: models need transformers: pip install 'wrapopt[hf]'") from None
-    if not os.path.isfile(path):
-        raise ModelError(f"hf:{path}: no such config file (give the path to a config.json)")
     try:
         with open(path, encoding="utf-8") as f:
             cfg_dict = json.load(f)
