@@ -156,12 +156,12 @@ def bench_small(name: str, factory: Callable[[], nn.Module], args: tuple[Any, ..
     row["params_ref"] = sum(p.numel() for p in meta_model.parameters())  # deduplicated
     row["flops"] = sum(m.fwd_flops for m in graph.modules)
     row["flops_ref"] = reference_flops(meta_model, args, kwargs)
-    row["saved"] = sum(m.saved_bytes for m in graph.modules)
+    row["saved"] = sum(m.saved_bytes for m in graph.modules) + graph.loss_saved_bytes
     real_model = _build(factory, "cpu")
     row["saved_ref"] = measured_saved_bytes(real_model, args, kwargs, loss_fn or default_loss)
     # Again with dropout off (eval mode) on both sides: see _EXPLANATION on attention dropout.
     eval_graph = trace_model(_build(factory, "meta").eval(), args, loss_fn=loss_fn, example_kwargs=kwargs, fx=False)
-    row["saved_eval"] = sum(m.saved_bytes for m in eval_graph.modules)
+    row["saved_eval"] = sum(m.saved_bytes for m in eval_graph.modules) + eval_graph.loss_saved_bytes
     row["saved_ref_eval"] = measured_saved_bytes(_build(factory, "cpu").eval(), args, kwargs, loss_fn or default_loss)
     row["fx_kept"] = graph.fx_graph is not None
     row["dataflow_edges"] = graph.dataflow.number_of_edges() if graph.dataflow is not None else 0
@@ -197,7 +197,7 @@ def child(name: str, fx: str) -> None:
         "rss_bytes": peak_rss_bytes(),
         "modules": len(g.modules), "params": g.num_params,
         "params_ref": sum(p.numel() for p in model.parameters()),
-        "flops": sum(m.fwd_flops for m in g.modules), "saved": sum(m.saved_bytes for m in g.modules),
+        "flops": sum(m.fwd_flops for m in g.modules), "saved": sum(m.saved_bytes for m in g.modules) + g.loss_saved_bytes,
         "fx_kept": g.fx_graph is not None,
         "dataflow_edges": g.dataflow.number_of_edges() if g.dataflow is not None else 0,
         "notes": list(g.estimates),

@@ -438,6 +438,9 @@ class ComputeProfile:
     optimizer_tensor_s: float = 0.0
     # Forward + backward of the loss, which runs outside the model's modules.
     loss_s: float = 0.0
+    # What activation checkpointing adds per checkpointed module beyond re-running its
+    # forward (saved-tensor hooks, the recompute's bookkeeping), seconds.
+    checkpoint_overhead_s: float = 0.0
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -453,6 +456,7 @@ class ComputeProfile:
             "module_overhead_s": self.module_overhead_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "loss_s": self.loss_s,
+            "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "module_times": [list(t) for t in self.module_times],
             "meta": self.meta,
         }
@@ -473,6 +477,7 @@ class ComputeProfile:
             module_overhead_s=float(d.get("module_overhead_s", 0.0)),
             optimizer_tensor_s=float(d.get("optimizer_tensor_s", 0.0)),
             loss_s=float(d.get("loss_s", 0.0)),
+            checkpoint_overhead_s=float(d.get("checkpoint_overhead_s", 0.0)),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
             meta=dict(d.get("meta", {})),
         )

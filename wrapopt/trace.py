@@ -122,10 +122,16 @@ class _Recorder(TorchDispatchMode):
         self.bwd_total = 0.0
         self.flow = OpDataflow()
         self.record_flow = True  # the model's forward only: off for the loss and backward
+        self.in_loss = False
+        self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
+        self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
+        self.loss_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.in_loss:
+            self._track_loss(out)
         if self.record_flow:
             self.flow.record(self.stack[-1], args, kwargs, out)
         fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
@@ -138,11 +144,34 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+    def _track_loss(self, out: Any) -> None:
+        """Live bytes of the tensors the loss created (views share their base's storage)."""
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if isinstance(key, StorageWeakRef) and key not in self.loss_live and key not in self.loss_before:
+                    self.loss_live[key] = t.untyped_storage().nbytes()
+        self.loss_live = {k: b for k, b in self.loss_live.items() if not k.expired()}
+        self.loss_peak = max(self.loss_peak, sum(self.loss_live.values()))
+
+
 def _storage_key(t: torch.Tensor) -> Any:
     try:
         return StorageWeakRef(t.untyped_storage())
     except (NotImplementedError, RuntimeError):  # tensor subclasses without storage
         return id(t)
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors_in(o)]
+    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        return _tensors_in(obj.to_tuple())
+    return []
 
 
 def _nbytes(obj: Any) -> int:
@@ -253,6 +282,8 @@ def trace_model(
         estimates=tuple(estimates[:-1]),
         fx_graph=fx_graph,
         dataflow=dataflow,
+        loss_saved_bytes=rec.loss_saved,
+        loss_peak_bytes=rec.loss_peak,
     )
 
 
@@ -271,6 +302,8 @@ class _StepRecord:
         self.fwd: dict[str, float] = {}
         self.bwd_total = 0.0
         self.flow: nx.DiGraph = nx.DiGraph()
+        self.loss_saved = 0  # saved for backward by the loss (outside every module)
+        self.loss_peak = 0  # most bytes of tensors the loss created alive at once
 
 
 def _run_step(
@@ -324,9 +357,13 @@ def _run_step(
         if key not in param_storages and key not in seen_saved:
             seen_saved.add(key)
             try:
-                rec.saved[stack[-1]] += t.untyped_storage().nbytes()
+                nbytes = t.untyped_storage().nbytes()
             except (NotImplementedError, RuntimeError):
-                rec.saved[stack[-1]] += t.numel() * t.element_size()
+                nbytes = t.numel() * t.element_size()
+            if recorder.in_loss:
+                rec.loss_saved += nbytes
+            else:
+                rec.saved[stack[-1]] += nbytes
         return t
 
     handles = []
@@ -359,7 +396,10 @@ def _run_step(
             rec.out_bytes[ROOT] = _nbytes(out)
             stack[:] = [ROOT]
             recorder.record_flow = False
+            recorder.loss_before = {_storage_key(t) for t in _tensors_in((out, inputs))}
+            recorder.in_loss = True
             loss = loss_fn(out, inputs)
+            recorder.in_loss = False
         recorder.backward = True
         trainable = [t for t in param_tensors if t.requires_grad]
         with recorder:
@@ -371,6 +411,7 @@ def _run_step(
     rec.fwd = dict(recorder.fwd)
     rec.bwd_total = recorder.bwd_total
     rec.flow = recorder.flow.graph
+    rec.loss_peak = recorder.loss_peak
     return rec
 
 

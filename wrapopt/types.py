@@ -84,6 +84,10 @@ class ModelGraph:
     # of module A produced is read by an op of module B; nodes are the innermost
     # modules owning ops ("" for the root's own ops). See [Note: dataflow] in trace_fx.
     dataflow: nx.DiGraph | None = field(default=None, compare=False, repr=False)
+    # The loss runs after forward, outside every module: what it saves for backward
+    # (e.g. log_softmax's output) and the most bytes it creates alive at once.
+    loss_saved_bytes: int = 0
+    loss_peak_bytes: int = 0
 
     @property
     def blocks(self) -> tuple[str, ...]:

@@ -32,7 +32,8 @@ default for the root.
 [Note: backward schedule] Backward walks the segments in reverse. At a
 unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
 the next unit's in backward order. A checkpointed unit first recomputes its
-forward. After the unit's last backward segment its gradients are
+forward, each checkpointed block paying the profile's measured
+``checkpoint_overhead_s`` on top. After the unit's last backward segment its gradients are
 reduce-scattered (then all-reduced across the replicate axis under HSDP);
 the unsharded gradients live until that lands. The step ends when the last
 collective lands, plus the optimizer step (memory-bound on the local shard).
@@ -43,6 +44,28 @@ awaiting reduce-scatter + saved activations not yet consumed + the working
 set of the segment computing now (its largest module output, twice: the
 output and the incoming gradient in backward). A checkpointed unit keeps only
 its input during forward and re-saves its activations while it recomputes.
+
+[Note: gradient sites] A parameter's unsharded gradient appears when backward
+reaches the first module using it in backward order: for a tied parameter
+(embedding and output head) that is the use that ran last in forward, so the
+gradient lives through the whole backward until its unit's reduce-scatter.
+Every other use (the other tied modules, a module called more than once)
+accumulates into it: for that moment the new gradient and the sum are held
+besides the old one.
+
+[Note: progressive backward] Within a segment, backward visits its modules
+in reverse: each module's gradients appear and, once its backward is done,
+the activations it saved are freed. The segment's peak is the largest, over
+its modules, of (gradients so far - activations freed so far + the module's
+output twice: the gradient arriving and the one leaving + a gradient
+accumulation in flight), on top of the segment's saved activations and the
+gradients from before.
+
+[Note: loss] The loss runs after forward, outside every module. While it
+runs, memory holds the model's output and the tensors the loss creates (the
+tracer's ``loss_peak_bytes``: for cross-entropy a flattened copy and
+log_softmax's output); afterwards what it saved (``loss_saved_bytes``) stays
+until its backward, which holds two gradients of the output's size.
 
 [Note: all-gather buffer] On a GPU, FSDP2 keeps the output buffer of a
 forward all-gather alive until the next unit's forward all-gather has been
@@ -61,11 +84,13 @@ measured by the profiler.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from wrapopt.fabric import ComputeProfile, FabricProfile
 from wrapopt.types import (
+    ROOT,
     CostEstimate,
     ModelGraph,
     PlanSpec,
@@ -87,8 +112,9 @@ class _Entry:
     bwd_s: float
     saved: int
     out: int
-    grad_numel: int  # trainable parameters registered on this module
+    grad_numel: int  # trainable elements whose gradient appears at this module's backward
     piece: str  # the block (or top-level child) it belongs to: segments never span two
+    acc_numel: int  # elements whose gradient is accumulated here into an existing one
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +125,7 @@ class _Segment:
     saved: int
     work: int  # working set: largest module output in the segment
     grad_numel: int  # gradients that appear during this segment's backward
+    bwd_work: int  # most its backward holds beyond its saved activations and earlier gradients
     keep: int  # what checkpointing keeps of this block: its output (~ the next block's input)
 
 
@@ -141,6 +168,7 @@ class Simulator:
                     return a
             return fqn.split(".", 1)[0]
 
+        grad_at, acc_at = self._gradient_sites(graph)
         entries = []
         for m in graph.call_order():
             if measured:
@@ -148,8 +176,10 @@ class Simulator:
             else:
                 f = m.fwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
                 b = m.bwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
+            # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
+            out = 0 if m.fqn == ROOT else m.output_bytes
             entries.append(_Entry(m.fqn, ancestors(m.fqn), f * scale, b * scale, int(m.saved_bytes * scale),
-                                  int(m.output_bytes * scale), m.own_trainable_numel, piece(m.fqn)))
+                                  int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0)))
         self._entries = tuple(entries)
         self._param_modules = tuple(
             (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes)
@@ -159,6 +189,33 @@ class Simulator:
         self._layouts: dict[tuple[tuple[str, ...], ...], _Layout] = {}
         self._elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
         self._num_tensors = len(graph.param_shapes)
+
+    @staticmethod
+    def _gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:
+        """Where gradients appear in backward: See [Note: gradient sites].
+
+        Returns (module -> trainable elements whose gradient appears at its backward,
+        module -> elements whose gradient is accumulated there into an existing one)."""
+        grad_at = {m.fqn: m.own_trainable_numel for m in graph.modules if m.own_trainable_numel}
+        acc_at: dict[str, int] = {}
+        order = {m.fqn: m.order for m in graph.modules}
+        numel = {fqn: math.prod(shape) for fqn, shape, _dt in graph.param_shapes}
+        for group in graph.tied_groups:
+            owners = [fqn.rsplit(".", 1)[0] if "." in fqn else ROOT for fqn in group]
+            n = numel.get(group[0], 0)
+            ran = [o for o in dict.fromkeys(owners) if order.get(o, -1) >= 0]
+            if not ran or grad_at.get(owners[0], 0) < n:
+                continue  # frozen, or never used
+            last = max(ran, key=lambda o: order[o])  # runs last in forward, first in backward
+            grad_at[owners[0]] -= n
+            grad_at[last] = grad_at.get(last, 0) + n
+            for o in ran:
+                if o != last:
+                    acc_at[o] = acc_at.get(o, 0) + n
+        for m in graph.modules:
+            if m.num_calls > 1 and m.own_trainable_numel:
+                acc_at[m.fqn] = acc_at.get(m.fqn, 0) + m.own_trainable_numel
+        return grad_at, acc_at
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -198,23 +255,24 @@ class Simulator:
             fwd[u] += e.fwd_s
             bwd[u] += e.bwd_s
             work[u] = max(work[u], e.out)
-            if segs and segs[-1][0] == u and segs[-1][6] == e.piece:
+            if segs and segs[-1][0] == u and segs[-1][7] == e.piece:
                 s = segs[-1]
                 s[1] += e.fwd_s
                 s[2] += e.bwd_s
                 s[3] += e.saved
                 s[4] = max(s[4], e.out)
                 s[5] += e.grad_numel
+                s[6].append(e)
             else:
-                segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, e.piece])
+                segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, [e], e.piece])
         seen_pieces: set[str] = set()
         segments = []
         for s in segs:
-            piece = s[6]
+            piece = s[7]
             first = piece not in seen_pieces
             seen_pieces.add(piece)
             keep = int(self.graph.info(piece).output_bytes * self.options.batch_scale) if first and piece in self.graph.tree else 0
-            segments.append(_Segment(*s[:6], keep))
+            segments.append(_Segment(*s[:6], self._backward_working_set(s[6]), keep))
         segments = tuple(segments)
         order = tuple(dict.fromkeys([n - 1] + [s.unit for s in segments]))
         last = [-1] * n
@@ -227,6 +285,19 @@ class Simulator:
         ]
         return _Layout(segments, order, tuple(numel), tuple(sbytes), tuple(tnumel), tuple(tbytes), tuple(saved),
                        tuple(fwd), tuple(bwd), tuple(int(x * self.options.batch_scale) for x in inputs), tuple(work), tuple(last))
+
+    def _backward_working_set(self, entries: list[_Entry]) -> int:
+        """Most bytes a segment's backward holds beyond its saved activations and the
+        gradients before it. See [Note: progressive backward]."""
+        opt = self.options
+        reduce_elem = opt.reduce_dtype_bytes or opt.param_dtype_bytes or self._elem
+        freed = grads = 0.0
+        best = 0.0
+        for e in reversed(entries):
+            grads += e.grad_numel * reduce_elem
+            best = max(best, grads - freed + 2 * e.out + 2 * e.acc_numel * reduce_elem)
+            freed += e.saved
+        return int(best)
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -253,6 +324,7 @@ class Simulator:
         ovl_c = 1.0 + self.fabric.overlap_compute_slowdown
         ovl_m = 1.0 + self.fabric.overlap_comm_slowdown
         unit_oh = self.compute.unit_overhead_s
+        ck_oh = self.compute.checkpoint_overhead_s  # per checkpointed block (a segment that starts a piece)
 
         P = [lay.numel[i] * gather_elem for i in range(n)]  # gathered bytes
         G = [lay.trainable_numel[i] * reduce_elem for i in range(n)]  # unsharded grad bytes
@@ -367,8 +439,13 @@ class Simulator:
             acts += s.keep if ck else s.saved
             if si == lay.last_fwd_segment[u]:
                 gathered -= P[u] - keep[u]  # reshard after forward
-        # The loss runs outside every module; it holds the model's output and one temporary of its size.
-        run(self.compute.loss_s * opt.batch_scale, "loss", n - 1, 2 * self.graph.root.output_bytes * opt.batch_scale)
+        # See [Note: loss]: forward holds the model's output beside what the loss creates.
+        out_b = self.graph.root.output_bytes * opt.batch_scale
+        loss_saved = self.graph.loss_saved_bytes * opt.batch_scale
+        run(self.compute.loss_s * opt.batch_scale, "loss", n - 1, out_b + self.graph.loss_peak_bytes * opt.batch_scale)
+        acts += loss_saved
+        note_mem(2 * out_b)  # the loss's backward: the gradient arriving and the one leaving, beside its saved
+        acts -= loss_saved
         fwd_end = t
 
         # ---- backward: See [Note: backward schedule] ---------------------------------------
@@ -406,11 +483,11 @@ class Simulator:
                     bissued[border[k]] = True
             # Unsharded gradients appear as the unit's backward reaches their modules
             # (the rest of the unit's, e.g. of modules that never ran, at its end).
-            grads_pending += s.grad_numel * reduce_elem
             if units[u].checkpoint:  # recompute this block's forward, re-saving its activations
                 acts += s.saved - s.keep
-                run(s.fwd_s, "recompute", u, s.work)
-            run(s.bwd_s, "bwd", u, 2 * s.work)
+                run(s.fwd_s + (ck_oh if s.keep else 0.0), "recompute", u, s.work)
+            run(s.bwd_s, "bwd", u, s.bwd_work)  # See [Note: progressive backward]
+            grads_pending += s.grad_numel * reduce_elem
             acts -= s.saved
             done_segments[u] += 1
             if done_segments[u] == nseg[u]:
@@ -449,6 +526,7 @@ class Simulator:
             # reduce-scatters (set_requires_gradient_sync(False)).
             step += (micro - 1) * bwd_end
         compute_s = sum(lay.fwd_s) + sum(lay.bwd_s) + sum(lay.fwd_s[i] for i in range(n) if units[i].checkpoint)
+        compute_s += ck_oh * sum(1 for sg in lay.segments if sg.keep and units[sg.unit].checkpoint)
         compute_s += self.compute.loss_s * opt.batch_scale
         compute_s *= micro
         exposed = max(0.0, step - compute_s - optim_s)

@@ -37,6 +37,7 @@ __all__ = [
     "measure_module_times",
     "measure_module_overhead",
     "measure_unit_overhead",
+    "measure_checkpoint_overhead",
     "measure_optimizer_overhead",
     "measure_loss_time",
 ]
@@ -295,6 +296,90 @@ def measure_loss_time(model: nn.Module, example_inputs: tuple[Any, ...], loss_fn
     return _time_reps(run, repeats=repeats, warmup=1, sync=_sync_for(dev))
 
 
+def _first_block(model: nn.Module) -> nn.Module | None:
+    """The first module of the first run of 2+ same-class siblings in a ModuleList or Sequential."""
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2 and type(m[0]) is type(m[1]):
+            return m[0]
+    return None
+
+
+def measure_checkpoint_overhead(model: nn.Module, example_inputs: tuple[Any, ...] | Any, *,
+                                repeats: int = 5) -> float:
+    """Seconds activation checkpointing adds to one block beyond re-running its forward.
+
+    Takes the model's first repeated block (None: 0.0), captures its inputs in
+    one forward, and times forward+backward of a copy of the block plain
+    (``t_plain``), checkpointed with the composable ``checkpoint`` as
+    ``apply_plan`` does (``t_ckpt``), and its forward alone (``t_fwd``)::
+
+        overhead = max(0, t_ckpt - t_plain - t_fwd)
+
+    On CPU this is milliseconds per block (saved-tensor hooks and the
+    recompute's bookkeeping), larger than a tiny block's forward.
+    """
+    import copy
+
+    from torch.distributed._composable import checkpoint
+
+    block = _first_block(model)
+    if block is None:
+        return 0.0
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    captured: dict[str, Any] = {}
+
+    def grab(_m: nn.Module, args: Any, kwargs: Any) -> None:
+        captured.setdefault("call", (args, kwargs))
+
+    h = block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        h.remove()
+    if "call" not in captured:
+        return 0.0
+    args, kwargs = captured["call"]
+    device = next(block.parameters(), torch.empty(0)).device
+    sync = _sync_for(device)
+
+    def fresh() -> tuple[Any, ...]:
+        return tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args)
+
+    plain, ckpt = copy.deepcopy(block), copy.deepcopy(block)
+    checkpoint(ckpt)
+
+    def step(b: nn.Module, backward: bool = True) -> Callable[[], None]:
+        def run() -> None:
+            out = b(*fresh(), **kwargs)
+            if backward:
+                sum(t.float().sum() for t in _float_outputs(out)).backward()
+        return run
+
+    runs = (step(plain), step(ckpt), step(plain, False))
+    times: list[list[float]] = [[], [], []]
+    for r in range(3 + max(repeats * 4, 10)):  # interleaved, so that load changes hit all three alike
+        for i, fn in enumerate(runs):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= 3:
+                times[i].append(time.perf_counter() - t0)
+    t_plain, t_ckpt, t_fwd = (_median(t) for t in times)
+    return max(0.0, t_ckpt - t_plain - t_fwd)
+
+
+def _float_outputs(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _float_outputs(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _float_outputs(o)]
+    return []
+
+
 def measure_compute(
     *,
     device: torch.device | str | None = None,
@@ -349,6 +434,10 @@ def measure_compute(
     loss_s = 0.0
     if model is not None and loss_fn is not None:
         loss_s = measure_loss_time(model, example_inputs, loss_fn, repeats=repeats)
+    checkpoint_overhead_s = 0.0
+    if model is not None:
+        checkpoint_overhead_s = measure_checkpoint_overhead(model, example_inputs, repeats=repeats)
+        meta["checkpoint_overhead"] = "first repeated block: checkpointed - plain - forward"
     optimizer_tensor_s = 0.0
     if dist.is_initialized():
         optimizer_tensor_s = measure_optimizer_overhead(repeats=repeats)
@@ -370,6 +459,7 @@ def measure_compute(
         module_overhead_s=measure_module_overhead(device=device, repeats=repeats),
         optimizer_tensor_s=optimizer_tensor_s,
         loss_s=loss_s,
+        checkpoint_overhead_s=checkpoint_overhead_s,
         module_times=module_times,
         meta=meta,
     )

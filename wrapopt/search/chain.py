@@ -73,6 +73,7 @@ class ChainCosts:
     inp: tuple[float, ...]  # what a checkpointed block keeps
     work: float
     overhead_s: float
+    ckpt_overhead_s: float  # per checkpointed block, beyond its recomputed forward
     runs_ahead: bool
     shard_size: int
     ag: dict  # (start, size) -> all-gather s
@@ -134,7 +135,7 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G), SG=tuple(lay.trainable_bytes[i] / shard for i in range(n)),
         act=tuple(float(x) for x in lay.saved[:n]),
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
-        overhead_s=sim.compute.unit_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
+        overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
     )
 
 
@@ -149,7 +150,7 @@ def _group(cc: ChainCosts, start: int, size: int, choice: Choice) -> tuple:
     raf, ckpt = choice
     sl = slice(start, start + size)
     F = sum(cc.F[sl])
-    B = sum(cc.B[sl]) + (F if ckpt else 0.0)
+    B = sum(cc.B[sl]) + (F + size * cc.ckpt_overhead_s if ckpt else 0.0)
     A = cc.ag[(start, size)]
     # Memory in whole bytes, so that the DP's sums are exact.
     P = round(sum(cc.P[sl]))

@@ -1,0 +1,111 @@
+"""The simulator's peak memory against live tensor bytes of real FSDP2 steps.
+
+One spawn of 2 gloo ranks runs one step of several plans of two models that
+exercise the memory notes: tied embeddings whose gradient lives through
+backward (gpt-tiny, t5-tiny), a cross-entropy loss whose saved output and
+temporaries are larger than a block's activations, two block chains
+(t5-tiny), checkpointing, keeping parameters after forward, every leaf its
+own unit. The cost model's target is 10%; these plans are held to 5%, which
+the accounting of the notes meets with room (errors here are under 1%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from wrapopt import zoo
+from wrapopt.launch import spawn
+from wrapopt.types import ROOT, MeshSpec, PlanSpec, UnitSpec
+
+MODELS = ("gpt-tiny", "t5-tiny")
+MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+
+
+def _plans(graph, mesh: MeshSpec) -> list[PlanSpec]:
+    from wrapopt.search import baselines
+
+    b = baselines(graph, mesh)
+    root = UnitSpec((ROOT,), False)
+    pairs = [c[i:i + 2] for c in graph.block_chains for i in range(0, len(c), 2)]
+    return [
+        b["per-block"], b["size-1e8"], b["every-leaf"],
+        PlanSpec(tuple(UnitSpec((blk,), True, True) for blk in graph.blocks) + (root,), mesh, label="ckpt"),
+        PlanSpec(tuple(UnitSpec(p, False) for p in pairs) + (root,), mesh, label="pairs,keep"),
+    ]
+
+
+def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
+    from wrapopt.apply import apply_plan
+    from wrapopt.bench import _step
+    from wrapopt.cost import Simulator
+    from wrapopt.fabric import ComputeProfile, analytical_fabric
+    from wrapopt.memtrack import LiveBytesTracker
+    from wrapopt.trace import trace_model
+
+    torch.set_num_threads(1)
+    out = []
+    for name in MODELS:
+        e = zoo.get_entry(name)
+        x = e.inputs()
+        graph = trace_model(e.build("meta"), x, loss_fn=e.loss, fx=False)
+        sim = Simulator(graph, analytical_fabric(world_size=world), replace(ComputeProfile.analytical(), device="cpu"))
+        for plan in _plans(graph, MESH2):
+            model = e.build("cpu", seed=0)
+            apply_plan(model, plan)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            _step(model, opt, x, e.loss)  # the optimizer state exists from the second step on
+            with LiveBytesTracker(model, opt, "cpu") as tracker:
+                _step(model, opt, x, e.loss)
+            peak = torch.tensor([float(tracker.peak_bytes)], dtype=torch.float64)
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            out.append((name, plan.label, sim.simulate(plan).peak_bytes, int(peak.item())))
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return spawn(_worker, world_size=2, timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_predicted_peak_within_5_percent_of_real_steps(measured, model):
+    rows = [r for r in measured if r[0] == model]
+    assert len(rows) == 5
+    errors = {label: pred / meas - 1 for _, label, pred, meas in rows}
+    assert all(abs(err) < 0.05 for err in errors.values()), errors
+
+
+def test_checkpointing_is_predicted_to_save_what_it_saves(measured):
+    for model in MODELS:
+        rows = {label: (pred, meas) for name, label, pred, meas in measured if name == model}
+        saved_pred = rows["per-block"][0] - rows["ckpt"][0]
+        saved_meas = rows["per-block"][1] - rows["ckpt"][1]
+        assert saved_meas > 0 and saved_pred == pytest.approx(saved_meas, rel=0.05), (model, saved_pred, saved_meas)
+
+
+def test_tracer_separates_the_loss_from_the_root():
+    from wrapopt.trace import trace_model
+
+    e = zoo.get_entry("gpt-tiny")
+    graph = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss, fx=False)
+    batch, seq = e.inputs()[0].shape
+    vocab = graph.info("lm_head").output_bytes // (batch * seq * 4)
+    log_softmax_out = batch * (seq - 1) * vocab * 4  # what cross-entropy saves
+    assert graph.loss_saved_bytes == pytest.approx(log_softmax_out, rel=0.01)
+    assert graph.loss_peak_bytes >= 2 * log_softmax_out  # the flattened copy beside it
+    assert graph.root.saved_bytes < log_softmax_out / 10
+
+
+def test_tied_gradient_appears_at_the_head_and_accumulates_at_the_embedding():
+    from wrapopt.cost import Simulator
+    from wrapopt.trace import trace_model
+
+    e = zoo.get_entry("gpt-tiny")
+    graph = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss, fx=False)
+    grad_at, acc_at = Simulator._gradient_sites(graph)
+    numel = graph.info("wte").own_trainable_numel
+    assert numel > 0 and grad_at.get("lm_head") == numel and grad_at.get("wte", 0) == 0
+    assert acc_at == {"wte": numel}
