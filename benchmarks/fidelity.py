@@ -115,7 +115,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(TRAINABLE))
     ap.add_argument("--world-sizes", default="2")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="results")
     ap.add_argument("--skip-tracker", action="store_true")
     args = ap.parse_args()

@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(TRAINABLE))
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--confirm", type=int, default=4, help="contenders per budget re-measured (see wrapopt/evaluate.py)")
+    ap.add_argument("--confirm-repeats", type=int, default=15)
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -130,7 +132,8 @@ def main() -> int:
         for model in args.models.split(","):
             print(f"== {model} on {ws} ranks", file=sys.stderr, flush=True)
             run = evaluate(model, world_size=ws, plan_set="exhaustive", repeats=args.repeats,
-                           budgets=["tight", "loose"], quiet=True)
+                           budgets=["tight", "loose"], confirm=args.confirm, confirm_repeats=args.confirm_repeats,
+                           quiet=True)
             runs.append(run)
             verdicts.append(judge(run))
             bars(run, verdicts[-1], os.path.join(args.out, f"bench_{model}_x{ws}.png"))
@@ -145,11 +148,15 @@ def main() -> int:
         "4-rank run has half a core per rank.",
         f"Regenerate everything: `make bench` (this run: {wall / 60:.1f} min). The demo's table is in `demo/report.md`; "
         "the cost model's fidelity in `fidelity.md`; the tracer in `trace.md`; the search in `search.md`.", "",
-        "Method: per model and world size, the fabric and compute are measured on the same ranks, wrapopt searches "
+        f"Method: per model and world size, the fabric and compute are measured on the same ranks, wrapopt searches "
         "under each budget, and every plan below is sharded with `fully_shard` and stepped for real, all plans "
-        "interleaved (A B C ... A B C), 2 warm-up rounds, then the median over repeats of the slowest rank's step time. "
+        f"interleaved (A B C ... A B C), 2 warm-up rounds, then the median over {args.repeats} repeats of the slowest rank's step "
+        f"time. The contenders (per budget the {args.confirm} fastest fitting plans, wrapopt's choice and the fastest "
+        f"fitting baseline) then run again, interleaved, {args.confirm_repeats} repeats, and their rows (marked "
+        "*confirmed*) carry those times: the fastest of dozens of noisy short medians is biased low. "
         "Peak memory: live tensor bytes per rank (CPU allocator events), max over ranks. A plan *fits* a budget when its "
-        "measured peak does. *Tight*: 2% above the per-block baseline's predicted peak, so only fine-grained plans fit; "
+        "measured peak does. *Tight*: 2% above the per-block baseline's predicted peak: plans that keep parameters "
+        "gathered between forward and backward, or gather the whole model at once, do not fit; "
         "*loose*: no limit. The exhaustive set: every contiguous grouping of the block chains (with and without "
         "resharding after forward), checkpointed groupings, and the baselines.", "",
         "## wrapopt against the best baseline and the measured optimum", "",
@@ -174,6 +181,7 @@ def main() -> int:
         tight = next(v for v in vs if v["budget"] == "tight")["budget_bytes"]
         for r in sorted(run["rows"], key=lambda r: r["meas_step_s"]):
             mark = " **(wrapopt: " + ",".join(r["chosen_for"]) + ")**" if r.get("chosen_for") else ""
+            mark += " *confirmed*" if r.get("confirmed") else ""
             lines.append(f"| {r['plan']}{mark} | {r['units']} | {r['meas_step_s'] * 1e3:.1f} | {r['meas_spread']:.0%} | "
                          f"{r['pred_step_s'] * 1e3:.1f} | {fmt_bytes(r['meas_peak_bytes'])} | {fmt_bytes(r['pred_peak_bytes'])} | "
                          f"{'yes' if r['meas_peak_bytes'] <= tight else 'no'} |")

@@ -74,6 +74,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--plans", default="exhaustive", choices=["baselines", "variants", "exhaustive"])
     p.add_argument("--budgets", default="tight,loose", help="comma list: tight, loose, midway or sizes like 12MiB")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--confirm", type=int, default=4, metavar="K",
+                   help="re-measure the K fastest fitting plans per budget, wrapopt's and the best baseline (0: off)")
+    p.add_argument("--confirm-repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="write the raw results (JSON) here")
     p.set_defaults(func=run_bench)
 
@@ -85,7 +88,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.model.startswith("zoo:"):
         raise ModelError("wrapopt bench runs real steps of zoo models: give zoo:NAME (see `wrapopt trace --help`)")
     res = evaluate(args.model[4:], world_size=args.world_size, ranks_per_node=args.ranks_per_node,
-                   plan_set=args.plans, repeats=args.repeats, budgets=args.budgets.split(","))
+                   plan_set=args.plans, repeats=args.repeats, budgets=args.budgets.split(","),
+                   confirm=args.confirm, confirm_repeats=args.confirm_repeats)
     verdicts = judge(res)
     print(format_judgement(res, verdicts))
     if args.out:
