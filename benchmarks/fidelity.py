@@ -5,10 +5,10 @@ For each trainable zoo model, on local gloo ranks, at least 8 distinct plans
 forward; with and without activation checkpointing; explicit prefetch) are
 predicted by the simulator and run for real, interleaved, median over
 repeats. Then the FSDPMemTracker check of llama-7b on a fake process group
-of 8 ranks. Writes results/fidelity.md, results/fidelity.json and
+of 8 ranks, and the simulator's speed. Writes results/fidelity.md, results/fidelity.json and
 results/fidelity_scatter.png.
 
-    python benchmarks/fidelity.py [--world-sizes 2,4] [--repeats 7] [--models gpt-tiny,...]
+    python benchmarks/fidelity.py [--world-sizes 2,4] [--repeats 15] [--models gpt-tiny,...]
 """
 
 from __future__ import annotations
@@ -63,6 +63,57 @@ def fake_tracker_check(world_size: int = 8) -> list[dict]:
         rows.append({"plan": p.label, "pred_peak_bytes": pred, "tracker_peak_bytes": tr["Total"],
                      "error": (pred - tr["Total"]) / tr["Total"], "tracker": tr})
     print(f"FSDPMemTracker check: {len(rows)} plans in {wall:.0f} s", file=sys.stderr)
+    return rows
+
+
+def simulator_speed(calls: int = 1000) -> list[dict]:
+    """Plan evaluations per second on one core: llama-7b (32 blocks), 64 ranks, analytical fabric.
+
+    Warm: the same plan again (its layout cached). Cold: a new grouping each call
+    (the layout built every time), as a search meets it."""
+    from wrapopt import zoo
+    from wrapopt.cost import Simulator
+    from wrapopt.fabric import ComputeProfile, analytical_fabric
+    from wrapopt.search import baselines
+    from wrapopt.trace import trace_model
+    from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
+
+    entry = zoo.get_entry("llama-7b")
+    graph = trace_model(entry.build("meta"), entry.inputs(), loss_fn=entry.loss, fx=False)
+    mesh = MeshSpec(world_size=64, ranks_per_node=8, shard_size=64)
+    sim = Simulator(graph, analytical_fabric(world_size=64), ComputeProfile.analytical())
+    base = baselines(graph, mesh)
+    rows = []
+    for label in ("per-block", "size-1e8"):
+        plan = base[label]
+        sim.simulate(plan)
+        best = float("inf")
+        for _ in range(5):  # best of 5 rounds, as timeit does: the machine is shared
+            t0 = time.perf_counter()
+            for _ in range(calls // 5):
+                sim.simulate(plan)
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"case": f"{label} plan, layout cached", "per_s": (calls // 5) / best})
+    root, blocks = base["root-only"].units[-1], graph.blocks
+    import random
+
+    rng = random.Random(0)
+    plans = []
+    for _ in range(200):
+        groups, i = [], 0
+        while i < len(blocks):
+            size = rng.randint(1, 4)
+            groups.append(UnitSpec(blocks[i:i + size], rng.random() < 0.5, rng.random() < 0.3))
+            i += size
+        plans.append(PlanSpec(tuple(groups) + (root,), mesh))
+    best = float("inf")
+    for _ in range(5):
+        sim = Simulator(graph, analytical_fabric(world_size=64), ComputeProfile.analytical())
+        t0 = time.perf_counter()
+        for p in plans:
+            sim.simulate(p)
+        best = min(best, time.perf_counter() - t0)
+    rows.append({"case": "random groupings of 1-4 blocks, layout built each call", "per_s": len(plans) / best})
     return rows
 
 
@@ -125,6 +176,7 @@ def main() -> int:
         for model in args.models.split(","):
             runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None))
     tracker = [] if args.skip_tracker else fake_tracker_check()
+    speed = simulator_speed()
     summaries = [summarize(r) for r in runs]
     m = runs[0]["machine"]
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -161,12 +213,16 @@ def main() -> int:
                   "| plan | predicted peak | FSDPMemTracker peak | error |", "|---|---|---|---|"]
         for r in tracker:
             lines.append(f"| {r['plan']} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['tracker_peak_bytes'])} | {r['error']:+.1%} |")
+    lines += ["", "## Simulator speed", "",
+              "`Simulator.simulate` in this process (one core, one thread), llama-7b (32 blocks) on 64 ranks, analytical "
+              "fabric; best of 5 rounds (the machine is shared).", "", "| case | plan evaluations per second |", "|---|---|"]
+    lines += [f"| {r['case']} | {r['per_s']:,.0f} |" for r in speed]
     lines += ["", "![predicted vs measured](fidelity_scatter.png)", ""]
     os.makedirs(args.out, exist_ok=True)
     scatter(runs, os.path.join(args.out, "fidelity_scatter.png"))
     atomic_write_text(os.path.join(args.out, "fidelity.md"), "\n".join(lines))
     atomic_write_json(os.path.join(args.out, "fidelity.json"), {"date": date, "summaries": summaries, "runs": runs,
-                                                                "tracker": tracker})
+                                                                "tracker": tracker, "simulator_speed": speed})
     print("\n".join(lines[:12 + len(summaries)]))
     return 0
 

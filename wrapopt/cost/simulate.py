@@ -92,6 +92,7 @@ from wrapopt.fabric import ComputeProfile, FabricProfile
 from wrapopt.types import (
     ROOT,
     CostEstimate,
+    MeshSpec,
     ModelGraph,
     PlanSpec,
     SimOptions,
@@ -145,6 +146,15 @@ class _Layout:
     input_bytes: tuple[int, ...]  # what a checkpointed unit keeps (its input ~ its output)
     work: tuple[int, ...]
     last_fwd_segment: tuple[int, ...]
+    pos: dict[int, int]  # unit -> its place in forward order
+    border: tuple[int, ...]  # units in backward order (post-forward order reversed)
+    bpos: dict[int, int]
+    nseg: tuple[int, ...]  # segments per unit
+    seg_grads: tuple[int, ...]  # gradient elements that appear during the unit's segments
+
+
+_PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
+               "all_gather_buffer", "unsharded_grads", "activations", "working_set")
 
 
 class Simulator:
@@ -168,6 +178,7 @@ class Simulator:
                     return a
             return fqn.split(".", 1)[0]
 
+        self._elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
         grad_at, acc_at = self._gradient_sites(graph)
         entries = []
         for m in graph.call_order():
@@ -182,12 +193,34 @@ class Simulator:
                                   int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0)))
         self._entries = tuple(entries)
         self._param_modules = tuple(
-            (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes)
+            (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes, piece(m.fqn))
             for m in graph.modules
             if m.own_numel
         )
+        # Fast path of _build_layout: a piece no unit cuts into is owned whole, so its
+        # runs of consecutive entries and its parameters are summed once, here.
+        self._piece_of = {m.fqn: piece(m.fqn) for m in graph.modules}
+        runs: list[list[Any]] = []
+        for e in entries:
+            if runs and runs[-1][0] == e.piece:
+                runs[-1][2].append(e)
+            else:
+                runs.append([e.piece, ancestors(e.piece), [e]])
+        self._runs = tuple(
+            (pc, anc, tuple(es), (sum(e.fwd_s for e in es), sum(e.bwd_s for e in es), sum(e.saved for e in es),
+                                  max(e.out for e in es), sum(e.grad_numel for e in es), self._backward_working_set(es)))
+            for pc, anc, es in runs
+        )
+        piece_params: dict[str, list[int]] = {}
+        for *_a, ne, nb, tn, tb, pc in self._param_modules:
+            acc = piece_params.setdefault(pc, [0, 0, 0, 0])
+            for k, v in enumerate((ne, nb, tn, tb)):
+                acc[k] += v
+        self._piece_params = tuple((pc, ancestors(pc), tuple(v)) for pc, v in piece_params.items())
+        self._out_bytes = {m.fqn: m.output_bytes for m in graph.modules}
         self._layouts: dict[tuple[tuple[str, ...], ...], _Layout] = {}
-        self._elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
+        self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
+        self._unit_colls: dict[tuple[Any, MeshSpec], tuple[Any, ...]] = {}
         self._num_tensors = len(graph.param_shapes)
 
     @staticmethod
@@ -240,53 +273,81 @@ class Simulator:
                     return i
             return n - 1
 
+        # Pieces a unit cuts into (a unit module strictly inside a piece) take the slow path.
+        cut = {self._piece_of.get(m, m) for u in units for m in u.modules if self._piece_of.get(m, m) != m}
         numel, sbytes, tnumel, tbytes = [0] * n, [0] * n, [0] * n, [0] * n
-        for anc, ne, nb, tn, tb in self._param_modules:
+        for pc, anc, (ne, nb, tn, tb) in self._piece_params:
+            if pc in cut:
+                continue
             u = owner(anc)
             numel[u] += ne
             sbytes[u] += nb
             tnumel[u] += tn
             tbytes[u] += tb
+        if cut:
+            for anc, ne, nb, tn, tb, pc in self._param_modules:
+                if pc in cut:
+                    u = owner(anc)
+                    numel[u] += ne
+                    sbytes[u] += nb
+                    tnumel[u] += tn
+                    tbytes[u] += tb
         segs: list[list[Any]] = []
         saved, fwd, bwd, work = [0] * n, [0.0] * n, [0.0] * n, [0] * n
-        for e in self._entries:
-            u = owner(e.anc)
-            saved[u] += e.saved
-            fwd[u] += e.fwd_s
-            bwd[u] += e.bwd_s
-            work[u] = max(work[u], e.out)
-            if segs and segs[-1][0] == u and segs[-1][7] == e.piece:
-                s = segs[-1]
-                s[1] += e.fwd_s
-                s[2] += e.bwd_s
-                s[3] += e.saved
-                s[4] = max(s[4], e.out)
-                s[5] += e.grad_numel
-                s[6].append(e)
-            else:
-                segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, [e], e.piece])
+        for pc, anc, es, (f, b, sv, out, gn, bw) in self._runs:
+            if pc not in cut:  # one owner for the whole run: one segment
+                u = owner(anc)
+                saved[u] += sv
+                fwd[u] += f
+                bwd[u] += b
+                work[u] = max(work[u], out)
+                segs.append([u, f, b, sv, out, gn, bw, pc])
+                continue
+            for e in es:
+                u = owner(e.anc)
+                saved[u] += e.saved
+                fwd[u] += e.fwd_s
+                bwd[u] += e.bwd_s
+                work[u] = max(work[u], e.out)
+                if segs and segs[-1][0] == u and segs[-1][7] == e.piece and isinstance(segs[-1][6], list):
+                    sg = segs[-1]
+                    sg[1] += e.fwd_s
+                    sg[2] += e.bwd_s
+                    sg[3] += e.saved
+                    sg[4] = max(sg[4], e.out)
+                    sg[5] += e.grad_numel
+                    sg[6].append(e)
+                else:
+                    segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, [e], e.piece])
         seen_pieces: set[str] = set()
         segments = []
         for s in segs:
             piece = s[7]
             first = piece not in seen_pieces
             seen_pieces.add(piece)
-            keep = int(self.graph.info(piece).output_bytes * self.options.batch_scale) if first and piece in self.graph.tree else 0
-            segments.append(_Segment(*s[:6], self._backward_working_set(s[6]), keep))
+            keep = int(self._out_bytes.get(piece, 0) * self.options.batch_scale) if first else 0
+            bw = s[6] if isinstance(s[6], int) else self._backward_working_set(s[6])
+            segments.append(_Segment(*s[:6], bw, keep))
         segments = tuple(segments)
         order = tuple(dict.fromkeys([n - 1] + [s.unit for s in segments]))
         last = [-1] * n
         for i, s in enumerate(segments):
             last[s.unit] = i
-        info = self.graph.info
-        inputs = [
-            max((info(m).output_bytes for m in u.modules if m in self.graph.tree), default=0) if not u.is_root else 0
-            for u in units
-        ]
+        ob = self._out_bytes
+        inputs = [max((ob.get(m, 0) for m in u.modules), default=0) if not u.is_root else 0 for u in units]
+        # Backward prefetch follows post-forward order reversed: the root (whose
+        # forward ends last) comes first and prefetches the last block.
+        border = tuple(sorted(order, key=lambda u: -last[u]))
+        nseg, seg_grads = [0] * n, [0] * n
+        for sg in segments:
+            nseg[sg.unit] += 1
+            seg_grads[sg.unit] += sg.grad_numel
         return _Layout(segments, order, tuple(numel), tuple(sbytes), tuple(tnumel), tuple(tbytes), tuple(saved),
-                       tuple(fwd), tuple(bwd), tuple(int(x * self.options.batch_scale) for x in inputs), tuple(work), tuple(last))
+                       tuple(fwd), tuple(bwd), tuple(int(x * self.options.batch_scale) for x in inputs), tuple(work), tuple(last),
+                       {u: k for k, u in enumerate(order)}, border, {u: k for k, u in enumerate(border)},
+                       tuple(nseg), tuple(seg_grads))
 
-    def _backward_working_set(self, entries: list[_Entry]) -> int:
+    def _backward_working_set(self, entries: list[_Entry] | tuple[_Entry, ...]) -> int:
         """Most bytes a segment's backward holds beyond its saved activations and the
         gradients before it. See [Note: progressive backward]."""
         opt = self.options
@@ -302,7 +363,13 @@ class Simulator:
     # -- collectives ----------------------------------------------------------------------
 
     def _coll(self, name: str, group: int, rpn_in_group: int, nbytes: float, notes: set[str]) -> float:
-        t, caveat = self.fabric.collective_s(name, group, rpn_in_group, nbytes)
+        key = (name, group, rpn_in_group, nbytes)
+        hit = self._colls.get(key)
+        if hit is None:
+            if len(self._colls) > 65536:
+                self._colls.clear()
+            hit = self._colls[key] = self.fabric.collective_s(name, group, rpn_in_group, nbytes)
+        t, caveat = hit
         if caveat:
             notes.add(caveat)
         return t
@@ -326,12 +393,22 @@ class Simulator:
         unit_oh = self.compute.unit_overhead_s
         ck_oh = self.compute.checkpoint_overhead_s  # per checkpointed block (a segment that starts a piece)
 
-        P = [lay.numel[i] * gather_elem for i in range(n)]  # gathered bytes
-        G = [lay.trainable_numel[i] * reduce_elem for i in range(n)]  # unsharded grad bytes
-        ag = [self._coll("all_gather", shard, rpn_shard, P[i], notes) for i in range(n)]
-        rs = [self._coll("reduce_scatter", shard, rpn_shard, G[i], notes) for i in range(n)]
-        ar_bytes = [G[i] / shard for i in range(n)]
-        ar = [self._coll("all_reduce", mesh.world_size // shard, rpn_rep, ar_bytes[i], notes) for i in range(n)]
+        ckey = (tuple(u.modules for u in units), mesh)
+        cached = self._unit_colls.get(ckey)
+        if cached is None:  # per set of units and mesh: bytes and collective times of every unit
+            cn: set[str] = set()
+            P = [lay.numel[i] * gather_elem for i in range(n)]  # gathered bytes
+            G = [lay.trainable_numel[i] * reduce_elem for i in range(n)]  # unsharded grad bytes
+            ag = [self._coll("all_gather", shard, rpn_shard, P[i], cn) for i in range(n)]
+            rs = [self._coll("reduce_scatter", shard, rpn_shard, G[i], cn) for i in range(n)]
+            ar = [self._coll("all_reduce", mesh.world_size // shard, rpn_rep, G[i] / shard, cn) for i in range(n)]
+            if len(self._unit_colls) > 4096:
+                self._unit_colls.clear()
+            ucosts = tuple(UnitCost(u.name, int(P[i]), lay.fwd_s[i], lay.bwd_s[i], ag[i], rs[i], lay.saved[i])
+                           for i, u in enumerate(units))
+            cached = self._unit_colls[ckey] = (P, G, ag, rs, ar, frozenset(cn), ucosts)
+        P, G, ag, rs, ar, cnotes, ucosts = cached
+        notes.update(cnotes)
         rag = [0.0] * n  # backward re-gather cost per unit
         keep = [0] * n  # bytes kept between forward and backward
         for i, u in enumerate(units):
@@ -356,7 +433,7 @@ class Simulator:
         gathered = 0.0
         acts = 0.0
         peak = 0.0
-        peak_parts: dict[str, float] = {}
+        peak_parts: tuple[float, ...] = ()
         grads_pending = 0.0
 
         def note_mem(work: float) -> float:
@@ -364,17 +441,7 @@ class Simulator:
             total = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + work
             if total > peak:
                 peak = total
-                peak_parts = {
-                    "sharded_params": sharded_params,
-                    "sharded_grads": sharded_grads,
-                    "optimizer_state": optim,
-                    "accumulated_grads": accum,
-                    "unsharded_params": gathered,
-                    "all_gather_buffer": ag_buffer,
-                    "unsharded_grads": grads_pending,
-                    "activations": acts,
-                    "working_set": work,
-                }
+                peak_parts = (sharded_grads, gathered, ag_buffer, grads_pending, acts, work)
             return total
 
         # ---- forward: See [Note: segments], [Note: all-gather issue] -------------------
@@ -382,7 +449,7 @@ class Simulator:
         runs_ahead = not self.compute.device.startswith("cpu")  # See [Note: all-gather issue]
         # The previous step's last forward all-gather output is still held at step start.
         ag_buffer = float(P[order[-1]]) if runs_ahead else 0.0
-        pos = {u: k for k, u in enumerate(order)}
+        pos = lay.pos
         depth = max(plan.forward_prefetch, 1 if runs_ahead else 0)
         ag_end = [0.0] * n
         issued = [False] * n
@@ -449,36 +516,25 @@ class Simulator:
         fwd_end = t
 
         # ---- backward: See [Note: backward schedule] ---------------------------------------
-        # Backward prefetch follows post-forward order reversed: the root (whose
-        # forward ends last) comes first and prefetches the last block.
-        border = sorted(order, key=lambda u: -lay.last_fwd_segment[u])
-        bpos = {u: k for k, u in enumerate(border)}
+        border, bpos, nseg, seg_grads = lay.border, lay.bpos, lay.nseg, lay.seg_grads
         bag_end = [0.0] * n
         bissued = [False] * n
         first_b = [False] * n
         done_segments = [0] * n
-        nseg = [0] * n
-        seg_grads = [0] * n
-        for s in lay.segments:
-            nseg[s.unit] += 1
-            seg_grads[s.unit] += s.grad_numel
         pending: list[tuple[float, float, float]] = []  # (end, unsharded bytes, sharded bytes) awaiting reduction
-
-        def need_regather(u: int) -> bool:
-            return rag[u] > 0
 
         for s in reversed(lay.segments):
             u = s.unit
             if not first_b[u]:
                 first_b[u] = True
-                if need_regather(u) and not bissued[u]:
+                if rag[u] > 0 and not bissued[u]:
                     bag_end[u] = issue_ag(u, t, "re_gather", rag[u])
                     bissued[u] = True
-                t = max(t, bag_end[u]) + (unit_oh if need_regather(u) else 0.0)
-                if need_regather(u):
+                t = max(t, bag_end[u]) + (unit_oh if rag[u] > 0 else 0.0)
+                if rag[u] > 0:
                     note_mem(P[u])  # copy-out transient; freed at once in backward
                 k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
-                if k < len(border) and need_regather(border[k]) and not bissued[border[k]]:
+                if k < len(border) and rag[border[k]] > 0 and not bissued[border[k]]:
                     bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])
                     bissued[border[k]] = True
             # Unsharded gradients appear as the unit's backward reaches their modules
@@ -492,7 +548,7 @@ class Simulator:
             done_segments[u] += 1
             if done_segments[u] == nseg[u]:
                 grads_pending += G[u] - seg_grads[u] * reduce_elem
-                gathered -= keep[u] if not need_regather(u) else P[u]
+                gathered -= keep[u] if not rag[u] > 0 else P[u]
                 # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
                 dur = rs[u] + ar[u]
                 start = max(t, c)
@@ -525,14 +581,13 @@ class Simulator:
             # Earlier micro-batches: the same forward and backward without the
             # reduce-scatters (set_requires_gradient_sync(False)).
             step += (micro - 1) * bwd_end
-        compute_s = sum(lay.fwd_s) + sum(lay.bwd_s) + sum(lay.fwd_s[i] for i in range(n) if units[i].checkpoint)
-        compute_s += ck_oh * sum(1 for sg in lay.segments if sg.keep and units[sg.unit].checkpoint)
+        ckpt = [i for i in range(n) if units[i].checkpoint]
+        compute_s = sum(lay.fwd_s) + sum(lay.bwd_s) + sum(lay.fwd_s[i] for i in ckpt)
+        if ckpt and ck_oh:
+            compute_s += ck_oh * sum(1 for sg in lay.segments if sg.keep and units[sg.unit].checkpoint)
         compute_s += self.compute.loss_s * opt.batch_scale
         compute_s *= micro
         exposed = max(0.0, step - compute_s - optim_s)
-        ucosts = tuple(
-            UnitCost(units[i].name, int(P[i]), lay.fwd_s[i], lay.bwd_s[i], ag[i], rs[i], lay.saved[i]) for i in range(n)
-        )
         return CostEstimate(
             step_s=step,
             fwd_s=fwd_end,
@@ -541,7 +596,7 @@ class Simulator:
             comm_s=comm_total,
             exposed_comm_s=exposed,
             peak_bytes=int(peak),
-            peak_breakdown=tuple((k, int(v)) for k, v in peak_parts.items()),
+            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, (sharded_params, (peak_parts or (0.0,))[0], optim, accum) + (peak_parts or (0.0,) * 6)[1:])),
             units=ucosts,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
