@@ -5,7 +5,10 @@ the fastest of dozens of noisy medians is biased low (the winner's curse),
 so a plan that merely drew lucky repeats can pose as the optimum. With
 ``confirm=K`` the contenders (per budget the K fastest fitting plans,
 wrapopt's choice, the fastest fitting baseline, the predicted fastest) run again, interleaved with
-each other, for more repeats, and the verdict uses those times. Peaks come
+each other, for more repeats, and the verdict compares only those times
+(``evidence.judge``): figures from two rounds are not comparable on a shared
+machine whose speed drifts, and the plans left out were beaten in the screen
+by at least K fitting plans. Peaks come
 from the screening round (memory does not vary with repeats).
 
 ``evaluate(model, world_size=2, plan_set=...)`` starts local ranks that

@@ -298,6 +298,7 @@ class _StepRecord:
         self.order: dict[str, int] = {}
         self.calls: dict[str, int] = defaultdict(int)
         self.out_bytes: dict[str, int] = {}
+        self.in_bytes: dict[str, int] = {}
         self.saved: dict[str, int] = defaultdict(int)
         self.fwd: dict[str, float] = {}
         self.bwd_total = 0.0
@@ -336,9 +337,11 @@ def _run_step(
     seen_saved: set[Any] = set()
 
     def pre_hook(name: str) -> Callable:
-        def hook(_m: nn.Module, _args: Any) -> None:
+        def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
             if name not in rec.order:
                 rec.order[name] = len(rec.order)
+                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in _tensors_in((args, kwargs))
+                                         if t.is_floating_point())
             rec.calls[name] += 1
             stack.append(name)
 
@@ -370,7 +373,7 @@ def _run_step(
     for name, m in model.named_modules():
         if name == ROOT:
             continue  # the root's calls are the step itself
-        handles.append(m.register_forward_pre_hook(pre_hook(name)))
+        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
         handles.append(m.register_forward_hook(post_hook(name)))
     recorder = _Recorder(stack)
     rec.order[ROOT] = 0
@@ -483,6 +486,7 @@ def _build_graph(
             output_bytes=rec.out_bytes.get(n, 0),
             order=rec.order.get(n, -1),
             num_calls=rec.calls.get(n, 0),
+            input_bytes=rec.in_bytes.get(n, 0),
         )
         g.add_node(n, info=info)
         if parent is not None:

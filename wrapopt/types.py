@@ -54,6 +54,7 @@ class ModuleInfo:
     output_bytes: int  # bytes of the module's outputs (first call)
     order: int  # position of the first call in forward order; -1 if never called
     num_calls: int
+    input_bytes: int = 0  # bytes of the module's floating-point inputs (first call)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,9 +56,9 @@ besides the old one.
 [Note: progressive backward] Within a segment, backward visits its modules
 in reverse: each module's gradients appear and, once its backward is done,
 the activations it saved are freed. The segment's peak is the largest, over
-its modules, of (gradients so far - activations freed so far + the module's
-output twice: the gradient arriving and the one leaving + a gradient
-accumulation in flight), on top of the segment's saved activations and the
+its modules, of (gradients so far - activations freed so far + the gradient
+arriving, of the module's output size, and the one leaving, of its input size
++ a gradient accumulation in flight), on top of the segment's saved activations and the
 gradients from before.
 
 [Note: loss] The loss runs after forward, outside every module. While it
@@ -116,6 +116,7 @@ class _Entry:
     grad_numel: int  # trainable elements whose gradient appears at this module's backward
     piece: str  # the block (or top-level child) it belongs to: segments never span two
     acc_numel: int  # elements whose gradient is accumulated here into an existing one
+    inp: int  # bytes of its floating inputs: the gradient its backward hands on
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +191,8 @@ class Simulator:
             # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
             out = 0 if m.fqn == ROOT else m.output_bytes
             entries.append(_Entry(m.fqn, ancestors(m.fqn), f * scale, b * scale, int(m.saved_bytes * scale),
-                                  int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0)))
+                                  int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
+                                  int((0 if m.fqn == ROOT else m.input_bytes) * scale)))
         self._entries = tuple(entries)
         self._param_modules = tuple(
             (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes, piece(m.fqn))
@@ -356,7 +358,10 @@ class Simulator:
         best = 0.0
         for e in reversed(entries):
             grads += e.grad_numel * reduce_elem
-            best = max(best, grads - freed + 2 * e.out + 2 * e.acc_numel * reduce_elem)
+            # The gradient arriving (output-sized) and the one leaving (input-sized; the
+            # output's size again where the tracer did not see the inputs).
+            leaving = e.inp if e.inp else e.out
+            best = max(best, grads - freed + e.out + leaving + 2 * e.acc_numel * reduce_elem)
             freed += e.saved
         return int(best)
 
