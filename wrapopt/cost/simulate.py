@@ -35,7 +35,8 @@ the next unit's in backward order. A checkpointed unit first recomputes its
 forward, each checkpointed block paying the profile's measured
 ``checkpoint_overhead_s`` on top. After the unit's last backward segment its gradients are
 reduce-scattered (then all-reduced across the replicate axis under HSDP);
-the unsharded gradients live until that lands. The step ends when the last
+the unsharded gradients live until the next unit's post-backward (See [Note:
+reduce-scatter buffer]). The step ends when the last
 collective lands, plus the optimizer step (memory-bound on the local shard).
 
 [Note: memory] At any instant: sharded parameters + sharded gradients +
@@ -60,6 +61,15 @@ its modules, of (gradients so far - activations freed so far + the gradient
 arriving, of the module's output size, and the one leaving, of its input size
 + a gradient accumulation in flight), on top of the segment's saved activations and the
 gradients from before.
+
+[Note: reduce-scatter buffer] At a unit's post-backward FSDP2 copies its
+unsharded gradients into one reduce-scatter input buffer (both exist for a
+moment), frees the gradients, and keeps the buffer referenced until the next
+unit's post-backward, which first waits for that reduce-scatter
+(``reduce_scatter_max_input_buffers = 1``); the last is freed when backward
+ends. So a unit's gradients are held until the next unit in backward order
+finishes, however fast the collective is; the sharded gradients are
+allocated when the reduce-scatter is issued.
 
 [Note: loss] The loss runs after forward, outside every module. While it
 runs, memory holds the model's output and the tensors the loss creates (the
@@ -526,7 +536,7 @@ class Simulator:
         bissued = [False] * n
         first_b = [False] * n
         done_segments = [0] * n
-        pending: list[tuple[float, float, float]] = []  # (end, unsharded bytes, sharded bytes) awaiting reduction
+        held: tuple[float, float] | None = None  # (end, bytes) of the reduce-scatter input FSDP2 still holds
 
         for s in reversed(lay.segments):
             u = s.unit
@@ -554,22 +564,24 @@ class Simulator:
             if done_segments[u] == nseg[u]:
                 grads_pending += G[u] - seg_grads[u] * reduce_elem
                 gathered -= keep[u] if not rag[u] > 0 else P[u]
+                # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
+                note_mem(G[u])
+                if held is not None:
+                    t = max(t, held[0])
+                    grads_pending -= held[1]
                 # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
                 dur = rs[u] + ar[u]
                 start = max(t, c)
                 d = dur * (ovl_m if t > start else 1.0)
                 c = start + d
                 comm_total += d
-                pending.append((c, G[u], lay.trainable_bytes[u] / shard))
+                sharded_grads += lay.trainable_bytes[u] / shard
+                held = (c, G[u])
                 if record and d > 0:
                     ev.append(TimelineEvent("comm", "reduce_scatter", units[u].name, start, c, 0))
                 t += unit_oh
-            # Gradients whose reduction has landed are freed.
-            for e, b, sb in pending:
-                if e <= t:
-                    grads_pending -= b
-                    sharded_grads += sb
-            pending = [p for p in pending if p[0] > t]
+        if held is not None:  # the end of backward waits for the last one and frees it
+            grads_pending -= held[1]
         bwd_end = t
         end = max(t, c)
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
