@@ -188,8 +188,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         _log(rank, quiet, f"      confirmation round: {len(confirmed)} plans, {cfg['confirm_repeats']} repeats ...")
         again = measure_plans(lambda: entry.build("cpu", seed=0), [plans[i] for i in confirmed], inputs, entry.loss,
                               repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False)
+        screening = list(measured)
         for i, m in zip(confirmed, again):
             measured[i] = replace(m, peak_bytes=measured[i].peak_bytes)
+    else:
+        screening = list(measured)
     _log(rank, quiet, f"[5/5] done in {time.perf_counter() - t0:.1f} s")
     if rank != 0:
         return None
@@ -201,6 +204,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             "fits": e.peak_bytes <= budget_bytes,
             "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s), "meas_spread": m.spread,
             "pred_peak_bytes": e.peak_bytes, "meas_peak_bytes": m.peak_bytes, "confirmed": i in confirmed,
+            "screen_step_s": screening[i].step_s, "screen_spread": screening[i].spread,
         })
     return {
         "model": f"zoo:{cfg['model']}", "rows": rows,

@@ -1,0 +1,63 @@
+"""The verdict logic of `wrapopt bench`: which plans fit, which are re-measured, and the ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from wrapopt.bench import Measured
+from wrapopt.evaluate import _confirm_set, spearman
+from wrapopt.evidence import judge
+from wrapopt.types import MeshSpec, PlanSpec
+
+
+def _m(step_ms: float, peak_mib: float) -> Measured:
+    return Measured("x", step_ms / 1e3, (step_ms / 1e3,), 0.1, int(peak_mib * 2**20), ())
+
+
+def _plans(labels):
+    mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+    return [PlanSpec((), mesh, label=label) for label in labels]
+
+
+def test_confirm_set_takes_fastest_fitting_plans_wrapopts_and_the_best_fitting_baseline():
+    plans = _plans(["wrapopt:dp", "per-block", "size-1e8", "[2+2]", "[1+3]", "[4]"])
+    measured = [_m(12, 9), _m(15, 9), _m(8, 20), _m(10, 9), _m(11, 9), _m(7, 30)]
+    budgets = [{"name": "tight", "bytes": 10 * 2**20}, {"name": "loose", "bytes": float("inf")}]
+    picks = _confirm_set(plans, measured, budgets, {0: ["tight"]}, top=2)
+    # tight: [2+2], [1+3] fastest fitting; per-block the only fitting baseline; loose: [4], size-1e8.
+    assert picks == [0, 1, 2, 3, 4, 5]
+    picks = _confirm_set(plans, measured, budgets[:1], {0: ["tight"]}, top=1)
+    assert picks == [0, 1, 3]  # size-1e8 is faster but does not fit the tight budget
+
+
+def _row(plan, step_ms, peak_mib, *, chosen_for=(), confirmed=False):
+    return {"plan": plan, "meas_step_s": step_ms / 1e3, "meas_peak_bytes": peak_mib * 2**20, "meas_spread": 0.2,
+            "chosen_for": list(chosen_for), "confirmed": confirmed, "pred_step_s": step_ms / 1e3}
+
+
+def test_judge_compares_fitting_plans_by_measured_peak():
+    res = {"budgets": [{"name": "tight", "bytes": 10 * 2**20, "why": ""}, {"name": "loose", "bytes": float("inf"), "why": ""}],
+           "rows": [_row("wrapopt:a", 11, 9, chosen_for=["tight"]), _row("per-block", 13, 9), _row("[2+2]", 10, 9.5),
+                    _row("size-1e8", 8, 11), _row("wrapopt:b", 8.8, 12, chosen_for=["loose"])]}
+    tight, loose = judge(res)
+    assert (tight["best_baseline"], tight["optimum"]) == ("per-block", "[2+2]")
+    assert tight["vs_best_baseline"] == pytest.approx(11 / 13) and tight["vs_optimum"] == pytest.approx(1.1)
+    assert tight["num_fit"] == 3 and tight["wrapopt_fits"]
+    assert (loose["best_baseline"], loose["optimum"]) == ("size-1e8", "size-1e8")
+    assert loose["vs_optimum"] == pytest.approx(1.1)
+
+
+def test_judge_after_confirmation_compares_only_the_rows_of_that_round():
+    # [2+2] looked fastest in the screening round but was not re-measured; the verdict
+    # uses the confirmed rows, whose times come from one round.
+    res = {"budgets": [{"name": "loose", "bytes": float("inf"), "why": ""}],
+           "rows": [_row("wrapopt:a", 10, 9, chosen_for=["loose"], confirmed=True), _row("[2+2]", 6, 9),
+                    _row("size-1e8", 9.5, 9, confirmed=True)]}
+    (v,) = judge(res)
+    assert v["optimum"] == "size-1e8" and v["vs_optimum"] == pytest.approx(10 / 9.5)
+
+
+def test_spearman_handles_ties_and_reversal():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [5, 5, 6]) == pytest.approx(1.0)
