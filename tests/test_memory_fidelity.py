@@ -42,7 +42,7 @@ def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
     from wrapopt.bench import _step
     from wrapopt.cost import Simulator
     from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.memtrack import LiveBytesTracker
+    from wrapopt.memtrack import steady_step_peak
     from wrapopt.trace import trace_model
 
     torch.set_num_threads(1)
@@ -57,9 +57,8 @@ def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
             apply_plan(model, plan)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             _step(model, opt, x, e.loss)  # the optimizer state exists from the second step on
-            with LiveBytesTracker(model, opt, "cpu") as tracker:
-                _step(model, opt, x, e.loss)
-            peak = torch.tensor([float(tracker.peak_bytes)], dtype=torch.float64)
+            peak, _ = steady_step_peak(lambda: _step(model, opt, x, e.loss), model, opt, "cpu")
+            peak = torch.tensor([float(peak)], dtype=torch.float64)
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
             out.append((name, plan.label, sim.simulate(plan).peak_bytes, int(peak.item())))
     return out

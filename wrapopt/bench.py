@@ -69,7 +69,7 @@ def measure_plans(
     ``build()`` must return the same fresh model on every call (fixed seed).
     """
     from wrapopt.apply import apply_plan
-    from wrapopt.memtrack import LiveBytesTracker
+    from wrapopt.memtrack import steady_step_peak
 
     on_cuda = torch.cuda.is_available()
     models, opts = [], []
@@ -106,9 +106,8 @@ def measure_plans(
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated()
             else:
-                with LiveBytesTracker(m, o, "cpu") as tr:
-                    _step(m, o, inputs, loss_fn)
-                peak = tr.peak_bytes
+                # See [Note: missed frees] in memtrack.py.
+                peak, _ = steady_step_peak(lambda: _step(m, o, inputs, loss_fn), m, o, "cpu")
             peaks[i] = int(_max_over_ranks(float(peak)))
     out = []
     for i, plan in enumerate(plans):
