@@ -436,6 +436,13 @@ class ComputeProfile:
     # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters:
     # on small models the step is bound by per-tensor dispatch, not by bytes.
     optimizer_tensor_s: float = 0.0
+    # The same on a 2-D (replicate, shard) mesh (HSDP and no-shard plans): DTensor
+    # dispatch costs more per op with two mesh dims. 0: use optimizer_tensor_s.
+    optimizer_tensor_2d_s: float = 0.0
+    # Effective bandwidth of the optimizer step, counted as (2 + 2 * states) bytes
+    # per parameter byte: AdamW's foreach ops stream the tensors more times than
+    # that count, so the step runs below the copy bandwidth. 0: memory bandwidth.
+    optimizer_bandwidth_bytes_per_s: float = 0.0
     # Forward + backward of the loss, which runs outside the model's modules.
     loss_s: float = 0.0
     # What activation checkpointing adds per checkpointed module beyond re-running its
@@ -455,6 +462,8 @@ class ComputeProfile:
             "unit_overhead_s": self.unit_overhead_s,
             "module_overhead_s": self.module_overhead_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
+            "optimizer_tensor_2d_s": self.optimizer_tensor_2d_s,
+            "optimizer_bandwidth_bytes_per_s": self.optimizer_bandwidth_bytes_per_s,
             "loss_s": self.loss_s,
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "module_times": [list(t) for t in self.module_times],
@@ -476,6 +485,8 @@ class ComputeProfile:
             unit_overhead_s=float(d.get("unit_overhead_s", 0.0)),
             module_overhead_s=float(d.get("module_overhead_s", 0.0)),
             optimizer_tensor_s=float(d.get("optimizer_tensor_s", 0.0)),
+            optimizer_tensor_2d_s=float(d.get("optimizer_tensor_2d_s", 0.0)),
+            optimizer_bandwidth_bytes_per_s=float(d.get("optimizer_bandwidth_bytes_per_s", 0.0)),
             loss_s=float(d.get("loss_s", 0.0)),
             checkpoint_overhead_s=float(d.get("checkpoint_overhead_s", 0.0)),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),

@@ -586,9 +586,15 @@ class Simulator:
         end = max(t, c)
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
         # fixed dispatch cost per parameter tensor (dominant for small models).
-        optim_s = (storage / shard) * (2 + 2 * opt.optimizer.states_per_param) / self.compute.memory_bandwidth_bytes_per_s
+        # Both calibrated by the profiler's AdamW steps on fully_shard parameters, the
+        # per-tensor cost separately for 2-D meshes (HSDP, no-shard): see
+        # profile/compute.py::measure_optimizer.
+        cp = self.compute
+        optim_s = (storage / shard) * (2 + 2 * opt.optimizer.states_per_param) / (
+            cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
         if opt.optimizer.states_per_param:
-            optim_s += self._num_tensors * self.compute.optimizer_tensor_s
+            per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
+            optim_s += self._num_tensors * per_tensor
         step = end + optim_s
         if record:
             ev.append(TimelineEvent("compute", "optim", "<all>", end, step, int(static)))

@@ -38,7 +38,7 @@ __all__ = [
     "measure_module_overhead",
     "measure_unit_overhead",
     "measure_checkpoint_overhead",
-    "measure_optimizer_overhead",
+    "measure_optimizer",
     "measure_loss_time",
 ]
 
@@ -252,31 +252,51 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     return float(out[0])
 
 
-def measure_optimizer_overhead(*, num_tensors: int = 32, repeats: int = 5) -> float:
-    """Seconds per parameter tensor of one AdamW step on FSDP2-sharded parameters; collective.
+def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float, float, float]:
+    """AdamW steps on FSDP2-sharded (DTensor) parameters; collective.
 
-    The step on sharded (DTensor) parameters is dominated by per-tensor
-    dispatch on small models: ``num_tensors`` tiny tensors are sharded with
-    ``fully_shard`` and one ``AdamW.step()`` is timed (median, max over ranks).
+    Returns ``(per_tensor_s, per_tensor_2d_s, bandwidth_bytes_per_s)``: seconds
+    per parameter tensor (``num_tensors`` tiny tensors, dispatch-bound) on a 1-D
+    mesh and on a 2-D (world, 1) mesh as HSDP and no-shard plans use (0.0 on
+    one rank), and the step's effective bandwidth from four large tensors,
+    counted as the simulator counts it: (2 + 2 * 2 states) bytes per parameter
+    byte of the local shard. Medians, max over ranks.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     if not dist.is_initialized():
-        raise ProfileError("measure_optimizer_overhead needs a process group")
+        raise ProfileError("measure_optimizer needs a process group")
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
-    mesh = init_device_mesh(dev_type, (dist.get_world_size(),))
-    model = nn.Sequential(*(nn.Linear(8, 8, device=device) for _ in range(num_tensors // 2)))
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+    world = dist.get_world_size()
+    sync = _sync_for(device)
 
-    t = _time_reps(opt.step, repeats=repeats, warmup=2, sync=_sync_for(device))
-    out = torch.tensor([t / num_tensors], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out[0])
+    def step_time(model: nn.Module, mesh: Any) -> float:
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        return _time_reps(opt.step, repeats=repeats, warmup=2, sync=sync)
+
+    def tiny() -> nn.Module:
+        return nn.Sequential(*(nn.Linear(8, 8, device=device) for _ in range(num_tensors // 2)))
+
+    mesh1 = init_device_mesh(dev_type, (world,))
+    per_tensor = step_time(tiny(), mesh1) / num_tensors
+    per_tensor_2d = 0.0
+    if world > 1:
+        mesh2 = init_device_mesh(dev_type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        per_tensor_2d = step_time(tiny(), mesh2) / num_tensors
+    n = 4096 if dev_type == "cuda" else 1024
+    big = nn.Sequential(*(nn.Linear(n, n, bias=False, device=device) for _ in range(4)))
+    local_bytes = 4 * n * n * 4 / world
+    t_big = step_time(big, mesh1) - 4 * per_tensor
+    bandwidth = local_bytes * 6 / t_big if t_big > 0 else 0.0
+    out = torch.tensor([per_tensor, per_tensor_2d, -bandwidth], dtype=torch.float64,
+                       device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # slowest rank: max time, min bandwidth
+    return float(out[0]), float(out[1]), -float(out[2])
 
 
 def measure_loss_time(model: nn.Module, example_inputs: tuple[Any, ...], loss_fn: Callable[..., torch.Tensor],
@@ -438,10 +458,10 @@ def measure_compute(
     if model is not None:
         checkpoint_overhead_s = measure_checkpoint_overhead(model, example_inputs, repeats=repeats)
         meta["checkpoint_overhead"] = "first repeated block: checkpointed - plain - forward"
-    optimizer_tensor_s = 0.0
+    optimizer_tensor_s = optimizer_tensor_2d_s = optimizer_bandwidth = 0.0
     if dist.is_initialized():
-        optimizer_tensor_s = measure_optimizer_overhead(repeats=repeats)
-        meta["optimizer"] = "AdamW step on fully_shard parameters, per tensor"
+        optimizer_tensor_s, optimizer_tensor_2d_s, optimizer_bandwidth = measure_optimizer(repeats=repeats)
+        meta["optimizer"] = "AdamW steps on fully_shard parameters: per tensor (1-D and 2-D mesh), bandwidth"
     if unit_overhead_s is None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             unit_overhead_s = measure_unit_overhead(repeats=repeats)
@@ -458,6 +478,8 @@ def measure_compute(
         unit_overhead_s=unit_overhead_s,
         module_overhead_s=measure_module_overhead(device=device, repeats=repeats),
         optimizer_tensor_s=optimizer_tensor_s,
+        optimizer_tensor_2d_s=optimizer_tensor_2d_s,
+        optimizer_bandwidth_bytes_per_s=optimizer_bandwidth,
         loss_s=loss_s,
         checkpoint_overhead_s=checkpoint_overhead_s,
         module_times=module_times,
