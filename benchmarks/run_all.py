@@ -165,7 +165,7 @@ def main() -> int:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for run, vs in zip(runs, verdicts):
-        rho = spearman([r["pred_step_s"] for r in run["rows"]], [r.get("screen_step_s", r["meas_step_s"]) for r in run["rows"]])
+        rho = spearman([r["pred_step_s"] for r in run["rows"]], [r["screen_step_s"] for r in run["rows"]])
         for v in vs:
             vb = f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"] else "no baseline fits"
             vo = f"{v['vs_optimum']:.3f} ({v['optimum']})" if v["vs_optimum"] else "n/a"

@@ -57,7 +57,7 @@ def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
             apply_plan(model, plan)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             _step(model, opt, x, e.loss)  # the optimizer state exists from the second step on
-            peak, _ = steady_step_peak(lambda: _step(model, opt, x, e.loss), model, opt, "cpu")
+            peak = steady_step_peak(lambda: _step(model, opt, x, e.loss), model, opt, "cpu")
             peak = torch.tensor([float(peak)], dtype=torch.float64)
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
             out.append((name, plan.label, sim.simulate(plan).peak_bytes, int(peak.item())))

@@ -107,7 +107,7 @@ def measure_plans(
                 peak = torch.cuda.max_memory_allocated()
             else:
                 # See [Note: missed frees] in memtrack.py.
-                peak, _ = steady_step_peak(lambda: _step(m, o, inputs, loss_fn), m, o, "cpu")
+                peak = steady_step_peak(lambda: _step(m, o, inputs, loss_fn), m, o, "cpu")
             peaks[i] = int(_max_over_ranks(float(peak)))
     out = []
     for i, plan in enumerate(plans):

@@ -180,6 +180,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     measured = measure_plans(lambda: entry.build("cpu", seed=0), plans, inputs, entry.loss,
                              repeats=cfg["repeats"], warmup=2)
     confirmed: list[int] = []
+    screening = list(measured)  # the confirmation round replaces contenders' times in `measured`
     if cfg["confirm"]:
         # See [Note: confirmation round].
         confirmed = _confirm_set(plans, measured, budgets, chosen_for, top=cfg["confirm"])
@@ -188,11 +189,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         _log(rank, quiet, f"      confirmation round: {len(confirmed)} plans, {cfg['confirm_repeats']} repeats ...")
         again = measure_plans(lambda: entry.build("cpu", seed=0), [plans[i] for i in confirmed], inputs, entry.loss,
                               repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False)
-        screening = list(measured)
         for i, m in zip(confirmed, again):
             measured[i] = replace(m, peak_bytes=measured[i].peak_bytes)
-    else:
-        screening = list(measured)
     _log(rank, quiet, f"[5/5] done in {time.perf_counter() - t0:.1f} s")
     if rank != 0:
         return None

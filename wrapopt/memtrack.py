@@ -135,14 +135,14 @@ class LiveBytesTracker:
 
 
 def steady_step_peak(step: Callable[[], Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                     device: str = "cpu", *, tries: int = 3) -> tuple[int, int]:
+                     device: str = "cpu", *, tries: int = 3) -> int:
     """Peak live bytes of one steady-state ``step()``: runs it ``tries`` times (the
-    same on every rank) and returns ``(peak_bytes, net_bytes)`` of the step whose
-    allocator events balance best. See [Note: missed frees]."""
-    best: tuple[int, int] | None = None
+    same on every rank) and returns the peak of the step whose allocator events
+    balance best. See [Note: missed frees]."""
+    best: LiveBytesTracker | None = None
     for _ in range(max(1, tries)):
         with LiveBytesTracker(model, optimizer, device) as tr:
             step()
-        if best is None or abs(tr.net_bytes) < abs(best[1]):
-            best = (tr.peak_bytes, tr.net_bytes)
-    return best
+        if best is None or abs(tr.net_bytes) < abs(best.net_bytes):
+            best = tr
+    return best.peak_bytes
