@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -25,6 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
 from wrapopt.evaluate import evaluate, spearman  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
 
@@ -63,57 +65,6 @@ def fake_tracker_check(world_size: int = 8) -> list[dict]:
         rows.append({"plan": p.label, "pred_peak_bytes": pred, "tracker_peak_bytes": tr["Total"],
                      "error": (pred - tr["Total"]) / tr["Total"], "tracker": tr})
     print(f"FSDPMemTracker check: {len(rows)} plans in {wall:.0f} s", file=sys.stderr)
-    return rows
-
-
-def simulator_speed(calls: int = 1000) -> list[dict]:
-    """Plan evaluations per second on one core: llama-7b (32 blocks), 64 ranks, analytical fabric.
-
-    Warm: the same plan again (its layout cached). Cold: a new grouping each call
-    (the layout built every time), as a search meets it."""
-    from wrapopt import zoo
-    from wrapopt.cost import Simulator
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.search import baselines
-    from wrapopt.trace import trace_model
-    from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
-
-    entry = zoo.get_entry("llama-7b")
-    graph = trace_model(entry.build("meta"), entry.inputs(), loss_fn=entry.loss, fx=False)
-    mesh = MeshSpec(world_size=64, ranks_per_node=8, shard_size=64)
-    sim = Simulator(graph, analytical_fabric(world_size=64), ComputeProfile.analytical())
-    base = baselines(graph, mesh)
-    rows = []
-    for label in ("per-block", "size-1e8"):
-        plan = base[label]
-        sim.simulate(plan)
-        best = float("inf")
-        for _ in range(5):  # best of 5 rounds, as timeit does: the machine is shared
-            t0 = time.perf_counter()
-            for _ in range(calls // 5):
-                sim.simulate(plan)
-            best = min(best, time.perf_counter() - t0)
-        rows.append({"case": f"{label} plan, layout cached", "per_s": (calls // 5) / best})
-    root, blocks = base["root-only"].units[-1], graph.blocks
-    import random
-
-    rng = random.Random(0)
-    plans = []
-    for _ in range(200):
-        groups, i = [], 0
-        while i < len(blocks):
-            size = rng.randint(1, 4)
-            groups.append(UnitSpec(blocks[i:i + size], rng.random() < 0.5, rng.random() < 0.3))
-            i += size
-        plans.append(PlanSpec(tuple(groups) + (root,), mesh))
-    best = float("inf")
-    for _ in range(5):
-        sim = Simulator(graph, analytical_fabric(world_size=64), ComputeProfile.analytical())
-        t0 = time.perf_counter()
-        for p in plans:
-            sim.simulate(p)
-        best = min(best, time.perf_counter() - t0)
-    rows.append({"case": "random groupings of 1-4 blocks, layout built each call", "per_s": len(plans) / best})
     return rows
 
 
@@ -235,8 +186,10 @@ def main() -> int:
             lines.append(f"| {r['plan']} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['tracker_peak_bytes'])} | {r['error']:+.1%} |")
     lines += ["", "## Simulator speed", "",
               "`Simulator.simulate` in this process (one core, one thread), llama-7b (32 blocks) on 64 ranks, analytical "
-              "fabric; best of 5 rounds (the machine is shared).", "", "| case | plan evaluations per second |", "|---|---|"]
-    lines += [f"| {r['case']} | {r['per_s']:,.0f} |" for r in speed]
+              "fabric; best of 5 rounds (the machine is shared). `benchmarks/sim_speed.py` measures the same alone, and "
+              "the simulator's share of a search.", "",
+              "| plans | units per plan | plan evaluations per second |", "|---|---|---|"]
+    lines += [f"| {r['case']} | {r['units']:.0f} | {r['per_s']:,.0f} |" for r in speed]
     lines += ["", "![predicted vs measured](fidelity_scatter.png)", ""]
     os.makedirs(args.out, exist_ok=True)
     scatter(runs, os.path.join(args.out, "fidelity_scatter.png"))

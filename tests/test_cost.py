@@ -168,3 +168,33 @@ def test_optimizer_step_uses_its_calibrated_bandwidth_and_2d_mesh_dispatch():
     assert optim_s(slow_2d, fsdp) == pytest.approx(optim_s(base, fsdp))
     assert optim_s(slow_2d, noshard) > optim_s(base, noshard) + 0.9 * len(g.param_shapes) * 2e-4
     assert ComputeProfile.from_json(slow_2d.to_json()) == slow_2d
+
+
+def test_caches_never_change_a_result():
+    """See [Note: simulator speed]: layouts, per-unit collective costs and backward
+    working sets are cached across plans; a fresh simulator must agree exactly."""
+    import random
+
+    from wrapopt.search.space import SearchSpace
+
+    class _Random:
+        def __init__(self, seed):
+            self.rng = random.Random(seed)
+
+        def cat(self, name, choices):
+            return self.rng.choice(choices)
+
+    model, x = zoo.build("t5-tiny", "meta")
+    g = trace_model(model, x)
+    mesh = MeshSpec(world_size=16, ranks_per_node=4, shard_size=16)
+    fab = analytical_fabric(world_size=16, ranks_per_node=4)
+    comp = ComputeProfile.analytical()
+    opts = SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4)
+    space = SearchSpace(g, mesh)
+    src = _Random(0)
+    plans = [space.decode(src) for _ in range(60)] + list(baselines(g, mesh).values())
+    assert len({tuple(u.modules for u in p.units) for p in plans}) > 30  # many different layouts
+    assert len({p.mesh.shard_size for p in plans}) > 1  # FSDP and HSDP meshes
+    shared = Simulator(g, fab, comp, opts)
+    for p in plans + plans[::-1]:  # every plan scored after many others, twice
+        assert shared.simulate(p, record=True) == Simulator(g, fab, comp, opts).simulate(p, record=True), p.label

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 
@@ -267,8 +267,7 @@ class SimOptions:
             raise ValueError(f"batch_scale must be positive, got {self.batch_scale}")
 
 
-@dataclass(frozen=True, slots=True)
-class UnitCost:
+class UnitCost(NamedTuple):  # a NamedTuple: the simulator makes one per unit per plan
     name: str
     param_bytes: int  # unsharded, as gathered
     fwd_s: float
@@ -278,8 +277,7 @@ class UnitCost:
     saved_bytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class TimelineEvent:
+class TimelineEvent(NamedTuple):
     lane: str  # "compute" or "comm"
     kind: str  # "fwd", "bwd", "recompute", "all_gather", "reduce_scatter", "all_reduce", "optim"
     unit: str

@@ -5,14 +5,8 @@ Two lanes: *compute* (the default stream / the Python thread on CPU) and
 the backward in reverse, placing each unit's all-gather, compute and
 reduce-scatter where FSDP2 places them, and tracks memory at every event.
 The notes below are the assumptions; code cites them as ``# See [Note: ...]``.
-
-[Note: segments] Forward compute is a sequence of *segments*: runs of
-consecutive module calls owned by the same unit and inside the same block
-(or top-level child), so memory is freed block by block even when one unit
-owns many blocks (see [Note: unit
-ownership] in ``units.py``). The root unit owns the embedding at the start and
-the head at the end, so it has segments at both ends; a unit needs its
-parameters gathered before its first segment.
+``layout.py`` turns a plan's units into the segments walked here and holds
+[Note: segments], [Note: gradient sites] and [Note: progressive backward].
 
 [Note: all-gather issue] A unit's all-gather is issued at its pre-forward.
 On a GPU the CPU runs ahead, so the next unit's all-gather is already issued
@@ -46,22 +40,6 @@ set of the segment computing now (its largest module output, twice: the
 output and the incoming gradient in backward). A checkpointed unit keeps only
 its input during forward and re-saves its activations while it recomputes.
 
-[Note: gradient sites] A parameter's unsharded gradient appears when backward
-reaches the first module using it in backward order: for a tied parameter
-(embedding and output head) that is the use that ran last in forward, so the
-gradient lives through the whole backward until its unit's reduce-scatter.
-Every other use (the other tied modules, a module called more than once)
-accumulates into it: for that moment the new gradient and the sum are held
-besides the old one.
-
-[Note: progressive backward] Within a segment, backward visits its modules
-in reverse: each module's gradients appear and, once its backward is done,
-the activations it saved are freed. The segment's peak is the largest, over
-its modules, of (gradients so far - activations freed so far + the gradient
-arriving, of the module's output size, and the one leaving, of its input size
-+ a gradient accumulation in flight), on top of the segment's saved activations and the
-gradients from before.
-
 [Note: reduce-scatter buffer] At a unit's post-backward FSDP2 copies its
 unsharded gradients into one reduce-scatter input buffer (both exist for a
 moment), frees the gradients, and keeps the buffer referenced until the next
@@ -90,17 +68,24 @@ that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
 times longer over the overlapped part, and a collective issued while compute
 is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
 measured by the profiler.
+
+[Note: simulator speed] The search scores thousands of plans, so the step
+loop is written for speed: per-segment work is inlined (no call per event),
+segments are plain tuples, and what does not depend on per-unit choices is
+cached: the layout per set of units (``layout.py``), each unit's bytes and
+collective times per mesh (across plans), and each segment's backward working
+set. Caching never changes a result: a fresh simulator and one that has
+scored many other plans agree exactly (``tests/test_cost.py``).
+``benchmarks/sim_speed.py`` measures plans per second.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
+from wrapopt.cost.layout import Layouts
 from wrapopt.fabric import ComputeProfile, FabricProfile
 from wrapopt.types import (
-    ROOT,
     CostEstimate,
     MeshSpec,
     ModelGraph,
@@ -108,60 +93,9 @@ from wrapopt.types import (
     SimOptions,
     TimelineEvent,
     UnitCost,
-    UnitSpec,
 )
-from wrapopt.units import ancestors, owner_index
 
 __all__ = ["simulate", "Simulator"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    fqn: str
-    anc: tuple[str, ...]
-    fwd_s: float
-    bwd_s: float
-    saved: int
-    out: int
-    grad_numel: int  # trainable elements whose gradient appears at this module's backward
-    piece: str  # the block (or top-level child) it belongs to: segments never span two
-    acc_numel: int  # elements whose gradient is accumulated here into an existing one
-    inp: int  # bytes of its floating inputs: the gradient its backward hands on
-
-
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    unit: int
-    fwd_s: float
-    bwd_s: float
-    saved: int
-    work: int  # working set: largest module output in the segment
-    grad_numel: int  # gradients that appear during this segment's backward
-    bwd_work: int  # most its backward holds beyond its saved activations and earlier gradients
-    keep: int  # what checkpointing keeps of this block: its output (~ the next block's input)
-
-
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """Everything about a set of units that does not depend on per-unit choices."""
-
-    segments: tuple[_Segment, ...]
-    order: tuple[int, ...]  # units in forward order of first segment (units that run)
-    numel: tuple[int, ...]
-    storage_bytes: tuple[int, ...]
-    trainable_numel: tuple[int, ...]
-    trainable_bytes: tuple[int, ...]
-    saved: tuple[int, ...]
-    fwd_s: tuple[float, ...]
-    bwd_s: tuple[float, ...]
-    input_bytes: tuple[int, ...]  # what a checkpointed unit keeps (its input ~ its output)
-    work: tuple[int, ...]
-    last_fwd_segment: tuple[int, ...]
-    pos: dict[int, int]  # unit -> its place in forward order
-    border: tuple[int, ...]  # units in backward order (post-forward order reversed)
-    bpos: dict[int, int]
-    nseg: tuple[int, ...]  # segments per unit
-    seg_grads: tuple[int, ...]  # gradient elements that appear during the unit's segments
 
 
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
@@ -179,201 +113,12 @@ class Simulator:
     def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, options: SimOptions | None = None):
         self.graph, self.fabric, self.compute = graph, fabric, compute
         self.options = options or SimOptions()
-        measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
-        scale = self.options.batch_scale
-        blocks = set(graph.blocks)
-
-        def piece(fqn: str) -> str:
-            for a in ancestors(fqn):
-                if a in blocks:
-                    return a
-            return fqn.split(".", 1)[0]
-
-        self._elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
-        grad_at, acc_at = self._gradient_sites(graph)
-        entries = []
-        for m in graph.call_order():
-            if measured:
-                f, b = measured.get(m.fqn, (0.0, 0.0))
-            else:
-                f = m.fwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
-                b = m.bwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
-            # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
-            out = 0 if m.fqn == ROOT else m.output_bytes
-            entries.append(_Entry(m.fqn, ancestors(m.fqn), f * scale, b * scale, int(m.saved_bytes * scale),
-                                  int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
-                                  int((0 if m.fqn == ROOT else m.input_bytes) * scale)))
-        self._entries = tuple(entries)
-        self._param_modules = tuple(
-            (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes, piece(m.fqn))
-            for m in graph.modules
-            if m.own_numel
-        )
-        # Fast path of _build_layout: a piece no unit cuts into is owned whole, so its
-        # runs of consecutive entries and its parameters are summed once, here.
-        self._piece_of = {m.fqn: piece(m.fqn) for m in graph.modules}
-        runs: list[list[Any]] = []
-        for e in entries:
-            if runs and runs[-1][0] == e.piece:
-                runs[-1][2].append(e)
-            else:
-                runs.append([e.piece, ancestors(e.piece), [e]])
-        self._runs = tuple(
-            (pc, anc, tuple(es), (sum(e.fwd_s for e in es), sum(e.bwd_s for e in es), sum(e.saved for e in es),
-                                  max(e.out for e in es), sum(e.grad_numel for e in es), self._backward_working_set(es)))
-            for pc, anc, es in runs
-        )
-        piece_params: dict[str, list[int]] = {}
-        for *_a, ne, nb, tn, tb, pc in self._param_modules:
-            acc = piece_params.setdefault(pc, [0, 0, 0, 0])
-            for k, v in enumerate((ne, nb, tn, tb)):
-                acc[k] += v
-        self._piece_params = tuple((pc, ancestors(pc), tuple(v)) for pc, v in piece_params.items())
-        self._out_bytes = {m.fqn: m.output_bytes for m in graph.modules}
-        self._layouts: dict[tuple[tuple[str, ...], ...], _Layout] = {}
+        self.layout = Layouts(graph, compute, self.options)
+        self._elem = self.layout.elem  # storage bytes per element
         self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
-        self._unit_colls: dict[tuple[Any, MeshSpec], tuple[Any, ...]] = {}
+        self._unit_colls: dict[tuple[Any, MeshSpec], tuple[Any, ...]] = {}  # per set of units
+        self._per_unit: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # the same per unit, across sets
         self._num_tensors = len(graph.param_shapes)
-
-    @staticmethod
-    def _gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:
-        """Where gradients appear in backward: See [Note: gradient sites].
-
-        Returns (module -> trainable elements whose gradient appears at its backward,
-        module -> elements whose gradient is accumulated there into an existing one)."""
-        grad_at = {m.fqn: m.own_trainable_numel for m in graph.modules if m.own_trainable_numel}
-        acc_at: dict[str, int] = {}
-        order = {m.fqn: m.order for m in graph.modules}
-        numel = {fqn: math.prod(shape) for fqn, shape, _dt in graph.param_shapes}
-        for group in graph.tied_groups:
-            owners = [fqn.rsplit(".", 1)[0] if "." in fqn else ROOT for fqn in group]
-            n = numel.get(group[0], 0)
-            ran = [o for o in dict.fromkeys(owners) if order.get(o, -1) >= 0]
-            if not ran or grad_at.get(owners[0], 0) < n:
-                continue  # frozen, or never used
-            last = max(ran, key=lambda o: order[o])  # runs last in forward, first in backward
-            grad_at[owners[0]] -= n
-            grad_at[last] = grad_at.get(last, 0) + n
-            for o in ran:
-                if o != last:
-                    acc_at[o] = acc_at.get(o, 0) + n
-        for m in graph.modules:
-            if m.num_calls > 1 and m.own_trainable_numel:
-                acc_at[m.fqn] = acc_at.get(m.fqn, 0) + m.own_trainable_numel
-        return grad_at, acc_at
-
-    # -- layout ---------------------------------------------------------------------------
-
-    def layout(self, units: tuple[UnitSpec, ...]) -> _Layout:
-        key = tuple(u.modules for u in units)
-        lay = self._layouts.get(key)
-        if lay is None:
-            lay = self._build_layout(units)
-            if len(self._layouts) > 4096:
-                self._layouts.clear()
-            self._layouts[key] = lay
-        return lay
-
-    def _build_layout(self, units: tuple[UnitSpec, ...]) -> _Layout:
-        n = len(units)
-        index = owner_index(units)
-
-        def owner(anc: tuple[str, ...]) -> int:
-            for a in anc:
-                i = index.get(a)
-                if i is not None:
-                    return i
-            return n - 1
-
-        # Pieces a unit cuts into (a unit module strictly inside a piece) take the slow path.
-        cut = {self._piece_of.get(m, m) for u in units for m in u.modules if self._piece_of.get(m, m) != m}
-        numel, sbytes, tnumel, tbytes = [0] * n, [0] * n, [0] * n, [0] * n
-        for pc, anc, (ne, nb, tn, tb) in self._piece_params:
-            if pc in cut:
-                continue
-            u = owner(anc)
-            numel[u] += ne
-            sbytes[u] += nb
-            tnumel[u] += tn
-            tbytes[u] += tb
-        if cut:
-            for anc, ne, nb, tn, tb, pc in self._param_modules:
-                if pc in cut:
-                    u = owner(anc)
-                    numel[u] += ne
-                    sbytes[u] += nb
-                    tnumel[u] += tn
-                    tbytes[u] += tb
-        segs: list[list[Any]] = []
-        saved, fwd, bwd, work = [0] * n, [0.0] * n, [0.0] * n, [0] * n
-        for pc, anc, es, (f, b, sv, out, gn, bw) in self._runs:
-            if pc not in cut:  # one owner for the whole run: one segment
-                u = owner(anc)
-                saved[u] += sv
-                fwd[u] += f
-                bwd[u] += b
-                work[u] = max(work[u], out)
-                segs.append([u, f, b, sv, out, gn, bw, pc])
-                continue
-            for e in es:
-                u = owner(e.anc)
-                saved[u] += e.saved
-                fwd[u] += e.fwd_s
-                bwd[u] += e.bwd_s
-                work[u] = max(work[u], e.out)
-                if segs and segs[-1][0] == u and segs[-1][7] == e.piece and isinstance(segs[-1][6], list):
-                    sg = segs[-1]
-                    sg[1] += e.fwd_s
-                    sg[2] += e.bwd_s
-                    sg[3] += e.saved
-                    sg[4] = max(sg[4], e.out)
-                    sg[5] += e.grad_numel
-                    sg[6].append(e)
-                else:
-                    segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, [e], e.piece])
-        seen_pieces: set[str] = set()
-        segments = []
-        for s in segs:
-            piece = s[7]
-            first = piece not in seen_pieces
-            seen_pieces.add(piece)
-            keep = int(self._out_bytes.get(piece, 0) * self.options.batch_scale) if first else 0
-            bw = s[6] if isinstance(s[6], int) else self._backward_working_set(s[6])
-            segments.append(_Segment(*s[:6], bw, keep))
-        segments = tuple(segments)
-        order = tuple(dict.fromkeys([n - 1] + [s.unit for s in segments]))
-        last = [-1] * n
-        for i, s in enumerate(segments):
-            last[s.unit] = i
-        ob = self._out_bytes
-        inputs = [max((ob.get(m, 0) for m in u.modules), default=0) if not u.is_root else 0 for u in units]
-        # Backward prefetch follows post-forward order reversed: the root (whose
-        # forward ends last) comes first and prefetches the last block.
-        border = tuple(sorted(order, key=lambda u: -last[u]))
-        nseg, seg_grads = [0] * n, [0] * n
-        for sg in segments:
-            nseg[sg.unit] += 1
-            seg_grads[sg.unit] += sg.grad_numel
-        return _Layout(segments, order, tuple(numel), tuple(sbytes), tuple(tnumel), tuple(tbytes), tuple(saved),
-                       tuple(fwd), tuple(bwd), tuple(int(x * self.options.batch_scale) for x in inputs), tuple(work), tuple(last),
-                       {u: k for k, u in enumerate(order)}, border, {u: k for k, u in enumerate(border)},
-                       tuple(nseg), tuple(seg_grads))
-
-    def _backward_working_set(self, entries: list[_Entry] | tuple[_Entry, ...]) -> int:
-        """Most bytes a segment's backward holds beyond its saved activations and the
-        gradients before it. See [Note: progressive backward]."""
-        opt = self.options
-        reduce_elem = opt.reduce_dtype_bytes or opt.param_dtype_bytes or self._elem
-        freed = grads = 0.0
-        best = 0.0
-        for e in reversed(entries):
-            grads += e.grad_numel * reduce_elem
-            # The gradient arriving (output-sized) and the one leaving (input-sized; the
-            # output's size again where the tracer did not see the inputs).
-            leaving = e.inp if e.inp else e.out
-            best = max(best, grads - freed + e.out + leaving + 2 * e.acc_numel * reduce_elem)
-            freed += e.saved
-        return int(best)
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -394,7 +139,8 @@ class Simulator:
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
         units, mesh, opt = plan.units, plan.mesh, self.options
-        lay = self.layout(units)
+        mods = tuple(u.modules for u in units)
+        lay = self.layout(units, mods)
         n = len(units)
         notes: set[str] = set()
         ev: list[TimelineEvent] = []
@@ -408,20 +154,34 @@ class Simulator:
         unit_oh = self.compute.unit_overhead_s
         ck_oh = self.compute.checkpoint_overhead_s  # per checkpointed block (a segment that starts a piece)
 
-        ckey = (tuple(u.modules for u in units), mesh)
+        ckey = (mods, mesh)
         cached = self._unit_colls.get(ckey)
         if cached is None:  # per set of units and mesh: bytes and collective times of every unit
+            per_unit = self._per_unit
+            mkey = (mesh.world_size, mesh.ranks_per_node, shard)
             cn: set[str] = set()
-            P = [lay.numel[i] * gather_elem for i in range(n)]  # gathered bytes
-            G = [lay.trainable_numel[i] * reduce_elem for i in range(n)]  # unsharded grad bytes
-            ag = [self._coll("all_gather", shard, rpn_shard, P[i], cn) for i in range(n)]
-            rs = [self._coll("reduce_scatter", shard, rpn_shard, G[i], cn) for i in range(n)]
-            ar = [self._coll("all_reduce", mesh.world_size // shard, rpn_rep, G[i] / shard, cn) for i in range(n)]
+            cols = []
+            for i, u in enumerate(units):
+                ukey = (mods[i], mkey, lay.numel[i], lay.trainable_numel[i], lay.fwd_s[i], lay.bwd_s[i], lay.saved[i])
+                hit = per_unit.get(ukey)
+                if hit is None:
+                    un: set[str] = set()
+                    p_i = lay.numel[i] * gather_elem  # gathered bytes
+                    g_i = lay.trainable_numel[i] * reduce_elem  # unsharded grad bytes
+                    ag_i = self._coll("all_gather", shard, rpn_shard, p_i, un)
+                    rs_i = self._coll("reduce_scatter", shard, rpn_shard, g_i, un)
+                    ar_i = self._coll("all_reduce", mesh.world_size // shard, rpn_rep, g_i / shard, un)
+                    hit = (p_i, g_i, ag_i, rs_i, ar_i, UnitCost(u.name, int(p_i), lay.fwd_s[i], lay.bwd_s[i], ag_i, rs_i,
+                                                                 lay.saved[i]), tuple(un))
+                    if len(per_unit) > 65536:
+                        per_unit.clear()
+                    per_unit[ukey] = hit
+                cols.append(hit)
+                cn.update(hit[6])
             if len(self._unit_colls) > 4096:
                 self._unit_colls.clear()
-            ucosts = tuple(UnitCost(u.name, int(P[i]), lay.fwd_s[i], lay.bwd_s[i], ag[i], rs[i], lay.saved[i])
-                           for i, u in enumerate(units))
-            cached = self._unit_colls[ckey] = (P, G, ag, rs, ar, frozenset(cn), ucosts)
+            P, G, ag, rs, ar, ucosts = ([h[k] for h in cols] for k in range(6))
+            cached = self._unit_colls[ckey] = (P, G, ag, rs, ar, frozenset(cn), tuple(ucosts))
         P, G, ag, rs, ar, cnotes, ucosts = cached
         notes.update(cnotes)
         rag = [0.0] * n  # backward re-gather cost per unit
@@ -473,39 +233,49 @@ class Simulator:
         comm_total = 0.0
 
         def issue_ag(u: int, at: float, kind: str = "all_gather", dur: float | None = None) -> float:
-            nonlocal c, gathered, comm_total
+            nonlocal c, gathered, comm_total, peak, peak_parts
             d = ag[u] if dur is None else dur
-            start = max(at, c)
+            start = at if at > c else c
             d = d * (ovl_m if t > start else 1.0)
             c = start + d
             comm_total += d
             gathered += P[u] if kind == "all_gather" else P[u] - keep[u]
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending  # note_mem(0)
+            if m > peak:
+                peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, 0)
             if record and d > 0:
-                ev.append(TimelineEvent("comm", "all_gather", units[u].name, start, c, int(note_mem(0))))
-            note_mem(0)
+                ev.append(TimelineEvent("comm", "all_gather", units[u].name, start, c, int(m)))
             return c
 
         def run(dur: float, kind: str, u: int, work: float) -> None:
             nonlocal t
             start = t
-            busy = max(0.0, min(c, start + dur) - start)  # comm overlapping this compute
-            t = start + dur + busy * (ovl_c - 1.0)
+            t += dur
+            if c > start:  # comm overlapping this compute
+                t += ((c if c < t else t) - start) * (ovl_c - 1.0)
             m = note_mem(work)
             if record and t > start:
                 ev.append(TimelineEvent("compute", kind, units[u].name, start, t, int(m)))
 
+        # The per-segment steps below inline run() and note_mem(): this loop is the
+        # search's inner loop (See [Note: simulator speed]).
+        ovl_c1 = ovl_c - 1.0
+        ck_unit = [u.checkpoint for u in units]
+        last_fwd = lay.last_fwd_segment
         ag_end[order[0]] = issue_ag(order[0], 0.0)
         issued[order[0]] = True
         seen_first = [False] * n
-        for si, s in enumerate(lay.segments):
-            u = s.unit
+        for si, (u, fwd_s, _b, saved, work, _g, _bw, kept) in enumerate(lay.segments):
             if not seen_first[u]:
                 seen_first[u] = True
                 if not issued[u]:
                     ag_end[u] = issue_ag(u, t)
                     issued[u] = True
                 t = max(t, ag_end[u]) + unit_oh
-                note_mem(P[u])  # copy-out: the all-gather output beside the unsharded parameters
+                # note_mem(P[u]), the copy-out: the all-gather output beside the unsharded parameters
+                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
+                if m > peak:
+                    peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u])
                 if runs_ahead:
                     ag_buffer = P[u]  # See [Note: all-gather buffer]
                 # Prefetch `depth` units ahead, issued now (this unit's pre-forward).
@@ -515,11 +285,18 @@ class Simulator:
                         nxt = order[k]
                         ag_end[nxt] = issue_ag(nxt, t)
                         issued[nxt] = True
-            ck = units[u].checkpoint
-            run(s.fwd_s, "fwd", u, s.work)
+            start = t  # run(fwd_s, "fwd", u, work)
+            t += fwd_s
+            if c > start:  # comm overlapping this compute
+                t += ((c if c < t else t) - start) * ovl_c1
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + work
+            if m > peak:
+                peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, work)
+            if record and t > start:
+                ev.append(TimelineEvent("compute", "fwd", units[u].name, start, t, int(m)))
             # Checkpointing wraps each of the unit's modules: each keeps only its boundary tensor.
-            acts += s.keep if ck else s.saved
-            if si == lay.last_fwd_segment[u]:
+            acts += kept if ck_unit[u] else saved
+            if si == last_fwd[u]:
                 gathered -= P[u] - keep[u]  # reshard after forward
         # See [Note: loss]: forward holds the model's output beside what the loss creates.
         out_b = self.graph.root.output_bytes * opt.batch_scale
@@ -538,34 +315,45 @@ class Simulator:
         done_segments = [0] * n
         held: tuple[float, float] | None = None  # (end, bytes) of the reduce-scatter input FSDP2 still holds
 
-        for s in reversed(lay.segments):
-            u = s.unit
+        for u, fwd_s, bwd_s, saved, work, grad_numel, bwd_work, kept in reversed(lay.segments):
             if not first_b[u]:
                 first_b[u] = True
                 if rag[u] > 0 and not bissued[u]:
                     bag_end[u] = issue_ag(u, t, "re_gather", rag[u])
                     bissued[u] = True
                 t = max(t, bag_end[u]) + (unit_oh if rag[u] > 0 else 0.0)
-                if rag[u] > 0:
-                    note_mem(P[u])  # copy-out transient; freed at once in backward
+                if rag[u] > 0:  # note_mem(P[u]): the copy-out transient; freed at once in backward
+                    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
+                    if m > peak:
+                        peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u])
                 k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
                 if k < len(border) and rag[border[k]] > 0 and not bissued[border[k]]:
                     bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])
                     bissued[border[k]] = True
             # Unsharded gradients appear as the unit's backward reaches their modules
             # (the rest of the unit's, e.g. of modules that never ran, at its end).
-            if units[u].checkpoint:  # recompute this block's forward, re-saving its activations
-                acts += s.saved - s.keep
-                run(s.fwd_s + (ck_oh if s.keep else 0.0), "recompute", u, s.work)
-            run(s.bwd_s, "bwd", u, s.bwd_work)  # See [Note: progressive backward]
-            grads_pending += s.grad_numel * reduce_elem
-            acts -= s.saved
+            if ck_unit[u]:  # recompute this block's forward, re-saving its activations
+                acts += saved - kept
+                run(fwd_s + (ck_oh if kept else 0.0), "recompute", u, work)
+            start = t  # run(bwd_s, "bwd", u, bwd_work): See [Note: progressive backward]
+            t += bwd_s
+            if c > start:
+                t += ((c if c < t else t) - start) * ovl_c1
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + bwd_work
+            if m > peak:
+                peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, bwd_work)
+            if record and t > start:
+                ev.append(TimelineEvent("compute", "bwd", units[u].name, start, t, int(m)))
+            grads_pending += grad_numel * reduce_elem
+            acts -= saved
             done_segments[u] += 1
             if done_segments[u] == nseg[u]:
                 grads_pending += G[u] - seg_grads[u] * reduce_elem
                 gathered -= keep[u] if not rag[u] > 0 else P[u]
                 # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
-                note_mem(G[u])
+                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u]  # note_mem(G[u])
+                if m > peak:
+                    peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, G[u])
                 if held is not None:
                     t = max(t, held[0])
                     grads_pending -= held[1]
