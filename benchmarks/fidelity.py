@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -23,7 +24,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.evaluate import evaluate, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, paired_ratio, spearman  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
@@ -108,12 +109,15 @@ def summarize(run: dict) -> dict:
     screen_best = min(rows, key=lambda r: r["screen_step_s"])
     pool = [r for r in rows if r["confirmed"]] or rows
     meas_best = min(pool, key=lambda r: r["meas_step_s"])
+    # The same comparison round by round (See paired_ratio): 1.0 when the predicted fastest is the measured fastest.
+    paired = (1.0, 1.0, 1.0) if pred_best is meas_best else paired_ratio(pred_best["meas_times_s"], meas_best["meas_times_s"])
     return {
         "model": run["model"], "world_size": run["machine"]["world_size"], "plans": len(rows),
         "spearman": spearman([r["pred_step_s"] for r in rows], [r["screen_step_s"] for r in rows]),
         "pred_fastest": pred_best["plan"], "meas_fastest": meas_best["plan"],
         "screen_ratio": pred_best["screen_step_s"] / screen_best["screen_step_s"],
         "pred_fastest_over_meas_fastest": pred_best["meas_step_s"] / meas_best["meas_step_s"],
+        "paired_ratio": paired[0], "paired_ratio_ci90": [paired[1], paired[2]],
         "confirmed": [r["plan"] for r in pool if r["confirmed"]],
         "worst_mem_error": max(abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"] for r in rows),
         "median_spread": sorted(r["screen_spread"] for r in rows)[len(rows) // 2],
@@ -130,41 +134,53 @@ def main() -> int:
                     "and the predicted fastest in a second interleaved round (0: off)")
     ap.add_argument("--confirm-repeats", type=int, default=15)
     ap.add_argument("--skip-tracker", action="store_true")
+    ap.add_argument("--render", metavar="JSON", help="measure nothing: write fidelity.md again from the fidelity.json "
+                    "of an earlier run (pass that run's --world-sizes, --repeats, --confirm, --confirm-repeats)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    runs = []
-    for ws in [int(w) for w in args.world_sizes.split(",")]:
-        for model in args.models.split(","):
-            runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None,
-                                 confirm=args.confirm, confirm_repeats=args.confirm_repeats))
-    tracker = [] if args.skip_tracker else fake_tracker_check()
-    speed = simulator_speed()
+    if args.render:
+        with open(args.render) as f:
+            data = json.load(f)
+        runs, tracker, speed, date = data["runs"], data["tracker"], data["simulator_speed"], data["date"]
+        wall = data.get("wall_s")
+    else:
+        runs = []
+        for ws in [int(w) for w in args.world_sizes.split(",")]:
+            for model in args.models.split(","):
+                runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None,
+                                     confirm=args.confirm, confirm_repeats=args.confirm_repeats))
+        tracker = [] if args.skip_tracker else fake_tracker_check()
+        speed = simulator_speed()
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        wall = time.perf_counter() - t0
     summaries = [summarize(r) for r in runs]
     m = runs[0]["machine"]
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lines = [
         "# Cost-model fidelity: predicted vs measured",
         "",
         f"Machine: {platform.node()}, {m['cores']} cores ({m['cpu']}), no GPU; backend {m['backend']}, one thread per rank; "
         f"torch {m['torch']}; {date}. Regenerate: `python benchmarks/fidelity.py --world-sizes {args.world_sizes} "
         f"--repeats {args.repeats} --confirm {args.confirm} --confirm-repeats {args.confirm_repeats}` "
-        f"({time.perf_counter() - t0:.0f} s).",
+        + (f"({wall:.0f} s)." if wall else "(this file written again from that run's fidelity.json with `--render`)."),
         "",
         "Each model: fabric and compute measured on the same ranks first; then every plan predicted by the simulator "
         f"and run for real, interleaved (A B C ... A B C), 2 warm-up rounds, median over {args.repeats} repeats of the "
         "slowest rank's step (the screening round; Spearman is computed on it). "
         + (f"Then a confirmation round: the {args.confirm} fastest plans of the screening round and the predicted fastest, "
            f"re-measured together, interleaved, {args.confirm_repeats} repeats; the predicted fastest is compared with the "
-           "measured fastest in that round (both ratios are shown). " if args.confirm else "")
+           "measured fastest in that round, as a ratio of the two medians and as the median of the per-round ratios "
+           "(the two steps of a round run moments apart, so the machine's drift between rounds cancels) with a 90% "
+           "bootstrap interval; the screening round's ratio of medians is shown too. " if args.confirm else "")
         + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks.",
         "",
         "| model | ranks | plans | Spearman (step) | predicted fastest | measured fastest | meas(pred fastest) / meas fastest "
-        "| same, screening round | worst peak error | median spread |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| same, paired by round (90% CI) | same, screening round | worst peak error | median spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         lines.append(f"| {s['model']} | {s['world_size']} | {s['plans']} | {s['spearman']:.2f} | {s['pred_fastest']} | "
-                     f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | {s['screen_ratio']:.3f} | "
+                     f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | {s['paired_ratio']:.3f} "
+                     f"[{s['paired_ratio_ci90'][0]:.3f}, {s['paired_ratio_ci90'][1]:.3f}] | {s['screen_ratio']:.3f} | "
                      f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} |")
     for run in runs:
         lines += ["", f"## {run['model']} on {run['machine']['world_size']} ranks", "",
@@ -194,8 +210,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     scatter(runs, os.path.join(args.out, "fidelity_scatter.png"))
     atomic_write_text(os.path.join(args.out, "fidelity.md"), "\n".join(lines))
-    atomic_write_json(os.path.join(args.out, "fidelity.json"), {"date": date, "summaries": summaries, "runs": runs,
-                                                                "tracker": tracker, "simulator_speed": speed})
+    atomic_write_json(os.path.join(args.out, "fidelity.json"), {"date": date, "wall_s": wall, "summaries": summaries,
+                                                                "runs": runs, "tracker": tracker, "simulator_speed": speed})
     print("\n".join(lines[:12 + len(summaries)]))
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wrapopt.bench import Measured
-from wrapopt.evaluate import _confirm_set, spearman
+from wrapopt.evaluate import _confirm_set, paired_ratio, spearman
 from wrapopt.evidence import judge
 from wrapopt.types import MeshSpec, PlanSpec
 
@@ -61,3 +61,22 @@ def test_spearman_handles_ties_and_reversal():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2], [5, 5, 6]) == pytest.approx(1.0)
+
+
+def test_paired_ratio_cancels_drift_between_rounds():
+    import statistics
+
+    # The machine slows down round by round (1x, 2x, 3x); plan A is 5% slower than
+    # B in every round, except that B's first step was hit by a stall. The ratio of
+    # the medians says A is faster; the median of the per-round ratios does not.
+    a = [1.05, 2.1, 3.15]
+    b = [2.5, 2.0, 3.0]
+    assert statistics.median(a) / statistics.median(b) < 0.9
+    med, lo, hi = paired_ratio(a, b)
+    assert med == pytest.approx(1.05) and lo <= med <= hi
+    assert paired_ratio([1.05 * x for x in (1.0, 2.0, 3.0)], [1.0, 2.0, 3.0]) == pytest.approx((1.05, 1.05, 1.05))
+    noisy = paired_ratio([1.0, 1.2, 0.9, 1.1, 1.3, 1.0], [1.0] * 6)
+    assert noisy[1] <= noisy[0] <= noisy[2] and noisy[1] < noisy[2]
+    assert paired_ratio([1.0, 1.2, 0.9, 1.1, 1.3, 1.0], [1.0] * 6) == noisy  # seeded: the same interval every time
+    with pytest.raises(ValueError, match="equal"):
+        paired_ratio([1.0, 2.0], [1.0])

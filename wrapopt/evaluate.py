@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import platform
+import random
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -266,6 +268,24 @@ def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = No
     res = spawn(_worker, world_size=world_size, args=(cfg,), timeout_s=timeout_s, env=env)[0]
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def paired_ratio(a: list[float], b: list[float], *, level: float = 0.9, resamples: int = 2000,
+                 seed: int = 0) -> tuple[float, float, float]:
+    """Median over rounds of ``a[k] / b[k]`` and its bootstrap ``level`` interval.
+
+    ``a`` and ``b`` are one plan's and another's step times from the same
+    interleaved rounds (``measure_plans`` keeps them in round order), so each
+    ratio compares two steps taken moments apart: the machine's drift between
+    rounds cancels, which a ratio of the two medians does not do.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_ratio needs two equal, non-empty series of round times, got {len(a)} and {len(b)}")
+    ratios = [x / y for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = int(resamples * (1 - level) / 2)
+    return statistics.median(ratios), boots[tail], boots[resamples - 1 - tail]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
