@@ -37,7 +37,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   else
     echo "setup: no GPU; installing the CPU build torch==$CPU_TORCH" >&2
     $pip install -q "torch==$CPU_TORCH"
-    "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 'setup: got a CUDA torch build on a machine without a GPU; set PIP_EXTRA_INDEX_URL to a CPU wheel index')"
+    "$VENV/bin/python" -W ignore -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 'setup: got a CUDA torch build on a machine without a GPU; set PIP_EXTRA_INDEX_URL to a CPU wheel index')"
   fi
 fi
 $pip install -q -e ".[$EXTRAS]" 2> >(grep -v "is ignored: it is neither" >&2)
