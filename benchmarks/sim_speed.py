@@ -111,7 +111,6 @@ def simulator_speed(graph=None, rounds: int = 5) -> list[dict]:
 
 def search_share(graph=None, trials: int = 200) -> dict:
     """Wall time of ``search_plan`` (no budget, ``trials`` Optuna trials) and the part inside ``simulate``."""
-    from wrapopt.cost import Simulator
     from wrapopt.search import SearchOptions, search_plan
     from wrapopt.types import MeshSpec
 
@@ -129,7 +128,6 @@ def search_share(graph=None, trials: int = 200) -> dict:
             spent[1] += 1
 
     sim.simulate = timed  # type: ignore[method-assign]
-    assert isinstance(sim, Simulator)
     t0 = time.perf_counter()
     search_plan(graph, sim, MeshSpec(**MESH), options=SearchOptions(trials=trials, seed=0))
     wall = time.perf_counter() - t0

@@ -233,16 +233,14 @@ class Simulator:
         comm_total = 0.0
 
         def issue_ag(u: int, at: float, kind: str = "all_gather", dur: float | None = None) -> float:
-            nonlocal c, gathered, comm_total, peak, peak_parts
+            nonlocal c, gathered, comm_total
             d = ag[u] if dur is None else dur
-            start = at if at > c else c
+            start = max(at, c)
             d = d * (ovl_m if t > start else 1.0)
             c = start + d
             comm_total += d
             gathered += P[u] if kind == "all_gather" else P[u] - keep[u]
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending  # note_mem(0)
-            if m > peak:
-                peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, 0)
+            m = note_mem(0)
             if record and d > 0:
                 ev.append(TimelineEvent("comm", "all_gather", units[u].name, start, c, int(m)))
             return c
@@ -257,8 +255,8 @@ class Simulator:
             if record and t > start:
                 ev.append(TimelineEvent("compute", kind, units[u].name, start, t, int(m)))
 
-        # The per-segment steps below inline run() and note_mem(): this loop is the
-        # search's inner loop (See [Note: simulator speed]).
+        # The per-segment steps below inline run() and note_mem(): they are the
+        # search's inner loop (See [Note: simulator speed]). Per-unit events call them.
         ovl_c1 = ovl_c - 1.0
         ck_unit = [u.checkpoint for u in units]
         last_fwd = lay.last_fwd_segment
@@ -272,10 +270,7 @@ class Simulator:
                     ag_end[u] = issue_ag(u, t)
                     issued[u] = True
                 t = max(t, ag_end[u]) + unit_oh
-                # note_mem(P[u]), the copy-out: the all-gather output beside the unsharded parameters
-                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
-                if m > peak:
-                    peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u])
+                note_mem(P[u])  # copy-out: the all-gather output beside the unsharded parameters
                 if runs_ahead:
                     ag_buffer = P[u]  # See [Note: all-gather buffer]
                 # Prefetch `depth` units ahead, issued now (this unit's pre-forward).
@@ -322,10 +317,8 @@ class Simulator:
                     bag_end[u] = issue_ag(u, t, "re_gather", rag[u])
                     bissued[u] = True
                 t = max(t, bag_end[u]) + (unit_oh if rag[u] > 0 else 0.0)
-                if rag[u] > 0:  # note_mem(P[u]): the copy-out transient; freed at once in backward
-                    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
-                    if m > peak:
-                        peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u])
+                if rag[u] > 0:
+                    note_mem(P[u])  # copy-out transient; freed at once in backward
                 k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
                 if k < len(border) and rag[border[k]] > 0 and not bissued[border[k]]:
                     bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])
@@ -351,9 +344,7 @@ class Simulator:
                 grads_pending += G[u] - seg_grads[u] * reduce_elem
                 gathered -= keep[u] if not rag[u] > 0 else P[u]
                 # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
-                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u]  # note_mem(G[u])
-                if m > peak:
-                    peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, G[u])
+                note_mem(G[u])
                 if held is not None:
                     t = max(t, held[0])
                     grads_pending -= held[1]
