@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.evaluate import evaluate, paired_ratio, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, noise_floor, paired_ratio, spearman  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
@@ -111,6 +111,8 @@ def summarize(run: dict) -> dict:
     meas_best = min(pool, key=lambda r: r["meas_step_s"])
     # The same comparison round by round (See paired_ratio): 1.0 when the predicted fastest is the measured fastest.
     paired = (1.0, 1.0, 1.0) if pred_best is meas_best else paired_ratio(pred_best["meas_times_s"], meas_best["meas_times_s"])
+    # The bench's resolution: the predicted fastest against a second copy of itself (See [Note: A/A copy]).
+    noise = noise_floor(run)
     return {
         "model": run["model"], "world_size": run["machine"]["world_size"], "plans": len(rows),
         "spearman": spearman([r["pred_step_s"] for r in rows], [r["screen_step_s"] for r in rows]),
@@ -118,6 +120,7 @@ def summarize(run: dict) -> dict:
         "screen_ratio": pred_best["screen_step_s"] / screen_best["screen_step_s"],
         "pred_fastest_over_meas_fastest": pred_best["meas_step_s"] / meas_best["meas_step_s"],
         "paired_ratio": paired[0], "paired_ratio_ci90": [paired[1], paired[2]],
+        "aa_ratio": noise[0] if noise else None, "aa_ratio_ci90": [noise[1], noise[2]] if noise else None,
         "confirmed": [r["plan"] for r in pool if r["confirmed"]],
         "worst_mem_error": max(abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"] for r in rows),
         "median_spread": sorted(r["screen_spread"] for r in rows)[len(rows) // 2],
@@ -170,17 +173,22 @@ def main() -> int:
            f"re-measured together, interleaved, {args.confirm_repeats} repeats; the predicted fastest is compared with the "
            "measured fastest in that round, as a ratio of the two medians and as the median of the per-round ratios "
            "(the two steps of a round run moments apart, so the machine's drift between rounds cancels) with a 90% "
-           "bootstrap interval; the screening round's ratio of medians is shown too. " if args.confirm else "")
+           "bootstrap interval; the screening round's ratio of medians is shown too. The same round also runs a "
+           "second, separately built copy of the predicted fastest (an A/A test): its paired ratio to the original "
+           "is the bench's noise floor, the smallest miss this run could tell from noise. " if args.confirm else "")
         + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks.",
         "",
         "| model | ranks | plans | Spearman (step) | predicted fastest | measured fastest | meas(pred fastest) / meas fastest "
-        "| same, paired by round (90% CI) | same, screening round | worst peak error | median spread |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| same, paired by round (90% CI) | noise floor: A/A, paired (90% CI) | same, screening round "
+        "| worst peak error | median spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
+        aa = (f"{s['aa_ratio']:.3f} [{s['aa_ratio_ci90'][0]:.3f}, {s['aa_ratio_ci90'][1]:.3f}]"
+              if s.get("aa_ratio") is not None else "not measured")
         lines.append(f"| {s['model']} | {s['world_size']} | {s['plans']} | {s['spearman']:.2f} | {s['pred_fastest']} | "
                      f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | {s['paired_ratio']:.3f} "
-                     f"[{s['paired_ratio_ci90'][0]:.3f}, {s['paired_ratio_ci90'][1]:.3f}] | {s['screen_ratio']:.3f} | "
+                     f"[{s['paired_ratio_ci90'][0]:.3f}, {s['paired_ratio_ci90'][1]:.3f}] | {aa} | {s['screen_ratio']:.3f} | "
                      f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} |")
     for run in runs:
         lines += ["", f"## {run['model']} on {run['machine']['world_size']} ranks", "",

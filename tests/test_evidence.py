@@ -80,3 +80,14 @@ def test_paired_ratio_cancels_drift_between_rounds():
     assert paired_ratio([1.0, 1.2, 0.9, 1.1, 1.3, 1.0], [1.0] * 6) == noisy  # seeded: the same interval every time
     with pytest.raises(ValueError, match="equal"):
         paired_ratio([1.0, 2.0], [1.0])
+
+
+def test_noise_floor_compares_the_a_a_copy_with_the_original_round_by_round():
+    from wrapopt.evaluate import noise_floor
+
+    assert noise_floor({"rows": []}) is None  # no confirmation round, no A/A copy
+    base = [1.0, 2.0, 1.5, 3.0, 1.2]  # the machine's speed drifts between rounds
+    same = noise_floor({"aa": {"plan": "p", "times_s": list(base), "of_times_s": list(base)}})
+    assert same == pytest.approx((1.0, 1.0, 1.0))
+    slower = noise_floor({"aa": {"plan": "p", "times_s": [1.1 * x for x in base], "of_times_s": base}})
+    assert slower[0] == pytest.approx(1.1)

@@ -11,6 +11,14 @@ machine whose speed drifts, and the plans left out were beaten in the screen
 by at least K fitting plans. Peaks come
 from the screening round (memory does not vary with repeats).
 
+[Note: A/A copy] The confirmation round also runs a second, separately built
+copy of the predicted fastest plan (result ``aa``: its round times and the
+original's). The two are the same plan, so any difference between them is
+the bench's own resolution on this machine at this moment: a predicted
+fastest that misses the measured fastest by less than the A/A difference is
+a miss the bench cannot tell from noise. ``paired_ratio`` of the two is the
+noise floor that ``benchmarks/fidelity.py`` reports beside its verdict.
+
 ``evaluate(model, world_size=2, plan_set=...)`` starts local ranks that
 measure the fabric and the device, trace the model, let wrapopt choose a plan
 under the budget, build the requested comparison plans, predict every plan
@@ -33,7 +41,7 @@ import torch
 
 from wrapopt.types import MeshSpec, ModelGraph, PlanSpec, UnitSpec
 
-__all__ = ["evaluate", "PLAN_SETS", "spearman"]
+__all__ = ["evaluate", "PLAN_SETS", "noise_floor", "paired_ratio", "spearman"]
 
 
 def _log(rank: int, quiet: bool, msg: str) -> None:
@@ -182,15 +190,19 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     measured = measure_plans(lambda: entry.build("cpu", seed=0), plans, inputs, entry.loss,
                              repeats=cfg["repeats"], warmup=2)
     confirmed: list[int] = []
+    aa: dict[str, Any] | None = None
     screening = list(measured)  # the confirmation round replaces contenders' times in `measured`
     if cfg["confirm"]:
         # See [Note: confirmation round].
         confirmed = _confirm_set(plans, measured, budgets, chosen_for, top=cfg["confirm"])
         fastest_pred = min(range(len(plans)), key=lambda i: preds[i].step_s)
         confirmed = sorted(set(confirmed) | {fastest_pred})
-        _log(rank, quiet, f"      confirmation round: {len(confirmed)} plans, {cfg['confirm_repeats']} repeats ...")
-        again = measure_plans(lambda: entry.build("cpu", seed=0), [plans[i] for i in confirmed], inputs, entry.loss,
-                              repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False)
+        _log(rank, quiet, f"      confirmation round: {len(confirmed)} plans and an A/A copy, {cfg['confirm_repeats']} repeats ...")
+        # The last entry is a second, separate copy of the predicted fastest: See [Note: A/A copy].
+        again = measure_plans(lambda: entry.build("cpu", seed=0), [plans[i] for i in confirmed] + [plans[fastest_pred]],
+                              inputs, entry.loss, repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False)
+        aa = {"plan": plans[fastest_pred].label, "times_s": list(again[-1].times_s),
+              "of_times_s": list(again[confirmed.index(fastest_pred)].times_s)}
         for i, m in zip(confirmed, again):
             measured[i] = replace(m, peak_bytes=measured[i].peak_bytes)
     _log(rank, quiet, f"[5/5] done in {time.perf_counter() - t0:.1f} s")
@@ -207,7 +219,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             "screen_step_s": screening[i].step_s, "screen_spread": screening[i].spread,
         })
     return {
-        "model": f"zoo:{cfg['model']}", "rows": rows,
+        "model": f"zoo:{cfg['model']}", "rows": rows, "aa": aa,
         "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim),
         "budgets": [{k: v for k, v in b.items() if k != "result"} for b in budgets],
         "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
@@ -286,6 +298,14 @@ def paired_ratio(a: list[float], b: list[float], *, level: float = 0.9, resample
     boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     tail = int(resamples * (1 - level) / 2)
     return statistics.median(ratios), boots[tail], boots[resamples - 1 - tail]
+
+
+def noise_floor(run: dict[str, Any]) -> tuple[float, float, float] | None:
+    """The A/A ratio of an ``evaluate`` result: the predicted fastest's second copy
+    against itself, round by round (See [Note: A/A copy]); None without a
+    confirmation round."""
+    aa = run.get("aa")
+    return paired_ratio(aa["times_s"], aa["of_times_s"]) if aa else None
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
