@@ -6,9 +6,11 @@ forward; with and without activation checkpointing; explicit prefetch) are
 predicted by the simulator and run for real, interleaved, median over
 repeats. Then the FSDPMemTracker check of llama-7b on a fake process group
 of 8 ranks, and the simulator's speed. Writes results/fidelity.md, results/fidelity.json and
-results/fidelity_scatter.png.
+results/fidelity_scatter.png, and adds the run's summary to results/fidelity_history.json/.md
+(every run's verdicts side by side).
 
     python benchmarks/fidelity.py [--world-sizes 2,4] [--repeats 15] [--confirm 3] [--models gpt-tiny,...]
+    python benchmarks/fidelity.py --add-to-history old/fidelity.json ...   # measure nothing
 """
 
 from __future__ import annotations
@@ -127,6 +129,65 @@ def summarize(run: dict) -> dict:
     }
 
 
+def update_history(out_dir: str, entries: list[dict]) -> str:
+    """Add runs to ``fidelity_history.json`` in ``out_dir`` (one entry per run, keyed
+    by its date, so adding a run again replaces it) and write ``fidelity_history.md``:
+    each case's verdict across runs, which is what says whether a miss is the
+    model's or the machine's of the moment. Returns the markdown."""
+    path = os.path.join(out_dir, "fidelity_history.json")
+    runs: list[dict] = []
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)
+        if not isinstance(runs, list) or not all(isinstance(r, dict) and "date" in r and "summaries" in r for r in runs):
+            raise SystemExit(f"{path}: expected a list of runs, each with 'date' and 'summaries'; fix or delete the file")
+    by_date = {r["date"]: r for r in runs}
+    by_date.update({e["date"]: e for e in entries})
+    runs = sorted(by_date.values(), key=lambda r: r["date"])
+    cases = sorted({(s["model"], s["world_size"]) for r in runs for s in r["summaries"]}, key=lambda c: (c[1], c[0]))
+    lines = ["# Cost-model fidelity across runs", "",
+             "Every run of `benchmarks/fidelity.py` on this machine (vm, 2 cores, gloo, one thread per rank) adds its "
+             "summary here. A cell: the predicted fastest plan's measured step over the measured fastest's, as the median "
+             "of per-round ratios in the confirmation round [90% bootstrap interval] (1.000: wrapopt predicted the "
+             "fastest); then, for runs that had it, the A/A noise floor: the predicted fastest against a second copy of "
+             "itself in the same round; then Spearman (predicted vs measured step, screening round).", "",
+             "| case | " + " | ".join(f"{r['date'][:16].replace('T', ' ')} UTC ({r.get('torch', '?')})" for r in runs) + " |",
+             "|---" * (len(runs) + 1) + "|"]
+    for model, ws in cases:
+        cells = []
+        for r in runs:
+            s = next((x for x in r["summaries"] if x["model"] == model and x["world_size"] == ws), None)
+            if s is None:
+                cells.append("not run")
+                continue
+            cell = f"{s['paired_ratio']:.3f} [{s['paired_ratio_ci90'][0]:.2f}, {s['paired_ratio_ci90'][1]:.2f}]"
+            if s.get("aa_ratio") is not None:
+                cell += f"; A/A {s['aa_ratio']:.3f} [{s['aa_ratio_ci90'][0]:.2f}, {s['aa_ratio_ci90'][1]:.2f}]"
+            cells.append(cell + f"; ρ {s['spearman']:.2f}")
+        lines.append(f"| {model} ×{ws} | " + " | ".join(cells) + " |")
+    lines += ["", "| run | cases | predicted fastest within 5% (paired median) | lowest Spearman | worst peak error "
+              "| widest A/A interval | median spread |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        ss = r["summaries"]
+        aa = [x for x in ss if x.get("aa_ratio") is not None]
+        widest = max(aa, key=lambda x: x["aa_ratio_ci90"][1] - x["aa_ratio_ci90"][0]) if aa else None
+        lines.append(f"| {r['date'][:16].replace('T', ' ')} UTC | {len(ss)} | {sum(x['paired_ratio'] <= 1.05 for x in ss)} "
+                     f"| {min(x['spearman'] for x in ss):.2f} | {max(x['worst_mem_error'] for x in ss):.1%} | "
+                     + (f"[{widest['aa_ratio_ci90'][0]:.2f}, {widest['aa_ratio_ci90'][1]:.2f}] ({widest['model']} "
+                        f"×{widest['world_size']})" if widest else "not measured")
+                     + f" | {sorted(x['median_spread'] for x in ss)[len(ss) // 2]:.0%} |")
+    text = "\n".join(lines) + "\n"
+    atomic_write_json(path, runs)
+    atomic_write_text(os.path.join(out_dir, "fidelity_history.md"), text)
+    return text
+
+
+def _history_entry(data: dict, summaries: list[dict]) -> dict:
+    m = data["runs"][0]["machine"]
+    return {"date": data["date"], "wall_s": data.get("wall_s"), "torch": m["torch"], "cores": m["cores"],
+            "summaries": summaries}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(TRAINABLE))
@@ -139,8 +200,18 @@ def main() -> int:
     ap.add_argument("--skip-tracker", action="store_true")
     ap.add_argument("--render", metavar="JSON", help="measure nothing: write fidelity.md again from the fidelity.json "
                     "of an earlier run (pass that run's --world-sizes, --repeats, --confirm, --confirm-repeats)")
+    ap.add_argument("--add-to-history", nargs="+", metavar="JSON", help="measure nothing: add the runs in these "
+                    "fidelity.json files to fidelity_history.json/.md in --out")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.add_to_history:
+        entries = []
+        for path in args.add_to_history:
+            with open(path) as f:
+                data = json.load(f)
+            entries.append(_history_entry(data, [summarize(r) for r in data["runs"]]))
+        print(update_history(args.out, entries))
+        return 0
     if args.render:
         with open(args.render) as f:
             data = json.load(f)
@@ -220,6 +291,7 @@ def main() -> int:
     atomic_write_text(os.path.join(args.out, "fidelity.md"), "\n".join(lines))
     atomic_write_json(os.path.join(args.out, "fidelity.json"), {"date": date, "wall_s": wall, "summaries": summaries,
                                                                 "runs": runs, "tracker": tracker, "simulator_speed": speed})
+    update_history(args.out, [_history_entry({"date": date, "wall_s": wall, "runs": runs}, summaries)])
     print("\n".join(lines[:12 + len(summaries)]))
     return 0
 
