@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.evaluate import evaluate, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, noise_floor, spearman  # noqa: E402
 from wrapopt.evidence import BASELINES, judge  # noqa: E402
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
@@ -147,7 +147,7 @@ def main() -> int:
         f"per rank; world sizes {args.world_sizes}; torch {m['torch']}; {date}. All ranks share the machine's cores, so a "
         "4-rank run has half a core per rank.",
         f"Regenerate everything: `make bench` (this run: {wall / 60:.1f} min). The demo's table is in `demo/report.md`; "
-        "the cost model's fidelity in `fidelity.md`; the tracer in `trace.md`; the search in `search.md`.", "",
+        "the cost model's fidelity in `fidelity.md` (every run's verdicts side by side in `fidelity_history.md`); the tracer in `trace.md`; the search in `search.md`.", "",
         f"Method: per model and world size, the fabric and compute are measured on the same ranks, wrapopt searches "
         "under each budget, and every plan below is sharded with `fully_shard` and stepped for real, all plans "
         f"interleaved (A B C ... A B C), 2 warm-up rounds, then the median over {args.repeats} repeats of the slowest rank's step "
@@ -161,18 +161,25 @@ def main() -> int:
         "*loose*: no limit. The exhaustive set: every contiguous grouping of the block chains (with and without "
         "resharding after forward), checkpointed groupings, and the baselines.", "",
         "## wrapopt against the best baseline and the measured optimum", "",
-        "| model | ranks | budget | plans fit | wrapopt's plan | / best fitting baseline | / measured optimum (plan) | run-to-run spread | Spearman pred vs meas |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | ranks | budget | plans fit | wrapopt's plan | / best fitting baseline | / measured optimum (plan) | run-to-run spread "
+        "| noise floor: A/A (90% CI) | Spearman pred vs meas |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, vs in zip(runs, verdicts):
         rho = spearman([r["pred_step_s"] for r in run["rows"]], [r["screen_step_s"] for r in run["rows"]])
+        aa = noise_floor(run)
+        floor = f"{aa[0]:.3f} [{aa[1]:.3f}, {aa[2]:.3f}]" if aa else "not measured"
         for v in vs:
             vb = f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"] else "no baseline fits"
             vo = f"{v['vs_optimum']:.3f} ({v['optimum']})" if v["vs_optimum"] else "n/a"
             lines.append(f"| {run['model']} | {run['machine']['world_size']} | {v['budget']} | {v['num_fit']} | {v['wrapopt']} "
-                         f"| {vb} | {vo} | {v['median_spread']:.0%} | {rho:.2f} |")
+                         f"| {vb} | {vo} | {v['median_spread']:.0%} | {floor} | {rho:.2f} |")
     lines += ["", "Ratios below 1.00 mean wrapopt's plan was faster. The spread column is the median over plans of "
-              "(max - min) / median across repeats: differences smaller than it are noise.", "",
+              "(max - min) / median across repeats. The noise floor is an A/A test: the confirmation round also runs "
+              "a second, separately built copy of the predicted fastest plan, and the column is the median of the "
+              "per-round ratios of the two copies with a 90% bootstrap interval (`evaluate.noise_floor`): a ratio "
+              "no further from 1.00 than that interval reaches may be the machine's noise, not a difference "
+              "between plans.", "",
               "![predicted vs measured](bench_scatter.png)", ""]
     for run, vs in zip(runs, verdicts):
         ws = run["machine"]["world_size"]
