@@ -146,12 +146,13 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
     runs = sorted(by_date.values(), key=lambda r: r["date"])
     cases = sorted({(s["model"], s["world_size"]) for r in runs for s in r["summaries"]}, key=lambda c: (c[1], c[0]))
     lines = ["# Cost-model fidelity across runs", "",
-             "Every run of `benchmarks/fidelity.py` on this machine (vm, 2 cores, gloo, one thread per rank) adds its "
-             "summary here. A cell: the predicted fastest plan's measured step over the measured fastest's, as the median "
+             "Every run of `benchmarks/fidelity.py` adds its summary here; a column names its date (UTC), host, "
+             "cores, backend and torch. A cell: the predicted fastest plan's measured step over the measured fastest's, as the median "
              "of per-round ratios in the confirmation round [90% bootstrap interval] (1.000: wrapopt predicted the "
              "fastest); then, for runs that had it, the A/A noise floor: the predicted fastest against a second copy of "
              "itself in the same round; then Spearman (predicted vs measured step, screening round).", "",
-             "| case | " + " | ".join(f"{r['date'][:16].replace('T', ' ')} UTC ({r.get('torch', '?')})" for r in runs) + " |",
+             "| case | " + " | ".join(f"{r['date'][:16].replace('T', ' ')} ({r.get('host', '?')}, {r.get('cores', '?')} cores, "
+                                   f"{r.get('backend', '?')}, torch {r.get('torch', '?')})" for r in runs) + " |",
              "|---" * (len(runs) + 1) + "|"]
     for model, ws in cases:
         cells = []
@@ -184,8 +185,8 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
 
 def _history_entry(data: dict, summaries: list[dict]) -> dict:
     m = data["runs"][0]["machine"]
-    return {"date": data["date"], "wall_s": data.get("wall_s"), "torch": m["torch"], "cores": m["cores"],
-            "summaries": summaries}
+    return {"date": data["date"], "wall_s": data.get("wall_s"), "host": m["host"], "cores": m["cores"],
+            "backend": m["backend"], "torch": m["torch"], "summaries": summaries}
 
 
 def main() -> int:
