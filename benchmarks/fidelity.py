@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.evaluate import evaluate, noise_floor, paired_ratio, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, fmt_ratio, noise_floor, paired_ratio, spearman  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
@@ -161,9 +161,9 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
             if s is None:
                 cells.append("not run")
                 continue
-            cell = f"{s['paired_ratio']:.3f} [{s['paired_ratio_ci90'][0]:.2f}, {s['paired_ratio_ci90'][1]:.2f}]"
+            cell = fmt_ratio((s["paired_ratio"], *s["paired_ratio_ci90"]), ci_digits=2)
             if s.get("aa_ratio") is not None:
-                cell += f"; A/A {s['aa_ratio']:.3f} [{s['aa_ratio_ci90'][0]:.2f}, {s['aa_ratio_ci90'][1]:.2f}]"
+                cell += "; A/A " + fmt_ratio((s["aa_ratio"], *s["aa_ratio_ci90"]), ci_digits=2)
             cells.append(cell + f"; ρ {s['spearman']:.2f}")
         lines.append(f"| {model} ×{ws} | " + " | ".join(cells) + " |")
     lines += ["", "| run | cases | predicted fastest within 5% (paired median) | lowest Spearman | worst peak error "
@@ -183,10 +183,10 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
     return text
 
 
-def _history_entry(data: dict, summaries: list[dict]) -> dict:
-    m = data["runs"][0]["machine"]
-    return {"date": data["date"], "wall_s": data.get("wall_s"), "host": m["host"], "cores": m["cores"],
-            "backend": m["backend"], "torch": m["torch"], "summaries": summaries}
+def _history_entry(date: str, wall_s: float | None, runs: list[dict], summaries: list[dict]) -> dict:
+    m = runs[0]["machine"]
+    return {"date": date, "wall_s": wall_s, "host": m["host"], "cores": m["cores"], "backend": m["backend"],
+            "torch": m["torch"], "summaries": summaries}
 
 
 def main() -> int:
@@ -210,7 +210,7 @@ def main() -> int:
         for path in args.add_to_history:
             with open(path) as f:
                 data = json.load(f)
-            entries.append(_history_entry(data, [summarize(r) for r in data["runs"]]))
+            entries.append(_history_entry(data["date"], data.get("wall_s"), data["runs"], [summarize(r) for r in data["runs"]]))
         print(update_history(args.out, entries))
         return 0
     if args.render:
@@ -256,11 +256,10 @@ def main() -> int:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
-        aa = (f"{s['aa_ratio']:.3f} [{s['aa_ratio_ci90'][0]:.3f}, {s['aa_ratio_ci90'][1]:.3f}]"
-              if s.get("aa_ratio") is not None else "not measured")
+        aa = fmt_ratio((s["aa_ratio"], *s["aa_ratio_ci90"])) if s.get("aa_ratio") is not None else "not measured"
         lines.append(f"| {s['model']} | {s['world_size']} | {s['plans']} | {s['spearman']:.2f} | {s['pred_fastest']} | "
-                     f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | {s['paired_ratio']:.3f} "
-                     f"[{s['paired_ratio_ci90'][0]:.3f}, {s['paired_ratio_ci90'][1]:.3f}] | {aa} | {s['screen_ratio']:.3f} | "
+                     f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | "
+                     f"{fmt_ratio((s['paired_ratio'], *s['paired_ratio_ci90']))} | {aa} | {s['screen_ratio']:.3f} | "
                      f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} |")
     for run in runs:
         lines += ["", f"## {run['model']} on {run['machine']['world_size']} ranks", "",
@@ -292,7 +291,7 @@ def main() -> int:
     atomic_write_text(os.path.join(args.out, "fidelity.md"), "\n".join(lines))
     atomic_write_json(os.path.join(args.out, "fidelity.json"), {"date": date, "wall_s": wall, "summaries": summaries,
                                                                 "runs": runs, "tracker": tracker, "simulator_speed": speed})
-    update_history(args.out, [_history_entry({"date": date, "wall_s": wall, "runs": runs}, summaries)])
+    update_history(args.out, [_history_entry(date, wall, runs, summaries)])
     print("\n".join(lines[:12 + len(summaries)]))
     return 0
 

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.evaluate import evaluate, noise_floor, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, fmt_ratio, noise_floor, spearman  # noqa: E402
 from wrapopt.evidence import BASELINES, judge  # noqa: E402
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
@@ -168,7 +168,7 @@ def main() -> int:
     for run, vs in zip(runs, verdicts):
         rho = spearman([r["pred_step_s"] for r in run["rows"]], [r["screen_step_s"] for r in run["rows"]])
         aa = noise_floor(run)
-        floor = f"{aa[0]:.3f} [{aa[1]:.3f}, {aa[2]:.3f}]" if aa else "not measured"
+        floor = fmt_ratio(aa) if aa else "not measured"
         for v in vs:
             vb = f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"] else "no baseline fits"
             vo = f"{v['vs_optimum']:.3f} ({v['optimum']})" if v["vs_optimum"] else "n/a"

@@ -41,7 +41,7 @@ import torch
 
 from wrapopt.types import MeshSpec, ModelGraph, PlanSpec, UnitSpec
 
-__all__ = ["evaluate", "PLAN_SETS", "noise_floor", "paired_ratio", "spearman"]
+__all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "noise_floor", "paired_ratio", "spearman"]
 
 
 def _log(rank: int, quiet: bool, msg: str) -> None:
@@ -298,6 +298,12 @@ def paired_ratio(a: list[float], b: list[float], *, level: float = 0.9, resample
     boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     tail = int(resamples * (1 - level) / 2)
     return statistics.median(ratios), boots[tail], boots[resamples - 1 - tail]
+
+
+def fmt_ratio(r: tuple[float, float, float] | list[float], digits: int = 3, ci_digits: int | None = None) -> str:
+    """``median [low, high]`` of a ``paired_ratio`` result, for the reports."""
+    c = digits if ci_digits is None else ci_digits
+    return f"{r[0]:.{digits}f} [{r[1]:.{c}f}, {r[2]:.{c}f}]"
 
 
 def noise_floor(run: dict[str, Any]) -> tuple[float, float, float] | None:
