@@ -20,12 +20,14 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
+from wrapopt.bench import PHASES  # noqa: E402
 from wrapopt.evaluate import evaluate, fmt_ratio, noise_floor, paired_ratio, spearman  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +128,18 @@ def summarize(run: dict) -> dict:
         "confirmed": [r["plan"] for r in pool if r["confirmed"]],
         "worst_mem_error": max(abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"] for r in rows),
         "median_spread": sorted(r["screen_spread"] for r in rows)[len(rows) // 2],
+        "steal": run["machine"].get("steal"),
+        # Measured / predicted per phase, median over plans (See [Note: phases] in evaluate.py).
+        "phase_ratio": {k: statistics.median(r["meas_phase_s"][k] / r["pred_phase_s"][k] for r in rows)
+                        for k in PHASES} if all("meas_phase_s" in r for r in rows) else None,
     }
+
+
+def _phase_cell(r: dict) -> str:
+    """Measured / predicted, forward, backward, optimizer, of one row."""
+    if "meas_phase_s" not in r:
+        return ""
+    return ", ".join(f"{r['meas_phase_s'][k] / r['pred_phase_s'][k]:.2f}" for k in PHASES)
 
 
 def update_history(out_dir: str, entries: list[dict]) -> str:
@@ -239,7 +252,7 @@ def main() -> int:
         + (f"({wall:.0f} s)." if wall else "(this file written again from that run's fidelity.json with `--render`)."),
         "",
         "Each model: fabric and compute measured on the same ranks first; then every plan predicted by the simulator "
-        f"and run for real, interleaved (A B C ... A B C), 2 warm-up rounds, median over {args.repeats} repeats of the "
+        f"and run for real, interleaved (one step of each plan per round, in an order that changes every round), 2 warm-up rounds, median over {args.repeats} repeats of the "
         "slowest rank's step (the screening round; Spearman is computed on it). "
         + (f"Then a confirmation round: the {args.confirm} fastest plans of the screening round and the predicted fastest, "
            f"re-measured together, interleaved, {args.confirm_repeats} repeats; the predicted fastest is compared with the "
@@ -248,29 +261,39 @@ def main() -> int:
            "bootstrap interval; the screening round's ratio of medians is shown too. The same round also runs a "
            "second, separately built copy of the predicted fastest (an A/A test): its paired ratio to the original "
            "is the bench's noise floor, the smallest miss this run could tell from noise. " if args.confirm else "")
-        + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks.",
+        + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks. "
+        "CPU steal: the share of the machine's CPU time the hypervisor gave to other guests while the case ran.",
         "",
         "| model | ranks | plans | Spearman (step) | predicted fastest | measured fastest | meas(pred fastest) / meas fastest "
         "| same, paired by round (90% CI) | noise floor: A/A, paired (90% CI) | same, screening round "
-        "| worst peak error | median spread |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| worst peak error | median spread | CPU steal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         aa = fmt_ratio((s["aa_ratio"], *s["aa_ratio_ci90"])) if s.get("aa_ratio") is not None else "not measured"
         lines.append(f"| {s['model']} | {s['world_size']} | {s['plans']} | {s['spearman']:.2f} | {s['pred_fastest']} | "
                      f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | "
                      f"{fmt_ratio((s['paired_ratio'], *s['paired_ratio_ci90']))} | {aa} | {s['screen_ratio']:.3f} | "
-                     f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} |")
+                     f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} | "
+                     + (f"{s['steal']:.1%}" if s.get("steal") is not None else "not known") + " |")
+    if all(s.get("phase_ratio") for s in summaries):
+        lines += ["", "## Where the predictions miss", "",
+                  "Measured / predicted time of each phase of the step, median over the plans of a case (screening round): "
+                  "forward with the loss; backward up to the last reduce-scatter (`backward()` waits for it); the "
+                  "optimizer step. Per plan in the tables below.", "",
+                  "| model | ranks | forward | backward | optimizer |", "|---|---|---|---|---|"]
+        lines += [f"| {s['model']} | {s['world_size']} | " + " | ".join(f"{s['phase_ratio'][k]:.2f}" for k in PHASES) + " |"
+                  for s in summaries]
     for run in runs:
         lines += ["", f"## {run['model']} on {run['machine']['world_size']} ranks", "",
-                  "| plan | units | predicted step (ms) | measured step, screening (ms) | spread | confirmation round (ms) | predicted peak "
-                  "| measured peak | error |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| plan | units | predicted step (ms) | measured step, screening (ms) | spread | confirmation round (ms) "
+                  "| measured / predicted: forward, backward, optimizer | predicted peak | measured peak | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["rows"]:
             err = (r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"]
             conf = f"{r['meas_step_s'] * 1e3:.1f} ({r['meas_spread']:.0%})" if r["confirmed"] else ""
             lines.append(f"| {r['plan']} | {r['units']} | {r['pred_step_s'] * 1e3:.1f} | {r['screen_step_s'] * 1e3:.1f} | "
-                         f"{r['screen_spread']:.0%} | {conf} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['meas_peak_bytes'])} "
+                         f"{r['screen_spread']:.0%} | {conf} | {_phase_cell(r)} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['meas_peak_bytes'])} "
                          f"| {err:+.1%} |")
     if tracker:
         lines += ["", "## Peak memory vs PyTorch's FSDPMemTracker: zoo:llama-7b, fake process group of 8 ranks", "",

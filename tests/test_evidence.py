@@ -91,3 +91,17 @@ def test_noise_floor_compares_the_a_a_copy_with_the_original_round_by_round():
     assert same == pytest.approx((1.0, 1.0, 1.0))
     slower = noise_floor({"aa": {"plan": "p", "times_s": [1.1 * x for x in base], "of_times_s": base}})
     assert slower[0] == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 10])
+def test_round_order_puts_every_plan_in_every_place_and_after_every_other(n):
+    from wrapopt.bench import round_order
+
+    rounds = [round_order(n, r) for r in range(n)]
+    assert all(sorted(o) == list(range(n)) for o in rounds)  # each round runs every plan once
+    for place in range(n):  # over n rounds each plan takes every place once
+        assert sorted(o[place] for o in rounds) == list(range(n))
+    if n % 2 == 0:  # and (n even) directly follows every other plan once
+        pairs = [(o[k], o[k + 1]) for o in rounds for k in range(n - 1)]
+        assert sorted(pairs) == sorted((a, b) for a in range(n) for b in range(n) if a != b)
+    assert round_order(n, n) == rounds[0]

@@ -262,8 +262,20 @@ def _mixed_precision_case(rank: int, world: int, out: dict) -> None:
                               for i in range(4)] if hasattr(state, "_states_to_forward_prefetch") else None}
 
 
+def _bench_case(rank: int, world: int, out: dict) -> None:
+    from wrapopt.bench import measure_plans
+
+    e = zoo.get_entry("gpt-tiny")
+    specs = _specs(_graph("gpt-tiny"), MESH2)
+    plans = [specs["per-block"], specs["groups-of-2"], specs["per-block"]]
+    got = measure_plans(lambda: e.build("cpu", seed=0), plans, e.inputs(), e.loss, repeats=3, warmup=1,
+                        measure_memory=False)
+    out["bench"] = [m.to_json() for m in got]
+
+
 def _fsdp_worker(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
+    _bench_case(rank, world, out)
     _mixed_precision_case(rank, world, out)
     _meta_cases(rank, world, out)
     _inspect_cases(rank, world, out)
@@ -276,6 +288,24 @@ def _fsdp_worker(rank: int, world: int, tmp: str) -> dict:
 def fsdp_results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("fsdp"))
     return spawn(_fsdp_worker, world_size=2, args=(tmp,), timeout_s=300)
+
+
+# --- measured steps ---------------------------------------------------------------------------------
+
+
+def test_measure_plans_times_every_plan_and_splits_its_steps_into_phases(fsdp_results):
+    got = fsdp_results[0]["bench"]
+    assert [len(m["times_s"]) for m in got] == [3, 3, 3]
+    assert fsdp_results[1]["bench"][0]["times_s"] == got[0]["times_s"]  # the slowest rank's, on every rank
+    for m in got:
+        phases = m["phase_s"]
+        assert list(phases) == ["fwd", "bwd", "optim"] and all(v > 0 for v in phases.values())
+        # Per rank the phases add up to the step; each phase is the slowest rank's, so their sum
+        # may exceed the step's, never by more than the ranks' skew.
+        assert 0.5 * m["step_s"] < sum(phases.values()) < 2 * m["step_s"]
+    # Same model, seed and batch: the plans train alike, however the rounds were ordered.
+    for m in got[1:]:
+        assert m["losses"] == pytest.approx(got[0]["losses"], rel=1e-5)
 
 
 # --- meta-device initialisation -----------------------------------------------------------------------

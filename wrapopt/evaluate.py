@@ -19,6 +19,13 @@ fastest that misses the measured fastest by less than the A/A difference is
 a miss the bench cannot tell from noise. ``paired_ratio`` of the two is the
 noise floor that ``benchmarks/fidelity.py`` reports beside its verdict.
 
+[Note: phases] Each row also splits the step, predicted and measured (the
+screening round's medians, slowest rank per phase), into forward with the
+loss, backward up to the last reduce-scatter (FSDP2 waits for it before
+``backward()`` returns, so the exposed tail is counted here), and the
+optimizer step. A whole-step error says how far off a prediction is; the
+phases say where.
+
 ``evaluate(model, world_size=2, plan_set=...)`` starts local ranks that
 measure the fabric and the device, trace the model, let wrapopt choose a plan
 under the budget, build the requested comparison plans, predict every plan
@@ -39,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 
+from wrapopt.bench import PHASES
 from wrapopt.types import MeshSpec, ModelGraph, PlanSpec, UnitSpec
 
 __all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "noise_floor", "paired_ratio", "spearman"]
@@ -217,6 +225,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s), "meas_spread": m.spread,
             "pred_peak_bytes": e.peak_bytes, "meas_peak_bytes": m.peak_bytes, "confirmed": i in confirmed,
             "screen_step_s": screening[i].step_s, "screen_spread": screening[i].spread,
+            # Where the time goes, screening round: See [Note: phases].
+            "pred_phase_s": {"fwd": e.fwd_s, "bwd": e.step_s - e.fwd_s - e.optim_s, "optim": e.optim_s},
+            "meas_phase_s": dict(zip(PHASES, screening[i].phase_s)),
         })
     return {
         "model": f"zoo:{cfg['model']}", "rows": rows, "aa": aa,
@@ -277,9 +288,30 @@ def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = No
            "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "confirm_repeats": confirm_repeats}
     env = {"LOCAL_WORLD_SIZE": str(rpn), "KINETO_LOG_LEVEL": "5"}
     t0 = time.perf_counter()
+    cpu0 = _cpu_times()
     res = spawn(_worker, world_size=world_size, args=(cfg,), timeout_s=timeout_s, env=env)[0]
     res["wall_s"] = time.perf_counter() - t0
+    res["machine"]["steal"] = _steal(cpu0, _cpu_times())
     return res
+
+
+def _cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (Linux ``/proc/stat``), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return [int(x) for x in fields[1:9]] if fields and fields[0] == "cpu" else None
+    except (OSError, ValueError):
+        return None
+
+
+def _steal(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests between two readings: on a
+    shared VM, the part of the noise that comes from outside (None where unknown)."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    d = [b - a for a, b in zip(before, after)]
+    return d[7] / sum(d) if sum(d) > 0 else None
 
 
 def paired_ratio(a: list[float], b: list[float], *, level: float = 0.9, resamples: int = 2000,

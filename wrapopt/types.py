@@ -301,6 +301,7 @@ class CostEstimate:
     units: tuple[UnitCost, ...]
     timeline: tuple[TimelineEvent, ...] = field(repr=False, default=())
     notes: tuple[str, ...] = ()  # extrapolations and other caveats
+    optim_s: float = 0.0  # the optimizer step, at the end of step_s
 
     def summary_json(self) -> dict[str, Any]:
         """The headline figures only (for baselines in a plan file)."""
@@ -317,6 +318,7 @@ class CostEstimate:
             "compute_s": self.compute_s,
             "comm_s": self.comm_s,
             "exposed_comm_s": self.exposed_comm_s,
+            "optim_s": self.optim_s,
             "peak_bytes": self.peak_bytes,
             "peak_breakdown": dict(self.peak_breakdown),
             "notes": list(self.notes),

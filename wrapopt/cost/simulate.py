@@ -402,6 +402,7 @@ class Simulator:
             units=ucosts,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
+            optim_s=optim_s,
         )
 
 
