@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
 from wrapopt.bench import PHASES  # noqa: E402
-from wrapopt.evaluate import evaluate, fmt_ratio, noise_floor, paired_ratio, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, fmt_ratio, noise_floor, paired_ratio, place_effect, spearman  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
@@ -129,6 +129,7 @@ def summarize(run: dict) -> dict:
         "worst_mem_error": max(abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"] for r in rows),
         "median_spread": sorted(r["screen_spread"] for r in rows)[len(rows) // 2],
         "steal": run["machine"].get("steal"),
+        "place_effect": place_effect(run),
         # Measured / predicted per phase, median over plans (See [Note: phases] in evaluate.py).
         "phase_ratio": {k: statistics.median(r["meas_phase_s"][k] / r["pred_phase_s"][k] for r in rows)
                         for k in PHASES} if all("meas_phase_s" in r for r in rows) else None,
@@ -262,12 +263,14 @@ def main() -> int:
            "second, separately built copy of the predicted fastest (an A/A test): its paired ratio to the original "
            "is the bench's noise floor, the smallest miss this run could tell from noise. " if args.confirm else "")
         + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks. "
-        "CPU steal: the share of the machine's CPU time the hypervisor gave to other guests while the case ran.",
+        "CPU steal: the share of the machine's CPU time the hypervisor gave to other guests while the case ran. "
+        "Place in round: a step's time over its plan's median, median over the steps taken first in their round, and over "
+        "those taken last (the order changes every round; 1.00 and 1.00 when the place does not matter).",
         "",
         "| model | ranks | plans | Spearman (step) | predicted fastest | measured fastest | meas(pred fastest) / meas fastest "
         "| same, paired by round (90% CI) | noise floor: A/A, paired (90% CI) | same, screening round "
-        "| worst peak error | median spread | CPU steal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| worst peak error | median spread | CPU steal | place in round: first, last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         aa = fmt_ratio((s["aa_ratio"], *s["aa_ratio_ci90"])) if s.get("aa_ratio") is not None else "not measured"
@@ -275,7 +278,9 @@ def main() -> int:
                      f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | "
                      f"{fmt_ratio((s['paired_ratio'], *s['paired_ratio_ci90']))} | {aa} | {s['screen_ratio']:.3f} | "
                      f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} | "
-                     + (f"{s['steal']:.1%}" if s.get("steal") is not None else "not known") + " |")
+                     + (f"{s['steal']:.1%}" if s.get("steal") is not None else "not known") + " | "
+                     + (f"{s['place_effect'][0]:.2f}, {s['place_effect'][-1]:.2f}" if s.get("place_effect") else "not recorded")
+                     + " |")
     if all(s.get("phase_ratio") for s in summaries):
         lines += ["", "## Where the predictions miss", "",
                   "Measured / predicted time of each phase of the step, median over the plans of a case (screening round): "

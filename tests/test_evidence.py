@@ -105,3 +105,23 @@ def test_round_order_puts_every_plan_in_every_place_and_after_every_other(n):
         pairs = [(o[k], o[k + 1]) for o in rounds for k in range(n - 1)]
         assert sorted(pairs) == sorted((a, b) for a in range(n) for b in range(n) if a != b)
     assert round_order(n, n) == rounds[0]
+
+
+def test_place_effect_finds_a_slow_first_place_and_nothing_where_there_is_none():
+    from wrapopt.bench import round_order
+    from wrapopt.evaluate import place_effect
+
+    n, warmup, repeats = 5, 2, 10
+    base = [0.1 * (i + 1) for i in range(n)]  # plans of different speeds
+
+    def run(first_penalty: float) -> dict:
+        times = [[0.0] * repeats for _ in range(n)]
+        for k in range(repeats):
+            for place, i in enumerate(round_order(n, k + warmup)):
+                times[i][k] = base[i] * (first_penalty if place == 0 else 1.0)
+        return {"screen_warmup": warmup, "rows": [{"screen_times_s": t} for t in times]}
+
+    assert place_effect(run(1.0)) == pytest.approx([1.0] * n)
+    slow_first = place_effect(run(1.3))
+    assert slow_first[0] == pytest.approx(1.3) and slow_first[1:] == pytest.approx([1.0] * (n - 1))
+    assert place_effect({"rows": [{"screen_times_s": [1.0]}]}) is None  # not recorded

@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from wrapopt.bench import PHASES
+from wrapopt.bench import PHASES, round_order
 from wrapopt.types import MeshSpec, ModelGraph, PlanSpec, UnitSpec
 
 __all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "noise_floor", "paired_ratio", "spearman"]
@@ -147,6 +147,9 @@ def _resolve_budget(spec: Any, graph: ModelGraph, sim: Any, mesh: MeshSpec) -> t
     return float(parse_bytes(spec)), "given"
 
 
+SCREEN_WARMUP = 2  # warm-up rounds of the screening round
+
+
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed as dist
 
@@ -196,7 +199,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     preds = [sim.simulate(p) for p in plans]
     _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats after warm-up ...")
     measured = measure_plans(lambda: entry.build("cpu", seed=0), plans, inputs, entry.loss,
-                             repeats=cfg["repeats"], warmup=2)
+                             repeats=cfg["repeats"], warmup=SCREEN_WARMUP)
     confirmed: list[int] = []
     aa: dict[str, Any] | None = None
     screening = list(measured)  # the confirmation round replaces contenders' times in `measured`
@@ -225,12 +228,13 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s), "meas_spread": m.spread,
             "pred_peak_bytes": e.peak_bytes, "meas_peak_bytes": m.peak_bytes, "confirmed": i in confirmed,
             "screen_step_s": screening[i].step_s, "screen_spread": screening[i].spread,
+            "screen_times_s": list(screening[i].times_s),
             # Where the time goes, screening round: See [Note: phases].
             "pred_phase_s": {"fwd": e.fwd_s, "bwd": e.step_s - e.fwd_s - e.optim_s, "optim": e.optim_s},
             "meas_phase_s": dict(zip(PHASES, screening[i].phase_s)),
         })
     return {
-        "model": f"zoo:{cfg['model']}", "rows": rows, "aa": aa,
+        "model": f"zoo:{cfg['model']}", "rows": rows, "aa": aa, "screen_warmup": SCREEN_WARMUP,
         "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim),
         "budgets": [{k: v for k, v in b.items() if k != "result"} for b in budgets],
         "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
@@ -336,6 +340,24 @@ def fmt_ratio(r: tuple[float, float, float] | list[float], digits: int = 3, ci_d
     """``median [low, high]`` of a ``paired_ratio`` result, for the reports."""
     c = digits if ci_digits is None else ci_digits
     return f"{r[0]:.{digits}f} [{r[1]:.{c}f}, {r[2]:.{c}f}]"
+
+
+def place_effect(run: dict[str, Any]) -> list[float] | None:
+    """Per place in the round (first, second, ...), the median over the screening
+    round's steps taken there of step time / that plan's median: 1.0 everywhere
+    when a plan's place does not matter (See [Note: round order] in bench.py).
+    None for runs that did not record it (from before the order changed every round)."""
+    if "screen_warmup" not in run or not all(r.get("screen_times_s") for r in run["rows"]):
+        return None
+    rows = run["rows"]
+    n = len(rows)
+    by_place: list[list[float]] = [[] for _ in range(n)]
+    for i, r in enumerate(rows):
+        times = r["screen_times_s"]
+        med = statistics.median(times)
+        for k, t in enumerate(times):
+            by_place[round_order(n, k + run["screen_warmup"]).index(i)].append(t / med)
+    return [statistics.median(v) if v else float("nan") for v in by_place]
 
 
 def noise_floor(run: dict[str, Any]) -> tuple[float, float, float] | None:
