@@ -150,7 +150,7 @@ def main() -> int:
         "the cost model's fidelity in `fidelity.md` (every run's verdicts side by side in `fidelity_history.md`); the tracer in `trace.md`; the search in `search.md`.", "",
         f"Method: per model and world size, the fabric and compute are measured on the same ranks, wrapopt searches "
         "under each budget, and every plan below is sharded with `fully_shard` and stepped for real, all plans "
-        f"interleaved (A B C ... A B C), 2 warm-up rounds, then the median over {args.repeats} repeats of the slowest rank's step "
+        f"interleaved (one step of each plan per round, in an order that changes every round), 2 warm-up rounds, then the median over {args.repeats} repeats of the slowest rank's step "
         f"time. The contenders (per budget the {args.confirm} fastest fitting plans, wrapopt's choice and the fastest "
         f"fitting baseline) then run again, interleaved, {args.confirm_repeats} repeats, and their rows (marked "
         "*confirmed*) carry those times; the verdict compares confirmed rows only (one round, one machine state): the fastest of "
@@ -162,24 +162,27 @@ def main() -> int:
         "resharding after forward), checkpointed groupings, and the baselines.", "",
         "## wrapopt against the best baseline and the measured optimum", "",
         "| model | ranks | budget | plans fit | wrapopt's plan | / best fitting baseline | / measured optimum (plan) | run-to-run spread "
-        "| noise floor: A/A (90% CI) | Spearman pred vs meas |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| noise floor: A/A (90% CI) | Spearman pred vs meas | CPU steal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, vs in zip(runs, verdicts):
         rho = spearman([r["pred_step_s"] for r in run["rows"]], [r["screen_step_s"] for r in run["rows"]])
         aa = noise_floor(run)
         floor = fmt_ratio(aa) if aa else "not measured"
+        st = run["machine"].get("steal")
+        steal = f"{st:.1%}" if st is not None else "not known"
         for v in vs:
             vb = f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"] else "no baseline fits"
             vo = f"{v['vs_optimum']:.3f} ({v['optimum']})" if v["vs_optimum"] else "n/a"
             lines.append(f"| {run['model']} | {run['machine']['world_size']} | {v['budget']} | {v['num_fit']} | {v['wrapopt']} "
-                         f"| {vb} | {vo} | {v['median_spread']:.0%} | {floor} | {rho:.2f} |")
+                         f"| {vb} | {vo} | {v['median_spread']:.0%} | {floor} | {rho:.2f} | {steal} |")
     lines += ["", "Ratios below 1.00 mean wrapopt's plan was faster. The spread column is the median over plans of "
               "(max - min) / median across repeats. The noise floor is an A/A test: the confirmation round also runs "
               "a second, separately built copy of the predicted fastest plan, and the column is the median of the "
               "per-round ratios of the two copies with a 90% bootstrap interval (`evaluate.noise_floor`): a ratio "
               "no further from 1.00 than that interval reaches may be the machine's noise, not a difference "
-              "between plans.", "",
+              "between plans. CPU steal: the share of the machine's CPU time the hypervisor gave to other guests "
+              "while the case ran (`/proc/stat`).", "",
               "![predicted vs measured](bench_scatter.png)", ""]
     for run, vs in zip(runs, verdicts):
         ws = run["machine"]["world_size"]
