@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
 from wrapopt.bench import PHASES  # noqa: E402
-from wrapopt.evaluate import evaluate, fmt_ratio, noise_floor, paired_ratio, place_effect, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, paired_ratio, place_effect, spearman  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
@@ -131,16 +131,18 @@ def summarize(run: dict) -> dict:
         "steal": run["machine"].get("steal"),
         "place_effect": place_effect(run),
         # Measured / predicted per phase, median over plans (See [Note: phases] in evaluate.py).
-        "phase_ratio": {k: statistics.median(r["meas_phase_s"][k] / r["pred_phase_s"][k] for r in rows)
+        "phase_ratio": {k: statistics.median(_phase_ratios(r)[k] for r in rows)
                         for k in PHASES} if all("meas_phase_s" in r for r in rows) else None,
     }
 
 
+def _phase_ratios(r: dict) -> dict[str, float]:
+    """Measured / predicted time of each phase of one row."""
+    return {k: r["meas_phase_s"][k] / r["pred_phase_s"][k] for k in PHASES}
+
+
 def _phase_cell(r: dict) -> str:
-    """Measured / predicted, forward, backward, optimizer, of one row."""
-    if "meas_phase_s" not in r:
-        return ""
-    return ", ".join(f"{r['meas_phase_s'][k] / r['pred_phase_s'][k]:.2f}" for k in PHASES)
+    return ", ".join(f"{v:.2f}" for v in _phase_ratios(r).values()) if "meas_phase_s" in r else ""
 
 
 def update_history(out_dir: str, entries: list[dict]) -> str:
@@ -278,7 +280,7 @@ def main() -> int:
                      f"{s['meas_fastest']} | {s['pred_fastest_over_meas_fastest']:.3f} | "
                      f"{fmt_ratio((s['paired_ratio'], *s['paired_ratio_ci90']))} | {aa} | {s['screen_ratio']:.3f} | "
                      f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} | "
-                     + (f"{s['steal']:.1%}" if s.get("steal") is not None else "not known") + " | "
+                     + fmt_steal(s.get("steal")) + " | "
                      + (f"{s['place_effect'][0]:.2f}, {s['place_effect'][-1]:.2f}" if s.get("place_effect") else "not recorded")
                      + " |")
     if all(s.get("phase_ratio") for s in summaries):

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.evaluate import evaluate, fmt_ratio, noise_floor, spearman  # noqa: E402
+from wrapopt.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman  # noqa: E402
 from wrapopt.evidence import BASELINES, judge  # noqa: E402
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
@@ -169,8 +169,7 @@ def main() -> int:
         rho = spearman([r["pred_step_s"] for r in run["rows"]], [r["screen_step_s"] for r in run["rows"]])
         aa = noise_floor(run)
         floor = fmt_ratio(aa) if aa else "not measured"
-        st = run["machine"].get("steal")
-        steal = f"{st:.1%}" if st is not None else "not known"
+        steal = fmt_steal(run["machine"].get("steal"))
         for v in vs:
             vb = f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"] else "no baseline fits"
             vo = f"{v['vs_optimum']:.3f} ({v['optimum']})" if v["vs_optimum"] else "n/a"

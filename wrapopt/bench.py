@@ -88,20 +88,16 @@ def _phases(marks: list[Any]) -> list[float]:
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, loss_fn: Callable,
-          marks: list[Any] | None = None) -> float:
-    """One training step; with ``marks``, adds a mark after forward (with the loss),
-    after backward and after the optimizer step."""
-    on_cuda = torch.cuda.is_available()
+          mark: Callable[[], None] = lambda: None) -> float:
+    """One training step; ``mark()`` runs after forward (with the loss), after backward
+    and after the optimizer step."""
     loss = loss_fn(model(*inputs), inputs)
-    if marks is not None:
-        marks.append(_mark(on_cuda))
+    mark()
     loss.backward()  # FSDP2's final callback waits for the last reduce-scatter
-    if marks is not None:
-        marks.append(_mark(on_cuda))
+    mark()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if marks is not None:
-        marks.append(_mark(on_cuda))
+    mark()
     return float(loss.detach())
 
 
@@ -142,7 +138,7 @@ def measure_plans(
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             marks = [_mark(on_cuda)]
-            loss = _step(m, o, inputs, loss_fn, marks)
+            loss = _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)))
             if on_cuda:
                 torch.cuda.synchronize()
             dt, *ph = _max_over_ranks(time.perf_counter() - t0, *_phases(marks))

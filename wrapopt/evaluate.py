@@ -49,7 +49,7 @@ import torch
 from wrapopt.bench import PHASES, round_order
 from wrapopt.types import MeshSpec, ModelGraph, PlanSpec, UnitSpec
 
-__all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "noise_floor", "paired_ratio", "spearman"]
+__all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "fmt_steal", "noise_floor", "paired_ratio", "place_effect", "spearman"]
 
 
 def _log(rank: int, quiet: bool, msg: str) -> None:
@@ -351,13 +351,17 @@ def place_effect(run: dict[str, Any]) -> list[float] | None:
         return None
     rows = run["rows"]
     n = len(rows)
+    medians = [statistics.median(r["screen_times_s"]) for r in rows]
     by_place: list[list[float]] = [[] for _ in range(n)]
-    for i, r in enumerate(rows):
-        times = r["screen_times_s"]
-        med = statistics.median(times)
-        for k, t in enumerate(times):
-            by_place[round_order(n, k + run["screen_warmup"]).index(i)].append(t / med)
-    return [statistics.median(v) if v else float("nan") for v in by_place]
+    for k in range(len(rows[0]["screen_times_s"])):
+        for place, i in enumerate(round_order(n, k + run["screen_warmup"])):
+            by_place[place].append(rows[i]["screen_times_s"][k] / medians[i])
+    return [statistics.median(v) for v in by_place]
+
+
+def fmt_steal(steal: float | None) -> str:
+    """The CPU steal ``evaluate`` records over a case (``machine["steal"]``), for the reports."""
+    return f"{steal:.1%}" if steal is not None else "not known"
 
 
 def noise_floor(run: dict[str, Any]) -> tuple[float, float, float] | None:
