@@ -13,7 +13,10 @@ fabric and compute, in this process (one thread):
 2. ``search_plan`` with 200 Optuna trials, as ``wrapopt search`` runs it: wall
    time and the time spent inside ``Simulator.simulate``.
 
-Run: ``python benchmarks/sim_speed.py`` (about a minute).
+Each case runs with the compiled step loop and with the Python one, alternately
+(See [Note: compiled step loop]). Run: ``python benchmarks/sim_speed.py``
+(about a minute). Compiling (or loading the compiled loop from numba's disk
+cache) happens once, before the timed rounds, and is reported on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from wrapopt._io import atomic_write_json, atomic_write_text  # noqa: E402
+from wrapopt.cost import _step  # noqa: E402
+from wrapopt.evaluate import _cpu_times, _steal, fmt_steal  # noqa: E402
 
 MESH = dict(world_size=64, ranks_per_node=8, shard_size=64)
 
@@ -59,8 +64,19 @@ def _new_sim(graph):
     return Simulator(graph, analytical_fabric(world_size=MESH["world_size"]), ComputeProfile.analytical())
 
 
+_COMPILED: list = []  # the compiled loop, made once
+
+
+def use_loop(loop: str) -> None:
+    """Run the simulator's step loop compiled (numba) or as Python: See [Note: compiled step loop]."""
+    if not _COMPILED:
+        _COMPILED.append(_step.compiled())
+    _step._JIT[:] = [None] if loop == "python" else _COMPILED
+
+
 def simulator_speed(graph=None, rounds: int = 5) -> list[dict]:
-    """Plan evaluations per second, best of ``rounds`` rounds, per kind of plan."""
+    """Plan evaluations per second, best of ``rounds`` rounds, per kind of plan, with the
+    compiled step loop and with the Python one (when numba is installed)."""
     from wrapopt.search import baselines
     from wrapopt.search.space import SearchSpace
     from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
@@ -69,18 +85,24 @@ def simulator_speed(graph=None, rounds: int = 5) -> list[dict]:
     mesh = MeshSpec(**MESH)
     base = baselines(graph, mesh)
     rows = []
+    use_loop("compiled")
+    compiled = _step.compiled() is not None
 
     def best_of(make_plans, label: str) -> None:
-        best, units, segs = float("inf"), 0.0, 0.0
+        best, units, segs = {"compiled": float("inf"), "python": float("inf")}, 0.0, 0.0
         for k in range(rounds):
-            plans, sim = make_plans(k), _new_sim(graph)  # a fresh simulator: layouts are built, not cached
-            t0 = time.perf_counter()
-            for p in plans:
-                sim.simulate(p)
-            best = min(best, (time.perf_counter() - t0) / len(plans))
-            units = sum(len(p.units) for p in plans) / len(plans)
-            segs = sum(len(sim.layout(p.units).segments) for p in plans) / len(plans)
-        rows.append({"case": label, "per_s": 1 / best, "units": units, "segments": segs})
+            for loop in best if compiled else ("python",):  # interleaved: the machine is shared
+                use_loop(loop)
+                plans, sim = make_plans(k), _new_sim(graph)  # a fresh simulator: layouts are built, not cached
+                t0 = time.perf_counter()
+                for p in plans:
+                    sim.simulate(p)
+                best[loop] = min(best[loop], (time.perf_counter() - t0) / len(plans))
+                units = sum(len(p.units) for p in plans) / len(plans)
+                segs = sum(len(sim.layout(p.units).segments) for p in plans) / len(plans)
+        use_loop("compiled")
+        rows.append({"case": label, "per_s": 1 / best["compiled" if compiled else "python"],
+                     "python_per_s": 1 / best["python"], "units": units, "segments": segs})
 
     for label in ("per-block", "size-1e8"):
         plan = base[label]
@@ -137,7 +159,21 @@ def search_share(graph=None, trials: int = 200) -> dict:
 def main() -> int:
     t0 = time.perf_counter()
     graph = _setup()
+    from wrapopt.search import baselines
+    from wrapopt.types import MeshSpec
+
+    t1 = time.perf_counter()  # the first simulate compiles the loop (or loads it from numba's cache)
+    _new_sim(graph).simulate(baselines(graph, MeshSpec(**MESH))["per-block"])
+    if _step.compiled() is not None:
+        import numba
+
+        loop = f"compiled with numba {numba.__version__}"
+    else:
+        loop = "Python (numba is not installed: `pip install wrapopt[fast]`)"
+    compile_s = time.perf_counter() - t1
+    cpu0 = _cpu_times()
     rows = simulator_speed(graph)
+    steal = _steal(cpu0, _cpu_times())
     share = search_share(graph)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lines = [
@@ -148,10 +184,14 @@ def main() -> int:
         f"({time.perf_counter() - t0:.0f} s). zoo:llama-7b (32 blocks) on 64 ranks, analytical fabric; best of 5 rounds "
         "(the machine is shared).",
         "",
-        "| plans | units per plan | compute segments per plan | plan evaluations per second |",
-        "|---|---|---|---|",
+        f"Step loop: {loop}. Compiling it once costs {compile_s:.1f} s (then cached on disk). CPU steal while "
+        f"the rates were measured: {fmt_steal(steal)} (the share of CPU time the hypervisor gave to other guests).",
+        "",
+        "| plans | units per plan | compute segments per plan | plan evaluations per second | with the Python step loop |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {r['case']} | {r['units']:.0f} | {r['segments']:.0f} | {r['per_s']:,.0f} |" for r in rows]
+    lines += [f"| {r['case']} | {r['units']:.0f} | {r['segments']:.0f} | {r['per_s']:,.0f} | {r['python_per_s']:,.0f} |"
+              for r in rows]
     lines += [
         "",
         f"`search_plan` with {share['trials']} Optuna trials (the DP, baselines and seeds included): {share['wall_s']:.1f} s, "
@@ -161,7 +201,8 @@ def main() -> int:
     ]
     os.makedirs("results", exist_ok=True)
     atomic_write_text("results/sim_speed.md", "\n".join(lines))
-    atomic_write_json("results/sim_speed.json", {"date": date, "speed": rows, "search": share})
+    atomic_write_json("results/sim_speed.json", {"date": date, "step_loop": loop, "compile_s": compile_s, "steal": steal, "speed": rows,
+                                                  "search": share})
     print("\n".join(lines))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -24,6 +25,16 @@ def llama():
 MESH = MeshSpec(world_size=64, ranks_per_node=8, shard_size=64)
 FAB = analytical_fabric(world_size=64)
 GPU = ComputeProfile.analytical()
+
+
+class _Random:
+    """A random source for ``SearchSpace.decode``: every choice uniform."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+
+    def cat(self, name, choices):
+        return self.rng.choice(choices)
 
 
 def _per_block(g, mesh=MESH, **unit_kw):
@@ -173,16 +184,7 @@ def test_optimizer_step_uses_its_calibrated_bandwidth_and_2d_mesh_dispatch():
 def test_caches_never_change_a_result():
     """See [Note: simulator speed]: layouts, per-unit collective costs and backward
     working sets are cached across plans; a fresh simulator must agree exactly."""
-    import random
-
     from wrapopt.search.space import SearchSpace
-
-    class _Random:
-        def __init__(self, seed):
-            self.rng = random.Random(seed)
-
-        def cat(self, name, choices):
-            return self.rng.choice(choices)
 
     model, x = zoo.build("t5-tiny", "meta")
     g = trace_model(model, x)
@@ -198,3 +200,41 @@ def test_caches_never_change_a_result():
     shared = Simulator(g, fab, comp, opts)
     for p in plans + plans[::-1]:  # every plan scored after many others, twice
         assert shared.simulate(p, record=True) == Simulator(g, fab, comp, opts).simulate(p, record=True), p.label
+
+
+def test_compiled_and_python_step_loops_agree_exactly(monkeypatch):
+    """See [Note: compiled step loop]: numba's loop and the Python one give the same
+    estimate, timeline included, on FSDP, HSDP and no-shard plans, GPU and CPU
+    schedules; a loop that fails to compile falls back to Python with a warning."""
+    pytest.importorskip("numba")
+    from wrapopt.cost import _step
+    from wrapopt.search.space import SearchSpace
+
+    model, x = zoo.build("gpt-tiny", "meta")
+    g = trace_model(model, x)
+    mesh = MeshSpec(world_size=16, ranks_per_node=4, shard_size=16)
+    fab = analytical_fabric(world_size=16, ranks_per_node=4)
+    src = _Random(1)
+    plans = [SearchSpace(g, mesh).decode(src) for _ in range(25)] + list(baselines(g, mesh).values())
+    assert len({p.mesh.shard_size for p in plans}) > 2 and any(p.forward_prefetch for p in plans)
+    assert any(u.checkpoint for p in plans for u in p.units)
+    cpu = dataclasses.replace(GPU, device="cpu")
+    opts = SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, grad_accumulation=2)
+    monkeypatch.setattr(_step, "_JIT", [])
+    assert _step.compiled() is not None
+    for comp in (GPU, cpu):
+        jit = [Simulator(g, fab, comp, opts).simulate(p, record=True) for p in plans]
+        monkeypatch.setattr(_step, "_JIT", [None])
+        py = [Simulator(g, fab, comp, opts).simulate(p, record=True) for p in plans]
+        monkeypatch.setattr(_step, "_JIT", [])
+        assert jit == py
+        assert all(e.timeline for e in jit)
+
+    def broken(*_a):
+        raise TypeError("no matching definition")
+
+    monkeypatch.setattr(_step, "_JIT", [broken])
+    with pytest.warns(UserWarning, match="compiled step loop failed"):
+        again = Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
+    assert again == Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
+    assert _step.compiled() is None  # the rest of the process runs Python

@@ -12,6 +12,15 @@ owns many blocks (see [Note: unit ownership] in ``units.py``). The root unit
 owns the embedding at the start and the head at the end, so it has segments
 at both ends; a unit needs its parameters gathered before its first segment.
 
+[Note: cut pieces] A piece that units cut into (a unit module strictly
+inside a block) is split into segments by which unit owns each of its
+modules. That split depends only on how the units group the modules inside
+the piece (and which unit owns the piece around them), not on the other
+pieces, so it is computed once per (run of the piece, grouping) and reused
+by every plan that cuts the piece the same way. The search's sub-block plans
+cut 32 blocks in a handful of ways each, so a new plan's layout is mostly
+assembled from fragments already seen.
+
 [Note: gradient sites] A parameter's unsharded gradient appears when backward
 reaches the first module using it in backward order: for a tied parameter
 (embedding and output head) that is the use that ran last in forward, so the
@@ -151,7 +160,27 @@ class Layouts:
         self._keep = {pc: int(self._out_bytes.get(pc, 0) * scale) for pc, *_r in self._runs}
         self._cache: dict[tuple[tuple[str, ...], ...], Layout] = {}
         self._inputs: dict[tuple[str, ...], int] = {}
-        self._bw: dict[tuple[int, int, int], int] = {}  # (run, start, end) -> its backward working set
+        self._cut_params: dict[str, list[tuple[Any, ...]]] = {}  # piece -> its parameter modules
+        for anc, ne, nb, tn, tb, pc in self._param_modules:
+            self._cut_params.setdefault(pc, []).append((anc, ne, nb, tn, tb))
+
+        # See [Note: cut pieces]: a run's shape is its entries' and its piece's parameter
+        # modules' ancestors inside the piece, named relative to it; blocks alike share one.
+        def inside(pc: str, anc: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(a[len(pc) + 1:] for a in anc[:anc.index(pc)])
+
+        shape_ids: dict[Any, int] = {}
+        self._shape_of = tuple(
+            shape_ids.setdefault((tuple(inside(pc, e.anc) for e in es),
+                                  tuple(inside(pc, p[0]) for p in self._cut_params.get(pc, ()))), len(shape_ids))
+            for pc, _anc, es, _s in self._runs)
+        self._shapes = tuple(shape_ids)
+        self._splits: dict[Any, Any] = {}  # (shape, groups) -> segments as entry ranges, parameter owners
+        self._sums: dict[tuple[int, int, int], tuple[Any, ...]] = {}  # (run, start, end) -> a segment's sums
+        self._psums: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], ...]] = {}
+        sigs: dict[Any, int] = {}  # pieces with the same parameter modules (relative names, sizes) share sums
+        self._param_sig = {pc: sigs.setdefault(tuple((inside(pc, anc), *v) for anc, *v in ps), len(sigs))
+                           for pc, ps in self._cut_params.items()}
 
     def __call__(self, units: tuple[UnitSpec, ...], key: tuple[tuple[str, ...], ...] | None = None) -> Layout:
         """The layout of ``units``; ``key`` is ``tuple(u.modules for u in units)`` if the caller has it."""
@@ -176,10 +205,17 @@ class Layouts:
                     return i
             return n - 1
 
-        # Pieces a unit cuts into (a unit module strictly inside a piece) take the slow path.
-        cut = {self._piece_of.get(m, m) for u in units for m in u.modules if self._piece_of.get(m, m) != m}
+        # Pieces a unit cuts into (a unit module strictly inside a piece), with the
+        # units that do, in unit order: they take the fragment path below.
+        cut: dict[str, dict[int, list[str]]] = {}
+        piece_of = self._piece_of
+        for i, u in enumerate(units):
+            for m in u.modules:
+                pc = piece_of.get(m, m)
+                if pc != m:
+                    cut.setdefault(pc, {}).setdefault(i, []).append(m)
         numel, sbytes, tnumel, tbytes = [0] * n, [0] * n, [0] * n, [0] * n
-        owner_of: dict[str, int] = {}  # piece -> its owner, for pieces no unit cuts into
+        owner_of: dict[str, int] = {}  # piece -> the unit owning it whole (or around its cuts)
         for pc, anc, (ne, nb, tn, tb) in self._piece_params:
             if pc in cut:
                 continue
@@ -188,62 +224,62 @@ class Layouts:
             sbytes[u] += nb
             tnumel[u] += tn
             tbytes[u] += tb
-        if cut:
-            for anc, ne, nb, tn, tb, pc in self._param_modules:
-                if pc in cut:
-                    u = owner(anc)
-                    numel[u] += ne
-                    sbytes[u] += nb
-                    tnumel[u] += tn
-                    tbytes[u] += tb
-        saved, fwd, bwd, work = [0] * n, [0.0] * n, [0.0] * n, [0] * n
+        saved, work = [0] * n, [0] * n
         keep_of = self._keep
         segments: list[Segment] = []
+        new = tuple.__new__
         seen: set[str] = set()
-        for r, (pc, anc, es, (f, b, sv, out, gn, bw)) in enumerate(self._runs):
-            if pc not in cut:  # one owner for the whole run: one segment
-                u = owner_of.get(pc)
-                if u is None:
-                    u = owner_of[pc] = owner(anc)
+        for r, (pc, anc, _es, (f, b, sv, out, gn, bw)) in enumerate(self._runs):
+            u = owner_of.get(pc)
+            if u is None:
+                u = owner_of[pc] = owner(anc)
+            inner = cut.get(pc)
+            if inner is None:  # one owner for the whole run: one segment
                 saved[u] += sv
-                fwd[u] += f
-                bwd[u] += b
                 if out > work[u]:
                     work[u] = out
-                segments.append(Segment(u, f, b, sv, out, gn, bw, 0 if pc in seen else keep_of[pc]))
+                segments.append(new(Segment, (u, f, b, sv, out, gn, bw, 0 if pc in seen else keep_of[pc])))
                 seen.add(pc)
                 continue
-            segs: list[list[Any]] = []  # runs of one owner within this piece
-            for k, e in enumerate(es):
-                u = owner(e.anc)
-                saved[u] += e.saved
-                fwd[u] += e.fwd_s
-                bwd[u] += e.bwd_s
-                work[u] = max(work[u], e.out)
-                if segs and segs[-1][0] == u:
-                    sg = segs[-1]
-                    sg[1] += e.fwd_s
-                    sg[2] += e.bwd_s
-                    sg[3] += e.saved
-                    sg[4] = max(sg[4], e.out)
-                    sg[5] += e.grad_numel
-                    sg[7] = k + 1
-                else:
-                    segs.append([u, e.fwd_s, e.bwd_s, e.saved, e.out, e.grad_numel, k, k + 1])
-            for s in segs:
-                bkey = (r, s[6], s[7])  # the segment is es[start:end]
-                bw = self._bw.get(bkey)
-                if bw is None:
-                    bw = self._bw[bkey] = self._backward_working_set(es[s[6]:s[7]])
-                segments.append(Segment(*s[:6], bw, 0 if pc in seen else keep_of[pc]))
-                seen.add(pc)
-        order = tuple(dict.fromkeys([n - 1] + [s.unit for s in segments]))
+            # See [Note: cut pieces]: the split depends only on how the units cut the piece.
+            glob = tuple(inner) + (u,)  # local id -> unit; the last is the unit around the cuts
+            cut_at = len(pc) + 1
+            segs, powners = self._split(r, tuple(tuple(m[cut_at:] for m in ms) for ms in inner.values()))
+            for k, (j, i0, i1) in enumerate(segs):
+                vals = self._seg_sums(r, i0, i1)
+                g = glob[j]
+                saved[g] += vals[2]
+                if vals[3] > work[g]:
+                    work[g] = vals[3]
+                segments.append(new(Segment, (g, *vals, 0 if k or pc in seen else keep_of[pc])))
+            if pc not in seen:
+                for j, ne, nb, tn, tb in self._param_sums(pc, powners):
+                    g = glob[j]
+                    numel[g] += ne
+                    sbytes[g] += nb
+                    tnumel[g] += tn
+                    tbytes[g] += tb
+            seen.add(pc)
+        for pc in cut.keys() - seen:  # cut pieces that never run still own parameters
+            for anc, ne, nb, tn, tb in self._cut_params.get(pc, ()):
+                g = owner(anc)
+                numel[g] += ne
+                sbytes[g] += nb
+                tnumel[g] += tn
+                tbytes[g] += tb
+        fwd, bwd = [0.0] * n, [0.0] * n  # a unit's times: the sums of its segments'
+        order_d: dict[int, None] = {n - 1: None}
         last = [-1] * n
         nseg, seg_grads = [0] * n, [0] * n
-        for i, s in enumerate(segments):
-            last[s.unit] = i
-            nseg[s.unit] += 1
-            seg_grads[s.unit] += s.grad_numel
+        for i, sgm in enumerate(segments):
+            u = sgm[0]
+            fwd[u] += sgm[1]
+            bwd[u] += sgm[2]
+            order_d[u] = None
+            last[u] = i
+            nseg[u] += 1
+            seg_grads[u] += sgm[5]
+        order = tuple(order_d)
         inputs = [self._input_bytes(u) for u in units]
         # Backward prefetch follows post-forward order reversed: the root (whose
         # forward ends last) comes first and prefetches the last block.
@@ -252,6 +288,70 @@ class Layouts:
                       tuple(fwd), tuple(bwd), tuple(inputs), tuple(work), tuple(last),
                       {u: k for k, u in enumerate(order)}, border, {u: k for k, u in enumerate(border)},
                       tuple(nseg), tuple(seg_grads))
+
+    def _split(self, r: int, groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
+        """How units owning ``groups`` (modules relative to the piece, one tuple per
+        unit: local ids 0..k-1; id k is the unit around them) split run ``r``: its
+        segments as (local id, first entry, end), and the local owner of each of the
+        piece's parameter modules. Cached per shape of piece (See [Note: cut pieces])."""
+        key = (self._shape_of[r], groups)
+        hit = self._splits.get(key)
+        if hit is not None:
+            return hit
+        k = len(groups)
+        local = {m: j for j, ms in enumerate(groups) for m in ms}
+
+        def owner(rel_anc: tuple[str, ...]) -> int:
+            for a in rel_anc:
+                j = local.get(a)
+                if j is not None:
+                    return j
+            return k
+
+        entries, params = self._shapes[self._shape_of[r]]
+        segs: list[list[int]] = []
+        for i, rel_anc in enumerate(entries):
+            j = owner(rel_anc)
+            if segs and segs[-1][0] == j:
+                segs[-1][2] = i + 1
+            else:
+                segs.append([j, i, i + 1])
+        hit = (tuple((j, a, b) for j, a, b in segs), tuple(owner(rel_anc) for rel_anc in params))
+        if len(self._splits) > 65536:
+            self._splits.clear()
+        self._splits[key] = hit
+        return hit
+
+    def _seg_sums(self, r: int, i0: int, i1: int) -> tuple[Any, ...]:
+        """Entries ``i0:i1`` of run ``r`` as one segment: times, saved, working set,
+        gradient elements and backward working set, summed in call order. Cached."""
+        key = (r, i0, i1)
+        hit = self._sums.get(key)
+        if hit is None:
+            es = self._runs[r][2][i0:i1]
+            f, b, sv, out, gn = es[0].fwd_s, es[0].bwd_s, es[0].saved, es[0].out, es[0].grad_numel
+            for e in es[1:]:
+                f += e.fwd_s
+                b += e.bwd_s
+                sv += e.saved
+                out = max(out, e.out)
+                gn += e.grad_numel
+            hit = self._sums[key] = (f, b, sv, out, gn, self._backward_working_set(es))
+        return hit
+
+    def _param_sums(self, pc: str, owners: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """(local id, elements, bytes, trainable elements, trainable bytes) of piece
+        ``pc``'s parameters when its parameter modules have local ``owners``. Cached."""
+        key = (self._param_sig[pc], owners)
+        hit = self._psums.get(key)
+        if hit is None:
+            acc: dict[int, list[int]] = {}
+            for j, (_anc, ne, nb, tn, tb) in zip(owners, self._cut_params.get(pc, ())):
+                a = acc.setdefault(j, [0, 0, 0, 0])
+                for i, v in enumerate((ne, nb, tn, tb)):
+                    a[i] += v
+            hit = self._psums[key] = tuple((j, *v) for j, v in acc.items())
+        return hit
 
     def _input_bytes(self, u: UnitSpec) -> int:
         """What a checkpointed unit keeps: its input, taken as its largest module's output."""

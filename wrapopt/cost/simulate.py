@@ -70,20 +70,25 @@ is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
 measured by the profiler.
 
 [Note: simulator speed] The search scores thousands of plans, so the step
-loop is written for speed: per-segment work is inlined (no call per event),
-segments are plain tuples, and what does not depend on per-unit choices is
-cached: the layout per set of units (``layout.py``), each unit's bytes and
-collective times per mesh (across plans), and each segment's backward working
-set. Caching never changes a result: a fresh simulator and one that has
-scored many other plans agree exactly (``tests/test_cost.py``).
-``benchmarks/sim_speed.py`` measures plans per second.
+loop is compiled when numba is installed (``_step.py``, [Note: compiled step
+loop]; the same source runs as Python otherwise), and what does not depend on
+per-unit choices is cached: the layout per set of units (``layout.py``, which
+also reuses the split of a block cut into sub-block units across blocks and
+plans, [Note: cut pieces]), each unit's bytes and collective times per mesh
+(across plans), and the step loop's columns per layout. Caching never changes
+a result: a fresh simulator and one that has scored many other plans agree
+exactly (``tests/test_cost.py``). ``benchmarks/sim_speed.py`` measures plans
+per second, with and without the compiled loop.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from wrapopt.cost.layout import Layouts
+import numpy as np
+
+from wrapopt.cost import _step
+from wrapopt.cost.layout import Layout, Layouts
 from wrapopt.fabric import ComputeProfile, FabricProfile
 from wrapopt.types import (
     CostEstimate,
@@ -119,6 +124,7 @@ class Simulator:
         self._unit_colls: dict[tuple[Any, MeshSpec], tuple[Any, ...]] = {}  # per set of units
         self._per_unit: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # the same per unit, across sets
         self._num_tensors = len(graph.param_shapes)
+        self._cols: dict[tuple[Any, bool], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}  # per layout
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -134,6 +140,32 @@ class Simulator:
             notes.add(caveat)
         return t
 
+    def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """What the step loop reads of a layout: its segments as columns, and
+        (order, backward order, then per unit: last forward segment, place in
+        forward and backward order, segments, their gradient elements, trainable
+        bytes); numpy arrays for the compiled loop. Cached per set of units."""
+        key = (mods, arrays)
+        hit = self._cols.get(key)
+        if hit is None:
+            n = len(lay.numel)
+            segs = tuple(zip(*lay.segments)) if lay.segments else ((),) * 8
+            pos, bpos = [-1] * n, [-1] * n
+            for u, k in lay.pos.items():
+                pos[u] = k
+            for u, k in lay.bpos.items():
+                bpos[u] = k
+            cols = (lay.order, lay.border, lay.last_fwd_segment, pos, bpos, lay.nseg, lay.seg_grads, lay.trainable_bytes)
+            if arrays:
+                segs = (np.array(segs[0], dtype=np.int64), *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
+                cols = (np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.int64),
+                        *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
+                        *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
+            if len(self._cols) > 4096:
+                self._cols.clear()
+            hit = self._cols[key] = (segs, cols)
+        return hit
+
     # -- the step ---------------------------------------------------------------------------
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
@@ -143,7 +175,6 @@ class Simulator:
         lay = self.layout(units, mods)
         n = len(units)
         notes: set[str] = set()
-        ev: list[TimelineEvent] = []
         shard = mesh.shard_size
         gather_elem = opt.param_dtype_bytes or self._elem
         reduce_elem = opt.reduce_dtype_bytes or gather_elem
@@ -201,168 +232,38 @@ class Simulator:
         trainable = sum(lay.trainable_bytes)
         sharded_params = storage / shard
         # Sharded gradients appear unit by unit as reduce-scatters land (zero_grad(set_to_none=True)).
-        sharded_grads = 0.0
         optim = trainable * opt.optimizer.states_per_param / shard
         accum = sum(G) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
         static = sharded_params + optim + accum
-        gathered = 0.0
-        acts = 0.0
-        peak = 0.0
-        peak_parts: tuple[float, ...] = ()
-        grads_pending = 0.0
 
-        def note_mem(work: float) -> float:
-            nonlocal peak, peak_parts
-            total = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + work
-            if total > peak:
-                peak = total
-                peak_parts = (sharded_grads, gathered, ag_buffer, grads_pending, acts, work)
-            return total
-
-        # ---- forward: See [Note: segments], [Note: all-gather issue] -------------------
-        order = lay.order
+        # The step loop: See [Note: compiled step loop] in _step.py.
         runs_ahead = not self.compute.device.startswith("cpu")  # See [Note: all-gather issue]
-        # The previous step's last forward all-gather output is still held at step start.
-        ag_buffer = float(P[order[-1]]) if runs_ahead else 0.0
-        pos = lay.pos
         depth = max(plan.forward_prefetch, 1 if runs_ahead else 0)
-        ag_end = [0.0] * n
-        issued = [False] * n
-        t = 0.0  # compute lane
-        c = 0.0  # comm lane
-        comm_total = 0.0
-
-        def issue_ag(u: int, at: float, kind: str = "all_gather", dur: float | None = None) -> float:
-            nonlocal c, gathered, comm_total
-            d = ag[u] if dur is None else dur
-            start = max(at, c)
-            d = d * (ovl_m if t > start else 1.0)
-            c = start + d
-            comm_total += d
-            gathered += P[u] if kind == "all_gather" else P[u] - keep[u]
-            m = note_mem(0)
-            if record and d > 0:
-                ev.append(TimelineEvent("comm", "all_gather", units[u].name, start, c, int(m)))
-            return c
-
-        def run(dur: float, kind: str, u: int, work: float) -> None:
-            nonlocal t
-            start = t
-            t += dur
-            if c > start:  # comm overlapping this compute
-                t += ((c if c < t else t) - start) * (ovl_c - 1.0)
-            m = note_mem(work)
-            if record and t > start:
-                ev.append(TimelineEvent("compute", kind, units[u].name, start, t, int(m)))
-
-        # The per-segment steps below inline run() and note_mem(): they are the
-        # search's inner loop (See [Note: simulator speed]). Per-unit events call them.
-        ovl_c1 = ovl_c - 1.0
-        ck_unit = [u.checkpoint for u in units]
-        last_fwd = lay.last_fwd_segment
-        ag_end[order[0]] = issue_ag(order[0], 0.0)
-        issued[order[0]] = True
-        seen_first = [False] * n
-        for si, (u, fwd_s, _b, saved, work, _g, _bw, kept) in enumerate(lay.segments):
-            if not seen_first[u]:
-                seen_first[u] = True
-                if not issued[u]:
-                    ag_end[u] = issue_ag(u, t)
-                    issued[u] = True
-                t = max(t, ag_end[u]) + unit_oh
-                note_mem(P[u])  # copy-out: the all-gather output beside the unsharded parameters
-                if runs_ahead:
-                    ag_buffer = P[u]  # See [Note: all-gather buffer]
-                # Prefetch `depth` units ahead, issued now (this unit's pre-forward).
-                if depth:
-                    k = pos[u] + depth
-                    if k < len(order) and not issued[order[k]]:
-                        nxt = order[k]
-                        ag_end[nxt] = issue_ag(nxt, t)
-                        issued[nxt] = True
-            start = t  # run(fwd_s, "fwd", u, work)
-            t += fwd_s
-            if c > start:  # comm overlapping this compute
-                t += ((c if c < t else t) - start) * ovl_c1
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + work
-            if m > peak:
-                peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, work)
-            if record and t > start:
-                ev.append(TimelineEvent("compute", "fwd", units[u].name, start, t, int(m)))
-            # Checkpointing wraps each of the unit's modules: each keeps only its boundary tensor.
-            acts += kept if ck_unit[u] else saved
-            if si == last_fwd[u]:
-                gathered -= P[u] - keep[u]  # reshard after forward
-        # See [Note: loss]: forward holds the model's output beside what the loss creates.
         out_b = self.graph.root.output_bytes * opt.batch_scale
         loss_saved = self.graph.loss_saved_bytes * opt.batch_scale
-        run(self.compute.loss_s * opt.batch_scale, "loss", n - 1, out_b + self.graph.loss_peak_bytes * opt.batch_scale)
-        acts += loss_saved
-        note_mem(2 * out_b)  # the loss's backward: the gradient arriving and the one leaving, beside its saved
-        acts -= loss_saved
-        fwd_end = t
-
-        # ---- backward: See [Note: backward schedule] ---------------------------------------
-        border, bpos, nseg, seg_grads = lay.border, lay.bpos, lay.nseg, lay.seg_grads
-        bag_end = [0.0] * n
-        bissued = [False] * n
-        first_b = [False] * n
-        done_segments = [0] * n
-        held: tuple[float, float] | None = None  # (end, bytes) of the reduce-scatter input FSDP2 still holds
-
-        for u, fwd_s, bwd_s, saved, work, grad_numel, bwd_work, kept in reversed(lay.segments):
-            if not first_b[u]:
-                first_b[u] = True
-                if rag[u] > 0 and not bissued[u]:
-                    bag_end[u] = issue_ag(u, t, "re_gather", rag[u])
-                    bissued[u] = True
-                t = max(t, bag_end[u]) + (unit_oh if rag[u] > 0 else 0.0)
-                if rag[u] > 0:
-                    note_mem(P[u])  # copy-out transient; freed at once in backward
-                k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
-                if k < len(border) and rag[border[k]] > 0 and not bissued[border[k]]:
-                    bag_end[border[k]] = issue_ag(border[k], t, "re_gather", rag[border[k]])
-                    bissued[border[k]] = True
-            # Unsharded gradients appear as the unit's backward reaches their modules
-            # (the rest of the unit's, e.g. of modules that never ran, at its end).
-            if ck_unit[u]:  # recompute this block's forward, re-saving its activations
-                acts += saved - kept
-                run(fwd_s + (ck_oh if kept else 0.0), "recompute", u, work)
-            start = t  # run(bwd_s, "bwd", u, bwd_work): See [Note: progressive backward]
-            t += bwd_s
-            if c > start:
-                t += ((c if c < t else t) - start) * ovl_c1
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + bwd_work
-            if m > peak:
-                peak, peak_parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, bwd_work)
-            if record and t > start:
-                ev.append(TimelineEvent("compute", "bwd", units[u].name, start, t, int(m)))
-            grads_pending += grad_numel * reduce_elem
-            acts -= saved
-            done_segments[u] += 1
-            if done_segments[u] == nseg[u]:
-                grads_pending += G[u] - seg_grads[u] * reduce_elem
-                gathered -= keep[u] if not rag[u] > 0 else P[u]
-                # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
-                note_mem(G[u])
-                if held is not None:
-                    t = max(t, held[0])
-                    grads_pending -= held[1]
-                # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
-                dur = rs[u] + ar[u]
-                start = max(t, c)
-                d = dur * (ovl_m if t > start else 1.0)
-                c = start + d
-                comm_total += d
-                sharded_grads += lay.trainable_bytes[u] / shard
-                held = (c, G[u])
-                if record and d > 0:
-                    ev.append(TimelineEvent("comm", "reduce_scatter", units[u].name, start, c, 0))
-                t += unit_oh
-        if held is not None:  # the end of backward waits for the last one and frees it
-            grads_pending -= held[1]
-        bwd_end = t
-        end = max(t, c)
+        ck = [u.checkpoint for u in units]
+        jit = _step.compiled()
+        seg_cols, lay_cols = self._columns(lay, mods, jit is not None)
+        unit_cols = (P, G, ag, rs, ar, rag, keep, ck) if jit is None else (
+            *np.array((P, G, ag, rs, ar, rag, keep), dtype=np.float64), np.array(ck, dtype=np.bool_))
+        cap = 3 * n + 3 * len(lay.segments) + 2 if record else 0
+        ev_rows = np.zeros((cap, 6))
+        args = (seg_cols, unit_cols + lay_cols[2:], lay_cols[0], lay_cols[1], float(static), float(shard),
+                float(reduce_elem), ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, depth,
+                float(self.compute.loss_s * opt.batch_scale),
+                float(out_b + self.graph.loss_peak_bytes * opt.batch_scale), float(out_b), float(loss_saved),
+                record, ev_rows)
+        if jit is not None:
+            try:
+                res = jit(*args)
+            except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
+                _step.disable_jit(f"{type(e).__name__}: {e}")
+                return self.simulate(plan, record=record)
+        else:
+            res = _step.step_loop(*args)
+        fwd_end, bwd_end, end, comm_total, peak, peak_parts, n_ev = res
+        ev = [TimelineEvent(_step.LANES[int(r[0])], _step.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
+                            float(r[4]), int(r[5])) for r in ev_rows[:n_ev]]
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
         # fixed dispatch cost per parameter tensor (dominant for small models).
         # Both calibrated by the profiler's AdamW steps on fully_shard parameters, the

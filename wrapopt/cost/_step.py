@@ -1,0 +1,257 @@
+"""The step loop of ``simulate.py``: forward and backward over the segments, on two lanes.
+
+One function, two ways to run it. See [Note: compiled step loop].
+
+[Note: compiled step loop] The loop is written over plain sequences and
+floats so that numba (the optional ``wrapopt[fast]`` extra) can compile it
+unchanged; without numba, or with ``WRAPOPT_JIT=0``, the same source runs as
+Python on tuples. Both give the same floats: the arithmetic is the same
+operations in the same order (``tests/test_cost.py`` checks the two agree
+exactly). The semantics are the notes at the top of ``simulate.py``; this file
+holds no modelling decision of its own. Compiling costs ~2 s once per machine
+(cached on disk, ``cache=True``); a failure to compile falls back to Python
+with a warning.
+
+Events are recorded (``record``) as rows of ``ev``: lane, kind, unit, start,
+end, memory, with the codes below.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable
+
+COMPUTE, COMM = 0, 1
+LANES = ("compute", "comm")
+FWD, LOSS, RECOMPUTE, BWD, ALL_GATHER, REDUCE_SCATTER = range(6)
+KINDS = ("fwd", "loss", "recompute", "bwd", "all_gather", "reduce_scatter")
+
+try:  # See [Note: compiled step loop]
+    from numba.extending import register_jitable as _jitable
+except ImportError:  # pragma: no cover - depends on the environment
+    def _jitable(f: Callable) -> Callable:
+        return f
+
+
+@_jitable
+def _rec(ev: Any, ne: int, lane: int, kind: int, u: int, start: float, end: float, m: float) -> int:
+    ev[ne, 0] = lane
+    ev[ne, 1] = kind
+    ev[ne, 2] = u
+    ev[ne, 3] = start
+    ev[ne, 4] = end
+    ev[ne, 5] = m
+    return ne + 1
+
+
+@_jitable
+def _all_gather(u, at, dur, nbytes, c, t, ovl_m, static, sharded_grads, gathered, ag_buffer, acts,  # noqa: ANN001
+                grads_pending, peak, parts, record, ev, ne):
+    """Issue unit ``u``'s all-gather (``dur`` seconds, ``nbytes`` gathered) at ``at`` on
+    the comm lane, behind what is queued there (See [Note: overlap]). Returns (its
+    end, its duration, gathered bytes, peak, peak parts, events recorded)."""
+    start = at if at > c else c
+    d = dur * (ovl_m if t > start else 1.0)
+    gathered += nbytes
+    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending
+    if m > peak:
+        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, 0.0)
+    if record and d > 0:
+        ne = _rec(ev, ne, COMM, ALL_GATHER, u, start, start + d, m)
+    return start + d, d, gathered, peak, parts, ne
+
+
+@_jitable
+def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh,  # noqa: ANN001
+              runs_ahead, depth, loss_dur, loss_work, out_b, loss_saved, record, ev):
+    """One step's forward and backward. Returns (forward end, backward end, last
+    collective end, comm total, peak, peak parts, events recorded)."""
+    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep = segs
+    P, G, ag, rs, ar, rag, keep, ck, last_fwd, pos, bpos, nseg, seg_grads, tbytes = units
+    n = len(P)
+    nsg = len(seg_u)
+    norder = len(order)
+    ovl_c1 = ovl_c - 1.0
+    sharded_grads = 0.0
+    gathered = 0.0
+    acts = 0.0
+    grads_pending = 0.0
+    peak = 0.0
+    parts = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    ne = 0
+    t = 0.0  # compute lane
+    c = 0.0  # comm lane
+    comm_total = 0.0
+
+    # ---- forward: See [Note: segments], [Note: all-gather issue] --------------------
+    ag_buffer = P[order[norder - 1]] * 1.0 if runs_ahead else 0.0  # the previous step's last
+    ag_end = [0.0] * n
+    issued = [False] * n
+    seen = [False] * n
+    u = order[0]
+    c, d, gathered, peak, parts, ne = _all_gather(u, 0.0, ag[u], P[u], c, t, ovl_m, static,
+        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+    comm_total += d
+    ag_end[u] = c
+    issued[u] = True
+    for si in range(nsg):
+        u = seg_u[si]
+        if not seen[u]:
+            seen[u] = True
+            if not issued[u]:  # issued when compute reaches the unit
+                c, d, gathered, peak, parts, ne = _all_gather(u, t, ag[u], P[u], c, t, ovl_m, static,
+                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                comm_total += d
+                ag_end[u] = c
+                issued[u] = True
+            t = max(t, ag_end[u]) + unit_oh
+            # copy-out: the all-gather output beside the unsharded parameters
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
+            if m > peak:
+                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * 1.0)
+            if runs_ahead:
+                ag_buffer = P[u] * 1.0  # See [Note: all-gather buffer]
+            if depth:  # prefetch `depth` units ahead, issued at this unit's pre-forward
+                k = pos[u] + depth
+                if k < norder and not issued[order[k]]:
+                    x = order[k]
+                    c, d, gathered, peak, parts, ne = _all_gather(x, t, ag[x], P[x], c, t, ovl_m, static,
+                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                    comm_total += d
+                    ag_end[x] = c
+                    issued[x] = True
+        start = t
+        t += seg_f[si]
+        if c > start:  # comm overlapping this compute: See [Note: overlap]
+            t += ((c if c < t else t) - start) * ovl_c1
+        m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + seg_work[si]
+        if m > peak:
+            peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, seg_work[si] * 1.0)
+        if record and t > start:
+            ne = _rec(ev, ne, COMPUTE, FWD, u, start, t, m)
+        # Checkpointing wraps each of the unit's blocks: each keeps only its boundary tensor.
+        acts += seg_keep[si] if ck[u] else seg_saved[si]
+        if si == last_fwd[u]:
+            gathered -= P[u] - keep[u]  # reshard after forward
+    # See [Note: loss]: forward holds the model's output beside what the loss creates.
+    start = t
+    t += loss_dur
+    if c > start:
+        t += ((c if c < t else t) - start) * ovl_c1
+    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + loss_work
+    if m > peak:
+        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, loss_work)
+    if record and t > start:
+        ne = _rec(ev, ne, COMPUTE, LOSS, n - 1, start, t, m)
+    acts += loss_saved
+    # the loss's backward: the gradient arriving and the one leaving, beside its saved
+    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + 2 * out_b
+    if m > peak:
+        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, 2 * out_b)
+    acts -= loss_saved
+    fwd_end = t
+
+    # ---- backward: See [Note: backward schedule] --------------------------------------
+    bag_end = [0.0] * n
+    bissued = [False] * n
+    first = [False] * n
+    done = [0] * n
+    nborder = len(border)
+    held, held_end, held_bytes = False, 0.0, 0.0  # the reduce-scatter input FSDP2 still holds
+    for si in range(nsg - 1, -1, -1):
+        u = seg_u[si]
+        if not first[u]:
+            first[u] = True
+            if rag[u] > 0 and not bissued[u]:
+                c, d, gathered, peak, parts, ne = _all_gather(u, t, rag[u], P[u] - keep[u], c, t, ovl_m, static,
+                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                comm_total += d
+                bag_end[u] = c
+                bissued[u] = True
+            t = max(t, bag_end[u]) + (unit_oh if rag[u] > 0 else 0.0)
+            if rag[u] > 0:  # copy-out transient; freed at once in backward
+                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
+                if m > peak:
+                    peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * 1.0)
+            k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
+            if k < nborder:
+                x = border[k]
+                if rag[x] > 0 and not bissued[x]:
+                    c, d, gathered, peak, parts, ne = _all_gather(x, t, rag[x], P[x] - keep[x], c, t, ovl_m, static,
+                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                    comm_total += d
+                    bag_end[x] = c
+                    bissued[x] = True
+        if ck[u]:  # recompute this block's forward, re-saving its activations
+            acts += seg_saved[si] - seg_keep[si]
+            start = t
+            t += seg_f[si] + (ck_oh if seg_keep[si] else 0.0)
+            if c > start:
+                t += ((c if c < t else t) - start) * ovl_c1
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + seg_work[si]
+            if m > peak:
+                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, seg_work[si] * 1.0)
+            if record and t > start:
+                ne = _rec(ev, ne, COMPUTE, RECOMPUTE, u, start, t, m)
+        start = t  # See [Note: progressive backward]
+        t += seg_b[si]
+        if c > start:
+            t += ((c if c < t else t) - start) * ovl_c1
+        m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + seg_bw[si]
+        if m > peak:
+            peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, seg_bw[si] * 1.0)
+        if record and t > start:
+            ne = _rec(ev, ne, COMPUTE, BWD, u, start, t, m)
+        grads_pending += seg_gn[si] * reduce_elem
+        acts -= seg_saved[si]
+        done[u] += 1
+        if done[u] == nseg[u]:
+            grads_pending += G[u] - seg_grads[u] * reduce_elem
+            gathered -= keep[u] if not rag[u] > 0 else P[u]
+            # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u]
+            if m > peak:
+                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, G[u] * 1.0)
+            if held:
+                t = max(t, held_end)
+                grads_pending -= held_bytes
+            # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
+            start = t if t > c else c
+            d = (rs[u] + ar[u]) * (ovl_m if t > start else 1.0)
+            c = start + d
+            comm_total += d
+            sharded_grads += tbytes[u] / shard
+            held, held_end, held_bytes = True, c, G[u] * 1.0
+            if record and d > 0:
+                ne = _rec(ev, ne, COMM, REDUCE_SCATTER, u, start, c, 0.0)
+            t += unit_oh
+    bwd_end = t
+    return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne
+
+
+_JIT: list[Any] = []  # [the compiled loop, or None], filled on first use
+
+
+def compiled() -> Callable | None:
+    """The compiled step loop, or None to run ``step_loop`` as Python.
+
+    numba is imported on first use, not with wrapopt (it takes ~1 s)."""
+    if not _JIT:
+        fn = None
+        if os.environ.get("WRAPOPT_JIT", "1") != "0":
+            try:
+                import numba
+            except ImportError:
+                pass
+            else:
+                fn = numba.njit(cache=True)(step_loop)
+        _JIT.append(fn)
+    return _JIT[0]
+
+
+def disable_jit(reason: str) -> None:
+    """Fall back to Python for the rest of the process, saying why once."""
+    if compiled() is not None:
+        warnings.warn(f"wrapopt: the compiled step loop failed ({reason}); using the Python one", stacklevel=3)
+    _JIT[:] = [None]
