@@ -166,7 +166,8 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
              "cores, backend and torch. A cell: the predicted fastest plan's measured step over the measured fastest's, as the median "
              "of per-round ratios in the confirmation round [90% bootstrap interval] (1.000: wrapopt predicted the "
              "fastest); then, for runs that had it, the A/A noise floor: the predicted fastest against a second copy of "
-             "itself in the same round; then Spearman (predicted vs measured step, screening round).", "",
+             "itself in the same round; then Spearman (predicted vs measured step, screening round); then, for runs "
+             "that recorded it, the CPU steal over the case (time the hypervisor gave to other guests).", "",
              "| case | " + " | ".join(f"{r['date'][:16].replace('T', ' ')} ({r.get('host', '?')}, {r.get('cores', '?')} cores, "
                                    f"{r.get('backend', '?')}, torch {r.get('torch', '?')})" for r in runs) + " |",
              "|---" * (len(runs) + 1) + "|"]
@@ -180,10 +181,11 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
             cell = fmt_ratio((s["paired_ratio"], *s["paired_ratio_ci90"]), ci_digits=2)
             if s.get("aa_ratio") is not None:
                 cell += "; A/A " + fmt_ratio((s["aa_ratio"], *s["aa_ratio_ci90"]), ci_digits=2)
-            cells.append(cell + f"; ρ {s['spearman']:.2f}")
+            cell += f"; ρ {s['spearman']:.2f}"
+            cells.append(cell + (f"; steal {fmt_steal(s['steal'])}" if s.get("steal") is not None else ""))
         lines.append(f"| {model} ×{ws} | " + " | ".join(cells) + " |")
     lines += ["", "| run | cases | predicted fastest within 5% (paired median) | lowest Spearman | worst peak error "
-              "| widest A/A interval | median spread |", "|---|---|---|---|---|---|---|"]
+              "| widest A/A interval | median spread | highest CPU steal |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         ss = r["summaries"]
         aa = [x for x in ss if x.get("aa_ratio") is not None]
@@ -192,7 +194,8 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
                      f"| {min(x['spearman'] for x in ss):.2f} | {max(x['worst_mem_error'] for x in ss):.1%} | "
                      + (f"[{widest['aa_ratio_ci90'][0]:.2f}, {widest['aa_ratio_ci90'][1]:.2f}] ({widest['model']} "
                         f"×{widest['world_size']})" if widest else "not measured")
-                     + f" | {sorted(x['median_spread'] for x in ss)[len(ss) // 2]:.0%} |")
+                     + f" | {sorted(x['median_spread'] for x in ss)[len(ss) // 2]:.0%} | "
+                     + fmt_steal(max((x["steal"] for x in ss if x.get("steal") is not None), default=None)) + " |")
     text = "\n".join(lines) + "\n"
     atomic_write_json(path, runs)
     atomic_write_text(os.path.join(out_dir, "fidelity_history.md"), text)
