@@ -184,7 +184,8 @@ def main() -> int:
         f"({time.perf_counter() - t0:.0f} s). zoo:llama-7b (32 blocks) on 64 ranks, analytical fabric; best of 5 rounds "
         "(the machine is shared).",
         "",
-        f"Step loop: {loop}. Compiling it once costs {compile_s:.1f} s (then cached on disk). CPU steal while "
+        f"Step loop: {loop}. Compiling it, or loading it from numba's disk cache, took {compile_s:.1f} s, once per "
+        f"process (a cold cache compiles: ~4 s here). CPU steal while "
         f"the rates were measured: {fmt_steal(steal)} (the share of CPU time the hypervisor gave to other guests).",
         "",
         "| plans | units per plan | compute segments per plan | plan evaluations per second | with the Python step loop |",
