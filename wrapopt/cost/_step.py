@@ -8,9 +8,10 @@ unchanged; without numba, or with ``WRAPOPT_JIT=0``, the same source runs as
 Python on tuples. Both give the same floats: the arithmetic is the same
 operations in the same order (``tests/test_cost.py`` checks the two agree
 exactly). The semantics are the notes at the top of ``simulate.py``; this file
-holds no modelling decision of its own. Compiling costs ~2 s once per machine
-(cached on disk, ``cache=True``); a failure to compile falls back to Python
-with a warning.
+holds no modelling decision of its own. numba is imported when the first
+plan is scored, not with wrapopt; compiling costs ~4 s once per machine
+(cached on disk, ``cache=True``; loading it ~0.3 s per process), and a
+failure to compile falls back to Python with a warning.
 
 Events are recorded (``record``) as rows of ``ev``: lane, kind, unit, start,
 end, memory, with the codes below.
@@ -27,14 +28,6 @@ LANES = ("compute", "comm")
 FWD, LOSS, RECOMPUTE, BWD, ALL_GATHER, REDUCE_SCATTER = range(6)
 KINDS = ("fwd", "loss", "recompute", "bwd", "all_gather", "reduce_scatter")
 
-try:  # See [Note: compiled step loop]
-    from numba.extending import register_jitable as _jitable
-except ImportError:  # pragma: no cover - depends on the environment
-    def _jitable(f: Callable) -> Callable:
-        return f
-
-
-@_jitable
 def _rec(ev: Any, ne: int, lane: int, kind: int, u: int, start: float, end: float, m: float) -> int:
     ev[ne, 0] = lane
     ev[ne, 1] = kind
@@ -45,7 +38,6 @@ def _rec(ev: Any, ne: int, lane: int, kind: int, u: int, start: float, end: floa
     return ne + 1
 
 
-@_jitable
 def _all_gather(u, at, dur, nbytes, c, t, ovl_m, static, sharded_grads, gathered, ag_buffer, acts,  # noqa: ANN001
                 grads_pending, peak, parts, record, ev, ne):
     """Issue unit ``u``'s all-gather (``dur`` seconds, ``nbytes`` gathered) at ``at`` on
@@ -62,7 +54,6 @@ def _all_gather(u, at, dur, nbytes, c, t, ovl_m, static, sharded_grads, gathered
     return start + d, d, gathered, peak, parts, ne
 
 
-@_jitable
 def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh,  # noqa: ANN001
               runs_ahead, depth, loss_dur, loss_work, out_b, loss_saved, record, ev):
     """One step's forward and backward. Returns (forward end, backward end, last
@@ -231,6 +222,7 @@ def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl
 
 
 _JIT: list[Any] = []  # [the compiled loop, or None], filled on first use
+_HELPERS_REGISTERED: list[bool] = []
 
 
 def compiled() -> Callable | None:
@@ -242,9 +234,14 @@ def compiled() -> Callable | None:
         if os.environ.get("WRAPOPT_JIT", "1") != "0":
             try:
                 import numba
+                from numba.extending import register_jitable
             except ImportError:
                 pass
             else:
+                if not _HELPERS_REGISTERED:  # step_loop calls them: numba compiles them with it
+                    for helper in (_rec, _all_gather):
+                        register_jitable(helper)
+                    _HELPERS_REGISTERED.append(True)
                 fn = numba.njit(cache=True)(step_loop)
         _JIT.append(fn)
     return _JIT[0]
