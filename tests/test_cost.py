@@ -238,3 +238,14 @@ def test_compiled_and_python_step_loops_agree_exactly(monkeypatch):
         again = Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
     assert again == Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
     assert _step.compiled() is None  # the rest of the process runs Python
+
+
+def test_import_does_not_load_numba():
+    """See [Note: compiled step loop]: numba (~1 s to import) loads when the first plan
+    is scored, so CLI commands and spawned ranks that never score one do not pay it."""
+    import subprocess
+    import sys
+
+    code = "import sys, wrapopt, wrapopt.cost.simulate, wrapopt.cli; print('numba' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
