@@ -144,11 +144,9 @@ class Layouts:
                 runs[-1][2].append(e)
             else:
                 runs.append([e.piece, ancestors(e.piece), [e]])
-        self._runs = tuple(
-            (pc, anc, tuple(es), (sum(e.fwd_s for e in es), sum(e.bwd_s for e in es), sum(e.saved for e in es),
-                                  max(e.out for e in es), sum(e.grad_numel for e in es), self._backward_working_set(es)))
-            for pc, anc, es in runs
-        )
+        self._sums: dict[tuple[int, int, int], tuple[Any, ...]] = {}  # (run, start, end) -> a segment's sums
+        self._runs = tuple((pc, anc, tuple(es)) for pc, anc, es in runs)
+        self._runs = tuple((*run, self._seg_sums(r, 0, len(run[2]))) for r, run in enumerate(self._runs))
         piece_params: dict[str, list[int]] = {}
         for *_a, ne, nb, tn, tb, pc in self._param_modules:
             acc = piece_params.setdefault(pc, [0, 0, 0, 0])
@@ -176,7 +174,6 @@ class Layouts:
             for pc, _anc, es, _s in self._runs)
         self._shapes = tuple(shape_ids)
         self._splits: dict[Any, Any] = {}  # (shape, groups) -> segments as entry ranges, parameter owners
-        self._sums: dict[tuple[int, int, int], tuple[Any, ...]] = {}  # (run, start, end) -> a segment's sums
         self._psums: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], ...]] = {}
         sigs: dict[Any, int] = {}  # pieces with the same parameter modules (relative names, sizes) share sums
         self._param_sig = {pc: sigs.setdefault(tuple((inside(pc, anc), *v) for anc, *v in ps), len(sigs))

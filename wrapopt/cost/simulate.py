@@ -299,7 +299,7 @@ class Simulator:
             comm_s=comm_total,
             exposed_comm_s=exposed,
             peak_bytes=int(peak),
-            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, (sharded_params, (peak_parts or (0.0,))[0], optim, accum) + (peak_parts or (0.0,) * 6)[1:])),
+            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, (sharded_params, peak_parts[0], optim, accum) + peak_parts[1:])),
             units=ucosts,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
