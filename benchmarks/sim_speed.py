@@ -13,10 +13,13 @@ fabric and compute, in this process (one thread):
 2. ``search_plan`` with 200 Optuna trials, as ``wrapopt search`` runs it: wall
    time and the time spent inside ``Simulator.simulate``.
 
-Each case runs with the compiled step loop and with the Python one, alternately
-(See [Note: compiled step loop]). Run: ``python benchmarks/sim_speed.py``
-(about a minute). Compiling (or loading the compiled loop from numba's disk
-cache) happens once, before the timed rounds, and is reported on its own.
+Each case runs compiled (numba: the step loop, the layout kernel and the
+collective-time lookup) and as Python, alternately (See [Note: compiled step
+loop], [Note: layout kernel]); best and median of 7 rounds. Run:
+``python benchmarks/sim_speed.py`` (about a minute). Loading the compiled code
+from numba's disk cache happens once, before the timed rounds, and is reported
+on its own, as is compiling it from a cold cache (in a subprocess with an
+empty ``NUMBA_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import datetime
 import os
 import platform
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -64,19 +70,20 @@ def _new_sim(graph):
     return Simulator(graph, analytical_fabric(world_size=MESH["world_size"]), ComputeProfile.analytical())
 
 
-_COMPILED: list = []  # the compiled loop, made once
+_COMPILED: list = []  # the compiled step loop and layout kernel, made once
 
 
 def use_loop(loop: str) -> None:
-    """Run the simulator's step loop compiled (numba) or as Python: See [Note: compiled step loop]."""
+    """Run the simulator's step loop and layout build compiled (numba) or as Python: See
+    [Note: compiled step loop] and [Note: layout kernel]."""
     if not _COMPILED:
-        _COMPILED.append(_step.compiled())
+        _COMPILED.append(_step.kernels())
     _step._JIT[:] = [None] if loop == "python" else _COMPILED
 
 
-def simulator_speed(graph=None, rounds: int = 5) -> list[dict]:
-    """Plan evaluations per second, best of ``rounds`` rounds, per kind of plan, with the
-    compiled step loop and with the Python one (when numba is installed)."""
+def simulator_speed(graph=None, rounds: int = 7) -> list[dict]:
+    """Plan evaluations per second, best and median of ``rounds`` rounds, per kind of
+    plan, compiled and as Python (when numba is installed)."""
     from wrapopt.search import baselines
     from wrapopt.search.space import SearchSpace
     from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
@@ -89,20 +96,22 @@ def simulator_speed(graph=None, rounds: int = 5) -> list[dict]:
     compiled = _step.compiled() is not None
 
     def best_of(make_plans, label: str) -> None:
-        best, units, segs = {"compiled": float("inf"), "python": float("inf")}, 0.0, 0.0
+        rates: dict[str, list[float]] = {"compiled": [], "python": []}
+        units = segs = 0.0
         for k in range(rounds):
-            for loop in best if compiled else ("python",):  # interleaved: the machine is shared
+            for loop in rates if compiled else ("python",):  # interleaved: the machine is shared
                 use_loop(loop)
                 plans, sim = make_plans(k), _new_sim(graph)  # a fresh simulator: layouts are built, not cached
                 t0 = time.perf_counter()
                 for p in plans:
                     sim.simulate(p)
-                best[loop] = min(best[loop], (time.perf_counter() - t0) / len(plans))
+                rates[loop].append(len(plans) / (time.perf_counter() - t0))
                 units = sum(len(p.units) for p in plans) / len(plans)
-                segs = sum(len(sim.layout(p.units).segments) for p in plans) / len(plans)
+                segs = sum(sim.layout(p.units).num_segments for p in plans) / len(plans)
         use_loop("compiled")
-        rows.append({"case": label, "per_s": 1 / best["compiled" if compiled else "python"],
-                     "python_per_s": 1 / best["python"], "units": units, "segments": segs})
+        main = rates["compiled" if compiled else "python"]
+        rows.append({"case": label, "per_s": max(main), "median_per_s": statistics.median(main),
+                     "python_per_s": max(rates["python"]), "rounds": rates, "units": units, "segments": segs})
 
     for label in ("per-block", "size-1e8"):
         plan = base[label]
@@ -156,21 +165,35 @@ def search_share(graph=None, trials: int = 200) -> dict:
     return {"trials": trials, "wall_s": wall, "simulate_s": spent[0], "simulate_calls": spent[1]}
 
 
+def cold_compile_s() -> float:
+    """Seconds to compile the simulator from an empty numba cache, in a subprocess."""
+    code = ("import time, sys; sys.path.insert(0, '.'); from benchmarks import sim_speed as s; g = s._setup(); "
+            "from wrapopt.search import baselines; from wrapopt.types import MeshSpec; "
+            "p = baselines(g, MeshSpec(**s.MESH))['per-block']; t = time.perf_counter(); s._new_sim(g).simulate(p); "
+            "print(time.perf_counter() - t)")
+    with tempfile.TemporaryDirectory() as cache:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True,
+                             cwd=os.path.join(os.path.dirname(__file__), ".."), env={**os.environ, "NUMBA_CACHE_DIR": cache})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     t0 = time.perf_counter()
     graph = _setup()
     from wrapopt.search import baselines
     from wrapopt.types import MeshSpec
 
-    t1 = time.perf_counter()  # the first simulate compiles the loop (or loads it from numba's cache)
+    t1 = time.perf_counter()  # the first simulate compiles (or loads from numba's cache)
     _new_sim(graph).simulate(baselines(graph, MeshSpec(**MESH))["per-block"])
+    compile_s = time.perf_counter() - t1
+    cold_s = None
     if _step.compiled() is not None:
         import numba
 
         loop = f"compiled with numba {numba.__version__}"
+        cold_s = cold_compile_s()
     else:
         loop = "Python (numba is not installed: `pip install wrapopt[fast]`)"
-    compile_s = time.perf_counter() - t1
     cpu0 = _cpu_times()
     rows = simulator_speed(graph)
     steal = _steal(cpu0, _cpu_times())
@@ -181,18 +204,21 @@ def main() -> int:
         "",
         f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}), one thread; Python "
         f"{platform.python_version()}, torch {torch.__version__}; {date}. Regenerate: `python benchmarks/sim_speed.py` "
-        f"({time.perf_counter() - t0:.0f} s). zoo:llama-7b (32 blocks) on 64 ranks, analytical fabric; best of 5 rounds "
-        "(the machine is shared).",
+        f"({time.perf_counter() - t0:.0f} s). zoo:llama-7b (32 blocks) on 64 ranks, analytical fabric; best and "
+        "median of 7 rounds (the machine is shared, and its speed drifts by up to 2x from minute to minute).",
         "",
-        f"Step loop: {loop}. Compiling it, or loading it from numba's disk cache, took {compile_s:.1f} s, once per "
-        f"process (a cold cache compiles: ~4 s here). CPU steal while "
-        f"the rates were measured: {fmt_steal(steal)} (the share of CPU time the hypervisor gave to other guests).",
+        f"Simulator: {loop} (step loop, layout kernel, collective-time lookup). Loading it from numba's disk cache "
+        f"took {compile_s:.1f} s, once per process"
+        + (f"; compiling it from a cold cache took {cold_s:.1f} s (once per machine)" if cold_s else "")
+        + f". CPU steal while the rates were measured: {fmt_steal(steal)} (the share of CPU time the hypervisor "
+        "gave to other guests).",
         "",
-        "| plans | units per plan | compute segments per plan | plan evaluations per second | with the Python step loop |",
-        "|---|---|---|---|---|",
+        "| plans | units per plan | compute segments per plan | plan evaluations per second: best | median "
+        "| as Python (no numba): best |",
+        "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['case']} | {r['units']:.0f} | {r['segments']:.0f} | {r['per_s']:,.0f} | {r['python_per_s']:,.0f} |"
-              for r in rows]
+    lines += [f"| {r['case']} | {r['units']:.0f} | {r['segments']:.0f} | {r['per_s']:,.0f} | {r['median_per_s']:,.0f} "
+              f"| {r['python_per_s']:,.0f} |" for r in rows]
     lines += [
         "",
         f"`search_plan` with {share['trials']} Optuna trials (the DP, baselines and seeds included): {share['wall_s']:.1f} s, "
@@ -202,8 +228,8 @@ def main() -> int:
     ]
     os.makedirs("results", exist_ok=True)
     atomic_write_text("results/sim_speed.md", "\n".join(lines))
-    atomic_write_json("results/sim_speed.json", {"date": date, "step_loop": loop, "compile_s": compile_s, "steal": steal, "speed": rows,
-                                                  "search": share})
+    atomic_write_json("results/sim_speed.json", {"date": date, "step_loop": loop, "compile_s": compile_s,
+                                                  "cold_compile_s": cold_s, "steal": steal, "speed": rows, "search": share})
     print("\n".join(lines))
     return 0
 

@@ -202,10 +202,11 @@ def test_caches_never_change_a_result():
         assert shared.simulate(p, record=True) == Simulator(g, fab, comp, opts).simulate(p, record=True), p.label
 
 
-def test_compiled_and_python_step_loops_agree_exactly(monkeypatch):
-    """See [Note: compiled step loop]: numba's loop and the Python one give the same
-    estimate, timeline included, on FSDP, HSDP and no-shard plans, GPU and CPU
-    schedules; a loop that fails to compile falls back to Python with a warning."""
+def test_compiled_and_python_paths_agree_exactly(monkeypatch):
+    """See [Note: compiled step loop]: numba's code (step loop, layout kernel, table
+    lookup) and the Python path give the same estimate, timeline included, on FSDP,
+    HSDP and no-shard plans, GPU and CPU schedules; compiled code that fails falls
+    back to Python with a warning."""
     pytest.importorskip("numba")
     from wrapopt.cost import _step
     from wrapopt.search.space import SearchSpace
@@ -233,11 +234,67 @@ def test_compiled_and_python_step_loops_agree_exactly(monkeypatch):
     def broken(*_a):
         raise TypeError("no matching definition")
 
-    monkeypatch.setattr(_step, "_JIT", [broken])
-    with pytest.warns(UserWarning, match="compiled step loop failed"):
-        again = Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
-    assert again == Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
-    assert _step.compiled() is None  # the rest of the process runs Python
+    real = _step.kernels()
+    for i in range(len(real)):  # the step loop, the layout kernel, the table lookup
+        monkeypatch.setattr(_step, "_JIT", [real[:i] + (broken,) + real[i + 1:]])
+        with pytest.warns(UserWarning, match="compiled code failed"):
+            again = Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
+        assert _step.compiled() is None  # the rest of the process runs Python
+        assert again == Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
+
+
+def _layout_values(lay):
+    """A layout as plain values, whichever builder made it (numpy arrays or tuples)."""
+    py = lambda c: tuple(c.tolist()) if hasattr(c, "tolist") else tuple(c)  # noqa: E731
+    return (lay.counts.tolist(), lay.times.tolist(), tuple(map(py, lay.loop[0])), tuple(map(py, lay.loop[1])))
+
+
+def test_layout_kernel_matches_the_fragment_path(monkeypatch):
+    """See [Note: layout kernel]: ``layout_kernel`` (run here as Python, as numba compiles
+    it) builds exactly the layout of the fragment path, on zoo models cut into
+    sub-block units and on fixture models with a layer called three times, frozen
+    weights, routed experts and modules that never run; random units, nested in one
+    another too."""
+    import torch
+
+    from tests.fixtures_models import DIM, AlbertLike, LoRAModel, MoEModel, WithUnused, moe_inputs
+    from wrapopt.cost import _step
+    from wrapopt.cost.layout import Layouts, layout_kernel
+    from wrapopt.search.space import SearchSpace
+
+    monkeypatch.setattr(_step, "_JIT", [None])  # Layouts.build takes the fragment path
+    graphs = [trace_model(*zoo.build(name, "meta")) for name in ("t5-tiny", "gpt-tiny")]
+    graphs += [trace_model(AlbertLike(num_repeats=3), torch.randn(4, DIM)), trace_model(LoRAModel(), torch.randn(4, DIM)),
+               trace_model(MoEModel(dense=True), moe_inputs()), trace_model(WithUnused(), torch.randn(4, DIM))]
+    rng = random.Random(0)
+    checked = 0
+    for g in graphs:
+        mesh = MeshSpec(world_size=16, ranks_per_node=4, shard_size=16)
+        plans = [p.units for p in baselines(g, mesh).values()]
+        if g.blocks:
+            src = _Random(2)
+            plans += [SearchSpace(g, mesh).decode(src).units for _ in range(15)]
+        names = [m.fqn for m in g.modules if m.fqn]
+        for _ in range(15):  # any modules, one or several to a unit (not nested within one unit, as legal plans)
+            units: list[list[str]] = []
+            for m in rng.sample(names, rng.randint(1, len(names))):
+                u = units[-1] if units and len(units[-1]) < rng.randint(1, 3) else None
+                if u is None or any(m.startswith(o + ".") or o.startswith(m + ".") for o in u):
+                    units.append([m])
+                else:
+                    u.append(m)
+            plans.append(tuple(UnitSpec(tuple(u)) for u in units) + (UnitSpec(("",), False),))
+        for opts in (SimOptions(), SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, batch_scale=1.5)):
+            layouts = Layouts(g, ComputeProfile.analytical(), opts)
+            for units in plans:
+                fragments = layouts.build(units)
+                kernel = layouts._build_compiled(layout_kernel, units)
+                assert _layout_values(kernel) == _layout_values(fragments), units
+                assert kernel.segments == fragments.segments
+                checked += 1
+    assert checked > 300
+    unknown = (UnitSpec(("no.such.module",)), UnitSpec(("",), False))
+    assert layouts._build_compiled(layout_kernel, unknown) is None  # build() takes the fragment path
 
 
 def test_import_does_not_load_numba():

@@ -7,6 +7,7 @@ Stages import this module (and ``fabric``, ``errors``), never each other; see
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ __all__ = [
     "OptimizerKind",
     "SimOptions",
     "UnitCost",
+    "UnitCosts",
     "TimelineEvent",
     "CostEstimate",
     "ROOT",
@@ -267,7 +269,7 @@ class SimOptions:
             raise ValueError(f"batch_scale must be positive, got {self.batch_scale}")
 
 
-class UnitCost(NamedTuple):  # a NamedTuple: the simulator makes one per unit per plan
+class UnitCost(NamedTuple):  # a NamedTuple: cheap to make one per unit
     name: str
     param_bytes: int  # unsharded, as gathered
     fwd_s: float
@@ -275,6 +277,46 @@ class UnitCost(NamedTuple):  # a NamedTuple: the simulator makes one per unit pe
     all_gather_s: float
     reduce_scatter_s: float
     saved_bytes: int
+
+
+class UnitCosts(Sequence[UnitCost]):
+    """A plan's ``UnitCost`` per unit, made from the simulator's columns on first
+    access: a search scores thousands of plans and reads few of these. Compares
+    equal to any sequence of the same ``UnitCost`` items."""
+
+    __slots__ = ("_src", "_items")
+
+    def __init__(self, units: tuple[UnitSpec, ...], param_bytes: Sequence[float], *columns: Sequence[Any]):
+        # Names come from the units, parameter bytes are made ints, the rest are the fields in order.
+        self._src: Any = (units, param_bytes, columns)
+        self._items: tuple[UnitCost, ...] | None = None
+
+    def _all(self) -> tuple[UnitCost, ...]:
+        if self._items is None:
+            units, param_bytes, columns = self._src
+            py = [c.tolist() if hasattr(c, "tolist") else c for c in (param_bytes, *columns)]  # numpy -> Python
+            self._items = tuple(map(UnitCost._make, zip((u.name for u in units), map(int, py[0]), *py[1:])))
+        return self._items
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._src[0])
+
+    def __iter__(self) -> Iterator[UnitCost]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (UnitCosts, tuple, list)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 class TimelineEvent(NamedTuple):
@@ -298,7 +340,7 @@ class CostEstimate:
     exposed_comm_s: float
     peak_bytes: int
     peak_breakdown: tuple[tuple[str, int], ...]  # category -> bytes at the peak
-    units: tuple[UnitCost, ...]
+    units: Sequence[UnitCost]  # a tuple, or ``UnitCosts`` from the simulator
     timeline: tuple[TimelineEvent, ...] = field(repr=False, default=())
     notes: tuple[str, ...] = ()  # extrapolations and other caveats
     optim_s: float = 0.0  # the optimizer step, at the end of step_s

@@ -1,6 +1,8 @@
 """The step loop of ``simulate.py``: forward and backward over the segments, on two lanes.
 
-One function, two ways to run it. See [Note: compiled step loop].
+One function, two ways to run it. See [Note: compiled step loop]. This file
+also compiles ``layout.py``'s ``layout_kernel`` and the simulator's table
+``lookup`` (``kernels()``).
 
 [Note: compiled step loop] The loop is written over plain sequences and
 floats so that numba (the optional ``wrapopt[fast]`` extra) can compile it
@@ -9,9 +11,9 @@ Python on tuples. Both give the same floats: the arithmetic is the same
 operations in the same order (``tests/test_cost.py`` checks the two agree
 exactly). The semantics are the notes at the top of ``simulate.py``; this file
 holds no modelling decision of its own. numba is imported when the first
-plan is scored, not with wrapopt; compiling costs ~4 s once per machine
-(cached on disk, ``cache=True``; loading it ~0.3 s per process), and a
-failure to compile falls back to Python with a warning.
+plan is scored, not with wrapopt; compiling costs ~6 s once per machine
+(cached on disk, ``cache=True``; loading it ~0.5 s per process), and
+compiled code that fails falls back to Python with a warning.
 
 Events are recorded (``record``) as rows of ``ev``: lane, kind, unit, start,
 end, memory, with the codes below.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import os
 import warnings
 from typing import Any, Callable
+
+import numpy as np
 
 COMPUTE, COMM = 0, 1
 LANES = ("compute", "comm")
@@ -221,16 +225,32 @@ def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl
     return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne
 
 
-_JIT: list[Any] = []  # [the compiled loop, or None], filled on first use
+def lookup(keys, values, x):  # noqa: ANN001
+    """``values`` at the place of each of ``x`` in the sorted ``keys`` (NaN where ``x``
+    is not a key), and how many were not: the simulator's tables by size."""
+    at = np.searchsorted(keys, x)
+    out = np.empty(x.shape[0], np.float64)
+    missing = 0
+    for i in range(x.shape[0]):
+        if at[i] < keys.shape[0] and keys[at[i]] == x[i]:
+            out[i] = values[at[i]]
+        else:
+            out[i] = np.nan
+            missing += 1
+    return out, missing
+
+
+_JIT: list[Any] = []  # [(the compiled step loop, layout kernel, lookup)], or [None]: filled on first use
 _HELPERS_REGISTERED: list[bool] = []
 
 
-def compiled() -> Callable | None:
-    """The compiled step loop, or None to run ``step_loop`` as Python.
+def kernels() -> tuple[Callable, ...] | None:
+    """The compiled step loop, layout kernel (See [Note: layout kernel] in
+    ``layout.py``) and ``lookup``, or None to run Python.
 
     numba is imported on first use, not with wrapopt (it takes ~1 s)."""
     if not _JIT:
-        fn = None
+        fns = None
         if os.environ.get("WRAPOPT_JIT", "1") != "0":
             try:
                 import numba
@@ -238,17 +258,25 @@ def compiled() -> Callable | None:
             except ImportError:
                 pass
             else:
+                from wrapopt.cost.layout import layout_kernel
+
                 if not _HELPERS_REGISTERED:  # step_loop calls them: numba compiles them with it
                     for helper in (_rec, _all_gather):
                         register_jitable(helper)
                     _HELPERS_REGISTERED.append(True)
-                fn = numba.njit(cache=True)(step_loop)
-        _JIT.append(fn)
+                fns = tuple(numba.njit(cache=True)(fn) for fn in (step_loop, layout_kernel, lookup))
+        _JIT.append(fns)
     return _JIT[0]
+
+
+def compiled() -> Callable | None:
+    """The compiled step loop, or None to run ``step_loop`` as Python."""
+    fns = kernels()
+    return None if fns is None else fns[0]
 
 
 def disable_jit(reason: str) -> None:
     """Fall back to Python for the rest of the process, saying why once."""
-    if compiled() is not None:
-        warnings.warn(f"wrapopt: the compiled step loop failed ({reason}); using the Python one", stacklevel=3)
+    if kernels() is not None:
+        warnings.warn(f"wrapopt: compiled code failed ({reason}); using the Python one", stacklevel=3)
     _JIT[:] = [None]

@@ -21,6 +21,15 @@ by every plan that cuts the piece the same way. The search's sub-block plans
 cut 32 blocks in a handful of ways each, so a new plan's layout is mostly
 assembled from fragments already seen.
 
+[Note: layout kernel] With numba installed (See [Note: compiled step loop] in
+``_step.py``), ``build`` runs ``layout_kernel`` instead: the same rules on
+module ids, one pass over the module calls in forward order (each call's
+owner is the innermost ancestor that is a unit; a segment ends where the
+owner or the piece changes) and one over the parameter modules. It sums in
+the same order as the fragment path, so both give the same layout exactly
+(``tests/test_cost.py``); the fragment path stays for Python, where a loop
+over every module call per plan would be slow.
+
 [Note: gradient sites] A parameter's unsharded gradient appears when backward
 reaches the first module using it in backward order: for a tied parameter
 (embedding and output head) that is the use that ran last in forward, so the
@@ -41,9 +50,15 @@ gradients from before.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from wrapopt.cost import _step
 from wrapopt.fabric import ComputeProfile
 from wrapopt.types import ROOT, ModelGraph, SimOptions, UnitSpec
 from wrapopt.units import ancestors, owner_index
@@ -77,27 +92,50 @@ class Segment(NamedTuple):
     keep: int  # what checkpointing keeps of this block: its output (~ the next block's input)
 
 
-@dataclass(frozen=True, slots=True)
+_MODULES = operator.attrgetter("modules")
+
+# Rows of ``Layout.counts``, per unit:
+NUMEL, STORAGE, TRAINABLE_NUMEL, TRAINABLE_BYTES, SAVED, WORK, INPUT, KEEPS = range(8)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Layout:
     """Everything about a set of units that does not depend on per-unit choices."""
 
-    segments: tuple[Segment, ...]
-    order: tuple[int, ...]  # units in forward order of first segment (units that run)
-    numel: tuple[int, ...]
-    storage_bytes: tuple[int, ...]
-    trainable_numel: tuple[int, ...]
-    trainable_bytes: tuple[int, ...]
-    saved: tuple[int, ...]
-    fwd_s: tuple[float, ...]
-    bwd_s: tuple[float, ...]
-    input_bytes: tuple[int, ...]  # what a checkpointed unit keeps (its input ~ its output)
-    work: tuple[int, ...]
-    last_fwd_segment: tuple[int, ...]
-    pos: dict[int, int]  # unit -> its place in forward order
-    border: tuple[int, ...]  # units in backward order (post-forward order reversed)
-    bpos: dict[int, int]
-    nseg: tuple[int, ...]  # segments per unit
-    seg_grads: tuple[int, ...]  # gradient elements that appear during the unit's segments
+    # Per unit (int64, rows above): parameter elements and storage bytes, trainable
+    # elements and bytes, saved activations, working set (largest module output),
+    # input bytes (what checkpointing keeps of it, ~ its largest output), and how
+    # many of its segments start a piece (pay the checkpoint overhead).
+    counts: np.ndarray
+    times: np.ndarray  # per unit (float64): forward, backward
+    # What the step loop reads (``_step.step_loop``): the segments as the 8 columns of
+    # ``Segment``, and (units in forward order of first segment, units in backward
+    # order, then per unit: last forward segment, place in forward and in backward
+    # order (-1: never runs), segments, gradient elements that appear during them,
+    # trainable bytes). Tuples, or numpy arrays where the layout kernel built it.
+    loop: tuple[tuple[Sequence[Any], ...], tuple[Sequence[Any], ...]]
+
+    def _row(self, i: int) -> tuple[int, ...]:
+        return tuple(self.counts[i].tolist())
+
+    numel = property(lambda self: self._row(NUMEL))
+    storage_bytes = property(lambda self: self._row(STORAGE))
+    trainable_numel = property(lambda self: self._row(TRAINABLE_NUMEL))
+    trainable_bytes = property(lambda self: self._row(TRAINABLE_BYTES))
+    saved = property(lambda self: self._row(SAVED))
+    work = property(lambda self: self._row(WORK))
+    input_bytes = property(lambda self: self._row(INPUT))
+    fwd_s = property(lambda self: tuple(self.times[0].tolist()))
+    bwd_s = property(lambda self: tuple(self.times[1].tolist()))
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        cols = [c.tolist() if isinstance(c, np.ndarray) else c for c in self.loop[0]]
+        return tuple(map(Segment._make, zip(*cols)))
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.loop[0][0])
 
 
 class Layouts:
@@ -117,6 +155,7 @@ class Layouts:
             return fqn.split(".", 1)[0]
 
         self.elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
+        self._reduce_elem = options.reduce_dtype_bytes or options.param_dtype_bytes or self.elem
         grad_at, acc_at = gradient_sites(graph)
         entries = []
         for m in graph.call_order():
@@ -157,6 +196,7 @@ class Layouts:
         # What checkpointing keeps of a piece: its output. See [Note: memory] in simulate.py.
         self._keep = {pc: int(self._out_bytes.get(pc, 0) * scale) for pc, *_r in self._runs}
         self._cache: dict[tuple[tuple[str, ...], ...], Layout] = {}
+        self._tables: Any = None  # the layout kernel's arrays, built on first use
         self._inputs: dict[tuple[str, ...], int] = {}
         self._cut_params: dict[str, list[tuple[Any, ...]]] = {}  # piece -> its parameter modules
         for anc, ne, nb, tn, tb, pc in self._param_modules:
@@ -182,16 +222,26 @@ class Layouts:
     def __call__(self, units: tuple[UnitSpec, ...], key: tuple[tuple[str, ...], ...] | None = None) -> Layout:
         """The layout of ``units``; ``key`` is ``tuple(u.modules for u in units)`` if the caller has it."""
         if key is None:
-            key = tuple(u.modules for u in units)
+            key = tuple(map(_MODULES, units))
         lay = self._cache.get(key)
         if lay is None:
-            lay = self.build(units)
+            lay = self.build(units, key)
             if len(self._cache) > 4096:
                 self._cache.clear()
             self._cache[key] = lay
         return lay
 
-    def build(self, units: tuple[UnitSpec, ...]) -> Layout:
+    def build(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...] | None = None) -> Layout:
+        """The layout of ``units`` (``mods``: their modules, if the caller has them), not cached."""
+        kernels = _step.kernels()
+        if kernels is not None:  # See [Note: layout kernel]
+            try:
+                lay = self._build_compiled(kernels[1], units, mods)
+            except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
+                _step.disable_jit(f"{type(e).__name__}: {e}")
+                lay = None
+            if lay is not None:
+                return lay
         n = len(units)
         index = owner_index(units)
 
@@ -267,7 +317,7 @@ class Layouts:
         fwd, bwd = [0.0] * n, [0.0] * n  # a unit's times: the sums of its segments'
         order_d: dict[int, None] = {n - 1: None}
         last = [-1] * n
-        nseg, seg_grads = [0] * n, [0] * n
+        nseg, seg_grads, nkeep = [0] * n, [0] * n, [0] * n
         for i, sgm in enumerate(segments):
             u = sgm[0]
             fwd[u] += sgm[1]
@@ -276,15 +326,81 @@ class Layouts:
             last[u] = i
             nseg[u] += 1
             seg_grads[u] += sgm[5]
+            if sgm[7]:
+                nkeep[u] += 1
         order = tuple(order_d)
         inputs = [self._input_bytes(u) for u in units]
         # Backward prefetch follows post-forward order reversed: the root (whose
         # forward ends last) comes first and prefetches the last block.
         border = tuple(sorted(order, key=lambda u: -last[u]))
-        return Layout(tuple(segments), order, tuple(numel), tuple(sbytes), tuple(tnumel), tuple(tbytes), tuple(saved),
-                      tuple(fwd), tuple(bwd), tuple(inputs), tuple(work), tuple(last),
-                      {u: k for k, u in enumerate(order)}, border, {u: k for k, u in enumerate(border)},
-                      tuple(nseg), tuple(seg_grads))
+        pos, bpos = [-1] * n, [-1] * n
+        for k, u in enumerate(order):
+            pos[u] = k
+        for k, u in enumerate(border):
+            bpos[u] = k
+        loop = (tuple(zip(*segments)) if segments else ((),) * 8,
+                (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg), tuple(seg_grads), tuple(tbytes)))
+        return Layout(np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n),
+                      np.array((fwd, bwd), dtype=np.float64).reshape(2, n), loop)
+
+    # -- the layout kernel: See [Note: layout kernel] ---------------------------------------
+
+    def _kernel_tables(self) -> tuple[dict[str, int], tuple[Any, ...]]:
+        """The module graph as the kernel reads it: module ids, and arrays of the module
+        calls (in forward order) and of the parameter modules. Built on first use."""
+        if self._tables is None:
+            mid: dict[str, int] = {}
+            for pc, anc, es, _s in self._runs:
+                for e in es:
+                    for a in e.anc:
+                        mid.setdefault(a, len(mid))
+            for anc, *_v in self._param_modules:
+                for a in anc:
+                    mid.setdefault(a, len(mid))
+            for fqn in self._out_bytes:
+                mid.setdefault(fqn, len(mid))
+            entries = [e for _pc, _anc, es, _s in self._runs for e in es]
+            pieces: dict[str, int] = {}
+            e_piece = [pieces.setdefault(pc, len(pieces)) for pc, _anc, es, _s in self._runs for _e in es]
+            depth = max([len(e.anc) for e in entries] + [len(p[0]) for p in self._param_modules] + [1])
+
+            def anc_ids(ancs: list[tuple[str, ...]]) -> np.ndarray:
+                out = np.full((len(ancs), depth), -1, dtype=np.int64)
+                for i, anc in enumerate(ancs):
+                    out[i, :len(anc)] = [mid[a] for a in anc]
+                return out
+
+            m_out = np.zeros(len(mid), dtype=np.float64)
+            for fqn, b in self._out_bytes.items():
+                m_out[mid[fqn]] = b
+            self._tables = mid, (
+                anc_ids([e.anc for e in entries]),
+                np.array(e_piece, dtype=np.int64).reshape(-1),
+                np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]], dtype=np.float64).reshape(2, -1),
+                np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp] for e in entries],
+                         dtype=np.int64).reshape(-1, 5).T.copy(),
+                np.array([self._keep[pc] for pc in pieces], dtype=np.int64),
+                anc_ids([p[0] for p in self._param_modules]),
+                np.array([p[1:5] for p in self._param_modules], dtype=np.int64).reshape(-1, 4).T.copy(),
+                m_out, mid[ROOT] if ROOT in mid else -2, float(self.options.batch_scale), self._reduce_elem,
+            )
+        return self._tables
+
+    def _build_compiled(self, kernel: Any, units: tuple[UnitSpec, ...],
+                        mods: tuple[tuple[str, ...], ...] | None = None) -> Layout | None:
+        """``build`` by the compiled ``layout_kernel``; None if a unit names a module the graph lacks."""
+        mid, tables = self._kernel_tables()
+        if mods is None:
+            mods = tuple(map(_MODULES, units))
+        try:
+            ids = np.array(list(map(mid.__getitem__, chain.from_iterable(mods))), dtype=np.int64)
+        except KeyError:
+            return None
+        listed = np.array(list(map(len, mods)), dtype=np.int64)
+        seg_u, seg_f, s, u_i, u_f, runs = kernel(ids, listed, *tables)
+        loop = ((seg_u[:s], *seg_f[:, :s]),  # as Simulator._columns makes them
+                (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[2], u_f[3]))
+        return Layout(u_i[:8], u_f[:2], loop)
 
     def _split(self, r: int, groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
         """How units owning ``groups`` (modules relative to the piece, one tuple per
@@ -364,8 +480,7 @@ class Layouts:
     def _backward_working_set(self, entries: list[_Entry] | tuple[_Entry, ...]) -> int:
         """Most bytes a segment's backward holds beyond its saved activations and the
         gradients before it. See [Note: progressive backward]."""
-        opt = self.options
-        reduce_elem = opt.reduce_dtype_bytes or opt.param_dtype_bytes or self.elem
+        reduce_elem = self._reduce_elem
         freed = grads = 0.0
         best = 0.0
         for e in reversed(entries):
@@ -403,3 +518,127 @@ def gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:
         if m.num_calls > 1 and m.own_trainable_numel:
             acc_at[m.fqn] = acc_at.get(m.fqn, 0) + m.own_trainable_numel
     return grad_at, acc_at
+
+
+def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_vals, m_out, root_id,  # noqa: ANN001
+                  scale, reduce_elem):
+    """``Layouts.build`` on module ids, for numba: See [Note: layout kernel].
+
+    Units list modules ``ids``, ``listed[u]`` of them for unit ``u``. Module calls in forward order:
+    ancestor ids ``e_anc`` (innermost first, -1 padded), piece ``e_piece``, times
+    ``e_time`` (forward, backward) and ``e_int`` (saved, output, gradient elements,
+    accumulated elements, input bytes); ``keep_of`` per piece. Parameter modules:
+    ancestors ``p_anc`` and ``p_vals`` (elements, bytes, trainable elements and bytes).
+    ``m_out``: each module's output bytes. Returns the segments (their units and
+    the other 7 columns of ``Segment``; the first ``s`` are used), ``s``, per-unit
+    integer rows (``Layout.counts``, then the step loop's) and float rows (times,
+    then the step loop's), and how many units run."""
+    n = listed.shape[0]
+    unit_of = np.full(m_out.shape[0], -1, np.int64)
+    widest = np.zeros(n, np.float64)  # largest output among a unit's modules
+    k = 0
+    for u in range(n):
+        for _ in range(listed[u]):
+            unit_of[ids[k]] = u  # a module listed twice: the last unit wins, as owner_index
+            if m_out[ids[k]] > widest[u]:
+                widest[u] = m_out[ids[k]]
+            k += 1
+    ne, depth = e_anc.shape
+    own = np.empty(ne, np.int64)
+    for i in range(ne):
+        own[i] = n - 1
+        for d in range(depth):
+            a = e_anc[i, d]
+            if a < 0:
+                break
+            if unit_of[a] >= 0:
+                own[i] = unit_of[a]
+                break
+    seg_u = np.empty(ne, np.int64)
+    seg_f = np.empty((7, ne), np.float64)  # the other columns of Segment
+    # Layout.counts' rows (numel, storage bytes, trainable numel, trainable bytes, saved, working
+    # set, input bytes, segments that start a piece), then last forward segment, segments, place in
+    # forward and in backward order, and the units in forward and in backward order (-1 padded)
+    u_i = np.zeros((14, n), np.int64)
+    u_i[8:, :] = -1
+    u_i[9, :] = 0
+    u_f = np.zeros((4, n), np.float64)  # forward, backward, gradient elements of its segments, trainable bytes
+    seen = np.zeros(keep_of.shape[0], np.bool_)
+    u_i[12, 0], u_i[10, n - 1] = n - 1, 0  # the root comes first in forward order
+    runs = 1
+    s = 0
+    i = 0
+    while i < ne:
+        pc, u = e_piece[i], own[i]
+        j = i + 1
+        while j < ne and e_piece[j] == pc and own[j] == u:
+            j += 1
+        f, b, sv, out, gn = e_time[0, i], e_time[1, i], e_int[0, i], e_int[1, i], e_int[2, i]
+        for k in range(i + 1, j):
+            f += e_time[0, k]
+            b += e_time[1, k]
+            sv += e_int[0, k]
+            if e_int[1, k] > out:
+                out = e_int[1, k]
+            gn += e_int[2, k]
+        freed = grads = best = 0.0  # See [Note: progressive backward], as _backward_working_set
+        for k in range(j - 1, i - 1, -1):
+            grads += e_int[2, k] * reduce_elem
+            leaving = e_int[4, k] if e_int[4, k] else e_int[1, k]
+            x = grads - freed + e_int[1, k] + leaving + 2 * e_int[3, k] * reduce_elem
+            if x > best:
+                best = x
+            freed += e_int[0, k]
+        keep = 0
+        if not seen[pc]:
+            keep = keep_of[pc]
+            seen[pc] = True
+        seg_u[s] = u
+        seg_f[0, s], seg_f[1, s], seg_f[2, s], seg_f[3, s] = f, b, sv, out
+        seg_f[4, s], seg_f[5, s], seg_f[6, s] = gn, int(best), keep
+        u_f[0, u] += f
+        u_f[1, u] += b
+        u_f[2, u] += gn
+        u_i[4, u] += sv
+        if out > u_i[5, u]:
+            u_i[5, u] = out
+        if keep:
+            u_i[7, u] += 1
+        u_i[8, u] = s
+        u_i[9, u] += 1
+        if u_i[10, u] < 0:  # its first segment
+            u_i[10, u] = runs
+            u_i[12, runs] = u
+            runs += 1
+        s += 1
+        i = j
+    for p in range(p_anc.shape[0]):
+        o = n - 1
+        for d in range(depth):
+            a = p_anc[p, d]
+            if a < 0:
+                break
+            if unit_of[a] >= 0:
+                o = unit_of[a]
+                break
+        for c in range(4):
+            u_i[c, o] += p_vals[c, p]
+    k = 0
+    for u in range(n):
+        u_f[3, u] = u_i[3, u]
+        u_i[6, u] = int(widest[u] * scale)
+        if listed[u] == 1 and ids[k] == root_id:  # UnitSpec.is_root keeps nothing
+            u_i[6, u] = 0
+        k += listed[u]
+    # Backward order: post-forward order reversed (last forward segment, latest first).
+    k = 0
+    for t in range(s - 1, -1, -1):
+        u = seg_u[t]
+        if u_i[11, u] < 0:
+            u_i[11, u] = k
+            u_i[13, k] = u
+            k += 1
+    if u_i[11, n - 1] < 0:  # a root without segments comes last
+        u_i[11, n - 1] = k
+        u_i[13, k] = n - 1
+    return seg_u, seg_f, s, u_i, u_f, runs

@@ -69,38 +69,43 @@ times longer over the overlapped part, and a collective issued while compute
 is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
 measured by the profiler.
 
-[Note: simulator speed] The search scores thousands of plans, so the step
-loop is compiled when numba is installed (``_step.py``, [Note: compiled step
-loop]; the same source runs as Python otherwise), and what does not depend on
-per-unit choices is cached: the layout per set of units (``layout.py``, which
-also reuses the split of a block cut into sub-block units across blocks and
-plans, [Note: cut pieces]), each unit's bytes and collective times per mesh
-(across plans), and the step loop's columns per layout. Caching never changes
-a result: a fresh simulator and one that has scored many other plans agree
-exactly (``tests/test_cost.py``). ``benchmarks/sim_speed.py`` measures plans
-per second, with and without the compiled loop.
+[Note: simulator speed] The search scores thousands of plans, so with numba
+installed three pieces are compiled (``_step.py``, [Note: compiled step loop]):
+the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
+lookup of collective times; without numba the same step loop runs as Python
+and layouts reuse block cuts across blocks and plans ([Note: cut pieces]).
+Per-unit figures are numpy columns, and what does not depend on per-unit
+choices is cached: per set of units its layout and sums, per mesh its bytes,
+collective times and ``UnitCosts`` (made into ``UnitCost`` items only when
+read), and per collective and group a table of times by message size.
+Caching never changes a result: a fresh simulator and one that has scored
+many other plans agree exactly (``tests/test_cost.py``).
+``benchmarks/sim_speed.py`` measures plans per second, compiled and Python.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
 
 from wrapopt.cost import _step
-from wrapopt.cost.layout import Layout, Layouts
+from wrapopt.cost.layout import KEEPS, NUMEL, SAVED, STORAGE, TRAINABLE_BYTES, TRAINABLE_NUMEL, Layout, Layouts
 from wrapopt.fabric import ComputeProfile, FabricProfile
 from wrapopt.types import (
     CostEstimate,
-    MeshSpec,
     ModelGraph,
     PlanSpec,
     SimOptions,
     TimelineEvent,
-    UnitCost,
+    UnitCosts,
 )
 
 __all__ = ["simulate", "Simulator"]
+
+_MODULES = operator.attrgetter("modules")
+_RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
 
 
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
@@ -121,9 +126,14 @@ class Simulator:
         self.layout = Layouts(graph, compute, self.options)
         self._elem = self.layout.elem  # storage bytes per element
         self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
-        self._unit_colls: dict[tuple[Any, MeshSpec], tuple[Any, ...]] = {}  # per set of units
-        self._per_unit: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # the same per unit, across sets
+        self._tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, dict[float, set[str]]]] = {}  # the same
+        self._sets: dict[tuple[tuple[str, ...], ...], tuple[Any, ...]] = {}  # per set of units (and mesh)
         self._num_tensors = len(graph.param_shapes)
+        self._runs_ahead = not compute.device.startswith("cpu")  # See [Note: all-gather issue]
+        scale, out_b = self.options.batch_scale, graph.root.output_bytes * self.options.batch_scale
+        # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
+        self._loss = (float(compute.loss_s * scale), float(out_b + graph.loss_peak_bytes * scale), float(out_b),
+                      float(graph.loss_saved_bytes * scale))
         self._cols: dict[tuple[Any, bool], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}  # per layout
 
     # -- collectives ----------------------------------------------------------------------
@@ -140,27 +150,53 @@ class Simulator:
             notes.add(caveat)
         return t
 
+    def _colls_of(self, name: str, group: int, rpn_in_group: int, nbytes: np.ndarray, notes: set[str]) -> np.ndarray:
+        """``_coll`` of every size in ``nbytes``, from a table per collective and group:
+        its sizes sorted, their times, and the caveats of extrapolated sizes."""
+        key = (name, group, rpn_in_group)
+        sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
+        fns = _step.kernels()
+        try:
+            out, missing = (fns[2] if fns else _step.lookup)(sizes, times, nbytes)
+        except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
+            _step.disable_jit(f"{type(e).__name__}: {e}")
+            out, missing = _step.lookup(sizes, times, nbytes)
+        if missing:  # new sizes: add them to the table
+            if len(sizes) > 65536:
+                sizes, times, caveats = np.zeros(0), np.zeros(0), {}
+            miss = np.isnan(out)
+            new = np.unique(nbytes[miss])
+            made = []
+            for b in new.tolist():
+                extra: set[str] = set()
+                made.append(self._coll(name, group, rpn_in_group, b, extra))
+                if extra:
+                    caveats[b] = extra
+            made_a = np.array(made, dtype=np.float64)
+            out[miss] = made_a[new.searchsorted(nbytes[miss])]
+            at = sizes.searchsorted(new)
+            self._tables[key] = (np.insert(sizes, at, new), np.insert(times, at, made_a), caveats)
+        if caveats:  # extrapolated sizes: See FabricProfile.collective_s
+            for b in caveats.keys() & set(nbytes.tolist()):
+                notes.update(caveats[b])
+        return out
+
     def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """What the step loop reads of a layout: its segments as columns, and
-        (order, backward order, then per unit: last forward segment, place in
-        forward and backward order, segments, their gradient elements, trainable
-        bytes); numpy arrays for the compiled loop. Cached per set of units."""
+        """``lay.loop``: numpy arrays for the compiled loop, tuples for the Python one.
+        Converted (and cached per set of units) when the layout holds the other kind."""
+        if isinstance(lay.loop[0][0], np.ndarray) == arrays:
+            return lay.loop
         key = (mods, arrays)
         hit = self._cols.get(key)
         if hit is None:
-            n = len(lay.numel)
-            segs = tuple(zip(*lay.segments)) if lay.segments else ((),) * 8
-            pos, bpos = [-1] * n, [-1] * n
-            for u, k in lay.pos.items():
-                pos[u] = k
-            for u, k in lay.bpos.items():
-                bpos[u] = k
-            cols = (lay.order, lay.border, lay.last_fwd_segment, pos, bpos, lay.nseg, lay.seg_grads, lay.trainable_bytes)
+            segs, cols = lay.loop
             if arrays:
                 segs = (np.array(segs[0], dtype=np.int64), *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
                 cols = (np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.int64),
                         *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
                         *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
+            else:
+                segs, cols = tuple(tuple(c.tolist()) for c in segs), tuple(tuple(c.tolist()) for c in cols)
             if len(self._cols) > 4096:
                 self._cols.clear()
             hit = self._cols[key] = (segs, cols)
@@ -171,88 +207,72 @@ class Simulator:
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
         units, mesh, opt = plan.units, plan.mesh, self.options
-        mods = tuple(u.modules for u in units)
-        lay = self.layout(units, mods)
+        mods = tuple(map(_MODULES, units))
+        per_set = self._sets.get(mods)
+        if per_set is None:  # what every plan of these units shares: See [Note: simulator speed]
+            lay = self.layout(units, mods)
+            if len(self._sets) > 4096:
+                self._sets.clear()
+            per_set = self._sets[mods] = (lay, int(lay.counts[STORAGE].sum()), int(lay.counts[TRAINABLE_BYTES].sum()),
+                                          sum(lay.times[0].tolist()) + sum(lay.times[1].tolist()), {})
+        lay, storage, trainable, compute_once, per_mesh = per_set
         n = len(units)
         notes: set[str] = set()
         shard = mesh.shard_size
         gather_elem = opt.param_dtype_bytes or self._elem
         reduce_elem = opt.reduce_dtype_bytes or gather_elem
-        rpn_shard = min(shard, mesh.ranks_per_node)
-        rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
         ovl_c = 1.0 + self.fabric.overlap_compute_slowdown
         ovl_m = 1.0 + self.fabric.overlap_comm_slowdown
         unit_oh = self.compute.unit_overhead_s
         ck_oh = self.compute.checkpoint_overhead_s  # per checkpointed block (a segment that starts a piece)
 
-        ckey = (mods, mesh)
-        cached = self._unit_colls.get(ckey)
+        cached = per_mesh.get(mesh)
         if cached is None:  # per set of units and mesh: bytes and collective times of every unit
-            per_unit = self._per_unit
-            mkey = (mesh.world_size, mesh.ranks_per_node, shard)
+            rpn_shard = min(shard, mesh.ranks_per_node)
+            rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
+            P = lay.counts[NUMEL] * gather_elem  # gathered bytes
+            G = lay.counts[TRAINABLE_NUMEL] * reduce_elem  # unsharded grad bytes
             cn: set[str] = set()
-            cols = []
-            for i, u in enumerate(units):
-                ukey = (mods[i], mkey, lay.numel[i], lay.trainable_numel[i], lay.fwd_s[i], lay.bwd_s[i], lay.saved[i])
-                hit = per_unit.get(ukey)
-                if hit is None:
-                    un: set[str] = set()
-                    p_i = lay.numel[i] * gather_elem  # gathered bytes
-                    g_i = lay.trainable_numel[i] * reduce_elem  # unsharded grad bytes
-                    ag_i = self._coll("all_gather", shard, rpn_shard, p_i, un)
-                    rs_i = self._coll("reduce_scatter", shard, rpn_shard, g_i, un)
-                    ar_i = self._coll("all_reduce", mesh.world_size // shard, rpn_rep, g_i / shard, un)
-                    hit = (p_i, g_i, ag_i, rs_i, ar_i, UnitCost(u.name, int(p_i), lay.fwd_s[i], lay.bwd_s[i], ag_i, rs_i,
-                                                                 lay.saved[i]), tuple(un))
-                    if len(per_unit) > 65536:
-                        per_unit.clear()
-                    per_unit[ukey] = hit
-                cols.append(hit)
-                cn.update(hit[6])
-            if len(self._unit_colls) > 4096:
-                self._unit_colls.clear()
-            P, G, ag, rs, ar, ucosts = ([h[k] for h in cols] for k in range(6))
-            cached = self._unit_colls[ckey] = (P, G, ag, rs, ar, frozenset(cn), tuple(ucosts))
-        P, G, ag, rs, ar, cnotes, ucosts = cached
+            ag = self._colls_of("all_gather", shard, rpn_shard, P, cn)
+            rs = self._colls_of("reduce_scatter", shard, rpn_shard, G, cn)
+            ar = self._colls_of("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
+            cached = per_mesh[mesh] = (P, G, ag, UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs,
+                                                           lay.counts[SAVED]), frozenset(cn), np.array((P, G, ag, rs, ar)))
+        P, G, ag, ucosts, cnotes, unit_arrays = cached
         notes.update(cnotes)
-        rag = [0.0] * n  # backward re-gather cost per unit
-        keep = [0] * n  # bytes kept between forward and backward
-        for i, u in enumerate(units):
-            raf = u.reshard_after_forward
-            if raf is False:
-                keep[i] = P[i]
-            elif raf is True:
-                rag[i] = ag[i]
-            else:  # int: keep a 1/N copy, re-gather within N ranks (See [Note: reshard after forward])
-                keep[i] = P[i] // max(1, raf) if raf < shard else P[i]  # each rank keeps 1/N
-                rag[i] = self._coll("all_gather", raf, min(raf, mesh.ranks_per_node), P[i], notes) if raf > 1 else 0.0
+        # Per-unit choices: See [Note: reshard after forward].
+        rafs = list(map(_RESHARD, units))
+        code = np.array([-1 if r is True else r for r in rafs], dtype=np.int64)  # True: -1, False: 0, else N
+        rag = np.where(code < 0, ag, 0.0)  # backward re-gather cost per unit
+        keep = np.where(code == 0, P, 0.0)  # bytes kept between forward and backward
+        if code.max() > 0:  # N: each rank keeps 1/N and re-gathers within N ranks
+            for raf in np.unique(code[code > 0]).tolist():
+                at = np.flatnonzero(code == raf)
+                keep[at] = P[at] // raf if raf < shard else P[at]
+                if raf > 1:
+                    rag[at] = self._colls_of("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
+        ck = np.fromiter(map(_CHECKPOINT, units), dtype=np.bool_, count=n)
 
         # Static memory: See [Note: memory].
-        storage = sum(lay.storage_bytes)
-        trainable = sum(lay.trainable_bytes)
         sharded_params = storage / shard
         # Sharded gradients appear unit by unit as reduce-scatters land (zero_grad(set_to_none=True)).
         optim = trainable * opt.optimizer.states_per_param / shard
-        accum = sum(G) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
+        accum = sum(G.tolist()) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
         static = sharded_params + optim + accum
 
         # The step loop: See [Note: compiled step loop] in _step.py.
-        runs_ahead = not self.compute.device.startswith("cpu")  # See [Note: all-gather issue]
+        runs_ahead = self._runs_ahead
         depth = max(plan.forward_prefetch, 1 if runs_ahead else 0)
-        out_b = self.graph.root.output_bytes * opt.batch_scale
-        loss_saved = self.graph.loss_saved_bytes * opt.batch_scale
-        ck = [u.checkpoint for u in units]
         jit = _step.compiled()
         seg_cols, lay_cols = self._columns(lay, mods, jit is not None)
-        unit_cols = (P, G, ag, rs, ar, rag, keep, ck) if jit is None else (
-            *np.array((P, G, ag, rs, ar, rag, keep), dtype=np.float64), np.array(ck, dtype=np.bool_))
-        cap = 3 * n + 3 * len(lay.segments) + 2 if record else 0
+        unit_cols = (*unit_arrays, rag, keep, ck)
+        if jit is None:
+            unit_cols = tuple(c.tolist() for c in unit_cols)
+        cap = 3 * n + 3 * lay.num_segments + 2 if record else 0
         ev_rows = np.zeros((cap, 6))
         args = (seg_cols, unit_cols + lay_cols[2:], lay_cols[0], lay_cols[1], float(static), float(shard),
                 float(reduce_elem), ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, depth,
-                float(self.compute.loss_s * opt.batch_scale),
-                float(out_b + self.graph.loss_peak_bytes * opt.batch_scale), float(out_b), float(loss_saved),
-                record, ev_rows)
+                *self._loss, record, ev_rows)
         if jit is not None:
             try:
                 res = jit(*args)
@@ -284,10 +304,9 @@ class Simulator:
             # Earlier micro-batches: the same forward and backward without the
             # reduce-scatters (set_requires_gradient_sync(False)).
             step += (micro - 1) * bwd_end
-        ckpt = [i for i in range(n) if units[i].checkpoint]
-        compute_s = sum(lay.fwd_s) + sum(lay.bwd_s) + sum(lay.fwd_s[i] for i in ckpt)
-        if ckpt and ck_oh:
-            compute_s += ck_oh * sum(1 for sg in lay.segments if sg.keep and units[sg.unit].checkpoint)
+        compute_s = compute_once + sum(lay.times[0][ck].tolist())
+        if ck_oh and ck.any():
+            compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
         compute_s += self.compute.loss_s * opt.batch_scale
         compute_s *= micro
         exposed = max(0.0, step - compute_s - optim_s)
