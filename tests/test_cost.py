@@ -243,6 +243,27 @@ def test_compiled_and_python_paths_agree_exactly(monkeypatch):
         assert again == Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
 
 
+def test_size_tables_lookup_and_merge():
+    """The simulator's tables of collective times by size: ``lookup`` finds every key
+    (NaN and a count for the rest), ``merge`` keeps the table sorted; compiled too."""
+    import numpy as np
+
+    from wrapopt.cost import _step
+
+    fns = [(_step.lookup, _step.merge)]
+    if _step.kernels() is not None:
+        fns.append(_step.kernels()[2:4])
+    for lookup, merge in fns:
+        keys, values = np.array([2.0, 8.0, 32.0]), np.array([0.2, 0.8, 3.2])
+        out, missing = lookup(keys, values, np.array([8.0, 2.0, 8.0, 32.0]))
+        assert missing == 0 and out.tolist() == [0.8, 0.2, 0.8, 3.2]
+        out, missing = lookup(keys, values, np.array([1.0, 8.0, 64.0, 5.0]))
+        assert missing == 3 and out[1] == 0.8 and np.isnan(out[[0, 2, 3]]).all()
+        keys, values = merge(keys, values, np.array([1.0, 5.0, 64.0]), np.array([0.1, 0.5, 6.4]))
+        assert keys.tolist() == [1.0, 2.0, 5.0, 8.0, 32.0, 64.0] and values.tolist() == [0.1, 0.2, 0.5, 0.8, 3.2, 6.4]
+        assert lookup(np.zeros(0), np.zeros(0), np.array([1.0]))[1] == 1
+
+
 def _layout_values(lay):
     """A layout as plain values, whichever builder made it (numpy arrays or tuples)."""
     py = lambda c: tuple(c.tolist()) if hasattr(c, "tolist") else tuple(c)  # noqa: E731

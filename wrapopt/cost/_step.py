@@ -240,13 +240,29 @@ def lookup(keys, values, x):  # noqa: ANN001
     return out, missing
 
 
-_JIT: list[Any] = []  # [(the compiled step loop, layout kernel, lookup)], or [None]: filled on first use
+def merge(keys, values, new_keys, new_values):  # noqa: ANN001
+    """Two sorted tables with no key in common, as one sorted table (keys, values)."""
+    n, m = keys.shape[0], new_keys.shape[0]
+    out_k = np.empty(n + m, np.float64)
+    out_v = np.empty(n + m, np.float64)
+    i = j = 0
+    for k in range(n + m):
+        if j >= m or (i < n and keys[i] < new_keys[j]):
+            out_k[k], out_v[k] = keys[i], values[i]
+            i += 1
+        else:
+            out_k[k], out_v[k] = new_keys[j], new_values[j]
+            j += 1
+    return out_k, out_v
+
+
+_JIT: list[Any] = []  # [(the compiled step loop, layout kernel, lookup, merge)], or [None]: filled on first use
 _HELPERS_REGISTERED: list[bool] = []
 
 
 def kernels() -> tuple[Callable, ...] | None:
     """The compiled step loop, layout kernel (See [Note: layout kernel] in
-    ``layout.py``) and ``lookup``, or None to run Python.
+    ``layout.py``), ``lookup`` and ``merge``, or None to run Python.
 
     numba is imported on first use, not with wrapopt (it takes ~1 s)."""
     if not _JIT:
@@ -264,7 +280,7 @@ def kernels() -> tuple[Callable, ...] | None:
                     for helper in (_rec, _all_gather):
                         register_jitable(helper)
                     _HELPERS_REGISTERED.append(True)
-                fns = tuple(numba.njit(cache=True)(fn) for fn in (step_loop, layout_kernel, lookup))
+                fns = tuple(numba.njit(cache=True)(fn) for fn in (step_loop, layout_kernel, lookup, merge))
         _JIT.append(fns)
     return _JIT[0]
 

@@ -156,26 +156,27 @@ class Simulator:
         key = (name, group, rpn_in_group)
         sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
         fns = _step.kernels()
+        lookup, merge = (fns[2], fns[3]) if fns else (_step.lookup, _step.merge)
         try:
-            out, missing = (fns[2] if fns else _step.lookup)(sizes, times, nbytes)
+            out, missing = lookup(sizes, times, nbytes)
+            if missing:  # new sizes: add them to the table
+                if len(sizes) > 65536:
+                    sizes, times, caveats = np.zeros(0), np.zeros(0), {}
+                new = np.unique(nbytes[np.isnan(out)])
+                made = []
+                for b in new.tolist():
+                    extra: set[str] = set()
+                    made.append(self._coll(name, group, rpn_in_group, b, extra))
+                    if extra:
+                        caveats[b] = extra
+                sizes, times = merge(sizes, times, new, np.array(made, dtype=np.float64))
+                self._tables[key] = (sizes, times, caveats)
+                out, missing = lookup(sizes, times, nbytes)
         except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
+            if fns is None:
+                raise
             _step.disable_jit(f"{type(e).__name__}: {e}")
-            out, missing = _step.lookup(sizes, times, nbytes)
-        if missing:  # new sizes: add them to the table
-            if len(sizes) > 65536:
-                sizes, times, caveats = np.zeros(0), np.zeros(0), {}
-            miss = np.isnan(out)
-            new = np.unique(nbytes[miss])
-            made = []
-            for b in new.tolist():
-                extra: set[str] = set()
-                made.append(self._coll(name, group, rpn_in_group, b, extra))
-                if extra:
-                    caveats[b] = extra
-            made_a = np.array(made, dtype=np.float64)
-            out[miss] = made_a[new.searchsorted(nbytes[miss])]
-            at = sizes.searchsorted(new)
-            self._tables[key] = (np.insert(sizes, at, new), np.insert(times, at, made_a), caveats)
+            return self._colls_of(name, group, rpn_in_group, nbytes, notes)
         if caveats:  # extrapolated sizes: See FabricProfile.collective_s
             for b in caveats.keys() & set(nbytes.tolist()):
                 notes.update(caveats[b])
