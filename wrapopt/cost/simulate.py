@@ -211,7 +211,7 @@ class Simulator:
         mods = tuple(map(_MODULES, units))
         per_set = self._sets.get(mods)
         if per_set is None:  # what every plan of these units shares: See [Note: simulator speed]
-            lay = self.layout(units, mods)
+            lay = self.layout.build(units, mods)  # not via the layout cache: this one is the cache
             if len(self._sets) > 4096:
                 self._sets.clear()
             per_set = self._sets[mods] = (lay, int(lay.counts[STORAGE].sum()), int(lay.counts[TRAINABLE_BYTES].sum()),
