@@ -4,18 +4,18 @@ share of a real search. Writes ``results/sim_speed.md`` and ``results/sim_speed.
 All on zoo:llama-7b (32 blocks) on 64 ranks (8 per node), analytical H100
 fabric and compute, in this process (one thread):
 
-1. ``Simulator.simulate`` on four kinds of plan, best of 5 rounds (the machine
-   is shared): a per-block plan and the size-1e8 plan (35 units, sub-block
+1. ``Simulator.simulate`` on four kinds of plan: a per-block plan and the size-1e8 plan (35 units, sub-block
    units), each again and again (its layout cached); random groupings of 1-4
    blocks, a new one every call (the layout built each time); random plans of
-   the Optuna search space (sub-block units too: ~180 units, ~290 compute
-   segments), a new one every call.
+   the Optuna search space (sub-block units too: ~180-190 units, ~270-290
+   compute segments), a new one every call.
 2. ``search_plan`` with 200 Optuna trials, as ``wrapopt search`` runs it: wall
    time and the time spent inside ``Simulator.simulate``.
 
 Each case runs compiled (numba: the step loop, the layout kernel and the
 collective-time lookup) and as Python, alternately (See [Note: compiled step
-loop], [Note: layout kernel]); best and median of 7 rounds. Run:
+loop], [Note: layout kernel]); best and median of 9 rounds, each round all
+kinds both ways (the machine's speed drifts). Run:
 ``python benchmarks/sim_speed.py`` (about a minute). Loading the compiled code
 from numba's disk cache happens once, before the timed rounds, and is reported
 on its own, as is compiling it from a cold cache (in a subprocess with an
@@ -81,9 +81,10 @@ def use_loop(loop: str) -> None:
     _step._JIT[:] = [None] if loop == "python" else _COMPILED
 
 
-def simulator_speed(graph=None, rounds: int = 7) -> list[dict]:
+def simulator_speed(graph=None, rounds: int = 9) -> list[dict]:
     """Plan evaluations per second, best and median of ``rounds`` rounds, per kind of
-    plan, compiled and as Python (when numba is installed)."""
+    plan, compiled and as Python (when numba is installed). Every round measures
+    every kind both ways, so that all rows see the same drift of the machine."""
     from wrapopt.search import baselines
     from wrapopt.search.space import SearchSpace
     from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
@@ -91,31 +92,8 @@ def simulator_speed(graph=None, rounds: int = 7) -> list[dict]:
     graph = graph or _setup()
     mesh = MeshSpec(**MESH)
     base = baselines(graph, mesh)
-    rows = []
     use_loop("compiled")
     compiled = _step.compiled() is not None
-
-    def best_of(make_plans, label: str) -> None:
-        rates: dict[str, list[float]] = {"compiled": [], "python": []}
-        units = segs = 0.0
-        for k in range(rounds):
-            for loop in rates if compiled else ("python",):  # interleaved: the machine is shared
-                use_loop(loop)
-                plans, sim = make_plans(k), _new_sim(graph)  # a fresh simulator: layouts are built, not cached
-                t0 = time.perf_counter()
-                for p in plans:
-                    sim.simulate(p)
-                rates[loop].append(len(plans) / (time.perf_counter() - t0))
-                units = sum(len(p.units) for p in plans) / len(plans)
-                segs = sum(sim.layout(p.units).num_segments for p in plans) / len(plans)
-        use_loop("compiled")
-        main = rates["compiled" if compiled else "python"]
-        rows.append({"case": label, "per_s": max(main), "median_per_s": statistics.median(main),
-                     "python_per_s": max(rates["python"]), "rounds": rates, "units": units, "segments": segs})
-
-    for label in ("per-block", "size-1e8"):
-        plan = base[label]
-        best_of(lambda k, plan=plan: [plan] * 200, f"{label} plan, the same plan again (layout cached)")
     root, blocks = base["root-only"].units[-1], graph.blocks
 
     def groupings(k: int) -> list:
@@ -129,14 +107,38 @@ def simulator_speed(graph=None, rounds: int = 7) -> list[dict]:
             plans.append(PlanSpec(tuple(groups) + (root,), mesh))
         return plans
 
-    best_of(groupings, "random groupings of 1-4 blocks, a new one each call (layout built)")
     space = SearchSpace(graph, mesh)
+
     def sampled(k: int) -> list:
         src = _Random(random.Random(100 + k))
         return [space.decode(src) for _ in range(100)]
 
-    best_of(sampled,
-            "random plans of the Optuna search space, a new one each call (layout built)")
+    cases = [(f"{label} plan, the same plan again (layout cached)", lambda k, plan=base[label]: [plan] * 200)
+             for label in ("per-block", "size-1e8")]
+    cases += [("random groupings of 1-4 blocks, a new one each call (layout built)", groupings),
+              ("random plans of the Optuna search space, a new one each call (layout built)", sampled)]
+    loops = ("compiled", "python") if compiled else ("python",)
+    rates: dict[tuple[str, str], list[float]] = {(c, lp): [] for c, _ in cases for lp in loops}
+    shape: dict[str, tuple[float, float]] = {}
+    for k in range(rounds):
+        for label, make_plans in cases:
+            plans = make_plans(k)
+            for loop in loops:  # interleaved: the machine is shared
+                use_loop(loop)
+                sim = _new_sim(graph)  # a fresh simulator: layouts are built, not cached
+                t0 = time.perf_counter()
+                for p in plans:
+                    sim.simulate(p)
+                rates[(label, loop)].append(len(plans) / (time.perf_counter() - t0))
+            shape[label] = (sum(len(p.units) for p in plans) / len(plans),
+                            sum(sim.layout(p.units).num_segments for p in plans) / len(plans))
+    use_loop("compiled")
+    rows = []
+    for label, _ in cases:
+        main = rates[(label, loops[0])]
+        rows.append({"case": label, "per_s": max(main), "median_per_s": statistics.median(main),
+                     "python_per_s": max(rates[(label, "python")]), "rounds": {lp: rates[(label, lp)] for lp in loops},
+                     "units": shape[label][0], "segments": shape[label][1]})
     return rows
 
 
@@ -205,7 +207,7 @@ def main() -> int:
         f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}), one thread; Python "
         f"{platform.python_version()}, torch {torch.__version__}; {date}. Regenerate: `python benchmarks/sim_speed.py` "
         f"({time.perf_counter() - t0:.0f} s). zoo:llama-7b (32 blocks) on 64 ranks, analytical fabric; best and "
-        "median of 7 rounds (the machine is shared, and its speed drifts by up to 2x from minute to minute).",
+        "median of 9 rounds (the machine is shared and its speed drifts: compare rows within one run).",
         "",
         f"Simulator: {loop} (step loop, layout kernel, collective-time lookup). Loading it from numba's disk cache "
         f"took {compile_s:.1f} s, once per process"

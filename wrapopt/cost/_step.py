@@ -11,7 +11,7 @@ Python on tuples. Both give the same floats: the arithmetic is the same
 operations in the same order (``tests/test_cost.py`` checks the two agree
 exactly). The semantics are the notes at the top of ``simulate.py``; this file
 holds no modelling decision of its own. numba is imported when the first
-plan is scored, not with wrapopt; compiling costs ~6 s once per machine
+plan is scored, not with wrapopt; compiling costs 7-10 s once per machine
 (cached on disk, ``cache=True``; loading it ~0.5 s per process), and
 compiled code that fails falls back to Python with a warning.
 
