@@ -4,11 +4,11 @@ share of a real search. Writes ``results/sim_speed.md`` and ``results/sim_speed.
 All on zoo:llama-7b (32 blocks) on 64 ranks (8 per node), analytical H100
 fabric and compute, in this process (one thread):
 
-1. ``Simulator.simulate`` on four kinds of plan: a per-block plan and the size-1e8 plan (35 units, sub-block
-   units), each again and again (its layout cached); random groupings of 1-4
-   blocks, a new one every call (the layout built each time); random plans of
-   the Optuna search space (sub-block units too: ~180-190 units, ~270-290
-   compute segments), a new one every call.
+1. ``Simulator.simulate`` on four kinds of plan: a per-block plan and the
+   size-1e8 plan (35 units, sub-block units), each again and again (its layout
+   cached); random groupings of 1-4 blocks, a new one every call (the layout
+   built each time); random plans of the Optuna search space (sub-block units
+   too: ~180-190 units, ~270-290 compute segments), a new one every call.
 2. ``search_plan`` with 200 Optuna trials, as ``wrapopt search`` runs it: wall
    time and the time spent inside ``Simulator.simulate``.
 
