@@ -312,10 +312,11 @@ def main() -> int:
                   "| plan | predicted peak | FSDPMemTracker peak | error |", "|---|---|---|---|"]
         for r in tracker:
             lines.append(f"| {r['plan']} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['tracker_peak_bytes'])} | {r['error']:+.1%} |")
+    rounds = len(next(iter(speed[0]["rounds"].values()))) if speed and "rounds" in speed[0] else 5  # older runs: 5
     lines += ["", "## Simulator speed", "",
               "`Simulator.simulate` in this process (one core, one thread), llama-7b (32 blocks) on 64 ranks, analytical "
-              "fabric; best of 5 rounds (the machine is shared). `benchmarks/sim_speed.py` measures the same alone, and "
-              "the simulator's share of a search.", "",
+              f"fabric; best of {rounds} rounds (the machine is shared). `benchmarks/sim_speed.py` measures the same alone, "
+              "and the simulator's share of a search.", "",
               "| plans | units per plan | plan evaluations per second |", "|---|---|---|"]
     lines += [f"| {r['case']} | {r['units']:.0f} | {r['per_s']:,.0f} |" for r in speed]
     lines += ["", "![predicted vs measured](fidelity_scatter.png)", ""]
