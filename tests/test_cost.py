@@ -280,7 +280,8 @@ def test_layout_kernel_matches_the_fragment_path(monkeypatch):
 
     from tests.fixtures_models import DIM, AlbertLike, LoRAModel, MoEModel, WithUnused, moe_inputs
     from wrapopt.cost import _step
-    from wrapopt.cost.layout import Layouts, layout_kernel
+    from wrapopt.cost._layout_kernel import layout_kernel
+    from wrapopt.cost.layout import Layouts
     from wrapopt.search.space import SearchSpace
 
     monkeypatch.setattr(_step, "_JIT", [None])  # Layouts.build takes the fragment path

@@ -1,7 +1,7 @@
 """The step loop of ``simulate.py``: forward and backward over the segments, on two lanes.
 
 One function, two ways to run it. See [Note: compiled step loop]. This file
-also compiles ``layout.py``'s ``layout_kernel`` and the simulator's table
+also compiles ``_layout_kernel.py``'s ``layout_kernel`` and the simulator's table
 ``lookup`` (``kernels()``).
 
 [Note: compiled step loop] The loop is written over plain sequences and
@@ -56,6 +56,23 @@ def _all_gather(u, at, dur, nbytes, c, t, ovl_m, static, sharded_grads, gathered
     if record and d > 0:
         ne = _rec(ev, ne, COMM, ALL_GATHER, u, start, start + d, m)
     return start + d, d, gathered, peak, parts, ne
+
+
+def _compute(t, dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts, grads_pending, work,  # noqa: ANN001
+             peak, parts, record, ev, ne, kind, u):
+    """Compute of ``dur`` seconds from ``t``, slowed where the comm lane is busy until
+    ``c`` (See [Note: overlap]), holding ``work`` bytes beyond the rest. Returns (its
+    end, peak, peak parts, events recorded)."""
+    start = t
+    t += dur
+    if c > start:
+        t += ((c if c < t else t) - start) * ovl_c1
+    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + work
+    if m > peak:
+        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, work)
+    if record and t > start:
+        ne = _rec(ev, ne, COMPUTE, kind, u, start, t, m)
+    return t, peak, parts, ne
 
 
 def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh,  # noqa: ANN001
@@ -116,29 +133,15 @@ def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl
                     comm_total += d
                     ag_end[x] = c
                     issued[x] = True
-        start = t
-        t += seg_f[si]
-        if c > start:  # comm overlapping this compute: See [Note: overlap]
-            t += ((c if c < t else t) - start) * ovl_c1
-        m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + seg_work[si]
-        if m > peak:
-            peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, seg_work[si] * 1.0)
-        if record and t > start:
-            ne = _rec(ev, ne, COMPUTE, FWD, u, start, t, m)
+        t, peak, parts, ne = _compute(t, seg_f[si], c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
+                                      grads_pending, seg_work[si] * 1.0, peak, parts, record, ev, ne, FWD, u)
         # Checkpointing wraps each of the unit's blocks: each keeps only its boundary tensor.
         acts += seg_keep[si] if ck[u] else seg_saved[si]
         if si == last_fwd[u]:
             gathered -= P[u] - keep[u]  # reshard after forward
     # See [Note: loss]: forward holds the model's output beside what the loss creates.
-    start = t
-    t += loss_dur
-    if c > start:
-        t += ((c if c < t else t) - start) * ovl_c1
-    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + loss_work
-    if m > peak:
-        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, loss_work)
-    if record and t > start:
-        ne = _rec(ev, ne, COMPUTE, LOSS, n - 1, start, t, m)
+    t, peak, parts, ne = _compute(t, loss_dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
+                                  grads_pending, loss_work, peak, parts, record, ev, ne, LOSS, n - 1)
     acts += loss_saved
     # the loss's backward: the gradient arriving and the one leaving, beside its saved
     m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + 2 * out_b
@@ -180,24 +183,12 @@ def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl
                     bissued[x] = True
         if ck[u]:  # recompute this block's forward, re-saving its activations
             acts += seg_saved[si] - seg_keep[si]
-            start = t
-            t += seg_f[si] + (ck_oh if seg_keep[si] else 0.0)
-            if c > start:
-                t += ((c if c < t else t) - start) * ovl_c1
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + seg_work[si]
-            if m > peak:
-                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, seg_work[si] * 1.0)
-            if record and t > start:
-                ne = _rec(ev, ne, COMPUTE, RECOMPUTE, u, start, t, m)
-        start = t  # See [Note: progressive backward]
-        t += seg_b[si]
-        if c > start:
-            t += ((c if c < t else t) - start) * ovl_c1
-        m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + seg_bw[si]
-        if m > peak:
-            peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, seg_bw[si] * 1.0)
-        if record and t > start:
-            ne = _rec(ev, ne, COMPUTE, BWD, u, start, t, m)
+            t, peak, parts, ne = _compute(t, seg_f[si] + (ck_oh if seg_keep[si] else 0.0), c, ovl_c1, static,
+                                          sharded_grads, gathered, ag_buffer, acts, grads_pending, seg_work[si] * 1.0,
+                                          peak, parts, record, ev, ne, RECOMPUTE, u)
+        # See [Note: progressive backward] for the working set.
+        t, peak, parts, ne = _compute(t, seg_b[si], c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
+                                      grads_pending, seg_bw[si] * 1.0, peak, parts, record, ev, ne, BWD, u)
         grads_pending += seg_gn[si] * reduce_elem
         acts -= seg_saved[si]
         done[u] += 1
@@ -274,10 +265,10 @@ def kernels() -> tuple[Callable, ...] | None:
             except ImportError:
                 pass
             else:
-                from wrapopt.cost.layout import layout_kernel
+                from wrapopt.cost._layout_kernel import layout_kernel
 
                 if not _HELPERS_REGISTERED:  # step_loop calls them: numba compiles them with it
-                    for helper in (_rec, _all_gather):
+                    for helper in (_rec, _all_gather, _compute):
                         register_jitable(helper)
                     _HELPERS_REGISTERED.append(True)
                 fns = tuple(numba.njit(cache=True)(fn) for fn in (step_loop, layout_kernel, lookup, merge))

@@ -91,7 +91,7 @@ from typing import Any
 import numpy as np
 
 from wrapopt.cost import _step
-from wrapopt.cost.layout import KEEPS, NUMEL, SAVED, STORAGE, TRAINABLE_BYTES, TRAINABLE_NUMEL, Layout, Layouts
+from wrapopt.cost.layout import _MODULES, KEEPS, NUMEL, SAVED, STORAGE, TRAINABLE_BYTES, TRAINABLE_NUMEL, Layout, Layouts
 from wrapopt.fabric import ComputeProfile, FabricProfile
 from wrapopt.types import (
     CostEstimate,
@@ -104,7 +104,6 @@ from wrapopt.types import (
 
 __all__ = ["simulate", "Simulator"]
 
-_MODULES = operator.attrgetter("modules")
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
 
 
