@@ -26,9 +26,17 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.bench import PHASES  # noqa: E402
-from wrapopt.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, paired_ratio, place_effect, spearman  # noqa: E402
+from wrapopt.evaluation.bench import PHASES  # noqa: E402
+from wrapopt.evaluation.evaluate import (
+    evaluate,
+    fmt_ratio,
+    fmt_steal,
+    noise_floor,
+    paired_ratio,
+    place_effect,
+    spearman,
+)  # noqa: E402
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
@@ -38,14 +46,15 @@ TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
 
 def fake_tracker_check(world_size: int = 8) -> list[dict]:
     """llama-7b plans: simulator (GPU semantics) vs FSDPMemTracker on fake tensors."""
-    from wrapopt import zoo
     from wrapopt.cost import Simulator
-    from wrapopt.cost.memcheck import run_fake_check
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.plan import WrapPlan, model_fingerprint
-    from wrapopt.search import baselines
-    from wrapopt.trace import trace_model
-    from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
+    from wrapopt.evaluation.memcheck import run_fake_check
+    from wrapopt.fingerprint import model_fingerprint
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+    from wrapopt.models import zoo
+    from wrapopt.plan.file import WrapPlan
+    from wrapopt.search.baselines import baselines
+    from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+    from wrapopt.trace.meta import trace_model
 
     entry = zoo.get_entry("llama-7b")
     model = entry.build("meta")
@@ -58,7 +67,7 @@ def fake_tracker_check(world_size: int = 8) -> list[dict]:
              PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh, label="groups-of-2"),
              PlanSpec(tuple(UnitSpec((b,), True, True) for b in blocks) + (root,), mesh, label="per-block,ckpt"),
              PlanSpec(tuple(UnitSpec((b,), False) for b in blocks) + (root,), mesh, label="per-block,keep")]
-    sim = Simulator(graph, analytical_fabric(world_size=world_size), ComputeProfile.analytical())
+    sim = Simulator(graph, analytical_fabric(world_size=world_size), analytical_compute())
     fp = model_fingerprint(model)
     jsons = [WrapPlan(spec=p, model=fp).to_json() for p in plans]
     t0 = time.perf_counter()

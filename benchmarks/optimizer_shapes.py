@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from wrapopt._io import atomic_write_text  # noqa: E402
+from wrapopt.fileio import atomic_write_text  # noqa: E402
 
 
 def _worker(rank: int, world: int) -> list[tuple[str, int, float, float]] | None:
@@ -31,8 +31,8 @@ def _worker(rank: int, world: int) -> list[tuple[str, int, float, float]] | None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from wrapopt import zoo
-    from wrapopt.profile.compute import measure_optimizer
+    from wrapopt.hardware.measure_device import measure_optimizer
+    from wrapopt.models import zoo
 
     per_tensor, _per_tensor_2d, bandwidth = measure_optimizer(repeats=5)
     mesh = init_device_mesh("cpu", (world,))

@@ -22,9 +22,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from wrapopt._io import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman  # noqa: E402
-from wrapopt.evidence import BASELINES, judge  # noqa: E402
+from wrapopt.evaluation.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman  # noqa: E402
+from wrapopt.evaluation.evidence import BASELINES, judge  # noqa: E402
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
 
@@ -78,12 +78,12 @@ def scatter(runs: list[dict], path: str) -> None:
 
 def planning_section() -> list[str]:
     """Simulated only: llama-7b and llama-70b on 64, 512 and 1024 GPUs with the analytical fabrics."""
-    from wrapopt import zoo
     from wrapopt.cost import Simulator
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.search import search_plan
-    from wrapopt.trace import trace_model
-    from wrapopt.types import MeshSpec
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+    from wrapopt.models import zoo
+    from wrapopt.search.driver import search_plan
+    from wrapopt.spec import MeshSpec
+    from wrapopt.trace.meta import trace_model
 
     lines = ["## Planning at scale (SIMULATED on analytical fabrics, not measured)", "",
              "Predicted per-rank step time and peak memory; budget 80 GiB x 0.9. Fabric numbers are stated, with "
@@ -98,7 +98,7 @@ def planning_section() -> list[str]:
                       "|---|---|---|---|---|---|---|---|---|---|"]
             for world in (64, 512, 1024):
                 mesh = MeshSpec(world_size=world, ranks_per_node=8, shard_size=world)
-                sim = Simulator(graph, analytical_fabric(fab_name, world_size=world), ComputeProfile.analytical(fab_name))
+                sim = Simulator(graph, analytical_fabric(fab_name, world_size=world), analytical_compute(fab_name))
                 try:
                     res = search_plan(graph, sim, mesh, memory_budget=80 * 2**30 * 0.9)
                 except Exception as e:  # infeasible: say so in the table

@@ -89,14 +89,14 @@ def _search_section() -> list[str]:
 
 
 def _zoo_section() -> list[str]:
-    from wrapopt import zoo
     from wrapopt.cost import Simulator
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.search import DEFAULT_TRIALS, SearchOptions, search_plan
-    from wrapopt.search.optuna_search import run_study
-    from wrapopt.search.space import SearchSpace
-    from wrapopt.trace import trace_model
-    from wrapopt.types import MeshSpec
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+    from wrapopt.models import zoo
+    from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions, search_plan
+    from wrapopt.search.study.run import run_study
+    from wrapopt.search.study.space import SearchSpace
+    from wrapopt.spec import MeshSpec
+    from wrapopt.trace.meta import trace_model
 
     lines = ["## DP optimum vs Optuna best on the trainable zoo models", ""]
     lines += [f"16 ranks (2 nodes of 8), analytical H100 + IB fabric. *DP best*: the fastest fitting answer of "
@@ -114,7 +114,7 @@ def _zoo_section() -> list[str]:
         e = zoo.get_entry(name)
         g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
         mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
-        sim = Simulator(g, analytical_fabric(world_size=16), ComputeProfile.analytical())
+        sim = Simulator(g, analytical_fabric(world_size=16), analytical_compute())
         probe = search_plan(g, sim, mesh)
         tight = 1.2 * min(s.estimate.peak_bytes for s in probe.candidates)
         for blabel, budget in (("none", math.inf), (f"{tight / 2**20:.1f} MiB", tight)):

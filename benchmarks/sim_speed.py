@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from wrapopt._io import atomic_write_json, atomic_write_text  # noqa: E402
-from wrapopt.cost import _step  # noqa: E402
-from wrapopt.evaluate import _cpu_times, _steal, fmt_steal  # noqa: E402
+from wrapopt.cost import step as steploop  # noqa: E402
+from wrapopt.evaluation.evaluate import _cpu_times, _steal, fmt_steal  # noqa: E402
+from wrapopt.fileio import atomic_write_json, atomic_write_text  # noqa: E402
 
 MESH = dict(world_size=64, ranks_per_node=8, shard_size=64)
 
@@ -56,8 +56,8 @@ class _Random:
 
 
 def _setup():
-    from wrapopt import zoo
-    from wrapopt.trace import trace_model
+    from wrapopt.models import zoo
+    from wrapopt.trace.meta import trace_model
 
     entry = zoo.get_entry("llama-7b")
     return trace_model(entry.build("meta"), entry.inputs(), loss_fn=entry.loss, fx=False)
@@ -65,9 +65,9 @@ def _setup():
 
 def _new_sim(graph):
     from wrapopt.cost import Simulator
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 
-    return Simulator(graph, analytical_fabric(world_size=MESH["world_size"]), ComputeProfile.analytical())
+    return Simulator(graph, analytical_fabric(world_size=MESH["world_size"]), analytical_compute())
 
 
 _COMPILED: list = []  # the compiled step loop and layout kernel, made once
@@ -77,23 +77,23 @@ def use_loop(loop: str) -> None:
     """Run the simulator's step loop and layout build compiled (numba) or as Python: See
     [Note: compiled step loop] and [Note: layout kernel]."""
     if not _COMPILED:
-        _COMPILED.append(_step.kernels())
-    _step._JIT[:] = [None] if loop == "python" else _COMPILED
+        _COMPILED.append(steploop.kernels())
+    steploop._JIT[:] = [None] if loop == "python" else _COMPILED
 
 
 def simulator_speed(graph=None, rounds: int = 9) -> list[dict]:
     """Plan evaluations per second, best and median of ``rounds`` rounds, per kind of
     plan, compiled and as Python (when numba is installed). Every round measures
     every kind both ways, so that all rows see the same drift of the machine."""
-    from wrapopt.search import baselines
-    from wrapopt.search.space import SearchSpace
-    from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
+    from wrapopt.search.baselines import baselines
+    from wrapopt.search.study.space import SearchSpace
+    from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
 
     graph = graph or _setup()
     mesh = MeshSpec(**MESH)
     base = baselines(graph, mesh)
     use_loop("compiled")
-    compiled = _step.compiled() is not None
+    compiled = steploop.compiled() is not None
     root, blocks = base["root-only"].units[-1], graph.blocks
 
     def groupings(k: int) -> list:
@@ -144,8 +144,8 @@ def simulator_speed(graph=None, rounds: int = 9) -> list[dict]:
 
 def search_share(graph=None, trials: int = 200) -> dict:
     """Wall time of ``search_plan`` (no budget, ``trials`` Optuna trials) and the part inside ``simulate``."""
-    from wrapopt.search import SearchOptions, search_plan
-    from wrapopt.types import MeshSpec
+    from wrapopt.search.driver import SearchOptions, search_plan
+    from wrapopt.spec import MeshSpec
 
     graph = graph or _setup()
     sim = _new_sim(graph)
@@ -182,14 +182,14 @@ def cold_compile_s() -> float:
 def main() -> int:
     t0 = time.perf_counter()
     graph = _setup()
-    from wrapopt.search import baselines
-    from wrapopt.types import MeshSpec
+    from wrapopt.search.baselines import baselines
+    from wrapopt.spec import MeshSpec
 
     t1 = time.perf_counter()  # the first simulate compiles (or loads from numba's cache)
     _new_sim(graph).simulate(baselines(graph, MeshSpec(**MESH))["per-block"])
     compile_s = time.perf_counter() - t1
     cold_s = None
-    if _step.compiled() is not None:
+    if steploop.compiled() is not None:
         import numba
 
         loop = f"compiled with numba {numba.__version__}"

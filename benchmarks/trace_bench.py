@@ -39,9 +39,9 @@ import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from wrapopt import zoo  # noqa: E402
-from wrapopt._io import atomic_write_text  # noqa: E402
-from wrapopt.trace import trace_model  # noqa: E402
+from wrapopt.fileio import atomic_write_text  # noqa: E402
+from wrapopt.models import zoo
+from wrapopt.trace.meta import trace_model  # noqa: E402
 
 BIG = ("llama-7b", "llama-70b")
 TARGET_S = {"llama-7b": 5.0, "llama-70b": 20.0}
@@ -147,7 +147,7 @@ def _median_time(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, list[f
 
 def bench_small(name: str, factory: Callable[[], nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any],
                 loss_fn: Callable[..., torch.Tensor] | None) -> dict[str, Any]:
-    from wrapopt.zoo import default_loss
+    from wrapopt.losses import default_loss
 
     meta_model = _build(factory, "meta")
     graph = trace_model(meta_model, args, loss_fn=loss_fn, example_kwargs=kwargs)

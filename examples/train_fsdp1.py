@@ -27,10 +27,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from wrapopt import WrapPlan, zoo
+from wrapopt import WrapPlan
 from wrapopt.errors import WrapoptError
+from wrapopt.fingerprint import strip_wrapper_prefixes
 from wrapopt.launch import init_from_env, shutdown
-from wrapopt.plan import strip_wrapper_prefixes
+from wrapopt.models import zoo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,17 +50,17 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
     largest predicted peak of the baselines, so that the plan has to shard
     (this model is small enough to fit anywhere unsharded).
     """
-    from wrapopt._io import fmt_bytes, parse_bytes
     from wrapopt.api import plan_model
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.trace import trace_model
-    from wrapopt.types import MeshSpec
+    from wrapopt.fileio import fmt_bytes, parse_bytes
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+    from wrapopt.spec import MeshSpec
+    from wrapopt.trace.meta import trace_model
 
     model = build_model("meta")
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
     graph = trace_model(model, (ids,), loss_fn=lambda out, inputs: out.logits.float().pow(2).mean())
     mesh = MeshSpec(world_size=world_size, ranks_per_node=world_size, shard_size=world_size)
-    fabric, compute = analytical_fabric(world_size=world_size), ComputeProfile.analytical()
+    fabric, compute = analytical_fabric(world_size=world_size), analytical_compute()
     if memory is None:
         _, probe = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=None)
         peaks = [s.estimate.peak_bytes for s in probe.baselines.values()]

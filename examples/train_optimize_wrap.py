@@ -17,9 +17,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from wrapopt import optimize_wrap, zoo
+from wrapopt import optimize_wrap
 from wrapopt.errors import WrapoptError
 from wrapopt.launch import init_from_env, shutdown
+from wrapopt.models import zoo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from wrapopt import WrapPlan, zoo
-from wrapopt.apply import materialize_sharded
+from wrapopt import WrapPlan
+from wrapopt.debug import full_tensor, memory_report
 from wrapopt.errors import WrapoptError
-from wrapopt.inspect import full_tensor, memory_report
 from wrapopt.launch import init_from_env, shutdown
+from wrapopt.models import zoo
+from wrapopt.plan.apply import materialize_sharded
 
 
 def init_weights(module: nn.Module) -> None:

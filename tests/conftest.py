@@ -21,8 +21,8 @@ def repo_root() -> str:
 @pytest.fixture(scope="session")
 def gpt_tiny():
     """``(model, inputs, graph)`` for zoo gpt-tiny built on meta (4 blocks, tied wte/lm_head)."""
-    from wrapopt import zoo
-    from wrapopt.trace import trace_model
+    from wrapopt.models import zoo
+    from wrapopt.trace.meta import trace_model
 
     model, inputs = zoo.build("gpt-tiny", "meta")
     graph = trace_model(model, inputs, loss_fn=zoo.ZOO["gpt-tiny"].loss)
@@ -32,8 +32,8 @@ def gpt_tiny():
 @pytest.fixture(scope="session")
 def llama_tiny():
     """``(model, inputs, graph)`` for zoo llama-tiny built on meta (6 blocks, no ties)."""
-    from wrapopt import zoo
-    from wrapopt.trace import trace_model
+    from wrapopt.models import zoo
+    from wrapopt.trace.meta import trace_model
 
     model, inputs = zoo.build("llama-tiny", "meta")
     graph = trace_model(model, inputs, loss_fn=zoo.ZOO["llama-tiny"].loss)

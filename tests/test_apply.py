@@ -20,8 +20,8 @@ TOL = 1e-5
 
 
 def _plans(g, world):
-    from wrapopt.search import baselines
-    from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
+    from wrapopt.search.baselines import baselines
+    from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
 
     mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
     b = baselines(g, mesh)
@@ -47,9 +47,9 @@ def _train(model, opt, batches, loss_fn, steps=3):
 
 
 def _parity_worker(rank: int, world: int) -> dict:
-    from wrapopt import zoo
-    from wrapopt.apply import apply_plan
-    from wrapopt.trace import trace_model
+    from wrapopt.models import zoo
+    from wrapopt.plan.apply import apply_plan
+    from wrapopt.trace.meta import trace_model
 
     out: dict = {}
     for name in ("gpt-tiny", "t5-tiny"):
@@ -75,12 +75,12 @@ def _parity_worker(rank: int, world: int) -> dict:
 
 
 def _errors_worker(rank: int, world: int) -> dict:
-    from wrapopt import zoo
-    from wrapopt.apply import apply_plan
     from wrapopt.errors import PlanError
-    from wrapopt.search import baselines
-    from wrapopt.trace import trace_model
-    from wrapopt.types import MeshSpec, PlanSpec, UnitSpec
+    from wrapopt.models import zoo
+    from wrapopt.plan.apply import apply_plan
+    from wrapopt.search.baselines import baselines
+    from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+    from wrapopt.trace.meta import trace_model
 
     e = zoo.get_entry("gpt-tiny")
     g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
@@ -108,7 +108,8 @@ def _errors_worker(rank: int, world: int) -> dict:
 def _optimize_worker(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
-    from wrapopt import optimize_wrap, zoo
+    from wrapopt import optimize_wrap
+    from wrapopt.models import zoo
 
     e = zoo.get_entry("gpt-tiny")
     model = e.build("cpu", seed=0)

@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from wrapopt import zoo
-from wrapopt.cli import main
-from wrapopt.plan import WrapPlan
+from wrapopt.cli.main import main
+from wrapopt.models import zoo
+from wrapopt.plan.file import WrapPlan
 from wrapopt.search.baselines import BASELINE_NAMES
 
 LLAMA_7B = ["zoo:llama-7b", "--world-size", "64", "--gpus-per-node", "8"]
@@ -278,7 +278,7 @@ def test_module_help_runs(repo_root):
 
 _RSS_SCRIPT = """
 import resource, sys
-from wrapopt.cli import main
+from wrapopt.cli.main import main
 rc = main(["search", "zoo:llama-7b", "--world-size", "64", "--gpus-per-node", "8", "--out", sys.argv[1]])
 print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
 sys.exit(rc)

@@ -7,13 +7,14 @@ import random
 
 import pytest
 
-from wrapopt import zoo
 from wrapopt.cost import Simulator, simulate
 from wrapopt.errors import PlanError
-from wrapopt.fabric import AxisProfile, CollectiveCurve, ComputeProfile, FabricProfile, analytical_fabric
-from wrapopt.search import baselines
-from wrapopt.trace import trace_model
-from wrapopt.types import MeshSpec, OptimizerKind, PlanSpec, SimOptions, UnitSpec
+from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+from wrapopt.hardware.profiles import AxisProfile, CollectiveCurve, ComputeProfile, FabricProfile
+from wrapopt.models import zoo
+from wrapopt.search.baselines import baselines
+from wrapopt.spec import MeshSpec, OptimizerKind, PlanSpec, SimOptions, UnitSpec
+from wrapopt.trace.meta import trace_model
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def llama():
 
 MESH = MeshSpec(world_size=64, ranks_per_node=8, shard_size=64)
 FAB = analytical_fabric(world_size=64)
-GPU = ComputeProfile.analytical()
+GPU = analytical_compute()
 
 
 class _Random:
@@ -118,7 +119,7 @@ def test_cpu_without_prefetch_exposes_all_gathers():
     e = zoo.get_entry("gpt-tiny")
     g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
     mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
-    cpu = ComputeProfile(kind="measured", device="cpu", flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10)
+    cpu = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10)
     fab = analytical_fabric(world_size=2)
     plan = baselines(g, mesh)["per-block"]
     implicit = simulate(g, plan, fab, cpu)
@@ -162,7 +163,7 @@ def test_optimizer_step_uses_its_calibrated_bandwidth_and_2d_mesh_dispatch():
     g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss, fx=False)
     fsdp = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
     noshard = MeshSpec(world_size=2, ranks_per_node=2, shard_size=1)
-    base = ComputeProfile(kind="measured", device="cpu", flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
+    base = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
                           optimizer_tensor_s=1e-4)
     fab = analytical_fabric(world_size=2)
 
@@ -184,13 +185,13 @@ def test_optimizer_step_uses_its_calibrated_bandwidth_and_2d_mesh_dispatch():
 def test_caches_never_change_a_result():
     """See [Note: simulator speed]: layouts, per-unit collective costs and backward
     working sets are cached across plans; a fresh simulator must agree exactly."""
-    from wrapopt.search.space import SearchSpace
+    from wrapopt.search.study.space import SearchSpace
 
     model, x = zoo.build("t5-tiny", "meta")
     g = trace_model(model, x)
     mesh = MeshSpec(world_size=16, ranks_per_node=4, shard_size=16)
     fab = analytical_fabric(world_size=16, ranks_per_node=4)
-    comp = ComputeProfile.analytical()
+    comp = analytical_compute()
     opts = SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4)
     space = SearchSpace(g, mesh)
     src = _Random(0)
@@ -208,8 +209,8 @@ def test_compiled_and_python_paths_agree_exactly(monkeypatch):
     HSDP and no-shard plans, GPU and CPU schedules; compiled code that fails falls
     back to Python with a warning."""
     pytest.importorskip("numba")
-    from wrapopt.cost import _step
-    from wrapopt.search.space import SearchSpace
+    from wrapopt.cost import step as steploop
+    from wrapopt.search.study.space import SearchSpace
 
     model, x = zoo.build("gpt-tiny", "meta")
     g = trace_model(model, x)
@@ -219,27 +220,27 @@ def test_compiled_and_python_paths_agree_exactly(monkeypatch):
     plans = [SearchSpace(g, mesh).decode(src) for _ in range(25)] + list(baselines(g, mesh).values())
     assert len({p.mesh.shard_size for p in plans}) > 2 and any(p.forward_prefetch for p in plans)
     assert any(u.checkpoint for p in plans for u in p.units)
-    cpu = dataclasses.replace(GPU, device="cpu")
+    cpu = dataclasses.replace(GPU, device="cpu", runs_ahead=False)
     opts = SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, grad_accumulation=2)
-    monkeypatch.setattr(_step, "_JIT", [])
-    assert _step.compiled() is not None
+    monkeypatch.setattr(steploop, "_JIT", [])
+    assert steploop.compiled() is not None
     for comp in (GPU, cpu):
         jit = [Simulator(g, fab, comp, opts).simulate(p, record=True) for p in plans]
-        monkeypatch.setattr(_step, "_JIT", [None])
+        monkeypatch.setattr(steploop, "_JIT", [None])
         py = [Simulator(g, fab, comp, opts).simulate(p, record=True) for p in plans]
-        monkeypatch.setattr(_step, "_JIT", [])
+        monkeypatch.setattr(steploop, "_JIT", [])
         assert jit == py
         assert all(e.timeline for e in jit)
 
     def broken(*_a):
         raise TypeError("no matching definition")
 
-    real = _step.kernels()
+    real = steploop.kernels()
     for i in range(len(real)):  # the step loop, the layout kernel, the table lookup
-        monkeypatch.setattr(_step, "_JIT", [real[:i] + (broken,) + real[i + 1:]])
+        monkeypatch.setattr(steploop, "_JIT", [real[:i] + (broken,) + real[i + 1:]])
         with pytest.warns(UserWarning, match="compiled code failed"):
             again = Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
-        assert _step.compiled() is None  # the rest of the process runs Python
+        assert steploop.compiled() is None  # the rest of the process runs Python
         assert again == Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
 
 
@@ -248,11 +249,11 @@ def test_size_tables_lookup_and_merge():
     (NaN and a count for the rest), ``merge`` keeps the table sorted; compiled too."""
     import numpy as np
 
-    from wrapopt.cost import _step
+    from wrapopt.cost import step as steploop
 
-    fns = [(_step.lookup, _step.merge)]
-    if _step.kernels() is not None:
-        fns.append(_step.kernels()[2:4])
+    fns = [(steploop.lookup, steploop.merge)]
+    if steploop.kernels() is not None:
+        fns.append(steploop.kernels()[2:4])
     for lookup, merge in fns:
         keys, values = np.array([2.0, 8.0, 32.0]), np.array([0.2, 0.8, 3.2])
         out, missing = lookup(keys, values, np.array([8.0, 2.0, 8.0, 32.0]))
@@ -279,12 +280,12 @@ def test_layout_kernel_matches_the_fragment_path(monkeypatch):
     import torch
 
     from tests.fixtures_models import DIM, AlbertLike, LoRAModel, MoEModel, WithUnused, moe_inputs
-    from wrapopt.cost import _step
-    from wrapopt.cost._layout_kernel import layout_kernel
+    from wrapopt.cost import step as steploop
+    from wrapopt.cost.kernels import layout_kernel
     from wrapopt.cost.layout import Layouts
-    from wrapopt.search.space import SearchSpace
+    from wrapopt.search.study.space import SearchSpace
 
-    monkeypatch.setattr(_step, "_JIT", [None])  # Layouts.build takes the fragment path
+    monkeypatch.setattr(steploop, "_JIT", [None])  # Layouts.build takes the fragment path
     graphs = [trace_model(*zoo.build(name, "meta")) for name in ("t5-tiny", "gpt-tiny")]
     graphs += [trace_model(AlbertLike(num_repeats=3), torch.randn(4, DIM)), trace_model(LoRAModel(), torch.randn(4, DIM)),
                trace_model(MoEModel(dense=True), moe_inputs()), trace_model(WithUnused(), torch.randn(4, DIM))]
@@ -307,7 +308,7 @@ def test_layout_kernel_matches_the_fragment_path(monkeypatch):
                     u.append(m)
             plans.append(tuple(UnitSpec(tuple(u)) for u in units) + (UnitSpec(("",), False),))
         for opts in (SimOptions(), SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, batch_scale=1.5)):
-            layouts = Layouts(g, ComputeProfile.analytical(), opts)
+            layouts = Layouts(g, analytical_compute(), opts)
             for units in plans:
                 fragments = layouts.build(units)
                 kernel = layouts._build_compiled(layout_kernel, units)

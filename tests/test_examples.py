@@ -15,11 +15,12 @@ import time
 
 import pytest
 
-from wrapopt import zoo
+from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import free_port
-from wrapopt.plan import WrapPlan, model_fingerprint
+from wrapopt.models import zoo
+from wrapopt.plan.file import WrapPlan
 from wrapopt.search.baselines import baselines
-from wrapopt.types import MeshSpec
+from wrapopt.spec import MeshSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ("train_with_plan.py", "train_hf_with_plan.py", "train_fsdp1.py", "train_optimize_wrap.py")
@@ -49,7 +50,7 @@ def _ok(run: subprocess.CompletedProcess, steps: int) -> str:
 
 
 def _gpt_plan(path, world: int = 2, label: str = "per-block") -> str:
-    from wrapopt.trace import trace_model
+    from wrapopt.trace.meta import trace_model
 
     e = zoo.get_entry("gpt-tiny")
     model = e.build("meta")

@@ -23,13 +23,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from wrapopt import zoo
+from wrapopt.cli.export import add_export_parser, run_export
 from wrapopt.errors import PlanError, PlanMismatchError
-from wrapopt.export import add_export_parser, class_policy, export_plan, run_export
+from wrapopt.fingerprint import model_fingerprint, module_classes
+from wrapopt.interop.export import class_policy, export_plan
 from wrapopt.launch import spawn
-from wrapopt.plan import PLAN_FORMAT, WrapPlan, model_fingerprint, module_classes, plan_schema, schema_errors
+from wrapopt.models import zoo
+from wrapopt.plan.file import PLAN_FORMAT, WrapPlan, plan_schema, schema_errors
 from wrapopt.search.baselines import baselines, make_plan
-from wrapopt.types import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 
 TOL = 1e-5
 STEPS = 3
@@ -40,7 +42,7 @@ MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
 
 
 def _graph(name: str):
-    from wrapopt.trace import trace_model
+    from wrapopt.trace.meta import trace_model
 
     e = zoo.get_entry(name)
     return trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
@@ -121,8 +123,8 @@ def _catch(fn, *exc):
 
 
 def _meta_cases(rank: int, world: int, out: dict) -> None:
-    from wrapopt.apply import materialize_sharded
-    from wrapopt.inspect import full_tensor
+    from wrapopt.debug import full_tensor
+    from wrapopt.plan.apply import materialize_sharded
 
     for name, labels in (("gpt-tiny", ("per-block", "groups-of-2", "keep+ckpt")), ("llama-tiny", ("per-block", "groups-of-2"))):
         e = zoo.get_entry(name)
@@ -144,8 +146,8 @@ def _meta_cases(rank: int, world: int, out: dict) -> None:
 
 
 def _inspect_cases(rank: int, world: int, out: dict) -> None:
+    from wrapopt.debug import full_tensor, memory_report
     from wrapopt.errors import WrapoptError
-    from wrapopt.inspect import full_tensor, memory_report
 
     e = zoo.get_entry("gpt-tiny")
     ref = e.build("cpu", seed=0)
@@ -172,8 +174,8 @@ def _fsdp1_cases(rank: int, world: int, out: dict) -> None:
     )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from wrapopt.inspect import full_tensor
-    from wrapopt.plan import strip_wrapper_prefixes
+    from wrapopt.debug import full_tensor
+    from wrapopt.fingerprint import strip_wrapper_prefixes
 
     e = zoo.get_entry("gpt-tiny")
     graph = _graph("gpt-tiny")
@@ -263,7 +265,7 @@ def _mixed_precision_case(rank: int, world: int, out: dict) -> None:
 
 
 def _bench_case(rank: int, world: int, out: dict) -> None:
-    from wrapopt.bench import measure_plans
+    from wrapopt.evaluation.bench import measure_plans
 
     e = zoo.get_entry("gpt-tiny")
     specs = _specs(_graph("gpt-tiny"), MESH2)
@@ -452,12 +454,11 @@ def _optimize_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     import wrapopt.api as api
-    import wrapopt.profile as profile
-    from wrapopt import optimize_wrap
-    from wrapopt.fabric import ComputeProfile
+    from wrapopt import analytical_compute, optimize_wrap
+    from wrapopt.hardware.measure_collectives import measure_fabric
 
     e = zoo.get_entry("gpt-tiny")
-    compute = ComputeProfile.analytical()  # given, so that no rank spends seconds measuring it
+    compute = analytical_compute()  # given, so that no rank spends seconds measuring it
     ref = e.build("cpu", seed=0)
     full, mine = _batches("gpt-tiny", world, rank)
     out: dict = {"ref": [float(v) for v in _train(copy.deepcopy(ref), full, e.loss)]}
@@ -482,7 +483,7 @@ def _optimize_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
 
     counters = {"plan_model": _Counter(api.plan_model), "search_plan": _Counter(api.search_plan),
                 "measure_fabric": _Counter(None)}
-    api.plan_model, api.search_plan, profile.measure_fabric = (counters["plan_model"], counters["search_plan"],
+    api.plan_model, api.search_plan, api.measure_fabric = (counters["plan_model"], counters["search_plan"],
                                                                 counters["measure_fabric"])
     res2 = optimize_wrap(copy.deepcopy(ref), e.inputs(), loss_fn=e.loss, plan=plan_path)
     out["reuse_units"] = [list(u.modules) for u in res2.plan.units]
@@ -490,12 +491,12 @@ def _optimize_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
     out["reuse_calls"] = {k: c.calls for k, c in counters.items()}
     api.plan_model, api.search_plan = counters["plan_model"].fn, counters["search_plan"].fn
 
-    profile.measure_fabric = profile.fabric.measure_fabric
-    fab = profile.measure_fabric(sizes_bytes=(4096, 65536), repeats=2, progress=False, measure_overlap=False)
+    api.measure_fabric = measure_fabric
+    fab = api.measure_fabric(sizes_bytes=(4096, 65536), repeats=2, progress=False, measure_overlap=False)
     if rank == 0:
         fab.save(fabric_path)
     dist.barrier()
-    profile.measure_fabric = counters["measure_fabric"] = _Counter(None)
+    api.measure_fabric = counters["measure_fabric"] = _Counter(None)
     res3 = optimize_wrap(copy.deepcopy(ref), e.inputs(), loss_fn=e.loss, fabric=fabric_path, compute=compute)
     out["fabric"] = {"kind": res3.fabric.kind, "name": res3.fabric.name, "saved": fab.name,
                      "measured_again": counters["measure_fabric"].calls, "sharded": isinstance(res3.model, FSDPModule)}
@@ -505,11 +506,11 @@ def _optimize_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
 def _midway_budget() -> float:
     """A budget between the smallest and largest baseline peak: the plan must shard."""
     from wrapopt.cost import Simulator
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.search import search_plan
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+    from wrapopt.search.driver import search_plan
 
     graph = _graph("gpt-tiny")
-    sim = Simulator(graph, analytical_fabric(world_size=2), ComputeProfile.analytical())
+    sim = Simulator(graph, analytical_fabric(world_size=2), analytical_compute())
     peaks = [s.estimate.peak_bytes for s in search_plan(graph, sim, MESH2).baselines.values()]
     return (min(peaks) + max(peaks)) / 2
 
@@ -577,7 +578,7 @@ def written_plans():
     """Plans as the code writes them: every baseline of every zoo model, a search result,
     a rich hand-made plan (group, hpZ, checkpointing, HSDP, prefetch, mixed precision)."""
     from wrapopt.api import plan_model
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 
     out = {}
     for name in ("gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"):
@@ -586,7 +587,7 @@ def written_plans():
         for label, spec in baselines(graph, MESH2).items():
             out[f"{name}/{label}"] = WrapPlan(spec=spec, model=model_fingerprint(model))
         plan, _ = plan_model(graph, model, mesh=MESH2, fabric=analytical_fabric(world_size=2),
-                             compute=ComputeProfile.analytical(), memory_budget=None)
+                             compute=analytical_compute(), memory_budget=None)
         out[f"{name}/searched"] = plan
     gpt = zoo.get_entry("gpt-tiny").build("meta")
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=8)
@@ -652,8 +653,8 @@ def test_schema_errors_name_the_file_and_the_field(written_plans, tmp_path, chan
 def test_fingerprint_records_module_classes(gpt_tiny):
     model, _, _ = gpt_tiny
     classes = model_fingerprint(model)["module_classes"]
-    assert classes["wrapopt.zoo.GPTBlock"] == [f"layers.{i}" for i in range(4)]
-    assert classes["wrapopt.zoo.GPT"] == [""]
+    assert classes["wrapopt.models.zoo.GPTBlock"] == [f"layers.{i}" for i in range(4)]
+    assert classes["wrapopt.models.zoo.GPT"] == [""]
 
 
 def test_check_model_names_modules_whose_class_differs(gpt_tiny):
@@ -708,7 +709,7 @@ def test_export_checkpointed_keep_units_is_exact(gpt_tiny):
     lit = export_plan(plan, to="lightning")
     assert lit.exact
     assert lit.settings["sharding_strategy"] == "SHARD_GRAD_OP"
-    assert lit.settings["auto_wrap_policy"] == lit.settings["activation_checkpointing_policy"] == ["wrapopt.zoo.GPTBlock"]
+    assert lit.settings["auto_wrap_policy"] == lit.settings["activation_checkpointing_policy"] == ["wrapopt.models.zoo.GPTBlock"]
     assert "from wrapopt.zoo import GPTBlock" in lit.text and "auto_wrap_policy={GPTBlock}" in lit.text
     compile(lit.text, "lightning_export.py", "exec")  # valid Python
 

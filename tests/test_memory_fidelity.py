@@ -16,16 +16,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from wrapopt import zoo
 from wrapopt.launch import spawn
-from wrapopt.types import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.models import zoo
+from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 
 MODELS = ("gpt-tiny", "t5-tiny")
 MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
 
 
 def _plans(graph, mesh: MeshSpec) -> list[PlanSpec]:
-    from wrapopt.search import baselines
+    from wrapopt.search.baselines import baselines
 
     b = baselines(graph, mesh)
     root = UnitSpec((ROOT,), False)
@@ -38,12 +38,12 @@ def _plans(graph, mesh: MeshSpec) -> list[PlanSpec]:
 
 
 def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
-    from wrapopt.apply import apply_plan
-    from wrapopt.bench import _step
     from wrapopt.cost import Simulator
-    from wrapopt.fabric import ComputeProfile, analytical_fabric
-    from wrapopt.memtrack import steady_step_peak
-    from wrapopt.trace import trace_model
+    from wrapopt.evaluation.bench import _step
+    from wrapopt.evaluation.memtrack import steady_step_peak
+    from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+    from wrapopt.plan.apply import apply_plan
+    from wrapopt.trace.meta import trace_model
 
     torch.set_num_threads(1)
     out = []
@@ -51,7 +51,7 @@ def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
         e = zoo.get_entry(name)
         x = e.inputs()
         graph = trace_model(e.build("meta"), x, loss_fn=e.loss, fx=False)
-        sim = Simulator(graph, analytical_fabric(world_size=world), replace(ComputeProfile.analytical(), device="cpu"))
+        sim = Simulator(graph, analytical_fabric(world_size=world), replace(analytical_compute(), device="cpu", runs_ahead=False))
         for plan in _plans(graph, MESH2):
             model = e.build("cpu", seed=0)
             apply_plan(model, plan)
@@ -86,7 +86,7 @@ def test_checkpointing_is_predicted_to_save_what_it_saves(measured):
 
 
 def test_tracer_separates_the_loss_from_the_root():
-    from wrapopt.trace import trace_model
+    from wrapopt.trace.meta import trace_model
 
     e = zoo.get_entry("gpt-tiny")
     graph = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss, fx=False)
@@ -100,7 +100,7 @@ def test_tracer_separates_the_loss_from_the_root():
 
 def test_tied_gradient_appears_at_the_head_and_accumulates_at_the_embedding():
     from wrapopt.cost.layout import gradient_sites
-    from wrapopt.trace import trace_model
+    from wrapopt.trace.meta import trace_model
 
     e = zoo.get_entry("gpt-tiny")
     graph = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss, fx=False)

@@ -21,16 +21,16 @@ import time
 
 import pytest
 
-from wrapopt import zoo
-from wrapopt.cli import main
+from wrapopt.cli.main import main
 from wrapopt.cost import Simulator
 from wrapopt.errors import WrapoptError
-from wrapopt.fabric import ComputeProfile, analytical_fabric
-from wrapopt.search import SearchOptions, search_plan
-from wrapopt.search.optuna_search import _storage, run_study, storage_url
-from wrapopt.search.space import SearchSpace
-from wrapopt.trace import trace_model
-from wrapopt.types import MeshSpec
+from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+from wrapopt.models import zoo
+from wrapopt.search.driver import SearchOptions, search_plan
+from wrapopt.search.study.run import _storage, run_study, storage_url
+from wrapopt.search.study.space import SearchSpace
+from wrapopt.spec import MeshSpec
+from wrapopt.trace.meta import trace_model
 
 TINY = ["zoo:llama-tiny", "--world-size", "16", "--gpus-per-node", "8"]
 
@@ -44,7 +44,7 @@ def _graph(name: str):
 def _setup(name: str, world: int = 16):
     g = _graph(name)
     mesh = MeshSpec(world_size=world, ranks_per_node=8, shard_size=world)
-    return g, mesh, Simulator(g, analytical_fabric(world_size=world), ComputeProfile.analytical())
+    return g, mesh, Simulator(g, analytical_fabric(world_size=world), analytical_compute())
 
 
 def _budget(g, mesh, sim) -> float:

@@ -11,14 +11,15 @@ import os
 import pytest
 import torch
 
-from wrapopt import zoo
-from wrapopt._io import parse_bytes
 from wrapopt.cost import simulate
 from wrapopt.errors import PlanError, PlanMismatchError
-from wrapopt.fabric import ComputeProfile, analytical_fabric
-from wrapopt.plan import PLAN_FORMAT, WrapPlan, model_fingerprint
+from wrapopt.fileio import parse_bytes
+from wrapopt.fingerprint import model_fingerprint
+from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+from wrapopt.models import zoo
+from wrapopt.plan.file import PLAN_FORMAT, WrapPlan
 from wrapopt.search.baselines import BASELINE_NAMES, baselines, make_plan
-from wrapopt.types import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.units import validate_plan
 
 MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
@@ -26,7 +27,7 @@ MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
 
 def _from_search(graph, model, spec: PlanSpec) -> WrapPlan:
     fabric = analytical_fabric(world_size=spec.mesh.world_size, ranks_per_node=spec.mesh.ranks_per_node)
-    compute = ComputeProfile.analytical()
+    compute = analytical_compute()
     estimate = simulate(graph, spec, fabric, compute, record=True)
     scored = {name: simulate(graph, b, fabric, compute).summary_json()
               for name, b in baselines(graph, spec.mesh).items()}
@@ -178,7 +179,7 @@ def _mutated(plan: WrapPlan, change) -> dict:
 
 def test_not_json_names_the_file(tmp_path):
     path = _write(tmp_path, "{ this is not json")
-    with pytest.raises(PlanError, match="not a JSON plan file") as exc:
+    with pytest.raises(PlanError, match="not valid JSON") as exc:
         WrapPlan.load(path)
     assert path in str(exc.value)
 

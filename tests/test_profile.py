@@ -15,20 +15,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-from wrapopt import zoo
+from wrapopt.cli import profile_fabric
+from wrapopt.cli.profile_fabric import add_cli_arguments, profile_fabric_main, run_cli
 from wrapopt.errors import DistributedError, ModelError, ProfileError
-from wrapopt.fabric import COLLECTIVES, ComputeProfile, FabricProfile, analytical_fabric
+from wrapopt.hardware.measure_collectives import measure_fabric
+from wrapopt.hardware.measure_device import measure_compute, measure_unit_overhead
+from wrapopt.hardware.presets import analytical_fabric
+from wrapopt.hardware.profiles import COLLECTIVES, ComputeProfile, FabricProfile
 from wrapopt.launch import spawn
-from wrapopt.profile import (
-    add_cli_arguments,
-    format_fabric,
-    measure_compute,
-    measure_fabric,
-    measure_unit_overhead,
-    profile_fabric_main,
-    run_cli,
-)
-from wrapopt.profile import cli as profile_fabric
+from wrapopt.models import zoo
+from wrapopt.report.fabric import format_fabric
 
 SMALL_SIZES = [4 * 2**10, 64 * 2**10, 2**20]
 

@@ -7,23 +7,23 @@ import functools
 import itertools
 import math
 import random
-
 import re
 
 import pytest
 import torch.nn as nn
 
-from wrapopt import zoo
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError
-from wrapopt.fabric import ComputeProfile, analytical_fabric
-from wrapopt.search import SearchOptions, baselines, dp_shard_sizes, search_plan
-from wrapopt.search.dp import (
-    ChainDP, brute_force_chain, chain_costs, chain_model, dp_plans, solve_chain, solve_chains, unit_choices,
-)
-from wrapopt.search.space import SearchSpace, shard_sizes
-from wrapopt.trace import trace_model
-from wrapopt.types import MeshSpec, PlanSpec
+from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+from wrapopt.hardware.profiles import ComputeProfile
+from wrapopt.models import zoo
+from wrapopt.search.baselines import baselines
+from wrapopt.search.dp.chain import brute_force_chain, chain_costs, chain_model, unit_choices
+from wrapopt.search.dp.solve import ChainDP, dp_plans, solve_chain, solve_chains
+from wrapopt.search.driver import SearchOptions, dp_shard_sizes, search_plan
+from wrapopt.search.study.space import SearchSpace, shard_sizes
+from wrapopt.spec import MeshSpec, PlanSpec
+from wrapopt.trace.meta import trace_model
 from wrapopt.units import owner_index, owner_of, validate_plan
 
 
@@ -37,7 +37,7 @@ def _graph(name: str):
 def setup(request):
     g = _graph(request.param)
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
-    sim = Simulator(g, analytical_fabric(world_size=16), ComputeProfile.analytical())
+    sim = Simulator(g, analytical_fabric(world_size=16), analytical_compute())
     return g, mesh, sim
 
 
@@ -164,9 +164,9 @@ def test_size_based_replays_fsdp1_on_llama7b():
 def test_dp_equals_brute_force(runs_ahead, reshard, ckpt):
     g = _graph("llama-tiny")  # 6 blocks: 32 compositions
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
-    compute = ComputeProfile.analytical()
+    compute = analytical_compute()
     if not runs_ahead:
-        compute = ComputeProfile(kind="measured", device="cpu", flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
+        compute = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
                                  unit_overhead_s=1e-3)
     sim = Simulator(g, analytical_fabric(world_size=16), compute)
     cc = chain_costs(sim, mesh, g.block_chains[0], max_group=6)
@@ -190,9 +190,9 @@ def _max_mem(cc, reshard, ckpt):
 
 
 def _sim(g, world: int, *, cpu: bool = False):
-    compute = ComputeProfile.analytical()
+    compute = analytical_compute()
     if cpu:
-        compute = ComputeProfile(kind="measured", device="cpu", flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
+        compute = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
                                  unit_overhead_s=1e-3)
     return Simulator(g, analytical_fabric(world_size=world), compute)
 

@@ -21,10 +21,10 @@ from tests.fixtures_models import (
     make_mlp,
     moe_inputs,
 )
-from wrapopt import zoo
 from wrapopt.errors import ModelError, TraceError
-from wrapopt.trace import trace_model
-from wrapopt.types import ModelGraph
+from wrapopt.models import zoo
+from wrapopt.spec import ModelGraph
+from wrapopt.trace.meta import trace_model
 
 # llama-70b is left out for time: llama-7b covers the planning-only (bf16, meta) path.
 ZOO_NAMES = [n for n in zoo.ZOO if n != "llama-70b"]

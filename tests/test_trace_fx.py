@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from wrapopt import zoo
-from wrapopt.report import format_graph, graph_to_json
-from wrapopt.trace import _FX_AUTO_MAX_MODULES, trace_model
-from wrapopt.trace_fx import export_fx
+from wrapopt.models import zoo
+from wrapopt.report.text import format_graph, graph_to_json
+from wrapopt.trace.fx import export_fx
+from wrapopt.trace.meta import _FX_AUTO_MAX_MODULES, trace_model
 
 BATCH, SEQ, DIM = 4, 64, 64  # gpt-tiny's example batch
 

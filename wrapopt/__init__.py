@@ -9,16 +9,25 @@ Example:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import sys as _sys
 
-from wrapopt import zoo
+from wrapopt import debug, hardware, spec
 from wrapopt.api import OptimizeResult, optimize_wrap
 from wrapopt.cost import simulate
 from wrapopt.errors import WrapoptError
-from wrapopt.fabric import ComputeProfile, FabricProfile, analytical_fabric
+from wrapopt.hardware import ComputeProfile, FabricProfile, analytical_compute, analytical_fabric
+from wrapopt.models import zoo
 from wrapopt.plan import WrapPlan
+from wrapopt.plan import apply as _apply
+from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.trace import trace_model
-from wrapopt.types import CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.version import __version__
+
+# Import paths of the layout before 0.2 (wrapopt.inspect, wrapopt.types, ...), kept for one
+# release as aliases of the modules that replaced them; new code imports the new paths.
+for _old, _new in (("inspect", debug), ("types", spec), ("fabric", hardware), ("zoo", zoo), ("apply", _apply)):
+    _sys.modules.setdefault(f"wrapopt.{_old}", _new)
+del _old, _new, _sys, _apply
 
 __all__ = [
     "__version__",
@@ -30,6 +39,7 @@ __all__ = [
     "FabricProfile",
     "ComputeProfile",
     "analytical_fabric",
+    "analytical_compute",
     "ModelGraph",
     "MeshSpec",
     "PlanSpec",

@@ -15,16 +15,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from wrapopt._io import check_writable, fmt_bytes, parse_bytes
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
-from wrapopt.fabric import DEFAULT_ANALYTICAL, ANALYTICAL_FABRICS, ComputeProfile, FabricProfile, analytical_fabric
-from wrapopt.plan import WrapPlan
-from wrapopt.search import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, baselines, search_plan
-from wrapopt.trace import trace_model
-from wrapopt.types import MeshSpec, ModelGraph, SimOptions
+from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
+from wrapopt.hardware.measure_collectives import measure_fabric
+from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.presets import ANALYTICAL_FABRICS, DEFAULT_ANALYTICAL, analytical_compute, analytical_fabric
+from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.launch import broadcast_json
+from wrapopt.plan.file import WrapPlan
+from wrapopt.search.baselines import baselines
+from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
+from wrapopt.spec import MeshSpec, ModelGraph, SimOptions
+from wrapopt.trace.meta import trace_model
 
-__all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "MEMORY_HEADROOM"]
+__all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
+           "MEMORY_HEADROOM"]
 
 MEMORY_HEADROOM = 0.90  # `--memory auto`: plan for 90% of the device, leave the rest to the allocator
 
@@ -202,20 +208,18 @@ def optimize_wrap(
         compute = ComputeProfile.load(compute)
     fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)
     if compute is None and fab is not None and fab.kind == "analytical":
-        compute = ComputeProfile.analytical(fab.name)  # stated numbers for both, as `wrapopt search` does
+        compute = analytical_compute(fab.name)  # stated numbers for both, as `wrapopt search` does
 
     if in_group and given_plan is None:
-        from wrapopt.profile import measure_compute, measure_fabric
-
         if fab is None:
             fab = measure_fabric(progress=rank == 0)
         if compute is None:
             compute = measure_compute()
-            compute = _broadcast_json(compute.to_json(), ComputeProfile.from_json)
+            compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
     if compute is None:
-        compute = ComputeProfile.analytical() if fab is None or fab.kind == "analytical" else _local_compute()
+        compute = analytical_compute() if fab is None or fab.kind == "analytical" else _local_compute()
     assert fab is not None or given_plan is not None
-    budget = _budget(memory_budget, compute)
+    budget = resolve_budget(memory_budget, compute)
 
     result: SearchResult | None = None
     if given_plan is not None:
@@ -236,7 +240,7 @@ def optimize_wrap(
                     raise
                 text, failure = {"error": type(e).__name__, "message": str(e)}, e
         if in_group:
-            text = _broadcast_json(text, lambda d, **_: d)
+            text = broadcast_json(text, lambda d, **_: d)
             if "error" in text:  # type: ignore[operator]
                 if failure is not None:
                     raise failure
@@ -267,7 +271,8 @@ def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | N
                         notes=("plan given, not searched",))
 
 
-def _budget(memory_budget: int | float | str | None, compute: ComputeProfile) -> float | None:
+def resolve_budget(memory_budget: int | float | str | None, compute: ComputeProfile) -> float | None:
+    """A memory budget in bytes from bytes, "80GiB"/"80GB", "auto" (the device's capacity with headroom) or None."""
     if memory_budget is None:
         return None
     if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
@@ -279,15 +284,4 @@ def _budget(memory_budget: int | float | str | None, compute: ComputeProfile) ->
 
 
 def _local_compute() -> ComputeProfile:
-    from wrapopt.profile import measure_compute
-
     return measure_compute()
-
-
-def _broadcast_json(obj: Any, parse: Callable[..., Any]) -> Any:
-    """Rank 0's JSON-able object on every rank (sent as JSON text, never pickled user data)."""
-    import json
-
-    box = [json.dumps(obj) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return parse(json.loads(box[0]))  # type: ignore[arg-type]

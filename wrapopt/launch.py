@@ -14,6 +14,7 @@ ranks are killed, never left hanging.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import socket
@@ -28,7 +29,7 @@ import torch.multiprocessing as mp
 
 from wrapopt.errors import DistributedError
 
-__all__ = ["spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type"]
+__all__ = ["spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type", "broadcast_json"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -257,3 +258,10 @@ def _explain(procs: list[Any], results: dict[int, Any], errors: dict[int, str]) 
     else:  # every rank reported a symptom: nobody to blame but the reporter
         return f"rank {rank} failed: {errors[rank]}"
     return f"{culprit}; rank {rank} then failed: {head}\n{rest}"
+
+
+def broadcast_json(obj: Any, parse: Callable[..., Any]) -> Any:
+    """Rank 0's JSON-able object on every rank (sent as JSON text, never pickled user data)."""
+    box = [json.dumps(obj) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return parse(json.loads(box[0]))  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from wrapopt.errors import PlanError
-from wrapopt.types import ROOT, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, ModelGraph, PlanSpec, UnitSpec
 
 __all__ = ["ancestors", "owner_index", "validate_plan", "unit_param_bytes"]
 

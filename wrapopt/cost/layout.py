@@ -22,7 +22,7 @@ cut 32 blocks in a handful of ways each, so a new plan's layout is mostly
 assembled from fragments already seen.
 
 [Note: layout kernel] With numba installed (See [Note: compiled step loop] in
-``_step.py``), ``build`` runs ``layout_kernel`` (``_layout_kernel.py``)
+``step.py``), ``build`` runs ``layout_kernel`` (``kernels.py``)
 instead: the same rules on module ids, one pass over the module calls in
 forward order (each call's owner is the innermost ancestor that is a unit; a
 segment ends where the owner or the piece changes) and one over the
@@ -53,15 +53,15 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from wrapopt.cost import _step
-from wrapopt.fabric import ComputeProfile
-from wrapopt.types import ROOT, ModelGraph, SimOptions, UnitSpec
+from wrapopt.cost import step as steploop
+from wrapopt.hardware.profiles import ComputeProfile
+from wrapopt.spec import ROOT, ModelGraph, SimOptions, UnitSpec
 from wrapopt.units import ancestors, owner_index
 
 __all__ = ["Layout", "Layouts", "Segment"]
@@ -109,7 +109,7 @@ class Layout:
     # many of its segments start a piece (pay the checkpoint overhead).
     counts: np.ndarray
     times: np.ndarray  # per unit (float64): forward, backward
-    # What the step loop reads (``_step.step_loop``): the segments as the 8 columns of
+    # What the step loop reads (``steploop.step_loop``): the segments as the 8 columns of
     # ``Segment``, and (units in forward order of first segment, units in backward
     # order, then per unit: last forward segment, place in forward and in backward
     # order (-1: never runs), segments, gradient elements that appear during them,
@@ -234,12 +234,12 @@ class Layouts:
 
     def build(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...] | None = None) -> Layout:
         """The layout of ``units`` (``mods``: their modules, if the caller has them), not cached."""
-        kernels = _step.kernels()
+        kernels = steploop.kernels()
         if kernels is not None:  # See [Note: layout kernel]
             try:
                 lay = self._build_compiled(kernels[1], units, mods)
             except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-                _step.disable_jit(f"{type(e).__name__}: {e}")
+                steploop.disable_jit(f"{type(e).__name__}: {e}")
                 lay = None
             if lay is not None:
                 return lay

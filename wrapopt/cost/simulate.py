@@ -70,7 +70,7 @@ is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
 measured by the profiler.
 
 [Note: simulator speed] The search scores thousands of plans, so with numba
-installed three pieces are compiled (``_step.py``, [Note: compiled step loop]):
+installed three pieces are compiled (``steploop.py``, [Note: compiled step loop]):
 the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
 lookup of collective times; without numba the same step loop runs as Python
 and layouts reuse block cuts across blocks and plans ([Note: cut pieces]).
@@ -90,22 +90,25 @@ from typing import Any
 
 import numpy as np
 
-from wrapopt.cost import _step
-from wrapopt.cost.layout import _MODULES, KEEPS, NUMEL, SAVED, STORAGE, TRAINABLE_BYTES, TRAINABLE_NUMEL, Layout, Layouts
-from wrapopt.fabric import ComputeProfile, FabricProfile
-from wrapopt.types import (
-    CostEstimate,
-    ModelGraph,
-    PlanSpec,
-    SimOptions,
-    TimelineEvent,
-    UnitCosts,
+from wrapopt.cost import step as steploop
+from wrapopt.cost.layout import (
+    _MODULES,
+    KEEPS,
+    NUMEL,
+    SAVED,
+    STORAGE,
+    TRAINABLE_BYTES,
+    TRAINABLE_NUMEL,
+    Layout,
+    Layouts,
 )
+from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec, SimOptions, TimelineEvent, UnitCosts
+from wrapopt.units import validate_plan
 
 __all__ = ["simulate", "Simulator"]
 
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
-
 
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
                "all_gather_buffer", "unsharded_grads", "activations", "working_set")
@@ -128,7 +131,7 @@ class Simulator:
         self._tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, dict[float, set[str]]]] = {}  # the same
         self._sets: dict[tuple[tuple[str, ...], ...], tuple[Any, ...]] = {}  # per set of units (and mesh)
         self._num_tensors = len(graph.param_shapes)
-        self._runs_ahead = not compute.device.startswith("cpu")  # See [Note: all-gather issue]
+        self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
         scale, out_b = self.options.batch_scale, graph.root.output_bytes * self.options.batch_scale
         # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
         self._loss = (float(compute.loss_s * scale), float(out_b + graph.loss_peak_bytes * scale), float(out_b),
@@ -154,8 +157,8 @@ class Simulator:
         its sizes sorted, their times, and the caveats of extrapolated sizes."""
         key = (name, group, rpn_in_group)
         sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
-        fns = _step.kernels()
-        lookup, merge = (fns[2], fns[3]) if fns else (_step.lookup, _step.merge)
+        fns = steploop.kernels()
+        lookup, merge = (fns[2], fns[3]) if fns else (steploop.lookup, steploop.merge)
         try:
             out, missing = lookup(sizes, times, nbytes)
             if missing:  # new sizes: add them to the table
@@ -174,7 +177,7 @@ class Simulator:
         except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
             if fns is None:
                 raise
-            _step.disable_jit(f"{type(e).__name__}: {e}")
+            steploop.disable_jit(f"{type(e).__name__}: {e}")
             return self._colls_of(name, group, rpn_in_group, nbytes, notes)
         if caveats:  # extrapolated sizes: See FabricProfile.collective_s
             for b in caveats.keys() & set(nbytes.tolist()):
@@ -260,10 +263,10 @@ class Simulator:
         accum = sum(G.tolist()) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
         static = sharded_params + optim + accum
 
-        # The step loop: See [Note: compiled step loop] in _step.py.
+        # The step loop: See [Note: compiled step loop] in steploop.py.
         runs_ahead = self._runs_ahead
         depth = max(plan.forward_prefetch, 1 if runs_ahead else 0)
-        jit = _step.compiled()
+        jit = steploop.compiled()
         seg_cols, lay_cols = self._columns(lay, mods, jit is not None)
         unit_cols = (*unit_arrays, rag, keep, ck)
         if jit is None:
@@ -277,12 +280,12 @@ class Simulator:
             try:
                 res = jit(*args)
             except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-                _step.disable_jit(f"{type(e).__name__}: {e}")
+                steploop.disable_jit(f"{type(e).__name__}: {e}")
                 return self.simulate(plan, record=record)
         else:
-            res = _step.step_loop(*args)
+            res = steploop.step_loop(*args)
         fwd_end, bwd_end, end, comm_total, peak, peak_parts, n_ev = res
-        ev = [TimelineEvent(_step.LANES[int(r[0])], _step.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
+        ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
                             float(r[4]), int(r[5])) for r in ev_rows[:n_ev]]
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
         # fixed dispatch cost per parameter tensor (dominant for small models).
@@ -341,18 +344,17 @@ def simulate(
 
     Example:
         >>> from wrapopt import zoo, trace_model
-        >>> from wrapopt.fabric import analytical_fabric, ComputeProfile
+        >>> from wrapopt.hardware import analytical_compute, analytical_fabric
         >>> from wrapopt.search.baselines import baselines
         >>> model, x = zoo.build("gpt-tiny", "meta")
         >>> g = trace_model(model, x)
         >>> from wrapopt.types import MeshSpec
         >>> mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
         >>> plan = baselines(g, mesh)["per-block"]
-        >>> est = simulate(g, plan, analytical_fabric(world_size=8), ComputeProfile.analytical())
+        >>> est = simulate(g, plan, analytical_fabric(world_size=8), analytical_compute())
         >>> est.step_s > 0
         True
     """
-    from wrapopt.units import validate_plan
 
     validate_plan(graph, plan)
     return Simulator(graph, fabric, compute, options).simulate(plan, record=record)

@@ -18,7 +18,7 @@ their common parent instead (FSDP2 cannot shard one parameter in two units).
 from __future__ import annotations
 
 from wrapopt.errors import PlanError
-from wrapopt.types import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.units import validate_plan
 
 __all__ = ["baselines", "make_plan", "BASELINE_NAMES"]

@@ -1,0 +1,44 @@
+"""``wrapopt bench``: measure wrapopt's plan against the baselines and a plan set, and judge it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from wrapopt.errors import ModelError
+from wrapopt.evaluation.evaluate import evaluate
+from wrapopt.evaluation.evidence import format_judgement, judge
+from wrapopt.fileio import atomic_write_json
+
+__all__ = ["add_bench_parser", "run_bench"]
+
+
+def add_bench_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="measure wrapopt's plan against baselines and an exhaustive plan set")
+    p.add_argument("model", help="a trainable zoo model, e.g. zoo:gpt-tiny")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--plans", default="exhaustive", choices=["baselines", "variants", "exhaustive"])
+    p.add_argument("--budgets", default="tight,loose", help="comma list: tight, loose, midway or sizes like 12MiB")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--confirm", type=int, default=4, metavar="K",
+                   help="re-measure the K fastest fitting plans per budget, wrapopt's and the best baseline (0: off)")
+    p.add_argument("--confirm-repeats", type=int, default=15)
+    p.add_argument("--out", default=None, help="write the raw results (JSON) here")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if not args.model.startswith("zoo:"):
+        raise ModelError("wrapopt bench runs real steps of zoo models: give zoo:NAME (see `wrapopt trace --help`)")
+    res = evaluate(args.model[4:], world_size=args.world_size, ranks_per_node=args.ranks_per_node,
+                   plan_set=args.plans, repeats=args.repeats, budgets=args.budgets.split(","),
+                   confirm=args.confirm, confirm_repeats=args.confirm_repeats)
+    verdicts = judge(res)
+    print(format_judgement(res, verdicts))
+    if args.out:
+        atomic_write_json(args.out, {"result": res, "verdicts": verdicts})
+        print(f"wrote {os.path.abspath(args.out)}")
+    return 0
+

@@ -1,0 +1,59 @@
+"""``wrapopt export``: a plan as an Accelerate config or a Lightning FSDPStrategy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from wrapopt.fileio import atomic_write_text, check_writable
+from wrapopt.interop.export import TARGETS, export_plan
+from wrapopt.models.sources import resolve_model
+from wrapopt.plan.file import WrapPlan
+
+__all__ = ["add_export_parser", "run_export"]
+
+
+def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``wrapopt export`` to the CLI's sub-commands; it runs ``run_export``."""
+    p = subparsers.add_parser("export", help="write a plan as an Accelerate config or a Lightning FSDPStrategy",
+                              description="Write the configuration Accelerate or Lightning reads for a plan; "
+                                          "what the tool cannot express is listed under LOSSES.")
+    p.add_argument("plan", help="a plan file (wrapopt search --out)")
+    p.add_argument("--to", required=True, choices=TARGETS)
+    p.add_argument("--out", default=None, help="write here (default: print to stdout)")
+    p.add_argument("--model", default=None,
+                   help="the planned MODEL (zoo:NAME, package.module:callable, hf:config.json); needed only for "
+                        "plan files that do not record module classes")
+    p.add_argument("--json", action="store_true", help="print the settings and losses as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 1 without writing when the export loses anything")
+    p.set_defaults(func=run_export)
+    return p
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Body of ``wrapopt export``; library errors propagate (the CLI turns them into exit 1)."""
+    plan = WrapPlan.load(args.plan)
+    model = None
+    if args.model:
+        model = resolve_model(args.model).build("meta")
+    if args.out:
+        check_writable(args.out)
+    out = export_plan(plan, to=args.to, model=model, source=args.plan)
+    if out.losses:
+        print(f"wrapopt export: the {args.to} configuration does not reproduce the plan exactly:", file=sys.stderr)
+        for x in out.losses:
+            print(f"  - {x}", file=sys.stderr)
+        if args.strict:
+            print("wrapopt export: nothing written (--strict)", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"target": out.target, "exact": out.exact, "settings": out.settings,
+                          "losses": list(out.losses)}, indent=1))
+    if args.out:
+        atomic_write_text(args.out, out.text)
+        print(f"wrote {args.out}" + ("" if out.exact else f" ({len(out.losses)} losses listed in it)"), file=sys.stderr)
+    elif not args.json:
+        print(out.text, end="")
+    return 0

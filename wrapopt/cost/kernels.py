@@ -1,0 +1,136 @@
+"""``layout_kernel``: ``Layouts.build`` on module ids, compiled by numba.
+
+See [Note: layout kernel] in ``layout.py``, which prepares its arrays
+(``Layouts._kernel_tables``) and turns its result into a ``Layout``;
+``step.kernels()`` compiles it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["layout_kernel"]
+
+
+def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_vals, m_out, root_id,  # noqa: ANN001
+                  scale, reduce_elem):
+    """``Layouts.build`` on module ids, for numba: See [Note: layout kernel].
+
+    Units list modules ``ids``, ``listed[u]`` of them for unit ``u``. Module calls in forward order:
+    ancestor ids ``e_anc`` (innermost first, -1 padded), piece ``e_piece``, times
+    ``e_time`` (forward, backward) and ``e_int`` (saved, output, gradient elements,
+    accumulated elements, input bytes); ``keep_of`` per piece. Parameter modules:
+    ancestors ``p_anc`` and ``p_vals`` (elements, bytes, trainable elements and bytes).
+    ``m_out``: each module's output bytes. Returns the segments (their units and
+    the other 7 columns of ``Segment``; the first ``s`` are used), ``s``, per-unit
+    integer rows (``Layout.counts``, then the step loop's) and float rows (times,
+    then the step loop's), and how many units run."""
+    n = listed.shape[0]
+    unit_of = np.full(m_out.shape[0], -1, np.int64)
+    widest = np.zeros(n, np.float64)  # largest output among a unit's modules
+    k = 0
+    for u in range(n):
+        for _ in range(listed[u]):
+            unit_of[ids[k]] = u  # a module listed twice: the last unit wins, as owner_index
+            if m_out[ids[k]] > widest[u]:
+                widest[u] = m_out[ids[k]]
+            k += 1
+    ne, depth = e_anc.shape
+    own = np.empty(ne, np.int64)
+    for i in range(ne):
+        own[i] = n - 1
+        for d in range(depth):
+            a = e_anc[i, d]
+            if a < 0:
+                break
+            if unit_of[a] >= 0:
+                own[i] = unit_of[a]
+                break
+    seg_u = np.empty(ne, np.int64)
+    seg_f = np.empty((7, ne), np.float64)  # the other columns of Segment
+    # Layout.counts' rows (numel, storage bytes, trainable numel, trainable bytes, saved, working
+    # set, input bytes, segments that start a piece), then last forward segment, segments, place in
+    # forward and in backward order, and the units in forward and in backward order (-1 padded)
+    u_i = np.zeros((14, n), np.int64)
+    u_i[8:, :] = -1
+    u_i[9, :] = 0
+    u_f = np.zeros((4, n), np.float64)  # forward, backward, gradient elements of its segments, trainable bytes
+    seen = np.zeros(keep_of.shape[0], np.bool_)
+    u_i[12, 0], u_i[10, n - 1] = n - 1, 0  # the root comes first in forward order
+    runs = 1
+    s = 0
+    i = 0
+    while i < ne:
+        pc, u = e_piece[i], own[i]
+        j = i + 1
+        while j < ne and e_piece[j] == pc and own[j] == u:
+            j += 1
+        f, b, sv, out, gn = e_time[0, i], e_time[1, i], e_int[0, i], e_int[1, i], e_int[2, i]
+        for k in range(i + 1, j):
+            f += e_time[0, k]
+            b += e_time[1, k]
+            sv += e_int[0, k]
+            if e_int[1, k] > out:
+                out = e_int[1, k]
+            gn += e_int[2, k]
+        freed = grads = best = 0.0  # See [Note: progressive backward], as _backward_working_set
+        for k in range(j - 1, i - 1, -1):
+            grads += e_int[2, k] * reduce_elem
+            leaving = e_int[4, k] if e_int[4, k] else e_int[1, k]
+            x = grads - freed + e_int[1, k] + leaving + 2 * e_int[3, k] * reduce_elem
+            if x > best:
+                best = x
+            freed += e_int[0, k]
+        keep = 0
+        if not seen[pc]:
+            keep = keep_of[pc]
+            seen[pc] = True
+        seg_u[s] = u
+        seg_f[0, s], seg_f[1, s], seg_f[2, s], seg_f[3, s] = f, b, sv, out
+        seg_f[4, s], seg_f[5, s], seg_f[6, s] = gn, int(best), keep
+        u_f[0, u] += f
+        u_f[1, u] += b
+        u_f[2, u] += gn
+        u_i[4, u] += sv
+        if out > u_i[5, u]:
+            u_i[5, u] = out
+        if keep:
+            u_i[7, u] += 1
+        u_i[8, u] = s
+        u_i[9, u] += 1
+        if u_i[10, u] < 0:  # its first segment
+            u_i[10, u] = runs
+            u_i[12, runs] = u
+            runs += 1
+        s += 1
+        i = j
+    for p in range(p_anc.shape[0]):
+        o = n - 1
+        for d in range(depth):
+            a = p_anc[p, d]
+            if a < 0:
+                break
+            if unit_of[a] >= 0:
+                o = unit_of[a]
+                break
+        for c in range(4):
+            u_i[c, o] += p_vals[c, p]
+    k = 0
+    for u in range(n):
+        u_f[3, u] = u_i[3, u]
+        u_i[6, u] = int(widest[u] * scale)
+        if listed[u] == 1 and ids[k] == root_id:  # UnitSpec.is_root keeps nothing
+            u_i[6, u] = 0
+        k += listed[u]
+    # Backward order: post-forward order reversed (last forward segment, latest first).
+    k = 0
+    for t in range(s - 1, -1, -1):
+        u = seg_u[t]
+        if u_i[11, u] < 0:
+            u_i[11, u] = k
+            u_i[13, k] = u
+            k += 1
+    if u_i[11, n - 1] < 0:  # a root without segments comes last
+        u_i[11, n - 1] = k
+        u_i[13, k] = n - 1
+    return seg_u, seg_f, s, u_i, u_f, runs

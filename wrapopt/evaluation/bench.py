@@ -1,0 +1,171 @@
+"""Measured training steps for plans: the loop that checks the predictions.
+
+All plans are sharded side by side in one process group and stepped
+interleaved, one step of each plan per round (See [Note: round order]), so the
+machine's noise hits every plan alike; per repeat the step time is the slowest
+rank's, and a plan's figure is the median over repeats. Each step is also
+split into phases (forward with the loss, backward, optimizer step), each the
+slowest rank's, to show where a prediction misses. Peak memory comes from one
+extra step per plan: ``torch.cuda.max_memory_allocated`` on CUDA, live tensor
+bytes on CPU (``memtrack.LiveBytesTracker``).
+
+[Note: round order] A plan's place in the round may matter on a shared
+machine: the first step after a barrier, or the step after one particular
+plan, can run slower. So the order changes every round, as the rows of a
+Williams design: round r runs ``(w[k] + r) % n`` for
+``w = 0, 1, n-1, 2, n-2, ...``. Over n rounds each plan takes every place
+once, and for an even n each plan directly follows every other plan once.
+Times stay indexed by plan and round, so two plans' k-th times are still
+from one round (``evaluate.paired_ratio``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from wrapopt.evaluation.memtrack import steady_step_peak
+from wrapopt.plan.apply import apply_plan
+from wrapopt.spec import PlanSpec
+
+__all__ = ["Measured", "measure_plans", "round_order"]
+
+PHASES = ("fwd", "bwd", "optim")
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    label: str
+    step_s: float  # median over repeats of the slowest rank
+    times_s: tuple[float, ...]
+    spread: float  # (max - min) / median over repeats
+    peak_bytes: int  # max over ranks
+    losses: tuple[float, ...]
+    phase_s: tuple[float, ...] = ()  # median over repeats of the slowest rank's forward (with the loss), backward, optimizer
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "step_s": self.step_s, "times_s": list(self.times_s), "spread": self.spread,
+                "peak_bytes": self.peak_bytes, "losses": list(self.losses), "phase_s": dict(zip(PHASES, self.phase_s))}
+
+
+def round_order(n: int, r: int) -> list[int]:
+    """The order of ``n`` plans in round ``r``: See [Note: round order]."""
+    w = [0]
+    lo, hi = 1, n - 1
+    while len(w) < n:
+        w.append(lo)
+        lo += 1
+        if len(w) < n:
+            w.append(hi)
+            hi -= 1
+    return [(x + r) % n for x in w]
+
+
+def _max_over_ranks(*xs: float) -> list[float]:
+    t = torch.tensor(xs, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _mark(on_cuda: bool) -> Any:
+    """A point in time: a recorded CUDA event (no sync, so the step runs as it would), else the clock."""
+    if on_cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _phases(marks: list[Any]) -> list[float]:
+    """Seconds between consecutive marks (after the step's final synchronize)."""
+    if marks and not isinstance(marks[0], float):
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, loss_fn: Callable,
+          mark: Callable[[], None] = lambda: None) -> float:
+    """One training step; ``mark()`` runs after forward (with the loss), after backward
+    and after the optimizer step."""
+    loss = loss_fn(model(*inputs), inputs)
+    mark()
+    loss.backward()  # FSDP2's final callback waits for the last reduce-scatter
+    mark()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    mark()
+    return float(loss.detach())
+
+
+def measure_plans(
+    build: Callable[[], nn.Module],
+    plans: list[PlanSpec],
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any, tuple], torch.Tensor],
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    lr: float = 1e-3,
+    measure_memory: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[Measured]:
+    """Run real steps of every plan on the current process group (call on every rank).
+
+    ``build()`` must return the same fresh model on every call (fixed seed).
+    """
+
+    on_cuda = torch.cuda.is_available()
+    models, opts = [], []
+    for plan in plans:
+        m = build()
+        apply_plan(m, plan)
+        models.append(m)
+        opts.append(torch.optim.AdamW(m.parameters(), lr=lr))
+    losses: list[list[float]] = [[] for _ in plans]
+    times: list[list[float]] = [[] for _ in plans]
+    phases: list[list[list[float]]] = [[] for _ in plans]
+    for r in range(warmup + repeats):
+        for i in round_order(len(plans), r):  # See [Note: round order]
+            m, o = models[i], opts[i]
+            dist.barrier()
+            if on_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            marks = [_mark(on_cuda)]
+            loss = _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)))
+            if on_cuda:
+                torch.cuda.synchronize()
+            dt, *ph = _max_over_ranks(time.perf_counter() - t0, *_phases(marks))
+            if r >= warmup:
+                times[i].append(dt)
+                phases[i].append(ph)
+            losses[i].append(loss)
+        if progress:
+            progress(f"bench: round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else ""))
+    peaks = [0] * len(plans)
+    if measure_memory:
+        for i, (m, o) in enumerate(zip(models, opts)):
+            dist.barrier()
+            if on_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                _step(m, o, inputs, loss_fn)
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated()
+            else:
+                # See [Note: missed frees] in memtrack.py.
+                peak = steady_step_peak(lambda: _step(m, o, inputs, loss_fn), m, o, "cpu")
+            peaks[i] = int(_max_over_ranks(float(peak))[0])
+    out = []
+    for i, plan in enumerate(plans):
+        med = statistics.median(times[i])
+        out.append(Measured(plan.label, med, tuple(times[i]), (max(times[i]) - min(times[i])) / med if med else 0.0,
+                            peaks[i], tuple(losses[i]),
+                            tuple(statistics.median(p[k] for p in phases[i]) for k in range(len(PHASES)))))
+    return out

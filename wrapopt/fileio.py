@@ -1,0 +1,132 @@
+"""Files and sizes: atomic writes, the one JSON reader, human-readable byte counts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from typing import Any
+
+from wrapopt.errors import WrapoptError
+
+__all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "fmt_bytes", "parse_bytes"]
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``:
+    readers see the old file or the new one, never half of one."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a results file should read like any other
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Raise OSError now if ``path`` cannot be written later (before long work starts)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(directory, exist_ok=True)
+    if not os.access(directory, os.W_OK) or (os.path.isdir(path)):
+        raise OSError(f"cannot write {path}: directory not writable or path is a directory")
+
+
+def read_json(path: str | os.PathLike, *, error: type[WrapoptError] = WrapoptError, hint: str = "") -> Any:
+    """Parse a JSON file (never pickle or eval): the one JSON reader of wrapopt.
+
+    Errors are ``error`` (a ``WrapoptError`` subclass) and name the file; ``hint``
+    (formatted with ``path``) says what to do when the file is missing.
+    """
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        extra = f"; {hint.format(path=where)}" if hint else ""
+        raise error(f"{where}: no such file{extra}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{where}: not valid JSON ({e})") from None
+
+
+class JsonReader:
+    """Field access on a parsed JSON object with errors that name the file and the field."""
+
+    def __init__(self, d: Any, where: str, *, error: type[WrapoptError] = WrapoptError):
+        if not isinstance(d, dict):
+            raise error(f"{where}: expected a JSON object, got {type(d).__name__}")
+        self.d, self.where, self.error = d, where, error
+
+    def get(self, key: str, typ: type | tuple[type, ...]) -> Any:
+        if key not in self.d:
+            raise self.error(f"{self.where}: missing field {key!r}")
+        v = self.d[key]
+        if not isinstance(v, typ):
+            name = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+            raise self.error(f"{self.where}: field {key!r} must be {name}, got {type(v).__name__}")
+        return v
+
+    def num(self, key: str) -> float:
+        v = self.get(key, (int, float))
+        if isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise self.error(f"{self.where}: field {key!r} must be a non-negative number, got {v!r}")
+        return float(v)
+
+    def sub(self, dotted: str) -> "JsonReader":
+        cur: Any = self.d
+        for part in dotted.split("."):
+            if not isinstance(cur, dict) or part not in cur:
+                raise self.error(f"{self.where}: missing field {dotted!r}")
+            cur = cur[part]
+        return JsonReader(cur, f"{self.where}: {dotted}", error=self.error)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse ``80GiB``, ``80GB``, ``80 gib`` or ``85899345920`` into bytes.
+
+    Raises ValueError with what is accepted otherwise.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if int(text) <= 0:
+            raise ValueError(f"memory budget must be at least one byte, got {text}")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r}: write bytes (85899345920) or a size such as 80GiB or 80GB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"memory budget must be at least one byte, got {text!r}")
+    return value

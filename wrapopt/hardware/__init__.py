@@ -1,0 +1,21 @@
+"""hardware: what the cost model knows of the cluster, measured or stated.
+
+``profiles`` holds the data (``FabricProfile``, ``ComputeProfile``), ``presets``
+the analytical fabrics built from stated numbers, ``measure_collectives`` and
+``measure_device`` measure them under a live process group.
+"""
+
+from wrapopt.hardware.presets import ANALYTICAL_FABRICS, DEFAULT_ANALYTICAL, analytical_compute, analytical_fabric
+from wrapopt.hardware.profiles import COLLECTIVES, AxisProfile, CollectiveCurve, ComputeProfile, FabricProfile
+
+__all__ = [
+    "COLLECTIVES",
+    "CollectiveCurve",
+    "AxisProfile",
+    "FabricProfile",
+    "ComputeProfile",
+    "ANALYTICAL_FABRICS",
+    "DEFAULT_ANALYTICAL",
+    "analytical_fabric",
+    "analytical_compute",
+]

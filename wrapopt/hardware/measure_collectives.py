@@ -1,0 +1,433 @@
+"""Measure collective latency per message size on each mesh axis.
+
+``measure_fabric()`` runs on every rank of a live process group and returns the
+same measured ``FabricProfile`` on each. The ``wrapopt profile-fabric`` command
+that spawns ranks and writes the file lives in ``wrapopt.cli.profile_fabric``; the
+printed report in ``wrapopt.report.fabric``.
+
+[Note: fabric timing protocol] Per size: a barrier on the world group,
+warm-up calls, then ``repeats`` timed repeats back to back (a collective
+synchronises its group, so back-to-back calls stay aligned). Small messages get
+more timed calls than ``repeats`` (``_samples_for``), so that their median
+survives scheduler ticks. Each
+repeat's figure is the *max over ranks* of that repeat (the slowest rank is
+what a training step waits for); the curve keeps the *median over repeats*
+and the spread ``(p90 - p10) / median``. One ``all_reduce(MAX)`` at the end
+carries every rank's table, so measuring adds no collectives between sizes.
+
+[Note: concurrent axis groups] The "intra" axis runs one group per node and
+the "inter" axis one group per local rank index, all groups of an axis at the
+same time, as HSDP's shard and replicate groups do in training: concurrent
+inter-node groups share the nodes' NICs, and that contention belongs in the
+measurement.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from wrapopt import launch
+from wrapopt.errors import ProfileError
+from wrapopt.fileio import fmt_bytes
+from wrapopt.hardware.profiles import COLLECTIVES, AxisProfile, CollectiveCurve, FabricProfile
+
+__all__ = ["default_sizes", "measure_fabric"]
+
+# torch 2.13 deprecates the *_into_tensor / *_tensor names; keep both working (torch>=2.6).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+DEFAULT_TIMEOUT_S = 600.0
+_MAX_SAMPLES_PER_REPEAT = 8  # small messages: see _samples_for
+
+
+def default_sizes(device_type: str | None = None) -> tuple[int, ...]:
+    """Powers of 4 from 4 KiB to 16 MiB on CPU (gloo), to 256 MiB on CUDA (NCCL).
+
+    Gloo past 16 MiB costs seconds per size and adds nothing the bandwidth
+    term does not already say; NCCL needs the large sizes to reach its bus
+    bandwidth.
+    """
+    top = 256 * 2**20 if (device_type or launch.device_type()) == "cuda" else 16 * 2**20
+    sizes, n = [], 4 * 2**10
+    while n <= top:
+        sizes.append(n)
+        n *= 4
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class _Axis:
+    name: str
+    group: Any  # this rank's ProcessGroup on the axis
+    group_size: int
+    ranks_per_node_in_group: int
+
+
+def _build_axes(world: int, rank: int, ranks_per_node: int) -> list[_Axis]:
+    """The axes to measure; every rank creates every group, in the same order (new_group's rule)."""
+    num_nodes = world // ranks_per_node
+    axes: list[_Axis] = []
+    if num_nodes > 1:
+        mine = None
+        for node in range(num_nodes):
+            g = dist.new_group(list(range(node * ranks_per_node, (node + 1) * ranks_per_node)))
+            if rank // ranks_per_node == node:
+                mine = g
+        if ranks_per_node > 1:  # one rank per node: an intra group of one measures nothing
+            axes.append(_Axis("intra", mine, ranks_per_node, ranks_per_node))
+        mine = None
+        for local in range(ranks_per_node):
+            g = dist.new_group(list(range(local, world, ranks_per_node)))
+            if rank % ranks_per_node == local:
+                mine = g
+        axes.append(_Axis("inter", mine, num_nodes, 1))
+    axes.append(_Axis("world", dist.group.WORLD, world, min(world, ranks_per_node)))
+    return axes
+
+
+def _collective_fn(name: str, nbytes: int, p: int, group: Any, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
+    """A closure running one collective of (about) ``nbytes`` unsharded bytes, and the exact bytes."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    numel = max(p, nbytes // elem // p * p)  # the unsharded tensor splits evenly over the group
+    # Zeros: repeated sums stay 0, never overflowing into inf/NaN slow paths.
+    full = torch.zeros(numel, dtype=dtype, device=device)
+    shard = torch.zeros(numel // p, dtype=dtype, device=device)
+    match name:
+        case "all_gather":
+            return (lambda: _all_gather(full, shard, group=group)), numel * elem
+        case "reduce_scatter":
+            return (lambda: _reduce_scatter(shard, full, group=group)), numel * elem
+        case "all_reduce":
+            return (lambda: dist.all_reduce(full, group=group)), numel * elem
+        case _:
+            raise ValueError(f"unknown collective {name!r}; choose from {COLLECTIVES}")
+
+
+class _Progress:
+    """One self-overwriting line on rank 0's stderr (a line per axis when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.tty = enabled and sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.tty:
+            sys.stderr.write(f"\rprofile: {label} [{self.done}/{self.total}]\033[K")
+            sys.stderr.flush()
+
+    def note(self, label: str) -> None:
+        if self.enabled and not self.tty:
+            print(f"profile: {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _samples_for(fn: Callable[[], Any], sync: Callable[[], None], reduce_dev: torch.device, repeats: int,
+                 budget_s: float = 0.1) -> int:
+    """Timed calls for one size: ``repeats``, or up to ``_MAX_SAMPLES_PER_REPEAT`` times more
+    for messages so small that ``budget_s`` holds them; the same number on every rank.
+
+    A lone 0.1 ms call is at the mercy of one scheduler tick (~4 ms, a few
+    percent of calls on a busy host); the median of many such calls shrugs
+    those off, the median of 7 does not always.
+    """
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=reduce_dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank must make the same number of calls
+    return int(min(repeats * _MAX_SAMPLES_PER_REPEAT, max(repeats, budget_s // max(float(t[0]), 1e-9))))
+
+
+def _barrier() -> None:
+    # NCCL wants the device named, else it guesses (and warns) from the rank.
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def _stats(times: torch.Tensor) -> tuple[float, float]:
+    """Median and relative spread (p90 - p10) / median of one size's repeats."""
+    q = torch.quantile(times.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    med = float(q[1])
+    return med, float((q[2] - q[0]) / med) if med > 0 else 0.0
+
+
+def measure_fabric(
+    *,
+    sizes_bytes: tuple[int, ...] | list[int] | None = None,
+    collectives: tuple[str, ...] = COLLECTIVES,
+    warmup: int = 2,
+    repeats: int = 7,
+    ranks_per_node: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    measure_overlap: bool = True,
+) -> FabricProfile:
+    """Time collectives per message size on each mesh axis; collective: every rank calls it.
+
+    Needs an initialised default process group (gloo on CPU, NCCL on GPU).
+    Sizes are unsharded bytes (all-gather output, reduce-scatter input,
+    all-reduce buffer), rounded down to split evenly over each group. See
+    [Note: fabric timing protocol] and [Note: concurrent axis groups].
+
+    Args:
+        sizes_bytes: message sizes; default ``default_sizes()``.
+        collectives: any of ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``.
+        warmup: untimed calls per size.
+        repeats: timed calls per size, at least (small messages get more); the median is kept.
+        ranks_per_node: ranks sharing a node; default ``LOCAL_WORLD_SIZE`` or the world size.
+        dtype: element type of the messages.
+        progress: show a one-line progress display on rank 0's stderr.
+        measure_overlap: also measure the compute/communication overlap factors.
+
+    Returns:
+        The same ``FabricProfile`` (kind ``"measured"``) on every rank.
+
+    Example:
+        >>> launch.init_from_env()  # doctest: +SKIP
+        >>> fabric = measure_fabric(sizes_bytes=[2**20, 2**24])  # doctest: +SKIP
+    """
+    if not dist.is_initialized():
+        raise ProfileError("measure_fabric needs a process group; call it under torchrun or use profile_fabric_main()")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        raise ProfileError("measure_fabric needs at least 2 ranks: a group of one has no collective to time")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    bad = [c for c in collectives if c not in COLLECTIVES]
+    if bad or not collectives:
+        raise ValueError(f"unknown collectives {bad}; choose from {COLLECTIVES}")
+    rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if rpn < 1 or rpn > world or world % rpn:
+        raise ValueError(f"ranks_per_node={rpn} must divide the world size {world}")
+    device_type = launch.device_type()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    sizes = sorted({int(s) for s in (sizes_bytes or default_sizes(device_type))})
+    if not sizes or sizes[0] <= 0:
+        raise ValueError(f"message sizes must be positive, got {sizes_bytes}")
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    reduce_dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    t_start = time.perf_counter()
+    axes = _build_axes(world, rank, rpn)
+    bar = _Progress(len(axes) * len(collectives) * len(sizes), progress and rank == 0)
+    # times[k] holds one (axis, collective, size) cell's repeats; see [Note: fabric timing protocol].
+    cells: list[tuple[str, str, int, int]] = []  # (axis, collective, bytes, samples)
+    times = torch.zeros(len(axes) * len(collectives) * len(sizes), repeats * _MAX_SAMPLES_PER_REPEAT, dtype=torch.float64)
+    for axis in axes:
+        for coll in collectives:
+            bar.note(f"{axis.name} {coll}")
+            for nbytes in sizes:
+                fn, actual = _collective_fn(coll, nbytes, axis.group_size, axis.group, dtype, device)
+                bar.step(f"{axis.name} {coll} {fmt_bytes(actual)}")
+                _barrier()  # world: every axis group starts together
+                for _ in range(warmup):
+                    fn()
+                n = _samples_for(fn, sync, reduce_dev, repeats)
+                row = times[len(cells)]
+                for i in range(n):
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    row[i] = time.perf_counter() - t0
+                cells.append((axis.name, coll, actual, n))
+                del fn  # free the buffers before the next size
+    bar.close()
+    t_max = times.to(reduce_dev)
+    dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+    times = t_max.cpu()
+
+    overlap = _measure_overlap(device=device, sync=sync, reduce_device=reduce_dev) if measure_overlap else (0.0, 0.0)
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+
+    built: list[AxisProfile] = []
+    k = 0
+    for axis in axes:
+        curves = []
+        for coll in collectives:
+            sz, lat, spr = [], [], []
+            for _ in sizes:
+                _, _, actual, n = cells[k]
+                med, spread = _stats(times[k, :n])
+                if not sz or actual > sz[-1]:  # rounding can merge two tiny sizes on a large group
+                    sz.append(actual), lat.append(max(med, 1e-9)), spr.append(spread)
+                k += 1
+            curves.append((coll, CollectiveCurve(tuple(sz), tuple(lat), tuple(spr))))
+        built.append(AxisProfile(axis.name, axis.group_size, axis.ranks_per_node_in_group, tuple(curves)))
+
+    backend = dist.get_backend()
+    num_nodes = world // rpn
+    meta: dict[str, Any] = {
+        "backend": backend,
+        "hosts": hosts,
+        "device": torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device_type == "cuda" else None,
+        "dtype": str(dtype).replace("torch.", ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "repeats": repeats,  # the minimum; small messages get up to 8x more timed calls
+        "warmup": warmup,
+        "statistic": "median over repeats of the max over ranks",
+        "overlap_measured": measure_overlap,
+        "measure_s": round(time.perf_counter() - t_start, 2),
+    }
+    if num_nodes > 1 and len(set(hosts)) == 1:
+        # Several "nodes" on one host (tests, demos): the inter axis is not a network.
+        meta["simulated_nodes"] = True
+    profile = FabricProfile(
+        kind="measured",
+        name=f"{backend}-{world}x" if num_nodes == 1 else f"{backend}-{num_nodes}x{rpn}",
+        backend=backend,
+        world_size=world,
+        ranks_per_node=rpn,
+        axes=tuple(built),
+        overlap_compute_slowdown=overlap[0],
+        overlap_comm_slowdown=overlap[1],
+        meta=meta,
+    )
+    # Rank 0's profile everywhere: the latencies already agree (all-reduced), the date and timings may not.
+    box = [profile.to_json() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return FabricProfile.from_json(box[0], source="rank 0")
+
+
+# --- overlap factor ------------------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _measure_overlap(*, device: torch.device, sync: Callable[[], None], reduce_device: torch.device,
+                     target_s: float = 0.03, repeats: int = 3) -> tuple[float, float]:
+    """(compute slowdown, collective slowdown) when both run at once, max over ranks; see [Note: overlap factor].
+
+    compute slowdown = t(compute while all-gathers are in flight) / t(compute alone) - 1,
+    with the all-gathers sized to outlast the compute so it is covered throughout.
+    collective slowdown = t(all-gathers while compute runs) / t(all-gathers alone) - 1,
+    with the compute sized to outlast the all-gathers; i.e. how much longer a
+    collective takes when the device is busy computing. Both floored at 0.
+    The collective is a 4 MiB all-gather on the world group, the compute a
+    matmul loop (fp32 256x256 on CPU, bf16 4096x4096 on GPU) of ~``target_s``.
+    """
+    cuda = device.type == "cuda"
+    n, dt = (4096, torch.bfloat16) if cuda else (256, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
+    c = torch.empty_like(a)
+    world = dist.get_world_size()
+    full = torch.zeros(2**20 // world * world, device=device)  # ~4 MiB unsharded, fp32
+    shard = torch.zeros(full.numel() // world, device=device)
+
+    def gather(k: int, async_op: bool) -> list[Any]:
+        return [_all_gather(full, shard, async_op=async_op) for _ in range(k)]
+
+    def timed(fn: Callable[[], Any], reps: int = repeats) -> float:
+        ts = []
+        for _ in range(reps):
+            _barrier()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return _median(ts)
+
+    # Calibrate on one matmul and one all-gather; every rank must agree on the number of all-gathers.
+    per = torch.tensor([timed(lambda: torch.mm(a, b, out=c), 5), timed(lambda: gather(1, False), 5)],
+                       dtype=torch.float64, device=reduce_device)
+    dist.all_reduce(per, op=dist.ReduceOp.MAX)
+    steps = max(1, round(target_s / float(per[0])))
+    k = max(1, round(target_s / float(per[1])))
+
+    def compute(m: int) -> None:
+        for _ in range(m):
+            torch.mm(a, b, out=c)
+
+    t_compute = timed(lambda: compute(steps))
+    # Issued the same way as under compute (async, then wait): gloo may overlap queued ops.
+    t_comm = timed(lambda: [w.wait() for w in gather(k, True)])
+    compute_under, comm_under = [], []
+    for _ in range(repeats):
+        # (a) compute while twice its length of all-gathers is in flight.
+        _barrier()
+        sync()
+        works = gather(2 * k, True)
+        compute_under.append(_timed_compute(lambda: compute(steps), cuda, sync))
+        for w in works:
+            w.wait()
+        sync()
+        # (b) all-gathers while twice their length of compute runs.
+        _barrier()
+        sync()
+        comm_under.append(_comm_under_compute(lambda: gather(k, True), lambda: compute(1), 2 * steps, cuda, sync))
+    out = torch.tensor([_median(compute_under) / t_compute - 1, _median(comm_under) / t_comm - 1],
+                       dtype=torch.float64, device=reduce_device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return max(0.0, float(out[0])), max(0.0, float(out[1]))
+
+
+def _timed_compute(fn: Callable[[], None], cuda: bool, sync: Callable[[], None]) -> float:
+    """Seconds of ``fn``'s own work; on a GPU timed by events on its stream, not by a device sync
+    (which would also wait for the collectives in flight)."""
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / 1e3
+
+
+def _comm_under_compute(issue: Callable[[], list[Any]], step: Callable[[], None], steps: int,
+                        cuda: bool, sync: Callable[[], None]) -> float:
+    """Seconds from issuing the collectives to the last one landing, while ``steps`` compute steps run."""
+    if cuda:
+        # The CPU runs ahead of the GPU, so polling would time the launches; time the landing on a
+        # side stream that waits for the collectives while the compute stream stays busy.
+        side = torch.cuda.Stream()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        works = issue()
+        with torch.cuda.stream(side):
+            for w in works:
+                w.wait()
+            e1.record(side)
+        for _ in range(steps):
+            step()
+        sync()
+        return e0.elapsed_time(e1) / 1e3
+    t0 = time.perf_counter()
+    works = issue()
+    landed = None
+    for _ in range(steps):
+        step()
+        # Poll between steps (one step's resolution); gloo may run two queued ops at once, so ask all.
+        if landed is None and all(w.is_completed() for w in works):
+            landed = time.perf_counter() - t0
+    for w in works:
+        w.wait()
+    return landed if landed is not None else time.perf_counter() - t0
+
+
+# --- names that moved ----------------------------------------------------------------------------

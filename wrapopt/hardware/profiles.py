@@ -1,0 +1,442 @@
+"""Fabric and compute profiles: the measured (or stated) facts the cost model uses.
+
+A ``FabricProfile`` holds, per mesh axis, the latency of each collective per
+message size; it answers ``collective_s(...)`` for the cost model through a
+monotone piecewise log-log interpolator, and keeps an alpha-beta summary
+(latency + bytes / bandwidth) for reports and extrapolation. A profile is
+either ``measured`` (``wrapopt profile-fabric``) or ``analytical`` (built from
+stated latency and bandwidth numbers); the kind is shown wherever it is used.
+
+Message size convention: ``nbytes`` is always the *unsharded* size of the
+tensor, i.e. the all-gather output, the reduce-scatter input, the all-reduce
+buffer. That is the number the cost model knows for a unit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from wrapopt.errors import ProfileError
+from wrapopt.fileio import JsonReader, atomic_write_json, read_json
+
+__all__ = [
+    "COLLECTIVES",
+    "CollectiveCurve",
+    "AxisProfile",
+    "FabricProfile",
+    "ComputeProfile",
+    "AnalyticalLink",
+    "ring_time",
+]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+FABRIC_FORMAT = "wrapopt.fabric/1"
+COMPUTE_FORMAT = "wrapopt.compute/1"
+_PROFILE_HINT = "create one with `wrapopt profile-fabric --out {path}`"
+
+
+def _pava(values: list[float]) -> list[float]:
+    """Isotonic (non-decreasing) least-squares fit: pool adjacent violators.
+
+    Raw medians are noisy; the interpolator must not let a larger message be
+    predicted faster than a smaller one (the search would exploit the noise).
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out.extend([s / c] * int(c))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCurve:
+    """Latency of one collective on one axis, per message size."""
+
+    sizes_bytes: tuple[int, ...]
+    latency_s: tuple[float, ...]  # median over repeats of the max over ranks
+    spread: tuple[float, ...] = ()  # (p90 - p10) / median over repeats, per size
+    # Derived, not serialised: isotonic fit in log-log space and alpha-beta.
+    _log_sizes: tuple[float, ...] = field(default=(), compare=False, repr=False)
+    _log_lat: tuple[float, ...] = field(default=(), compare=False, repr=False)
+    alpha_s: float = field(default=0.0, compare=False)
+    bandwidth_bytes_per_s: float = field(default=math.inf, compare=False)
+    fit_error: float = field(default=0.0, compare=False)  # median relative error of alpha-beta
+
+    def __post_init__(self) -> None:
+        if len(self.sizes_bytes) != len(self.latency_s) or not self.sizes_bytes:
+            raise ProfileError("a collective curve needs as many latencies as sizes, and at least one")
+        if any(b <= a for a, b in zip(self.sizes_bytes, self.sizes_bytes[1:])):
+            raise ProfileError("collective curve sizes must be strictly increasing")
+        if any(not (t > 0 and math.isfinite(t)) for t in self.latency_s):
+            raise ProfileError("collective latencies must be positive and finite")
+        mono = _pava(list(self.latency_s))
+        object.__setattr__(self, "_log_sizes", tuple(math.log(s) for s in self.sizes_bytes))
+        object.__setattr__(self, "_log_lat", tuple(math.log(t) for t in mono))
+        alpha, bw, err = _fit_alpha_beta(self.sizes_bytes, self.latency_s)
+        object.__setattr__(self, "alpha_s", alpha)
+        object.__setattr__(self, "bandwidth_bytes_per_s", bw)
+        object.__setattr__(self, "fit_error", err)
+
+    def time_s(self, nbytes: float) -> tuple[float, bool]:
+        """Latency for ``nbytes``; the flag says it was extrapolated past the largest size."""
+        if nbytes <= 0:
+            return 0.0, False
+        xs, ys = self._log_sizes, self._log_lat
+        if nbytes <= self.sizes_bytes[0]:
+            return math.exp(ys[0]), False  # latency-bound below the smallest size
+        if nbytes > self.sizes_bytes[-1]:
+            # Past the table: the last point plus the extra bytes at the fitted bandwidth.
+            extra = (nbytes - self.sizes_bytes[-1]) / self.bandwidth_bytes_per_s
+            return math.exp(ys[-1]) + extra, True
+        lx = math.log(nbytes)
+        i = bisect.bisect_left(xs, lx)
+        if xs[i] == lx:
+            return math.exp(ys[i]), False
+        w = (lx - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1])), False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sizes_bytes": list(self.sizes_bytes),
+            "latency_s": list(self.latency_s),
+            "spread": list(self.spread),
+            "alpha_s": self.alpha_s,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "fit_error": self.fit_error,
+        }
+
+
+def _fit_alpha_beta(sizes: tuple[int, ...], lat: tuple[float, ...]) -> tuple[float, float, float]:
+    """Least squares of ``t = alpha + n / bw`` weighted by 1/t (relative error)."""
+    w = [1.0 / t for t in lat]
+    sw = sum(wi * wi for wi in w)
+    sx = sum(wi * wi * n for wi, n in zip(w, sizes))
+    sy = sum(wi * wi * t for wi, t in zip(w, lat))
+    sxx = sum(wi * wi * n * n for wi, n in zip(w, sizes))
+    sxy = sum(wi * wi * n * t for wi, n, t in zip(w, sizes, lat))
+    det = sw * sxx - sx * sx
+    if len(sizes) < 2 or det <= 0:
+        # One size cannot separate latency from bandwidth. Extrapolation must not be free:
+        # take the whole time of the size as transfer, a lower bound on the bandwidth.
+        return lat[0], sizes[-1] / lat[-1], 0.0
+    slope = (sw * sxy - sx * sy) / det
+    alpha = (sy - slope * sx) / sw
+    if slope <= 0:
+        # No bandwidth term visible (latency-bound range or noisy medians): the same lower
+        # bound on the bandwidth, never a near-infinite one that makes extrapolation free.
+        slope = lat[-1] / sizes[-1]
+        alpha = (sy - slope * sx) / sw
+    alpha = max(alpha, 0.0)
+    errs = sorted(abs(alpha + slope * n - t) / t for n, t in zip(sizes, lat))
+    return alpha, 1.0 / slope, errs[len(errs) // 2]
+
+
+@dataclass(frozen=True, slots=True)
+class AxisProfile:
+    """Collectives measured on one kind of process group.
+
+    ``group_size`` ranks take part; ``ranks_per_node_in_group`` of them share a
+    node (``group_size`` for an intra-node group, 1 for a group with one rank
+    per node).
+    """
+
+    name: str  # "intra", "inter", "world", or a stated name
+    group_size: int
+    ranks_per_node_in_group: int
+    curves: tuple[tuple[str, CollectiveCurve], ...]
+
+    def curve(self, collective: str) -> CollectiveCurve:
+        for name, c in self.curves:
+            if name == collective:
+                return c
+        raise ProfileError(f"axis {self.name!r} has no {collective} measurements")
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticalLink:
+    """Stated latency and achieved bandwidth of one level of the fabric."""
+
+    latency_s: float  # per ring step
+    bandwidth_bytes_per_s: float  # achieved per GPU (bus bandwidth)
+    source: str
+
+
+@dataclass(frozen=True)
+class FabricProfile:
+    """Collective latencies per axis, measured or analytical.
+
+    See [Note: collective cost lookup] in ``collective_s``.
+    """
+
+    kind: str  # "measured" or "analytical"
+    name: str
+    backend: str
+    world_size: int
+    ranks_per_node: int
+    axes: tuple[AxisProfile, ...]
+    # [Note: overlap factor] Collectives in flight slow compute down (they
+    # occupy SMs on a GPU, cores on a CPU) and compute slows collectives. Both
+    # are measured by running each alone and both together; 0 = no slowdown.
+    overlap_compute_slowdown: float = 0.0
+    overlap_comm_slowdown: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    intra: AnalyticalLink | None = None  # only for analytical profiles
+    inter: AnalyticalLink | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("measured", "analytical"):
+            raise ProfileError(f"fabric kind must be 'measured' or 'analytical', got {self.kind!r}")
+        if self.kind == "analytical" and (self.intra is None or self.inter is None):
+            raise ProfileError("an analytical fabric needs both intra- and inter-node links")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.kind})"
+
+    def collective_s(
+        self, collective: str, group_size: int, ranks_per_node_in_group: int, nbytes: float
+    ) -> tuple[float, str | None]:
+        """Seconds for one collective on a group; the second item is a caveat or None.
+
+        [Note: collective cost lookup] A measured profile answers only for
+        axes it measured (same group size and the same number of ranks per
+        node); any other group is rescaled from the closest axis with the ring
+        model and the caveat says so. An analytical profile applies the ring
+        model to its stated links for any group.
+        """
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0, None
+        key = (collective, group_size, ranks_per_node_in_group, int(nbytes))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if self.kind == "analytical":
+            out = (ring_time(collective, group_size, ranks_per_node_in_group, nbytes, self.intra, self.inter), None)
+        else:
+            out = self._measured_time(collective, group_size, ranks_per_node_in_group, nbytes)
+        self._cache[key] = out
+        return out
+
+    def _measured_time(self, collective: str, p: int, rpn: int, nbytes: float) -> tuple[float, str | None]:
+        exact = [a for a in self.axes if a.group_size == p and a.ranks_per_node_in_group == rpn]
+        if exact:
+            t, extrapolated = exact[0].curve(collective).time_s(nbytes)
+            caveat = (
+                f"{collective} of {nbytes / 2**20:.1f} MiB extrapolated past the largest size measured on axis {exact[0].name}"
+                if extrapolated
+                else None
+            )
+            return t, caveat
+        # Rescale from the nearest axis of the same kind (intra vs inter) by the ring model.
+        same_kind = [a for a in self.axes if (a.ranks_per_node_in_group > 1) == (rpn > 1)] or list(self.axes)
+        base = min(same_kind, key=lambda a: abs(math.log(a.group_size / p)))
+        c = base.curve(collective)
+        factor = (p - 1) / p * base.group_size / max(1, base.group_size - 1)
+        per_step = c.alpha_s / max(1, base.group_size - 1)
+        t = per_step * (p - 1) + factor * (c.time_s(nbytes)[0] - c.alpha_s)
+        return max(t, c.alpha_s), (
+            f"{collective} on a group of {p} rescaled from axis {base.name} ({base.group_size} ranks) "
+            "by the ring model: the profile did not measure this group"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": FABRIC_FORMAT,
+            "kind": self.kind,
+            "name": self.name,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "ranks_per_node": self.ranks_per_node,
+            "overlap_compute_slowdown": self.overlap_compute_slowdown,
+            "overlap_comm_slowdown": self.overlap_comm_slowdown,
+            "axes": [
+                {
+                    "name": a.name,
+                    "group_size": a.group_size,
+                    "ranks_per_node_in_group": a.ranks_per_node_in_group,
+                    "collectives": {n: c.to_json() for n, c in a.curves},
+                }
+                for a in self.axes
+            ],
+            "meta": self.meta,
+        }
+        if self.kind == "analytical":
+            d["links"] = {
+                lvl: {"latency_s": l.latency_s, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s, "source": l.source}
+                for lvl, l in (("intra", self.intra), ("inter", self.inter))
+            }
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], *, source: str = "<dict>") -> "FabricProfile":
+        r = JsonReader(d, source, error=ProfileError)
+        if r.get("format", str) != FABRIC_FORMAT:
+            raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}, expected {FABRIC_FORMAT!r}")
+        links: dict[str, AnalyticalLink] = {}
+        if r.get("kind", str) == "analytical":
+            for lvl in ("intra", "inter"):
+                lr = r.sub(f"links.{lvl}")
+                links[lvl] = AnalyticalLink(
+                    lr.num("latency_s"), lr.num("bandwidth_bytes_per_s"), str(lr.d.get("source", ""))
+                )
+        axes = []
+        for i, ad in enumerate(r.get("axes", list)):
+            ar = JsonReader(ad, f"{source}: axes[{i}]", error=ProfileError)
+            curves = []
+            for cname, cd in ar.get("collectives", dict).items():
+                cr = JsonReader(cd, f"{source}: axes[{i}].collectives.{cname}", error=ProfileError)
+                try:
+                    curves.append(
+                        (
+                            cname,
+                            CollectiveCurve(
+                                tuple(int(x) for x in cr.get("sizes_bytes", list)),
+                                tuple(float(x) for x in cr.get("latency_s", list)),
+                                tuple(float(x) for x in cd.get("spread", [])),
+                            ),
+                        )
+                    )
+                except (ProfileError, TypeError, ValueError) as e:
+                    raise ProfileError(f"{cr.where}: {e}") from None
+            axes.append(AxisProfile(ar.get("name", str), int(ar.num("group_size")), int(ar.num("ranks_per_node_in_group")), tuple(curves)))
+        return cls(
+            kind=r.get("kind", str),
+            name=r.get("name", str),
+            backend=r.get("backend", str),
+            world_size=int(r.num("world_size")),
+            ranks_per_node=int(r.num("ranks_per_node")),
+            axes=tuple(axes),
+            overlap_compute_slowdown=float(d.get("overlap_compute_slowdown", 0.0)),
+            overlap_comm_slowdown=float(d.get("overlap_comm_slowdown", 0.0)),
+            meta=dict(d.get("meta", {})),
+            intra=links.get("intra"),
+            inter=links.get("inter"),
+        )
+
+    def save(self, path: str) -> None:
+        atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "FabricProfile":
+        d = read_json(path, error=ProfileError, hint=_PROFILE_HINT)
+        return cls.from_json(d, source=str(path))
+
+    def summary_rows(self) -> list[tuple[str, str, int, float, float, float]]:
+        """(axis, collective, group size, alpha us, bandwidth GB/s, fit error) for reports."""
+        rows = []
+        for a in self.axes:
+            for n, c in a.curves:
+                rows.append((a.name, n, a.group_size, c.alpha_s * 1e6, c.bandwidth_bytes_per_s / 1e9, c.fit_error))
+        return rows
+
+
+def ring_time(collective: str, p: int, rpn: int, nbytes: float, intra: AnalyticalLink, inter: AnalyticalLink) -> float:
+    """Ring-algorithm time on stated links: (p-1) latency steps plus (p-1)/p of
+    the bytes over the slowest link the ring crosses (inter-node as soon as the
+    group spans nodes)."""
+    link = intra if rpn >= p else inter
+    steps = (p - 1) * (2 if collective == "all_reduce" else 1)
+    volume = (p - 1) / p * nbytes * (2 if collective == "all_reduce" else 1)
+    return steps * link.latency_s + volume / link.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """How fast one device computes, measured or stated.
+
+    ``module_times`` (optional) are measured self times per module at the
+    traced batch; the cost model prefers them to FLOP-based estimates.
+    """
+
+    kind: str  # "measured" or "analytical"
+    device: str
+    flops_per_s: float  # achieved dense matmul throughput
+    memory_bandwidth_bytes_per_s: float
+    memory_capacity_bytes: int | None = None
+    # Fixed cost per FSDP unit per all-gather (hooks, copy-in, copy-out), seconds.
+    unit_overhead_s: float = 0.0
+    # Fixed cost per module call (kernel launches / op dispatch), seconds.
+    module_overhead_s: float = 0.0
+    # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters:
+    # on small models the step is bound by per-tensor dispatch, not by bytes.
+    optimizer_tensor_s: float = 0.0
+    # The same on a 2-D (replicate, shard) mesh (HSDP and no-shard plans): DTensor
+    # dispatch costs more per op with two mesh dims. 0: use optimizer_tensor_s.
+    optimizer_tensor_2d_s: float = 0.0
+    # Effective bandwidth of the optimizer step, counted as (2 + 2 * states) bytes
+    # per parameter byte: AdamW's foreach ops stream the tensors more times than
+    # that count, so the step runs below the copy bandwidth. 0: memory bandwidth.
+    optimizer_bandwidth_bytes_per_s: float = 0.0
+    # Forward + backward of the loss, which runs outside the model's modules.
+    loss_s: float = 0.0
+    # What activation checkpointing adds per checkpointed module beyond re-running its
+    # forward (saved-tensor hooks, the recompute's bookkeeping), seconds.
+    checkpoint_overhead_s: float = 0.0
+    module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
+    # Whether the host runs ahead of the device, so that a unit's all-gather is issued
+    # while the previous unit computes (a GPU stream); False on a CPU, where each
+    # op runs as the host issues it. See [Note: all-gather issue] in cost/simulate.py.
+    runs_ahead: bool = True
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": COMPUTE_FORMAT,
+            "kind": self.kind,
+            "device": self.device,
+            "flops_per_s": self.flops_per_s,
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "unit_overhead_s": self.unit_overhead_s,
+            "module_overhead_s": self.module_overhead_s,
+            "optimizer_tensor_s": self.optimizer_tensor_s,
+            "optimizer_tensor_2d_s": self.optimizer_tensor_2d_s,
+            "optimizer_bandwidth_bytes_per_s": self.optimizer_bandwidth_bytes_per_s,
+            "loss_s": self.loss_s,
+            "checkpoint_overhead_s": self.checkpoint_overhead_s,
+            "module_times": [list(t) for t in self.module_times],
+            "runs_ahead": self.runs_ahead,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], *, source: str = "<dict>") -> "ComputeProfile":
+        r = JsonReader(d, source, error=ProfileError)
+        if r.get("format", str) != COMPUTE_FORMAT:
+            raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}, expected {COMPUTE_FORMAT!r}")
+        cap = d.get("memory_capacity_bytes")
+        return cls(
+            kind=r.get("kind", str),
+            device=r.get("device", str),
+            flops_per_s=r.num("flops_per_s"),
+            memory_bandwidth_bytes_per_s=r.num("memory_bandwidth_bytes_per_s"),
+            memory_capacity_bytes=int(cap) if cap is not None else None,
+            unit_overhead_s=float(d.get("unit_overhead_s", 0.0)),
+            module_overhead_s=float(d.get("module_overhead_s", 0.0)),
+            optimizer_tensor_s=float(d.get("optimizer_tensor_s", 0.0)),
+            optimizer_tensor_2d_s=float(d.get("optimizer_tensor_2d_s", 0.0)),
+            optimizer_bandwidth_bytes_per_s=float(d.get("optimizer_bandwidth_bytes_per_s", 0.0)),
+            loss_s=float(d.get("loss_s", 0.0)),
+            checkpoint_overhead_s=float(d.get("checkpoint_overhead_s", 0.0)),
+            module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
+            # files written before the field existed: a CPU device was the one that does not run ahead
+            runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),
+            meta=dict(d.get("meta", {})),
+        )
+
+    def save(self, path: str) -> None:
+        atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "ComputeProfile":
+        return cls.from_json(read_json(path, error=ProfileError, hint=_PROFILE_HINT), source=str(path))

@@ -1,0 +1,211 @@
+"""WrapPlan + model -> the FSDP2-sharded model.
+
+``fully_shard`` is applied bottom-up (the plan's units are already ordered
+innermost first, root last); a unit of several modules is one
+``fully_shard([m1, m2, ...])`` call, which is also how tied parameters stay
+in one unit. Activation checkpointing uses the composable ``checkpoint``,
+which keeps module names unchanged. Every check runs before the first
+collective, so a bad plan fails on every rank instead of hanging some.
+
+Also here: ``materialize_sharded`` (initialise a model that was sharded on the
+meta device, so that it equals the same model initialised unsharded; see
+[Note: initialising after sharding]). The FSDP1 form of a plan is in
+``wrapopt/plan/fsdp1.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from wrapopt.errors import PlanError
+from wrapopt.launch import device_type as default_device
+from wrapopt.spec import PlanSpec
+
+__all__ = ["apply_plan", "build_mesh", "materialize_sharded", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
+
+
+def build_mesh(spec: PlanSpec, device_type: str | None = None):
+    """The ``DeviceMesh`` a plan runs on: 1-D ("shard",) for FSDP, 2-D
+    ("replicate", "shard") for HSDP and for no sharding (shard size 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = spec.mesh
+    if not dist.is_initialized():
+        raise PlanError("applying a plan needs a process group: start under torchrun or call wrapopt.launch.init_from_env()")
+    world = dist.get_world_size()
+    if world != mesh.world_size:
+        raise PlanError(
+            f"the plan is for {mesh.world_size} ranks but this job has {world}; "
+            f"re-run the search with --world-size {world} or start {mesh.world_size} ranks"
+        )
+    dev = device_type or default_device()
+    if mesh.is_hsdp:
+        return init_device_mesh(dev, (mesh.replicate_size, mesh.shard_size), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(dev, (mesh.shard_size,), mesh_dim_names=("shard",))
+
+
+def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None) -> dict[str, nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = dict(model.named_modules())
+    sharded = [n or "<root>" for n, m in modules.items() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise PlanError(
+            f"the model is already sharded (fully_shard was applied to {', '.join(sharded[:4])}); "
+            "apply a plan to a fresh, unsharded model"
+        )
+    wrapped = [n or "<root>" for n, m in modules.items() if type(m).__name__ == "FullyShardedDataParallel"]
+    if wrapped:
+        raise PlanError(
+            f"the model is already wrapped by FSDP1 (FullyShardedDataParallel at {', '.join(wrapped[:4])}); "
+            "apply a plan to a fresh, unwrapped model"
+        )
+    missing = sorted({m for u in spec.units for m in u.modules} - set(modules))
+    if missing:
+        raise PlanError(f"the plan names modules the model does not have: {', '.join(missing[:6])}")
+    if mesh is not None:
+        want = (spec.mesh.replicate_size, spec.mesh.shard_size) if spec.mesh.is_hsdp else (spec.mesh.shard_size,)
+        got = tuple(mesh.shape) if hasattr(mesh, "shape") else (mesh.size(),)
+        if got != want:
+            raise PlanError(
+                f"the mesh passed has shape {got} but the plan is for {want} "
+                f"({spec.mesh.world_size} ranks, shard groups of {spec.mesh.shard_size}); "
+                "pass a mesh of the plan's shape, or mesh=None to build it from the plan"
+            )
+    return modules
+
+
+def apply_plan(
+    model: nn.Module,
+    spec: PlanSpec,
+    *,
+    mesh: Any = None,
+    mixed_precision: dict[str, str | None] | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place as ``spec`` says; returns the model (now an FSDPModule).
+
+    Example:
+        >>> model = apply_plan(model, plan.spec)  # doctest: +SKIP
+    """
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    modules = _check(model, spec, mesh)  # local checks first: no collective has run yet
+    if mesh is None:
+        mesh = build_mesh(spec)
+    mp = mixed_precision or {}
+    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")])
+    for unit in spec.units:
+        if unit.checkpoint and not unit.is_root:
+            for name in unit.modules:
+                checkpoint(modules[name])
+    fsdp_units = []
+    for unit in spec.units:
+        targets = [modules[n] for n in unit.modules]
+        raf = unit.reshard_after_forward
+        if unit.is_root:
+            fully_shard(model, mesh=mesh, reshard_after_forward=raf, mp_policy=mp_policy)
+        else:
+            fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, reshard_after_forward=raf, mp_policy=mp_policy)
+        fsdp_units.append(targets[0])
+    if spec.forward_prefetch > 0:
+        _set_forward_prefetch(model, spec, modules)
+    return model
+
+
+def _set_forward_prefetch(model: nn.Module, spec: PlanSpec, modules: dict[str, nn.Module]) -> None:
+    """Explicit forward prefetch: each unit prefetches the next ``k`` units in
+    forward order (``set_modules_to_forward_prefetch``); order is taken from
+    module registration order, which is forward order for block chains."""
+    names = list(modules)
+    units = [u for u in spec.units if not u.is_root]
+    units.sort(key=lambda u: names.index(u.modules[0]))
+    heads = [modules[u.modules[0]] for u in units]
+    k = spec.forward_prefetch
+    for i, m in enumerate(heads):
+        nxt = heads[i + 1:i + 1 + k]
+        if nxt:
+            m.set_modules_to_forward_prefetch(nxt)  # type: ignore[attr-defined]
+
+# [Note: initialising after sharding]
+# Large models are built on the meta device, sharded, then materialised: ``model.to_empty(device)``
+# gives every parameter storage (uninitialised), and an initialiser fills it. On CUDA, DTensor's
+# offset-based RNG makes ``reset_parameters()`` on the sharded parameters draw what the unsharded
+# model would have drawn. On a CPU mesh DTensor has no such RNG: every rank draws its local shard
+# from the same local generator state, so the shards repeat one another and the model differs from
+# the unsharded one (torch warns "DTensor random operators may not have complete support on cpu
+# device mesh"). ``materialize_sharded`` sidesteps the RNG question on any device: for one module at
+# a time it swaps in full-size plain tensors, runs the initialiser on them exactly as it would run
+# on the unsharded model (same order, same draws), and copies each rank's shard out. Peak extra
+# memory is one module's full parameters.
+
+
+def materialize_sharded(
+    model: nn.Module,
+    *,
+    device: torch.device | str,
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Give a model sharded on the meta device storage on ``device`` and initialise it.
+
+    Every rank must call it with the same RNG state (``torch.manual_seed``);
+    no collective runs. The result equals the unsharded model initialised by
+    ``init_fn`` over ``named_modules()`` in the same order, shard for shard;
+    see [Note: initialising after sharding].
+
+    Args:
+        model: the model after ``apply_plan`` / ``plan.apply`` (or unsharded).
+        device: where the parameters live, e.g. ``"cpu"`` or ``"cuda"``.
+        init_fn: ``init_fn(module)`` initialises the module's *own* parameters
+            and buffers (not its children's), like ``reset_parameters`` and
+            Hugging Face's ``model._init_weights``. Default: ``reset_parameters()``
+            where a module has one; a module that holds parameters but has none
+            raises, naming it (pass ``init_fn``).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = build()  # doctest: +SKIP
+        >>> plan.apply(model)  # doctest: +SKIP
+        >>> torch.manual_seed(0); materialize_sharded(model, device="cpu")  # doctest: +SKIP
+    """
+    if init_fn is None:
+        bare = [n or "<root>" for n, m in model.named_modules()
+                if not hasattr(m, "reset_parameters") and next(m.parameters(recurse=False), None) is not None]
+        if bare:
+            raise PlanError(
+                f"modules with parameters but no reset_parameters(): {', '.join(bare[:6])}; "
+                "pass init_fn=(a function that initialises one module's own parameters)"
+            )
+
+        def init_fn(m: nn.Module) -> None:
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for _, module in model.named_modules():
+            _init_one(module, init_fn)
+    return model
+
+
+def _init_one(module: nn.Module, init_fn: Callable[[nn.Module], None]) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    sharded = {k: p for k, p in module._parameters.items() if isinstance(p, DTensor)}
+    full = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device), requires_grad=p.requires_grad)
+            for k, p in sharded.items()}
+    module._parameters.update(full)  # the initialiser sees plain, full-size tensors
+    try:
+        init_fn(module)
+    finally:
+        module._parameters.update(sharded)
+    for k, p in sharded.items():
+        # src_data_rank=None: every rank holds the same full tensor, so each keeps its own shard, no collective.
+        local = distribute_tensor(full[k].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)

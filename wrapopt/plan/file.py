@@ -1,0 +1,430 @@
+"""WrapPlan: the plan file (versioned JSON) and its exports.
+
+The file is read with ``json`` only: nothing in it is unpickled or evaluated.
+Every load error names the file and the field; loading a plan for another
+model names the parameters that differ.
+
+Example:
+    >>> plan = WrapPlan.load("results/demo/plan.json")  # doctest: +SKIP
+    >>> model = plan.apply(model)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from wrapopt.errors import PlanError, PlanMismatchError
+from wrapopt.fileio import atomic_write_json, read_json
+from wrapopt.fingerprint import model_fingerprint
+from wrapopt.plan.apply import apply_plan
+from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
+from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.version import __version__
+
+__all__ = ["WrapPlan", "PLAN_FORMAT", "plan_schema", "schema_errors"]
+
+PLAN_FORMAT = "wrapopt.plan/1"
+_FORMAT_VERSION = 1
+
+
+def _version() -> str:
+    return __version__
+
+
+@dataclass
+class WrapPlan:
+    """A wrapping plan with everything needed to apply and to judge it.
+
+    ``spec`` is what ``fully_shard`` needs; the rest is provenance: the model
+    it was made for, the prediction, the fabric it was scored on, and the
+    baselines' predictions on the same fabric.
+    """
+
+    spec: PlanSpec
+    model: dict[str, Any]  # model_fingerprint(...)
+    prediction: dict[str, Any] = field(default_factory=dict)
+    fabric: dict[str, Any] = field(default_factory=dict)
+    baselines: dict[str, Any] = field(default_factory=dict)
+    mixed_precision: dict[str, str | None] = field(default_factory=lambda: {"param_dtype": None, "reduce_dtype": None})
+    created: str = ""
+    wrapopt_version: str = ""
+
+    @property
+    def units(self) -> tuple[UnitSpec, ...]:
+        return self.spec.units
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return self.spec.mesh
+
+    @classmethod
+    def from_search(
+        cls,
+        spec: PlanSpec,
+        model: nn.Module,
+        estimate: CostEstimate,
+        *,
+        fabric: dict[str, Any],
+        baselines: dict[str, Any],
+        mixed_precision: dict[str, str | None] | None = None,
+    ) -> "WrapPlan":
+        return cls(
+            spec=spec,
+            model=model_fingerprint(model),
+            prediction=estimate.to_json(),
+            fabric=fabric,
+            baselines=baselines,
+            mixed_precision=mixed_precision or {"param_dtype": None, "reduce_dtype": None},
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            wrapopt_version=_version(),
+        )
+
+    # -- file format ----------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "wrapopt_version": self.wrapopt_version or _version(),
+            "created": self.created,
+            "label": self.spec.label,
+            "model": self.model,
+            "mesh": self.spec.mesh.to_json(),
+            "units": [
+                {"modules": list(u.modules), "reshard_after_forward": u.reshard_after_forward, "checkpoint": u.checkpoint}
+                for u in self.spec.units
+            ],
+            "forward_prefetch": self.spec.forward_prefetch,
+            "mixed_precision": self.mixed_precision,
+            "prediction": self.prediction,
+            "fabric": self.fabric,
+            "baselines": self.baselines,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan atomically as JSON."""
+
+        atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "WrapPlan":
+        """Read and validate a plan file; errors name the file and the field."""
+        path = os.fspath(path)
+        data = read_json(path, error=PlanError, hint="make one with `wrapopt search MODEL --out {path}`")
+        return cls.from_json(data, source=path)
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "<plan>") -> "WrapPlan":
+        def fail(fld: str, msg: str) -> PlanError:
+            return PlanError(f"{source}: field {fld!r} {msg}")
+
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a plan file is a JSON object, got {type(data).__name__}")
+        fmt = data.get("format")
+        if not isinstance(fmt, str) or not fmt.startswith("wrapopt.plan/"):
+            raise fail("format", f"is {fmt!r}; expected {PLAN_FORMAT!r} (is this a wrapopt plan file?)")
+        try:
+            version = int(fmt.split("/", 1)[1])
+        except ValueError:
+            raise fail("format", f"has an unreadable version: {fmt!r}") from None
+        if version > _FORMAT_VERSION:
+            raise fail("format", f"is {fmt!r}, newer than this wrapopt ({_version()}) reads ({PLAN_FORMAT}); upgrade wrapopt")
+        model = data.get("model")
+        if not isinstance(model, dict) or not isinstance(model.get("params"), dict) or not isinstance(model.get("class"), str):
+            raise fail("model", "must be an object with 'class' and 'params' (the model fingerprint)")
+        mesh = data.get("mesh")
+        if not isinstance(mesh, dict):
+            raise fail("mesh", "must be an object with world_size, ranks_per_node, shard_size")
+        try:
+            mesh_spec = MeshSpec(
+                world_size=_int(mesh, "world_size", source, "mesh."),
+                ranks_per_node=_int(mesh, "ranks_per_node", source, "mesh."),
+                shard_size=_int(mesh, "shard_size", source, "mesh."),
+            )
+        except ValueError as e:
+            if isinstance(e, PlanError):
+                raise
+            raise fail("mesh", str(e)) from None
+        units_raw = data.get("units")
+        if not isinstance(units_raw, list) or not units_raw:
+            raise fail("units", "must be a non-empty list of {modules, reshard_after_forward, checkpoint}")
+        units = []
+        for i, u in enumerate(units_raw):
+            where = f"units[{i}]"
+            if not isinstance(u, dict):
+                raise fail(where, "must be an object")
+            mods = u.get("modules")
+            if not isinstance(mods, list) or not mods or not all(isinstance(m, str) for m in mods):
+                raise fail(f"{where}.modules", "must be a non-empty list of module names")
+            raf = u.get("reshard_after_forward", True)
+            if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
+                raise fail(f"{where}.reshard_after_forward", f"must be true, false or a positive int, got {raf!r}")
+            ck = u.get("checkpoint", False)
+            if not isinstance(ck, bool):
+                raise fail(f"{where}.checkpoint", f"must be true or false, got {ck!r}")
+            units.append(UnitSpec(tuple(mods), raf, ck))
+        if units[-1].modules != (ROOT,):
+            raise fail("units", "must end with the root unit (modules [\"\"])")
+        prefetch = data.get("forward_prefetch", 0)
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise fail("forward_prefetch", f"must be a non-negative int, got {prefetch!r}")
+        mp = data.get("mixed_precision") or {"param_dtype": None, "reduce_dtype": None}
+        if not isinstance(mp, dict) or any(v not in (None, "float32", "bfloat16", "float16") for v in mp.values()):
+            raise fail("mixed_precision", "must map param_dtype/reduce_dtype to null, 'float32', 'bfloat16' or 'float16'")
+        for fld in ("prediction", "fabric", "baselines"):
+            v = data.get(fld)
+            if v is not None and not isinstance(v, dict):
+                raise fail(fld, "must be an object")
+        # The hand checks above give the pointed messages; the schema catches the rest (a typo
+        # such as "reshard_after_foward" would otherwise be ignored and silently default to True).
+        problems = schema_errors(data)
+        if problems:
+            fld, msg = problems[0]
+            raise fail(fld, msg + " (see wrapopt/data/plan.schema.json)")
+        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""))
+        return cls(
+            spec=spec,
+            model=model,
+            prediction=dict(data.get("prediction") or {}),
+            fabric=dict(data.get("fabric") or {}),
+            baselines=dict(data.get("baselines") or {}),
+            mixed_precision=mp,
+            created=str(data.get("created", "")),
+            wrapopt_version=str(data.get("wrapopt_version", "")),
+        )
+
+    # -- checking and applying --------------------------------------------------------
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ``PlanMismatchError`` naming the modules that differ if ``model`` is not the planned model.
+
+        Compared: every parameter's name, shape and dtype, and the module
+        names the plan's units use. Module classes (when the plan records
+        them) are named in the message but do not refuse on their own: the
+        same weights under another class (eager vs SDPA attention, a subclass
+        of the root) take the same plan. Local work only (no collective), so
+        under ``torchrun`` every rank raises the same error.
+        """
+        mine = self.model.get("params", {})
+        here = model_fingerprint(model)
+        theirs = here["params"]
+        missing = sorted(set(mine) - set(theirs))
+        extra = sorted(set(theirs) - set(mine))
+        changed = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+        unknown = sorted({m for u in self.units for m in u.modules} - {n for n, _ in model.named_modules()})
+        recast = _class_changes(self.model.get("module_classes"), here["module_classes"])
+        if not (missing or extra or changed or unknown):
+            return
+        differ = sorted(set(unknown) | set(recast) | {_module_of(n) for n in missing + extra + changed})
+        parts = [f"modules that differ: {_names(differ)}"]
+        if unknown:
+            parts.append(f"modules in the plan but not in the model: {_names(unknown)}")
+        if recast:
+            parts.append("modules whose class differs: " + _names([f"{n} ({recast[n]})" for n in sorted(recast)]))
+        if missing:
+            parts.append(f"parameters only in the plan: {_names(missing)}")
+        if extra:
+            parts.append(f"parameters only in the model: {_names(extra)}")
+        if changed:
+            parts.append("parameters whose shape or dtype differ: " + _names([
+                f"{n} {mine[n]['shape']}->{theirs[n]['shape']}" if mine[n]["shape"] != theirs[n]["shape"]
+                else f"{n} {mine[n]['dtype']}->{theirs[n]['dtype']}" for n in changed]))
+        raise PlanMismatchError(
+            f"this plan was made for {self.model.get('class')} with {self.model.get('num_params')} parameters, "
+            f"not for this {type(model).__name__}; " + "; ".join(parts)
+            + ". Re-run the search for this model, or pass strict=False to apply by module names only."
+        )
+
+    def apply(self, model: nn.Module, mesh: Any = None, *, strict: bool = True) -> nn.Module:
+        """Shard ``model`` in place with FSDP2 following this plan and return it.
+
+        ``mesh`` is a ``DeviceMesh`` of the plan's shape; by default one is
+        built from the plan's mesh on the current process group.
+        ``strict=False`` skips the fingerprint check and applies the plan by
+        module names only (the names must still exist). Every check runs
+        before the first collective. A model on the meta device is sharded
+        as it is; give it storage and values afterwards with
+        ``wrapopt.apply.materialize_sharded``.
+
+        Example:
+            >>> model = WrapPlan.load("plan.json").apply(model)  # doctest: +SKIP
+        """
+
+        if strict:
+            self.check_model(model)
+        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=self.mixed_precision)
+
+    def to_fsdp1_policy(self, *, split_groups: bool = False):
+        """An ``auto_wrap_policy`` for FSDP1 that wraps exactly this plan's units.
+
+        Per unit it sets what FSDP1 can express (sharding strategy from
+        ``reshard_after_forward`` and the mesh, mixed precision, forward
+        prefetch) and warns about the rest; see ``wrapopt.apply.fsdp1_policy``
+        and [Note: what FSDP1 can express]. A unit grouping several modules
+        raises ``PlanError`` unless ``split_groups=True``.
+
+        Example:
+            >>> policy = plan.to_fsdp1_policy()  # doctest: +SKIP
+            >>> model = FullyShardedDataParallel(model, auto_wrap_policy=policy, **policy.root_kwargs)  # doctest: +SKIP
+        """
+
+        return fsdp1_policy(self.spec, mixed_precision=self.mixed_precision, split_groups=split_groups)
+
+    def fsdp1_checkpoint_fn(self, model: nn.Module):
+        """``check_fn`` for FSDP1's ``apply_activation_checkpointing``: the modules of
+        the units this plan checkpoints."""
+
+        return fsdp1_checkpoint_fn(self.spec, model)
+
+
+def _module_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else "<root>"
+
+
+def _class_changes(planned: Any, here: dict[str, list[str]]) -> dict[str, str]:
+    """``{module: "PlanClass in the plan, ModelClass here"}`` for modules present in both
+    whose class differs (plans written before classes were recorded give nothing)."""
+    if not isinstance(planned, dict):
+        return {}
+
+    def by_module(table: dict[str, list[str]]) -> dict[str, str]:
+        return {m: cls.rsplit(".", 1)[-1] for cls, mods in table.items() if isinstance(mods, list) for m in mods}
+
+    a, b = by_module(planned), by_module(here)
+    return {m or "<root>": f"{a[m]} in the plan, {b[m]} here" for m in set(a) & set(b) if a[m] != b[m]}
+
+
+def _names(items: list[str], k: int = 6) -> str:
+    shown = ", ".join(items[:k])
+    return shown + (f" (and {len(items) - k} more)" if len(items) > k else "")
+
+# -- the JSON schema ------------------------------------------------------------------------
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the plan file, ``wrapopt/data/plan.schema.json``."""
+    global _SCHEMA
+    if _SCHEMA is None:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "plan.schema.json")
+        _SCHEMA = read_json(path, error=PlanError)
+    return _SCHEMA
+
+
+_SCHEMA: dict[str, Any] | None = None
+
+
+def schema_errors(data: Any, schema: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """Where ``data`` breaks the plan schema: ``[(field, message), ...]``, empty when it conforms.
+
+    A small validator for the subset of draft 2020-12 the schema uses (``type``,
+    ``const``, ``enum``, ``required``, ``properties``, ``additionalProperties``,
+    ``items``, ``prefixItems``, ``minItems``, ``minimum``, ``pattern``,
+    ``anyOf``, ``allOf``, local ``$ref``), so that loading a plan needs the
+    standard library only. Fields are written as in error messages:
+    ``units[0].modules``.
+    """
+    root = plan_schema() if schema is None else schema
+    out: list[tuple[str, str]] = []
+    _check_node(data, root, root, "", out)
+    return out
+
+
+_JSON_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+_SUPPORTED = {"type", "const", "enum", "required", "properties", "additionalProperties", "items", "prefixItems",
+              "minItems", "minimum", "pattern", "anyOf", "allOf", "$ref", "$schema", "$id", "$defs", "title",
+              "description"}
+
+
+def _check_node(v: Any, node: dict[str, Any], root: dict[str, Any], where: str, out: list[tuple[str, str]]) -> None:
+    import re
+
+    unsupported = set(node) - _SUPPORTED
+    assert not unsupported, f"plan schema uses keywords the validator lacks: {unsupported}"  # internal invariant
+    name = where or "<plan>"
+    if "$ref" in node:
+        target: Any = root
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        _check_node(v, target, root, where, out)
+    if "type" in node:
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        if not any(_JSON_TYPES[t](v) for t in types):
+            out.append((name, f"must be {' or '.join(types)}, got {_json_type(v)} {_short(v)}"))
+            return
+    if "const" in node and v != node["const"]:
+        out.append((name, f"must be {node['const']!r}, got {_short(v)}"))
+    if "enum" in node and v not in node["enum"]:
+        out.append((name, f"must be one of {', '.join(map(json.dumps, node['enum']))}, got {_short(v)}"))
+    if "minimum" in node and _JSON_TYPES["number"](v) and v < node["minimum"]:
+        out.append((name, f"must be at least {node['minimum']}, got {v!r}"))
+    if "pattern" in node and isinstance(v, str) and not re.search(node["pattern"], v):
+        out.append((name, f"must match {node['pattern']}, got {v!r}"))
+    if "anyOf" in node:
+        branches = [[] for _ in node["anyOf"]]
+        for sub, errs in zip(node["anyOf"], branches):
+            _check_node(v, sub, root, where, errs)
+        if all(branches):
+            deeper = [b for b in branches if b[0][0] != name]  # a branch that matched the type, then failed inside
+            if deeper:
+                out.append(deeper[0][0])
+            else:
+                out.append((name, "; or ".join(b[0][1] for b in branches)))
+    for sub in node.get("allOf", ()):
+        _check_node(v, sub, root, where, out)
+    if isinstance(v, dict):
+        props = node.get("properties", {})
+        for key in node.get("required", ()):
+            if key not in v:
+                out.append((_join(where, key), "is missing"))
+        extra = node.get("additionalProperties", True)
+        for key, item in v.items():
+            if key in props:
+                _check_node(item, props[key], root, _join(where, key), out)
+            elif extra is False:
+                known = ", ".join(props)
+                out.append((_join(where, key), f"is not a field of {name} (known fields: {known})"))
+            elif isinstance(extra, dict):
+                _check_node(item, extra, root, _join(where, key), out)
+    if isinstance(v, list):
+        if len(v) < node.get("minItems", 0):
+            out.append((name, f"must have at least {node['minItems']} item(s), got {len(v)}"))
+        prefix = node.get("prefixItems", ())
+        for i, item in enumerate(v):
+            sub = prefix[i] if i < len(prefix) else node.get("items")
+            if sub is not None:
+                _check_node(item, sub, root, f"{where}[{i}]", out)
+
+
+def _join(where: str, key: str) -> str:
+    if not where:
+        return key
+    return f"{where}.{key}" if key.isidentifier() else f"{where}[{key!r}]"
+
+
+def _json_type(v: Any) -> str:
+    return next((t for t, ok in _JSON_TYPES.items() if t != "number" and ok(v)), "number")
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, float) or v == v else "NaN"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(d: dict, key: str, source: str, prefix: str) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise PlanError(f"{source}: field {prefix + key!r} must be a positive int, got {v!r}")
+    return v

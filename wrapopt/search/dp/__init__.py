@@ -1,0 +1,5 @@
+"""search.dp: exact dynamic programming over contiguous groupings of block chains."""
+
+from wrapopt.search.dp.solve import ChainDP
+
+__all__ = ["ChainDP"]

@@ -1,0 +1,246 @@
+"""The chain model: one step of a chain of blocks cut into units, window by window.
+
+[Note: chain model] Between the root's segments a transformer is a chain of
+blocks; a plan groups consecutive blocks into units and gives each unit its
+own choice ``c = (reshard_after_forward, checkpoint)``. On a chain the step
+time splits into windows that couple only neighbouring units:
+
+* forward window of unit X after unit V (start of V to start of X):
+  ``max(F_V + o, A_X)`` when the all-gather of X is prefetched while V
+  computes (GPU, or explicit prefetch), ``F_V + o + A_X`` when it is not (CPU);
+* backward window of unit V, between W (before V in forward) and X (after V):
+  ``max(B_V + recompute_V + o, R_W + S_X)``: while V runs backward, the comm
+  lane carries X's reduce-scatter (issued just before) and W's prefetched
+  re-gather (``R_W`` = 0 when W kept its parameters, the intra-node
+  all-gather when W resharded to one node), and W cannot start before both land.
+
+Memory is checked in every backward window, following the simulator's
+accounting (``cost/simulate.py``, [Note: memory]). In V's window it is
+
+    static + A(<V) + P_V + regather_W + acts_V + G_V + G_X + SG(after X) + 2 * work
+
+where ``A(<V) = sum over units U before V of (kept_U + act_U)`` (parameters
+U keeps from forward to backward, activations U keeps for backward: all of
+them, or each block's output when checkpointed), ``acts_V`` is V's own
+(checkpointed: the kept outputs plus one block re-materialised), ``SG`` the
+sharded gradients of the blocks whose reduce-scatter has landed (fixed by
+X's end, whatever the grouping), and the rest is local to W, V, X. Terms the
+chain model leaves out (the all-gather buffer of the last group in earlier
+windows, the root's gradients) are caught by re-scoring: ``dp.dp_plans``
+re-runs the DP with a smaller allowance when the simulator's peak exceeds
+the budget. The last chain also checks the loss and the head's backward:
+``A(all) + loss working set + root activations after the chains + the last
+group's re-gather and all-gather buffer``.
+
+``dp.py`` minimises this model exactly; ``brute_force_chain`` scores every
+grouping and choice with the same functions, for the tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.spec import ROOT, MeshSpec, UnitSpec
+
+__all__ = ["Choice", "ChainCosts", "ChainAnswer", "unit_choices", "chain_costs", "chain_model", "brute_force_chain"]
+
+Choice = tuple  # (reshard_after_forward: bool | int, checkpoint: bool)
+
+
+def unit_choices(mesh: MeshSpec) -> tuple[Choice, ...]:
+    """Per-unit choices on ``mesh``: reshard True / False / to one node (only when
+    the shard group spans nodes), each with and without checkpointing."""
+    rafs: list[bool | int] = [True, False]
+    if 1 < mesh.ranks_per_node < mesh.shard_size:
+        rafs.append(mesh.ranks_per_node)
+    return tuple((r, c) for r in rafs for c in (False, True))
+
+
+@dataclass(frozen=True, slots=True)
+class ChainCosts:
+    """Per-block figures of one chain plus the group-level collective times."""
+
+    blocks: tuple[str, ...]
+    F: tuple[float, ...]
+    B: tuple[float, ...]
+    P: tuple[float, ...]  # gathered bytes
+    G: tuple[float, ...]  # unsharded gradient bytes
+    SG: tuple[float, ...]  # sharded gradient bytes (land when the block's reduce-scatter does)
+    act: tuple[float, ...]  # saved activation bytes
+    inp: tuple[float, ...]  # what a checkpointed block keeps
+    work: float
+    overhead_s: float
+    ckpt_overhead_s: float  # per checkpointed block, beyond its recomputed forward
+    runs_ahead: bool
+    shard_size: int
+    ag: dict  # (start, size) -> all-gather s
+    rs: dict  # (start, size) -> reduce-scatter (+ all-reduce) s
+    rag: dict  # (start, size, n) -> all-gather s over n ranks of one node (reshard to n)
+    sg_tail: float = 0.0  # sharded gradients of later chains (landed during this chain's backward)
+    # Set on the last chain: what the loss and the head's backward hold besides the
+    # chains' memory (the working set, the root's activations after the chains);
+    # the last group's re-gather is prefetched then too.
+    loss_mem: float = 0.0
+    # On a GPU the last forward unit's all-gather output stays allocated through
+    # backward (See [Note: all-gather buffer]); static memory holds one block of it,
+    # the final windows add the rest of the last group.
+    buffer_last: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChainAnswer:
+    """One DP answer: chain-model time, the groups per chain and their choices."""
+
+    time_s: float
+    act_bytes: float  # A after the last chain (kept params + activations)
+    groups: tuple[tuple[int, int, int, Choice], ...]  # (chain, start, size, choice)
+
+    def sizes(self, chain: int = 0) -> tuple[int, ...]:
+        return tuple(s for c, _st, s, _ch in self.groups if c == chain)
+
+    def choices(self, chain: int = 0) -> tuple[Choice, ...]:
+        return tuple(ch for c, _st, _s, ch in self.groups if c == chain)
+
+
+def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_group: int, *,
+                forward_prefetch: int = 0) -> ChainCosts:
+    per_block = tuple(UnitSpec((b,)) for b in chain) + (UnitSpec((ROOT,)),)
+    lay = sim.layout(per_block)
+    opt = sim.options
+    gather_elem = opt.param_dtype_bytes or sim._elem
+    reduce_elem = opt.reduce_dtype_bytes or gather_elem
+    n = len(chain)
+    P = [lay.numel[i] * gather_elem for i in range(n)]
+    G = [lay.trainable_numel[i] * reduce_elem for i in range(n)]
+    notes: set[str] = set()
+    shard = mesh.shard_size
+    rpn = min(shard, mesh.ranks_per_node)
+    rep = mesh.world_size // shard
+    rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
+    node_rafs = [r for r, _ in unit_choices(mesh) if not isinstance(r, bool)]
+    ag, rs, rag = {}, {}, {}
+    for i in range(n):
+        for s in range(1, min(max_group, n - i) + 1):
+            p, g = sum(P[i:i + s]), sum(G[i:i + s])
+            ag[(i, s)] = sim._coll("all_gather", shard, rpn, p, notes)
+            rs[(i, s)] = sim._coll("reduce_scatter", shard, rpn, g, notes) + sim._coll("all_reduce", rep, rpn_rep, g / shard, notes)
+            for r in node_rafs:
+                rag[(i, s, r)] = sim._coll("all_gather", r, min(r, mesh.ranks_per_node), p, notes)
+    runs_ahead = sim.compute.runs_ahead or forward_prefetch > 0  # See [Note: all-gather issue]
+    return ChainCosts(
+        blocks=chain,
+        F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G), SG=tuple(lay.trainable_bytes[i] / shard for i in range(n)),
+        act=tuple(float(x) for x in lay.saved[:n]),
+        inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
+        overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
+    )
+
+
+# A group's figures, as a plain tuple for speed:
+# (F, B + recompute, A, R, S, P, G, act kept in forward, acts in its backward, kept params, re-gathered bytes)
+_EMPTY = (0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0)
+
+
+def _group(cc: ChainCosts, start: int, size: int, choice: Choice) -> tuple:
+    if size == 0:
+        return _EMPTY
+    raf, ckpt = choice
+    sl = slice(start, start + size)
+    F = sum(cc.F[sl])
+    B = sum(cc.B[sl]) + (F + size * cc.ckpt_overhead_s if ckpt else 0.0)
+    A = cc.ag[(start, size)]
+    # Memory in whole bytes, so that the DP's sums are exact.
+    P = round(sum(cc.P[sl]))
+    saved = round(sum(cc.act[sl]))
+    # Mirrors the simulator: checkpointing keeps each block's output and
+    # re-materialises one block at a time in backward; an int reshard keeps
+    # P // (shard // n) and re-gathers within the node. See [Note: reshard after forward].
+    if ckpt:
+        act_fwd = round(sum(cc.inp[sl]))
+        act_bwd = act_fwd + round(max(a - k for a, k in zip(cc.act[sl], cc.inp[sl])))
+    else:
+        act_fwd = act_bwd = saved
+    if raf is True:
+        R, keep = A, 0
+    elif raf is False:
+        R, keep = 0.0, P
+    else:
+        R = cc.rag[(start, size, raf)] if raf > 1 else 0.0
+        keep = P // max(1, raf) if raf < cc.shard_size else P  # each rank keeps 1/N
+    regather = P - keep if R > 0 else 0
+    return (F, B, A, R, cc.rs[(start, size)], P, round(sum(cc.G[sl])), act_fwd, act_bwd, keep, regather)
+
+
+def _fw(cc: ChainCosts, V: tuple, X: tuple) -> float:
+    o = cc.overhead_s
+    return max(V[0] + o, X[2]) if cc.runs_ahead else V[0] + o + X[2]
+
+
+def _bw(cc: ChainCosts, W: tuple, V: tuple, X: tuple) -> float:
+    return max(V[1] + cc.overhead_s, W[3] + X[4])
+
+
+def _sg_after(cc: ChainCosts) -> list[int]:
+    """Sharded gradient bytes landed once every block from i on has been reduced."""
+    out = [round(cc.sg_tail)]
+    for x in reversed(cc.SG):
+        out.append(out[-1] + round(x))
+    return out[::-1]
+
+
+def _local_mem(cc: ChainCosts, W: tuple, V: tuple, X: tuple, sg_after_x: int) -> float:
+    # See [Note: chain model]: the part of V's backward window local to W, V, X.
+    return V[5] + W[10] + V[8] + V[6] + X[6] + sg_after_x + 2 * int(cc.work)
+
+
+def chain_model(cc: ChainCosts, groups: Iterable[tuple[int, Choice]], *, a0: float = 0.0) -> tuple[float, float, float]:
+    """(time, peak of ``A + local`` over the windows, final A) of one grouping,
+    given as (size, choice) pairs in chain order (for tests and brute force)."""
+    groups = list(groups)
+    gs, start = [], 0
+    for size, choice in groups:
+        gs.append(_group(cc, start, size, choice))
+        start += size
+    assert start == len(cc.blocks)  # internal invariant
+    ext = [_EMPTY] + gs + [_EMPTY]
+    ends = [0] + list(itertools.accumulate(size for size, _c in groups))
+    sg = _sg_after(cc)
+    t = _fw(cc, _EMPTY, gs[0])
+    acc, peak = a0, 0.0
+    for k in range(1, len(ext) - 1):
+        W, V, X = ext[k - 1], ext[k], ext[k + 1]
+        peak = max(peak, acc + _local_mem(cc, W, V, X, sg[ends[min(k + 1, len(ends) - 1)]]))
+        acc += V[9] + V[7]
+        t += _bw(cc, W, V, X) + (_fw(cc, V, X) if X is not _EMPTY else V[0])
+    extra = gs[-1][5] - round(cc.P[-1]) if cc.buffer_last else 0
+    W, V = ext[-3], ext[-2]
+    last = acc - V[9] - V[7] + _local_mem(cc, W, V, _EMPTY, sg[ends[-1]]) + extra
+    # The head's backward (root) prefetches the last group's re-gather.
+    return t, max(peak, last, acc + round(cc.loss_mem) + extra + V[10]), acc
+
+
+def brute_force_chain(cc: ChainCosts, *, choices: tuple[Choice, ...] | None = None, reshard: bool | int = True,
+                      ckpt: bool = False, max_group: int, mem_allowance: float):
+    """Every composition of the chain and every per-group choice, scored by
+    ``chain_model`` (for tests): (time, sizes, choices) or None."""
+    ch = choices if choices is not None else ((reshard, ckpt),)
+    n = len(cc.blocks)
+    best = None
+
+    def compositions(rest: int):
+        if rest == 0:
+            yield ()
+            return
+        for s in range(1, min(max_group, rest) + 1):
+            for tail in compositions(rest - s):
+                yield (s,) + tail
+
+    for sizes in compositions(n):
+        for picks in itertools.product(ch, repeat=len(sizes)):
+            t, peak, _a = chain_model(cc, zip(sizes, picks))
+            if peak <= mem_allowance and (best is None or t < best[0] - 1e-15):
+                best = (t, sizes, picks)
+    return best

@@ -1,0 +1,550 @@
+"""Exact dynamic programming over contiguous groupings of the block chains,
+with a choice of (reshard after forward, activation checkpointing) per unit,
+under a memory budget. The model it minimises is in ``chain.py`` ([Note:
+chain model]).
+
+[Note: exact DP with a prefix-additive memory term] The local terms make the
+state after placing a unit ``(end, W's effect on later windows, V, c_V)``;
+W enters later windows only through ``(R_W, regather_W)``, so states with the
+same pair merge. ``A(<V)`` is a sum over *every* earlier unit, so no finite
+state summarises it; instead each state keeps a Pareto set of labels
+``(time so far, A)``. This is exact: the future of a partial plan depends on
+its past only through the state and ``A``, future time adds to the label's
+time, and the future is feasible for a label whenever it is feasible for a
+label with larger ``A`` (every memory check is ``A + local <= budget`` and A
+only grows). So a label dominated in both time and ``A`` by another label of
+the same state can never lead to a better feasible plan, and dropping it
+loses nothing. With no budget ``A`` is irrelevant and each state keeps one
+label. Several chains (an encoder-decoder) are solved in forward order, each
+starting from the previous chain's final Pareto set: the earlier chain's kept
+parameters and activations are alive during the later chain's backward, and
+the later chain's are gone by the earlier chain's backward. Tests compare the
+DP with brute force over every grouping and every per-unit choice.
+
+The event simulator re-scores every answer and has the last word (see
+``search.search_plan``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.search.dp.chain import (
+    ChainAnswer,
+    ChainCosts,
+    Choice,
+    _group,
+    _sg_after,
+    brute_force_chain,
+    chain_costs,
+    chain_model,
+    unit_choices,
+)
+from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
+
+__all__ = [
+    "ChainDP",
+    "dp_plans",
+    "solve_chains",
+    "solve_chain",
+    "lower_bound",
+    "chain_static_bytes",
+    # from chain.py, for convenience
+    "Choice",
+    "ChainCosts",
+    "ChainAnswer",
+    "unit_choices",
+    "chain_costs",
+    "chain_model",
+    "brute_force_chain",
+]
+
+
+class _Tables:
+    """Every group's figures as arrays indexed [start, size, choice] (see ``_group``)."""
+
+    def __init__(self, cc: ChainCosts, choices: tuple[Choice, ...], max_group: int):
+        n, C = len(cc.blocks), len(choices)
+        G = min(max_group, n)
+        shape = (n + 1, G + 1, C)
+        f = {k: np.zeros(shape) for k in ("F", "B", "A", "R", "S")}
+        m = {k: np.zeros(shape, dtype=np.int64) for k in ("P", "G", "act", "saved", "keep", "reg")}
+        self.valid = np.zeros(shape, dtype=bool)
+        wid = np.zeros(shape, dtype=np.int64)
+        pairs: dict[tuple[float, int], int] = {(0.0, 0): 0}  # W's effect (R, re-gathered bytes) -> id
+        for st in range(n):
+            for s in range(1, min(G, n - st) + 1):
+                for ci, ch in enumerate(choices):
+                    g = _group(cc, st, s, ch)
+                    self.valid[st, s, ci] = True
+                    for k, j in (("F", 0), ("B", 1), ("A", 2), ("R", 3), ("S", 4)):
+                        f[k][st, s, ci] = g[j]
+                    for k, j in (("P", 5), ("G", 6), ("act", 7), ("saved", 8), ("keep", 9), ("reg", 10)):
+                        m[k][st, s, ci] = g[j]
+                    wid[st, s, ci] = pairs.setdefault((g[3], g[10]), len(pairs))
+        self.f, self.m, self.wid = f, m, wid
+        self.sg_after = np.array(_sg_after(cc), dtype=np.int64)
+        self.w_R = np.array([r for r, _ in pairs])
+        self.w_reg = np.array([b for _, b in pairs], dtype=np.int64)
+        self.n, self.G, self.C = n, G, C
+
+
+def _prune(key: np.ndarray, t: np.ndarray, a: np.ndarray, use_mem: bool) -> np.ndarray:
+    """Indices of the Pareto-minimal labels per key, fastest first within a key.
+    See [Note: exact DP with a prefix-additive memory term]."""
+    if key.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort((a, t, key))
+    k, aa = key[order], a[order]
+    first = np.ones(k.size, dtype=bool)
+    first[1:] = k[1:] != k[:-1]
+    if not use_mem:
+        return order[first]
+    # Within each key (sorted by time), keep a label only if its A is below every
+    # earlier label's: a running minimum that restarts at each key.
+    span = int(aa.max() - min(0, int(aa.min()))) + 1
+    shifted = aa - k * span  # later keys lie entirely below earlier ones
+    run = np.minimum.accumulate(shifted)
+    keep = first.copy()
+    keep[1:] |= shifted[1:] < run[:-1]
+    return order[keep]
+
+
+def _lower_bounds(tb: _Tables, cc: ChainCosts, tails: np.ndarray, lams: np.ndarray, last: bool) -> np.ndarray:
+    """H[l, i, w, s, c], one slice per multiplier ``lams[l]`` >= 0 (seconds per byte).
+
+    [Note: Lagrangian bound] From the state (end i, W's effect w, last group
+    of size s with choice c) with prefix memory A, any completion that fits
+    the budget has remaining time at least ``H + lam * (A - allowance)``:
+    H is the least over *all* completions of remaining time plus ``lam``
+    times the memory of the final backward window beyond A (the kept
+    parameters and activations still to be added, plus the last window's
+    local terms), and for a fitting completion that final window is at most
+    the allowance. ``lam = 0`` is the memory-free bound. Later chains enter
+    through ``tails``; a chain that is not the last passes its whole
+    increase of A on to them.
+    """
+    n, G, C = tb.n, tb.G, tb.C
+    f, m = tb.f, tb.m
+    nw = tb.w_R.size
+    L = lams.size
+    o = cc.overhead_s
+    H = np.full((L, n + 1, nw, G + 1, C), np.inf)
+    lam = lams[:, None, None, None]  # (l, w, s, c)
+    R_W = tb.w_R[:, None, None]
+    reg_W = tb.w_reg[:, None, None].astype(float)
+    cs = np.arange(C)[None, :]
+    for i in range(n, 0, -1):
+        smax = min(G, i)
+        sl = np.arange(1, smax + 1)[:, None]
+        st = i - sl
+        FV, BV = f["F"][st, sl, cs], f["B"][st, sl, cs]  # (s, c)
+        grow = (m["keep"][st, sl, cs] + m["act"][st, sl, cs]).astype(float)
+        if i == n:
+            if last:
+                local = (m["P"][st, sl, cs] + m["saved"][st, sl, cs] + m["G"][st, sl, cs] + 2 * int(cc.work)
+                         + tb.sg_after[n]).astype(float)
+                mem = local[None] + reg_W
+            else:
+                mem = np.broadcast_to(grow[None], (nw,) + grow.shape)
+            base = np.maximum(BV[None] + o, R_W) + FV[None]  # (w, s, c)
+            H[:, i, :, 1:smax + 1, :] = base[None] + tails[:, None, None, None] + lam * mem[None]
+            continue
+        vw = tb.wid[st, sl, cs]  # (s, c)
+        best = np.full((L, nw, smax, C), np.inf)
+        for s_next in range(1, min(G, n - i) + 1):
+            SX, AX = f["S"][i, s_next], f["A"][i, s_next]  # (c_x,)
+            bw = np.maximum(BV[None, :, :, None] + o, R_W[..., None] + SX)  # (w, s, c, c_x)
+            fw = np.maximum(FV[..., None] + o, AX) if cc.runs_ahead else FV[..., None] + o + AX  # (s, c, c_x)
+            rest = H[:, i + s_next, vw, s_next, :]  # (l, s, c, c_x)
+            best = np.minimum(best, (bw[None] + (fw[None] + rest)[:, None]).min(axis=4))
+        H[:, i, :, 1:smax + 1, :] = best + lam * grow[None, None]
+    return H
+
+
+def _start_value(tb: _Tables, cc: ChainCosts, H: np.ndarray) -> np.ndarray:
+    """The bound at the chain's start (before its first group), per multiplier, without the A term."""
+    AX = tb.f["A"][0, 1:tb.G + 1, :]
+    fw = np.maximum(cc.overhead_s, AX) if cc.runs_ahead else cc.overhead_s + AX
+    s = np.arange(1, tb.G + 1)
+    return (fw[None] + H[:, s, 0, s, :]).min(axis=(1, 2))
+
+
+class _Bounds:
+    """Lower bounds for pruning: per chain, H for every multiplier (see [Note: Lagrangian bound])."""
+
+    def __init__(self, tables: list[_Tables], costs: list[ChainCosts], lams: np.ndarray):
+        self.lams = lams
+        self.allowance = 0.0
+        self.H: list[np.ndarray] = [np.zeros(0)] * len(tables)
+        tails = np.zeros(lams.size)
+        for k in range(len(tables) - 1, -1, -1):
+            self.H[k] = _lower_bounds(tables[k], costs[k], tails, lams, last=k == len(tables) - 1)
+            tails = _start_value(tables[k], costs[k], self.H[k])
+        self.root = tails
+
+    def select(self, idx: list[int], allowance: float) -> "_Bounds":
+        out = object.__new__(_Bounds)
+        out.lams = self.lams[idx]
+        out.allowance = allowance if math.isfinite(allowance) else 0.0
+        out.H = [Hk[idx] for Hk in self.H]
+        out.root = self.root[idx]
+        return out
+
+    def at(self, k: int, i, wid, s, c, a) -> np.ndarray:
+        """The best bound on the remaining time of labels with prefix memory ``a``."""
+        v = self.H[k][:, i, wid, s, c] + self.lams.reshape((-1,) + (1,) * np.ndim(a)) * (a - self.allowance)
+        return v.max(axis=0)
+
+    def global_bound(self, a0: float, allowance: float) -> np.ndarray:
+        return self.root + self.lams * (a0 - allowance)
+
+
+class _Store:
+    """Back-pointers of every label kept: (parent id, chain, start, size, choice)."""
+
+    def __init__(self):
+        self.parts: list[tuple[np.ndarray, ...]] = []
+        self.size = 0
+
+    def add(self, parent, chain, start, size, ci) -> np.ndarray:
+        k = len(parent)
+        full = lambda x: np.broadcast_to(np.asarray(x, dtype=np.int64), (k,))  # noqa: E731
+        self.parts.append((full(parent), full(chain), full(start), full(size), full(ci)))
+        ids = np.arange(self.size, self.size + k, dtype=np.int64)
+        self.size += k
+        return ids
+
+    def unwind(self, label_id: int, choices: tuple[Choice, ...]) -> tuple:
+        cols = [np.concatenate([p[j] for p in self.parts]) for j in range(5)]
+        out = []
+        i = label_id
+        while i >= 0:
+            parent, chain, start, size, ci = (int(c[i]) for c in cols)
+            if size > 0:
+                out.append((chain, start, size, choices[ci]))
+            i = parent
+        return tuple(reversed(out))
+
+
+def _solve_front(tb: _Tables, cc: ChainCosts, chain_index: int, start: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 store: _Store, *, mem_allowance: float, bounds: _Bounds, ub: float = math.inf):
+    """Run the DP on one chain from the labels ``start`` = (time, A, id); return the
+    final Pareto set of (time, A, id). Vectorised over labels and next groups.
+
+    Labels whose time plus a lower bound on what remains exceeds ``ub``
+    are dropped: when the answer's time is at most ``ub`` no better plan was
+    among them, so the answer stays exact (``solve_chains`` checks this).
+    """
+    n, G, C = tb.n, tb.G, tb.C
+    f, m = tb.f, tb.m
+    use_mem = math.isfinite(mem_allowance)
+    allow = mem_allowance if use_mem else 0.0
+    o = cc.overhead_s
+    two_work = 2 * int(cc.work)
+    ahead = cc.runs_ahead
+    cis = np.arange(C)
+    bound = ub * (1 + 1e-12) if math.isfinite(ub) else math.inf
+    # pending[end] = list of (t, a, wid, s_last, ci_last, parent)
+    pending: list[list] = [[] for _ in range(n + 1)]
+    t0, a0, id0 = start
+    for s in range(1, G + 1):
+        AX = f["A"][0, s]
+        dt = np.maximum(o, AX) if ahead else o + AX
+        L = t0.size
+        pending[s].append((
+            (t0[:, None] + dt[None, :]).ravel(), np.repeat(a0, C), np.zeros(L * C, dtype=np.int64),
+            np.full(L * C, s), np.tile(cis, L), np.repeat(id0, C),
+        ))
+    final_t, final_a, final_p = [], [], []
+    for i in range(1, n + 1):
+        if not pending[i]:
+            continue
+        t, a, wid, sl, cl, par = (np.concatenate(x) for x in zip(*pending[i]))
+        pending[i] = []
+        if bound < math.inf:
+            ok = t + bounds.at(chain_index, i, wid, sl, cl, a) <= bound
+            t, a, wid, sl, cl, par = t[ok], a[ok], wid[ok], sl[ok], cl[ok], par[ok]
+        keep = _prune((wid * (G + 1) + sl) * C + cl, t, a if use_mem else t, use_mem)
+        t, a, wid, sl, cl, par = t[keep], a[keep], wid[keep], sl[keep], cl[keep], par[keep]
+        if t.size == 0:
+            continue
+        st = i - sl
+        ids = store.add(par, chain_index, st, sl, cl)
+        FV, BV = f["F"][st, sl, cl], f["B"][st, sl, cl]
+        R_W, reg_W = tb.w_R[wid], tb.w_reg[wid]
+        base_mem = a + m["P"][st, sl, cl] + reg_W + m["saved"][st, sl, cl] + m["G"][st, sl, cl] + two_work
+        a_next = a + m["keep"][st, sl, cl] + m["act"][st, sl, cl]
+        bw_comp = BV + o
+        if i == n:
+            if use_mem:
+                extra = m["P"][st, sl, cl] - round(cc.P[-1]) if cc.buffer_last else 0
+                ok = (base_mem + tb.sg_after[n] + extra <= allow)
+                ok &= a_next + round(cc.loss_mem) + extra + m["reg"][st, sl, cl] <= allow
+            else:
+                ok = np.ones(t.size, dtype=bool)
+            final_t.append((t + np.maximum(bw_comp, R_W) + FV)[ok])
+            final_a.append(a_next[ok])
+            final_p.append(ids[ok])
+            continue
+        v_wid = tb.wid[st, sl, cl]
+        fw_comp = FV + o
+        L = t.size
+        for s_next in range(1, min(G, n - i) + 1):
+            SX, AX, GX = f["S"][i, s_next], f["A"][i, s_next], m["G"][i, s_next]
+            dt = np.maximum(bw_comp[:, None], R_W[:, None] + SX[None, :])
+            dt = dt + (np.maximum(fw_comp[:, None], AX[None, :]) if ahead else fw_comp[:, None] + AX[None, :])
+            nt = t[:, None] + dt
+            ok = np.ones((L, C), dtype=bool)
+            if use_mem:
+                ok &= base_mem[:, None] + GX[None, :] + tb.sg_after[i + s_next] <= allow
+            if bound < math.inf:
+                ok &= nt + bounds.at(chain_index, i + s_next, v_wid[:, None], s_next, cis[None, :], a_next[:, None]) <= bound
+            ok = ok.ravel()
+            pending[i + s_next].append((
+                nt.ravel()[ok], np.repeat(a_next, C)[ok], np.repeat(v_wid, C)[ok],
+                np.full(L * C, s_next)[ok], np.tile(cis, L)[ok], np.repeat(ids, C)[ok],
+            ))
+    if not final_t:
+        return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    t, a, p = np.concatenate(final_t), np.concatenate(final_a), np.concatenate(final_p)
+    keep = _prune(np.zeros(t.size, dtype=np.int64), t, a if use_mem else t, use_mem)
+    ids = store.add(p[keep], chain_index, 0, 0, 0)  # a marker: the chain's end
+    return t[keep], a[keep], ids
+
+
+def _run(tables, costs, bounds, *, mem_allowance: float, a0: float, ub: float):
+    store = _Store()
+    ids = store.add(np.array([-1]), -1, 0, 0, 0)
+    front = (np.zeros(1), np.array([int(a0)], dtype=np.int64), ids)
+    for k, (tb, cc) in enumerate(zip(tables, costs)):
+        front = _solve_front(tb, cc, k, front, store, mem_allowance=mem_allowance, bounds=bounds, ub=ub)
+        if front[0].size == 0:
+            return None
+    best = int(np.argmin(front[0]))
+    return float(front[0][best]), float(front[1][best]), store, int(front[2][best])
+
+
+def _prepare(costs, choices, max_group, cache: dict) -> list[_Tables]:
+    key = (id(costs), tuple(choices), max_group)
+    if cache.get("key") != key:
+        cache.clear()
+        cache["key"] = key
+        cache["costs"] = costs  # keeps id(costs) alive and unique
+        cache["tables"] = [_Tables(cc, choices, max_group) for cc in costs]
+    return cache["tables"]
+
+
+def _all_bounds(costs, tables, cache: dict) -> _Bounds:
+    if "bounds" not in cache:
+        # Multipliers around the exchange rate of time for memory (the bound is
+        # concave in lam; the best of a log grid and its neighbours are used).
+        free = _Bounds(tables, costs, np.zeros(1))
+        span = sum(sum(cc.act) + sum(cc.P) for cc in costs) or 1.0
+        scale = float(free.root[0]) / span
+        cache["bounds"] = _Bounds(tables, costs, np.array([0.0] + [scale * 4.0 ** k for k in range(-3, 6)]))
+    return cache["bounds"]
+
+
+def lower_bound(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_group: int, mem_allowance: float,
+                a0: float = 0.0, cache: dict | None = None) -> float:
+    """The best Lagrangian lower bound on ``solve_chains``' time (see [Note: Lagrangian bound])."""
+    cache = cache if cache is not None else {}
+    tables = _prepare(costs, choices, max_group, cache)
+    if not math.isfinite(mem_allowance):
+        if "free" not in cache:
+            cache["free"] = _Bounds(tables, costs, np.zeros(1))
+        return float(cache["free"].root[0])
+    return float(_all_bounds(costs, tables, cache).global_bound(a0, mem_allowance).max())
+
+
+def solve_chains(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_group: int,
+                 mem_allowance: float, a0: float = 0.0, cache: dict | None = None,
+                 give_up_above: float = math.inf) -> ChainAnswer | None:
+    """The fastest grouping of every chain (in forward order) whose every backward
+    window fits ``mem_allowance``; None when none does (or, with
+    ``give_up_above``, when none is faster than that). See [Note: chain model].
+
+    Under a budget the label sets can grow large, so with several choices the
+    exact DP runs as a branch and bound: the best Lagrangian lower bound LB
+    (see [Note: Lagrangian bound]) gives a first cap ``ub = LB * (1 + d)``;
+    labels that cannot finish under ``ub`` by their own lower bound are
+    dropped. If a plan is found its time is at most ``ub``, and every dropped
+    label's completions were slower than ``ub``, so the plan is optimal; if
+    none is found, ``d`` grows, and the last round has no cap at all.
+    ``cache`` (a dict) keeps the tables and bounds between calls on the same
+    ``costs`` and ``choices`` with other allowances.
+    """
+    cache = cache if cache is not None else {}
+    tables = _prepare(costs, choices, max_group, cache)
+    if not math.isfinite(mem_allowance) or len(choices) == 1:
+        # No budget, or one choice (the prefix memory then hardly varies): plain labels.
+        bounds = _Bounds.__new__(_Bounds)
+        if math.isfinite(give_up_above):
+            bounds = _all_bounds(costs, tables, cache).select([0], math.inf)  # the memory-free bound
+        res = _run(tables, costs, bounds, mem_allowance=mem_allowance, a0=a0, ub=give_up_above)
+    else:
+        allb = _all_bounds(costs, tables, cache)
+        vals = allb.global_bound(a0, mem_allowance)
+        j = int(np.argmax(vals))
+        idx = sorted({0, max(1, j - 1), j, min(allb.lams.size - 1, j + 1)})
+        bounds = allb.select(idx, mem_allowance)
+        lb = float(vals.max())
+        res = None
+        # Rounds of growing caps: a round whose cap is below the optimum fails fast.
+        for d in (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.045, 0.065, 0.09, 0.13, 0.2, 0.3, 0.5, math.inf):
+            ub = min(lb * (1 + d), give_up_above)
+            if lb > give_up_above:
+                break
+            res = _run(tables, costs, bounds, mem_allowance=mem_allowance, a0=a0, ub=ub)
+            if res is not None or ub >= give_up_above:
+                break
+    if res is None:
+        return None
+    t, a, store, label = res
+    return ChainAnswer(t, a, store.unwind(label, choices))
+
+
+def solve_chain(cc: ChainCosts, *, choices: tuple[Choice, ...] | None = None, reshard: bool | int = True,
+                ckpt: bool = False, max_group: int, mem_allowance: float) -> tuple[float, tuple[int, ...], tuple[Choice, ...]] | None:
+    """One chain: (time, group sizes, per-group choices), or None when nothing fits.
+
+    ``choices`` are the per-unit options (default: the one uniform choice
+    ``(reshard, ckpt)``).
+    """
+    ch = choices if choices is not None else ((reshard, ckpt),)
+    ans = solve_chains([cc], choices=ch, max_group=max_group, mem_allowance=mem_allowance)
+    if ans is None:
+        return None
+    return ans.time_s, ans.sizes(0), ans.choices(0)
+
+
+def _root_activations(sim: Simulator, chains: tuple[tuple[str, ...], ...]) -> tuple[float, float]:
+    """Activations the root unit saves before the first block and after the last one."""
+    blocks = [b for c in chains for b in c]
+    units = tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),)
+    lay = sim.layout(units)
+    root = len(units) - 1
+    segs = lay.segments
+    firsts = [i for i, sg in enumerate(segs) if sg.unit != root]
+    if not firsts:
+        return 0.0, 0.0
+    before = sum(sg.saved for sg in segs[:firsts[0]] if sg.unit == root)
+    after = sum(sg.saved for sg in segs[firsts[-1] + 1:] if sg.unit == root)
+    return float(before), float(after)
+
+
+def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...]) -> float:
+    """Memory outside the chains' terms on ``mesh`` (see [Note: memory] in the
+    simulator): sharded parameters and optimizer state, gradients kept for
+    accumulation, the root unit's parameters (gathered all step) and, on a GPU,
+    the all-gather buffer of at least one block."""
+    g, opt = sim.graph, sim.options
+    shard = mesh.shard_size
+    blocks = [b for c in chains for b in c]
+    units = tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),)
+    est = sim.simulate(PlanSpec(units, mesh))
+    trainable = g.trainable_bytes
+    static = g.param_bytes / shard + trainable * opt.optimizer.states_per_param / shard
+    if opt.grad_accumulation > 1:
+        static += sum(u.param_bytes for u in est.units) * (opt.reduce_dtype_bytes or 1) / (opt.param_dtype_bytes or 1)
+    static += est.units[-1].param_bytes
+    if sim.compute.runs_ahead and blocks:
+        static += est.units[len(blocks) - 1].param_bytes  # See [Note: all-gather buffer]
+    return static
+
+
+class ChainDP:
+    """The DP for one model on one mesh: chain costs, static memory and the
+    cached tables and bounds, so that a lower bound can be asked for before
+    (and cheaply beside) the exact answer."""
+
+    def __init__(self, sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, max_group: int = 8,
+                 forward_prefetch: int = 0, static_bytes: float | None = None):
+        self.sim, self.mesh, self.chains = sim, mesh, chains
+        self.max_group, self.forward_prefetch = max_group, forward_prefetch
+        self.static_bytes = chain_static_bytes(sim, mesh, chains) if static_bytes is None else static_bytes
+        costs = [chain_costs(sim, mesh, c, max_group, forward_prefetch=forward_prefetch) for c in chains]
+        tail = 0.0
+        for k in range(len(costs) - 1, -1, -1):  # later chains' sharded gradients land before this one's backward
+            costs[k] = replace(costs[k], sg_tail=tail)
+            tail += sum(costs[k].SG)
+        before, after = _root_activations(sim, chains)
+        self.static_bytes += before  # the root's activations saved before the first block live through backward
+        g, scale = sim.graph, sim.options.batch_scale  # See [Note: loss] in the simulator
+        loss = max(g.root.output_bytes + g.loss_peak_bytes, 2 * g.root.output_bytes + g.loss_saved_bytes) * scale + after
+        costs[-1] = replace(costs[-1], loss_mem=loss, buffer_last=sim.compute.runs_ahead)
+        self.costs = costs
+        self.choices = unit_choices(mesh)
+        self._cache: dict = {}
+        tag = "" if mesh.shard_size == mesh.world_size else f",shard={mesh.shard_size}"
+        self.tag = tag + (f",prefetch={forward_prefetch}" if forward_prefetch else "")
+
+    def lower_bound(self, memory_budget: float) -> float:
+        """A lower bound on the chain-model time of the per-unit optimum under the budget."""
+        return lower_bound(self.costs, choices=self.choices, max_group=self.max_group,
+                           mem_allowance=memory_budget - self.static_bytes, cache=self._cache)
+
+    def _plan(self, ans: ChainAnswer, label: str) -> PlanSpec:
+        units = [UnitSpec(self.chains[c][st:st + s], ch[0], ch[1]) for c, st, s, ch in ans.groups]
+        return PlanSpec(units=tuple(units) + (UnitSpec((ROOT,), False),), mesh=self.mesh,
+                        forward_prefetch=self.forward_prefetch, label=label)
+
+    def plans(self, memory_budget: float, *, uniform: bool = True, rescore: bool = True,
+              give_up_above: float = math.inf) -> list[tuple[str, PlanSpec, float]]:
+        """See ``dp_plans``. ``give_up_above``: skip the per-unit answer when it
+        cannot be faster than this (chain-model seconds)."""
+        allowance = memory_budget - self.static_bytes
+        runs = [("dp", self.choices)]
+        if uniform:
+            runs += [(f"dp(reshard={_raf_tag(r)},ckpt={'T' if k else 'F'})", ((r, k),)) for r, k in self.choices]
+        check = rescore and math.isfinite(memory_budget)
+        out = []
+        for label, choices in runs:
+            allow = allowance
+            cache = self._cache if label == "dp" else {}
+            cap = give_up_above if label == "dp" else math.inf
+            ans = None
+            for attempt in range(8 if check and label == "dp" else 1):
+                ans = solve_chains(self.costs, choices=choices, max_group=self.max_group, mem_allowance=allow,
+                                   cache=cache, give_up_above=cap)
+                if ans is None:
+                    break
+                plan = self._plan(ans, label + self.tag)
+                if not (check and label == "dp"):
+                    break
+                over = self.sim.simulate(plan).peak_bytes - memory_budget
+                if over <= 0:
+                    break
+                allow -= over * (1 + attempt) + 1e-4 * memory_budget
+                ans = None
+            if ans is not None:
+                out.append((label + self.tag, plan, ans.time_s))
+        return out
+
+
+def dp_plans(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, memory_budget: float,
+             static_bytes: float | None = None, max_group: int = 8, uniform: bool = True,
+             forward_prefetch: int = 0, rescore: bool = True) -> list[tuple[str, PlanSpec, float]]:
+    """DP answers on ``mesh``: (label, plan, chain-model time).
+
+    The first is the per-unit optimum (each unit its own reshard and
+    checkpointing choice); with ``uniform`` one answer per uniform choice
+    follows. ``static_bytes`` defaults to ``chain_static_bytes``. With
+    ``rescore`` (and a budget) the per-unit answer is re-scored by the
+    simulator, and while its predicted peak exceeds the budget the DP runs
+    again with the allowance lowered by the excess (a few times at most): the
+    chain model leaves a few terms out (see [Note: chain model]).
+    """
+    if not chains:
+        return []
+    dp = ChainDP(sim, mesh, chains, max_group=max_group, forward_prefetch=forward_prefetch, static_bytes=static_bytes)
+    return dp.plans(memory_budget, uniform=uniform, rescore=rescore)
+
+
+def _raf_tag(r: bool | int) -> str:
+    return "T" if r is True else "F" if r is False else str(r)

@@ -1,0 +1,6 @@
+"""search.study: the Optuna study over the general plan space (not named ``optuna``: it would shadow the package)."""
+
+from wrapopt.search.study.run import run_study
+from wrapopt.search.study.space import SearchSpace
+
+__all__ = ["run_study", "SearchSpace"]

@@ -1,0 +1,330 @@
+"""Optuna over the general space: a seeded, constrained, two-objective study.
+
+The study minimises (predicted step time, predicted peak bytes) with the
+memory budget as a constraint, so its Pareto front is the time-memory
+trade-off among plans that fit. It is seeded (``enqueue_trial``) with the
+baselines and the DP answers, so its best is never worse than theirs.
+
+[Note: resumable studies] With a storage URL every finished trial is
+committed as it finishes. A search asks for a total of ``trials`` finished
+trials: it counts those already stored and runs only the rest, and a callback
+stops it as soon as the study holds the total, so a restarted search (after
+``kill -9``) and several workers sharing one study finish the budget together
+without redoing a finished trial. A trial that was running when its worker
+died stays RUNNING and is not counted. Seeds are enqueued with
+``skip_if_exists``, so a restart does not run them twice. A study remembers
+what it was made for (model, mesh, budget, fabric); reopening it for
+anything else is an error rather than a silent mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import WrapoptError
+from wrapopt.search.study.space import SearchSpace
+from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec
+from wrapopt.units import validate_plan
+
+__all__ = ["StudyOutcome", "TrialResult", "run_study", "storage_url", "default_study_name", "SAMPLERS"]
+
+SAMPLERS = ("auto", "tpe", "nsga2")
+# "auto": multi-objective TPE learns much more per trial, but its cost per trial
+# grows with the number of parameters and trials; past this many parameters
+# (a few dozen blocks) NSGA-II, which costs next to nothing per trial, takes over.
+TPE_MAX_PARAMS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TrialResult:
+    number: int
+    plan: PlanSpec
+    estimate: CostEstimate
+    fits: bool
+
+
+@dataclass(frozen=True)
+class StudyOutcome:
+    """What a study holds after a search: its best plan that fits and its Pareto front."""
+
+    study_name: str
+    storage: str | None
+    num_trials: int  # finished trials in the study (all workers, all runs)
+    num_run_here: int  # trials this call ran
+    best: TrialResult | None  # fastest trial that fits
+    pareto: tuple[TrialResult, ...]  # fitting trials not beaten in both time and memory, fastest first
+    num_seeds: int
+    sampler: str = ""
+
+
+def storage_url(storage: str | None) -> str | None:
+    """A path becomes a SQLite URL (``journal:///path`` for a path ending in
+    ``.journal``: Optuna's append-only journal file, much faster per trial);
+    a URL (``sqlite:///``, ``postgresql://``, ``mysql://``, ...) is kept."""
+    if not storage:
+        return None
+    if "://" in storage:
+        return storage
+    path = os.path.abspath(os.path.expanduser(storage))
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise WrapoptError(f"--storage {storage!r}: directory {directory} does not exist")
+    return f"journal:///{path}" if path.endswith(".journal") else f"sqlite:///{path}"
+
+
+def _storage(url: str | None):
+    import optuna
+
+    if url is None:
+        return None
+    if url.startswith("journal:///"):
+        path = url[len("journal:///"):]
+        lock = optuna.storages.journal.JournalFileOpenLock(path)
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path, lock_obj=lock))
+    if url.startswith("sqlite:///") and ":memory:" not in url:
+        import sqlite3
+
+        path = url[len("sqlite:///"):]
+
+        def connect():
+            # Several workers on one file wait for its lock instead of failing.
+            conn = sqlite3.connect(path, timeout=120, check_same_thread=False, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            return conn
+
+        storage = optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
+        from sqlalchemy import event
+
+        @event.listens_for(storage.engine, "begin")
+        def _begin(conn) -> None:
+            # SQLite's default deferred transactions let two workers both read a
+            # waiting trial and both claim it; taking the write lock up front
+            # makes Optuna's read-check-update atomic.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return storage
+    return url
+
+
+def study_identity(graph: ModelGraph, sim: Simulator, space: SearchSpace, memory_budget: float) -> dict[str, Any]:
+    """What a study's trials depend on; stored in the study and hashed into its default name."""
+    h = hashlib.sha256()
+    for fqn, shape, dtype in sorted(graph.param_shapes):
+        h.update(f"{fqn}:{shape}:{dtype};".encode())
+    return {
+        "model": graph.model_class,
+        "params_hash": h.hexdigest()[:12],
+        "world_size": space.mesh.world_size,
+        "ranks_per_node": space.mesh.ranks_per_node,
+        "shard_choices": list(space.shard_choices),
+        "memory_budget": None if not math.isfinite(memory_budget) else int(memory_budget),
+        "fabric": sim.fabric.label,
+        "compute": f"{sim.compute.device} ({sim.compute.kind})",
+        "num_space_params": space.num_params,
+    }
+
+
+def default_study_name(identity: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+    return f"wrapopt-{identity['model']}-w{identity['world_size']}-{digest}"
+
+
+class _Progress:
+    """A one-line progress report on stderr (Optuna's own bar needs tqdm)."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.stream = total, stream or sys.stderr
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, study, trial) -> None:
+        now = time.monotonic()
+        done = _count_finished(study)
+        if now - self.last < 0.1 and done < self.total:
+            return
+        self.last = now
+        best = _best_time(study)
+        msg = f"\rwrapopt search: trial {min(done, self.total)}/{self.total}"
+        msg += f", best fitting {best * 1e3:.2f} ms" if best is not None else ", nothing fits yet"
+        self.stream.write(msg + "   ")
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _count_finished(study) -> int:
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+
+
+def _fits(trial) -> bool:
+    return trial.user_attrs.get("fits", False)
+
+
+def _best_time(study) -> float | None:
+    from optuna.trial import TrialState
+
+    ts = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if _fits(t)]
+    return min(ts) if ts else None
+
+
+def _sampler(name: str, seed: int, population: int):
+    import optuna
+
+    constraints = None
+    if not hasattr(optuna.trial.Trial, "set_constraint"):  # Optuna < 5: a constraints function
+        constraints = lambda ft: (ft.user_attrs.get("memory_over_budget", 0.0),)  # noqa: E731
+    match name:
+        case "auto":
+            raise AssertionError("resolved by run_study")  # internal invariant
+        case "nsga2":
+            return optuna.samplers.NSGAIISampler(seed=seed, population_size=population, constraints_func=constraints)
+        case "tpe":
+            return optuna.samplers.TPESampler(seed=seed, constraints_func=constraints, multivariate=False)
+        case _:
+            raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+def _open_study(url: str | None, name: str, identity: dict[str, Any], sampler):
+    import optuna
+
+    for attempt in range(6):
+        try:
+            storage = _storage(url)
+            study = optuna.create_study(storage=storage, study_name=name, directions=["minimize", "minimize"],
+                                        sampler=sampler, load_if_exists=True)
+            break
+        except Exception as e:  # an unreachable database, a bad URL: say which
+            # Workers starting together race to create the schema or the study;
+            # the loser finds it made on its next try.
+            if attempt == 5:
+                raise WrapoptError(f"cannot open study {name!r} in storage {url}: {str(e).splitlines()[0]}") from None
+            time.sleep(0.2 * (attempt + 1))
+    stored = study.user_attrs.get("wrapopt")
+    if stored is None:
+        study.set_user_attr("wrapopt", identity)
+    elif stored != identity:
+        diff = sorted(k for k in set(stored) | set(identity) if stored.get(k) != identity.get(k))
+        raise WrapoptError(
+            f"study {name!r} in {url} was made for a different search (differs in: {', '.join(diff)}); "
+            "pass another --study-name or leave it to the default"
+        )
+    return study
+
+
+def run_study(
+    graph: ModelGraph,
+    sim: Simulator,
+    space: SearchSpace,
+    *,
+    memory_budget: float,
+    seeds: list[PlanSpec],
+    trials: int,
+    seed: int = 0,
+    storage: str | None = None,
+    study_name: str | None = None,
+    sampler: str = "auto",
+    population: int | None = None,
+    timeout_s: float | None = None,
+    progress: bool = False,
+) -> StudyOutcome:
+    """Run (or resume, or join) a study until it holds ``trials`` finished trials.
+
+    See [Note: resumable studies]. ``seeds`` are enqueued first when they can
+    be expressed in ``space``. ``sampler`` "auto" is TPE for spaces of at most
+    ``TPE_MAX_PARAMS`` parameters and NSGA-II for larger ones.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    budget = float(memory_budget) if memory_budget else math.inf
+    url = storage_url(storage)
+    identity = study_identity(graph, sim, space, budget)
+    name = study_name or default_study_name(identity)
+    pop = population or max(8, min(50, trials // 6))
+    if sampler == "auto":
+        sampler = "tpe" if space.num_params <= TPE_MAX_PARAMS else "nsga2"
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # experimental / deprecation notices about Optuna itself
+            study = _open_study(url, name, identity, _sampler(sampler, seed, pop))
+            done = _count_finished(study)
+            num_seeds = 0
+            if done < trials:
+                for plan in seeds:
+                    params = space.encode(plan)
+                    if params is not None:
+                        study.enqueue_trial(params, user_attrs={"seed": plan.label or "seed"}, skip_if_exists=True)
+                        num_seeds += 1
+            ran = 0
+            worker = f"{socket.gethostname()}:{os.getpid()}"
+
+            def objective(trial) -> tuple[float, float]:
+                nonlocal ran
+                plan = space.suggest(trial)
+                validate_plan(graph, plan)  # internal invariant: the space is legal by construction
+                est = sim.simulate(plan)
+                over = est.peak_bytes - budget if math.isfinite(budget) else -1.0
+                trial.set_user_attr("fits", bool(over <= 0))
+                trial.set_user_attr("worker", worker)
+                if hasattr(trial, "set_constraint"):
+                    trial.set_constraint("memory", over)
+                else:
+                    trial.set_user_attr("memory_over_budget", over)
+                ran += 1
+                return est.step_s, float(est.peak_bytes)
+
+            def stop_at_budget(st, _trial) -> None:
+                if _count_finished(st) >= trials:
+                    st.stop()
+
+            bar = _Progress(trials) if progress else None
+            callbacks = [stop_at_budget] + ([bar] if bar else [])
+            if done < trials:
+                try:
+                    study.optimize(objective, n_trials=trials - done, timeout=timeout_s, callbacks=callbacks,
+                                   gc_after_trial=False)
+                finally:
+                    if bar:
+                        bar.close()
+            finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    finally:
+        optuna.logging.set_verbosity(level)
+    return _outcome(space, sim, finished, name, url, ran, num_seeds, sampler)
+
+
+def _outcome(space: SearchSpace, sim: Simulator, finished, name, url, ran, num_seeds, sampler) -> StudyOutcome:
+    fitting = [t for t in finished if _fits(t)]
+    fitting.sort(key=lambda t: (t.values[0], t.values[1], t.number))
+    front = []
+    best_peak = math.inf
+    for t in fitting:  # fastest first; on the front when smaller in memory than every faster one
+        if t.values[1] < best_peak:
+            front.append(t)
+            best_peak = t.values[1]
+
+    def result(t) -> TrialResult:
+        seed = t.user_attrs.get("seed")
+        plan = space.from_params(t.params, label=f"optuna#{t.number}" + (f"={seed}" if seed else ""))
+        return TrialResult(t.number, plan, sim.simulate(plan), True)
+
+    pareto = tuple(result(t) for t in front)
+    return StudyOutcome(study_name=name, storage=url, num_trials=len(finished), num_run_here=ran,
+                        best=pareto[0] if pareto else None, pareto=pareto, num_seeds=num_seeds, sampler=sampler)

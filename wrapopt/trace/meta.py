@@ -1,0 +1,519 @@
+"""model -> ModelGraph, without allocating weights.
+
+One forward and backward of the model runs with every parameter, buffer and
+input replaced by a meta tensor of the same shape (``torch.func.functional_call``
+leaves the user's model untouched). Module hooks give the execution order and
+the call counts; a dispatch mode counts FLOPs per module with PyTorch's own
+FLOP formulas (``torch.utils.flop_counter``); ``saved_tensors_hooks`` measure
+the activations autograd keeps for backward, per module.
+
+[Note: self figures] FLOPs and saved bytes are attributed to the innermost
+module running when the op runs ("self" figures); a unit's cost is the sum
+over the modules it owns. Backward FLOPs are attributed from forward FLOPs
+(2x where the module's own parameters are trained, 1x where only the input
+gradient is needed) and then scaled so the total equals the backward FLOPs
+actually counted; the per-op backward attribution is unreliable under
+autograd.
+
+[Note: tracer fallback] Ops with data-dependent output (``.item()``,
+``nonzero``) cannot run on meta tensors. Then, if the model has real weights,
+the step runs once on the real tensors (``torch.autograd.grad``, so no
+``.grad`` is written) and ``ModelGraph.estimates`` says so; a meta model
+raises a ``TraceError`` that says what to do.
+
+[Note: fx graph and dataflow] ``trace_fx.export_fx`` keeps the model's fx
+graph (``torch.export`` on fake tensors) when it is cheap: export costs 1-2 ms
+per op on a 2-core CPU (llama-7b: 2.8 k ops, 4-7 s; llama-70b: 7 k ops, 7-14 s), so by
+default (``fx=None``) only models of at most ``_FX_AUTO_MAX_MODULES`` modules
+are exported, and ``estimates`` says when it was skipped or failed. The
+module dataflow (who feeds whom, see [Note: dataflow] in ``trace_fx``) comes
+from the fx graph when there is one, else from the ops the tracer's own
+forward ran, which is free and follows the same definition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import networkx as nx
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from wrapopt.errors import ModelError, TraceError
+from wrapopt.losses import default_loss
+from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
+from wrapopt.trace.fx import OpDataflow, export_fx
+
+__all__ = ["trace_model"]
+
+# fx=None exports the fx graph only for models this small; see [Note: fx graph and dataflow].
+_FX_AUTO_MAX_MODULES = 200
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash_fwd_flops(q, k, v, *args, out_val=None, **kwargs):
+    return sdpa_flop_count(q.shape, k.shape, v.shape)
+
+
+def _flash_bwd_flops(grad_out, q, k, v, *args, out_val=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+
+
+# FLOP formulas for the fused CPU attention kernel, which PyTorch's registry lacks.
+_EXTRA_FLOPS = {
+    _FLASH_CPU: _flash_fwd_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_bwd_flops,
+}
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Run ``F.scaled_dot_product_attention`` as the fused (flash-style) kernel.
+
+    [Note: attention on meta] On meta tensors the dispatcher falls back to the
+    math path, which saves the seq x seq attention matrix for backward; the
+    fused kernels that real GPUs and CPUs run save only the output and the
+    log-sum-exp. Tracing the math path would overstate activations by orders
+    of magnitude at long sequences, so the tracer routes attention to the
+    fused CPU kernel, whose meta implementation saves what the real ones do.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _fused_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is not None and attn_mask.requires_grad:
+        # A trained mask (T5's relative position bias) needs the math path's mask gradient.
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    # With enable_gqa, k and v keep their fewer heads: the fused kernels read them grouped
+    # (as the dispatcher passes them) and save them at that size, not repeated.
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    return _FLASH_CPU(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+class _Recorder(TorchDispatchMode):
+    """Counts FLOPs per innermost module; knows whether we are in backward."""
+
+    def __init__(self, stack: list[str]):
+        super().__init__()
+        self.stack = stack
+        self.fwd: dict[str, float] = defaultdict(float)
+        self.backward = False
+        self.bwd_total = 0.0
+        self.flow = OpDataflow()
+        self.record_flow = True  # the model's forward only: off for the loss and backward
+        self.in_loss = False
+        self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
+        self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
+        self.loss_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.in_loss:
+            self._track_loss(out)
+        if self.record_flow:
+            self.flow.record(self.stack[-1], args, kwargs, out)
+        fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
+        if fn is not None:
+            flops = float(fn(*args, **kwargs, out_val=out))
+            if self.backward:
+                self.bwd_total += flops
+            else:
+                self.fwd[self.stack[-1]] += flops
+        return out
+
+    def _track_loss(self, out: Any) -> None:
+        """Live bytes of the tensors the loss created (views share their base's storage)."""
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if isinstance(key, StorageWeakRef) and key not in self.loss_live and key not in self.loss_before:
+                    self.loss_live[key] = t.untyped_storage().nbytes()
+        self.loss_live = {k: b for k, b in self.loss_live.items() if not k.expired()}
+        self.loss_peak = max(self.loss_peak, sum(self.loss_live.values()))
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # tensor subclasses without storage
+        return id(t)
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors_in(o)]
+    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        return _tensors_in(obj.to_tuple())
+    return []
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o) for o in obj.values())
+    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        return _nbytes(obj.to_tuple())
+    return 0
+
+
+def trace_model(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    fx: bool | None = None,
+) -> ModelGraph:
+    """Trace ``model`` on meta tensors and return its ``ModelGraph``.
+
+    Args:
+        model: any ``nn.Module``, with real weights or built under ``torch.device("meta")``;
+            it is not modified and no weight memory is allocated.
+        example_inputs: positional inputs of one per-rank batch (a tuple, or one tensor).
+        loss_fn: ``loss_fn(output, inputs) -> scalar``; default: mean square of the outputs.
+        example_kwargs: keyword inputs, if the model takes any.
+        fx: keep the model's fx graph (``torch.export`` on fake tensors) and take the
+            dataflow from it: True always, False never, None (default) when the model has
+            at most 200 modules. A failed export is recorded in ``estimates``, never raised.
+
+    Example:
+        >>> from wrapopt import zoo
+        >>> model, inputs = zoo.build("gpt-tiny", "meta")
+        >>> graph = trace_model(model, inputs)
+        >>> graph.num_params > 0
+        True
+    """
+
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    example_kwargs = example_kwargs or {}
+    loss_fn = loss_fn or default_loss
+    t0 = time.perf_counter()
+
+    # Parameters: every FQN, grouped by identity (tied parameters share one object).
+    by_id: dict[int, list[str]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(fqn)
+        params[id(p)] = p
+    if not params:
+        raise ModelError(f"{type(model).__name__} has no parameters: there is nothing for FSDP to shard")
+    tied_groups = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
+
+    named_modules = list(model.named_modules(remove_duplicate=False))
+    modules_by_name: dict[str, nn.Module] = {}
+    for fqn, m in named_modules:
+        modules_by_name.setdefault(fqn, m)
+
+    estimates: list[str] = []
+    try:
+        rec = _run_step(model, example_inputs, example_kwargs, loss_fn, by_id, params, meta=True)
+    except _DataDependent as e:
+        if any(p.is_meta for p in params.values()):
+            raise TraceError(
+                f"module {e.module!r} runs an op that needs real values ({e.cause}); the model is on the meta "
+                "device, so the tracer cannot fall back to a real run. Build the model with real weights "
+                "(small example inputs suffice) or remove the data-dependent op from forward."
+            ) from None
+        rec = _run_step(model, example_inputs, example_kwargs, loss_fn, by_id, params, meta=False)
+        estimates.append(
+            f"traced with real tensors because module {e.module!r} needs real values ({e.cause}); "
+            "figures are exact for the example inputs but the tracer allocated real activations"
+        )
+
+    graph = _build_graph(model, named_modules, by_id, params, rec)
+    infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"] for fqn in dict.fromkeys(f for f, _ in named_modules))
+    chains = _block_chains(modules_by_name, infos, graph)
+    shapes = tuple(
+        (names[0], tuple(params[i].shape), _dtype_name(params[i].dtype)) for i, names in by_id.items()
+    )
+    fx_graph, dataflow = None, rec.flow
+    if fx is None and len(modules_by_name) > _FX_AUTO_MAX_MODULES:
+        estimates.append(
+            f"fx graph not kept: {len(modules_by_name)} modules > {_FX_AUTO_MAX_MODULES} (export takes seconds "
+            "at this size; pass fx=True to keep it); dataflow from the traced forward's ops"
+        )
+    elif fx or fx is None:
+        fx_graph, fx_flow, failure = export_fx(model, example_inputs, example_kwargs)
+        if fx_graph is None:
+            estimates.append(f"fx graph not kept: {failure}; dataflow from the traced forward's ops")
+        else:
+            dataflow = fx_flow
+    estimates.append(f"traced in {time.perf_counter() - t0:.2f} s")
+    return ModelGraph(
+        model_class=type(model).__name__,
+        modules=infos,
+        tree=graph,
+        tied_groups=tied_groups,
+        block_chains=chains,
+        param_shapes=tuple(sorted(shapes)),
+        input_bytes=_nbytes(example_inputs) + _nbytes(example_kwargs),
+        estimates=tuple(estimates[:-1]),
+        fx_graph=fx_graph,
+        dataflow=dataflow,
+        loss_saved_bytes=rec.loss_saved,
+        loss_peak_bytes=rec.loss_peak,
+    )
+
+
+class _DataDependent(Exception):
+    def __init__(self, module: str, cause: str):
+        super().__init__(cause)
+        self.module, self.cause = module, cause
+
+
+class _StepRecord:
+    def __init__(self) -> None:
+        self.order: dict[str, int] = {}
+        self.calls: dict[str, int] = defaultdict(int)
+        self.out_bytes: dict[str, int] = {}
+        self.in_bytes: dict[str, int] = {}
+        self.saved: dict[str, int] = defaultdict(int)
+        self.fwd: dict[str, float] = {}
+        self.bwd_total = 0.0
+        self.flow: nx.DiGraph = nx.DiGraph()
+        self.loss_saved = 0  # saved for backward by the loss (outside every module)
+        self.loss_peak = 0  # most bytes of tensors the loss created alive at once
+
+
+def _run_step(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[..., torch.Tensor],
+    by_id: dict[int, list[str]],
+    params: dict[int, nn.Parameter],
+    *,
+    meta: bool,
+) -> _StepRecord:
+    rec = _StepRecord()
+    stack: list[str] = [ROOT]
+    # One replacement tensor per parameter object; tied FQNs follow (functional_call ties).
+    if meta:
+        replacement = {
+            names[0]: torch.empty_like(params[i], device="meta").requires_grad_(params[i].requires_grad)
+            for i, names in by_id.items()
+        }
+        replacement.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
+        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+        inputs = tree_map(to_meta, inputs)
+        kwargs = tree_map(to_meta, kwargs)
+        param_tensors = [replacement[names[0]] for names in by_id.values()]
+    else:
+        replacement = {}
+        param_tensors = list(params.values())
+    param_storages = {_storage_key(t) for t in param_tensors}
+    seen_saved: set[Any] = set()
+
+    def pre_hook(name: str) -> Callable:
+        def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
+            if name not in rec.order:
+                rec.order[name] = len(rec.order)
+                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in _tensors_in((args, kwargs))
+                                         if t.is_floating_point())
+            rec.calls[name] += 1
+            stack.append(name)
+
+        return hook
+
+    def post_hook(name: str) -> Callable:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            if stack and stack[-1] == name:
+                stack.pop()
+            rec.out_bytes.setdefault(name, _nbytes(out))
+
+        return hook
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in param_storages and key not in seen_saved:
+            seen_saved.add(key)
+            try:
+                nbytes = t.untyped_storage().nbytes()
+            except (NotImplementedError, RuntimeError):
+                nbytes = t.numel() * t.element_size()
+            if recorder.in_loss:
+                rec.loss_saved += nbytes
+            else:
+                rec.saved[stack[-1]] += nbytes
+        return t
+
+    handles = []
+    for name, m in model.named_modules():
+        if name == ROOT:
+            continue  # the root's calls are the step itself
+        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
+        handles.append(m.register_forward_hook(post_hook(name)))
+    recorder = _Recorder(stack)
+    rec.order[ROOT] = 0
+    rec.calls[ROOT] = 1
+    try:
+        fused = _FusedAttention() if meta else contextlib.nullcontext()
+        with fused, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            try:
+                if meta:
+                    out = torch.func.functional_call(model, replacement, inputs, kwargs, tie_weights=True, strict=False)
+                else:
+                    out = model(*inputs, **kwargs)
+            except Exception as e:  # the model's own error, with the module it came from
+                where = stack[-1]
+                if _is_data_dependent(e):
+                    raise _DataDependent(where or "<root>", f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+                cls = type(model.get_submodule(where)).__name__
+                raise TraceError(
+                    f"forward of module {where or '<root>'!r} ({cls}) failed on the example inputs: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                    "Check that the example inputs match what the model expects."
+                ) from e
+            rec.out_bytes[ROOT] = _nbytes(out)
+            stack[:] = [ROOT]
+            recorder.record_flow = False
+            recorder.loss_before = {_storage_key(t) for t in _tensors_in((out, inputs))}
+            recorder.in_loss = True
+            loss = loss_fn(out, inputs)
+            recorder.in_loss = False
+        recorder.backward = True
+        trainable = [t for t in param_tensors if t.requires_grad]
+        with recorder:
+            if loss.requires_grad and trainable:
+                torch.autograd.grad(loss, trainable, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    rec.fwd = dict(recorder.fwd)
+    rec.bwd_total = recorder.bwd_total
+    rec.flow = recorder.flow.graph
+    rec.loss_peak = recorder.loss_peak
+    return rec
+
+
+def _is_data_dependent(e: Exception) -> bool:
+    text = str(e)
+    return any(
+        s in text
+        for s in ("cannot be called on meta tensors", "data-dependent", "Cannot copy out of meta tensor", "meta tensor",
+                  "data-independent implementation", "torch.nonzero()")
+    ) and "shape" not in text.split("meta")[0][-20:]
+
+
+def _build_graph(
+    model: nn.Module,
+    named_modules: list[tuple[str, nn.Module]],
+    by_id: dict[int, list[str]],
+    params: dict[int, nn.Parameter],
+    rec: _StepRecord,
+) -> nx.DiGraph:
+    # Own parameters: each parameter object is counted once, at its first FQN's module.
+    own: dict[str, list[nn.Parameter]] = defaultdict(list)
+    for i, names in by_id.items():
+        owner = names[0].rsplit(".", 1)[0] if "." in names[0] else ROOT
+        own[owner].append(params[i])
+
+    # Backward attribution: see [Note: self figures].
+    trained_here = {n: any(p.requires_grad for p in own.get(n, [])) for n, _ in named_modules}
+    raw_bwd = {n: f * (2.0 if trained_here.get(n) or not own.get(n) else 1.0) for n, f in rec.fwd.items()}
+    total_raw = sum(raw_bwd.values())
+    scale = rec.bwd_total / total_raw if total_raw > 0 else 0.0
+
+    names = list(dict.fromkeys(n for n, _ in named_modules))
+    children: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        if n != ROOT:
+            children[n.rsplit(".", 1)[0] if "." in n else ROOT].append(n)
+    # Totals bottom-up: parameters de-duplicated by object.
+    total_ids: dict[str, set[int]] = {}
+    for n in sorted(names, key=lambda s: -s.count(".") if s else 1):
+        ids = {id(p) for p in own.get(n, [])}
+        for c in children.get(n, []):
+            ids |= total_ids[c]
+        total_ids[n] = ids
+
+    g = nx.DiGraph()
+    for n in names:
+        ps = own.get(n, [])
+        by_dtype: dict[str, int] = defaultdict(int)
+        for p in ps:
+            by_dtype[_dtype_name(p.dtype)] += p.numel() * p.element_size()
+        tot = [params[i] for i in total_ids[n]]
+        parent = None if n == ROOT else (n.rsplit(".", 1)[0] if "." in n else ROOT)
+        info = ModuleInfo(
+            fqn=n,
+            cls=type(model.get_submodule(n)).__name__,
+            parent=parent,
+            children=tuple(children.get(n, [])),
+            depth=0 if n == ROOT else n.count(".") + 1,
+            own_numel=sum(p.numel() for p in ps),
+            own_bytes=sum(p.numel() * p.element_size() for p in ps),
+            own_trainable_numel=sum(p.numel() for p in ps if p.requires_grad),
+            own_trainable_bytes=sum(p.numel() * p.element_size() for p in ps if p.requires_grad),
+            own_bytes_by_dtype=tuple(sorted(by_dtype.items())),
+            total_numel=sum(p.numel() for p in tot),
+            total_bytes=sum(p.numel() * p.element_size() for p in tot),
+            fwd_flops=rec.fwd.get(n, 0.0),
+            bwd_flops=raw_bwd.get(n, 0.0) * scale,
+            saved_bytes=rec.saved.get(n, 0),
+            output_bytes=rec.out_bytes.get(n, 0),
+            order=rec.order.get(n, -1),
+            num_calls=rec.calls.get(n, 0),
+            input_bytes=rec.in_bytes.get(n, 0),
+        )
+        g.add_node(n, info=info)
+        if parent is not None:
+            g.add_edge(parent, n)
+    return g
+
+
+def _block_chains(
+    modules_by_name: dict[str, nn.Module], infos: tuple[ModuleInfo, ...], g: nx.DiGraph
+) -> tuple[tuple[str, ...], ...]:
+    """Runs of >= 2 same-class children of a ModuleList/Sequential that hold parameters
+    and ran in forward; outermost runs only, ordered by execution."""
+    chains: list[tuple[str, ...]] = []
+    for info in infos:
+        container = modules_by_name[info.fqn]
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_cls: dict[str, list[ModuleInfo]] = defaultdict(list)
+        for c in info.children:
+            ci = g.nodes[c]["info"]
+            if ci.total_numel > 0 and ci.order >= 0:
+                by_cls[ci.cls].append(ci)
+        for members in by_cls.values():
+            if len(members) >= 2:
+                chains.append(tuple(m.fqn for m in sorted(members, key=lambda m: m.order)))
+    # Drop chains nested inside a member of another chain (experts inside a block).
+    outer = [
+        c for c in chains
+        if not any(c is not o and any(c[0].startswith(m + ".") for m in o) for o in chains)
+    ]
+    return tuple(sorted(outer, key=lambda c: g.nodes[c[0]]["info"].order))
