@@ -23,6 +23,7 @@ from wrapopt.plan import WrapPlan
 from wrapopt.search import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, baselines, search_plan
 from wrapopt.trace import trace_model
 from wrapopt.types import MeshSpec, ModelGraph, SimOptions
+from wrapopt.units import validate_plan
 
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "MEMORY_HEADROOM"]
 
@@ -139,6 +140,7 @@ def plan_model(
                 "notes": list(notes or [])},
         baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
                    for k, s in result.baselines.items()},
+        param_users=graph.param_users,
     )
     return plan, result
 
@@ -198,6 +200,7 @@ def optimize_wrap(
     given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given_plan is not None:
         given_plan.check_model(model)
+        validate_plan(graph, given_plan.spec)  # a hand-written plan may part a module from its parameters' user
     if isinstance(compute, str):
         compute = ComputeProfile.load(compute)
     fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)
