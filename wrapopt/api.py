@@ -28,6 +28,7 @@ from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
 from wrapopt.spec import MeshSpec, ModelGraph, SimOptions
 from wrapopt.trace.meta import trace_model
+from wrapopt.units import validate_plan
 
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
            "MEMORY_HEADROOM"]
@@ -145,6 +146,7 @@ def plan_model(
                 "notes": list(notes or [])},
         baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
                    for k, s in result.baselines.items()},
+        param_users=graph.param_users,
     )
     return plan, result
 
@@ -204,6 +206,7 @@ def optimize_wrap(
     given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given_plan is not None:
         given_plan.check_model(model)
+        validate_plan(graph, given_plan.spec)  # a hand-written plan may part a module from its parameters' user
     if isinstance(compute, str):
         compute = ComputeProfile.load(compute)
     fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)

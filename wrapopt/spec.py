@@ -91,6 +91,11 @@ class ModelGraph:
     # (e.g. log_softmax's output) and the most bytes it creates alive at once.
     loss_saved_bytes: int = 0
     loss_peak_bytes: int = 0
+    # (module, user): the forward of ``user`` reads parameters registered on ``module``
+    # (another module, not tied to it): nn.MultiheadAttention reads its out_proj's weight.
+    # FSDP2 gathers a unit's parameters when one of its modules' forward runs, so such a
+    # module must share its user's unit. See [Note: parameter users] in units.py.
+    param_users: tuple[tuple[str, str], ...] = ()
 
     @property
     def blocks(self) -> tuple[str, ...]:

@@ -262,6 +262,7 @@ def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim) -> dict[
                 "ranks_per_node": fab.ranks_per_node, "compute": sim.compute.device, "compute_kind": sim.compute.kind},
         baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
                    for k, s in result.baselines.items()},
+        param_users=graph.param_users,
     )
     return plan.to_json()
 

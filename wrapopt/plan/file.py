@@ -73,10 +73,14 @@ class WrapPlan:
         fabric: dict[str, Any],
         baselines: dict[str, Any],
         mixed_precision: dict[str, str | None] | None = None,
+        param_users: tuple[tuple[str, str], ...] = (),
     ) -> "WrapPlan":
+        fingerprint = model_fingerprint(model)  # + the trace's pairs, for apply: [Note: parameter users]
+        if param_users:
+            fingerprint["param_users"] = [list(p) for p in param_users]
         return cls(
             spec=spec,
-            model=model_fingerprint(model),
+            model=fingerprint,
             prediction=estimate.to_json(),
             fabric=fabric,
             baselines=baselines,
@@ -257,7 +261,8 @@ class WrapPlan:
 
         if strict:
             self.check_model(model)
-        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=self.mixed_precision)
+        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=self.mixed_precision,
+                          param_users=self.model.get("param_users") or ())
 
     def to_fsdp1_policy(self, *, split_groups: bool = False):
         """An ``auto_wrap_policy`` for FSDP1 that wraps exactly this plan's units.

@@ -45,6 +45,10 @@ def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
                      f"{fmt_bytes(a):>11} {m.order:5d} {m.num_calls:5d}")
     if graph.tied_groups:
         lines.append("tied parameters (kept in one unit): " + "; ".join(" = ".join(g) for g in graph.tied_groups))
+    if graph.param_users:  # See [Note: parameter users] in units.py.
+        lines.append("parameters read by another module (kept in its unit): "
+                     + "; ".join(f"{m} read by {u or '<root>'}" for m, u in graph.param_users[:8])
+                     + (f" (+{len(graph.param_users) - 8} more)" if len(graph.param_users) > 8 else ""))
     # Containers (ModuleList, ...) are never called themselves; only modules none of whose parts ran.
     never = graph.never_called
     if never:
@@ -107,6 +111,7 @@ def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
         "estimates": list(graph.estimates),
         "multi_called": list(graph.multi_called),
         "never_called": list(graph.never_called),
+        "param_users": [list(p) for p in graph.param_users],  # [module, the module whose forward reads its parameters]
         "fx_graph": {"kept": graph.fx_graph is not None,
                      "num_nodes": len(graph.fx_graph.graph.nodes) if graph.fx_graph is not None else 0},
         # [src, dst, bytes, num_values]: a value produced by src's ops is read by dst's ops.

@@ -12,14 +12,16 @@
   FSDP can lose to plain replication when memory allows.
 
 A baseline that would split tied parameters leaves the offending modules to
-their common parent instead (FSDP2 cannot shard one parameter in two units).
+their common parent instead (FSDP2 cannot shard one parameter in two units);
+the same for a module and the module that reads its parameters
+(``nn.MultiheadAttention.out_proj`` in every-leaf; [Note: parameter users]).
 """
 
 from __future__ import annotations
 
 from wrapopt.errors import PlanError
 from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
-from wrapopt.units import validate_plan
+from wrapopt.units import together_groups, validate_plan
 
 __all__ = ["baselines", "make_plan", "BASELINE_NAMES"]
 
@@ -49,7 +51,7 @@ def make_plan(
 
 
 def _drop_tie_splits(graph: ModelGraph, mesh: MeshSpec, modules: list[str], label: str) -> PlanSpec:
-    tied_modules = {p.rsplit(".", 1)[0] if "." in p else ROOT for g in graph.tied_groups for p in g}
+    tied_modules = {m for g in together_groups(graph) for m in g}
     kept = []
     for m in modules:
         prefix = m + "."

@@ -29,7 +29,7 @@ from wrapopt.search.dp.solve import ChainDP
 from wrapopt.search.study.run import run_study
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
-from wrapopt.units import validate_plan
+from wrapopt.units import user_conflicts, validate_plan
 
 __all__ = ["SearchResult", "SearchOptions", "Scored", "search_plan", "dp_shard_sizes", "DEFAULT_TRIALS"]
 
@@ -203,6 +203,7 @@ def search_plan(
 
     candidates: list[PlanSpec] = []
     dps: list[PlanSpec] = []
+    notes_extra: list[str] = []
     if graph.block_chains:
         dps = _dp_candidates(graph, sim, mesh, budget, sizes, group)
         candidates += dps
@@ -213,6 +214,14 @@ def search_plan(
                     p = _uniform(graph, mesh, size, reshard, ckpt)
                     if p is not None:
                         candidates.append(p)
+    if graph.param_users:
+        # Block groupings that part a module from the module reading its parameters (a block
+        # reading another block's weight) are not plans: [Note: parameter users] in units.py.
+        legal = [p for p in candidates if not user_conflicts(graph.param_users, p.units)]
+        if len(legal) < len(candidates):
+            notes_extra.append(f"{len(candidates) - len(legal)} block groupings skipped: they would put a module "
+                               "in another unit than the module that reads its parameters")
+        candidates, dps = legal, [p for p in dps if not user_conflicts(graph.param_users, p.units)]
     candidates += _min_memory_plans(graph, mesh, base_plans)
     for s in sizes:  # the baselines on the other shard groups (HSDP): cheap, and sometimes the answer
         if s != mesh.shard_size:
@@ -251,7 +260,7 @@ def search_plan(
         raise InfeasibleError(_infeasible_message(sim, mesh, budget, scored))
     best = _fastest(fitting)
     assert best is not None
-    notes = tuple(sorted({n for s in scored for n in s.estimate.notes}))
+    notes = tuple(sorted({n for s in scored for n in s.estimate.notes})) + tuple(notes_extra)
     return SearchResult(best=best, baselines=scored_base, candidates=tuple(scored), memory_budget=budget,
                         notes=notes, pareto=_pareto(fitting), dp_best=dp_best, optuna_best=optuna_best,
                         study=study)

@@ -29,6 +29,16 @@ are exported, and ``estimates`` says when it was skipped or failed. The
 module dataflow (who feeds whom, see [Note: dataflow] in ``trace_fx``) comes
 from the fx graph when there is one, else from the ops the tracer's own
 forward ran, which is free and follows the same definition.
+
+[Note: who reads a parameter] The dispatch mode also sees every parameter
+that a forward op takes as input, and which module is innermost on the stack
+then. A read by a module that does not register the parameter (under any of
+its tied names) is recorded in ``ModelGraph.param_users`` as (the module that
+registers it, the reader): ``nn.MultiheadAttention`` reads its ``out_proj``'s
+weight through ``F.multi_head_attention_forward`` and ``out_proj`` never runs;
+a head may read a sibling embedding's weight through ``F.linear``. The module
+pre-hooks are prepended, as FSDP2's are, so ops in the model's own pre-hooks
+count for the module they hook, the same moment FSDP2 has gathered it.
 """
 
 from __future__ import annotations
@@ -127,6 +137,8 @@ class _Recorder(TorchDispatchMode):
         self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
         self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
         self.loss_peak = 0
+        self.param_key: dict[int, int] = {}  # id(parameter tensor) -> its key in ``by_id``
+        self.param_reads: dict[tuple[int, str], None] = {}  # (parameter key, reading module), in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,6 +147,11 @@ class _Recorder(TorchDispatchMode):
             self._track_loss(out)
         if self.record_flow:
             self.flow.record(self.stack[-1], args, kwargs, out)
+            if self.param_key:  # See [Note: who reads a parameter]
+                for t in _tensors_in((args, kwargs)):
+                    key = self.param_key.get(id(t))
+                    if key is not None:
+                        self.param_reads.setdefault((key, self.stack[-1]), None)
         fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
         if fn is not None:
             flops = float(fn(*args, **kwargs, out_val=out))
@@ -283,7 +300,21 @@ def trace_model(
         dataflow=dataflow,
         loss_saved_bytes=rec.loss_saved,
         loss_peak_bytes=rec.loss_peak,
+        param_users=_param_users(by_id, rec.param_reads),
     )
+
+
+def _param_users(by_id: dict[int, list[str]], reads: dict[tuple[int, str], None]) -> tuple[tuple[str, str], ...]:
+    """(module registering a parameter, another module whose forward read it), in the
+    order of first read; reads by a module under one of the parameter's tied names are
+    its own. See [Note: who reads a parameter]."""
+    out: dict[tuple[str, str], None] = {}
+    for key, user in reads:
+        names = by_id[key]
+        modules = [n.rsplit(".", 1)[0] if "." in n else ROOT for n in names]
+        if user not in modules:
+            out.setdefault((modules[0], user), None)
+    return tuple(out)
 
 
 class _DataDependent(Exception):
@@ -304,6 +335,7 @@ class _StepRecord:
         self.flow: nx.DiGraph = nx.DiGraph()
         self.loss_saved = 0  # saved for backward by the loss (outside every module)
         self.loss_peak = 0  # most bytes of tensors the loss created alive at once
+        self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
 
 
 def _run_step(
@@ -372,9 +404,10 @@ def _run_step(
     for name, m in model.named_modules():
         if name == ROOT:
             continue  # the root's calls are the step itself
-        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
+        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True, prepend=True))
         handles.append(m.register_forward_hook(post_hook(name)))
     recorder = _Recorder(stack)
+    recorder.param_key = {id(t): key for key, t in zip(by_id, param_tensors)}
     rec.order[ROOT] = 0
     rec.calls[ROOT] = 1
     try:
@@ -414,6 +447,7 @@ def _run_step(
     rec.bwd_total = recorder.bwd_total
     rec.flow = recorder.flow.graph
     rec.loss_peak = recorder.loss_peak
+    rec.param_reads = recorder.param_reads
     return rec
 
 
