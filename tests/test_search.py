@@ -19,7 +19,8 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.models import zoo
 from wrapopt.search.baselines import baselines
 from wrapopt.search.dp.chain import brute_force_chain, chain_costs, chain_model, unit_choices
-from wrapopt.search.dp.solve import ChainDP, dp_plans, solve_chain, solve_chains
+from wrapopt.search.dp.plans import ChainDP, dp_plans
+from wrapopt.search.dp.solve import solve_chain, solve_chains
 from wrapopt.search.driver import SearchOptions, dp_shard_sizes, search_plan
 from wrapopt.search.study.space import SearchSpace, shard_sizes
 from wrapopt.spec import MeshSpec, PlanSpec

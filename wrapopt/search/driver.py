@@ -25,7 +25,7 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError
 from wrapopt.fileio import fmt_bytes
 from wrapopt.search.baselines import baselines, make_plan
-from wrapopt.search.dp.solve import ChainDP
+from wrapopt.search.dp.plans import ChainDP
 from wrapopt.search.study.run import run_study
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
@@ -152,11 +152,10 @@ def _dp_candidates(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, budget: fl
     for lb, main, dp in jobs:
         if lb >= best_t and not main:
             continue
-        answers = dp.plans(budget, uniform=main, give_up_above=math.inf if main else best_t)
-        for label, plan, t in answers:
-            plans.append(plan)
-            if not label.startswith("dp("):
-                best_t = min(best_t, t)
+        for answer in dp.answers(budget, uniform=main, give_up_above=math.inf if main else best_t):
+            plans.append(answer.plan)
+            if answer.per_unit:
+                best_t = min(best_t, answer.time_s)
     return plans
 
 
