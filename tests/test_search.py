@@ -307,12 +307,12 @@ def test_search_tries_hsdp_when_the_world_spans_nodes():
     mesh = MeshSpec(world_size=64, ranks_per_node=8, shard_size=64)
     sim = _sim(g, 64)
     res = search_plan(g, sim, mesh)
-    shards = {s.plan.mesh.shard_size for s in res.candidates if s.plan.label.startswith("dp")}
+    shards = {p.mesh.shard_size for p in res.round("dp").proposed}
     assert {64, 8} <= shards
     # The fastest HSDP answer is at least as fast as FSDP over the world here (tiny model, slow inter-node links).
     assert res.best.plan.mesh.shard_size < 64
     fixed = search_plan(g, sim, mesh, options=SearchOptions(shard_sizes=(64,)))
-    assert {s.plan.mesh.shard_size for s in fixed.candidates if s.plan.label.startswith("dp")} == {64}
+    assert {p.mesh.shard_size for p in fixed.round("dp").proposed} == {64}
 
 
 # --- the search space ------------------------------------------------------------------------------
