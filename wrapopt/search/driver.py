@@ -143,6 +143,10 @@ def search_plan(
         rounds.append(Round(strategy, tuple(proposal.plans), tuple(mine), proposal.detail))
 
     fitting = [s for s in scored if s.fits]
+    if not scored:
+        names = ", ".join(r.strategy.name for r in rounds) or "none"
+        raise InfeasibleError(f"no search strategy proposed a plan for {graph.model_class} on {mesh.world_size} ranks "
+                              f"(strategies run: {names}); run the registered ones (strategies=None)")
     if not fitting:
         raise InfeasibleError(_infeasible_message(sim, mesh, budget, scored))
     best = fastest(fitting)
