@@ -3,15 +3,18 @@ loops over strategies it does not know; ``optimize_wrap(seed=)`` seeds the searc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from wrapopt import api, zoo
+from wrapopt.errors import InfeasibleError
 from wrapopt.search.driver import search_plan
 from wrapopt.search.registry import STRATEGIES, get_strategy
 from wrapopt.search.strategy import History, Proposal, SearchOptions, SearchProblem, Strategy
 from wrapopt.search.uniform import uniform_plan
 from wrapopt.testing.pytest_strategies import *  # noqa: F401,F403
-from wrapopt.testing.pytest_strategies import Case, _case
+from wrapopt.testing.pytest_strategies import Case, make_case
 
 
 @pytest.fixture(params=STRATEGIES, ids=lambda s: s.name)
@@ -45,11 +48,11 @@ class _Groups(Strategy):
     def propose(self, problem: SearchProblem, history: History) -> Proposal:
         self.seen.append(history)
         plan = uniform_plan(problem.graph, problem.mesh, 2, reshard=True, checkpoint=False)
-        return Proposal(plans=(plan.__class__(plan.units, plan.mesh, label="dp(reshard=T,ckpt=F)"),))
+        return Proposal(plans=(replace(plan, label="dp(reshard=T,ckpt=F)"),))
 
 
 def _gpt() -> Case:
-    return _case("gpt-tiny", 2, 2)
+    return make_case("gpt-tiny", 2, 2)
 
 
 def test_driver_runs_strategies_it_is_given_and_reads_no_label():
@@ -65,7 +68,7 @@ def test_driver_runs_strategies_it_is_given_and_reads_no_label():
 
 
 def test_rounds_record_every_strategy_in_registry_order():
-    c = _case("t5-tiny", 64, 8)
+    c = make_case("t5-tiny", 64, 8)
     res = search_plan(c.graph, c.sim, c.mesh, options=SearchOptions(trials=8, seed=0))
     assert [r.strategy for r in res.rounds] == list(STRATEGIES)
     dp = res.round("dp")
@@ -87,8 +90,6 @@ def test_rounds_record_every_strategy_in_registry_order():
 
 def test_a_strategy_alone_that_proposes_nothing_is_infeasible():
     c = _gpt()
-    from wrapopt.errors import InfeasibleError
-
     with pytest.raises(InfeasibleError, match="no search strategy proposed a plan"):
         search_plan(c.graph, c.sim, c.mesh, strategies=(get_strategy("optuna"),))  # trials=0: no study
 

@@ -45,6 +45,7 @@ from wrapopt.units import ancestors, validate_plan
 __all__ = [
     "CASES",
     "Case",
+    "make_case",
     "strategy",
     "search_options",
     "case",
@@ -74,7 +75,8 @@ class Case:
 
 
 @lru_cache(maxsize=None)
-def _case(name: str, world_size: int, ranks_per_node: int) -> Case:
+def make_case(name: str, world_size: int, ranks_per_node: int) -> Case:
+    """A zoo model traced on meta, FSDP over ``world_size`` ranks, analytical profiles (cached)."""
     model, inputs = zoo.build(name, "meta")
     graph = trace_model(model, inputs, loss_fn=zoo.ZOO[name].loss)
     mesh = MeshSpec(world_size=world_size, ranks_per_node=ranks_per_node, shard_size=world_size)
@@ -96,7 +98,7 @@ def search_options() -> SearchOptions:
 
 @pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-w{c[1]}")
 def case(request) -> Case:
-    return _case(*request.param)
+    return make_case(*request.param)
 
 
 def _propose(strategy: Strategy, case: Case, options: SearchOptions, budget: float | None = None) -> Proposal:
