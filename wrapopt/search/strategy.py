@@ -126,7 +126,8 @@ class History:
     """What the strategies before this one did: their rounds, and every plan scored so far."""
 
     rounds: tuple[Round, ...] = ()
-    scored: tuple[Scored, ...] = ()  # in the order scored; equal plans once (except reference plans, each kept)
+    # In the order scored; equal plans once, except reference plans and an optimiser's own trials (each kept).
+    scored: tuple[Scored, ...] = ()
 
 
 class Strategy(abc.ABC):
