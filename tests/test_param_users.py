@@ -303,7 +303,7 @@ def test_cross_block_reader_joins_the_blocks():
     assert together_groups(g) == (("blocks.1.fc", "blocks.2"),)
     sim = Simulator(g, analytical_fabric(world_size=4), analytical_compute())
     res = search_plan(g, sim, _mesh(), options=SearchOptions(trials=0))
-    assert any("block groupings skipped" in n for n in res.notes)
+    assert any("illegal plan(s) proposed by" in n for n in res.notes)
     assert "per-block" in res.baselines and all(
         u.modules != ("blocks.1",) for u in res.baselines["per-block"].plan.units)
 

@@ -19,7 +19,8 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.models import zoo
 from wrapopt.search.baselines import baselines
 from wrapopt.search.dp.chain import brute_force_chain, chain_costs, chain_model, unit_choices
-from wrapopt.search.dp.solve import ChainDP, dp_plans, solve_chain, solve_chains
+from wrapopt.search.dp.plans import ChainDP, dp_plans
+from wrapopt.search.dp.solve import solve_chain, solve_chains
 from wrapopt.search.driver import SearchOptions, dp_shard_sizes, search_plan
 from wrapopt.search.study.space import SearchSpace, shard_sizes
 from wrapopt.spec import MeshSpec, PlanSpec
@@ -306,12 +307,12 @@ def test_search_tries_hsdp_when_the_world_spans_nodes():
     mesh = MeshSpec(world_size=64, ranks_per_node=8, shard_size=64)
     sim = _sim(g, 64)
     res = search_plan(g, sim, mesh)
-    shards = {s.plan.mesh.shard_size for s in res.candidates if s.plan.label.startswith("dp")}
+    shards = {p.mesh.shard_size for p in res.round("dp").proposed}
     assert {64, 8} <= shards
     # The fastest HSDP answer is at least as fast as FSDP over the world here (tiny model, slow inter-node links).
     assert res.best.plan.mesh.shard_size < 64
     fixed = search_plan(g, sim, mesh, options=SearchOptions(shard_sizes=(64,)))
-    assert {s.plan.mesh.shard_size for s in fixed.candidates if s.plan.label.startswith("dp")} == {64}
+    assert {p.mesh.shard_size for p in fixed.round("dp").proposed} == {64}
 
 
 # --- the search space ------------------------------------------------------------------------------

@@ -179,6 +179,7 @@ def optimize_wrap(
         model: the model, with real weights or on the meta device.
         example_inputs: one per-rank batch of positional inputs.
         memory_budget: bytes, or "80GiB"/"80GB", or "auto" (90% of the device).
+        seed: the Optuna study's seed (``DEFAULT_TRIALS`` trials); the same seed gives the same plan.
         plan: a WrapPlan or plan file to apply instead of searching.
         save_plan: where to write the plan (rank 0 writes, atomically).
 
@@ -188,7 +189,6 @@ def optimize_wrap(
         >>> res = optimize_wrap(model, x, world_size=64, gpus_per_node=8)  # doctest: +SKIP
         >>> print(res.report())  # doctest: +SKIP
     """
-    del seed  # the search is deterministic; kept for API stability (Optuna strategies take it)
     in_group = dist.is_initialized()
     rank = dist.get_rank() if in_group else 0
     if in_group:
@@ -236,7 +236,8 @@ def optimize_wrap(
             try:
                 if save_plan is not None:
                     check_writable(save_plan)
-                wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget, notes=notes)  # type: ignore[arg-type]
+                wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget,  # type: ignore[arg-type]
+                                           notes=notes, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed))
                 text = {"plan": wplan.to_json()}
             except (WrapoptError, ValueError, OSError) as e:
                 if not in_group:
