@@ -598,12 +598,12 @@ def written_plans():
     return out
 
 
-def test_schema_is_draft_2020_12_and_describes_the_format():
+def test_schema_is_draft_2020_12_and_describes_the_format(repo_root):
     schema = plan_schema()
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert schema["properties"]["format"]["const"] == PLAN_FORMAT
     assert set(schema["required"]) == {"format", "model", "mesh", "units"}
-    path = os.path.join(os.path.dirname(__file__), "..", "wrapopt", "data", "plan.schema.json")
+    path = os.path.join(repo_root, "wrapopt", "data", "plan.schema.json")
     with open(path, encoding="utf-8") as f:
         assert json.load(f) == schema
 
