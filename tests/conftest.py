@@ -1,5 +1,6 @@
 """Shared fixtures: the repository root on ``sys.path`` (so ``tests.fixtures_models``
-imports and works as a CLI ``MODEL``), and a traced gpt-tiny reused by several tests."""
+imports and works as a CLI ``MODEL``), traced tiny zoo models reused by several
+tests, and the one spawn of 2 gloo ranks that runs the registered two-rank cases."""
 
 from __future__ import annotations
 
@@ -38,3 +39,12 @@ def llama_tiny():
     model, inputs = zoo.build("llama-tiny", "meta")
     graph = trace_model(model, inputs, loss_fn=zoo.ZOO["llama-tiny"].loss)
     return model, inputs, graph
+
+
+@pytest.fixture(scope="session")
+def two_rank_cases(tmp_path_factory) -> list[dict]:
+    """Every ``@two_rank_case`` of the collected test modules, run in one spawn of 2 gloo
+    ranks (See tests/ranks.py): each rank's dict of results, by rank."""
+    from tests.ranks import spawn_cases
+
+    return spawn_cases(str(tmp_path_factory.mktemp("ranks")))
