@@ -25,6 +25,7 @@ def _dying_worker(rank: int, world: int, kwargs: dict) -> dict | None:
     return profile_fabric._profile_worker(rank, world, kwargs)
 
 
+@pytest.mark.multiprocess
 def test_cli_profiles_with_spawned_ranks_and_prints_a_summary(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
@@ -64,6 +65,7 @@ def test_unwritable_output_fails_before_measuring(monkeypatch) -> None:
         run_cli(parser.parse_args(["--out", "/proc/nope/f.json"]))
 
 
+@pytest.mark.multiprocess
 def test_a_rank_dying_mid_profile_is_named_and_no_file_is_written(tmp_path) -> None:
     out = tmp_path / "fabric.json"
     kwargs = dict(sizes_bytes=None, repeats=3, warmup=1, ranks_per_node=None, measure_overlap=True, progress=False)

@@ -47,6 +47,7 @@ def two_rank_results() -> list[dict]:
 # --- measured fabric on 2 ranks ----------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_every_rank_gets_the_same_measured_profile(two_rank_results: list[dict]) -> None:
     first, second = (r["fabric"] for r in two_rank_results)
     assert first == second  # latencies, meta and overlap factors alike
@@ -60,6 +61,7 @@ def test_every_rank_gets_the_same_measured_profile(two_rank_results: list[dict])
     assert math.isfinite(fabric.overlap_compute_slowdown) and math.isfinite(fabric.overlap_comm_slowdown)
 
 
+@pytest.mark.multiprocess
 def test_measured_curves_interpolate_monotonically(two_rank_results: list[dict]) -> None:
     fabric = FabricProfile.from_json(two_rank_results[0]["fabric"])
     for axis in fabric.axes:
@@ -75,6 +77,7 @@ def test_measured_curves_interpolate_monotonically(two_rank_results: list[dict])
             assert 0 < curve.bandwidth_bytes_per_s < 1e13  # a finite, plausible bandwidth even if noisy
 
 
+@pytest.mark.multiprocess
 def test_measured_profile_json_round_trip(two_rank_results: list[dict], tmp_path) -> None:
     fabric = FabricProfile.from_json(two_rank_results[0]["fabric"])
     path = tmp_path / "fabric.json"
@@ -87,6 +90,7 @@ def test_measured_profile_json_round_trip(two_rank_results: list[dict], tmp_path
     assert "axis world" in text and "1.00 MiB" in text and "reduce_scatter" in text
 
 
+@pytest.mark.multiprocess
 def test_unit_overhead_is_measured_under_a_group(two_rank_results: list[dict]) -> None:
     values = [r["unit_overhead_s"] for r in two_rank_results]
     assert values[0] == values[1]  # max over ranks: the ranks agree
@@ -96,6 +100,7 @@ def test_unit_overhead_is_measured_under_a_group(two_rank_results: list[dict]) -
 # --- layouts, failures ---------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_of_two_measure_intra_inter_and_world_separately() -> None:
     results = spawn(_two_by_two_worker, world_size=4, timeout_s=120, env={"LOCAL_WORLD_SIZE": "2"})
     assert all(r == results[0] for r in results)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from wrapopt.launch import spawn
 
+pytestmark = pytest.mark.multiprocess
+
 TOL = 1e-5
 
 
