@@ -401,6 +401,7 @@ def trained():
     return spawn(_worker, world_size=2, timeout_s=300)[0]
 
 
+@pytest.mark.multiprocess
 def test_searched_plans_train_like_unsharded(trained):
     cases = {k: v for k, v in trained.items() if "/" in k}
     assert len(cases) == 9 + 10  # searched, the baselines (per-block only for encdec) and 4 sampled, per model
@@ -411,5 +412,6 @@ def test_searched_plans_train_like_unsharded(trained):
         assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.multiprocess
 def test_out_proj_alone_fails_in_forward_without_the_check(trained):
     assert "mixed torch.Tensor and DTensor" in trained["unchecked"]

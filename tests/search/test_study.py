@@ -136,6 +136,7 @@ def _finished(path: str) -> list:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
 
+@pytest.mark.multiprocess
 def test_kill_9_then_restart_loses_no_finished_trial(tmp_path, repo_root):
     path = str(tmp_path / "study.db")
     budget = 120
@@ -159,6 +160,7 @@ def test_kill_9_then_restart_loses_no_finished_trial(tmp_path, repo_root):
     assert study["finished_trials"] == budget and study["run_here"] == budget - len(before)
 
 
+@pytest.mark.multiprocess
 def test_two_workers_finish_the_budget_together(tmp_path, repo_root):
     path = str(tmp_path / "study.db")
     budget = 100
