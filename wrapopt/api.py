@@ -129,7 +129,7 @@ def budget_source(memory_budget: int | float | str | None, compute: ComputeProfi
         return "none given: every plan fits"
     if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
         return f"auto: {MEMORY_HEADROOM:.0%} of the device's {fmt_bytes(compute.memory_capacity_bytes or 0)}"
-    return f"given: {memory_budget}"
+    return f"given: {memory_budget}" if isinstance(memory_budget, str) else "given"
 
 
 def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
