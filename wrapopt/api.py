@@ -7,6 +7,7 @@ travels to every rank as JSON text, and every rank applies it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
 from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
@@ -26,12 +28,12 @@ from wrapopt.launch import broadcast_json
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
-from wrapopt.spec import MeshSpec, ModelGraph, SimOptions
+from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.trace.meta import trace_model
 from wrapopt.units import validate_plan
 
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
-           "MEMORY_HEADROOM"]
+           "MEMORY_HEADROOM", "budget_source", "assumptions_for"]
 
 MEMORY_HEADROOM = 0.90  # `--memory auto`: plan for 90% of the device, leave the rest to the allocator
 
@@ -47,14 +49,17 @@ class OptimizeResult:
     graph: ModelGraph = field(repr=False)
     fabric: FabricProfile = field(repr=False)
     compute: ComputeProfile = field(repr=False)
+    # What the prediction rests on (loss, optimizer, precision, batch, budget, fabric).
+    assumptions: Assumptions | None = field(default=None, repr=False)
 
     def report(self) -> str:
-        """A text table: the chosen plan and every baseline, predicted time and memory."""
-        return format_report(self.search, self.fabric, self.compute, self.plan.mesh)
+        """A text table: the chosen plan and every baseline, predicted time and memory,
+        then the assumptions the prediction rests on."""
+        return format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
 
 
 def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec,
-                  measured: dict[str, Any] | None = None) -> str:
+                  measured: dict[str, Any] | None = None, *, assumptions: Assumptions | None = None) -> str:
     budget = "none" if result.memory_budget == float("inf") else fmt_bytes(result.memory_budget)
     lines = [
         f"fabric: {fabric.label}" + ("  <- ANALYTICAL: stated numbers, not measured" if fabric.kind == "analytical" else ""),
@@ -77,6 +82,8 @@ def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeP
     lines.append("* = wrapopt's choice")
     if result.notes:
         lines.append("notes: " + "; ".join(result.notes[:3]))
+    if assumptions is not None:
+        lines += assumptions.lines()
     return "\n".join(lines)
 
 
@@ -116,6 +123,30 @@ def auto_memory_budget(compute: ComputeProfile) -> float | None:
     return cap * MEMORY_HEADROOM if cap else None
 
 
+def budget_source(memory_budget: int | float | str | None, compute: ComputeProfile) -> str:
+    """Where a memory budget came from, as the assumptions block states it."""
+    if memory_budget is None:
+        return "none given: every plan fits"
+    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
+        return f"auto: {MEMORY_HEADROOM:.0%} of the device's {fmt_bytes(compute.memory_capacity_bytes or 0)}"
+    return f"given: {memory_budget}" if isinstance(memory_budget, str) else "given"
+
+
+def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
+                    memory_budget: float | None, source: str) -> Assumptions:
+    """The assumptions of ``sim``'s prediction for ``plan``; when the loss keeps a large share
+    of the peak, the plan re-simulated under the smallest plausible loss beside it
+    (See [Note: smallest plausible loss] in assumptions.py)."""
+    fields_ = dict(memory_budget=memory_budget, memory_budget_source=source, fabric=sim.fabric.name,
+                   fabric_kind=sim.fabric.kind, compute=sim.compute.device, compute_kind=sim.compute.kind)
+    stated = state_assumptions(graph, sim.options, peak_bytes=estimate.peak_bytes, **fields_)
+    if not stated.loss_is_large:
+        return stated
+    lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0)
+    lean_peak = Simulator(lean, sim.fabric, sim.compute, sim.options).simulate(plan).peak_bytes
+    return dataclasses.replace(stated, smallest_loss_peak_bytes=lean_peak)
+
+
 def plan_model(
     graph: ModelGraph,
     model_for_fingerprint: nn.Module,
@@ -127,16 +158,20 @@ def plan_model(
     options: SimOptions | None = None,
     notes: list[str] | None = None,
     search: SearchOptions | None = None,
+    memory_budget_source: str | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
 
     ``search`` defaults to the CLI's defaults: the exact DP on every shard
     group and an in-memory Optuna study of ``DEFAULT_TRIALS`` trials, seed 0.
+    ``memory_budget_source`` says where the budget came from (``budget_source``);
+    the plan's ``assumptions`` state it.
     """
     sim = Simulator(graph, fabric, compute, options)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
     result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
     best = result.best
+    source = memory_budget_source or ("given" if memory_budget else "none given: every plan fits")
     plan = WrapPlan.from_search(
         best.plan,
         model_for_fingerprint,
@@ -147,6 +182,7 @@ def plan_model(
         baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
                    for k, s in result.baselines.items()},
         param_users=graph.param_users,
+        assumptions=assumptions_for(graph, sim, best.plan, best.estimate, memory_budget=memory_budget, source=source),
     )
     return plan, result
 
@@ -237,7 +273,8 @@ def optimize_wrap(
                 if save_plan is not None:
                     check_writable(save_plan)
                 wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget,  # type: ignore[arg-type]
-                                           notes=notes, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed))
+                                           notes=notes, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
+                                           memory_budget_source=budget_source(memory_budget, compute))
                 text = {"plan": wplan.to_json()}
             except (WrapoptError, ValueError, OSError) as e:
                 if not in_group:
@@ -257,9 +294,14 @@ def optimize_wrap(
     sharded = wplan.apply(model) if in_group else None
     fab = fab or analytical_fabric(world_size=world_size, ranks_per_node=mesh.ranks_per_node)
     if result is None:  # a given or received plan: score it beside the baselines, no search
-        result = _score_given(graph, Simulator(graph, fab, compute), wplan.spec, budget)
+        sim = Simulator(graph, fab, compute)
+        result = _score_given(graph, sim, wplan.spec, budget)
+        stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
+                                 source=budget_source(memory_budget, compute))
+    else:
+        stated = wplan.assumptions
     return OptimizeResult(plan=wplan, model=sharded, baselines=result.baselines, search=result, graph=graph,
-                          fabric=fab, compute=compute)
+                          fabric=fab, compute=compute, assumptions=stated)
 
 
 def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | None) -> SearchResult:

@@ -96,6 +96,14 @@ class ModelGraph:
     # FSDP2 gathers a unit's parameters when one of its modules' forward runs, so such a
     # module must share its user's unit. See [Note: parameter users] in units.py.
     param_users: tuple[tuple[str, str], ...] = ()
+    # The loss the trace ran, as the report names it, and its kind (losses.LOSS_KINDS):
+    # the user's loss_fn, the model's own, or a default. See [Note: the assumed loss] in losses.py.
+    loss: str = ""
+    loss_kind: str = ""
+    # The traced per-rank batch: the first input's leading dim, and the sequence length
+    # when an input is 2-D integer tokens (0: unknown / not a token model).
+    batch_size: int = 0
+    seq_len: int = 0
 
     @property
     def blocks(self) -> tuple[str, ...]:

@@ -11,7 +11,8 @@ import json
 import sys
 from typing import Any
 
-from wrapopt.api import MEMORY_HEADROOM, check_fabric_fits, format_report, plan_model, resolve_budget, resolve_fabric
+from wrapopt.api import (MEMORY_HEADROOM, budget_source, check_fabric_fits, format_report, plan_model, resolve_budget,
+                         resolve_fabric)
 from wrapopt.cli.bench import add_bench_parser
 from wrapopt.cli.export import add_export_parser
 from wrapopt.cli.profile_fabric import add_cli_arguments, run_cli
@@ -108,7 +109,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     model = src.build("meta")
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget, notes=notes,
-                              search=options)
+                              search=options, memory_budget_source=budget_source(args.memory, compute))
     if args.out:
         plan.save(args.out)
     if args.json:
@@ -120,7 +121,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     else:
         if budget_line:
             print(budget_line)
-        print(format_report(result, fabric, compute, mesh))
+        print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(_format_search(result))
         if args.out:
             print(f"wrote {args.out}")

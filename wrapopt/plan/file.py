@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from wrapopt.assumptions import Assumptions
 from wrapopt.errors import PlanError, PlanMismatchError
 from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
@@ -54,6 +55,9 @@ class WrapPlan:
     mixed_precision: dict[str, str | None] = field(default_factory=lambda: {"param_dtype": None, "reduce_dtype": None})
     created: str = ""
     wrapopt_version: str = ""
+    # What the prediction rested on (loss, optimizer, precision, batch, budget, fabric); None in
+    # hand-written plans and in files written before it was recorded.
+    assumptions: Assumptions | None = None
 
     @property
     def units(self) -> tuple[UnitSpec, ...]:
@@ -74,6 +78,7 @@ class WrapPlan:
         baselines: dict[str, Any],
         mixed_precision: dict[str, str | None] | None = None,
         param_users: tuple[tuple[str, str], ...] = (),
+        assumptions: Assumptions | None = None,
     ) -> "WrapPlan":
         fingerprint = model_fingerprint(model)  # + the trace's pairs, for apply: [Note: parameter users]
         if param_users:
@@ -87,12 +92,13 @@ class WrapPlan:
             mixed_precision=mixed_precision or {"param_dtype": None, "reduce_dtype": None},
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             wrapopt_version=_version(),
+            assumptions=assumptions,
         )
 
     # -- file format ----------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": PLAN_FORMAT,
             "wrapopt_version": self.wrapopt_version or _version(),
             "created": self.created,
@@ -109,6 +115,9 @@ class WrapPlan:
             "fabric": self.fabric,
             "baselines": self.baselines,
         }
+        if self.assumptions is not None:
+            out["assumptions"] = self.assumptions.to_json()
+        return out
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan atomically as JSON."""
@@ -200,6 +209,7 @@ class WrapPlan:
             mixed_precision=mp,
             created=str(data.get("created", "")),
             wrapopt_version=str(data.get("wrapopt_version", "")),
+            assumptions=Assumptions.from_json(data["assumptions"]) if data.get("assumptions") else None,
         )
 
     # -- checking and applying --------------------------------------------------------

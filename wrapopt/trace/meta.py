@@ -39,6 +39,14 @@ weight through ``F.multi_head_attention_forward`` and ``out_proj`` never runs;
 a head may read a sibling embedding's weight through ``F.linear``. The module
 pre-hooks are prepended, as FSDP2's are, so ops in the model's own pre-hooks
 count for the module they hook, the same moment FSDP2 has gathered it.
+
+[Note: loss inside forward] A model that computes its own loss (Hugging Face
+with ``labels``) runs it in the root's forward, after its last child (the LM
+head) returned. The tracer follows the root's own ops after each child
+returns (a later child's start discards them); when the trace's loss is the
+model's own, what those trailing ops saved moves from the root's activations
+to ``loss_saved_bytes`` and their live bytes become ``loss_peak_bytes``, so
+the report and the simulator see the model's loss as they see a user's.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from wrapopt.errors import ModelError, TraceError
-from wrapopt.losses import default_loss
+from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.trace.fx import OpDataflow, export_fx
 
@@ -134,6 +142,7 @@ class _Recorder(TorchDispatchMode):
         self.flow = OpDataflow()
         self.record_flow = True  # the model's forward only: off for the loss and backward
         self.in_loss = False
+        self.in_tail = False  # forward, root's own ops after a child returned: See [Note: loss inside forward]
         self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
         self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
         self.loss_peak = 0
@@ -143,7 +152,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.in_loss:
+        if self.in_loss or self.in_tail:
             self._track_loss(out)
         if self.record_flow:
             self.flow.record(self.stack[-1], args, kwargs, out)
@@ -160,6 +169,15 @@ class _Recorder(TorchDispatchMode):
             else:
                 self.fwd[self.stack[-1]] += flops
         return out
+
+    def start_tail(self, before: set[Any]) -> None:
+        self.in_tail, self.loss_live, self.loss_peak, self.loss_before = True, {}, 0, before
+
+    def end_tail(self) -> int:
+        """Stop tracking root's trailing ops; the most bytes they had alive at once."""
+        peak = self.loss_peak if self.in_tail else 0
+        self.in_tail, self.loss_live, self.loss_peak, self.loss_before = False, {}, 0, set()
+        return peak
 
     def _track_loss(self, out: Any) -> None:
         """Live bytes of the tensors the loss created (views share their base's storage)."""
@@ -217,7 +235,9 @@ def trace_model(
         model: any ``nn.Module``, with real weights or built under ``torch.device("meta")``;
             it is not modified and no weight memory is allocated.
         example_inputs: positional inputs of one per-rank batch (a tuple, or one tensor).
-        loss_fn: ``loss_fn(output, inputs) -> scalar``; default: mean square of the outputs.
+        loss_fn: ``loss_fn(output, inputs) -> scalar``; default: the model's own loss, else
+            cross-entropy for logits-shaped outputs, else the mean square of the outputs
+            (``ModelGraph.loss`` names the one used; see [Note: the assumed loss] in losses.py).
         example_kwargs: keyword inputs, if the model takes any.
         fx: keep the model's fx graph (``torch.export`` on fake tensors) and take the
             dataflow from it: True always, False never, None (default) when the model has
@@ -234,7 +254,10 @@ def trace_model(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_kwargs = example_kwargs or {}
-    loss_fn = loss_fn or default_loss
+    run_kwargs, choice = example_kwargs, user_loss_choice(loss_fn) if loss_fn is not None else None
+    if loss_fn is None:  # See [Note: the assumed loss] in losses.py
+        run_kwargs = labels_for(model, example_inputs, example_kwargs) or example_kwargs
+        loss_fn = DefaultLoss.for_model(model, labelled=run_kwargs is not example_kwargs)
     t0 = time.perf_counter()
 
     # Parameters: every FQN, grouped by identity (tied parameters share one object).
@@ -254,7 +277,7 @@ def trace_model(
 
     estimates: list[str] = []
     try:
-        rec = _run_step(model, example_inputs, example_kwargs, loss_fn, by_id, params, meta=True)
+        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True)
     except _DataDependent as e:
         if any(p.is_meta for p in params.values()):
             raise TraceError(
@@ -262,12 +285,16 @@ def trace_model(
                 "device, so the tracer cannot fall back to a real run. Build the model with real weights "
                 "(small example inputs suffice) or remove the data-dependent op from forward."
             ) from None
-        rec = _run_step(model, example_inputs, example_kwargs, loss_fn, by_id, params, meta=False)
+        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=False)
         estimates.append(
             f"traced with real tensors because module {e.module!r} needs real values ({e.cause}); "
             "figures are exact for the example inputs but the tracer allocated real activations"
         )
 
+    choice = choice or loss_fn.choice  # type: ignore[attr-defined]
+    if choice.kind == "model":  # See [Note: loss inside forward]
+        rec.saved[ROOT] -= rec.tail_saved
+        rec.loss_saved, rec.loss_peak = rec.loss_saved + rec.tail_saved, max(rec.loss_peak, rec.tail_peak)
     graph = _build_graph(model, named_modules, by_id, params, rec)
     infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"] for fqn in dict.fromkeys(f for f, _ in named_modules))
     chains = _block_chains(modules_by_name, infos, graph)
@@ -301,7 +328,17 @@ def trace_model(
         loss_saved_bytes=rec.loss_saved,
         loss_peak_bytes=rec.loss_peak,
         param_users=_param_users(by_id, rec.param_reads),
+        loss=choice.name,
+        loss_kind=choice.kind,
+        **_batch_and_seq(example_inputs, example_kwargs),
     )
+
+
+def _batch_and_seq(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
+    """The first input's leading dim, and the length of 2-D integer token inputs (0: none)."""
+    tensors = [t for t in _tensors_in((inputs, kwargs)) if t.dim() >= 1]
+    seq = next((t.shape[1] for t in tensors if t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool), 0)
+    return {"batch_size": int(tensors[0].shape[0]) if tensors else 0, "seq_len": int(seq)}
 
 
 def _param_users(by_id: dict[int, list[str]], reads: dict[tuple[int, str], None]) -> tuple[tuple[str, str], ...]:
@@ -335,6 +372,8 @@ class _StepRecord:
         self.flow: nx.DiGraph = nx.DiGraph()
         self.loss_saved = 0  # saved for backward by the loss (outside every module)
         self.loss_peak = 0  # most bytes of tensors the loss created alive at once
+        self.tail_saved = 0  # saved by root's own ops after its last child returned
+        self.tail_peak = 0  # most bytes those ops created alive at once
         self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
 
 
@@ -375,6 +414,9 @@ def _run_step(
                                          if t.is_floating_point())
             rec.calls[name] += 1
             stack.append(name)
+            if recorder.in_tail:  # root's ops before this module were not the trailing ones
+                recorder.end_tail()
+                rec.tail_saved = 0
 
         return hook
 
@@ -383,6 +425,9 @@ def _run_step(
             if stack and stack[-1] == name:
                 stack.pop()
             rec.out_bytes.setdefault(name, _nbytes(out))
+            if stack == [ROOT] and not recorder.backward:  # See [Note: loss inside forward]
+                recorder.start_tail({_storage_key(t) for t in _tensors_in((out, inputs))})
+                rec.tail_saved = 0
 
         return hook
 
@@ -398,6 +443,7 @@ def _run_step(
                 rec.loss_saved += nbytes
             else:
                 rec.saved[stack[-1]] += nbytes
+                rec.tail_saved += nbytes if recorder.in_tail else 0
         return t
 
     handles = []
@@ -429,6 +475,7 @@ def _run_step(
                     "Check that the example inputs match what the model expects."
                 ) from e
             rec.out_bytes[ROOT] = _nbytes(out)
+            rec.tail_peak = recorder.end_tail()
             stack[:] = [ROOT]
             recorder.record_flow = False
             recorder.loss_before = {_storage_key(t) for t in _tensors_in((out, inputs))}
