@@ -33,7 +33,7 @@ PACKAGE = "wrapopt"
 MAX_LINES = 500
 
 # The bottom layer: imported by every layer, importing only each other.
-SHARED = {"spec", "errors", "fileio", "units", "fingerprint", "losses", "launch", "version"}
+SHARED = {"spec", "errors", "fileio", "units", "fingerprint", "losses", "launch", "version", "assumptions"}
 
 # The stages: each may import the shared modules, its own package, and the modules named
 # here (a name covers its submodules). Written from what the code imports, and no wider.
@@ -73,7 +73,6 @@ PENDING: dict[str, set] = {
     },
     "long": {  # (file, its line count): may not grow
         ("wrapopt/cost/layout.py", 540),
-        ("wrapopt/trace/meta.py", 553),
     },
     "stdlib": {  # module; to decide: rename it, or keep it with a stated reason
         "wrapopt.trace",

@@ -59,167 +59,18 @@ from typing import Any, Callable
 import networkx as nx
 import torch
 import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from wrapopt.errors import ModelError, TraceError
 from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
-from wrapopt.trace.fx import OpDataflow, export_fx
+from wrapopt.trace.fx import export_fx
+from wrapopt.trace.ops import FusedAttention, Recorder, dtype_name, nbytes, storage_key, tensors_in
 
 __all__ = ["trace_model"]
 
 # fx=None exports the fx graph only for models this small; see [Note: fx graph and dataflow].
 _FX_AUTO_MAX_MODULES = 200
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
-
-
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def _flash_fwd_flops(q, k, v, *args, out_val=None, **kwargs):
-    return sdpa_flop_count(q.shape, k.shape, v.shape)
-
-
-def _flash_bwd_flops(grad_out, q, k, v, *args, out_val=None, **kwargs):
-    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
-
-
-# FLOP formulas for the fused CPU attention kernel, which PyTorch's registry lacks.
-_EXTRA_FLOPS = {
-    _FLASH_CPU: _flash_fwd_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_bwd_flops,
-}
-
-
-class _FusedAttention(TorchFunctionMode):
-    """Run ``F.scaled_dot_product_attention`` as the fused (flash-style) kernel.
-
-    [Note: attention on meta] On meta tensors the dispatcher falls back to the
-    math path, which saves the seq x seq attention matrix for backward; the
-    fused kernels that real GPUs and CPUs run save only the output and the
-    log-sum-exp. Tracing the math path would overstate activations by orders
-    of magnitude at long sequences, so the tracer routes attention to the
-    fused CPU kernel, whose meta implementation saves what the real ones do.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            return _fused_sdpa(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if attn_mask is not None and attn_mask.requires_grad:
-        # A trained mask (T5's relative position bias) needs the math path's mask gradient.
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    # With enable_gqa, k and v keep their fewer heads: the fused kernels read them grouped
-    # (as the dispatcher passes them) and save them at that size, not repeated.
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
-    return _FLASH_CPU(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-class _Recorder(TorchDispatchMode):
-    """Counts FLOPs per innermost module; knows whether we are in backward."""
-
-    def __init__(self, stack: list[str]):
-        super().__init__()
-        self.stack = stack
-        self.fwd: dict[str, float] = defaultdict(float)
-        self.backward = False
-        self.bwd_total = 0.0
-        self.flow = OpDataflow()
-        self.record_flow = True  # the model's forward only: off for the loss and backward
-        self.in_loss = False
-        self.in_tail = False  # forward, root's own ops after a child returned: See [Note: loss inside forward]
-        self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
-        self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
-        self.loss_peak = 0
-        self.param_key: dict[int, int] = {}  # id(parameter tensor) -> its key in ``by_id``
-        self.param_reads: dict[tuple[int, str], None] = {}  # (parameter key, reading module), in order
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.in_loss or self.in_tail:
-            self._track_loss(out)
-        if self.record_flow:
-            self.flow.record(self.stack[-1], args, kwargs, out)
-            if self.param_key:  # See [Note: who reads a parameter]
-                for t in _tensors_in((args, kwargs)):
-                    key = self.param_key.get(id(t))
-                    if key is not None:
-                        self.param_reads.setdefault((key, self.stack[-1]), None)
-        fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
-        if fn is not None:
-            flops = float(fn(*args, **kwargs, out_val=out))
-            if self.backward:
-                self.bwd_total += flops
-            else:
-                self.fwd[self.stack[-1]] += flops
-        return out
-
-    def start_tail(self, before: set[Any]) -> None:
-        self.in_tail, self.loss_live, self.loss_peak, self.loss_before = True, {}, 0, before
-
-    def end_tail(self) -> int:
-        """Stop tracking root's trailing ops; the most bytes they had alive at once."""
-        peak = self.loss_peak if self.in_tail else 0
-        self.in_tail, self.loss_live, self.loss_peak, self.loss_before = False, {}, 0, set()
-        return peak
-
-    def _track_loss(self, out: Any) -> None:
-        """Live bytes of the tensors the loss created (views share their base's storage)."""
-        for t in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = _storage_key(t)
-                if isinstance(key, StorageWeakRef) and key not in self.loss_live and key not in self.loss_before:
-                    self.loss_live[key] = t.untyped_storage().nbytes()
-        self.loss_live = {k: b for k, b in self.loss_live.items() if not k.expired()}
-        self.loss_peak = max(self.loss_peak, sum(self.loss_live.values()))
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    try:
-        return StorageWeakRef(t.untyped_storage())
-    except (NotImplementedError, RuntimeError):  # tensor subclasses without storage
-        return id(t)
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors_in(o)]
-    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        return _tensors_in(obj.to_tuple())
-    return []
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_nbytes(o) for o in obj.values())
-    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        return _nbytes(obj.to_tuple())
-    return 0
-
 
 def trace_model(
     model: nn.Module,
@@ -299,7 +150,7 @@ def trace_model(
     infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"] for fqn in dict.fromkeys(f for f, _ in named_modules))
     chains = _block_chains(modules_by_name, infos, graph)
     shapes = tuple(
-        (names[0], tuple(params[i].shape), _dtype_name(params[i].dtype)) for i, names in by_id.items()
+        (names[0], tuple(params[i].shape), dtype_name(params[i].dtype)) for i, names in by_id.items()
     )
     fx_graph, dataflow = None, rec.flow
     if fx is None and len(modules_by_name) > _FX_AUTO_MAX_MODULES:
@@ -321,7 +172,7 @@ def trace_model(
         tied_groups=tied_groups,
         block_chains=chains,
         param_shapes=tuple(sorted(shapes)),
-        input_bytes=_nbytes(example_inputs) + _nbytes(example_kwargs),
+        input_bytes=nbytes(example_inputs) + nbytes(example_kwargs),
         estimates=tuple(estimates[:-1]),
         fx_graph=fx_graph,
         dataflow=dataflow,
@@ -336,7 +187,7 @@ def trace_model(
 
 def _batch_and_seq(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
     """The first input's leading dim, and the length of 2-D integer token inputs (0: none)."""
-    tensors = [t for t in _tensors_in((inputs, kwargs)) if t.dim() >= 1]
+    tensors = [t for t in tensors_in((inputs, kwargs)) if t.dim() >= 1]
     seq = next((t.shape[1] for t in tensors if t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool), 0)
     return {"batch_size": int(tensors[0].shape[0]) if tensors else 0, "seq_len": int(seq)}
 
@@ -403,14 +254,14 @@ def _run_step(
     else:
         replacement = {}
         param_tensors = list(params.values())
-    param_storages = {_storage_key(t) for t in param_tensors}
+    param_storages = {storage_key(t) for t in param_tensors}
     seen_saved: set[Any] = set()
 
     def pre_hook(name: str) -> Callable:
         def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
             if name not in rec.order:
                 rec.order[name] = len(rec.order)
-                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in _tensors_in((args, kwargs))
+                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs))
                                          if t.is_floating_point())
             rec.calls[name] += 1
             stack.append(name)
@@ -424,15 +275,15 @@ def _run_step(
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:
             if stack and stack[-1] == name:
                 stack.pop()
-            rec.out_bytes.setdefault(name, _nbytes(out))
+            rec.out_bytes.setdefault(name, nbytes(out))
             if stack == [ROOT] and not recorder.backward:  # See [Note: loss inside forward]
-                recorder.start_tail({_storage_key(t) for t in _tensors_in((out, inputs))})
+                recorder.start_tail({storage_key(t) for t in tensors_in((out, inputs))})
                 rec.tail_saved = 0
 
         return hook
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in param_storages and key not in seen_saved:
             seen_saved.add(key)
             try:
@@ -452,12 +303,12 @@ def _run_step(
             continue  # the root's calls are the step itself
         handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True, prepend=True))
         handles.append(m.register_forward_hook(post_hook(name)))
-    recorder = _Recorder(stack)
+    recorder = Recorder(stack)
     recorder.param_key = {id(t): key for key, t in zip(by_id, param_tensors)}
     rec.order[ROOT] = 0
     rec.calls[ROOT] = 1
     try:
-        fused = _FusedAttention() if meta else contextlib.nullcontext()
+        fused = FusedAttention() if meta else contextlib.nullcontext()
         with fused, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             try:
                 if meta:
@@ -474,11 +325,11 @@ def _run_step(
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
                     "Check that the example inputs match what the model expects."
                 ) from e
-            rec.out_bytes[ROOT] = _nbytes(out)
+            rec.out_bytes[ROOT] = nbytes(out)
             rec.tail_peak = recorder.end_tail()
             stack[:] = [ROOT]
             recorder.record_flow = False
-            recorder.loss_before = {_storage_key(t) for t in _tensors_in((out, inputs))}
+            recorder.loss_before = {storage_key(t) for t in tensors_in((out, inputs))}
             recorder.in_loss = True
             loss = loss_fn(out, inputs)
             recorder.in_loss = False
@@ -544,7 +395,7 @@ def _build_graph(
         ps = own.get(n, [])
         by_dtype: dict[str, int] = defaultdict(int)
         for p in ps:
-            by_dtype[_dtype_name(p.dtype)] += p.numel() * p.element_size()
+            by_dtype[dtype_name(p.dtype)] += p.numel() * p.element_size()
         tot = [params[i] for i in total_ids[n]]
         parent = None if n == ROOT else (n.rsplit(".", 1)[0] if "." in n else ROOT)
         info = ModuleInfo(
