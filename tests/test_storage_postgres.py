@@ -13,11 +13,11 @@ workers see different histories (each samples from the trials finished so far,
 in whatever order the other worker finished them), so their best plan is not a
 function of the seed. What is deterministic is a fixed set of candidates: the
 test draws 40 distinct plans from a seeded generator, queues them in a study,
-and lets two worker processes evaluate them while one is killed with SIGKILL
-inside a trial. The study must end holding exactly those 40 plans, each once:
-nothing lost (the finished trials of the killed worker are kept, its running
-trial is failed by its stale heartbeat and run again by the live worker),
-nothing run twice; so its best and its Pareto front equal those of one worker
+and lets two worker processes (forked from the test) evaluate them while one
+is killed with SIGKILL inside a trial. The study must end holding exactly
+those 40 plans, each once: nothing lost (the finished trials of the killed
+worker are kept, its running trial is failed by its stale heartbeat and run
+again by the live worker), nothing run twice; so its best and its Pareto front equal those of one worker
 evaluating the same candidates alone (in memory). Without the retry the killed
 trial's plan would be missing and a sampled plan would take its place. The
 workers' simulator sleeps 0.12 s per trial (a stand-in for a slower trial) so
@@ -33,6 +33,7 @@ import glob
 import importlib.util
 import io
 import json
+import multiprocessing
 import os
 import pwd
 import random
@@ -40,7 +41,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -225,16 +225,9 @@ class _SlowSimulator:
         return getattr(self._sim, name)
 
 
-def _worker(url: str, name: str, budget: str, sync_dir: str) -> None:
-    """A worker process: set up, say it is ready, wait for the go, join the study."""
-    _problem()
-    open(os.path.join(sync_dir, f"ready.{os.getpid()}"), "w").close()
-    deadline = time.monotonic() + 120
-    while not os.path.exists(os.path.join(sync_dir, "go")):
-        if time.monotonic() > deadline:
-            sys.exit("no go")
-        time.sleep(0.02)
-    _run(url, name, float(budget), sim=_SlowSimulator(_problem()[1]))
+def _worker(url: str, name: str, budget: float) -> None:
+    """A worker process (forked from the test, so it starts with the traced model)."""
+    _run(url, name, budget, sim=_SlowSimulator(_problem()[1]))
 
 
 def _study(url: str, name: str):
@@ -264,7 +257,7 @@ def _has_heartbeat(url: str, trial_id: int) -> bool:
 # --- the tests ---------------------------------------------------------------------------------
 
 
-def test_two_workers_one_killed_lose_nothing_and_match_one_worker(pg_url, repo_root, tmp_path):
+def test_two_workers_one_killed_lose_nothing_and_match_one_worker(pg_url):
     from optuna.trial import TrialState
 
     from wrapopt.search.optuna_search import run_study
@@ -276,22 +269,18 @@ def test_two_workers_one_killed_lose_nothing_and_match_one_worker(pg_url, repo_r
     single = run_study(g, sim, space, memory_budget=budget, seeds=plans, trials=NUM_CANDIDATES, sampler="nsga2")
     assert single.num_seeds == NUM_CANDIDATES and single.num_trials == NUM_CANDIDATES and single.best is not None
 
-    # Two workers on one study; one is killed inside a trial.
+    # Two workers on one study; one is killed inside a trial. The workers are forked:
+    # they start at once with the model traced (a fresh interpreter takes seconds).
     _queue(pg_url, "shared", candidates, budget)
-    env = dict(os.environ, PYTHONPATH=repo_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "import sys; from tests.test_storage_postgres import _worker; _worker(*sys.argv[1:])"
-    logs = [open(tmp_path / f"worker{i}.log", "w+") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, pg_url, "shared", repr(budget), str(tmp_path)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    _storage(pg_url).engine.dispose()  # no pooled connection is shared with the children
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_worker, args=(pg_url, "shared", budget)) for _ in range(2)]
+    for p in procs:
+        p.start()
     try:
         a, b = procs
         names = {p.pid: f"{socket.gethostname()}:{p.pid}" for p in procs}
         deadline = time.monotonic() + 120
-        while len(glob.glob(str(tmp_path / "ready.*"))) < 2:
-            assert all(p.poll() is None for p in procs), [_tail(log.name) for log in logs]
-            assert time.monotonic() < deadline, "the workers did not start"
-            time.sleep(0.25)
-        (tmp_path / "go").touch()
 
         def by(trials, pid):
             return [t for t in trials if t.user_attrs.get("worker") == names[pid]]
@@ -300,7 +289,7 @@ def test_two_workers_one_killed_lose_nothing_and_match_one_worker(pg_url, repo_r
             done = _trials(pg_url, "shared", TrialState.COMPLETE)
             if by(done, a.pid) and by(done, b.pid):
                 break
-            assert all(p.poll() is None for p in procs), [_tail(log.name) for log in logs]
+            assert a.is_alive() and b.is_alive(), "a worker ended early (its traceback is in the captured stderr)"
             assert time.monotonic() < deadline, "the workers did not share the study"
             time.sleep(0.25)
         while True:  # stop a, and kill it if it is inside a trial (with a heartbeat); else let it go on
@@ -312,18 +301,18 @@ def test_two_workers_one_killed_lose_nothing_and_match_one_worker(pg_url, repo_r
             os.kill(a.pid, signal.SIGCONT)
             assert time.monotonic() < deadline, "could not catch the worker inside a trial"
             time.sleep(0.03)
-        a.wait(timeout=30)
+        a.join(timeout=30)
+        assert a.exitcode == -signal.SIGKILL
         killed = running[0]
         before = {t.number: (t.params, t.values) for t in _trials(pg_url, "shared", TrialState.COMPLETE)}
         assert len(before) < NUM_CANDIDATES and by(_trials(pg_url, "shared", TrialState.COMPLETE), a.pid)
-        assert b.wait(timeout=120) == 0, _tail(logs[1].name, 20)
+        b.join(timeout=120)
+        assert b.exitcode == 0, "the live worker failed (its traceback is in the captured stderr)"
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+                p.join()
 
     trials = _trials(pg_url, "shared")
     done = [t for t in trials if t.state == TrialState.COMPLETE]
