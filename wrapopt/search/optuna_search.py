@@ -11,10 +11,9 @@ trials: it counts those already stored and runs only the rest, and a callback
 stops it as soon as the study holds the total, so a restarted search (after
 ``kill -9``) and several workers sharing one study finish the budget together
 without redoing a finished trial. A trial that was running when its worker
-died is failed and queued again by a live worker once its heartbeat is stale
-(See [Note: shared studies on a server] in search/db.py); in a journal file,
-which keeps no heartbeat, it stays RUNNING and is not counted. Seeds are
-enqueued with
+died stays RUNNING and is not counted in a file; on a database server it is
+failed and queued again by a live worker once its heartbeat is stale (See
+[Note: shared studies on a server] in search/db.py). Seeds are enqueued with
 ``skip_if_exists``, so a restart does not run them twice. A study remembers
 what it was made for (model, mesh, budget, fabric); reopening it for
 anything else is an error rather than a silent mix.
@@ -106,7 +105,7 @@ def _storage(url: str | None, *, heartbeat_s: int = db.HEARTBEAT_S, grace_s: int
             conn.execute("PRAGMA journal_mode=WAL")
             return conn
 
-        storage = db.rdb_storage(url, engine_kwargs={"creator": connect}, heartbeat_s=heartbeat_s, grace_s=grace_s)
+        storage = optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
         from sqlalchemy import event
 
         @event.listens_for(storage.engine, "begin")
