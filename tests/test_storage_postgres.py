@@ -366,3 +366,64 @@ def test_cli_search_resumes_on_postgres_and_hides_the_password(pg_url):
     assert rc == 1 and out == ""
     assert "cannot open study 'cli'" in err and "not-the-password" not in err and PASSWORD not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_seeds_enqueued_twice_are_dropped_never_lost():
+    """[Note: seeds enqueued twice], on Optuna's in-memory storage: deterministic."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from wrapopt.search.db import drop_duplicate_seeds
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(directions=["minimize", "minimize"])
+    seeds = [{"x": i} for i in range(5)]
+    for _ in range(2):  # two workers enqueued every seed: numbers 0-4, then 5-9
+        for p in seeds:
+            study.enqueue_trial(p)
+    first = study.ask()  # seed 0, number 0, is evaluated
+    study.tell(first, [1.0, 1.0])
+    assert drop_duplicate_seeds(study) == 5  # seed 0's queued copy, and the second copy of seeds 1-4
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    assert sorted((t.number, t.system_attrs["fixed_params"]["x"]) for t in waiting) == [(i, i) for i in range(1, 5)]
+    failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    assert sorted(t.number for t in failed) == list(range(5, 10)) and all(t.user_attrs["duplicate_seed"] for t in failed)
+    assert drop_duplicate_seeds(study) == 0
+
+
+def test_two_workers_starting_together_lose_no_seed(pg_url):
+    """Two workers open a new study at the same moment; each enqueues the seeds."""
+    from optuna.trial import TrialState
+
+    from wrapopt.search.optuna_search import run_study
+
+    candidates, budget = _candidates(seed=24)
+    g, sim, space = _problem()
+    plans = [space.from_params(p) for p in candidates[:10]]
+    _storage(pg_url).engine.dispose()
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+
+    def worker():
+        barrier.wait(timeout=60)
+        run_study(g, sim, space, memory_budget=budget, seeds=plans, trials=20, storage=pg_url,
+                  study_name="together", sampler="nsga2")
+
+    procs = [ctx.Process(target=worker) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    trials = _trials(pg_url, "together")
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert 20 <= len(done) <= 21  # a worker may finish the trial it was running
+    seeded = [_key(t.system_attrs["fixed_params"]) for t in done if "fixed_params" in t.system_attrs]
+    assert set(seeded) == {_key(space.encode(p)) for p in plans}  # every seed evaluated
+    # Mostly once each: a copy is run twice only when a worker takes it before the
+    # other worker, still enqueueing, drops it (without the drop: up to every seed twice).
+    assert len(seeded) <= len(plans) + 1
+    assert all(t.user_attrs.get("duplicate_seed") for t in trials if t.state == TrialState.FAIL)

@@ -19,6 +19,22 @@ The heartbeat costs each trial a thread and about 4 more SQL statements (some
 120 without it on gpt-tiny's 23 parameters); SQLite files, shared by the
 workers of one host, go without it.
 
+[Note: seeds enqueued twice] Workers that start together each find the
+study without its seeds and each enqueue them (``skip_if_exists`` reads, then
+writes; nothing makes the two steps atomic), so every seed may be evaluated
+twice: measured here, two workers with 10 seeds and ``--trials 20`` spent all
+20 trials on the 10 seeds twice in 2 of 3 runs. After enqueueing, each worker
+therefore drops the queued (WAITING) copies of a seed that is already done,
+and every queued copy but the one with the lowest trial number. Dropping
+claims a copy the way a worker takes a trial from the queue (WAITING to
+RUNNING, which only one process can do) and then marks it FAIL with the user
+attribute ``duplicate_seed``. The lowest-numbered copy is never dropped by
+anyone (a worker that sees only some copies still sees no copy below it), so
+no seed is lost; a copy that a worker took in the meantime still runs, so a
+seed may rarely still run twice. (A first version also dropped the queued
+copies of a seed whose other copy was RUNNING; a copy being dropped is briefly
+RUNNING, and two workers cleaning up at once dropped both copies of a seed.)
+
 A plain ``postgresql://`` URL is given the ``psycopg`` (version 3) driver when
 it is installed (``pip install 'wrapopt[db]'``): SQLAlchemy 2.1 picks it by
 default, 2.0 would ask for ``psycopg2``. A URL that names its driver
@@ -29,12 +45,13 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import warnings
 from typing import Any
 
 from wrapopt.errors import WrapoptError
 
-__all__ = ["HEARTBEAT_S", "GRACE_S", "MAX_RETRY", "rdb_storage", "server_storage", "shown_url"]
+__all__ = ["HEARTBEAT_S", "GRACE_S", "MAX_RETRY", "drop_duplicate_seeds", "rdb_storage", "server_storage", "shown_url"]
 
 HEARTBEAT_S = 5
 GRACE_S = 30
@@ -105,3 +122,36 @@ def server_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = G
     # a restarted server) reconnects instead of failing its next trial.
     return rdb_storage(_with_driver(url), engine_kwargs={"pool_pre_ping": True},
                        heartbeat_s=heartbeat_s, grace_s=grace_s)
+
+
+def drop_duplicate_seeds(study) -> int:
+    """Drop the queued copies of seeds enqueued twice; returns how many were dropped.
+    See [Note: seeds enqueued twice]."""
+    import optuna
+    from optuna.trial import TrialState
+
+    live = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
+    groups: dict[str, list] = {}
+    for t in study.get_trials(deepcopy=False, states=live):
+        fixed = t.system_attrs.get("fixed_params")
+        if fixed is not None:
+            groups.setdefault(json.dumps(fixed, sort_keys=True, default=str), []).append(t)
+    # Optuna has no public call to move another trial between states; its own queue
+    # uses the storage's set_trial_state_values, as here.
+    storage = study._storage
+    dropped = 0
+    for copies in groups.values():
+        first = min(t.number for t in copies)
+        done = any(t.state == TrialState.COMPLETE for t in copies)
+        for t in copies:
+            if t.state != TrialState.WAITING or (t.number == first and not done):
+                continue
+            try:
+                if not storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                    continue  # a worker took it first
+                storage.set_trial_user_attr(t._trial_id, "duplicate_seed", True)
+                storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+                dropped += 1
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
+    return dropped

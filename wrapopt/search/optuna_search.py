@@ -285,6 +285,8 @@ def run_study(
                     if params is not None:
                         study.enqueue_trial(params, user_attrs={"seed": plan.label or "seed"}, skip_if_exists=True)
                         num_seeds += 1
+                if url is not None and num_seeds:
+                    db.drop_duplicate_seeds(study)  # See [Note: seeds enqueued twice]
             ran = 0
             worker = f"{socket.gethostname()}:{os.getpid()}"
 
