@@ -427,3 +427,18 @@ def test_two_workers_starting_together_lose_no_seed(pg_url):
     # other worker, still enqueueing, drops it (without the drop: up to every seed twice).
     assert len(seeded) <= len(plans) + 1
     assert all(t.user_attrs.get("duplicate_seed") for t in trials if t.state == TrialState.FAIL)
+
+
+def test_server_urls_get_a_driver_and_hide_the_password(monkeypatch):
+    from wrapopt.errors import WrapoptError
+    from wrapopt.search import db
+
+    assert db.shown_url("postgresql://u:pw@dbhost:5433/wrapopt") == "postgresql://u:***@dbhost:5433/wrapopt"
+    assert db.shown_url("sqlite:////tmp/s.db") == "sqlite:////tmp/s.db" and db.shown_url(None) is None
+    assert db._with_driver("postgresql+psycopg2://u@h/d") == "postgresql+psycopg2://u@h/d"  # named: kept
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "psycopg" else None)
+    assert db._with_driver("postgresql://u:pw@h/d") == "postgresql+psycopg://u:pw@h/d"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(WrapoptError, match=r"no postgresql driver .*wrapopt\[db\]") as e:
+        db._with_driver("postgresql://u:pw@h/d")
+    assert "pw" not in str(e.value)
