@@ -10,7 +10,7 @@ import random
 from wrapopt.cost import Simulator
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.hardware.profiles import ComputeProfile
-from wrapopt.models import zoo
+from wrapopt.models.sources import zoo
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import PlanSpec
 from wrapopt.trace.meta import trace_model

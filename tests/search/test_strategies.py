@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from wrapopt import api, zoo
+from wrapopt import api
+from wrapopt.models import zoo
 from wrapopt.errors import InfeasibleError
 from wrapopt.search.driver import search_plan
 from wrapopt.search.registry import STRATEGIES, get_strategy

@@ -25,7 +25,7 @@ from wrapopt.cli.main import main
 from wrapopt.cost import Simulator
 from wrapopt.errors import WrapoptError
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
-from wrapopt.models import zoo
+from wrapopt.models.sources import zoo
 from wrapopt.search.driver import SearchOptions, search_plan
 from wrapopt.search.study.run import _storage, run_study, storage_url
 from wrapopt.search.study.space import SearchSpace
