@@ -56,7 +56,12 @@ class WrapPlan:
     created: str = ""
     wrapopt_version: str = ""
     # The training step it was scored for; None in files from before it was recorded.
+    # When set, ``mixed_precision`` repeats its dtypes (what FSDP1 exports and old readers use).
     train: TrainConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.train is not None:
+            self.mixed_precision = self.train.mixed_precision()
 
     @property
     def units(self) -> tuple[UnitSpec, ...]:
@@ -273,7 +278,7 @@ class WrapPlan:
 
         if strict:
             self.check_model(model)
-        mp = self.mixed_precision
+        mp = self.train_config.mixed_precision()
         if train is not None:
             differ = self.train_config.differences(train)
             if differ and not override_train:

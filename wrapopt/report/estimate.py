@@ -21,9 +21,9 @@ from typing import Any
 from wrapopt.fileio import fmt_bytes
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph
 
-__all__ = ["EstimateReport", "ModelFlops", "model_flops", "format_estimate"]
+__all__ = ["EstimateReport", "ModelFlops", "model_flops", "format_estimate", "format_breakdown", "BREAKDOWN_NAMES"]
 
-_BREAKDOWN_NAMES = {
+BREAKDOWN_NAMES = {
     "sharded_params": "sharded parameters",
     "sharded_grads": "sharded gradients",
     "optimizer_state": "optimizer state",
@@ -76,6 +76,7 @@ class EstimateReport:
     peak_source: str
     memory_budget: float | None
     notes: tuple[str, ...] = ()
+    budget_note: str = ""  # where the budget came from
 
     @property
     def step_s(self) -> float:
@@ -134,9 +135,12 @@ def format_estimate(r: EstimateReport) -> str:
                  f"model FLOPs {r.flops.formula}")
     budget = "no limit" if r.memory_budget is None else f"budget {fmt_bytes(r.memory_budget)}: " + ("fits" if r.fits else "DOES NOT FIT")
     lines.append(f"peak memory: {fmt_bytes(e.peak_bytes)} per GPU ({budget})")
-    for k, v in e.peak_breakdown:
-        if v:
-            lines.append(f"  {fmt_bytes(v):>11}  {_BREAKDOWN_NAMES.get(k, k)}")
+    lines += format_breakdown(e)
     for n in list(r.notes) + list(e.notes):
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def format_breakdown(e: CostEstimate, indent: str = "  ") -> list[str]:
+    """The peak's parts, one line each (parts of zero bytes left out)."""
+    return [f"{indent}{fmt_bytes(v):>11}  {BREAKDOWN_NAMES.get(k, k)}" for k, v in e.peak_breakdown if v]
