@@ -183,8 +183,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    train = train_from_args(args) if (args.precision != "fp32" or args.accumulation != 1 or args.optimizer != "adamw"
+                                      or args.sync != "auto") else None
     return run_demo(out_dir=args.out, model=args.model, world_size=args.world_size, repeats=args.repeats,
-                    memory_budget=args.memory)
+                    memory_budget=args.memory, train=train)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -243,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--memory", default=None, help="budget (default: midway between the baselines' peaks)")
-    p.set_defaults(func=_cmd_demo)
+    add_train_arguments(p)
+    p.set_defaults(func=_cmd_demo, batch=None, seq=None)
 
     add_bench_parser(sub)
     add_export_parser(sub)

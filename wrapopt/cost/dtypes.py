@@ -11,7 +11,10 @@ one is given. ``in_compute_dtype`` rescales the graph's activation figures by
 (bytes of that dtype) / (bytes of the traced one) before any layout is built:
 parameters, gradients and optimizer state keep their storage dtype, and time
 is the compute profile's business (measure it, or state its rate, in the dtype
-the step runs in).
+the step runs in). The loss is taken to compute in float32 (the zoo's,
+TorchTitan's and Hugging Face's cross-entropy upcast the logits): what it
+creates and saves stays as traced, and a lower-precision output adds the
+float32 copy the upcast makes.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ def in_compute_dtype(graph: ModelGraph, activation_bytes: int | None, output_byt
     tree = graph.tree.copy()
     for m in modules:
         tree.nodes[m.fqn]["info"] = m
+    upcast = graph.root.output_bytes if out < 1.0 else 0  # the loss's float32 copy of the output
     return replace(graph, modules=modules, tree=tree, input_bytes=scaled(graph.input_bytes, act),
-                   loss_saved_bytes=scaled(graph.loss_saved_bytes, out), loss_peak_bytes=scaled(graph.loss_peak_bytes, out))
+                   loss_peak_bytes=graph.loss_peak_bytes + upcast)
 
 
 def optimizer_states_per_param(graph: ModelGraph, kind: OptimizerKind) -> float:
