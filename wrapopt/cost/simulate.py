@@ -145,6 +145,10 @@ class Simulator:
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
         self.graph, self.fabric, self.compute = graph, fabric, compute
         self._states = optimizer_states_per_param(graph, self.options.optimizer)  # optimizer state per element
+        self._stepping = self.options.optimizer is not OptimizerKind.NONE
+        # See [Note: accumulation sync]: the modes each plan is scored in.
+        micro, sync = self.options.grad_accumulation, self.options.accumulation_sync
+        self._modes = (None,) if micro == 1 else (sync,) if sync else SYNC_MODES
         self.layout = Layouts(graph, compute, self.options)
         self._elem = self.layout.elem  # storage bytes per element
         self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
@@ -282,7 +286,7 @@ class Simulator:
         optim = trainable * self._states / shard
         micro = opt.grad_accumulation
         # See [Note: accumulation sync]: which modes to score.
-        modes = (None,) if micro == 1 else (opt.accumulation_sync,) if opt.accumulation_sync else SYNC_MODES
+        modes = self._modes
 
         # The step loop: See [Note: compiled step loop] in steploop.py.
         runs_ahead = self._runs_ahead
@@ -333,7 +337,7 @@ class Simulator:
         cp = self.compute
         optim_s = (storage / shard) * (2 + 2 * self._states) / (
             cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
-        if opt.optimizer is not OptimizerKind.NONE:
+        if self._stepping:
             per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
             optim_s += self._num_tensors * per_tensor
         step = end + optim_s
