@@ -61,7 +61,7 @@ def _cases(graph, mesh: MeshSpec) -> list[tuple[str, PlanSpec, TrainConfig]]:
         ("root-only", base["root-only"], bf16),
         ("size-1e8", base["size-1e8"], bf16),
         ("per-block", per_block, TrainConfig.preset("bf16", grad_accumulation=4, accumulation_sync="every")),
-        ("per-block", per_block, TrainConfig()),
+        ("per-block", per_block, TrainConfig.preset("fp32")),
     ]
 
 
@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
     fabric = analytical_fabric(world_size=1)  # no collective at one rank: the fabric does not enter
     rows = []
     for label, plan, train in _cases(graph, mesh):
-        est = Simulator(graph, fabric, profiles[train.compute_dtype], train.sim_options()).simulate(plan)
+        est = Simulator(graph, fabric, profiles[train.compute_dtype()], train.sim_options()).simulate(plan)
         meas = measure_plans(lambda: build(), [plan], inputs, loss_fn, repeats=repeats, warmup=2, train=train)[0]
         rows.append({"plan": label, "units": len(plan.units), "train": train.describe(), "pred_step_s": est.step_s,
                      "meas_step_s": meas.step_s, "spread": meas.spread, "pred_peak_bytes": est.peak_bytes,

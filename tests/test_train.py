@@ -59,6 +59,7 @@ def test_presets_and_policy():
     assert TrainConfig.from_policy(pol).precision == "bf16"
     assert TrainConfig(param_dtype="fp16", reduce_dtype="bf16").precision == "custom"
     assert {TrainConfig.preset(p).precision for p in PRECISIONS} == set(PRECISIONS)
+    assert TrainConfig.preset("none") == TrainConfig() and TrainConfig().precision == "none"
     back = TrainConfig.preset("bf16").mp_policy()
     assert back.param_dtype == torch.bfloat16 and back.reduce_dtype == torch.float32
 
@@ -285,7 +286,7 @@ def test_estimate_cli(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--precision", "bf8"], ["bf8", "bf16-pure", "fp32"]),
+    (["--precision", "bf8"], ["bf8", "bf16-pure", "fp32", "none"]),
     (["--optimizer", "lion"], ["lion", "adafactor"]),
     (["--accumulation", "0"], ["--accumulation", "at least 1"]),
     (["--batch", "0"], ["--batch", "at least 1"]),

@@ -36,7 +36,7 @@ from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions, UnitSpec
 from wrapopt.trace.meta import trace_model
-from wrapopt.train import TrainConfig
+from wrapopt.train import TrainConfig, model_dtype
 from wrapopt.units import validate_plan
 
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
@@ -110,15 +110,17 @@ def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_si
     return FabricProfile.from_json(data, source=text)
 
 
-def compute_for(fabric: FabricProfile | None, compute: ComputeProfile | str | None, train: TrainConfig) -> ComputeProfile:
+def compute_for(fabric: FabricProfile | None, compute: ComputeProfile | str | None, train: TrainConfig,
+                model_dtype: str = "float32") -> ComputeProfile:
     """The compute profile: the one given (or its file), else the analytical fabric's
-    device computing in the step's dtype, else this device measured."""
+    device computing in the step's dtype (``param_dtype``, else ``model_dtype``, the
+    dtype the model is stored in), else this device measured."""
     if isinstance(compute, ComputeProfile):
         return compute
     if isinstance(compute, str):
         return ComputeProfile.load(compute)
     if fabric is None or fabric.kind == "analytical":
-        return fabric_compute(fabric or analytical_fabric(world_size=1), dtype=train.compute_dtype)
+        return fabric_compute(fabric or analytical_fabric(world_size=1), dtype=train.compute_dtype(model_dtype))
     return _local_compute()
 
 
@@ -216,7 +218,7 @@ def _knobs(graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, me
 
     here = peak(train)
     tries: list[tuple[str, int]] = []
-    if train.param_dtype is None:
+    if train.param_dtype in (None, "float32"):
         tries.append(("--precision bf16", peak(TrainConfig.preset("bf16", grad_accumulation=train.grad_accumulation,
                                                                    optimizer=train.optimizer,
                                                                    accumulation_sync=train.accumulation_sync))))
@@ -296,7 +298,7 @@ def optimize_wrap(
         compute = ComputeProfile.load(compute)
     fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)
     if compute is None and fab is not None and fab.kind == "analytical":
-        compute = compute_for(fab, None, train or TrainConfig())  # stated numbers for both, as `wrapopt search` does
+        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))  # as `wrapopt search` does
 
     if in_group and given_plan is None:
         if fab is None:
@@ -305,7 +307,7 @@ def optimize_wrap(
             compute = measure_compute()
             compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
     if compute is None:
-        compute = compute_for(fab, None, train or TrainConfig())
+        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))
     assert fab is not None or given_plan is not None
     budget = resolve_budget(memory_budget, compute)
 
@@ -438,7 +440,7 @@ def estimate(
         raise ValueError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
     fab = resolve_fabric(fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes += check_fabric_fits(fab, mesh, rescale=rescale_fabric)
-    comp = compute_for(fab, compute, train)
+    comp = compute_for(fab, compute, train, model_dtype(model))
     budget = resolve_budget(memory_budget, comp)
     graph = trace_model(model, example_inputs, loss_fn=loss_fn)
     if isinstance(given, WrapPlan):
@@ -466,7 +468,7 @@ def estimate(
                         tokens=first.numel() if token_model else 0, seq_len=first.shape[1] if token_model else 0,
                         samples=first.shape[0] if first is not None and first.dim() else 1, width=width)
     peak = comp.meta.get("peak_flops_per_s") or comp.flops_per_s
-    source = (f"stated dense {train.compute_dtype} peak" if comp.meta.get("peak_flops_per_s")
+    source = (f"stated dense {train.compute_dtype(model_dtype(model))} peak" if comp.meta.get("peak_flops_per_s")
               else "the measured matmul rate" if comp.kind == "measured" else "the stated achieved rate")
     return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan", num_units=len(spec.units),
                           mesh=spec.mesh, train=train, fabric=fab.label, compute=f"{comp.device} ({comp.kind})",

@@ -25,7 +25,8 @@ from wrapopt.errors import PlanError
 from wrapopt.fileio import JsonReader
 from wrapopt.spec import SYNC_MODES, OptimizerKind, SimOptions
 
-__all__ = ["TrainConfig", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES", "SYNC_MODES", "dtype_name"]
+__all__ = ["TrainConfig", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES", "SYNC_MODES", "dtype_name",
+           "model_dtype"]
 
 # Canonical dtype names (as in the plan file) and the spellings accepted for them.
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -33,9 +34,10 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Presets: (param_dtype, reduce_dtype, output_dtype); None keeps the model's own dtype.
+# Presets: (param_dtype, reduce_dtype, output_dtype); None keeps the model's own dtype. Without
+# one (``TrainConfig()``, ``--precision none``) no policy is applied: the model's own dtype.
 PRECISIONS: dict[str, tuple[str | None, str | None, str | None]] = {
-    "fp32": (None, None, None),  # no policy: the model's dtype (float32) everywhere
+    "fp32": ("float32", "float32", None),  # float32 compute and reduction, whatever the model is stored in
     "bf16": ("bfloat16", "float32", None),  # bf16 compute and all-gathers, fp32 gradient reduction (TorchTitan's default)
     "bf16-pure": ("bfloat16", "bfloat16", None),  # bf16 reduction too: half the reduce-scatter bytes
     "fp16": ("float16", "float32", None),  # fp16 compute; needs loss scaling (a GradScaler) to train
@@ -65,6 +67,18 @@ def dtype_name(value: Any, *, what: str = "dtype") -> str | None:
     if name is None:
         raise ValueError(f"unknown {what} {value!r}; accepted: {', '.join(DTYPE_NAMES)}")
     return name
+
+
+def model_dtype(model: Any) -> str:
+    """The name of the dtype ``model``'s floating parameters are stored in (float32 when
+    it has none, or one wrapopt does not plan for)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            for name, dt in TORCH_DTYPES.items():
+                if dt == p.dtype:
+                    return name
+            break
+    return "float32"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,11 +124,13 @@ class TrainConfig:
     # -- making one ---------------------------------------------------------------------------
 
     @classmethod
-    def preset(cls, precision: str = "fp32", **kw: Any) -> "TrainConfig":
-        """A named precision (``PRECISIONS``) with the other fields as given."""
+    def preset(cls, precision: str = "none", **kw: Any) -> "TrainConfig":
+        """A named precision (``PRECISIONS``, or ``none``: no policy) with the other fields as given."""
         key = str(precision).strip().lower()
+        if key == "none":
+            return cls(**kw)
         if key not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
+            raise ValueError(f"unknown precision {precision!r}; accepted: none, {', '.join(PRECISIONS)}")
         p, r, o = PRECISIONS[key]
         return cls(param_dtype=p, reduce_dtype=r, output_dtype=o, **kw)
 
@@ -133,21 +149,22 @@ class TrainConfig:
                               "optimizer": optimizer or "adamw",
                               "accumulation_sync": None if sync in (None, "auto") else sync}
         if precision is None or isinstance(precision, str):
-            return cls.preset(precision or "fp32", **kw)
+            return cls.preset(precision or "none", **kw)
         return cls.from_policy(precision, **kw)
 
     # -- what it means ------------------------------------------------------------------------
 
     @property
     def precision(self) -> str:
-        """The preset this is, or "custom"."""
+        """The preset this is, "none" (no policy), or "custom"."""
         mine = (self.param_dtype, self.reduce_dtype, self.output_dtype)
+        if mine == (None, None, None):
+            return "none"
         return next((k for k, v in PRECISIONS.items() if v == mine), "custom")
 
-    @property
-    def compute_dtype(self) -> str:
-        """The dtype the forward and backward run in (the model's float32 without a policy)."""
-        return self.param_dtype or "float32"
+    def compute_dtype(self, model_dtype: str = "float32") -> str:
+        """The dtype the forward and backward run in: ``param_dtype``, else the model's."""
+        return self.param_dtype or model_dtype
 
     @property
     def sync_chosen(self) -> bool:
@@ -181,13 +198,13 @@ class TrainConfig:
 
     def describe(self) -> str:
         """One line for reports."""
-        prec = self.precision if self.precision != "custom" else "custom"
-        dtypes = ("model dtype, no mixed precision" if self.param_dtype is None and self.reduce_dtype is None
-                  else f"params {self.param_dtype or 'model'}, reduce {self.reduce_dtype or self.param_dtype or 'model'}"
-                  + (f", output {self.output_dtype}" if self.output_dtype else ""))
+        prec = ("none (no mixed precision: the model's own dtype)" if self.precision == "none" else
+                f"{self.precision} (params {self.param_dtype or 'model'}, reduce "
+                f"{self.reduce_dtype or self.param_dtype or 'model'}"
+                + (f", output {self.output_dtype}" if self.output_dtype else "") + ")")
         sync = ("" if self.grad_accumulation == 1 else
                 f", sync {self.accumulation_sync}" if self.accumulation_sync else ", sync searched per plan")
-        return (f"precision {prec} ({dtypes}), {self.grad_accumulation} micro-batch"
+        return (f"precision {prec}, {self.grad_accumulation} micro-batch"
                 f"{'es' if self.grad_accumulation > 1 else ''} per step{sync}, optimizer {self.optimizer}")
 
     def differences(self, other: "TrainConfig") -> list[str]:

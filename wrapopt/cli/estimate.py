@@ -16,7 +16,7 @@ __all__ = ["add_estimate_parser"]
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    given_flags = {"--precision": args.precision != "fp32", "--accumulation": args.accumulation != 1,
+    given_flags = {"--precision": args.precision is not None, "--accumulation": args.accumulation != 1,
                    "--optimizer": args.optimizer != "adamw", "--sync": args.sync != "auto"}
     train = train_from_args(args)
     is_file = os.path.exists(args.plan)

@@ -32,6 +32,7 @@ from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions
 from wrapopt.search.study.space import shard_sizes
 from wrapopt.spec import MeshSpec
 from wrapopt.trace.meta import trace_model
+from wrapopt.train import model_dtype
 from wrapopt.version import __version__
 
 __all__ = ["main"]
@@ -90,11 +91,11 @@ def _cmd_search(args: argparse.Namespace) -> int:
         check_writable(args.out)
     fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
-    compute = compute_for(fabric, args.compute, train)
-    budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
-    budget_note = budget_line(args.memory, compute, budget)
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     model = src.build("meta")
+    compute = compute_for(fabric, args.compute, train, model_dtype(model))
+    budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
+    budget_note = budget_line(args.memory, compute, budget)
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget, notes=notes,
                               search=options, train=train)
@@ -183,7 +184,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    train = train_from_args(args) if (args.precision != "fp32" or args.accumulation != 1 or args.optimizer != "adamw"
+    train = train_from_args(args) if (args.precision is not None or args.accumulation != 1 or args.optimizer != "adamw"
                                       or args.sync != "auto") else None
     return run_demo(out_dir=args.out, model=args.model, world_size=args.world_size, repeats=args.repeats,
                     memory_budget=args.memory, train=train)

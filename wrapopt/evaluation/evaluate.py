@@ -168,7 +168,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
                             ranks_per_node=cfg["ranks_per_node"])
     _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, per-module times) ...")
     # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.
-    dt = TORCH_DTYPES[train.compute_dtype] if train is not None else torch.float32
+    dt = TORCH_DTYPES[train.compute_dtype()] if train is not None else torch.float32  # the trainable zoo is float32
     in_dt = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
     compute = measure_compute(model=entry.build("cpu", seed=0).to(dt), example_inputs=in_dt, loss_fn=entry.loss, repeats=5)
     compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
@@ -264,7 +264,7 @@ def _confirm_set(plans: list[PlanSpec], measured: list[Any], budgets: list[dict[
 
 def _case(train: TrainConfig) -> str:
     """A case's name in the reports: the precision, and the accumulation with its sync mode."""
-    parts = [train.precision] if train.precision != "fp32" else []
+    parts = [train.precision] if train.precision != "none" else []
     if train.grad_accumulation > 1:
         parts.append(f"accumulation {train.grad_accumulation}, sync {train.accumulation_sync}")
     return ", ".join(parts) or "fp32"

@@ -124,7 +124,9 @@ def format_estimate(r: EstimateReport) -> str:
         f"mesh: {m.world_size} ranks, {m.ranks_per_node} per node, shard group {m.shard_size}   fabric: {r.fabric}   "
         f"compute: {r.compute}",
         f"training: {r.train.describe()}",
-        f"step: {e.step_s * 1e3:.2f} ms (forward {e.fwd_s * 1e3:.2f} ms, backward {e.bwd_s * 1e3:.2f} ms, optimizer "
+        f"step: {e.step_s * 1e3:.2f} ms ("
+        + (f"{r.train.grad_accumulation} micro-batches; each " if r.train.grad_accumulation > 1 else "")
+        + f"forward {e.fwd_s * 1e3:.2f} ms, backward {e.bwd_s * 1e3:.2f} ms; optimizer "
         f"{e.optim_s * 1e3:.2f} ms; exposed communication {e.exposed_comm_s * 1e3:.2f} ms)",
     ]
     if r.flops.tokens:
