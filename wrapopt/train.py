@@ -119,7 +119,7 @@ class TrainConfig:
         object.__setattr__(self, "optimizer", name)
         if self.accumulation_sync is not None and self.accumulation_sync not in SYNC_MODES:
             raise ValueError(f"unknown accumulation sync {self.accumulation_sync!r}; accepted: {', '.join(SYNC_MODES)} "
-                             "(or none: searched per plan)")
+                             "(or auto: searched per plan)")
 
     # -- making one ---------------------------------------------------------------------------
 
