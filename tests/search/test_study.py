@@ -27,7 +27,7 @@ from wrapopt.errors import WrapoptError
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.models.sources import zoo
 from wrapopt.search.driver import SearchOptions, search_plan
-from wrapopt.search.study.run import _storage, run_study, storage_url
+from wrapopt.search.study.run import open_storage, run_study, storage_url
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import MeshSpec
 from wrapopt.trace.meta import trace_model
@@ -130,7 +130,7 @@ def _finished(path: str) -> list:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.load_study(study_name="shared", storage=_storage(storage_url(path)))
+        study = optuna.load_study(study_name="shared", storage=open_storage(storage_url(path)))
     except KeyError:  # not created yet
         return []
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))

@@ -69,6 +69,22 @@ times longer over the overlapped part, and a collective issued while compute
 is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
 measured by the profiler.
 
+[Note: accumulation sync] With k micro-batches per step FSDP2 can
+synchronise gradients two ways. ``every``: each micro-batch reduce-scatters
+its gradients and accumulates them into the sharded gradients, so the step is
+k whole forward-backward passes with their collectives, and from the second
+micro-batch on the sharded gradients are all there. ``last``
+(``set_requires_gradient_sync(False)`` on all but the last, FSDP1's
+``no_sync``): earlier micro-batches skip the reduce-scatters, and each unit's
+unsharded gradients (in the reduce dtype) stay allocated across micro-batches
+until the last one reduce-scatters them: the breakdown's
+``accumulated_grads``. That saves k-1 rounds of reduce-scatters and costs the
+whole model's unsharded gradients in memory. The earlier micro-batches are
+timed as the synchronised one's forward and backward. Unset
+(``SimOptions.accumulation_sync = None``), both are scored and the estimate is
+the faster that fits ``memory_budget_bytes`` (else the smaller peak);
+``CostEstimate.accumulation_sync`` says which.
+
 [Note: simulator speed] The search scores thousands of plans, so with numba
 installed three pieces are compiled (``steploop.py``, [Note: compiled step loop]):
 the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
@@ -103,7 +119,8 @@ from wrapopt.cost.layout import (
     Layouts,
 )
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec, SimOptions, TimelineEvent, UnitCosts
+from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param
+from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
 from wrapopt.units import validate_plan
 
 __all__ = ["simulate", "Simulator"]
@@ -123,8 +140,15 @@ class Simulator:
     """
 
     def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, options: SimOptions | None = None):
-        self.graph, self.fabric, self.compute = graph, fabric, compute
         self.options = options or SimOptions()
+        # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
+        graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
+        self.graph, self.fabric, self.compute = graph, fabric, compute
+        self._states = optimizer_states_per_param(graph, self.options.optimizer)  # optimizer state per element
+        self._stepping = self.options.optimizer is not OptimizerKind.NONE
+        # See [Note: accumulation sync]: the modes each plan is scored in.
+        micro, sync = self.options.grad_accumulation, self.options.accumulation_sync
+        self._modes = (None,) if micro == 1 else (sync,) if sync else SYNC_MODES
         self.layout = Layouts(graph, compute, self.options)
         self._elem = self.layout.elem  # storage bytes per element
         self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
@@ -259,9 +283,10 @@ class Simulator:
         # Static memory: See [Note: memory].
         sharded_params = storage / shard
         # Sharded gradients appear unit by unit as reduce-scatters land (zero_grad(set_to_none=True)).
-        optim = trainable * opt.optimizer.states_per_param / shard
-        accum = sum(G.tolist()) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
-        static = sharded_params + optim + accum
+        optim = trainable * self._states / shard
+        micro = opt.grad_accumulation
+        # See [Note: accumulation sync]: which modes to score.
+        modes = self._modes
 
         # The step loop: See [Note: compiled step loop] in steploop.py.
         runs_ahead = self._runs_ahead
@@ -272,18 +297,35 @@ class Simulator:
         if jit is None:
             unit_cols = tuple(c.tolist() for c in unit_cols)
         cap = 3 * n + 3 * lay.num_segments + 2 if record else 0
-        ev_rows = np.zeros((cap, 6))
-        args = (seg_cols, unit_cols + lay_cols[2:], lay_cols[0], lay_cols[1], float(static), float(shard),
-                float(reduce_elem), ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, depth,
-                *self._loss, record, ev_rows)
-        if jit is not None:
-            try:
-                res = jit(*args)
-            except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-                steploop.disable_jit(f"{type(e).__name__}: {e}")
-                return self.simulate(plan, record=record)
-        else:
-            res = steploop.step_loop(*args)
+        runs = []
+        for mode in modes:
+            if mode == "every":
+                # Later micro-batches start with every sharded gradient in place (the loop
+                # adds none: an infinite shard); no unsharded gradients are held.
+                held, static, loop_shard, sharded_grads = 0, sharded_params + optim + trainable / shard, float("inf"), trainable / shard
+            else:
+                held = sum(G.tolist()) if micro > 1 else 0  # unsharded grads held across micro-batches (no-sync)
+                static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
+            ev_rows = np.zeros((cap, 6))
+            args = (seg_cols, unit_cols + lay_cols[2:], lay_cols[0], lay_cols[1], float(static), loop_shard,
+                    float(reduce_elem), ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, depth,
+                    *self._loss, record, ev_rows)
+            if jit is not None:
+                try:
+                    res = jit(*args)
+                except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
+                    steploop.disable_jit(f"{type(e).__name__}: {e}")
+                    return self.simulate(plan, record=record)
+            else:
+                res = steploop.step_loop(*args)
+            runs.append((mode, static, held, sharded_grads, ev_rows, res))
+        if len(runs) > 1:  # the faster that fits, else the smaller peak
+            limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
+            fit = [r for r in runs if r[5][4] <= limit]
+            last, every = runs
+            times = {"last": last[5][1] * (micro - 1) + last[5][2], "every": every[5][2] * micro}
+            runs = [min(fit, key=lambda r: times[r[0]]) if fit else min(runs, key=lambda r: r[5][4])]
+        mode, static, held, grads_before, ev_rows, res = runs[0]
         fwd_end, bwd_end, end, comm_total, peak, peak_parts, n_ev = res
         ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
                             float(r[4]), int(r[5])) for r in ev_rows[:n_ev]]
@@ -293,26 +335,30 @@ class Simulator:
         # per-tensor cost separately for 2-D meshes (HSDP, no-shard): see
         # profile/compute.py::measure_optimizer.
         cp = self.compute
-        optim_s = (storage / shard) * (2 + 2 * opt.optimizer.states_per_param) / (
+        optim_s = (storage / shard) * (2 + 2 * self._states) / (
             cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
-        if opt.optimizer.states_per_param:
+        if self._stepping:
             per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
             optim_s += self._num_tensors * per_tensor
         step = end + optim_s
         if record:
             ev.append(TimelineEvent("compute", "optim", "<all>", end, step, int(static)))
 
-        micro = opt.grad_accumulation
         if micro > 1:
-            # Earlier micro-batches: the same forward and backward without the
-            # reduce-scatters (set_requires_gradient_sync(False)).
-            step += (micro - 1) * bwd_end
+            if mode == "every":  # every micro-batch: forward, backward and its reduce-scatters
+                step += (micro - 1) * end
+                comm_total *= micro
+            else:
+                # Earlier micro-batches: the same forward and backward without the
+                # reduce-scatters (set_requires_gradient_sync(False)).
+                step += (micro - 1) * bwd_end
         compute_s = compute_once + sum(lay.times[0][ck].tolist())
         if ck_oh and ck.any():
             compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
         compute_s += self.compute.loss_s * opt.batch_scale
         compute_s *= micro
         exposed = max(0.0, step - compute_s - optim_s)
+        parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, held)
         return CostEstimate(
             step_s=step,
             fwd_s=fwd_end,
@@ -321,11 +367,12 @@ class Simulator:
             comm_s=comm_total,
             exposed_comm_s=exposed,
             peak_bytes=int(peak),
-            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, (sharded_params, peak_parts[0], optim, accum) + peak_parts[1:])),
+            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, parts + peak_parts[1:])),
             units=ucosts,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
             optim_s=optim_s,
+            accumulation_sync=mode,
         )
 
 

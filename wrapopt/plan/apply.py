@@ -123,7 +123,8 @@ def apply_plan(
     if mesh is None:
         mesh = build_mesh(spec)
     mp = mixed_precision or {}
-    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")])
+    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")],
+                                    output_dtype=DTYPES[mp.get("output_dtype")])
     for unit in spec.units:
         if unit.checkpoint and not unit.is_root:
             for name in unit.modules:

@@ -136,6 +136,8 @@ def format_plan(plan) -> str:
         f"mesh: {plan.mesh.world_size} ranks, {plan.mesh.ranks_per_node} per node, shard group {plan.mesh.shard_size}"
         + (" (HSDP)" if plan.mesh.is_hsdp else ""),
         f"scored on fabric {fab.get('name')} ({str(fab.get('kind', '?')).upper()}), compute {fab.get('compute')}",
+        "training: " + (plan.train.describe() if plan.train is not None else "not recorded (a plan file written before "
+                        "it was: no mixed precision, one micro-batch, AdamW)"),
     ]
     if p:
         lines.append(f"predicted: step {p.get('step_s', 0) * 1e3:.2f} ms, exposed comm {p.get('exposed_comm_s', 0) * 1e3:.2f} ms, "

@@ -54,7 +54,7 @@ def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, 
     est = sim.simulate(PlanSpec(units, mesh))
     trainable = g.trainable_bytes
     static = g.param_bytes / shard + trainable * opt.optimizer.states_per_param / shard
-    if opt.grad_accumulation > 1:
+    if opt.grad_accumulation > 1 and opt.accumulation_sync == "last":  # See [Note: accumulation sync]
         static += sum(u.param_bytes for u in est.units) * (opt.reduce_dtype_bytes or 1) / (opt.param_dtype_bytes or 1)
     static += est.units[-1].param_bytes
     if sim.compute.runs_ahead and blocks:
