@@ -107,14 +107,17 @@ def test_budget_and_its_source_are_stated(gpt):
     model, _, graph = gpt
     quick = SearchOptions(trials=0)
     gpu = analytical_compute()
-    cases = [(None, "none"), ("64MiB", "64.00 MiB per rank (given: 64MiB)"), ("auto", "auto: 90% of the device's")]
+    cases = [("none", "none"), ("64MiB", "64.00 MiB per rank (given: 64MiB)"), ("auto", "auto: 90% of the device's"),
+             (None, "auto: 90% of the device's")]  # the default is auto when the capacity is known
     for raw, expect in cases:
-        budget = None if raw is None else (gpu.memory_capacity_bytes * 0.9 if raw == "auto" else 64 * 2**20)
+        budget = None if raw == "none" else (64 * 2**20 if raw == "64MiB" else gpu.memory_capacity_bytes * 0.9)
         plan, _ = plan_model(graph, model, mesh=MESH, fabric=FAB, compute=gpu, memory_budget=budget,
                              search=quick, memory_budget_source=budget_source(raw, gpu))
         assert expect in _line(plan.assumptions, "memory")
         assert plan.assumptions.memory_budget_bytes == budget
-    assert budget_source(None, gpu).startswith("none")
+    assert budget_source("none", gpu).startswith("none")
+    unknown = dataclasses.replace(gpu, memory_capacity_bytes=None)
+    assert budget_source(None, unknown).startswith("none: the device's capacity is unknown")
 
 
 def test_fabric_stated_is_the_one_scored(gpt):
@@ -182,7 +185,7 @@ def test_report_cli_and_plan_file_carry_the_block(gpt, tmp_path, capsys):
     assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--trials", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["assumptions"]["loss"] == "wrapopt.models.zoo._lm_loss"
-    assert out["assumptions"]["memory_budget_bytes"] is None and out["assumptions"]["optimizer"] == "adamw"
+    assert out["assumptions"]["memory_budget_bytes"] == 0.9 * 80 * 2**30  # the default: auto and out["assumptions"]["optimizer"] == "adamw"
     assert main(["show", str(path)]) == 0
     assert "assumptions (the prediction rests on these" in capsys.readouterr().out
 

@@ -19,7 +19,8 @@ import torch.nn as nn
 from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
-from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes, read_json
+from wrapopt.fileio import check_writable, fmt_bytes, read_json
+from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.presets import (
@@ -44,7 +45,6 @@ from wrapopt.units import validate_plan
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
            "MEMORY_HEADROOM", "budget_source", "assumptions_for", "estimate", "compute_for", "budget_line"]
 
-MEMORY_HEADROOM = 0.90  # the default budget (`--memory auto`): 90% of the device, the rest left to the allocator
 
 
 @dataclass
@@ -142,38 +142,6 @@ def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -
     if not rescale:
         raise ProfileError(msg + "; measure the target mesh, or pass rescale=True / --rescale-fabric to rescale by the ring model")
     return [msg + "; collective times rescaled by the ring model"]
-
-
-def budget_line(memory_budget: Any, compute: ComputeProfile, budget: float | None) -> str:
-    """One line saying where the budget came from."""
-    cap = compute.memory_capacity_bytes
-    if budget is None:
-        if _is_word(memory_budget, "none"):
-            return "memory budget: none (--memory none)"
-        return "memory budget: none: the device's capacity is unknown; pass --memory 80GiB"
-    if memory_budget is None or _is_word(memory_budget, "auto"):
-        return (f"memory budget: {fmt_bytes(budget)} per rank = {MEMORY_HEADROOM:.0%} of the device's {fmt_bytes(cap)} "
-                f"({1 - MEMORY_HEADROOM:.0%} left to the allocator; --memory sets another, --memory none no limit)")
-    return f"memory budget: {fmt_bytes(budget)} per rank (given)"
-
-
-def _is_word(v: Any, word: str) -> bool:
-    return isinstance(v, str) and v.strip().lower() == word
-
-
-def auto_memory_budget(compute: ComputeProfile) -> float | None:
-    """``--memory auto``: ``MEMORY_HEADROOM`` of the device's capacity, or None when unknown."""
-    cap = compute.memory_capacity_bytes
-    return cap * MEMORY_HEADROOM if cap else None
-
-
-def budget_source(memory_budget: int | float | str | None, compute: ComputeProfile) -> str:
-    """Where a memory budget came from, as the assumptions block states it."""
-    if memory_budget is None:
-        return "none given: every plan fits"
-    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
-        return f"auto: {MEMORY_HEADROOM:.0%} of the device's {fmt_bytes(compute.memory_capacity_bytes or 0)}"
-    return f"given: {memory_budget}" if isinstance(memory_budget, str) else "given"
 
 
 def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
@@ -404,21 +372,6 @@ def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | N
     base = {n: scored(p) for n, p in baselines(graph, spec.mesh).items()}
     return SearchResult(best=mine, baselines=base, candidates=(mine, *base.values()), memory_budget=limit,
                         notes=("plan given, not searched",))
-
-
-def resolve_budget(memory_budget: int | float | str | None, compute: ComputeProfile) -> float | None:
-    """A memory budget in bytes from bytes, "80GiB"/"80GB", "auto" (the device's capacity with
-    headroom), "none" (no limit) or None: "auto" when the device's capacity is known, else no limit."""
-    if _is_word(memory_budget, "none"):
-        return None
-    if memory_budget is None:
-        return auto_memory_budget(compute)
-    if _is_word(memory_budget, "auto"):
-        b = auto_memory_budget(compute)
-        if b is None:
-            raise ModelError("--memory auto needs a device capacity; the compute profile has none: give bytes or 80GiB")
-        return b
-    return float(parse_bytes(memory_budget))
 
 
 def _local_compute() -> ComputeProfile:
