@@ -185,7 +185,8 @@ def test_report_cli_and_plan_file_carry_the_block(gpt, tmp_path, capsys):
     assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--trials", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["assumptions"]["loss"] == "wrapopt.models.zoo._lm_loss"
-    assert out["assumptions"]["memory_budget_bytes"] == 0.9 * 80 * 2**30  # the default: auto and out["assumptions"]["optimizer"] == "adamw"
+    assert out["assumptions"]["memory_budget_bytes"] == 0.9 * 80 * 2**30  # the default: auto
+    assert out["assumptions"]["optimizer"] == "adamw"
     assert main(["show", str(path)]) == 0
     assert "assumptions (the prediction rests on these" in capsys.readouterr().out
 
