@@ -215,7 +215,7 @@ def test_memory_forms_accepted(memory):
     rc, out, err = _run(["search", *TINY, "--memory", memory, "--trials", "5"])
     assert rc == 0, err
     if memory == "auto":
-        assert "auto = 90% of the device's 80.00 GiB = 72.00 GiB per rank (10% headroom" in out
+        assert "memory budget: 72.00 GiB per rank = 90% of the device's 80.00 GiB (10% left to the allocator" in out
 
 
 def test_json_reports_study_and_pareto_front():
