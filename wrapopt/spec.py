@@ -60,6 +60,10 @@ class ModuleInfo:
     order: int  # position of the first call in forward order; -1 if never called
     num_calls: int
     input_bytes: int = 0  # bytes of the module's floating-point inputs (first call)
+    # Bytes moved by its ops that have no FLOP formula (memory-bound: norms, activations,
+    # adds, copies), summed over calls; See [Note: memory-bound ops] in trace/op_bytes.py.
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,12 +164,18 @@ class Layouts:
         for m in graph.call_order():
             if measured:
                 f, b = measured.get(m.fqn, (0.0, 0.0))
+                f, b = f * scale, b * scale
             else:
-                f = m.fwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
-                b = m.bwd_flops / compute.flops_per_s + compute.module_overhead_s * m.num_calls
+                f, b = m.fwd_flops / compute.flops_per_s, m.bwd_flops / compute.flops_per_s
+                if compute.op_bandwidth_bytes_per_s:  # See [Note: memory-bound ops] in trace/op_bytes.py
+                    f += m.fwd_bytes / compute.op_bandwidth_bytes_per_s
+                    b += m.bwd_bytes / compute.op_bandwidth_bytes_per_s
+                # The per-call overhead is paid once per call, whatever the batch.
+                oh = compute.module_overhead_s * m.num_calls
+                f, b = f * scale + oh, b * scale + oh
             # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
             out = 0 if m.fqn == ROOT else m.output_bytes
-            entries.append(_Entry(m.fqn, ancestors(m.fqn), f * scale, b * scale, int(m.saved_bytes * scale),
+            entries.append(_Entry(m.fqn, ancestors(m.fqn), f, b, int(m.saved_bytes * scale),
                                   int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
                                   int((0 if m.fqn == ROOT else m.input_bytes) * scale)))
         self._param_modules = tuple(

@@ -127,6 +127,7 @@ def _compute(name: str, spec: dict[str, Any], dtype: str | None, where: str) -> 
         flops_per_s=flops,
         memory_bandwidth_bytes_per_s=spec["memory_bandwidth_bytes_per_s"],
         memory_capacity_bytes=spec["memory_capacity_bytes"],
+        op_bandwidth_bytes_per_s=spec["memory_bandwidth_bytes_per_s"],  # See [Note: memory-bound ops]
         unit_overhead_s=20e-6,
         module_overhead_s=5e-6,
         meta={"source": source, **({"dtype": dtype, "peak_flops_per_s": peaks[dtype]} if dtype and peaks else {})},

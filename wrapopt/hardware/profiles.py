@@ -342,12 +342,27 @@ class FabricProfile:
 
 def ring_time(collective: str, p: int, rpn: int, nbytes: float, intra: AnalyticalLink, inter: AnalyticalLink) -> float:
     """Ring-algorithm time on stated links: (p-1) latency steps plus (p-1)/p of
-    the bytes over the slowest link the ring crosses (inter-node as soon as the
-    group spans nodes)."""
-    link = intra if rpn >= p else inter
+    the bytes at the ring's bandwidth: the intra-node link for a group inside a
+    node, else the multi-rail bandwidth of [Note: multi-rail rings].
+
+    [Note: multi-rail rings] A group with ``rpn`` ranks on each of several
+    nodes runs NCCL's rings as ``rpn`` channels, each leaving the node through
+    the NIC of a different GPU and carrying 1/rpn of the data: the node's
+    ``rpn`` NICs work in parallel, so the ring moves ``rpn`` x the per-GPU
+    inter-node bandwidth, capped by the intra-node link the data also crosses.
+    NCCL's maintainers state it for a node with more NICs ("you should get more
+    bandwidth, up to ... the NVLink intra-node bandwidth", NVIDIA/nccl#412), and
+    published llm-foundry H100 rows need it (13B, FULL_SHARD, micro-batch 2 on
+    16-64 GPUs ran at >100 GB/s of bus bandwidth with 400 Gb/s per GPU). A group
+    with one rank per node (HSDP's replicate axis) gets one NIC per ring.
+    """
+    if rpn >= p:
+        latency, bw = intra.latency_s, intra.bandwidth_bytes_per_s
+    else:
+        latency, bw = inter.latency_s, min(intra.bandwidth_bytes_per_s, max(1, rpn) * inter.bandwidth_bytes_per_s)
     steps = (p - 1) * (2 if collective == "all_reduce" else 1)
     volume = (p - 1) / p * nbytes * (2 if collective == "all_reduce" else 1)
-    return steps * link.latency_s + volume / link.bandwidth_bytes_per_s
+    return steps * latency + volume / bw
 
 
 @dataclass(frozen=True)
@@ -377,6 +392,10 @@ class ComputeProfile:
     # per parameter byte: AdamW's foreach ops stream the tensors more times than
     # that count, so the step runs below the copy bandwidth. 0: memory bandwidth.
     optimizer_bandwidth_bytes_per_s: float = 0.0
+    # Bandwidth at which ops without a FLOP formula (norms, activations, adds, copies)
+    # move their bytes: See [Note: memory-bound ops] in trace/op_bytes.py. 0: they cost only
+    # module_overhead_s (measured CPU profiles, whose per-module times include them).
+    op_bandwidth_bytes_per_s: float = 0.0
     # Forward + backward of the loss, which runs outside the model's modules.
     loss_s: float = 0.0
     # What activation checkpointing adds per checkpointed module beyond re-running its
@@ -402,6 +421,7 @@ class ComputeProfile:
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "optimizer_tensor_2d_s": self.optimizer_tensor_2d_s,
             "optimizer_bandwidth_bytes_per_s": self.optimizer_bandwidth_bytes_per_s,
+            "op_bandwidth_bytes_per_s": self.op_bandwidth_bytes_per_s,
             "loss_s": self.loss_s,
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "module_times": [list(t) for t in self.module_times],
@@ -426,6 +446,7 @@ class ComputeProfile:
             optimizer_tensor_s=float(d.get("optimizer_tensor_s", 0.0)),
             optimizer_tensor_2d_s=float(d.get("optimizer_tensor_2d_s", 0.0)),
             optimizer_bandwidth_bytes_per_s=float(d.get("optimizer_bandwidth_bytes_per_s", 0.0)),
+            op_bandwidth_bytes_per_s=float(d.get("op_bandwidth_bytes_per_s", 0.0)),
             loss_s=float(d.get("loss_s", 0.0)),
             checkpoint_overhead_s=float(d.get("checkpoint_overhead_s", 0.0)),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),

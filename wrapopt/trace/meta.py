@@ -220,6 +220,8 @@ class _StepRecord:
         self.saved: dict[str, int] = defaultdict(int)
         self.fwd: dict[str, float] = {}
         self.bwd_total = 0.0
+        self.fwd_bytes: dict[str, int] = {}
+        self.bwd_bytes_total = 0
         self.flow: nx.DiGraph = nx.DiGraph()
         self.loss_saved = 0  # saved for backward by the loss (outside every module)
         self.loss_peak = 0  # most bytes of tensors the loss created alive at once
@@ -343,6 +345,8 @@ def _run_step(
             h.remove()
     rec.fwd = dict(recorder.fwd)
     rec.bwd_total = recorder.bwd_total
+    rec.fwd_bytes = dict(recorder.fwd_bytes)
+    rec.bwd_bytes_total = recorder.bwd_bytes_total
     rec.flow = recorder.flow.graph
     rec.loss_peak = recorder.loss_peak
     rec.param_reads = recorder.param_reads
@@ -376,6 +380,10 @@ def _build_graph(
     raw_bwd = {n: f * (2.0 if trained_here.get(n) or not own.get(n) else 1.0) for n, f in rec.fwd.items()}
     total_raw = sum(raw_bwd.values())
     scale = rec.bwd_total / total_raw if total_raw > 0 else 0.0
+    # Backward bytes of memory-bound ops, in proportion to forward bytes: See [Note: memory-bound ops]
+    # in op_bytes.py.
+    total_fwd_bytes = sum(rec.fwd_bytes.values())
+    bytes_scale = rec.bwd_bytes_total / total_fwd_bytes if total_fwd_bytes > 0 else 0.0
 
     names = list(dict.fromkeys(n for n, _ in named_modules))
     children: dict[str, list[str]] = defaultdict(list)
@@ -418,6 +426,8 @@ def _build_graph(
             order=rec.order.get(n, -1),
             num_calls=rec.calls.get(n, 0),
             input_bytes=rec.in_bytes.get(n, 0),
+            fwd_bytes=rec.fwd_bytes.get(n, 0),
+            bwd_bytes=int(rec.fwd_bytes.get(n, 0) * bytes_scale),
         )
         g.add_node(n, info=info)
         if parent is not None:

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from wrapopt.trace.fx import OpDataflow
+from wrapopt.trace.op_bytes import op_bytes
 
 __all__ = ["Recorder", "FusedAttention", "dtype_name", "storage_key", "tensors_in", "nbytes"]
 
@@ -86,6 +87,8 @@ class Recorder(TorchDispatchMode):
         self.fwd: dict[str, float] = defaultdict(float)
         self.backward = False
         self.bwd_total = 0.0
+        self.fwd_bytes: dict[str, int] = defaultdict(int)  # See [Note: memory-bound ops] in op_bytes.py
+        self.bwd_bytes_total = 0
         self.flow = OpDataflow()
         self.record_flow = True  # the model's forward only: off for the loss and backward
         self.in_loss = False
@@ -115,6 +118,12 @@ class Recorder(TorchDispatchMode):
                 self.bwd_total += flops
             else:
                 self.fwd[self.stack[-1]] += flops
+        else:
+            nbytes = op_bytes(func, args, kwargs, out)
+            if self.backward:
+                self.bwd_bytes_total += nbytes
+            else:
+                self.fwd_bytes[self.stack[-1]] += nbytes
         return out
 
     def start_tail(self, before: set[Any]) -> None:

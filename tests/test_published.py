@@ -1,0 +1,81 @@
+"""The published-runs benchmark's inputs: the shared llm-foundry tables parse, and the
+MPT built on meta has exactly each row's NumParams (benchmarks/published_rows.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from benchmarks.published_rows import (
+    DEFAULT_SOURCE, build_mpt, count_params, fused_cross_entropy, parse_published, with_master_weights,
+)
+
+pytestmark = pytest.mark.skipif(not os.path.exists(DEFAULT_SOURCE),
+                                reason=f"shared file {DEFAULT_SOURCE} is absent (the note lives outside the repository)")
+
+
+@pytest.fixture(scope="module")
+def published():
+    return parse_published(DEFAULT_SOURCE)
+
+
+def test_every_table_parses_with_its_stated_row_count(published):
+    names = [n for n, _s, _p in published.sections]
+    assert any(n.startswith("A100 40GB") for n in names) and any(n.startswith("A100 80GB") for n in names)
+    assert any(n.startswith("H100 80GB") for n in names)
+    for name, stated, parsed in published.sections:
+        assert parsed == stated, name
+    assert not published.skipped
+    assert {r.gpu for r in published.rows} <= {"a100_40gb", "a100_80gb", "h100_80gb"}
+    assert all(r.model in published.shapes for r in published.rows)
+    assert published.vocab > 0
+
+
+def test_built_mpt_has_the_rows_numparams(published):
+    rows = []
+    for gpu in ("a100_40gb", "a100_80gb"):
+        of_gpu = [r for r in published.rows if r.gpu == gpu]
+        rows += [of_gpu[0], of_gpu[-1], max(of_gpu, key=lambda r: r.seq_len)]  # 70b, 125m, the longest sequence
+    for r in rows:
+        model = build_mpt(published.shapes[r.model], vocab=published.vocab, seq_len=r.seq_len)
+        assert all(p.is_meta for p in model.parameters())
+        assert count_params(model) == r.num_params, r.label
+
+
+def test_mismatched_or_unmodelled_rows_are_skipped_with_the_reason(tmp_path, published):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from published_predict import Predictor
+
+    lines = open(DEFAULT_SOURCE, encoding="utf-8").read().splitlines()
+    a100 = next(i for i, l in enumerate(lines) if l.startswith("|  125m") and "a100_40gb" in l)
+    cells = lines[a100].split("|")
+    cells[-2] = f" {int(cells[-2]) + 1} "  # NumParams off by one
+    lines[a100] = "|".join(cells)
+    lines.insert(a100 + 1, "|  125m | 2048 | 8 | a100_40gb | 1 |")  # too few cells
+    src = tmp_path / "note.md"
+    src.write_text("\n".join(lines), encoding="utf-8")
+    p = parse_published(str(src))
+    assert len(p.skipped) == 1 and "cells" in p.skipped[0].reason
+    ok, skipped = Predictor(p).usable(p.rows)
+    reasons = {s.row.line: s.reason for s in skipped}
+    assert "parameters" in reasons[a100 + 1]
+    assert any("FP8" in r for r in reasons.values())  # the H100 FP8 table
+    assert len(ok) + len(skipped) == len(p.rows)
+
+
+def test_fused_cross_entropy_keeps_the_logits_only(published):
+    """[Note: fused cross-entropy]: saved = the bf16 logits and the log-sum-exp, no fp32 copy."""
+    from wrapopt.trace.meta import trace_model
+
+    shape = published.shapes[min(published.shapes, key=lambda k: published.shapes[k].d_model)]
+    tiny = type(shape)("tiny", 2, shape.d_model, shape.n_heads, shape.ffn)
+    model = build_mpt(tiny, vocab=published.vocab, seq_len=64)
+    g = trace_model(model, (torch.zeros(2, 64, dtype=torch.long),), loss_fn=fused_cross_entropy, fx=False)
+    logits = 2 * 64 * published.vocab * 2  # bf16
+    assert g.loss_saved_bytes == logits + 2 * 64 * 2  # and the bf16 log-sum-exp per token
+    m = with_master_weights(g)
+    assert m.param_bytes == 2 * g.param_bytes and m.num_params == g.num_params
+    assert m.trainable_bytes == 2 * g.trainable_bytes
