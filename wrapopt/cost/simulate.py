@@ -112,6 +112,8 @@ __all__ = ["simulate", "Simulator"]
 
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
 
+_NO_EVENTS = np.zeros((0, 6))  # the step loop's events when none are recorded: it writes none
+
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
                "all_gather_buffer", "unsharded_grads", "activations", "working_set")
 
@@ -308,7 +310,7 @@ class Simulator:
             unit_cols = UnitPlan._make(c.tolist() for c in unit_cols)
         scalars = PlanScalars(static_bytes=float(static), shard_size=float(shard), record=record,
                               prefetch_depth=max(plan.forward_prefetch, 1 if self._runs_ahead else 0))
-        ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2 if record else 0, 6))
+        ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
         try:
             res = backend.step(seg_cols, lay_cols, unit_cols, scalars, self._constants, ev_rows)
         except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]

@@ -19,15 +19,18 @@ fails falls back to Python with a warning (for the ``Backend`` it failed in).
 
 [Note: step loop inputs] The loop reads five named tuples: the layout's
 ``Segments`` and ``UnitLayout``, the plan's ``UnitPlan`` and ``PlanScalars``,
-and the simulator's ``StepConstants`` (built once); it returns a
-``StepResult``. numba (0.68) compiles named tuples of arrays and scalars as
+and the simulator's ``StepConstants`` (built once); ``Backend.step`` returns
+a ``StepResult``. numba (0.68) compiles named tuples of arrays and scalars as
 they are, but types a named tuple argument in Python on every call, where a
 plain tuple's type is found in C: with arguments of these sizes and a
 trivial body, a call took ~7.5 us against ~4 us, and returning a named
 tuple ~1.9 us against ~0.4 us, while scoring a plan whose layout is cached
-takes ~25 us in all. So the compiled entry, ``_step_entry``, takes and
-returns plain tuples (``tuple(x)``, in field order) and names them inside
-the compiled code, where names cost nothing.
+takes ~25 us in all. So the compiled ``step_loop`` is given plain tuples
+(``x[:]``, in field order) and returns one; its first line names them
+again, which costs nothing in compiled code (building them in a separate
+entry that calls ``step_loop`` cost ~0.4 us: the new tuples' references to
+their ~30 arrays; inlining it there instead doubled the compile time). As
+Python the same line copies the named tuples it is given (~1 us).
 
 Events are recorded (``record``) as rows of ``ev``: lane, kind, unit, start,
 end, memory, with the codes below.
@@ -173,9 +176,12 @@ def _compute(t, dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts
 
 
 def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars, k: StepConstants,  # noqa: PLR0913
-              ev: Any) -> StepResult:
+              ev: Any) -> tuple[Any, ...]:
     """One step's forward and backward over ``segs``, recording events into ``ev`` when
-    ``plan.record`` (its rows: at least ``3 * units + 3 * segments + 2``)."""
+    ``plan.record`` (its rows: at least ``3 * units + 3 * segments + 2``). Takes the named
+    tuples or plain tuples in their field order, and returns ``StepResult``'s fields as a
+    plain tuple: See [Note: step loop inputs]."""
+    segs, lay, units, plan, k = Segments(*segs), UnitLayout(*lay), UnitPlan(*units), PlanScalars(*plan), StepConstants(*k)
     seg_u, seg_f, seg_b, seg_saved = segs.unit, segs.fwd_s, segs.bwd_s, segs.saved
     seg_work, seg_gn, seg_bw, seg_keep = segs.work, segs.grad_numel, segs.bwd_work, segs.keep
     order, border, last_fwd, pos, bpos = lay.forward, lay.backward, lay.last_fwd, lay.fwd_pos, lay.bwd_pos
@@ -317,7 +323,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 ne = _rec(ev, ne, COMM, REDUCE_SCATTER, u, start, c, 0.0)
             t += unit_oh
     bwd_end = t
-    return StepResult(fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne)
+    return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne  # StepResult's fields
 
 
 def lookup(keys, values, x):  # noqa: ANN001
@@ -355,16 +361,10 @@ def merge(keys, values, new_keys, new_values):  # noqa: ANN001
 class Kernels:
     """The compiled (numba) functions a ``Backend`` runs: See [Note: compiled step loop]."""
 
-    step: Callable  # ``step_loop`` behind an entry that takes plain tuples: See [Note: step loop inputs]
+    step: Callable  # ``step_loop``, given plain tuples: See [Note: step loop inputs]
     layout: Callable  # ``kernels.layout_kernel``: See [Note: layout kernel] in ``layout.py``
     lookup: Callable
     merge: Callable
-
-
-def _step_entry(segs, lay, units, plan, k, ev):  # noqa: ANN001, ANN202
-    """``step_loop`` from and to plain tuples, as numba compiles it: See [Note: step loop inputs]."""
-    r = step_loop(Segments(*segs), UnitLayout(*lay), UnitPlan(*units), PlanScalars(*plan), StepConstants(*k), ev)
-    return r.fwd_end, r.bwd_end, r.end, r.comm_s, r.peak_bytes, r.peak_parts, r.num_events  # StepResult's fields
 
 
 _COMPILED: dict[str, Kernels] = {}  # compiled once per process; numba caches them on disk
@@ -380,12 +380,10 @@ def compile_kernels() -> Kernels:
         import numba
         from numba.extending import register_jitable
 
-        # step_loop and the helpers it calls: numba compiles them with the entry that calls them
-        for helper in (_rec, _all_gather, _compute, step_loop):
+        for helper in (_rec, _all_gather, _compute):  # step_loop calls them: numba compiles them with it
             register_jitable(helper)
         jit = numba.njit(cache=True)
-        _COMPILED["kernels"] = Kernels(step=jit(_step_entry), layout=jit(layout_kernel), lookup=jit(lookup),
-                                       merge=jit(merge))
+        _COMPILED["kernels"] = Kernels(step=jit(step_loop), layout=jit(layout_kernel), lookup=jit(lookup), merge=jit(merge))
     return _COMPILED["kernels"]
 
 
@@ -408,7 +406,7 @@ class Backend:
         if name == "compiled" and kernels is None and importlib.util.find_spec("numba") is None:
             raise ValueError("backend 'compiled' needs numba, which is not installed: `pip install wrapopt[fast]`, "
                              "or use backend='python'")
-        self._name, self._kernels = name, kernels
+        self._name, self._kernels = name, kernels if name == "compiled" else None
 
     @classmethod
     def default(cls) -> Backend:
@@ -451,10 +449,11 @@ class Backend:
              ev: Any) -> StepResult:
         """``step_loop``, compiled or as Python: columns as numpy arrays for the compiled
         one, as tuples or lists for Python (``step_loop`` reads both the same way)."""
-        kernels = self.kernels
+        kernels = self._kernels if self._kernels is not None else self.kernels
         if kernels is None:
-            return step_loop(segs, lay, units, plan, k, ev)
-        return StepResult._make(kernels.step(tuple(segs), tuple(lay), tuple(units), tuple(plan), tuple(k), ev))
+            return StepResult._make(step_loop(segs, lay, units, plan, k, ev))
+        # x[:]: the fields as a plain tuple (tuple(x) takes ~2x as long)
+        return StepResult._make(kernels.step(segs[:], lay[:], units[:], plan[:], k[:], ev))
 
     def __repr__(self) -> str:
         return f"Backend({self._name!r})"
