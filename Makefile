@@ -11,8 +11,14 @@ setup:
 demo: setup
 	$(PY) -m wrapopt.cli demo --out results/demo
 
+# Two parts, each under its heading: the single-process tests, then the tests that start
+# several processes (gloo ranks, torchrun; marked `multiprocess`, see pyproject.toml).
+# A failure in either fails `make test` (a failure in the first stops it there).
 test: setup
-	$(PY) -m pytest -q tests
+	@echo "== make test 1/2: single-process tests (pytest -m 'not multiprocess') =="
+	$(PY) -m pytest -q -m "not multiprocess" tests
+	@echo "== make test 2/2: multi-process tests: gloo ranks, torchrun (pytest -m multiprocess) =="
+	$(PY) -m pytest -q -m multiprocess tests
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -10,6 +10,12 @@ results/fidelity_scatter.png, and adds the run's summary to results/fidelity_his
 (every run's verdicts side by side).
 
     python benchmarks/fidelity.py [--world-sizes 2,4] [--repeats 15] [--confirm 3] [--models gpt-tiny,...]
+                                  [--cases fp32,bf16,accum4]
+
+Each case is a training step: ``fp32`` (the model as it is, one batch), ``bf16``
+(bf16 parameters and compute, fp32 reduction; module times measured in bf16) and
+``accum4`` (4 micro-batches per step, synchronised on the last only); its rows
+carry the case in the model column, e.g. ``zoo:gpt-tiny [bf16]``.
     python benchmarks/fidelity.py --add-to-history old/fidelity.json ...   # measure nothing
 """
 
@@ -37,11 +43,19 @@ from wrapopt.evaluation.evaluate import (
     spearman,
 )  # noqa: E402
 from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
+from wrapopt.train import TrainConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
+CASES = {  # name -> the TrainConfig of the case (None: fp32, one batch, as before the cases existed)
+    "fp32": None,
+    "bf16": TrainConfig.preset("bf16"),
+    "accum4": TrainConfig(grad_accumulation=4, accumulation_sync="last"),
+    "accum4-every": TrainConfig(grad_accumulation=4, accumulation_sync="every"),
+    "bf16-accum4": TrainConfig.preset("bf16", grad_accumulation=4, accumulation_sync="last"),
+}
 
 
 def fake_tracker_check(world_size: int = 8) -> list[dict]:
@@ -226,7 +240,10 @@ def main() -> int:
     ap.add_argument("--confirm", type=int, default=3, help="re-measure the K fastest of the screening round "
                     "and the predicted fastest in a second interleaved round (0: off)")
     ap.add_argument("--confirm-repeats", type=int, default=15)
+    ap.add_argument("--cases", default="fp32,bf16,accum4",
+                    help=f"training steps to measure, comma-separated: {', '.join(CASES)} (default fp32,bf16,accum4)")
     ap.add_argument("--skip-tracker", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true", help="do not measure the simulator's speed")
     ap.add_argument("--render", metavar="JSON", help="measure nothing: write fidelity.md again from the fidelity.json "
                     "of an earlier run (pass that run's --world-sizes, --repeats, --confirm, --confirm-repeats)")
     ap.add_argument("--add-to-history", nargs="+", metavar="JSON", help="measure nothing: add the runs in these "
@@ -247,13 +264,18 @@ def main() -> int:
         runs, tracker, speed, date = data["runs"], data["tracker"], data["simulator_speed"], data["date"]
         wall = data.get("wall_s")
     else:
+        cases = args.cases.split(",")
+        unknown = [c for c in cases if c not in CASES]
+        if unknown:
+            raise SystemExit(f"unknown --cases {', '.join(unknown)}; accepted: {', '.join(CASES)}")
         runs = []
         for ws in [int(w) for w in args.world_sizes.split(",")]:
-            for model in args.models.split(","):
-                runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None,
-                                     confirm=args.confirm, confirm_repeats=args.confirm_repeats))
+            for case in cases:
+                for model in args.models.split(","):
+                    runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None,
+                                         confirm=args.confirm, confirm_repeats=args.confirm_repeats, train=CASES[case]))
         tracker = [] if args.skip_tracker else fake_tracker_check()
-        speed = simulator_speed()
+        speed = [] if args.skip_speed else simulator_speed()
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         wall = time.perf_counter() - t0
     summaries = [summarize(r) for r in runs]
@@ -263,7 +285,7 @@ def main() -> int:
         "",
         f"Machine: {platform.node()}, {m['cores']} cores ({m['cpu']}), no GPU; backend {m['backend']}, one thread per rank; "
         f"torch {m['torch']}; {date}. Regenerate: `python benchmarks/fidelity.py --world-sizes {args.world_sizes} "
-        f"--repeats {args.repeats} --confirm {args.confirm} --confirm-repeats {args.confirm_repeats}` "
+        f"--repeats {args.repeats} --confirm {args.confirm} --confirm-repeats {args.confirm_repeats} --cases {args.cases}` "
         + (f"({wall:.0f} s)." if wall else "(this file written again from that run's fidelity.json with `--render`)."),
         "",
         "Each model: fabric and compute measured on the same ranks first; then every plan predicted by the simulator "
@@ -276,7 +298,10 @@ def main() -> int:
            "bootstrap interval; the screening round's ratio of medians is shown too. The same round also runs a "
            "second, separately built copy of the predicted fastest (an A/A test): its paired ratio to the original "
            "is the bench's noise floor, the smallest miss this run could tell from noise. " if args.confirm else "")
-        + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks. "
+        + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks; a step of several "
+        "micro-batches is tracked micro-batch by micro-batch. Cases: a model's name alone is fp32, one batch per step; "
+        "[bf16] is bf16 parameters and compute with fp32 reduction (module times measured in bf16); [accumulation 4, "
+        "sync last] is 4 micro-batches per step, synchronised on the last only. "
         "CPU steal: the share of the machine's CPU time the hypervisor gave to other guests while the case ran. "
         "Place in round: a step's time over its plan's median, median over the steps taken first in their round, and over "
         "those taken last (the order changes every round; 1.00 and 1.00 when the place does not matter).",
@@ -322,7 +347,7 @@ def main() -> int:
         for r in tracker:
             lines.append(f"| {r['plan']} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['tracker_peak_bytes'])} | {r['error']:+.1%} |")
     rounds = len(next(iter(speed[0]["rounds"].values()))) if speed and "rounds" in speed[0] else 5  # older runs: 5
-    lines += ["", "## Simulator speed", "",
+    lines += [] if not speed else ["", "## Simulator speed", "",
               "`Simulator.simulate` in this process (one core, one thread), llama-7b (32 blocks) on 64 ranks, analytical "
               f"fabric; best of {rounds} rounds (the machine is shared). `benchmarks/sim_speed.py` measures the same alone, "
               "and the simulator's share of a search.", "",

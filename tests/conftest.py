@@ -1,5 +1,10 @@
 """Shared fixtures: the repository root on ``sys.path`` (so ``tests.fixtures_models``
-imports and works as a CLI ``MODEL``), and a traced gpt-tiny reused by several tests."""
+imports and works as a CLI ``MODEL``), traced tiny zoo models reused by several
+tests, and the one spawn of 2 gloo ranks that runs the registered two-rank cases.
+
+A test that starts ranks through ``wrapopt.launch.spawn`` (in its body or in one of
+its fixtures) must carry ``@pytest.mark.multiprocess``, so that ``make test`` runs it
+with the multi-process part; without the marker it fails and says so."""
 
 from __future__ import annotations
 
@@ -11,6 +16,35 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
+
+
+class _NoProcesses:
+    """Stands in for ``wrapopt.launch.mp`` while a test without the marker runs."""
+
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid = nodeid
+
+    def get_context(self, *args, **kwargs):
+        raise AssertionError(
+            f"{self.nodeid} starts processes through wrapopt.launch.spawn but is not marked "
+            "@pytest.mark.multiprocess; mark it, so that `make test` runs it with the multi-process tests"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of a test without the ``multiprocess`` marker cannot spawn."""
+    if item.get_closest_marker("multiprocess") is not None:
+        yield
+        return
+    from wrapopt import launch
+
+    real = launch.mp
+    launch.mp = _NoProcesses(item.nodeid)
+    try:
+        yield
+    finally:
+        launch.mp = real
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +72,12 @@ def llama_tiny():
     model, inputs = zoo.build("llama-tiny", "meta")
     graph = trace_model(model, inputs, loss_fn=zoo.ZOO["llama-tiny"].loss)
     return model, inputs, graph
+
+
+@pytest.fixture(scope="session")
+def two_rank_cases(tmp_path_factory) -> list[dict]:
+    """Every ``@two_rank_case`` of the collected test modules, run in one spawn of 2 gloo
+    ranks (See tests/ranks.py): each rank's dict of results, by rank."""
+    from tests.ranks import spawn_cases
+
+    return spawn_cases(str(tmp_path_factory.mktemp("ranks")))

@@ -67,17 +67,20 @@ def test_header_says_how_to_run_it_on_2_ranks(name):
     assert doc and f"torchrun --nproc_per_node 2 examples/{name}" in doc
 
 
+@pytest.mark.multiprocess
 def test_train_with_plan(tmp_path):
     plan = _gpt_plan(tmp_path / "plan.json")
     out = _ok(_torchrun("train_with_plan.py", "--plan", plan, "--steps", "3"), 3)
     assert "parameters (local shards)" in out and "median" in out  # the memory report
 
 
+@pytest.mark.multiprocess
 def test_train_with_plan_meta_init(tmp_path):
     plan = _gpt_plan(tmp_path / "plan.json")
     _ok(_torchrun("train_with_plan.py", "--plan", plan, "--steps", "2", "--meta-init"), 2)
 
 
+@pytest.mark.multiprocess
 def test_train_with_a_plan_for_another_world_size_stops_every_rank(tmp_path):
     plan = _gpt_plan(tmp_path / "plan4.json", world=4)
     t0 = time.monotonic()
@@ -87,6 +90,7 @@ def test_train_with_a_plan_for_another_world_size_stops_every_rank(tmp_path):
     assert time.monotonic() - t0 < 60  # failed at once, nobody waited for a collective timeout
 
 
+@pytest.mark.multiprocess
 def test_train_hf_with_plan(tmp_path):
     pytest.importorskip("transformers")
     plan = str(tmp_path / "plan_hf.json")
@@ -96,12 +100,14 @@ def test_train_hf_with_plan(tmp_path):
     _ok(_torchrun("train_hf_with_plan.py", "--plan", plan, "--steps", "2"), 2)
 
 
+@pytest.mark.multiprocess
 def test_train_fsdp1(tmp_path):
     plan = _gpt_plan(tmp_path / "plan.json")
     out = _ok(_torchrun("train_fsdp1.py", "--plan", plan, "--steps", "2"), 2)
     assert "FSDP1 units: <root>, layers.0, layers.1, layers.2, layers.3" in out
 
 
+@pytest.mark.multiprocess
 def test_train_optimize_wrap_saves_then_reuses_the_plan(tmp_path):
     plan = str(tmp_path / "plan.json")
     first = _ok(_torchrun("train_optimize_wrap.py", "--fabric", "h100-nvlink-ib400", "--save-plan", plan,

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from wrapopt.errors import DistributedError
 from wrapopt.launch import spawn
 
+pytestmark = pytest.mark.multiprocess
+
 # --- workers: module-level, so the 'spawn' start method can import them ----------------------
 
 

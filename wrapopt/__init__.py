@@ -12,15 +12,16 @@ from __future__ import annotations
 import sys as _sys
 
 from wrapopt import debug, hardware, spec
-from wrapopt.api import OptimizeResult, optimize_wrap
+from wrapopt.api import OptimizeResult, estimate, optimize_wrap
 from wrapopt.cost import simulate
 from wrapopt.errors import WrapoptError
 from wrapopt.hardware import ComputeProfile, FabricProfile, analytical_compute, analytical_fabric
 from wrapopt.models import zoo
-from wrapopt.plan import WrapPlan
+from wrapopt.plan import WrapPlan, train_step
 from wrapopt.plan import apply as _apply
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.trace import trace_model
+from wrapopt.train import TrainConfig
 from wrapopt.version import __version__
 
 # Import paths of the layout before 0.2 (wrapopt.inspect, wrapopt.types, ...), kept for one
@@ -33,6 +34,9 @@ __all__ = [
     "__version__",
     "optimize_wrap",
     "OptimizeResult",
+    "estimate",
+    "TrainConfig",
+    "train_step",
     "trace_model",
     "simulate",
     "WrapPlan",

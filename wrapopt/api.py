@@ -7,32 +7,44 @@ travels to every rank as JSON text, and every rank applies it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
-from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
+from wrapopt.fileio import check_writable, fmt_bytes, read_json
+from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
-from wrapopt.hardware.presets import ANALYTICAL_FABRICS, DEFAULT_ANALYTICAL, analytical_compute, analytical_fabric
+from wrapopt.hardware.presets import (
+    ANALYTICAL_FABRICS,
+    ANALYTICAL_FORMAT,
+    DEFAULT_ANALYTICAL,
+    analytical_fabric,
+    analytical_from_json,
+    fabric_compute,
+)
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.file import WrapPlan
+from wrapopt.report.estimate import EstimateReport, model_flops
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
-from wrapopt.spec import MeshSpec, ModelGraph, SimOptions
+from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions, UnitSpec
 from wrapopt.trace.meta import trace_model
+from wrapopt.train import TrainConfig, model_dtype
+from wrapopt.units import validate_plan
 
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
-           "MEMORY_HEADROOM"]
+           "MEMORY_HEADROOM", "budget_source", "assumptions_for", "estimate", "compute_for", "budget_line"]
 
-MEMORY_HEADROOM = 0.90  # `--memory auto`: plan for 90% of the device, leave the rest to the allocator
 
 
 @dataclass
@@ -46,14 +58,17 @@ class OptimizeResult:
     graph: ModelGraph = field(repr=False)
     fabric: FabricProfile = field(repr=False)
     compute: ComputeProfile = field(repr=False)
+    # What the prediction rests on (loss, optimizer, precision, batch, budget, fabric).
+    assumptions: Assumptions | None = field(default=None, repr=False)
 
     def report(self) -> str:
-        """A text table: the chosen plan and every baseline, predicted time and memory."""
-        return format_report(self.search, self.fabric, self.compute, self.plan.mesh)
+        """A text table: the chosen plan and every baseline, predicted time and memory,
+        then the assumptions the prediction rests on."""
+        return format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
 
 
 def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec,
-                  measured: dict[str, Any] | None = None) -> str:
+                  measured: dict[str, Any] | None = None, *, assumptions: Assumptions | None = None) -> str:
     budget = "none" if result.memory_budget == float("inf") else fmt_bytes(result.memory_budget)
     lines = [
         f"fabric: {fabric.label}" + ("  <- ANALYTICAL: stated numbers, not measured" if fabric.kind == "analytical" else ""),
@@ -76,6 +91,8 @@ def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeP
     lines.append("* = wrapopt's choice")
     if result.notes:
         lines.append("notes: " + "; ".join(result.notes[:3]))
+    if assumptions is not None:
+        lines += assumptions.lines()
     return "\n".join(lines)
 
 
@@ -91,9 +108,27 @@ def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_si
     if not os.path.exists(text):
         raise ProfileError(
             f"--fabric {text!r} is neither a profile file nor a named analytical fabric "
-            f"({', '.join(ANALYTICAL_FABRICS)}); measure one with `wrapopt profile-fabric --out fabric.json`"
+            f"({', '.join(ANALYTICAL_FABRICS)}); measure one with `wrapopt profile-fabric --out fabric.json`, "
+            "or state one (`wrapopt fabric --template`)"
         )
-    return FabricProfile.load(text)
+    data = read_json(text, error=ProfileError)
+    if isinstance(data, dict) and data.get("format") == ANALYTICAL_FORMAT:  # stated numbers: See [Note: stated fabric file]
+        return analytical_from_json(data, source=text, world_size=world_size, ranks_per_node=ranks_per_node)
+    return FabricProfile.from_json(data, source=text)
+
+
+def compute_for(fabric: FabricProfile | None, compute: ComputeProfile | str | None, train: TrainConfig,
+                model_dtype: str = "float32") -> ComputeProfile:
+    """The compute profile: the one given (or its file), else the analytical fabric's
+    device computing in the step's dtype (``param_dtype``, else ``model_dtype``, the
+    dtype the model is stored in), else this device measured."""
+    if isinstance(compute, ComputeProfile):
+        return compute
+    if isinstance(compute, str):
+        return ComputeProfile.load(compute)
+    if fabric is None or fabric.kind == "analytical":
+        return fabric_compute(fabric or analytical_fabric(world_size=1), dtype=train.compute_dtype(model_dtype))
+    return _local_compute()
 
 
 def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -> list[str]:
@@ -109,10 +144,19 @@ def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -
     return [msg + "; collective times rescaled by the ring model"]
 
 
-def auto_memory_budget(compute: ComputeProfile) -> float | None:
-    """``--memory auto``: ``MEMORY_HEADROOM`` of the device's capacity, or None when unknown."""
-    cap = compute.memory_capacity_bytes
-    return cap * MEMORY_HEADROOM if cap else None
+def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
+                    memory_budget: float | None, source: str) -> Assumptions:
+    """The assumptions of ``sim``'s prediction for ``plan``; when the loss keeps a large share
+    of the peak, the plan re-simulated under the smallest plausible loss beside it
+    (See [Note: smallest plausible loss] in assumptions.py)."""
+    fields_ = dict(memory_budget=memory_budget, memory_budget_source=source, fabric=sim.fabric.name,
+                   fabric_kind=sim.fabric.kind, compute=sim.compute.device, compute_kind=sim.compute.kind)
+    stated = state_assumptions(graph, sim.options, peak_bytes=estimate.peak_bytes, **fields_)
+    if not stated.loss_is_large:
+        return stated
+    lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0)
+    lean_peak = Simulator(lean, sim.fabric, sim.compute, sim.options).simulate(plan).peak_bytes
+    return dataclasses.replace(stated, smallest_loss_peak_bytes=lean_peak)
 
 
 def plan_model(
@@ -126,16 +170,29 @@ def plan_model(
     options: SimOptions | None = None,
     notes: list[str] | None = None,
     search: SearchOptions | None = None,
+    memory_budget_source: str | None = None,
+    train: TrainConfig | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
 
     ``search`` defaults to the CLI's defaults: the exact DP on every shard
     group and an in-memory Optuna study of ``DEFAULT_TRIALS`` trials, seed 0.
+    ``memory_budget_source`` says where the budget came from (``budget_source``);
+    the plan's ``assumptions`` state it. ``train`` (default: fp32, one micro-batch,
+    AdamW) sets the simulator's options unless ``options`` are given, and is
+    recorded in the plan with the sync mode the search chose.
     """
+    train = train or TrainConfig()
+    if options is None:
+        options = train.sim_options(memory_budget=memory_budget)
     sim = Simulator(graph, fabric, compute, options)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
-    result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
+    try:
+        result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
+    except InfeasibleError as e:
+        raise InfeasibleError(f"{e} {_knobs(graph, fabric, compute, mesh, train, memory_budget)}") from None
     best = result.best
+    source = memory_budget_source or ("given" if memory_budget else "none given: every plan fits")
     plan = WrapPlan.from_search(
         best.plan,
         model_for_fingerprint,
@@ -145,8 +202,40 @@ def plan_model(
                 "notes": list(notes or [])},
         baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
                    for k, s in result.baselines.items()},
+        param_users=graph.param_users,
+        assumptions=assumptions_for(graph, sim, best.plan, best.estimate, memory_budget=memory_budget, source=source),
+        train=train.with_sync(best.estimate.accumulation_sync) if train.grad_accumulation > 1 else train,
     )
     return plan, result
+
+
+def _knobs(graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec, train: TrainConfig,
+           budget: float | None) -> str:
+    """What the training step's knobs do to the smallest plan (every block its own unit,
+    resharded and checkpointed): one sentence per knob that lowers its peak."""
+    per_block = baselines(graph, mesh).get("per-block") or baselines(graph, mesh)["every-leaf"]
+    smallest = PlanSpec(tuple(u if u.is_root else UnitSpec(u.modules, True, True) for u in per_block.units), mesh,
+                        label="per-block,ckpt")
+
+    def peak(t: TrainConfig, scale: float = 1.0) -> int:
+        return Simulator(graph, fabric, compute, t.sim_options(batch_scale=scale, memory_budget=budget)).simulate(smallest).peak_bytes
+
+    here = peak(train)
+    tries: list[tuple[str, int]] = []
+    if train.param_dtype in (None, "float32"):
+        tries.append(("--precision bf16", peak(TrainConfig.preset("bf16", grad_accumulation=train.grad_accumulation,
+                                                                   optimizer=train.optimizer,
+                                                                   accumulation_sync=train.accumulation_sync))))
+    if train.grad_accumulation > 1 and train.accumulation_sync != "every":
+        tries.append(("--sync every", peak(train.with_sync("every"))))
+    if train.optimizer in ("adamw", "adam"):
+        tries.append(("--optimizer adafactor", peak(replace(train, optimizer="adafactor"))))
+    tries.append(("half the per-rank batch (--batch, with --accumulation doubled)", peak(train, 0.5)))
+    limit = budget if budget is not None else float("inf")
+    said = [f"{k}: {fmt_bytes(p)}" + (" (fits)" if p <= limit else "") for k, p in tries if p < here]
+    if not said:
+        return ""
+    return (f"Training knobs, on per-block,ckpt ({fmt_bytes(here)} now): " + "; ".join(said) + ".")
 
 
 def optimize_wrap(
@@ -163,6 +252,7 @@ def optimize_wrap(
     plan: WrapPlan | str | os.PathLike | None = None,
     save_plan: str | os.PathLike | None = None,
     rescale_fabric: bool = False,
+    train: TrainConfig | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -176,8 +266,13 @@ def optimize_wrap(
     Args:
         model: the model, with real weights or on the meta device.
         example_inputs: one per-rank batch of positional inputs.
-        memory_budget: bytes, or "80GiB"/"80GB", or "auto" (90% of the device).
+        memory_budget: bytes, or "80GiB"/"80GB", "auto" (the default: 90% of the
+            device's capacity when known) or "none" (no limit).
+        seed: the Optuna study's seed (``DEFAULT_TRIALS`` trials); the same seed gives the same plan.
         plan: a WrapPlan or plan file to apply instead of searching.
+        train: the training step (mixed precision, gradient accumulation,
+            optimizer, sync mode; default: fp32, one micro-batch, AdamW).
+            Recorded in the plan; ``plan.apply`` applies its mixed precision.
         save_plan: where to write the plan (rank 0 writes, atomically).
 
     Example:
@@ -186,7 +281,6 @@ def optimize_wrap(
         >>> res = optimize_wrap(model, x, world_size=64, gpus_per_node=8)  # doctest: +SKIP
         >>> print(res.report())  # doctest: +SKIP
     """
-    del seed  # the search is deterministic; kept for API stability (Optuna strategies take it)
     in_group = dist.is_initialized()
     rank = dist.get_rank() if in_group else 0
     if in_group:
@@ -204,11 +298,12 @@ def optimize_wrap(
     given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given_plan is not None:
         given_plan.check_model(model)
+        validate_plan(graph, given_plan.spec)  # a hand-written plan may part a module from its parameters' user
     if isinstance(compute, str):
         compute = ComputeProfile.load(compute)
     fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)
     if compute is None and fab is not None and fab.kind == "analytical":
-        compute = analytical_compute(fab.name)  # stated numbers for both, as `wrapopt search` does
+        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))  # as `wrapopt search` does
 
     if in_group and given_plan is None:
         if fab is None:
@@ -217,7 +312,7 @@ def optimize_wrap(
             compute = measure_compute()
             compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
     if compute is None:
-        compute = analytical_compute() if fab is None or fab.kind == "analytical" else _local_compute()
+        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))
     assert fab is not None or given_plan is not None
     budget = resolve_budget(memory_budget, compute)
 
@@ -233,7 +328,9 @@ def optimize_wrap(
             try:
                 if save_plan is not None:
                     check_writable(save_plan)
-                wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget, notes=notes)  # type: ignore[arg-type]
+                wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget,  # type: ignore[arg-type]
+                                           notes=notes, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
+                                           memory_budget_source=budget_source(memory_budget, compute), train=train)
                 text = {"plan": wplan.to_json()}
             except (WrapoptError, ValueError, OSError) as e:
                 if not in_group:
@@ -250,12 +347,18 @@ def optimize_wrap(
                 wplan = WrapPlan.from_json(text["plan"])  # type: ignore[index]
     if save_plan is not None and rank == 0:
         wplan.save(save_plan)
-    sharded = wplan.apply(model) if in_group else None
+    sharded = wplan.apply(model, train=train) if in_group else None
     fab = fab or analytical_fabric(world_size=world_size, ranks_per_node=mesh.ranks_per_node)
     if result is None:  # a given or received plan: score it beside the baselines, no search
-        result = _score_given(graph, Simulator(graph, fab, compute), wplan.spec, budget)
+        opts = (train or wplan.train_config).sim_options(memory_budget=budget)
+        sim = Simulator(graph, fab, compute, opts)
+        result = _score_given(graph, sim, wplan.spec, budget)
+        stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
+                                 source=budget_source(memory_budget, compute))
+    else:
+        stated = wplan.assumptions
     return OptimizeResult(plan=wplan, model=sharded, baselines=result.baselines, search=result, graph=graph,
-                          fabric=fab, compute=compute)
+                          fabric=fab, compute=compute, assumptions=stated)
 
 
 def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | None) -> SearchResult:
@@ -271,17 +374,99 @@ def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | N
                         notes=("plan given, not searched",))
 
 
-def resolve_budget(memory_budget: int | float | str | None, compute: ComputeProfile) -> float | None:
-    """A memory budget in bytes from bytes, "80GiB"/"80GB", "auto" (the device's capacity with headroom) or None."""
-    if memory_budget is None:
-        return None
-    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
-        b = auto_memory_budget(compute)
-        if b is None:
-            raise ModelError("--memory auto needs a device capacity; the compute profile has none: give bytes or 80GiB")
-        return b
-    return float(parse_bytes(memory_budget))
-
-
 def _local_compute() -> ComputeProfile:
     return measure_compute()
+
+
+def estimate(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Any,
+    *,
+    plan: str | os.PathLike | WrapPlan = "per-block",
+    world_size: int | None = None,
+    gpus_per_node: int | None = None,
+    fabric: FabricProfile | str | os.PathLike | None = None,
+    compute: ComputeProfile | str | None = None,
+    train: TrainConfig | None = None,
+    checkpoint: str | None = None,
+    memory_budget: int | float | str | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    rescale_fabric: bool = False,
+    name: str = "",
+) -> EstimateReport:
+    """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
+
+    Args:
+        model: the model (meta device is fine) and ``example_inputs``, one micro-batch per rank.
+        plan: a baseline name (``per-block``, ``size-1e8``, ``no-shard``, ``every-leaf``,
+            ``root-only``), a plan file or a ``WrapPlan``.
+        world_size, gpus_per_node: the mesh (default: the plan file's, else 8 ranks on one node).
+        train: the training step (default: the plan file's, else fp32, one micro-batch, AdamW).
+        checkpoint: ``"blocks"`` checkpoints every unit but the root, ``"none"`` none;
+            None keeps the plan's choice.
+        memory_budget: as for ``optimize_wrap`` (default: 90% of the device when known).
+
+    Example:
+        >>> from wrapopt import zoo
+        >>> from wrapopt.train import TrainConfig
+        >>> model, x = zoo.build("gpt-tiny", "meta")
+        >>> r = estimate(model, x, plan="per-block", world_size=8, train=TrainConfig.preset("bf16"))
+        >>> r.step_s > 0 and 0 < r.mfu < 1
+        True
+    """
+    given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) and os.path.exists(os.fspath(plan)) else plan
+    notes: list[str] = []
+    if isinstance(given, WrapPlan):
+        given.check_model(model)
+        pm = given.mesh
+        if world_size is not None and world_size != pm.world_size:
+            raise PlanError(f"the plan is for {pm.world_size} ranks, --world-size says {world_size}; "
+                            "re-run the search for this mesh, or drop --world-size")
+        mesh = pm
+        if train is not None and given.train is not None and given.train_config.differences(train):
+            notes.append("the plan was scored for another training step (" + "; ".join(given.train_config.differences(train))
+                         + "); estimated for the one given")
+        train = train or given.train_config
+    else:
+        gpn = gpus_per_node or min(world_size or 8, 8)
+        world = world_size or gpn
+        mesh = MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
+    train = train or TrainConfig()
+    if checkpoint not in (None, "none", "blocks"):
+        raise ValueError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
+    fab = resolve_fabric(fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
+    notes += check_fabric_fits(fab, mesh, rescale=rescale_fabric)
+    comp = compute_for(fab, compute, train, model_dtype(model))
+    budget = resolve_budget(memory_budget, comp)
+    graph = trace_model(model, example_inputs, loss_fn=loss_fn)
+    if isinstance(given, WrapPlan):
+        spec = given.spec
+    else:
+        base = baselines(graph, mesh)
+        if given not in base:
+            raise ValueError(f"unknown --plan {given!r}; accepted: {', '.join(base)}, or a plan file (plan.json)")
+        spec = base[given]
+    if checkpoint is not None:
+        spec = replace(spec, units=tuple(u if u.is_root else replace(u, checkpoint=checkpoint == "blocks") for u in spec.units))
+    validate_plan(graph, spec)
+    est = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget)).simulate(spec)
+    if train.grad_accumulation > 1:
+        train = train.with_sync(est.accumulation_sync)
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    token_model = (first is not None and first.dim() == 2 and not first.is_floating_point()
+                   and sum(isinstance(x, torch.Tensor) and not x.is_floating_point() for x in inputs) == 1)
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    params = {id(p): p.numel() for p in model.parameters()}
+    emb_ids = {id(m.weight) for m in embeds}
+    width = max((m.embedding_dim for m in embeds), default=0)
+    flops = model_flops(graph, non_embedding_params=sum(n for i, n in params.items() if i not in emb_ids),
+                        tokens=first.numel() if token_model else 0, seq_len=first.shape[1] if token_model else 0,
+                        samples=first.shape[0] if first is not None and first.dim() else 1, width=width)
+    peak = comp.meta.get("peak_flops_per_s") or comp.flops_per_s
+    source = (f"stated dense {train.compute_dtype(model_dtype(model))} peak" if comp.meta.get("peak_flops_per_s")
+              else "the measured matmul rate" if comp.kind == "measured" else "the stated achieved rate")
+    return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan", num_units=len(spec.units),
+                          mesh=spec.mesh, train=train, fabric=fab.label, compute=f"{comp.device} ({comp.kind})",
+                          estimate=est, flops=flops, peak_flops_per_s=float(peak), peak_source=source,
+                          memory_budget=budget, notes=tuple(notes), budget_note=budget_line(memory_budget, comp, budget))

@@ -7,6 +7,7 @@ Stages import this module (and ``fabric``, ``errors``), never each other; see
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -20,6 +21,8 @@ __all__ = [
     "UnitSpec",
     "PlanSpec",
     "OptimizerKind",
+    "SYNC_MODES",
+    "factored_state_numel",
     "SimOptions",
     "UnitCost",
     "UnitCosts",
@@ -91,6 +94,19 @@ class ModelGraph:
     # (e.g. log_softmax's output) and the most bytes it creates alive at once.
     loss_saved_bytes: int = 0
     loss_peak_bytes: int = 0
+    # (module, user): the forward of ``user`` reads parameters registered on ``module``
+    # (another module, not tied to it): nn.MultiheadAttention reads its out_proj's weight.
+    # FSDP2 gathers a unit's parameters when one of its modules' forward runs, so such a
+    # module must share its user's unit. See [Note: parameter users] in units.py.
+    param_users: tuple[tuple[str, str], ...] = ()
+    # The loss the trace ran, as the report names it, and its kind (losses.LOSS_KINDS):
+    # the user's loss_fn, the model's own, or a default. See [Note: the assumed loss] in losses.py.
+    loss: str = ""
+    loss_kind: str = ""
+    # The traced per-rank batch: the first input's leading dim, and the sequence length
+    # when an input is 2-D integer tokens (0: unknown / not a token model).
+    batch_size: int = 0
+    seq_len: int = 0
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -243,13 +259,39 @@ class PlanSpec:
 
 
 class OptimizerKind(enum.Enum):
-    ADAMW = "adamw"  # two fp32 states per trainable parameter
-    SGD_MOMENTUM = "sgd"  # one fp32 state
-    NONE = "none"
+    """The optimizer the step ends with. Its state, per trainable parameter element,
+    in the parameter's storage dtype, as the torch optimizers keep it (checked
+    against them by ``tests/test_train.py``); the scalar ``step`` tensor per
+    parameter tensor is not counted."""
+
+    ADAMW = "adamw"  # exp_avg, exp_avg_sq
+    ADAM = "adam"  # the same two
+    SGD_MOMENTUM = "sgd-momentum"  # momentum_buffer
+    SGD = "sgd"  # no state
+    ADAFACTOR = "adafactor"  # factored: a row and a column vector per matrix, a full one per vector
+    NONE = "none"  # no optimizer step at all
 
     @property
     def states_per_param(self) -> int:
-        return {"adamw": 2, "sgd": 1, "none": 0}[self.value]
+        """Elementwise states (Adafactor's factored state is counted from the shapes:
+        ``factored_state_numel``)."""
+        return _STATES[self]
+
+
+_STATES = {OptimizerKind.ADAMW: 2, OptimizerKind.ADAM: 2, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.SGD: 0,
+           OptimizerKind.ADAFACTOR: 0, OptimizerKind.NONE: 0}
+
+
+def factored_state_numel(shape: tuple[int, ...]) -> int:
+    """Elements of Adafactor's state for a parameter of ``shape`` (``torch.optim.Adafactor``:
+    ``row_var`` and ``col_var`` over the last two dims of a matrix, ``variance`` of a vector)."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    lead = math.prod(shape[:-2])
+    return lead * shape[-2] + lead * shape[-1]
+
+
+SYNC_MODES = ("every", "last")  # gradient synchronisation under accumulation: See [Note: accumulation sync]
 
 
 @dataclass(kw_only=True)
@@ -259,14 +301,25 @@ class SimOptions:
     optimizer: OptimizerKind = OptimizerKind.ADAMW
     param_dtype_bytes: int | None = None  # mixed precision: bytes per gathered element
     reduce_dtype_bytes: int | None = None  # bytes per reduce-scattered element
-    grad_accumulation: int = 1  # micro-batches per step; sync on the last only
+    grad_accumulation: int = 1  # micro-batches per step
     batch_scale: float = 1.0  # per-rank batch relative to the traced batch
+    # With grad_accumulation > 1: reduce-scatter after every micro-batch ("every"), or
+    # after the last only, holding unsharded gradients in between ("last"); None: the
+    # faster that fits memory_budget_bytes, per plan. See [Note: accumulation sync].
+    accumulation_sync: str | None = "last"
+    memory_budget_bytes: float | None = None  # only for accumulation_sync=None; None: no limit
+    # Bytes per element of the activations (the forward runs in param_dtype under FSDP2's
+    # mixed precision) and of the model's output (output_dtype); None: as traced.
+    activation_dtype_bytes: int | None = None
+    output_dtype_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.grad_accumulation < 1:
             raise ValueError(f"grad_accumulation must be >= 1, got {self.grad_accumulation}")
         if self.batch_scale <= 0:
             raise ValueError(f"batch_scale must be positive, got {self.batch_scale}")
+        if self.accumulation_sync is not None and self.accumulation_sync not in SYNC_MODES:
+            raise ValueError(f"accumulation_sync must be one of {', '.join(SYNC_MODES)} or None, got {self.accumulation_sync!r}")
 
 
 class UnitCost(NamedTuple):  # a NamedTuple: cheap to make one per unit
@@ -344,6 +397,9 @@ class CostEstimate:
     timeline: tuple[TimelineEvent, ...] = field(repr=False, default=())
     notes: tuple[str, ...] = ()  # extrapolations and other caveats
     optim_s: float = 0.0  # the optimizer step, at the end of step_s
+    # Under gradient accumulation, the sync mode this estimate is for ("every" or "last";
+    # None without accumulation). Not in ``to_json``: the plan file's ``train`` records it.
+    accumulation_sync: str | None = None
 
     def summary_json(self) -> dict[str, Any]:
         """The headline figures only (for baselines in a plan file)."""

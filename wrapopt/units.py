@@ -8,16 +8,32 @@ parameters of its modules that no nested unit already manages (FSDP2's
 ``_get_managed_states``). So each module belongs to the innermost unit whose
 module list contains it or one of its ancestors; the root unit (the model
 itself) catches everything else.
+
+[Note: parameter users] FSDP2 gathers a unit's parameters when the forward
+of one of its modules starts (and in backward when its gradients arrive),
+not when some other module reads them. A module whose parameters another
+module's forward reads (``ModelGraph.param_users``: ``nn.MultiheadAttention``
+reads its ``out_proj``'s weight and ``out_proj`` itself never runs) therefore
+belongs to its user's unit: owner(module) == owner(user), like tied
+parameters. Made a unit of its own, or put in another unit than its user, the
+user reads a sharded parameter and the first forward fails with
+``aten.addmm.default got mixed torch.Tensor and DTensor``. ``validate_plan``
+and ``apply_plan`` refuse such plans; the search never proposes them
+(``together_groups`` feeds its tie rules); the cost model charges the
+parameters to the user's unit (it is the same unit) and their gradients to
+the user's backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
 from wrapopt.errors import PlanError
 from wrapopt.spec import ROOT, ModelGraph, PlanSpec, UnitSpec
 
-__all__ = ["ancestors", "owner_index", "validate_plan", "unit_param_bytes"]
+__all__ = ["ancestors", "owner_index", "validate_plan", "unit_param_bytes", "user_conflicts", "user_conflict_message",
+           "together_groups"]
 
 
 @lru_cache(maxsize=65536)
@@ -93,6 +109,62 @@ def validate_plan(graph: ModelGraph, plan: PlanSpec) -> None:
                 f"tied parameters {', '.join(group)} would land in different units ({where}); "
                 "put their modules in one unit, e.g. fully_shard([module_a, module_b]), or leave them to a common parent"
             )
+    conflicts = user_conflicts(graph.param_users, units)
+    if conflicts:
+        raise PlanError(user_conflict_message(conflicts[0], units, never_ran=graph.info(conflicts[0][0]).order < 0))
+
+
+def user_conflicts(param_users: Iterable[tuple[str, str]], units: tuple[UnitSpec, ...]) -> list[tuple[str, str, int, int]]:
+    """(module, user, module's unit, user's unit) for every pair of ``param_users``
+    the units put apart; see [Note: parameter users]."""
+    index = owner_index(units)
+    out = []
+    for module, user in param_users:
+        i, j = owner_of(module, index), owner_of(user, index)
+        if i != j:
+            out.append((module, user, i, j))
+    return out
+
+
+def user_conflict_message(conflict: tuple[str, str, int, int], units: tuple[UnitSpec, ...], *,
+                          never_ran: bool | None = None) -> str:
+    """One line naming the module, its user, the units they land in and what to do."""
+    module, user, i, j = conflict
+    who = f"module {user!r}" if user != ROOT else "the root module's own forward"
+    ran = " (its own forward never runs)" if never_ran else ""
+    hints = [f"drop the unit {module!r}"] if units[i].modules == (module,) else []
+    if user != ROOT:
+        hints.append(f"make one unit of both, fully_shard([{module!r}, {user!r}]), or wrap a module that holds both")
+    else:
+        hints.append(f"leave {module!r} and the modules above it out of every unit but the root")
+    return (f"module {module!r} owns parameters that {who} reads{ran}, but the plan puts {module!r} in unit "
+            f"{units[i].name!r} and {user!r} in unit {units[j].name!r}: FSDP2 gathers parameters only for their own "
+            f"unit, so the first forward would mix sharded and unsharded tensors. Put {module!r} in the same unit "
+            f"as {user!r}: {'; or '.join(hints)}.")
+
+
+def together_groups(graph: ModelGraph) -> tuple[tuple[str, ...], ...]:
+    """Groups of modules that must share one unit: the modules of each tied parameter
+    and each module with the modules that read its parameters, merged where they share
+    a module; in order of first appearance."""
+    groups = [tuple(dict.fromkeys(_module_of(p) for p in g)) for g in graph.tied_groups]
+    groups += [pair for pair in graph.param_users]
+    merged: list[list[str]] = []
+    for g in groups:
+        hit = [m for m in merged if any(x in m for x in g)]
+        if not hit:
+            merged.append(list(dict.fromkeys(g)))
+            continue
+        first = hit[0]
+        for other in hit[1:]:
+            first.extend(x for x in other if x not in first)
+            merged = [m for m in merged if m is not other]
+        first.extend(x for x in g if x not in first)
+    return tuple(tuple(m) for m in merged)
+
+
+def _module_of(pname: str) -> str:
+    return pname.rsplit(".", 1)[0] if "." in pname else ROOT
 
 
 def unit_param_bytes(graph: ModelGraph, units: tuple[UnitSpec, ...]) -> list[int]:

@@ -11,16 +11,19 @@ import json
 import sys
 from typing import Any
 
-from wrapopt.api import MEMORY_HEADROOM, check_fabric_fits, format_report, plan_model, resolve_budget, resolve_fabric
+from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, format_report, plan_model,
+                         resolve_budget, resolve_fabric)
 from wrapopt.cli.bench import add_bench_parser
+from wrapopt.cli.estimate import add_estimate_parser
 from wrapopt.cli.export import add_export_parser
+from wrapopt.cli.fabric import add_fabric_parser
+from wrapopt.cli.options import add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args
+from wrapopt.cli.sync_report import format_sync, sync_json
 from wrapopt.cli.profile_fabric import add_cli_arguments, run_cli
 from wrapopt.errors import WrapoptError
 from wrapopt.evaluation.demo import run_demo
 from wrapopt.fileio import check_writable, fmt_bytes, read_json
-from wrapopt.hardware.measure_device import measure_compute
-from wrapopt.hardware.presets import analytical_compute
-from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
 from wrapopt.report.fabric import format_fabric
@@ -30,15 +33,10 @@ from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions
 from wrapopt.search.study.space import shard_sizes
 from wrapopt.spec import MeshSpec
 from wrapopt.trace.meta import trace_model
+from wrapopt.train import model_dtype
 from wrapopt.version import __version__
 
 __all__ = ["main"]
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="zoo:NAME, package.module:callable, or hf:path/to/config.json")
-    p.add_argument("--batch", type=int, default=None, help="per-rank batch for the example inputs")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (token models)")
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -85,6 +83,7 @@ def _search_options(args: argparse.Namespace, mesh):
 def _cmd_search(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    train = train_from_args(args)  # bad training flags fail before anything runs
     mesh = _mesh(args)
     options = _search_options(args, mesh)
     if options.shard_sizes:
@@ -93,35 +92,29 @@ def _cmd_search(args: argparse.Namespace) -> int:
         check_writable(args.out)
     fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
-    if args.compute:
-        compute = ComputeProfile.load(args.compute)
-    elif fabric.kind == "analytical":
-        compute = analytical_compute(fabric.name)
-    else:
-        compute = measure_compute()
-    budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
-    budget_line = None
-    if isinstance(args.memory, str) and args.memory.strip().lower() == "auto":
-        budget_line = (f"memory budget: auto = {MEMORY_HEADROOM:.0%} of the device's {fmt_bytes(compute.memory_capacity_bytes)} "
-                       f"= {fmt_bytes(budget)} per rank ({1 - MEMORY_HEADROOM:.0%} headroom left to the allocator)")
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     model = src.build("meta")
+    compute = compute_for(fabric, args.compute, train, model_dtype(model))
+    budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
+    budget_note = budget_line(args.memory, compute, budget)
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget, notes=notes,
-                              search=options)
+                              search=options, memory_budget_source=budget_source(args.memory, compute), train=train)
     if args.out:
         plan.save(args.out)
     if args.json:
         out = plan.to_json()
         out.pop("model", None)
         out["model"] = {k: v for k, v in plan.model.items() if k not in ("params", "module_classes")}
-        out["search"] = _search_json(result, budget_line)
+        out["search"] = _search_json(result, budget_note)
+        out["search"]["sync"] = sync_json(result, graph, fabric, compute, train, budget)
         print(json.dumps(out, indent=1))
     else:
-        if budget_line:
-            print(budget_line)
-        print(format_report(result, fabric, compute, mesh))
+        print(budget_note)
+        print(f"training: {plan.train_config.describe()}")
+        print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(_format_search(result))
+        print(format_sync(result, graph, fabric, compute, train, budget))
         if args.out:
             print(f"wrote {args.out}")
     return 0
@@ -192,8 +185,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    train = train_from_args(args) if (args.precision is not None or args.accumulation != 1 or args.optimizer != "adamw"
+                                      or args.sync != "auto") else None
     return run_demo(out_dir=args.out, model=args.model, world_size=args.world_size, repeats=args.repeats,
-                    memory_budget=args.memory)
+                    memory_budget=args.memory, train=train)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -211,20 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("trace", help="print the module tree with parameters, FLOPs and activations")
-    _model_args(p)
+    add_model_arguments(p)
     p.add_argument("--depth", type=int, default=2, help="fold the tree below this depth (default 2)")
     p.add_argument("--json", action="store_true", help="print the graph as JSON")
     p.set_defaults(func=_cmd_trace)
 
     p = sub.add_parser("search", help="search the best plan for a model on a mesh")
-    _model_args(p)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: min(world, 8))")
-    p.add_argument("--fabric", default=None,
-                   help="fabric profile JSON, or an analytical fabric name (default: h100-nvlink-ib400, analytical)")
-    p.add_argument("--compute", default=None, help="compute profile JSON (default: matches the fabric)")
-    p.add_argument("--memory", default=None, help="per-rank budget: bytes, 80GiB, 80GB, or auto (90%% of the device)")
-    p.add_argument("--rescale-fabric", action="store_true", help="allow a measured profile from another mesh, rescaled")
+    add_model_arguments(p)
+    add_mesh_arguments(p)
+    add_train_arguments(p)
     p.add_argument("--out", default=None, help="write the plan here (JSON)")
     p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
 
@@ -257,10 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--memory", default=None, help="budget (default: midway between the baselines' peaks)")
-    p.set_defaults(func=_cmd_demo)
+    add_train_arguments(p)
+    p.set_defaults(func=_cmd_demo, batch=None, seq=None)
 
     add_bench_parser(sub)
     add_export_parser(sub)
+    add_estimate_parser(sub)
+    add_fabric_parser(sub)
     return parser
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from wrapopt import launch
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
-from wrapopt.hardware.measure_collectives import DEFAULT_TIMEOUT_S, _barrier, default_sizes, measure_fabric
+from wrapopt.hardware.measure_collectives import DEFAULT_TIMEOUT_S, barrier, default_sizes, measure_fabric
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.report.fabric import format_fabric
 
@@ -113,7 +113,7 @@ def profile_fabric_main(
         profile = measure_fabric(**kwargs)
         if dist.get_rank() == 0:
             profile.save(out_path)
-        _barrier()  # no rank reports success before the file exists
+        barrier()  # no rank reports success before the file exists
         return profile
     finally:
         if owns_group:

@@ -10,7 +10,9 @@ reaches the first module using it in backward order: for a tied parameter
 gradient lives through the whole backward until its unit's reduce-scatter.
 Every other use (the other tied modules, a module called more than once)
 accumulates into it: for that moment the new gradient and the sum are held
-besides the old one.
+besides the old one. Parameters another module's forward reads
+(``ModelGraph.param_users``: ``nn.MultiheadAttention``'s ``out_proj``, which
+never runs itself) are placed the same way, among the modules that use them.
 
 [Note: progressive backward] Within a segment, backward visits its modules
 in reverse: each module's gradients appear and, once its backward is done,
@@ -87,6 +89,22 @@ def gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:
             continue  # frozen, or never used
         last = max(ran, key=lambda o: order[o])  # runs last in forward, first in backward
         grad_at[owners[0]] -= n
+        grad_at[last] = grad_at.get(last, 0) + n
+        for o in ran:
+            if o != last:
+                acc_at[o] = acc_at.get(o, 0) + n
+    # A module's parameters read by other modules' forward (whole modules: a module
+    # with some parameters read elsewhere and some by itself is placed as if all were).
+    users: dict[str, list[str]] = {}
+    for module, user in graph.param_users:
+        users.setdefault(module, [module]).append(user)
+    for module, uses in users.items():
+        n = grad_at.get(module, 0)
+        ran = [o for o in dict.fromkeys(uses) if order.get(o, -1) >= 0]
+        if not n or not ran or ran == [module]:
+            continue
+        last = max(ran, key=lambda o: order[o])
+        grad_at[module] -= n
         grad_at[last] = grad_at.get(last, 0) + n
         for o in ran:
             if o != last:

@@ -28,7 +28,7 @@ forward order (each call's owner is the innermost ancestor that is a unit; a
 segment ends where the owner or the piece changes) and one over the
 parameter modules. It sums in
 the same order as the fragment path, so both give the same layout exactly
-(``tests/test_cost.py``); the fragment path stays for Python, where a loop
+(``tests/cost/test_step.py``); the fragment path stays for Python, where a loop
 over every module call per plan would be slow.
 
 ``calls.py`` holds what the layout reads per module call: [Note: gradient

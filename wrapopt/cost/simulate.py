@@ -70,6 +70,22 @@ times longer over the overlapped part, and a collective issued while compute
 is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
 measured by the profiler.
 
+[Note: accumulation sync] With k micro-batches per step FSDP2 can
+synchronise gradients two ways. ``every``: each micro-batch reduce-scatters
+its gradients and accumulates them into the sharded gradients, so the step is
+k whole forward-backward passes with their collectives, and from the second
+micro-batch on the sharded gradients are all there. ``last``
+(``set_requires_gradient_sync(False)`` on all but the last, FSDP1's
+``no_sync``): earlier micro-batches skip the reduce-scatters, and each unit's
+unsharded gradients (in the reduce dtype) stay allocated across micro-batches
+until the last one reduce-scatters them: the breakdown's
+``accumulated_grads``. That saves k-1 rounds of reduce-scatters and costs the
+whole model's unsharded gradients in memory. The earlier micro-batches are
+timed as the synchronised one's forward and backward. Unset
+(``SimOptions.accumulation_sync = None``), both are scored and the estimate is
+the faster that fits ``memory_budget_bytes`` (else the smaller peak);
+``CostEstimate.accumulation_sync`` says which.
+
 [Note: simulator speed] The search scores thousands of plans, so with numba
 installed three pieces are compiled (``step.py``, [Note: compiled step loop]):
 the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
@@ -80,7 +96,7 @@ choices is cached: per set of units its layout and sums, per mesh its bytes,
 collective times and ``UnitCosts`` (made into ``UnitCost`` items only when
 read), and per collective and group a table of times by message size.
 Caching never changes a result: a fresh simulator and one that has scored
-many other plans agree exactly (``tests/test_cost.py``).
+many other plans agree exactly (``tests/cost/test_simulate.py``).
 ``benchmarks/sim_speed.py`` measures plans per second, compiled and Python.
 """
 
@@ -103,9 +119,10 @@ from wrapopt.cost.layout import (
     Layouts,
     unit_modules,
 )
-from wrapopt.cost.step import Backend, PlanScalars, Segments, StepConstants, UnitLayout, UnitPlan
+from wrapopt.cost.step import Backend, PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec, SimOptions, TimelineEvent, UnitCosts
+from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param
+from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
 from wrapopt.units import validate_plan
 
 __all__ = ["simulate", "Simulator"]
@@ -131,6 +148,17 @@ class _MeshCosts(NamedTuple):
     columns: tuple[np.ndarray, ...]
 
 
+class _Run(NamedTuple):
+    """One scoring of a plan in one accumulation mode: See [Note: accumulation sync]."""
+
+    mode: str | None  # 'every', 'last', or None (no accumulation)
+    static_bytes: float  # the step loop's static memory
+    held_bytes: float  # unsharded gradients held across micro-batches
+    sharded_grads_bytes: float  # sharded gradients in place before backward
+    events: np.ndarray  # the step loop's recorded events
+    result: StepResult
+
+
 class _UnitSet(NamedTuple):
     """Per set of units: what every plan of these units shares. See [Note: simulator speed]."""
 
@@ -153,8 +181,15 @@ class Simulator:
                  *, backend: str | Backend | None = None):
         """``backend``: 'compiled' (numba), 'python', a ``Backend``, or None for the default:
         compiled when numba is installed, unless ``WRAPOPT_JIT=0``. See [Note: compiled step loop]."""
-        self.graph, self.fabric, self.compute = graph, fabric, compute
         self.options = options or SimOptions()
+        # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
+        graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
+        self.graph, self.fabric, self.compute = graph, fabric, compute
+        self._states = optimizer_states_per_param(graph, self.options.optimizer)  # optimizer state per element
+        self._stepping = self.options.optimizer is not OptimizerKind.NONE
+        # See [Note: accumulation sync]: the modes each plan is scored in.
+        micro, sync = self.options.grad_accumulation, self.options.accumulation_sync
+        self._modes = (None,) if micro == 1 else (sync,) if sync else SYNC_MODES
         self.backend = Backend.of(backend)
         self.layout = Layouts(graph, compute, self.options, backend=self.backend)
         self._elem = self.layout.elem  # storage bytes per element
@@ -297,9 +332,10 @@ class Simulator:
         # Static memory: See [Note: memory].
         sharded_params = storage / shard
         # Sharded gradients appear unit by unit as reduce-scatters land (zero_grad(set_to_none=True)).
-        optim = trainable * opt.optimizer.states_per_param / shard
-        accum = sum(G.tolist()) if opt.grad_accumulation > 1 else 0  # unsharded grads kept across micro-batches
-        static = sharded_params + optim + accum
+        optim = trainable * self._states / shard
+        micro = opt.grad_accumulation
+        # See [Note: accumulation sync]: which modes to score.
+        modes = self._modes
 
         # The step loop: See [Note: compiled step loop] and [Note: step loop inputs] in step.py.
         backend = self.backend
@@ -308,17 +344,38 @@ class Simulator:
         unit_cols = UnitPlan(*cached.columns, regather_s=rag, kept_bytes=keep, checkpoint=ck)
         if not compiled:
             unit_cols = UnitPlan._make(c.tolist() for c in unit_cols)
-        scalars = PlanScalars(static_bytes=float(static), shard_size=float(shard), record=record,
-                              prefetch_depth=max(plan.forward_prefetch, 1 if self._runs_ahead else 0))
-        ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
-        try:
-            res = backend.step(seg_cols, lay_cols, unit_cols, scalars, self._constants, ev_rows)
-        except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-            if not compiled:
-                raise
-            backend.fall_back(f"{type(e).__name__}: {e}")
-            return self.simulate(plan, record=record)
+        depth = max(plan.forward_prefetch, 1 if self._runs_ahead else 0)
+        runs = []
+        for mode in modes:
+            if mode == "every":
+                # Later micro-batches start with every sharded gradient in place (the loop
+                # adds none: an infinite shard); no unsharded gradients are held.
+                held, static, loop_shard, sharded_grads = 0, sharded_params + optim + trainable / shard, float("inf"), trainable / shard
+            else:
+                held = sum(G.tolist()) if micro > 1 else 0  # unsharded grads held across micro-batches (no-sync)
+                static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
+            scalars = PlanScalars(static_bytes=float(static), shard_size=loop_shard, prefetch_depth=depth, record=record)
+            ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
+            try:
+                res = backend.step(seg_cols, lay_cols, unit_cols, scalars, self._constants, ev_rows)
+            except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
+                if not compiled:
+                    raise
+                backend.fall_back(f"{type(e).__name__}: {e}")
+                return self.simulate(plan, record=record)
+            runs.append(_Run(mode=mode, static_bytes=static, held_bytes=held, sharded_grads_bytes=sharded_grads,
+                             events=ev_rows, result=res))
+        if len(runs) > 1:  # the faster that fits, else the smaller peak
+            limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
+            fit = [r for r in runs if r.result.peak_bytes <= limit]
+            last, every = runs
+            times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
+            runs = [min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)]
+        run = runs[0]
+        mode, static, held, grads_before = run.mode, run.static_bytes, run.held_bytes, run.sharded_grads_bytes
+        ev_rows, res = run.events, run.result
         fwd_end, bwd_end, end, peak, peak_parts = res.fwd_end, res.bwd_end, res.end, res.peak_bytes, res.peak_parts
+        comm_total = res.comm_s
         ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
                             float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]]
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
@@ -327,20 +384,23 @@ class Simulator:
         # per-tensor cost separately for 2-D meshes (HSDP, no-shard): see
         # profile/compute.py::measure_optimizer.
         cp = self.compute
-        optim_s = (storage / shard) * (2 + 2 * opt.optimizer.states_per_param) / (
+        optim_s = (storage / shard) * (2 + 2 * self._states) / (
             cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
-        if opt.optimizer.states_per_param:
+        if self._stepping:
             per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
             optim_s += self._num_tensors * per_tensor
         step = end + optim_s
         if record:
             ev.append(TimelineEvent("compute", "optim", "<all>", end, step, int(static)))
 
-        micro = opt.grad_accumulation
         if micro > 1:
-            # Earlier micro-batches: the same forward and backward without the
-            # reduce-scatters (set_requires_gradient_sync(False)).
-            step += (micro - 1) * bwd_end
+            if mode == "every":  # every micro-batch: forward, backward and its reduce-scatters
+                step += (micro - 1) * end
+                comm_total *= micro
+            else:
+                # Earlier micro-batches: the same forward and backward without the
+                # reduce-scatters (set_requires_gradient_sync(False)).
+                step += (micro - 1) * bwd_end
         compute_s = per_set.compute_s + sum(lay.times[0][ck].tolist())
         ck_oh = self._constants.checkpoint_overhead_s
         if ck_oh and ck.any():
@@ -348,19 +408,21 @@ class Simulator:
         compute_s += self.compute.loss_s * opt.batch_scale
         compute_s *= micro
         exposed = max(0.0, step - compute_s - optim_s)
+        parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, held)
         return CostEstimate(
             step_s=step,
             fwd_s=fwd_end,
             bwd_s=bwd_end - fwd_end,
             compute_s=compute_s,
-            comm_s=res.comm_s,
+            comm_s=comm_total,
             exposed_comm_s=exposed,
             peak_bytes=int(peak),
-            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, (sharded_params, peak_parts[0], optim, accum) + peak_parts[1:])),
+            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, parts + peak_parts[1:])),
             units=cached.units,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
             optim_s=optim_s,
+            accumulation_sync=mode,
         )
 
 

@@ -10,7 +10,7 @@ floats so that numba (the optional ``wrapopt[fast]`` extra) can compile it
 unchanged; without numba, or with ``WRAPOPT_JIT=0``, or for a
 ``Simulator(..., backend="python")``, the same source runs as Python on
 tuples. Both give the same floats: the arithmetic is the same operations in
-the same order (``tests/test_cost.py`` checks the two agree exactly). The
+the same order (``tests/cost/test_step.py`` checks the two agree exactly). The
 semantics are the notes at the top of ``simulate.py``; this file holds no
 modelling decision of its own. numba is imported when the first plan is
 scored, not with wrapopt; compiling costs 7-10 s once per machine (cached on

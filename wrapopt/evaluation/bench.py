@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from wrapopt.evaluation.memtrack import steady_step_peak
+from wrapopt.evaluation.memtrack import steady_phases_peak, steady_step_peak
 from wrapopt.plan.apply import apply_plan
 from wrapopt.spec import PlanSpec
+from wrapopt.train import TrainConfig
 
 __all__ = ["Measured", "measure_plans", "round_order"]
 
@@ -90,17 +91,46 @@ def _phases(marks: list[Any]) -> list[float]:
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, loss_fn: Callable,
-          mark: Callable[[], None] = lambda: None) -> float:
-    """One training step; ``mark()`` runs after forward (with the loss), after backward
-    and after the optimizer step."""
-    loss = loss_fn(model(*inputs), inputs)
-    mark()
-    loss.backward()  # FSDP2's final callback waits for the last reduce-scatter
-    mark()
+          mark: Callable[[], None] = lambda: None, micro: int = 1, no_sync: bool = False) -> float:
+    """One training step of ``micro`` micro-batches (``inputs`` each; ``no_sync``: only the
+    last synchronises gradients, as ``wrapopt.train_step`` runs it); ``mark()`` runs after
+    each forward (with the loss), after each backward and after the optimizer step."""
+    total = 0.0
+    for i in range(micro):
+        if no_sync:
+            model.set_requires_gradient_sync(i == micro - 1)  # type: ignore[operator]
+        loss = loss_fn(model(*inputs), inputs)
+        mark()
+        (loss / micro if micro > 1 else loss).backward()  # FSDP2's final callback waits for the last reduce-scatter
+        mark()
+        total += float(loss.detach())
     opt.step()
     opt.zero_grad(set_to_none=True)
     mark()
-    return float(loss.detach())
+    return total / micro
+
+
+def _step_phases(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, loss_fn: Callable, micro: int,
+                 no_sync: bool) -> list[Callable[[], None]]:
+    """``_step`` as separate callables: each micro-batch, then the optimizer step."""
+    def one(i: int) -> Callable[[], None]:
+        def run() -> None:
+            if no_sync:
+                model.set_requires_gradient_sync(i == micro - 1)  # type: ignore[operator]
+            (loss_fn(model(*inputs), inputs) / micro).backward()
+        return run
+
+    def optim() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return [one(i) for i in range(micro)] + [optim]
+
+
+def _three(ph: list[float]) -> list[float]:
+    """Forward, backward and optimizer seconds from the times between marks (forward and
+    backward summed over the micro-batches)."""
+    return [sum(ph[0:-1:2]), sum(ph[1:-1:2]), ph[-1]]
 
 
 def measure_plans(
@@ -114,19 +144,26 @@ def measure_plans(
     lr: float = 1e-3,
     measure_memory: bool = True,
     progress: Callable[[str], None] | None = None,
+    train: TrainConfig | None = None,
 ) -> list[Measured]:
     """Run real steps of every plan on the current process group (call on every rank).
 
     ``build()`` must return the same fresh model on every call (fixed seed).
+    ``train`` (default: fp32, one micro-batch, AdamW) gives the mixed precision,
+    the optimizer, and ``grad_accumulation`` micro-batches of ``inputs`` per step,
+    synchronised as its ``accumulation_sync`` says.
     """
 
     on_cuda = torch.cuda.is_available()
+    micro = train.grad_accumulation if train is not None else 1
+    no_sync = micro > 1 and train is not None and train.accumulation_sync == "last"
     models, opts = [], []
     for plan in plans:
         m = build()
-        apply_plan(m, plan)
+        apply_plan(m, plan, mixed_precision=train.mixed_precision() if train is not None else None)
         models.append(m)
-        opts.append(torch.optim.AdamW(m.parameters(), lr=lr))
+        opts.append(train.make_optimizer(m.parameters(), lr=lr) if train is not None
+                    else torch.optim.AdamW(m.parameters(), lr=lr))
     losses: list[list[float]] = [[] for _ in plans]
     times: list[list[float]] = [[] for _ in plans]
     phases: list[list[list[float]]] = [[] for _ in plans]
@@ -138,10 +175,10 @@ def measure_plans(
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             marks = [_mark(on_cuda)]
-            loss = _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)))
+            loss = _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
             if on_cuda:
                 torch.cuda.synchronize()
-            dt, *ph = _max_over_ranks(time.perf_counter() - t0, *_phases(marks))
+            dt, *ph = _max_over_ranks(time.perf_counter() - t0, *_three(_phases(marks)))
             if r >= warmup:
                 times[i].append(dt)
                 phases[i].append(ph)
@@ -155,12 +192,13 @@ def measure_plans(
             if on_cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                _step(m, o, inputs, loss_fn)
+                _step(m, o, inputs, loss_fn, micro=micro, no_sync=no_sync)
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated()
             else:
                 # See [Note: missed frees] in memtrack.py.
-                peak = steady_step_peak(lambda: _step(m, o, inputs, loss_fn), m, o, "cpu")
+                peak = (steady_step_peak(lambda: _step(m, o, inputs, loss_fn), m, o, "cpu") if micro == 1 else
+                        steady_phases_peak(_step_phases(m, o, inputs, loss_fn, micro, no_sync), m, o, "cpu"))
             peaks[i] = int(_max_over_ranks(float(peak))[0])
     out = []
     for i, plan in enumerate(plans):

@@ -15,6 +15,7 @@ from typing import Any
 
 from wrapopt.evaluation.evaluate import evaluate, spearman
 from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
+from wrapopt.train import TrainConfig
 
 __all__ = ["run_demo", "format_rows"]
 
@@ -53,11 +54,12 @@ def format_rows(res: dict[str, Any]) -> str:
 
 
 def run_demo(*, out_dir: str = "results/demo", model: str = "gpt-tiny", world_size: int = 2, repeats: int = 5,
-             memory_budget: str | None = None) -> int:
+             memory_budget: str | None = None, train: TrainConfig | None = None) -> int:
+    """``train``: run every plan in that mixed precision and accumulation (default fp32, one batch)."""
     t0 = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
     res = evaluate(model, world_size=world_size, plan_set="baselines", repeats=repeats,
-                   memory_budget=memory_budget or "midway")
+                   memory_budget=memory_budget or "midway", train=train)
     res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     text = format_rows(res)
     atomic_write_json(os.path.join(out_dir, "plan.json"), res["plan_json"])

@@ -60,6 +60,7 @@ from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import search_plan
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.trace.meta import trace_model
+from wrapopt.train import TORCH_DTYPES, TrainConfig
 
 __all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "fmt_steal", "noise_floor", "paired_ratio", "place_effect", "spearman"]
 
@@ -160,17 +161,21 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     quiet = cfg["quiet"]
     entry = zoo.get_entry(cfg["model"])
     inputs = entry.inputs()
+    train = TrainConfig.from_json(cfg["train"]) if cfg.get("train") else None
     t0 = time.perf_counter()
     _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {dist.get_backend()} ranks ...")
     fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=False,
                             ranks_per_node=cfg["ranks_per_node"])
     _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, per-module times) ...")
-    compute = measure_compute(model=entry.build("cpu", seed=0), example_inputs=inputs, loss_fn=entry.loss, repeats=5)
+    # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.
+    dt = TORCH_DTYPES[train.compute_dtype()] if train is not None else torch.float32  # the trainable zoo is float32
+    in_dt = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
+    compute = measure_compute(model=entry.build("cpu", seed=0).to(dt), example_inputs=in_dt, loss_fn=entry.loss, repeats=5)
     compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
     _log(rank, quiet, "[3/5] tracing on the meta device and searching ...")
     graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss)
     mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
-    sim = Simulator(graph, fabric, compute)
+    sim = Simulator(graph, fabric, compute, train.sim_options() if train is not None else None)
     budgets = []
     plans: list[PlanSpec] = []
     index: dict[tuple, int] = {}
@@ -194,7 +199,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     preds = [sim.simulate(p) for p in plans]
     _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats after warm-up ...")
     measured = measure_plans(lambda: entry.build("cpu", seed=0), plans, inputs, entry.loss,
-                             repeats=cfg["repeats"], warmup=SCREEN_WARMUP)
+                             repeats=cfg["repeats"], warmup=SCREEN_WARMUP, train=train)
     confirmed: list[int] = []
     aa: dict[str, Any] | None = None
     screening = list(measured)  # the confirmation round replaces contenders' times in `measured`
@@ -206,7 +211,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         _log(rank, quiet, f"      confirmation round: {len(confirmed)} plans and an A/A copy, {cfg['confirm_repeats']} repeats ...")
         # The last entry is a second, separate copy of the predicted fastest: See [Note: A/A copy].
         again = measure_plans(lambda: entry.build("cpu", seed=0), [plans[i] for i in confirmed] + [plans[fastest_pred]],
-                              inputs, entry.loss, repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False)
+                              inputs, entry.loss, repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False,
+                              train=train)
         aa = {"plan": plans[fastest_pred].label, "times_s": list(again[-1].times_s),
               "of_times_s": list(again[confirmed.index(fastest_pred)].times_s)}
         for i, m in zip(confirmed, again):
@@ -216,6 +222,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         return None
     rows = []
     budget_bytes, budget_why = budgets[0]["bytes"], budgets[0]["why"]
+    k = train.grad_accumulation if train is not None else 1
     for i, (p, e, m) in enumerate(zip(plans, preds, measured)):
         rows.append({
             "plan": p.label, "units": len(p.units), "chosen": i == 0, "chosen_for": chosen_for.get(i, []),
@@ -225,12 +232,13 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             "screen_step_s": screening[i].step_s, "screen_spread": screening[i].spread,
             "screen_times_s": list(screening[i].times_s),
             # Where the time goes, screening round: See [Note: phases].
-            "pred_phase_s": {"fwd": e.fwd_s, "bwd": e.step_s - e.fwd_s - e.optim_s, "optim": e.optim_s},
+            "pred_phase_s": {"fwd": k * e.fwd_s, "bwd": e.step_s - k * e.fwd_s - e.optim_s, "optim": e.optim_s},
             "meas_phase_s": dict(zip(PHASES, screening[i].phase_s)),
         })
     return {
-        "model": f"zoo:{cfg['model']}", "rows": rows, "aa": aa, "screen_warmup": SCREEN_WARMUP,
-        "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim),
+        "model": f"zoo:{cfg['model']}" + (f" [{_case(train)}]" if train is not None else ""), "rows": rows, "aa": aa,
+        "screen_warmup": SCREEN_WARMUP, "train": train.to_json() if train is not None else None,
+        "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim, train),
         "budgets": [{k: v for k, v in b.items() if k != "result"} for b in budgets],
         "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
         "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -254,7 +262,15 @@ def _confirm_set(plans: list[PlanSpec], measured: list[Any], budgets: list[dict[
     return sorted(picks)
 
 
-def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim) -> dict[str, Any]:
+def _case(train: TrainConfig) -> str:
+    """A case's name in the reports: the precision, and the accumulation with its sync mode."""
+    parts = [train.precision] if train.precision != "none" else []
+    if train.grad_accumulation > 1:
+        parts.append(f"accumulation {train.grad_accumulation}, sync {train.accumulation_sync}")
+    return ", ".join(parts) or "fp32"
+
+
+def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim, train: TrainConfig | None = None) -> dict[str, Any]:
     fab = sim.fabric
     plan = WrapPlan.from_search(
         chosen, entry.build("meta"), sim.simulate(chosen, record=True),
@@ -262,25 +278,32 @@ def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim) -> dict[
                 "ranks_per_node": fab.ranks_per_node, "compute": sim.compute.device, "compute_kind": sim.compute.kind},
         baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
                    for k, s in result.baselines.items()},
+        param_users=graph.param_users,
+        train=train,
     )
     return plan.to_json()
 
 
 def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = None, plan_set: str = "baselines",
              repeats: int = 5, memory_budget: str | None = "midway", budgets: list[str] | None = None,
-             confirm: int = 0, confirm_repeats: int = 15, quiet: bool = False, timeout_s: float = 900.0) -> dict[str, Any]:
+             confirm: int = 0, confirm_repeats: int = 15, quiet: bool = False, timeout_s: float = 900.0,
+             train: TrainConfig | None = None) -> dict[str, Any]:
     """Predict and measure ``plan_set`` plans of zoo ``model`` on local gloo ranks; rank 0's rows.
 
     ``confirm=K`` re-measures, in a second interleaved round of ``confirm_repeats``,
     the K fastest fitting plans per budget, wrapopt's choices and the fastest fitting
     baseline; their rows then carry the second round's times (``confirmed``).
+    ``train`` runs every plan with that mixed precision, optimizer and accumulation
+    (a sync mode left unset is ``last``: predictions and steps must agree on one),
+    with the compute profile measured in its compute dtype.
     """
 
     if plan_set not in PLAN_SETS:
         raise ValueError(f"plan_set must be one of {sorted(PLAN_SETS)}, got {plan_set!r}")
     rpn = ranks_per_node or world_size
     cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budgets": budgets or [memory_budget],
-           "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "confirm_repeats": confirm_repeats}
+           "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "confirm_repeats": confirm_repeats,
+           "train": None if train is None else (train if train.sync_chosen else train.with_sync("last")).to_json()}
     env = {"LOCAL_WORLD_SIZE": str(rpn), "KINETO_LOG_LEVEL": "5"}
     t0 = time.perf_counter()
     cpu0 = _cpu_times()

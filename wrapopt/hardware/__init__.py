@@ -5,7 +5,14 @@ the analytical fabrics built from stated numbers, ``measure_collectives`` and
 ``measure_device`` measure them under a live process group.
 """
 
-from wrapopt.hardware.presets import ANALYTICAL_FABRICS, DEFAULT_ANALYTICAL, analytical_compute, analytical_fabric
+from wrapopt.hardware.presets import (
+    ANALYTICAL_FABRICS,
+    DEFAULT_ANALYTICAL,
+    analytical_compute,
+    analytical_fabric,
+    fabric_compute,
+    load_analytical,
+)
 from wrapopt.hardware.profiles import COLLECTIVES, AxisProfile, CollectiveCurve, ComputeProfile, FabricProfile
 
 __all__ = [
@@ -18,4 +25,6 @@ __all__ = [
     "DEFAULT_ANALYTICAL",
     "analytical_fabric",
     "analytical_compute",
+    "fabric_compute",
+    "load_analytical",
 ]

@@ -154,7 +154,7 @@ def _samples_for(fn: Callable[[], Any], sync: Callable[[], None], reduce_dev: to
     return int(min(repeats * _MAX_SAMPLES_PER_REPEAT, max(repeats, budget_s // max(float(t[0]), 1e-9))))
 
 
-def _barrier() -> None:
+def barrier() -> None:
     # NCCL wants the device named, else it guesses (and warns) from the rank.
     if dist.get_backend() == "nccl":
         dist.barrier(device_ids=[torch.cuda.current_device()])
@@ -237,7 +237,7 @@ def measure_fabric(
             for nbytes in sizes:
                 fn, actual = _collective_fn(coll, nbytes, axis.group_size, axis.group, dtype, device)
                 bar.step(f"{axis.name} {coll} {fmt_bytes(actual)}")
-                _barrier()  # world: every axis group starts together
+                barrier()  # world: every axis group starts together
                 for _ in range(warmup):
                     fn()
                 n = _samples_for(fn, sync, reduce_dev, repeats)
@@ -342,7 +342,7 @@ def _measure_overlap(*, device: torch.device, sync: Callable[[], None], reduce_d
     def timed(fn: Callable[[], Any], reps: int = repeats) -> float:
         ts = []
         for _ in range(reps):
-            _barrier()
+            barrier()
             sync()
             t0 = time.perf_counter()
             fn()
@@ -367,7 +367,7 @@ def _measure_overlap(*, device: torch.device, sync: Callable[[], None], reduce_d
     compute_under, comm_under = [], []
     for _ in range(repeats):
         # (a) compute while twice its length of all-gathers is in flight.
-        _barrier()
+        barrier()
         sync()
         works = gather(2 * k, True)
         compute_under.append(_timed_compute(lambda: compute(steps), cuda, sync))
@@ -375,7 +375,7 @@ def _measure_overlap(*, device: torch.device, sync: Callable[[], None], reduce_d
             w.wait()
         sync()
         # (b) all-gathers while twice their length of compute runs.
-        _barrier()
+        barrier()
         sync()
         comm_under.append(_comm_under_compute(lambda: gather(k, True), lambda: compute(1), 2 * steps, cuda, sync))
     out = torch.tensor([_median(compute_under) / t_compute - 1, _median(comm_under) / t_comm - 1],

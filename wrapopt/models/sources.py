@@ -1,52 +1,60 @@
-"""``MODEL`` arguments of the CLI: ``zoo:NAME``, ``package.module:callable``, ``hf:config.json``.
+"""``MODEL`` arguments of the CLI: ``zoo:NAME``, ``hf:config.json``, ``package.module:callable``.
 
 Each resolves to a ``ModelSource``: how to build the model (on any device,
-meta included), example inputs for one per-rank batch, and a loss.
+meta included), example inputs for one per-rank batch, and a loss. Sources
+with a prefix (``zoo:``, ``hf:``) are looked up in ``SOURCES``; a new one is
+one function and one ``register_source`` call. A string with a colon and no
+registered prefix is ``package.module:callable``.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from wrapopt.errors import ModelError
-from wrapopt.fileio import read_json
 from wrapopt.models import zoo
+from wrapopt.models.base import ModelSource
+from wrapopt.models.hf import hf_source
 
-__all__ = ["ModelSource", "resolve_model"]
+__all__ = ["ModelSource", "SourceFn", "SOURCES", "register_source", "resolve_model"]
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    name: str
-    build: Callable[[str], nn.Module]  # device -> model (seeded, deterministic)
-    inputs: tuple[Any, ...]
-    loss: Callable[[Any, tuple], torch.Tensor] | None
-    trainable_here: bool  # small enough to run real steps on this machine
+# (the text after the prefix, per-rank batch or None, sequence length or None) -> ModelSource
+SourceFn = Callable[[str, "int | None", "int | None"], ModelSource]
+SOURCES: dict[str, SourceFn] = {}
+
+
+def register_source(prefix: str, fn: SourceFn) -> None:
+    """Make ``PREFIX:...`` a ``MODEL`` string; ``fn`` gets the text after the colon."""
+    if not prefix.isidentifier():
+        raise ValueError(f"a model source prefix is a word such as 'zoo', got {prefix!r}")
+    SOURCES[prefix] = fn
 
 
 def resolve_model(spec: str, *, batch: int | None = None, seq: int | None = None) -> ModelSource:
     """Turn a CLI ``MODEL`` string into a ``ModelSource``; errors say what is accepted."""
-    if spec.startswith("zoo:"):
-        entry = zoo.get_entry(spec[4:])
-        inputs = entry.inputs(batch)
-        if seq is not None:
-            inputs = tuple(x[:, :seq] if x.dim() == 2 else x for x in inputs)
-        return ModelSource(spec, lambda device: entry.build(device if entry.trainable else "meta"), inputs,
-                           entry.loss, entry.trainable)
-    if spec.startswith("hf:"):
-        return _hf(spec[3:], batch or 1, seq or 128)
-    if ":" in spec:
+    prefix, colon, rest = spec.partition(":")
+    if prefix in SOURCES:
+        return SOURCES[prefix](rest, batch, seq)
+    if colon:
         return _callable(spec)
     raise ModelError(
-        f"cannot read MODEL {spec!r}: use zoo:NAME (see `wrapopt trace --list`), package.module:callable, "
-        "or hf:path/to/config.json"
+        f"cannot read MODEL {spec!r}: use " + ", ".join(f"{p}:..." for p in SOURCES)
+        + " (zoo:NAME, see `wrapopt trace --list`; hf:path/to/config.json), or package.module:callable"
     )
+
+
+def _zoo(name: str, batch: int | None, seq: int | None) -> ModelSource:
+    entry = zoo.get_entry(name)
+    inputs = entry.inputs(batch)
+    if seq is not None:
+        inputs = tuple(x[:, :seq] if x.dim() == 2 else x for x in inputs)
+    return ModelSource(f"zoo:{name}", lambda device: entry.build(device if entry.trainable else "meta"), inputs,
+                       entry.loss, entry.trainable)
 
 
 def _callable(spec: str) -> ModelSource:
@@ -75,41 +83,5 @@ def _callable(spec: str) -> ModelSource:
     return ModelSource(spec, build, inputs, None, True)
 
 
-def _hf(path: str, batch: int, seq: int) -> ModelSource:
-    if not os.path.isfile(path):
-        raise ModelError(f"hf:{path}: no such config file (give the path to a config.json)")
-    try:
-        import transformers
-    except ImportError:
-        raise ModelError("hf: models need transformers: pip install 'wrapopt[hf]'") from None
-    cfg_dict = read_json(path, error=ModelError)
-    if not isinstance(cfg_dict, dict):
-        raise ModelError(f"hf:{path}: a config file is a JSON object, got {type(cfg_dict).__name__}")
-    try:
-        config = transformers.AutoConfig.for_model(**cfg_dict)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ModelError(f"hf:{path}: not a usable Hugging Face config ({e})") from None
-    vocab = getattr(config, "vocab_size", 1000)
-    is_vit = getattr(config, "model_type", "") in ("vit", "deit")
-    is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
-
-    def build(device: str) -> nn.Module:
-        torch.manual_seed(0)
-        with torch.device(device):
-            if is_vit:
-                return transformers.AutoModelForImageClassification.from_config(config)
-            if is_enc_dec:
-                return transformers.AutoModelForSeq2SeqLM.from_config(config)
-            try:
-                return transformers.AutoModelForCausalLM.from_config(config)
-            except ValueError:
-                return transformers.AutoModel.from_config(config)
-
-    g = torch.Generator().manual_seed(0)
-    if is_vit:
-        size = getattr(config, "image_size", 224)
-        inputs: tuple[Any, ...] = (torch.randn(batch, getattr(config, "num_channels", 3), size, size, generator=g),)
-    else:
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        inputs = (ids, None, ids) if is_enc_dec else (ids,)
-    return ModelSource(f"hf:{path}", build, inputs, None, False)
+register_source("zoo", _zoo)
+register_source("hf", hf_source)

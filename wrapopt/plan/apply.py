@@ -15,6 +15,7 @@ meta device, so that it equals the same model initialised unsharded; see
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
 import torch
@@ -24,8 +25,9 @@ import torch.nn as nn
 from wrapopt.errors import PlanError
 from wrapopt.launch import device_type as default_device
 from wrapopt.spec import PlanSpec
+from wrapopt.units import user_conflict_message, user_conflicts
 
-__all__ = ["apply_plan", "build_mesh", "materialize_sharded", "DTYPES"]
+__all__ = ["apply_plan", "build_mesh", "materialize_sharded", "known_param_users", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
 
@@ -50,7 +52,17 @@ def build_mesh(spec: PlanSpec, device_type: str | None = None):
     return init_device_mesh(dev, (mesh.shard_size,), mesh_dim_names=("shard",))
 
 
-def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None) -> dict[str, nn.Module]:
+def known_param_users(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(module, user) pairs that hold whatever the inputs: ``nn.MultiheadAttention``
+    reads its ``out_proj``'s parameters in ``F.multi_head_attention_forward`` and never
+    calls ``out_proj``. A plan applied without a trace is checked against these; the
+    tracer finds every such pair (``ModelGraph.param_users``)."""
+    return tuple((f"{n}.out_proj" if n else "out_proj", n) for n, m in model.named_modules()
+                 if isinstance(m, nn.MultiheadAttention) and isinstance(getattr(m, "out_proj", None), nn.Module))
+
+
+def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
+           param_users: Iterable[Sequence[str]] | None = ()) -> dict[str, nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     modules = dict(model.named_modules())
@@ -69,6 +81,11 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None) -> dict[str, nn.M
     missing = sorted({m for u in spec.units for m in u.modules} - set(modules))
     if missing:
         raise PlanError(f"the plan names modules the model does not have: {', '.join(missing[:6])}")
+    # See [Note: parameter users] in units.py.
+    pairs = dict.fromkeys([*((p[0], p[1]) for p in param_users or ()), *known_param_users(model)])
+    conflicts = user_conflicts([p for p in pairs if p[0] in modules and p[1] in modules], spec.units)
+    if conflicts:
+        raise PlanError(user_conflict_message(conflicts[0], spec.units))
     if mesh is not None:
         want = (spec.mesh.replicate_size, spec.mesh.shard_size) if spec.mesh.is_hsdp else (spec.mesh.shard_size,)
         got = tuple(mesh.shape) if hasattr(mesh, "shape") else (mesh.size(),)
@@ -87,8 +104,14 @@ def apply_plan(
     *,
     mesh: Any = None,
     mixed_precision: dict[str, str | None] | None = None,
+    param_users: Iterable[Sequence[str]] | None = (),
 ) -> nn.Module:
     """Shard ``model`` in place as ``spec`` says; returns the model (now an FSDPModule).
+
+    ``param_users`` are the (module, user) pairs of ``ModelGraph.param_users`` (a plan
+    file carries its model's); a plan that puts a module in another unit than a module
+    reading its parameters is refused before any ``fully_shard``, and so is one that
+    makes a unit of an ``nn.MultiheadAttention``'s ``out_proj`` (``known_param_users``).
 
     Example:
         >>> model = apply_plan(model, plan.spec)  # doctest: +SKIP
@@ -96,11 +119,12 @@ def apply_plan(
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    modules = _check(model, spec, mesh)  # local checks first: no collective has run yet
+    modules = _check(model, spec, mesh, param_users)  # local checks first: no collective has run yet
     if mesh is None:
         mesh = build_mesh(spec)
     mp = mixed_precision or {}
-    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")])
+    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")],
+                                    output_dtype=DTYPES[mp.get("output_dtype")])
     for unit in spec.units:
         if unit.checkpoint and not unit.is_root:
             for name in unit.modules:

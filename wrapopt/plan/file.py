@@ -19,12 +19,14 @@ from typing import Any
 
 import torch.nn as nn
 
+from wrapopt.assumptions import Assumptions
 from wrapopt.errors import PlanError, PlanMismatchError
 from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
 from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.train import TrainConfig
 from wrapopt.version import __version__
 
 __all__ = ["WrapPlan", "PLAN_FORMAT", "plan_schema", "schema_errors"]
@@ -54,6 +56,16 @@ class WrapPlan:
     mixed_precision: dict[str, str | None] = field(default_factory=lambda: {"param_dtype": None, "reduce_dtype": None})
     created: str = ""
     wrapopt_version: str = ""
+    # What the prediction rested on (loss, optimizer, precision, batch, budget, fabric); None in
+    # hand-written plans and in files written before it was recorded.
+    assumptions: Assumptions | None = None
+    # The training step it was scored for; None in files from before it was recorded.
+    # When set, ``mixed_precision`` repeats its dtypes (what FSDP1 exports and old readers use).
+    train: TrainConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.train is not None:
+            self.mixed_precision = self.train.mixed_precision()
 
     @property
     def units(self) -> tuple[UnitSpec, ...]:
@@ -73,22 +85,32 @@ class WrapPlan:
         fabric: dict[str, Any],
         baselines: dict[str, Any],
         mixed_precision: dict[str, str | None] | None = None,
+        param_users: tuple[tuple[str, str], ...] = (),
+        assumptions: Assumptions | None = None,
+        train: TrainConfig | None = None,
     ) -> "WrapPlan":
+        fingerprint = model_fingerprint(model)  # + the trace's pairs, for apply: [Note: parameter users]
+        if param_users:
+            fingerprint["param_users"] = [list(p) for p in param_users]
+        if train is not None:
+            mixed_precision = train.mixed_precision()
         return cls(
             spec=spec,
-            model=model_fingerprint(model),
+            model=fingerprint,
             prediction=estimate.to_json(),
             fabric=fabric,
             baselines=baselines,
             mixed_precision=mixed_precision or {"param_dtype": None, "reduce_dtype": None},
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             wrapopt_version=_version(),
+            assumptions=assumptions,
+            train=train,
         )
 
     # -- file format ----------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": PLAN_FORMAT,
             "wrapopt_version": self.wrapopt_version or _version(),
             "created": self.created,
@@ -101,10 +123,14 @@ class WrapPlan:
             ],
             "forward_prefetch": self.spec.forward_prefetch,
             "mixed_precision": self.mixed_precision,
+            **({"train": self.train.to_json()} if self.train is not None else {}),
             "prediction": self.prediction,
             "fabric": self.fabric,
             "baselines": self.baselines,
         }
+        if self.assumptions is not None:
+            out["assumptions"] = self.assumptions.to_json()
+        return out
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan atomically as JSON."""
@@ -176,6 +202,7 @@ class WrapPlan:
         mp = data.get("mixed_precision") or {"param_dtype": None, "reduce_dtype": None}
         if not isinstance(mp, dict) or any(v not in (None, "float32", "bfloat16", "float16") for v in mp.values()):
             raise fail("mixed_precision", "must map param_dtype/reduce_dtype to null, 'float32', 'bfloat16' or 'float16'")
+        train = TrainConfig.from_json(data["train"], source=source) if data.get("train") is not None else None
         for fld in ("prediction", "fabric", "baselines"):
             v = data.get(fld)
             if v is not None and not isinstance(v, dict):
@@ -196,6 +223,8 @@ class WrapPlan:
             mixed_precision=mp,
             created=str(data.get("created", "")),
             wrapopt_version=str(data.get("wrapopt_version", "")),
+            assumptions=Assumptions.from_json(data["assumptions"]) if data.get("assumptions") else None,
+            train=train,
         )
 
     # -- checking and applying --------------------------------------------------------
@@ -240,7 +269,8 @@ class WrapPlan:
             + ". Re-run the search for this model, or pass strict=False to apply by module names only."
         )
 
-    def apply(self, model: nn.Module, mesh: Any = None, *, strict: bool = True) -> nn.Module:
+    def apply(self, model: nn.Module, mesh: Any = None, *, strict: bool = True, train: TrainConfig | None = None,
+              override_train: bool = False) -> nn.Module:
         """Shard ``model`` in place with FSDP2 following this plan and return it.
 
         ``mesh`` is a ``DeviceMesh`` of the plan's shape; by default one is
@@ -251,13 +281,32 @@ class WrapPlan:
         as it is; give it storage and values afterwards with
         ``wrapopt.apply.materialize_sharded``.
 
+        The mixed precision is the plan's (``train``). Passing ``train`` checks
+        that the plan was scored for that step: a plan made for another one
+        raises ``PlanError`` naming the fields, unless ``override_train=True``,
+        which applies the given configuration's mixed precision instead.
+
         Example:
             >>> model = WrapPlan.load("plan.json").apply(model)  # doctest: +SKIP
         """
 
         if strict:
             self.check_model(model)
-        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=self.mixed_precision)
+        mp = self.train_config.mixed_precision()
+        if train is not None:
+            differ = self.train_config.differences(train)
+            if differ and not override_train:
+                raise PlanError(
+                    "the plan was scored for another training step: " + "; ".join(differ)
+                    + ". Re-run the search with these settings, or pass override_train=True to apply anyway"
+                )
+            mp = train.mixed_precision()
+        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=self.model.get("param_users") or ())
+
+    @property
+    def train_config(self) -> TrainConfig:
+        """The training step the plan was scored for (files without one: from ``mixed_precision``)."""
+        return self.train if self.train is not None else TrainConfig.from_mixed_precision(self.mixed_precision)
 
     def to_fsdp1_policy(self, *, split_groups: bool = False):
         """An ``auto_wrap_policy`` for FSDP1 that wraps exactly this plan's units.

@@ -45,6 +45,10 @@ def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
                      f"{fmt_bytes(a):>11} {m.order:5d} {m.num_calls:5d}")
     if graph.tied_groups:
         lines.append("tied parameters (kept in one unit): " + "; ".join(" = ".join(g) for g in graph.tied_groups))
+    if graph.param_users:  # See [Note: parameter users] in units.py.
+        lines.append("parameters read by another module (kept in its unit): "
+                     + "; ".join(f"{m} read by {u or '<root>'}" for m, u in graph.param_users[:8])
+                     + (f" (+{len(graph.param_users) - 8} more)" if len(graph.param_users) > 8 else ""))
     # Containers (ModuleList, ...) are never called themselves; only modules none of whose parts ran.
     never = graph.never_called
     if never:
@@ -107,6 +111,7 @@ def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
         "estimates": list(graph.estimates),
         "multi_called": list(graph.multi_called),
         "never_called": list(graph.never_called),
+        "param_users": [list(p) for p in graph.param_users],  # [module, the module whose forward reads its parameters]
         "fx_graph": {"kept": graph.fx_graph is not None,
                      "num_nodes": len(graph.fx_graph.graph.nodes) if graph.fx_graph is not None else 0},
         # [src, dst, bytes, num_values]: a value produced by src's ops is read by dst's ops.
@@ -131,6 +136,8 @@ def format_plan(plan) -> str:
         f"mesh: {plan.mesh.world_size} ranks, {plan.mesh.ranks_per_node} per node, shard group {plan.mesh.shard_size}"
         + (" (HSDP)" if plan.mesh.is_hsdp else ""),
         f"scored on fabric {fab.get('name')} ({str(fab.get('kind', '?')).upper()}), compute {fab.get('compute')}",
+        "training: " + (plan.train.describe() if plan.train is not None else "not recorded (a plan file written before "
+                        "it was: no mixed precision, one micro-batch, AdamW)"),
     ]
     if p:
         lines.append(f"predicted: step {p.get('step_s', 0) * 1e3:.2f} ms, exposed comm {p.get('exposed_comm_s', 0) * 1e3:.2f} ms, "
@@ -144,4 +151,6 @@ def format_plan(plan) -> str:
         for name, b in plan.baselines.items():
             lines.append(f"  {name:12} {b.get('num_units', 0):4d} units  step {b.get('step_s', 0) * 1e3:9.2f} ms  "
                          f"peak {fmt_bytes(b.get('peak_bytes', 0)):>11}  {'fits' if b.get('fits') else 'does not fit'}")
+    if plan.assumptions is not None:
+        lines += plan.assumptions.lines()
     return "\n".join(lines)

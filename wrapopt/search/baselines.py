@@ -12,16 +12,28 @@
   FSDP can lose to plain replication when memory allows.
 
 A baseline that would split tied parameters leaves the offending modules to
-their common parent instead (FSDP2 cannot shard one parameter in two units).
+their common parent instead (FSDP2 cannot shard one parameter in two units);
+the same for a module and the module that reads its parameters
+(``nn.MultiheadAttention.out_proj`` in every-leaf; [Note: parameter users]).
+
+Three search strategies come from them (see [Note: search strategies]):
+``Baselines`` (the plans above, the reference points of every search),
+``SmallestMemory`` (the finest of them, every unit resharded and
+checkpointed: the smallest peaks, for the message when nothing fits) and
+``BaselinesOnShardGroups`` (the sharded ones again on each other shard group
+of the search: HSDP, cheap, and sometimes the answer).
 """
 
 from __future__ import annotations
 
-from wrapopt.errors import PlanError
-from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
-from wrapopt.units import validate_plan
+from dataclasses import replace
 
-__all__ = ["baselines", "make_plan", "BASELINE_NAMES"]
+from wrapopt.errors import PlanError
+from wrapopt.search.strategy import History, Proposal, SearchProblem, Strategy
+from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.units import together_groups, validate_plan
+
+__all__ = ["baselines", "make_plan", "BASELINE_NAMES", "Baselines", "SmallestMemory", "BaselinesOnShardGroups"]
 
 BASELINE_NAMES = ("per-block", "size-1e8", "every-leaf", "root-only", "no-shard")
 _NEVER_WRAP = ("ModuleList", "ModuleDict")
@@ -49,7 +61,7 @@ def make_plan(
 
 
 def _drop_tie_splits(graph: ModelGraph, mesh: MeshSpec, modules: list[str], label: str) -> PlanSpec:
-    tied_modules = {p.rsplit(".", 1)[0] if "." in p else ROOT for g in graph.tied_groups for p in g}
+    tied_modules = {m for g in together_groups(graph) for m in g}
     kept = []
     for m in modules:
         prefix = m + "."
@@ -95,3 +107,47 @@ def baselines(graph: ModelGraph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     replicate = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=1)
     out["no-shard"] = make_plan(graph, replicate, [], label="no-shard")
     return out
+
+
+class Baselines(Strategy):
+    """The named baselines on the mesh asked for: scored in every search, shown beside its answer."""
+
+    name = "baselines"
+    reference = True
+    seed_every_plan = True
+
+    def propose(self, problem: SearchProblem, history: History) -> Proposal:
+        return Proposal(plans=tuple(baselines(problem.graph, problem.mesh).values()))
+
+
+class SmallestMemory(Strategy):
+    """The baselines with the smallest units, every unit resharded and checkpointed."""
+
+    name = "smallest-memory"
+
+    def propose(self, problem: SearchProblem, history: History) -> Proposal:
+        base = baselines(problem.graph, problem.mesh)
+        out = []
+        for name in ("per-block", "every-leaf"):
+            p = base.get(name)
+            if p is not None:
+                units = tuple(UnitSpec(u.modules, True, True) if not u.is_root else u for u in p.units)
+                out.append(replace(p, units=units, label=f"{name},ckpt"))
+        return Proposal(plans=tuple(out))
+
+
+class BaselinesOnShardGroups(Strategy):
+    """The baselines that shard over the mesh's group (all but ``no-shard``), again on
+    each other shard group of the search (HSDP)."""
+
+    name = "baselines-on-shard-groups"
+
+    def propose(self, problem: SearchProblem, history: History) -> Proposal:
+        mesh = problem.mesh
+        base = baselines(problem.graph, mesh)
+        out = []
+        for s in problem.shard_sizes:
+            if s != mesh.shard_size:
+                m = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=s)
+                out += [replace(p, mesh=m, label=f"{name},shard={s}") for name, p in base.items() if p.mesh == mesh]
+        return Proposal(plans=tuple(out))

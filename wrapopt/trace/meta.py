@@ -29,6 +29,24 @@ are exported, and ``estimates`` says when it was skipped or failed. The
 module dataflow (who feeds whom, see [Note: dataflow] in ``trace_fx``) comes
 from the fx graph when there is one, else from the ops the tracer's own
 forward ran, which is free and follows the same definition.
+
+[Note: who reads a parameter] The dispatch mode also sees every parameter
+that a forward op takes as input, and which module is innermost on the stack
+then. A read by a module that does not register the parameter (under any of
+its tied names) is recorded in ``ModelGraph.param_users`` as (the module that
+registers it, the reader): ``nn.MultiheadAttention`` reads its ``out_proj``'s
+weight through ``F.multi_head_attention_forward`` and ``out_proj`` never runs;
+a head may read a sibling embedding's weight through ``F.linear``. The module
+pre-hooks are prepended, as FSDP2's are, so ops in the model's own pre-hooks
+count for the module they hook, the same moment FSDP2 has gathered it.
+
+[Note: loss inside forward] A model that computes its own loss (Hugging Face
+with ``labels``) runs it in the root's forward, after its last child (the LM
+head) returned. The tracer follows the root's own ops after each child
+returns (a later child's start discards them); when the trace's loss is the
+model's own, what those trailing ops saved moves from the root's activations
+to ``loss_saved_bytes`` and their live bytes become ``loss_peak_bytes``, so
+the report and the simulator see the model's loss as they see a user's.
 """
 
 from __future__ import annotations
@@ -41,150 +59,18 @@ from typing import Any, Callable
 import networkx as nx
 import torch
 import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from wrapopt.errors import ModelError, TraceError
-from wrapopt.losses import default_loss
+from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
-from wrapopt.trace.fx import OpDataflow, export_fx
+from wrapopt.trace.fx import export_fx
+from wrapopt.trace.ops import FusedAttention, Recorder, dtype_name, nbytes, storage_key, tensors_in
 
 __all__ = ["trace_model"]
 
 # fx=None exports the fx graph only for models this small; see [Note: fx graph and dataflow].
 _FX_AUTO_MAX_MODULES = 200
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
-
-
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def _flash_fwd_flops(q, k, v, *args, out_val=None, **kwargs):
-    return sdpa_flop_count(q.shape, k.shape, v.shape)
-
-
-def _flash_bwd_flops(grad_out, q, k, v, *args, out_val=None, **kwargs):
-    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
-
-
-# FLOP formulas for the fused CPU attention kernel, which PyTorch's registry lacks.
-_EXTRA_FLOPS = {
-    _FLASH_CPU: _flash_fwd_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_bwd_flops,
-}
-
-
-class _FusedAttention(TorchFunctionMode):
-    """Run ``F.scaled_dot_product_attention`` as the fused (flash-style) kernel.
-
-    [Note: attention on meta] On meta tensors the dispatcher falls back to the
-    math path, which saves the seq x seq attention matrix for backward; the
-    fused kernels that real GPUs and CPUs run save only the output and the
-    log-sum-exp. Tracing the math path would overstate activations by orders
-    of magnitude at long sequences, so the tracer routes attention to the
-    fused CPU kernel, whose meta implementation saves what the real ones do.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            return _fused_sdpa(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if attn_mask is not None and attn_mask.requires_grad:
-        # A trained mask (T5's relative position bias) needs the math path's mask gradient.
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    # With enable_gqa, k and v keep their fewer heads: the fused kernels read them grouped
-    # (as the dispatcher passes them) and save them at that size, not repeated.
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
-    return _FLASH_CPU(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-class _Recorder(TorchDispatchMode):
-    """Counts FLOPs per innermost module; knows whether we are in backward."""
-
-    def __init__(self, stack: list[str]):
-        super().__init__()
-        self.stack = stack
-        self.fwd: dict[str, float] = defaultdict(float)
-        self.backward = False
-        self.bwd_total = 0.0
-        self.flow = OpDataflow()
-        self.record_flow = True  # the model's forward only: off for the loss and backward
-        self.in_loss = False
-        self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
-        self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
-        self.loss_peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.in_loss:
-            self._track_loss(out)
-        if self.record_flow:
-            self.flow.record(self.stack[-1], args, kwargs, out)
-        fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
-        if fn is not None:
-            flops = float(fn(*args, **kwargs, out_val=out))
-            if self.backward:
-                self.bwd_total += flops
-            else:
-                self.fwd[self.stack[-1]] += flops
-        return out
-
-    def _track_loss(self, out: Any) -> None:
-        """Live bytes of the tensors the loss created (views share their base's storage)."""
-        for t in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = _storage_key(t)
-                if isinstance(key, StorageWeakRef) and key not in self.loss_live and key not in self.loss_before:
-                    self.loss_live[key] = t.untyped_storage().nbytes()
-        self.loss_live = {k: b for k, b in self.loss_live.items() if not k.expired()}
-        self.loss_peak = max(self.loss_peak, sum(self.loss_live.values()))
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    try:
-        return StorageWeakRef(t.untyped_storage())
-    except (NotImplementedError, RuntimeError):  # tensor subclasses without storage
-        return id(t)
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors_in(o)]
-    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        return _tensors_in(obj.to_tuple())
-    return []
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_nbytes(o) for o in obj.values())
-    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        return _nbytes(obj.to_tuple())
-    return 0
-
 
 def trace_model(
     model: nn.Module,
@@ -200,7 +86,9 @@ def trace_model(
         model: any ``nn.Module``, with real weights or built under ``torch.device("meta")``;
             it is not modified and no weight memory is allocated.
         example_inputs: positional inputs of one per-rank batch (a tuple, or one tensor).
-        loss_fn: ``loss_fn(output, inputs) -> scalar``; default: mean square of the outputs.
+        loss_fn: ``loss_fn(output, inputs) -> scalar``; default: the model's own loss, else
+            cross-entropy for logits-shaped outputs, else the mean square of the outputs
+            (``ModelGraph.loss`` names the one used; see [Note: the assumed loss] in losses.py).
         example_kwargs: keyword inputs, if the model takes any.
         fx: keep the model's fx graph (``torch.export`` on fake tensors) and take the
             dataflow from it: True always, False never, None (default) when the model has
@@ -217,7 +105,10 @@ def trace_model(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_kwargs = example_kwargs or {}
-    loss_fn = loss_fn or default_loss
+    run_kwargs, choice = example_kwargs, user_loss_choice(loss_fn) if loss_fn is not None else None
+    if loss_fn is None:  # See [Note: the assumed loss] in losses.py
+        run_kwargs = labels_for(model, example_inputs, example_kwargs) or example_kwargs
+        loss_fn = DefaultLoss.for_model(model, labelled=run_kwargs is not example_kwargs)
     t0 = time.perf_counter()
 
     # Parameters: every FQN, grouped by identity (tied parameters share one object).
@@ -237,7 +128,7 @@ def trace_model(
 
     estimates: list[str] = []
     try:
-        rec = _run_step(model, example_inputs, example_kwargs, loss_fn, by_id, params, meta=True)
+        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True)
     except _DataDependent as e:
         if any(p.is_meta for p in params.values()):
             raise TraceError(
@@ -245,17 +136,21 @@ def trace_model(
                 "device, so the tracer cannot fall back to a real run. Build the model with real weights "
                 "(small example inputs suffice) or remove the data-dependent op from forward."
             ) from None
-        rec = _run_step(model, example_inputs, example_kwargs, loss_fn, by_id, params, meta=False)
+        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=False)
         estimates.append(
             f"traced with real tensors because module {e.module!r} needs real values ({e.cause}); "
             "figures are exact for the example inputs but the tracer allocated real activations"
         )
 
+    choice = choice or loss_fn.choice  # type: ignore[attr-defined]
+    if choice.kind == "model":  # See [Note: loss inside forward]
+        rec.saved[ROOT] -= rec.tail_saved
+        rec.loss_saved, rec.loss_peak = rec.loss_saved + rec.tail_saved, max(rec.loss_peak, rec.tail_peak)
     graph = _build_graph(model, named_modules, by_id, params, rec)
     infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"] for fqn in dict.fromkeys(f for f, _ in named_modules))
     chains = _block_chains(modules_by_name, infos, graph)
     shapes = tuple(
-        (names[0], tuple(params[i].shape), _dtype_name(params[i].dtype)) for i, names in by_id.items()
+        (names[0], tuple(params[i].shape), dtype_name(params[i].dtype)) for i, names in by_id.items()
     )
     fx_graph, dataflow = None, rec.flow
     if fx is None and len(modules_by_name) > _FX_AUTO_MAX_MODULES:
@@ -277,13 +172,37 @@ def trace_model(
         tied_groups=tied_groups,
         block_chains=chains,
         param_shapes=tuple(sorted(shapes)),
-        input_bytes=_nbytes(example_inputs) + _nbytes(example_kwargs),
+        input_bytes=nbytes(example_inputs) + nbytes(example_kwargs),
         estimates=tuple(estimates[:-1]),
         fx_graph=fx_graph,
         dataflow=dataflow,
         loss_saved_bytes=rec.loss_saved,
         loss_peak_bytes=rec.loss_peak,
+        param_users=_param_users(by_id, rec.param_reads),
+        loss=choice.name,
+        loss_kind=choice.kind,
+        **_batch_and_seq(example_inputs, example_kwargs),
     )
+
+
+def _batch_and_seq(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
+    """The first input's leading dim, and the length of 2-D integer token inputs (0: none)."""
+    tensors = [t for t in tensors_in((inputs, kwargs)) if t.dim() >= 1]
+    seq = next((t.shape[1] for t in tensors if t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool), 0)
+    return {"batch_size": int(tensors[0].shape[0]) if tensors else 0, "seq_len": int(seq)}
+
+
+def _param_users(by_id: dict[int, list[str]], reads: dict[tuple[int, str], None]) -> tuple[tuple[str, str], ...]:
+    """(module registering a parameter, another module whose forward read it), in the
+    order of first read; reads by a module under one of the parameter's tied names are
+    its own. See [Note: who reads a parameter]."""
+    out: dict[tuple[str, str], None] = {}
+    for key, user in reads:
+        names = by_id[key]
+        modules = [n.rsplit(".", 1)[0] if "." in n else ROOT for n in names]
+        if user not in modules:
+            out.setdefault((modules[0], user), None)
+    return tuple(out)
 
 
 class _DataDependent(Exception):
@@ -304,6 +223,9 @@ class _StepRecord:
         self.flow: nx.DiGraph = nx.DiGraph()
         self.loss_saved = 0  # saved for backward by the loss (outside every module)
         self.loss_peak = 0  # most bytes of tensors the loss created alive at once
+        self.tail_saved = 0  # saved by root's own ops after its last child returned
+        self.tail_peak = 0  # most bytes those ops created alive at once
+        self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
 
 
 def _run_step(
@@ -332,17 +254,20 @@ def _run_step(
     else:
         replacement = {}
         param_tensors = list(params.values())
-    param_storages = {_storage_key(t) for t in param_tensors}
+    param_storages = {storage_key(t) for t in param_tensors}
     seen_saved: set[Any] = set()
 
     def pre_hook(name: str) -> Callable:
         def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
             if name not in rec.order:
                 rec.order[name] = len(rec.order)
-                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in _tensors_in((args, kwargs))
+                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs))
                                          if t.is_floating_point())
             rec.calls[name] += 1
             stack.append(name)
+            if recorder.in_tail:  # root's ops before this module were not the trailing ones
+                recorder.end_tail()
+                rec.tail_saved = 0
 
         return hook
 
@@ -350,12 +275,15 @@ def _run_step(
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:
             if stack and stack[-1] == name:
                 stack.pop()
-            rec.out_bytes.setdefault(name, _nbytes(out))
+            rec.out_bytes.setdefault(name, nbytes(out))
+            if stack == [ROOT] and not recorder.backward:  # See [Note: loss inside forward]
+                recorder.start_tail({storage_key(t) for t in tensors_in((out, inputs))})
+                rec.tail_saved = 0
 
         return hook
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in param_storages and key not in seen_saved:
             seen_saved.add(key)
             try:
@@ -366,19 +294,21 @@ def _run_step(
                 rec.loss_saved += nbytes
             else:
                 rec.saved[stack[-1]] += nbytes
+                rec.tail_saved += nbytes if recorder.in_tail else 0
         return t
 
     handles = []
     for name, m in model.named_modules():
         if name == ROOT:
             continue  # the root's calls are the step itself
-        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
+        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True, prepend=True))
         handles.append(m.register_forward_hook(post_hook(name)))
-    recorder = _Recorder(stack)
+    recorder = Recorder(stack)
+    recorder.param_key = {id(t): key for key, t in zip(by_id, param_tensors)}
     rec.order[ROOT] = 0
     rec.calls[ROOT] = 1
     try:
-        fused = _FusedAttention() if meta else contextlib.nullcontext()
+        fused = FusedAttention() if meta else contextlib.nullcontext()
         with fused, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             try:
                 if meta:
@@ -395,10 +325,11 @@ def _run_step(
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
                     "Check that the example inputs match what the model expects."
                 ) from e
-            rec.out_bytes[ROOT] = _nbytes(out)
+            rec.out_bytes[ROOT] = nbytes(out)
+            rec.tail_peak = recorder.end_tail()
             stack[:] = [ROOT]
             recorder.record_flow = False
-            recorder.loss_before = {_storage_key(t) for t in _tensors_in((out, inputs))}
+            recorder.loss_before = {storage_key(t) for t in tensors_in((out, inputs))}
             recorder.in_loss = True
             loss = loss_fn(out, inputs)
             recorder.in_loss = False
@@ -414,6 +345,7 @@ def _run_step(
     rec.bwd_total = recorder.bwd_total
     rec.flow = recorder.flow.graph
     rec.loss_peak = recorder.loss_peak
+    rec.param_reads = recorder.param_reads
     return rec
 
 
@@ -463,7 +395,7 @@ def _build_graph(
         ps = own.get(n, [])
         by_dtype: dict[str, int] = defaultdict(int)
         for p in ps:
-            by_dtype[_dtype_name(p.dtype)] += p.numel() * p.element_size()
+            by_dtype[dtype_name(p.dtype)] += p.numel() * p.element_size()
         tot = [params[i] for i in total_ids[n]]
         parent = None if n == ROOT else (n.rsplit(".", 1)[0] if "." in n else ROOT)
         info = ModuleInfo(

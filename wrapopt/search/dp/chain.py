@@ -26,13 +26,13 @@ them, or each block's output when checkpointed), ``acts_V`` is V's own
 sharded gradients of the blocks whose reduce-scatter has landed (fixed by
 X's end, whatever the grouping), and the rest is local to W, V, X. Terms the
 chain model leaves out (the all-gather buffer of the last group in earlier
-windows, the root's gradients) are caught by re-scoring: ``dp.dp_plans``
+windows, the root's gradients) are caught by re-scoring: ``plans.dp_plans``
 re-runs the DP with a smaller allowance when the simulator's peak exceeds
 the budget. The last chain also checks the loss and the head's backward:
 ``A(all) + loss working set + root activations after the chains + the last
 group's re-gather and all-gather buffer``.
 
-``dp.py`` minimises this model exactly; ``brute_force_chain`` scores every
+``solve.py`` minimises this model exactly; ``brute_force_chain`` scores every
 grouping and choice with the same functions, for the tests.
 """
 
@@ -45,7 +45,8 @@ from typing import Iterable
 from wrapopt.cost.simulate import Simulator
 from wrapopt.spec import ROOT, MeshSpec, UnitSpec
 
-__all__ = ["Choice", "ChainCosts", "ChainAnswer", "unit_choices", "chain_costs", "chain_model", "brute_force_chain"]
+__all__ = ["Choice", "ChainCosts", "ChainAnswer", "unit_choices", "chain_costs", "chain_model", "brute_force_chain",
+           "group_figures", "sharded_grads_after"]
 
 Choice = tuple  # (reshard_after_forward: bool | int, checkpoint: bool)
 
@@ -139,12 +140,12 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
     )
 
 
-# A group's figures, as a plain tuple for speed:
+# A group's figures (``group_figures``), as a plain tuple for speed:
 # (F, B + recompute, A, R, S, P, G, act kept in forward, acts in its backward, kept params, re-gathered bytes)
 _EMPTY = (0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0)
 
 
-def _group(cc: ChainCosts, start: int, size: int, choice: Choice) -> tuple:
+def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tuple:
     if size == 0:
         return _EMPTY
     raf, ckpt = choice
@@ -183,7 +184,7 @@ def _bw(cc: ChainCosts, W: tuple, V: tuple, X: tuple) -> float:
     return max(V[1] + cc.overhead_s, W[3] + X[4])
 
 
-def _sg_after(cc: ChainCosts) -> list[int]:
+def sharded_grads_after(cc: ChainCosts) -> list[int]:
     """Sharded gradient bytes landed once every block from i on has been reduced."""
     out = [round(cc.sg_tail)]
     for x in reversed(cc.SG):
@@ -202,12 +203,12 @@ def chain_model(cc: ChainCosts, groups: Iterable[tuple[int, Choice]], *, a0: flo
     groups = list(groups)
     gs, start = [], 0
     for size, choice in groups:
-        gs.append(_group(cc, start, size, choice))
+        gs.append(group_figures(cc, start, size, choice))
         start += size
     assert start == len(cc.blocks)  # internal invariant
     ext = [_EMPTY] + gs + [_EMPTY]
     ends = [0] + list(itertools.accumulate(size for size, _c in groups))
-    sg = _sg_after(cc)
+    sg = sharded_grads_after(cc)
     t = _fw(cc, _EMPTY, gs[0])
     acc, peak = a0, 0.0
     for k in range(1, len(ext) - 1):

@@ -1,7 +1,8 @@
-"""Exact dynamic programming over contiguous groupings of the block chains,
-with a choice of (reshard after forward, activation checkpointing) per unit,
-under a memory budget. The model it minimises is in ``chain.py`` ([Note:
-chain model]).
+"""The exact solver: dynamic programming over contiguous groupings of the block
+chains, given their costs (``ChainCosts``), with a choice of (reshard after
+forward, activation checkpointing) per unit, under a memory allowance. The
+model it minimises is in ``chain.py`` ([Note: chain model]); ``plans.py``
+turns a model on a mesh into chain costs, and the answers into plans.
 
 [Note: exact DP with a prefix-additive memory term] The local terms make the
 state after placing a unit ``(end, W's effect on later windows, V, c_V)``;
@@ -22,37 +23,31 @@ the later chain's are gone by the earlier chain's backward. Tests compare the
 DP with brute force over every grouping and every per-unit choice.
 
 The event simulator re-scores every answer and has the last word (see
-``search.search_plan``).
+``search.driver.search_plan``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 
-from wrapopt.cost.simulate import Simulator
 from wrapopt.search.dp.chain import (
     ChainAnswer,
     ChainCosts,
     Choice,
-    _group,
-    _sg_after,
     brute_force_chain,
     chain_costs,
     chain_model,
+    group_figures,
+    sharded_grads_after,
     unit_choices,
 )
-from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 
 __all__ = [
-    "ChainDP",
-    "dp_plans",
     "solve_chains",
     "solve_chain",
     "lower_bound",
-    "chain_static_bytes",
     # from chain.py, for convenience
     "Choice",
     "ChainCosts",
@@ -65,7 +60,7 @@ __all__ = [
 
 
 class _Tables:
-    """Every group's figures as arrays indexed [start, size, choice] (see ``_group``)."""
+    """Every group's figures as arrays indexed [start, size, choice] (see ``group_figures``)."""
 
     def __init__(self, cc: ChainCosts, choices: tuple[Choice, ...], max_group: int):
         n, C = len(cc.blocks), len(choices)
@@ -79,7 +74,7 @@ class _Tables:
         for st in range(n):
             for s in range(1, min(G, n - st) + 1):
                 for ci, ch in enumerate(choices):
-                    g = _group(cc, st, s, ch)
+                    g = group_figures(cc, st, s, ch)
                     self.valid[st, s, ci] = True
                     for k, j in (("F", 0), ("B", 1), ("A", 2), ("R", 3), ("S", 4)):
                         f[k][st, s, ci] = g[j]
@@ -87,7 +82,7 @@ class _Tables:
                         m[k][st, s, ci] = g[j]
                     wid[st, s, ci] = pairs.setdefault((g[3], g[10]), len(pairs))
         self.f, self.m, self.wid = f, m, wid
-        self.sg_after = np.array(_sg_after(cc), dtype=np.int64)
+        self.sg_after = np.array(sharded_grads_after(cc), dtype=np.int64)
         self.w_R = np.array([r for r, _ in pairs])
         self.w_reg = np.array([b for _, b in pairs], dtype=np.int64)
         self.n, self.G, self.C = n, G, C
@@ -421,130 +416,3 @@ def solve_chain(cc: ChainCosts, *, choices: tuple[Choice, ...] | None = None, re
     if ans is None:
         return None
     return ans.time_s, ans.sizes(0), ans.choices(0)
-
-
-def _root_activations(sim: Simulator, chains: tuple[tuple[str, ...], ...]) -> tuple[float, float]:
-    """Activations the root unit saves before the first block and after the last one."""
-    blocks = [b for c in chains for b in c]
-    units = tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),)
-    lay = sim.layout(units)
-    root = len(units) - 1
-    segs = lay.segments
-    firsts = [i for i, sg in enumerate(segs) if sg.unit != root]
-    if not firsts:
-        return 0.0, 0.0
-    before = sum(sg.saved for sg in segs[:firsts[0]] if sg.unit == root)
-    after = sum(sg.saved for sg in segs[firsts[-1] + 1:] if sg.unit == root)
-    return float(before), float(after)
-
-
-def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...]) -> float:
-    """Memory outside the chains' terms on ``mesh`` (see [Note: memory] in the
-    simulator): sharded parameters and optimizer state, gradients kept for
-    accumulation, the root unit's parameters (gathered all step) and, on a GPU,
-    the all-gather buffer of at least one block."""
-    g, opt = sim.graph, sim.options
-    shard = mesh.shard_size
-    blocks = [b for c in chains for b in c]
-    units = tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),)
-    est = sim.simulate(PlanSpec(units, mesh))
-    trainable = g.trainable_bytes
-    static = g.param_bytes / shard + trainable * opt.optimizer.states_per_param / shard
-    if opt.grad_accumulation > 1:
-        static += sum(u.param_bytes for u in est.units) * (opt.reduce_dtype_bytes or 1) / (opt.param_dtype_bytes or 1)
-    static += est.units[-1].param_bytes
-    if sim.compute.runs_ahead and blocks:
-        static += est.units[len(blocks) - 1].param_bytes  # See [Note: all-gather buffer]
-    return static
-
-
-class ChainDP:
-    """The DP for one model on one mesh: chain costs, static memory and the
-    cached tables and bounds, so that a lower bound can be asked for before
-    (and cheaply beside) the exact answer."""
-
-    def __init__(self, sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, max_group: int = 8,
-                 forward_prefetch: int = 0, static_bytes: float | None = None):
-        self.sim, self.mesh, self.chains = sim, mesh, chains
-        self.max_group, self.forward_prefetch = max_group, forward_prefetch
-        self.static_bytes = chain_static_bytes(sim, mesh, chains) if static_bytes is None else static_bytes
-        costs = [chain_costs(sim, mesh, c, max_group, forward_prefetch=forward_prefetch) for c in chains]
-        tail = 0.0
-        for k in range(len(costs) - 1, -1, -1):  # later chains' sharded gradients land before this one's backward
-            costs[k] = replace(costs[k], sg_tail=tail)
-            tail += sum(costs[k].SG)
-        before, after = _root_activations(sim, chains)
-        self.static_bytes += before  # the root's activations saved before the first block live through backward
-        g, scale = sim.graph, sim.options.batch_scale  # See [Note: loss] in the simulator
-        loss = max(g.root.output_bytes + g.loss_peak_bytes, 2 * g.root.output_bytes + g.loss_saved_bytes) * scale + after
-        costs[-1] = replace(costs[-1], loss_mem=loss, buffer_last=sim.compute.runs_ahead)
-        self.costs = costs
-        self.choices = unit_choices(mesh)
-        self._cache: dict = {}
-        tag = "" if mesh.shard_size == mesh.world_size else f",shard={mesh.shard_size}"
-        self.tag = tag + (f",prefetch={forward_prefetch}" if forward_prefetch else "")
-
-    def lower_bound(self, memory_budget: float) -> float:
-        """A lower bound on the chain-model time of the per-unit optimum under the budget."""
-        return lower_bound(self.costs, choices=self.choices, max_group=self.max_group,
-                           mem_allowance=memory_budget - self.static_bytes, cache=self._cache)
-
-    def _plan(self, ans: ChainAnswer, label: str) -> PlanSpec:
-        units = [UnitSpec(self.chains[c][st:st + s], ch[0], ch[1]) for c, st, s, ch in ans.groups]
-        return PlanSpec(units=tuple(units) + (UnitSpec((ROOT,), False),), mesh=self.mesh,
-                        forward_prefetch=self.forward_prefetch, label=label)
-
-    def plans(self, memory_budget: float, *, uniform: bool = True, rescore: bool = True,
-              give_up_above: float = math.inf) -> list[tuple[str, PlanSpec, float]]:
-        """See ``dp_plans``. ``give_up_above``: skip the per-unit answer when it
-        cannot be faster than this (chain-model seconds)."""
-        allowance = memory_budget - self.static_bytes
-        runs = [("dp", self.choices)]
-        if uniform:
-            runs += [(f"dp(reshard={_raf_tag(r)},ckpt={'T' if k else 'F'})", ((r, k),)) for r, k in self.choices]
-        check = rescore and math.isfinite(memory_budget)
-        out = []
-        for label, choices in runs:
-            allow = allowance
-            cache = self._cache if label == "dp" else {}
-            cap = give_up_above if label == "dp" else math.inf
-            ans = None
-            for attempt in range(8 if check and label == "dp" else 1):
-                ans = solve_chains(self.costs, choices=choices, max_group=self.max_group, mem_allowance=allow,
-                                   cache=cache, give_up_above=cap)
-                if ans is None:
-                    break
-                plan = self._plan(ans, label + self.tag)
-                if not (check and label == "dp"):
-                    break
-                over = self.sim.simulate(plan).peak_bytes - memory_budget
-                if over <= 0:
-                    break
-                allow -= over * (1 + attempt) + 1e-4 * memory_budget
-                ans = None
-            if ans is not None:
-                out.append((label + self.tag, plan, ans.time_s))
-        return out
-
-
-def dp_plans(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, memory_budget: float,
-             static_bytes: float | None = None, max_group: int = 8, uniform: bool = True,
-             forward_prefetch: int = 0, rescore: bool = True) -> list[tuple[str, PlanSpec, float]]:
-    """DP answers on ``mesh``: (label, plan, chain-model time).
-
-    The first is the per-unit optimum (each unit its own reshard and
-    checkpointing choice); with ``uniform`` one answer per uniform choice
-    follows. ``static_bytes`` defaults to ``chain_static_bytes``. With
-    ``rescore`` (and a budget) the per-unit answer is re-scored by the
-    simulator, and while its predicted peak exceeds the budget the DP runs
-    again with the allowance lowered by the excess (a few times at most): the
-    chain model leaves a few terms out (see [Note: chain model]).
-    """
-    if not chains:
-        return []
-    dp = ChainDP(sim, mesh, chains, max_group=max_group, forward_prefetch=forward_prefetch, static_bytes=static_bytes)
-    return dp.plans(memory_budget, uniform=uniform, rescore=rescore)
-
-
-def _raf_tag(r: bool | int) -> str:
-    return "T" if r is True else "F" if r is False else str(r)

@@ -2,5 +2,6 @@
 
 from wrapopt.search.study.run import run_study
 from wrapopt.search.study.space import SearchSpace
+from wrapopt.search.study.strategy import OptunaStudy
 
-__all__ = ["run_study", "SearchSpace"]
+__all__ = ["run_study", "SearchSpace", "OptunaStudy"]

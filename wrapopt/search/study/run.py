@@ -11,7 +11,9 @@ trials: it counts those already stored and runs only the rest, and a callback
 stops it as soon as the study holds the total, so a restarted search (after
 ``kill -9``) and several workers sharing one study finish the budget together
 without redoing a finished trial. A trial that was running when its worker
-died stays RUNNING and is not counted. Seeds are enqueued with
+died stays RUNNING and is not counted in a file; on a database server it is
+failed and queued again by a live worker once its heartbeat is stale (See
+[Note: shared studies on a server] in search/study/db.py). Seeds are enqueued with
 ``skip_if_exists``, so a restart does not run them twice. A study remembers
 what it was made for (model, mesh, budget, fabric); reopening it for
 anything else is an error rather than a silent mix.
@@ -32,11 +34,12 @@ from typing import Any
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import WrapoptError
+from wrapopt.search.study import db
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec
 from wrapopt.units import validate_plan
 
-__all__ = ["StudyOutcome", "TrialResult", "run_study", "storage_url", "default_study_name", "SAMPLERS"]
+__all__ = ["StudyOutcome", "TrialResult", "run_study", "open_storage", "storage_url", "default_study_name", "SAMPLERS"]
 
 SAMPLERS = ("auto", "tpe", "nsga2")
 # "auto": multi-objective TPE learns much more per trial, but its cost per trial
@@ -82,7 +85,7 @@ def storage_url(storage: str | None) -> str | None:
     return f"journal:///{path}" if path.endswith(".journal") else f"sqlite:///{path}"
 
 
-def _storage(url: str | None):
+def open_storage(url: str | None, *, heartbeat_s: int = db.HEARTBEAT_S, grace_s: int = db.GRACE_S):
     import optuna
 
     if url is None:
@@ -113,7 +116,9 @@ def _storage(url: str | None):
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return storage
-    return url
+    if url.startswith("sqlite:"):  # in memory: one process, nothing to share
+        return url
+    return db.server_storage(url, heartbeat_s=heartbeat_s, grace_s=grace_s)
 
 
 def study_identity(graph: ModelGraph, sim: Simulator, space: SearchSpace, memory_budget: float) -> dict[str, Any]:
@@ -200,20 +205,23 @@ def _sampler(name: str, seed: int, population: int):
             raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
 
 
-def _open_study(url: str | None, name: str, identity: dict[str, Any], sampler):
+def _open_study(url: str | None, name: str, identity: dict[str, Any], sampler, heartbeat: dict[str, int]):
     import optuna
 
     for attempt in range(6):
         try:
-            storage = _storage(url)
+            storage = open_storage(url, **heartbeat)
             study = optuna.create_study(storage=storage, study_name=name, directions=["minimize", "minimize"],
                                         sampler=sampler, load_if_exists=True)
             break
+        except WrapoptError:
+            raise
         except Exception as e:  # an unreachable database, a bad URL: say which
             # Workers starting together race to create the schema or the study;
             # the loser finds it made on its next try.
             if attempt == 5:
-                raise WrapoptError(f"cannot open study {name!r} in storage {url}: {str(e).splitlines()[0]}") from None
+                raise WrapoptError(f"cannot open study {name!r} in storage {db.shown_url(url)}: "
+                                   f"{str(e).splitlines()[0]}") from None
             time.sleep(0.2 * (attempt + 1))
     stored = study.user_attrs.get("wrapopt")
     if stored is None:
@@ -221,7 +229,7 @@ def _open_study(url: str | None, name: str, identity: dict[str, Any], sampler):
     elif stored != identity:
         diff = sorted(k for k in set(stored) | set(identity) if stored.get(k) != identity.get(k))
         raise WrapoptError(
-            f"study {name!r} in {url} was made for a different search (differs in: {', '.join(diff)}); "
+            f"study {name!r} in {db.shown_url(url)} was made for a different search (differs in: {', '.join(diff)}); "
             "pass another --study-name or leave it to the default"
         )
     return study
@@ -242,12 +250,15 @@ def run_study(
     population: int | None = None,
     timeout_s: float | None = None,
     progress: bool = False,
+    heartbeat_s: int = db.HEARTBEAT_S,
+    grace_s: int = db.GRACE_S,
 ) -> StudyOutcome:
     """Run (or resume, or join) a study until it holds ``trials`` finished trials.
 
     See [Note: resumable studies]. ``seeds`` are enqueued first when they can
     be expressed in ``space``. ``sampler`` "auto" is TPE for spaces of at most
-    ``TPE_MAX_PARAMS`` parameters and NSGA-II for larger ones.
+    ``TPE_MAX_PARAMS`` parameters and NSGA-II for larger ones. ``heartbeat_s`` and
+    ``grace_s``: See [Note: shared studies on a server].
     """
     import optuna
     from optuna.trial import TrialState
@@ -264,7 +275,8 @@ def run_study(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # experimental / deprecation notices about Optuna itself
-            study = _open_study(url, name, identity, _sampler(sampler, seed, pop))
+            study = _open_study(url, name, identity, _sampler(sampler, seed, pop),
+                                {"heartbeat_s": heartbeat_s, "grace_s": grace_s})
             done = _count_finished(study)
             num_seeds = 0
             if done < trials:
@@ -273,17 +285,19 @@ def run_study(
                     if params is not None:
                         study.enqueue_trial(params, user_attrs={"seed": plan.label or "seed"}, skip_if_exists=True)
                         num_seeds += 1
+                if url is not None and num_seeds:
+                    db.drop_duplicate_seeds(study)  # See [Note: seeds enqueued twice]
             ran = 0
             worker = f"{socket.gethostname()}:{os.getpid()}"
 
             def objective(trial) -> tuple[float, float]:
                 nonlocal ran
+                trial.set_user_attr("worker", worker)  # first: a killed worker's trial names it
                 plan = space.suggest(trial)
                 validate_plan(graph, plan)  # internal invariant: the space is legal by construction
                 est = sim.simulate(plan)
                 over = est.peak_bytes - budget if math.isfinite(budget) else -1.0
                 trial.set_user_attr("fits", bool(over <= 0))
-                trial.set_user_attr("worker", worker)
                 if hasattr(trial, "set_constraint"):
                     trial.set_constraint("memory", over)
                 else:
@@ -326,5 +340,5 @@ def _outcome(space: SearchSpace, sim: Simulator, finished, name, url, ran, num_s
         return TrialResult(t.number, plan, sim.simulate(plan), True)
 
     pareto = tuple(result(t) for t in front)
-    return StudyOutcome(study_name=name, storage=url, num_trials=len(finished), num_run_here=ran,
+    return StudyOutcome(study_name=name, storage=db.shown_url(url), num_trials=len(finished), num_run_here=ran,
                         best=pareto[0] if pareto else None, pareto=pareto, num_seeds=num_seeds, sampler=sampler)

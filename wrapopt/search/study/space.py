@@ -21,7 +21,9 @@
 
 Only tie-legal modules are offered (a module whose subtree holds part of a
 tied group but not all of it never is; tied blocks are never cut apart), so
-no sampled plan splits tied parameters. Every parameter is suggested in every
+no sampled plan splits tied parameters. A module and the modules that read
+its parameters count as tied ([Note: parameter users] in ``units.py``), so
+``nn.MultiheadAttention.out_proj`` is never a unit of its own. Every parameter is suggested in every
 trial, used or not: Optuna's genetic sampler only recombines parameters that
 every trial has.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.units import together_groups
 
 __all__ = ["SearchSpace", "shard_sizes", "UNIT_CHOICES"]
 
@@ -89,7 +92,7 @@ class SearchSpace:
     def __init__(self, graph: ModelGraph, mesh: MeshSpec, *, shard_choices: tuple[int, ...] | None = None):
         self.graph, self.mesh = graph, mesh
         self.shard_choices = tuple(shard_choices or shard_sizes(mesh))
-        owners = [tuple(dict.fromkeys(_param_module(p) for p in group)) for group in graph.tied_groups]
+        owners = list(together_groups(graph))  # tied modules, and modules with their parameters' users
         self._owners = owners
         blocks = {b: (k, j) for k, chain in enumerate(graph.block_chains) for j, b in enumerate(chain)}
         self._block_at = blocks
@@ -111,7 +114,7 @@ class SearchSpace:
         )
         self.tie_units: tuple[tuple[str, ...], ...] = tuple(
             _outermost(group) for group in owners
-            if len(group) > 1 and ROOT not in group and not any(_inside_any(o, blocks) for o in group)
+            if len(_outermost(group)) > 1 and ROOT not in group and not any(_inside_any(o, blocks) for o in group)
         )
 
     # -- legality -----------------------------------------------------------------------------
@@ -288,10 +291,6 @@ class SearchSpace:
     @property
     def num_params(self) -> int:
         return len(self.complete({}))
-
-
-def _param_module(pname: str) -> str:
-    return pname.rsplit(".", 1)[0] if "." in pname else ROOT
 
 
 def _inside_any(fqn: str, blocks: dict[str, Any]) -> bool:

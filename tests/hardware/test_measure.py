@@ -1,4 +1,5 @@
-"""Fabric and compute profiling: measured on local gloo ranks, checked for shape, not speed.
+"""hardware/measure_collectives.py and measure_device.py: fabric and compute profiles
+measured on local gloo ranks, checked for shape, not speed.
 
 Each spawn of ranks costs a few seconds, so every spawned worker below checks
 several things at once. No assertion here is about wall time (see STYLE.md).
@@ -6,21 +7,15 @@ several things at once. No assertion here is about wall time (see STYLE.md).
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import threading
 
 import pytest
 import torch
 import torch.nn as nn
 
-from wrapopt.cli import profile_fabric
-from wrapopt.cli.profile_fabric import add_cli_arguments, profile_fabric_main, run_cli
-from wrapopt.errors import DistributedError, ModelError, ProfileError
+from wrapopt.errors import ModelError, ProfileError
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute, measure_unit_overhead
-from wrapopt.hardware.presets import analytical_fabric
 from wrapopt.hardware.profiles import COLLECTIVES, ComputeProfile, FabricProfile
 from wrapopt.launch import spawn
 from wrapopt.models import zoo
@@ -44,12 +39,6 @@ def _two_by_two_worker(rank: int, world: int) -> dict:
                           progress=False, measure_overlap=False).to_json()
 
 
-def _dying_worker(rank: int, world: int, kwargs: dict) -> dict | None:
-    if rank == 1:  # dies mid-measurement, as an OOM-killed or crashed rank does
-        threading.Timer(0.3, os._exit, (3,)).start()
-    return profile_fabric._profile_worker(rank, world, kwargs)
-
-
 @pytest.fixture(scope="module")
 def two_rank_results() -> list[dict]:
     return spawn(_two_rank_worker, world_size=2, timeout_s=120)
@@ -58,6 +47,7 @@ def two_rank_results() -> list[dict]:
 # --- measured fabric on 2 ranks ----------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_every_rank_gets_the_same_measured_profile(two_rank_results: list[dict]) -> None:
     first, second = (r["fabric"] for r in two_rank_results)
     assert first == second  # latencies, meta and overlap factors alike
@@ -71,6 +61,7 @@ def test_every_rank_gets_the_same_measured_profile(two_rank_results: list[dict])
     assert math.isfinite(fabric.overlap_compute_slowdown) and math.isfinite(fabric.overlap_comm_slowdown)
 
 
+@pytest.mark.multiprocess
 def test_measured_curves_interpolate_monotonically(two_rank_results: list[dict]) -> None:
     fabric = FabricProfile.from_json(two_rank_results[0]["fabric"])
     for axis in fabric.axes:
@@ -86,6 +77,7 @@ def test_measured_curves_interpolate_monotonically(two_rank_results: list[dict])
             assert 0 < curve.bandwidth_bytes_per_s < 1e13  # a finite, plausible bandwidth even if noisy
 
 
+@pytest.mark.multiprocess
 def test_measured_profile_json_round_trip(two_rank_results: list[dict], tmp_path) -> None:
     fabric = FabricProfile.from_json(two_rank_results[0]["fabric"])
     path = tmp_path / "fabric.json"
@@ -98,15 +90,17 @@ def test_measured_profile_json_round_trip(two_rank_results: list[dict], tmp_path
     assert "axis world" in text and "1.00 MiB" in text and "reduce_scatter" in text
 
 
+@pytest.mark.multiprocess
 def test_unit_overhead_is_measured_under_a_group(two_rank_results: list[dict]) -> None:
     values = [r["unit_overhead_s"] for r in two_rank_results]
     assert values[0] == values[1]  # max over ranks: the ranks agree
     assert 0 <= values[0] < 1.0
 
 
-# --- layouts, the command, failures ------------------------------------------------------------
+# --- layouts, failures ---------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_of_two_measure_intra_inter_and_world_separately() -> None:
     results = spawn(_two_by_two_worker, world_size=4, timeout_s=120, env={"LOCAL_WORLD_SIZE": "2"})
     assert all(r == results[0] for r in results)
@@ -122,70 +116,9 @@ def test_two_nodes_of_two_measure_intra_inter_and_world_separately() -> None:
     assert "axis intra" in text and "axis inter" in text and "axis world" in text and "simulated" in text
 
 
-def test_cli_profiles_with_spawned_ranks_and_prints_a_summary(tmp_path, capsys) -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    out = tmp_path / "sub" / "fabric.json"
-    args = parser.parse_args(["--out", str(out), "--sizes", "4KiB,64KiB", "--repeats", "3", "--no-overlap", "--timeout", "60"])
-    assert run_cli(args) == 0
-    fabric = FabricProfile.load(str(out))
-    assert fabric.kind == "measured" and fabric.world_size == 2
-    assert fabric.axes[0].curve("all_gather").sizes_bytes == (4096, 65536)
-    printed = capsys.readouterr().out
-    assert "MEASURED" in printed and "alpha us" in printed and f"wrote {out}" in printed
-    assert "overlap: not measured" in printed
-
-
-def test_cli_argument_errors() -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    with pytest.raises(SystemExit):  # argparse: bad size, exit code 2 with a message
-        parser.parse_args(["--out", "f.json", "--sizes", "4 parsecs"])
-    args = parser.parse_args(["--out", "f.json", "--max-size", "1KiB"])
-    with pytest.raises(ValueError, match="max-size"):
-        run_cli(args)
-
-
-def test_unwritable_output_fails_before_measuring(monkeypatch) -> None:
-    def no_spawn(*a, **k):
-        raise AssertionError("ranks were spawned although the output cannot be written")
-
-    monkeypatch.setattr(profile_fabric.launch, "spawn", no_spawn)
-    for var in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    with pytest.raises(ProfileError, match="/proc/nope/f.json"):
-        profile_fabric_main("/proc/nope/f.json")
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    with pytest.raises(ProfileError, match="choose another --out"):
-        run_cli(parser.parse_args(["--out", "/proc/nope/f.json"]))
-
-
-def test_a_rank_dying_mid_profile_is_named_and_no_file_is_written(tmp_path) -> None:
-    out = tmp_path / "fabric.json"
-    kwargs = dict(sizes_bytes=None, repeats=3, warmup=1, ranks_per_node=None, measure_overlap=True, progress=False)
-    with pytest.raises(DistributedError, match="rank 1"):
-        profile_fabric._measure_spawned(str(out), worker=_dying_worker, world_size=2, timeout_s=60, kwargs=kwargs)
-    assert not out.exists() and not list(tmp_path.iterdir())
-
-
 def test_measure_fabric_needs_a_process_group() -> None:
     with pytest.raises(ProfileError, match="process group"):
         measure_fabric()
-
-
-# --- analytical fabric -------------------------------------------------------------------------
-
-
-def test_analytical_profile_is_labelled_everywhere(tmp_path) -> None:
-    fabric = analytical_fabric("h100-nvlink-ib400", world_size=16)
-    assert fabric.kind == "analytical" and "analytical" in fabric.label
-    text = format_fabric(fabric)
-    assert text.splitlines()[0] == "fabric h100-nvlink-ib400: ANALYTICAL (stated numbers, not measured)"
-    assert "MEASURED" not in text and "ring model, analytical" in text
-    path = tmp_path / "a.json"
-    fabric.save(str(path))
-    assert FabricProfile.load(str(path)).kind == "analytical"
 
 
 # --- compute -----------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from wrapopt.launch import spawn
 
+pytestmark = pytest.mark.multiprocess
+
 TOL = 1e-5
 
 
@@ -105,22 +107,6 @@ def _errors_worker(rank: int, world: int) -> dict:
     return out
 
 
-def _optimize_worker(rank: int, world: int) -> dict:
-    from torch.distributed.fsdp import FSDPModule
-
-    from wrapopt import optimize_wrap
-    from wrapopt.models import zoo
-
-    e = zoo.get_entry("gpt-tiny")
-    model = e.build("cpu", seed=0)
-    res = optimize_wrap(model, e.inputs(), loss_fn=e.loss, fabric="h100-nvlink-ib400", memory_budget="1GiB")
-    x = e.inputs()
-    loss = e.loss(res.model(*x), x)
-    loss.backward()
-    return {"units": [list(u.modules) for u in res.plan.units], "sharded": isinstance(res.model, FSDPModule),
-            "loss": float(loss), "report": res.report()}
-
-
 @pytest.fixture(scope="module")
 def parity():
     return spawn(_parity_worker, world_size=2, timeout_s=300)[0]
@@ -145,10 +131,3 @@ def test_bad_plans_fail_on_every_rank_before_collectives():
         assert "4 ranks" in r["world"] and "2" in r["world"]
         assert "layers.9" in r["missing"]
         assert "already sharded" in r["twice"]
-
-
-def test_optimize_wrap_under_a_process_group():
-    results = spawn(_optimize_worker, world_size=2, timeout_s=300)
-    assert results[0]["units"] == results[1]["units"]  # rank 0's plan reached every rank
-    assert all(r["sharded"] for r in results)
-    assert "ANALYTICAL" in results[0]["report"]

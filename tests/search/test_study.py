@@ -25,9 +25,9 @@ from wrapopt.cli.main import main
 from wrapopt.cost import Simulator
 from wrapopt.errors import WrapoptError
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
-from wrapopt.models import zoo
+from wrapopt.models.sources import zoo
 from wrapopt.search.driver import SearchOptions, search_plan
-from wrapopt.search.study.run import _storage, run_study, storage_url
+from wrapopt.search.study.run import open_storage, run_study, storage_url
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import MeshSpec
 from wrapopt.trace.meta import trace_model
@@ -130,12 +130,13 @@ def _finished(path: str) -> list:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.load_study(study_name="shared", storage=_storage(storage_url(path)))
+        study = optuna.load_study(study_name="shared", storage=open_storage(storage_url(path)))
     except KeyError:  # not created yet
         return []
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
 
+@pytest.mark.multiprocess
 def test_kill_9_then_restart_loses_no_finished_trial(tmp_path, repo_root):
     path = str(tmp_path / "study.db")
     budget = 120
@@ -159,6 +160,7 @@ def test_kill_9_then_restart_loses_no_finished_trial(tmp_path, repo_root):
     assert study["finished_trials"] == budget and study["run_here"] == budget - len(before)
 
 
+@pytest.mark.multiprocess
 def test_two_workers_finish_the_budget_together(tmp_path, repo_root):
     path = str(tmp_path / "study.db")
     budget = 100

@@ -69,6 +69,7 @@ def measured():
     return spawn(_worker, world_size=2, timeout_s=300)[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("model", MODELS)
 def test_predicted_peak_within_5_percent_of_real_steps(measured, model):
     rows = [r for r in measured if r[0] == model]
@@ -77,6 +78,7 @@ def test_predicted_peak_within_5_percent_of_real_steps(measured, model):
     assert all(abs(err) < 0.05 for err in errors.values()), errors
 
 
+@pytest.mark.multiprocess
 def test_checkpointing_is_predicted_to_save_what_it_saves(measured):
     for model in MODELS:
         rows = {label: (pred, meas) for name, label, pred, meas in measured if name == model}

@@ -1,0 +1,161 @@
+"""GPU check: the simulator against real FSDP2 steps on one GPU, in bf16.
+
+On one device (world size 1, a process group of one rank): measure the compute
+profile in bf16 (matmul rate, per-module times) and in fp32, then predict and
+run plans of a ~0.5B-parameter Llama (bf16 and fp32, with and without
+activation checkpointing, with and without 4 micro-batches of accumulation)
+and compare the predicted step time and peak memory with the measured ones
+(``torch.cuda.max_memory_allocated``, one plan resident at a time). Writes
+results/gpu.md naming the device. Takes 3-5 minutes on an H100-class GPU.
+
+    python benchmarks/gpu_check.py                      # on a GPU, writes results/gpu.md
+    python benchmarks/gpu_check.py --device cpu --out /tmp/gpu.md   # the same code path on CPU, tiny sizes
+
+``--device cpu`` is for hosts without CUDA (the test of this script): a tiny
+model on one gloo rank, peak memory as live tensor bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from wrapopt.cost import Simulator  # noqa: E402
+from wrapopt.evaluation.bench import measure_plans  # noqa: E402
+from wrapopt.fileio import atomic_write_text, fmt_bytes  # noqa: E402
+from wrapopt.hardware.measure_device import measure_compute  # noqa: E402
+from wrapopt.hardware.presets import analytical_fabric  # noqa: E402
+from wrapopt.launch import spawn  # noqa: E402
+from wrapopt.models import zoo  # noqa: E402
+from wrapopt.search.baselines import baselines  # noqa: E402
+from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec  # noqa: E402
+from wrapopt.trace.meta import trace_model  # noqa: E402
+from wrapopt.train import TORCH_DTYPES, TrainConfig  # noqa: E402
+
+SIZES = {  # Llama(vocab, dim, n_layers, n_heads, n_kv_heads, ffn), batch, seq
+    "cuda": (dict(vocab=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, ffn=5632), 2, 2048),
+    "cpu": (dict(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=128), 2, 32),
+}
+
+
+def _cases(graph, mesh: MeshSpec) -> list[tuple[str, PlanSpec, TrainConfig]]:
+    base = baselines(graph, mesh)
+    per_block = base["per-block"]
+    ckpt = PlanSpec(tuple(u if u.is_root else UnitSpec(u.modules, u.reshard_after_forward, True) for u in per_block.units),
+                    mesh, label="per-block,ckpt")
+    bf16 = TrainConfig.preset("bf16")
+    acc = TrainConfig.preset("bf16", grad_accumulation=4, accumulation_sync="last")
+    return [
+        ("per-block", per_block, bf16),
+        ("per-block,ckpt", ckpt, bf16),
+        ("per-block", per_block, acc),
+        ("per-block,ckpt", ckpt, acc),
+        ("root-only", base["root-only"], bf16),
+        ("size-1e8", base["size-1e8"], bf16),
+        ("per-block", per_block, TrainConfig.preset("bf16", grad_accumulation=4, accumulation_sync="every")),
+        ("per-block", per_block, TrainConfig.preset("fp32")),
+    ]
+
+
+def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
+    cfg, batch, seq = SIZES[device]
+    loss_fn = zoo.get_entry("llama-tiny").loss
+
+    def build(dev: str = device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        torch.manual_seed(0)
+        with torch.device(dev):
+            return zoo.Llama(**cfg).to(dtype)
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, cfg["vocab"], (batch, seq), generator=gen).to(device),)
+    t0 = time.perf_counter()
+    profiles = {}
+    for name in ("bfloat16", "float32"):  # the compute profile in each dtype the cases compute in
+        profiles[name] = measure_compute(model=build(dtype=TORCH_DTYPES[name]), example_inputs=inputs, loss_fn=loss_fn,
+                                         repeats=5)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    profile_s = time.perf_counter() - t0
+    graph = trace_model(build("meta"), inputs, loss_fn=loss_fn)
+    mesh = MeshSpec(world_size=1, ranks_per_node=1, shard_size=1)
+    fabric = analytical_fabric(world_size=1)  # no collective at one rank: the fabric does not enter
+    rows = []
+    for label, plan, train in _cases(graph, mesh):
+        est = Simulator(graph, fabric, profiles[train.compute_dtype()], train.sim_options()).simulate(plan)
+        meas = measure_plans(lambda: build(), [plan], inputs, loss_fn, repeats=repeats, warmup=2, train=train)[0]
+        rows.append({"plan": label, "units": len(plan.units), "train": train.describe(), "pred_step_s": est.step_s,
+                     "meas_step_s": meas.step_s, "spread": meas.spread, "pred_peak_bytes": est.peak_bytes,
+                     "meas_peak_bytes": meas.peak_bytes, "breakdown": dict(est.peak_breakdown)})
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    bf = profiles["bfloat16"]
+    top = sorted(bf.module_times, key=lambda t: -(t[1] + t[2]))[:10]
+    return {"rows": rows, "profile_s": profile_s, "num_params": graph.num_params,
+            "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+            "flops": {k: p.flops_per_s for k, p in profiles.items()}, "bandwidth": bf.memory_bandwidth_bytes_per_s,
+            "capacity": bf.memory_capacity_bytes, "top_modules": [list(t) for t in top], "cfg": cfg, "batch": batch,
+            "seq": seq}
+
+
+def render(res: dict, *, device: str, repeats: int, wall_s: float) -> str:
+    cfg = res["cfg"]
+    lines = [
+        f"# GPU check: {res['device_name']}",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; torch {torch.__version__}; "
+        f"device {device} ({res['device_name']}); world size 1. Regenerate: `python benchmarks/gpu_check.py"
+        + (" --device cpu" if device == "cpu" else "") + f"` ({wall_s:.0f} s).",
+        "",
+        f"Model: Llama {cfg}, {res['num_params']:,} parameters; batch {res['batch']} x {res['seq']} tokens per micro-batch; "
+        f"AdamW. Compute profile measured here ({res['profile_s']:.0f} s): matmul "
+        + ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in res["flops"].items())
+        + f"; copy bandwidth {res['bandwidth'] / 1e9:.0f} GB/s; capacity {fmt_bytes(res['capacity'] or 0)}. "
+        f"(The matmul rate is measured in bf16 on a GPU, fp32 on a CPU, whatever the profile's dtype; per-module "
+        f"times are measured in the profile's dtype.)",
+        "",
+        f"Measured step: median of {repeats} after 2 warm-up steps; peak: `torch.cuda.max_memory_allocated` of one step "
+        "(one plan resident at a time)" if device == "cuda" else
+        f"Measured step: median of {repeats} after 2 warm-up steps; peak: live tensor bytes (CPU).",
+        "",
+        "| plan | units | training step | predicted step (ms) | measured step (ms) | spread | measured / predicted "
+        "| predicted peak | measured peak | peak error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        err = (r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"]
+        lines.append(f"| {r['plan']} | {r['units']} | {r['train']} | {r['pred_step_s'] * 1e3:.1f} | "
+                     f"{r['meas_step_s'] * 1e3:.1f} | {r['spread']:.0%} | {r['meas_step_s'] / r['pred_step_s']:.2f} | "
+                     f"{fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['meas_peak_bytes'])} | {err:+.1%} |")
+    lines += ["", "## The ten slowest modules, bf16 (self times, forward and backward, ms)", "",
+              "| module | forward | backward |", "|---|---|---|"]
+    lines += [f"| {fqn or '<root>'} | {f * 1e3:.3f} | {b * 1e3:.3f} |" for fqn, f, b in res["top_modules"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="results/gpu.md")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; pass --device cpu to run the same code path on the CPU")
+    t0 = time.perf_counter()
+    res = spawn(_worker, world_size=1, args=(args.device, args.repeats), timeout_s=900,
+                backend="nccl" if args.device == "cuda" else "gloo")[0]
+    text = render(res, device=args.device, repeats=args.repeats, wall_s=time.perf_counter() - t0)
+    atomic_write_text(args.out, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

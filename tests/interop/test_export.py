@@ -1,0 +1,109 @@
+"""interop/export.py: a plan as an Accelerate config or Lightning strategy, exact
+where the framework can express it, with a list of what it loses where not."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ranks import MESH2
+from wrapopt.errors import PlanError
+from wrapopt.fingerprint import model_fingerprint, module_classes
+from wrapopt.interop.export import class_policy, export_plan
+from wrapopt.plan.file import WrapPlan
+from wrapopt.search.baselines import baselines, make_plan
+from wrapopt.spec import ROOT, PlanSpec, UnitSpec
+
+
+def _plan(graph, model, modules, **kw) -> WrapPlan:
+    mp = kw.pop("mixed_precision", None)
+    spec = make_plan(graph, kw.pop("mesh", MESH2), modules, **kw)
+    return WrapPlan(spec=spec, model=model_fingerprint(model), **({"mixed_precision": mp} if mp else {}))
+
+
+def test_export_per_block_to_accelerate_is_exact(gpt_tiny):
+    model, _, graph = gpt_tiny
+    out = export_plan(_plan(graph, model, list(graph.blocks)), to="accelerate")
+    assert out.exact and "LOSSES" not in out.text
+    fsdp = out.settings["fsdp_config"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "GPTBlock"
+    assert fsdp["fsdp_reshard_after_forward"] is True and fsdp["fsdp_activation_checkpointing"] is False
+    assert out.settings["num_processes"] == 2 and out.settings["distributed_type"] == "FSDP"
+    assert "  fsdp_transformer_layer_cls_to_wrap: GPTBlock\n" in out.text
+    assert "mixed_precision: 'no'\n" in out.text  # quoted: a bare no is a YAML boolean
+
+
+def test_export_checkpointed_keep_units_is_exact(gpt_tiny):
+    model, _, graph = gpt_tiny
+    plan = _plan(graph, model, list(graph.blocks), reshard_after_forward=False, checkpoint=True)
+    acc = export_plan(plan, to="accelerate")
+    assert acc.exact
+    assert acc.settings["fsdp_config"]["fsdp_reshard_after_forward"] is False
+    assert acc.settings["fsdp_config"]["fsdp_activation_checkpointing"] is True
+    lit = export_plan(plan, to="lightning")
+    assert lit.exact
+    assert lit.settings["sharding_strategy"] == "SHARD_GRAD_OP"
+    assert lit.settings["auto_wrap_policy"] == lit.settings["activation_checkpointing_policy"] == ["wrapopt.models.zoo.GPTBlock"]
+    assert "from wrapopt.models.zoo import GPTBlock" in lit.text and "auto_wrap_policy={GPTBlock}" in lit.text
+    compile(lit.text, "lightning_export.py", "exec")  # valid Python
+
+
+def test_export_lists_what_it_loses(gpt_tiny):
+    model, _, graph = gpt_tiny
+    plan = _plan(graph, model, [("layers.0", "layers.1"), ("layers.2", "layers.3"), ("wte", "lm_head")],
+                 forward_prefetch=2, mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    acc = export_plan(plan, to="accelerate")
+    assert not acc.exact
+    text = "\n".join(acc.losses)
+    assert "layers.0 + layers.1 becomes 2 units of one GPTBlock each" in text
+    assert "wte + lm_head (Embedding, Linear) is not wrapped" in text
+    assert "reduce_dtype float32" in text and "prefetch" in text
+    assert acc.settings["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "GPTBlock"
+    assert acc.settings["mixed_precision"] == "bf16"
+    assert "# LOSSES" in acc.text and all(f"#   - {x}" in acc.text for x in acc.losses)
+    lit = export_plan(plan, to="lightning")
+    assert any("becomes 2 units" in x for x in lit.losses)
+    assert "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in lit.text
+    assert "to_fsdp1_policy()" in lit.text  # the exact alternatives are named
+    compile(lit.text, "lightning_export.py", "exec")
+
+
+def test_export_drops_classes_with_instances_outside_the_plan(gpt_tiny):
+    model, _, graph = gpt_tiny
+    plan = _plan(graph, model, [*graph.blocks, "wpe", "layers.0.attn.q_proj"])
+    pol = class_policy(plan, module_classes(model), match_by_name=True)
+    assert [c.rsplit(".", 1)[-1] for c in pol.classes] == ["GPTBlock"]
+    assert any("Embedding units not wrapped (wpe)" in x and "wte" in x for x in pol.losses)
+    assert any("Linear units not wrapped" in x for x in pol.losses)
+
+
+def test_export_mixed_settings_take_the_majority_and_say_so(gpt_tiny):
+    model, _, graph = gpt_tiny
+    units = tuple(UnitSpec((b,), i != 0, i == 3) for i, b in enumerate(graph.blocks)) + (UnitSpec((ROOT,), False),)
+    plan = WrapPlan(spec=PlanSpec(units, MESH2), model=model_fingerprint(model))
+    pol = class_policy(plan, module_classes(model), match_by_name=False)
+    assert pol.reshard_after_forward is True and pol.checkpoint is False
+    assert any("layers.0" in x and "reshard_after_forward=False" in x for x in pol.losses)
+    assert any("checkpointing is off" in x and "layers.3" in x for x in pol.losses)
+
+
+def test_export_root_only_and_no_shard(gpt_tiny):
+    model, _, graph = gpt_tiny
+    b = baselines(graph, MESH2)
+    root = export_plan(WrapPlan(spec=b["root-only"], model=model_fingerprint(model)), to="accelerate")
+    assert root.exact and root.settings["fsdp_config"]["fsdp_auto_wrap_policy"] == "NO_WRAP"
+    ddp = export_plan(WrapPlan(spec=b["no-shard"], model=model_fingerprint(model)), to="accelerate")
+    assert ddp.settings["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in ddp.settings
+    assert export_plan(WrapPlan(spec=b["no-shard"], model=model_fingerprint(model)), to="lightning").settings[
+        "sharding_strategy"] == "NO_SHARD"
+
+
+def test_export_of_an_old_plan_needs_the_model(gpt_tiny):
+    model, _, graph = gpt_tiny
+    plan = _plan(graph, model, list(graph.blocks))
+    plan.model.pop("module_classes")
+    with pytest.raises(PlanError, match="--model"):
+        export_plan(plan, to="accelerate")
+    assert export_plan(plan, to="accelerate", model=model).exact
+    with pytest.raises(ValueError, match="accelerate, lightning"):
+        export_plan(plan, to="deepspeed", model=model)

@@ -1,0 +1,133 @@
+"""Helpers for tests that train zoo models on 2 gloo ranks.
+
+Sharded training is compared with the unsharded model trained on the whole
+batch: with a mean loss the averaged gradients are equal, so the losses match
+step for step (fp32, no dropout).
+
+Each spawn of ranks costs seconds, so test modules in several folders register
+their multi-process cases with ``@two_rank_case`` and the session fixture
+``two_rank_cases`` (tests/conftest.py) runs the cases of every collected module
+in one spawn of 2 gloo ranks. A case ``fn(rank, world, tmp, out)`` writes its
+results under its own keys of ``out``; the fixture gives ``out`` by rank. Cases
+are module-level functions: the spawned ranks import them by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from wrapopt.launch import spawn
+from wrapopt.models import zoo
+from wrapopt.search.baselines import baselines
+from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.trace.meta import trace_model
+
+TOL = 1e-5
+STEPS = 3
+MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+
+_CASES: list[str] = []  # "module:function" of every registered case, in the order the modules were imported
+
+
+def two_rank_case(fn):
+    """Register ``fn(rank, world, tmp, out)`` (module level) to run in the shared spawn."""
+    name = f"{fn.__module__}:{fn.__qualname__}"
+    if name not in _CASES:
+        _CASES.append(name)
+    return fn
+
+
+def run_cases(rank: int, world: int, tmp: str, names: tuple[str, ...]) -> dict:
+    out: dict = {}
+    for name in names:
+        module, fn = name.split(":")
+        getattr(importlib.import_module(module), fn)(rank, world, tmp, out)
+    return out
+
+
+def spawn_cases(tmp: str) -> list[dict]:
+    """Every registered case, in one spawn of 2 gloo ranks: the ``out`` dict of each rank."""
+    return spawn(run_cases, world_size=2, args=(tmp, tuple(_CASES)), timeout_s=300)
+
+
+# --- helpers for the cases (module level: spawn pickles them by name) ----------------------------------
+
+
+def zoo_graph(name: str):
+    e = zoo.get_entry(name)
+    return trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+
+
+def plan_specs(graph, mesh: MeshSpec) -> dict[str, PlanSpec]:
+    b = baselines(graph, mesh)
+    blocks = graph.blocks
+    root = UnitSpec((ROOT,), False)
+    return {
+        "per-block": b["per-block"],
+        "groups-of-2": PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh, label="g2"),
+        "keep+ckpt": PlanSpec(tuple(UnitSpec((blk,), False, True) for blk in blocks) + (root,), mesh, label="kc"),
+    }
+
+
+def init_weights(module: nn.Module) -> None:
+    """One module's own parameters, as the examples initialise them."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    elif isinstance(module, zoo.RMSNorm):
+        nn.init.ones_(module.weight)
+
+
+def _retie(model: nn.Module) -> None:
+    # to_empty() on a plain meta model gives each use of a tied parameter its own tensor;
+    # re-tie as the model's constructor does (sharded models keep their ties, see the test).
+    if isinstance(model, zoo.GPT):
+        model.lm_head.weight = model.wte.weight
+
+
+def reference(name: str, seed: int = 0) -> nn.Module:
+    """Built on meta, materialised, initialised module by module in named_modules() order."""
+    model = zoo.get_entry(name).build("meta")
+    model.to_empty(device="cpu")
+    _retie(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for _, m in model.named_modules():
+            init_weights(m)
+    return model
+
+
+def batches(name: str, world: int, rank: int):
+    e = zoo.get_entry(name)
+    full = [tuple(t.roll(s, dims=0) for t in e.inputs(batch=2 * world)) for s in range(STEPS)]
+    mine = [tuple(t.chunk(world)[rank] for t in x) for x in full]
+    return full, mine
+
+
+def train(model, batches, loss_fn) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x in batches:
+        loss = loss_fn(model(*x), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def mean_over_ranks(losses, world) -> list[float]:
+    t = torch.stack(losses)
+    dist.all_reduce(t)
+    return [float(v) for v in t / world]
+
+
+def catch(fn, *exc):
+    try:
+        fn()
+    except exc as e:  # noqa: PERF203
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -1,0 +1,31 @@
+"""benchmarks/gpu_check.py runs end to end on the CPU (--device cpu): the code path the GPU run takes."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+
+@pytest.mark.multiprocess
+def test_gpu_check_on_cpu(repo_root, tmp_path):
+    bench_dir = os.path.join(repo_root, "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)  # importable by name: the spawned rank unpickles gpu_check._worker
+    mod = importlib.import_module("gpu_check")
+    out = tmp_path / "gpu.md"
+    assert mod.main(["--device", "cpu", "--out", str(out), "--repeats", "1"]) == 0
+    text = out.read_text()
+    assert text.startswith("# GPU check: ")
+    rows = [line for line in text.splitlines() if line.startswith("| per-block") or line.startswith("| root-only")
+            or line.startswith("| size-1e8")]
+    assert len(rows) >= 6
+    assert sum("bf16" in r for r in rows) >= 6 and any("ckpt" in r for r in rows) and any("4 micro-batches" in r for r in rows)
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        pred_ms, meas_ms = float(cells[3]), float(cells[4])
+        assert pred_ms > 0 and meas_ms > 0
+        assert abs(float(cells[9].rstrip("%"))) < 25  # predicted vs measured peak, live bytes on CPU
+    assert "slowest modules, bf16" in text

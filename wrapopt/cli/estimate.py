@@ -1,0 +1,53 @@
+"""``wrapopt estimate MODEL --plan per-block|size-1e8|no-shard|plan.json``: one plan's predicted step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from wrapopt.api import estimate
+from wrapopt.cli.options import add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args
+from wrapopt.models.sources import resolve_model
+from wrapopt.report.estimate import format_estimate
+from wrapopt.search.baselines import BASELINE_NAMES
+
+__all__ = ["add_estimate_parser"]
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    given_flags = {"--precision": args.precision is not None, "--accumulation": args.accumulation != 1,
+                   "--optimizer": args.optimizer != "adamw", "--sync": args.sync != "auto"}
+    train = train_from_args(args)
+    is_file = os.path.exists(args.plan)
+    if not is_file and args.plan not in BASELINE_NAMES:
+        raise ValueError(f"unknown --plan {args.plan!r}; accepted: {', '.join(BASELINE_NAMES)}, or a plan file "
+                         "(no such file)")
+    # A plan file brings its own training step unless a training flag is given.
+    if is_file and not any(given_flags.values()):
+        train = None
+    src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    report = estimate(src.build("meta"), src.inputs, plan=args.plan, world_size=args.world_size,
+                      gpus_per_node=args.gpus_per_node, fabric=args.fabric, compute=args.compute, train=train,
+                      checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
+                      rescale_fabric=args.rescale_fabric, name=args.model)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(report.budget_note)
+        print(format_estimate(report))
+    return 0
+
+
+def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="predict step time, throughput, MFU and peak memory of a plan you have")
+    add_model_arguments(p)
+    p.add_argument("--plan", default="per-block",
+                   help=f"a baseline ({', '.join(BASELINE_NAMES)}) or a plan file (plan.json); default per-block")
+    add_mesh_arguments(p, world_required=False)
+    add_train_arguments(p)
+    p.add_argument("--checkpoint", choices=("none", "blocks"), default=None,
+                   help="activation checkpointing on every block (every unit but the root), or none "
+                        "(default: as the plan says)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(func=_cmd_estimate)

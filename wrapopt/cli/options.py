@@ -1,0 +1,71 @@
+"""Flags shared by ``wrapopt search`` and ``wrapopt estimate``: the mesh, the fabric, the budget
+and the training step (``--precision``, ``--accumulation``, ``--optimizer``, ``--sync``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from wrapopt.spec import MeshSpec
+from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
+
+__all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args", "add_model_arguments",
+           "check_batch"]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="zoo:NAME, package.module:callable, or hf:path/to/config.json")
+    p.add_argument("--batch", type=int, default=None, help="per-rank batch of one micro-batch, for the example inputs")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (token models)")
+
+
+def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = True) -> None:
+    p.add_argument("--world-size", type=int, required=world_required, default=None)
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: min(world, 8))")
+    p.add_argument("--fabric", default=None,
+                   help="a measured fabric profile (JSON), a file of stated numbers (`wrapopt fabric --template`), "
+                        "or a built-in analytical fabric (`wrapopt fabric --list`; default h100-nvlink-ib400)")
+    p.add_argument("--compute", default=None, help="compute profile JSON (default: the fabric's stated device, "
+                                                   "computing in the --precision dtype)")
+    p.add_argument("--memory", default=None,
+                   help="per-rank budget: bytes, 80GiB, 80GB, auto or none (default auto: 90%% of the device's "
+                        "capacity when it is known; none: no limit)")
+    p.add_argument("--rescale-fabric", action="store_true", help="allow a measured profile from another mesh, rescaled")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", default=None, metavar="{none," + ",".join(PRECISIONS) + "}",
+                   help="mixed precision: bf16 = bf16 parameters and compute, fp32 gradient reduction; bf16-pure "
+                        "reduces in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the "
+                        "model's own dtype")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
+                   help="the optimizer, for its state and step time (default adamw)")
+    p.add_argument("--sync", default="auto", metavar="{auto," + ",".join(SYNC_MODES) + "}",
+                   help="with --accumulation > 1: reduce-scatter after every micro-batch, or after the last only "
+                        "(no-sync: holds unsharded gradients); auto (default): the faster that fits, per plan")
+
+
+def train_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of the flags; a bad value raises ValueError naming what is accepted."""
+    if args.accumulation < 1:
+        raise ValueError(f"--accumulation must be at least 1, got {args.accumulation}")
+    check_batch(args)
+    return TrainConfig.parse(precision=args.precision, accumulation=args.accumulation, optimizer=args.optimizer,
+                             sync=args.sync)
+
+
+def check_batch(args: argparse.Namespace) -> None:
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {args.batch}")
+    if args.seq is not None and args.seq < 1:
+        raise ValueError(f"--seq must be at least 1, got {args.seq}")
+
+
+def mesh_from_args(args: argparse.Namespace, *, default_world: int = 8) -> MeshSpec:
+    world = args.world_size if args.world_size is not None else default_world
+    gpn = args.gpus_per_node or min(world, 8)
+    if world < 1:
+        raise ValueError(f"--world-size must be positive, got {world}")
+    if world > gpn and world % gpn:
+        raise ValueError(f"--world-size {world} is not a multiple of --gpus-per-node {gpn}")
+    return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)

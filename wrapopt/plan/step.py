@@ -1,0 +1,80 @@
+"""``train_step``: one optimizer step over micro-batches, the way a plan was scored.
+
+With ``grad_accumulation = k`` the step runs k forward-backward passes, each
+on one micro-batch with its loss divided by k (so the gradients are those of
+the mean loss over the k micro-batches: one batch k times the size when the
+loss is a mean over equal micro-batches), then one optimizer step. In the
+``last`` sync mode every micro-batch but the last runs under
+``set_requires_gradient_sync(False)``: no reduce-scatter, the unsharded
+gradients accumulate; the last synchronises them. In ``every`` mode each
+micro-batch reduce-scatters. See [Note: accumulation sync] in
+``cost/simulate.py`` for what each costs.
+
+Example:
+    >>> plan = WrapPlan.load("plan.json")  # doctest: +SKIP
+    >>> model = plan.apply(model)  # doctest: +SKIP
+    >>> opt = plan.train_config.make_optimizer(model.parameters(), lr=3e-4)  # doctest: +SKIP
+    >>> loss = train_step(model, opt, micro_batches, loss_fn, plan=plan)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from wrapopt.errors import PlanError
+from wrapopt.plan.file import WrapPlan
+from wrapopt.train import TrainConfig
+
+__all__ = ["train_step"]
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[tuple[Any, ...] | Any],
+    loss_fn: Callable[[Any, tuple[Any, ...]], torch.Tensor],
+    *,
+    plan: WrapPlan | None = None,
+    train: TrainConfig | None = None,
+    zero_grad: bool = True,
+) -> float:
+    """Forward and backward over ``micro_batches``, then ``optimizer.step()``; returns the mean loss.
+
+    Args:
+        model: the model after ``plan.apply`` (an FSDP2 module), or any module
+            (without FSDP2 the sync mode does not apply).
+        micro_batches: one tuple of positional inputs per micro-batch; there
+            must be as many as the plan's ``grad_accumulation``.
+        loss_fn: ``loss_fn(output, inputs) -> scalar``, a mean over the micro-batch.
+        plan, train: where the accumulation and sync mode come from (``train``
+            wins; neither: every micro-batch synchronises).
+        zero_grad: clear the gradients after the step (``set_to_none``).
+    """
+    cfg = train if train is not None else plan.train_config if plan is not None else None
+    batches = [b if isinstance(b, tuple) else (b,) for b in micro_batches]
+    k = len(batches)
+    if k < 1:
+        raise ValueError("train_step needs at least one micro-batch")
+    if cfg is not None and cfg.grad_accumulation != k:
+        raise PlanError(f"the plan was scored for {cfg.grad_accumulation} micro-batches per step, got {k}; "
+                        f"pass {cfg.grad_accumulation}, or re-run the search with --accumulation {k}")
+    no_sync = cfg is not None and k > 1 and cfg.accumulation_sync == "last"
+    can_toggle = hasattr(model, "set_requires_gradient_sync")
+    total = 0.0
+    try:
+        for i, inputs in enumerate(batches):
+            if no_sync and can_toggle:
+                model.set_requires_gradient_sync(i == k - 1)  # type: ignore[operator]
+            loss = loss_fn(model(*inputs), inputs)
+            (loss / k if k > 1 else loss).backward()
+            total += float(loss.detach())
+    finally:
+        if no_sync and can_toggle:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    optimizer.step()
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+    return total / k

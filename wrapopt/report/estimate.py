@@ -1,0 +1,148 @@
+"""``wrapopt estimate``: one plan's predicted step, throughput, MFU and memory, as text or JSON.
+
+[Note: model FLOPs] MFU counts the FLOPs the model needs, not the ones the
+plan spends (recomputation under checkpointing is not counted). For a token
+model (one integer input of shape batch x sequence) a step of ``tokens``
+tokens needs ``(6 N + 12 L d T) tokens``: N the parameters without
+embeddings (tied output heads go with them), L the repeated blocks, d the
+embedding width, T the sequence length (PaLM, appendix B; the attention term
+counts the QK^T and AV matmuls forward and backward). For other models the
+tracer's forward FLOPs times 3 (forward + twice that in backward). The peak
+is the device's stated dense peak in the compute dtype for an analytical
+device, the measured matmul rate for a measured one (then MFU is against
+what this device achieves, not a datasheet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from wrapopt.fileio import fmt_bytes
+from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph
+
+__all__ = ["EstimateReport", "ModelFlops", "model_flops", "format_estimate", "format_breakdown", "BREAKDOWN_NAMES"]
+
+BREAKDOWN_NAMES = {
+    "sharded_params": "sharded parameters",
+    "sharded_grads": "sharded gradients",
+    "optimizer_state": "optimizer state",
+    "accumulated_grads": "unsharded gradients held across micro-batches (no-sync)",
+    "unsharded_params": "gathered (unsharded) parameters",
+    "all_gather_buffer": "all-gather buffer",
+    "unsharded_grads": "unsharded gradients awaiting reduce-scatter",
+    "activations": "saved activations",
+    "working_set": "working set",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFlops:
+    """The FLOPs one micro-batch of the model needs: See [Note: model FLOPs]."""
+
+    flops: float  # forward + backward, one micro-batch on one rank
+    tokens: int  # tokens in one micro-batch (0: not a token model)
+    samples: int
+    formula: str  # how ``flops`` was counted, with the figures used
+
+
+def model_flops(graph: ModelGraph, *, non_embedding_params: int, tokens: int, seq_len: int, samples: int,
+                width: int) -> ModelFlops:
+    """See [Note: model FLOPs]; ``tokens == 0`` for a model without token inputs."""
+    if tokens and seq_len and width:
+        layers = len(graph.blocks)
+        per_token = 6 * non_embedding_params + 12 * layers * width * seq_len
+        return ModelFlops(per_token * tokens, tokens, samples,
+                          f"(6 N + 12 L d T) per token, N = {non_embedding_params:,} parameters without embeddings, "
+                          f"L = {layers} blocks, d = {width}, T = {seq_len}")
+    fwd = sum(m.fwd_flops for m in graph.modules)
+    return ModelFlops(3 * fwd, 0, samples, f"3 x the traced forward FLOPs ({fwd:.3g} per micro-batch)")
+
+
+@dataclass(frozen=True)
+class EstimateReport:
+    """What ``wrapopt.estimate`` returns: one plan's prediction with throughput and MFU."""
+
+    model: str
+    plan_label: str
+    num_units: int
+    mesh: MeshSpec
+    train: Any  # TrainConfig (the sync mode as chosen)
+    fabric: str
+    compute: str
+    estimate: CostEstimate = field(repr=False)
+    flops: ModelFlops
+    peak_flops_per_s: float
+    peak_source: str
+    memory_budget: float | None
+    notes: tuple[str, ...] = ()
+    budget_note: str = ""  # where the budget came from
+
+    @property
+    def step_s(self) -> float:
+        return self.estimate.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Per GPU (0 for a model without token inputs)."""
+        return self.flops.tokens * self.train.grad_accumulation / self.step_s
+
+    @property
+    def samples_per_s(self) -> float:
+        """Per GPU."""
+        return self.flops.samples * self.train.grad_accumulation / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.flops.flops * self.train.grad_accumulation / self.step_s / self.peak_flops_per_s
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_budget is None or self.estimate.peak_bytes <= self.memory_budget
+
+    def to_json(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "model": self.model, "plan": self.plan_label, "num_units": self.num_units, "mesh": self.mesh.to_json(),
+            "train": self.train.to_json(), "fabric": self.fabric, "compute": self.compute,
+            "step_s": e.step_s, "tokens_per_s_per_gpu": self.tokens_per_s or None,
+            "samples_per_s_per_gpu": self.samples_per_s, "mfu": self.mfu,
+            "model_flops_per_step_per_gpu": self.flops.flops * self.train.grad_accumulation,
+            "flops_formula": self.flops.formula, "peak_flops_per_s": self.peak_flops_per_s, "peak_source": self.peak_source,
+            "peak_bytes": e.peak_bytes, "peak_breakdown": dict(e.peak_breakdown),
+            "memory_budget": self.memory_budget, "fits": self.fits,
+            "fwd_s": e.fwd_s, "bwd_s": e.bwd_s, "optim_s": e.optim_s, "compute_s": e.compute_s, "comm_s": e.comm_s,
+            "exposed_comm_s": e.exposed_comm_s, "notes": list(self.notes) + list(e.notes),
+        }
+
+
+def format_estimate(r: EstimateReport) -> str:
+    """The text ``wrapopt estimate`` prints."""
+    e, m = r.estimate, r.mesh
+    lines = [
+        f"model: {r.model}   plan: {r.plan_label} ({r.num_units} units)",
+        f"mesh: {m.world_size} ranks, {m.ranks_per_node} per node, shard group {m.shard_size}   fabric: {r.fabric}   "
+        f"compute: {r.compute}",
+        f"training: {r.train.describe()}",
+        f"step: {e.step_s * 1e3:.2f} ms ("
+        + (f"{r.train.grad_accumulation} micro-batches; each " if r.train.grad_accumulation > 1 else "")
+        + f"forward {e.fwd_s * 1e3:.2f} ms, backward {e.bwd_s * 1e3:.2f} ms; optimizer "
+        f"{e.optim_s * 1e3:.2f} ms; exposed communication {e.exposed_comm_s * 1e3:.2f} ms)",
+    ]
+    if r.flops.tokens:
+        lines.append(f"throughput: {r.tokens_per_s:,.0f} tokens/s per GPU ({r.samples_per_s:,.2f} samples/s)")
+    else:
+        lines.append(f"throughput: {r.samples_per_s:,.2f} samples/s per GPU")
+    lines.append(f"MFU: {r.mfu * 100:.3g}% of {r.peak_flops_per_s / 1e12:,.1f} TFLOP/s ({r.peak_source}); "
+                 f"model FLOPs {r.flops.formula}")
+    budget = "no limit" if r.memory_budget is None else f"budget {fmt_bytes(r.memory_budget)}: " + ("fits" if r.fits else "DOES NOT FIT")
+    lines.append(f"peak memory: {fmt_bytes(e.peak_bytes)} per GPU ({budget})")
+    lines += format_breakdown(e)
+    for n in list(r.notes) + list(e.notes):
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def format_breakdown(e: CostEstimate, indent: str = "  ") -> list[str]:
+    """The peak's parts, one line each (parts of zero bytes left out)."""
+    return [f"{indent}{fmt_bytes(v):>11}  {BREAKDOWN_NAMES.get(k, k)}" for k, v in e.peak_breakdown if v]

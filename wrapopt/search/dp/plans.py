@@ -1,0 +1,161 @@
+"""The exact DP for a model on a mesh: chain costs and static memory from the
+simulator, the solver's answers (``solve.py``) as plans, re-scored while the
+chain model's peak misses the budget. See [Note: chain model] in ``chain.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.search.dp.chain import ChainAnswer, chain_costs, unit_choices
+from wrapopt.search.dp.solve import lower_bound, solve_chains
+from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
+
+__all__ = ["ChainDP", "DPAnswer", "dp_plans", "chain_static_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class DPAnswer:
+    """One answer of the DP: its plan, its time in the chain model, and whether
+    it is the per-unit optimum (each unit its own choice) or the optimum under
+    one uniform choice for every unit."""
+
+    plan: PlanSpec
+    time_s: float
+    per_unit: bool
+
+
+def _root_activations(sim: Simulator, chains: tuple[tuple[str, ...], ...]) -> tuple[float, float]:
+    """Activations the root unit saves before the first block and after the last one."""
+    blocks = [b for c in chains for b in c]
+    units = tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),)
+    lay = sim.layout(units)
+    root = len(units) - 1
+    segs = lay.segments
+    firsts = [i for i, sg in enumerate(segs) if sg.unit != root]
+    if not firsts:
+        return 0.0, 0.0
+    before = sum(sg.saved for sg in segs[:firsts[0]] if sg.unit == root)
+    after = sum(sg.saved for sg in segs[firsts[-1] + 1:] if sg.unit == root)
+    return float(before), float(after)
+
+
+def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...]) -> float:
+    """Memory outside the chains' terms on ``mesh`` (see [Note: memory] in the
+    simulator): sharded parameters and optimizer state, gradients kept for
+    accumulation, the root unit's parameters (gathered all step) and, on a GPU,
+    the all-gather buffer of at least one block."""
+    g, opt = sim.graph, sim.options
+    shard = mesh.shard_size
+    blocks = [b for c in chains for b in c]
+    units = tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),)
+    est = sim.simulate(PlanSpec(units, mesh))
+    trainable = g.trainable_bytes
+    static = g.param_bytes / shard + trainable * opt.optimizer.states_per_param / shard
+    if opt.grad_accumulation > 1 and opt.accumulation_sync == "last":  # See [Note: accumulation sync]
+        static += sum(u.param_bytes for u in est.units) * (opt.reduce_dtype_bytes or 1) / (opt.param_dtype_bytes or 1)
+    static += est.units[-1].param_bytes
+    if sim.compute.runs_ahead and blocks:
+        static += est.units[len(blocks) - 1].param_bytes  # See [Note: all-gather buffer]
+    return static
+
+
+class ChainDP:
+    """The DP for one model on one mesh: chain costs, static memory and the
+    cached tables and bounds, so that a lower bound can be asked for before
+    (and cheaply beside) the exact answer."""
+
+    def __init__(self, sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, max_group: int = 8,
+                 forward_prefetch: int = 0, static_bytes: float | None = None):
+        self.sim, self.mesh, self.chains = sim, mesh, chains
+        self.max_group, self.forward_prefetch = max_group, forward_prefetch
+        self.static_bytes = chain_static_bytes(sim, mesh, chains) if static_bytes is None else static_bytes
+        costs = [chain_costs(sim, mesh, c, max_group, forward_prefetch=forward_prefetch) for c in chains]
+        tail = 0.0
+        for k in range(len(costs) - 1, -1, -1):  # later chains' sharded gradients land before this one's backward
+            costs[k] = replace(costs[k], sg_tail=tail)
+            tail += sum(costs[k].SG)
+        before, after = _root_activations(sim, chains)
+        self.static_bytes += before  # the root's activations saved before the first block live through backward
+        g, scale = sim.graph, sim.options.batch_scale  # See [Note: loss] in the simulator
+        loss = max(g.root.output_bytes + g.loss_peak_bytes, 2 * g.root.output_bytes + g.loss_saved_bytes) * scale + after
+        costs[-1] = replace(costs[-1], loss_mem=loss, buffer_last=sim.compute.runs_ahead)
+        self.costs = costs
+        self.choices = unit_choices(mesh)
+        self._cache: dict = {}
+        tag = "" if mesh.shard_size == mesh.world_size else f",shard={mesh.shard_size}"
+        self.tag = tag + (f",prefetch={forward_prefetch}" if forward_prefetch else "")
+
+    def lower_bound(self, memory_budget: float) -> float:
+        """A lower bound on the chain-model time of the per-unit optimum under the budget."""
+        return lower_bound(self.costs, choices=self.choices, max_group=self.max_group,
+                           mem_allowance=memory_budget - self.static_bytes, cache=self._cache)
+
+    def _plan(self, ans: ChainAnswer, label: str) -> PlanSpec:
+        units = [UnitSpec(self.chains[c][st:st + s], ch[0], ch[1]) for c, st, s, ch in ans.groups]
+        return PlanSpec(units=tuple(units) + (UnitSpec((ROOT,), False),), mesh=self.mesh,
+                        forward_prefetch=self.forward_prefetch, label=label)
+
+    def answers(self, memory_budget: float, *, uniform: bool = True, rescore: bool = True,
+                give_up_above: float = math.inf) -> list[DPAnswer]:
+        """The per-unit optimum, then (with ``uniform``) the optimum under each
+        uniform choice; see ``dp_plans``. ``give_up_above``: skip the per-unit
+        answer when it cannot be faster than this (chain-model seconds)."""
+        allowance = memory_budget - self.static_bytes
+        runs = [("dp", self.choices, True)]
+        if uniform:
+            runs += [(f"dp(reshard={_raf_tag(r)},ckpt={'T' if k else 'F'})", ((r, k),), False) for r, k in self.choices]
+        check = rescore and math.isfinite(memory_budget)
+        out = []
+        for label, choices, per_unit in runs:
+            allow = allowance
+            cache = self._cache if per_unit else {}
+            cap = give_up_above if per_unit else math.inf
+            ans = None
+            for attempt in range(8 if check and per_unit else 1):
+                ans = solve_chains(self.costs, choices=choices, max_group=self.max_group, mem_allowance=allow,
+                                   cache=cache, give_up_above=cap)
+                if ans is None:
+                    break
+                plan = self._plan(ans, label + self.tag)
+                if not (check and per_unit):
+                    break
+                over = self.sim.simulate(plan).peak_bytes - memory_budget
+                if over <= 0:
+                    break
+                allow -= over * (1 + attempt) + 1e-4 * memory_budget
+                ans = None
+            if ans is not None:
+                out.append(DPAnswer(plan, ans.time_s, per_unit))
+        return out
+
+    def plans(self, memory_budget: float, *, uniform: bool = True, rescore: bool = True,
+              give_up_above: float = math.inf) -> list[tuple[str, PlanSpec, float]]:
+        """``answers`` as (label, plan, chain-model time)."""
+        return [(a.plan.label, a.plan, a.time_s)
+                for a in self.answers(memory_budget, uniform=uniform, rescore=rescore, give_up_above=give_up_above)]
+
+
+def dp_plans(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, memory_budget: float,
+             static_bytes: float | None = None, max_group: int = 8, uniform: bool = True,
+             forward_prefetch: int = 0, rescore: bool = True) -> list[tuple[str, PlanSpec, float]]:
+    """DP answers on ``mesh``: (label, plan, chain-model time).
+
+    The first is the per-unit optimum (each unit its own reshard and
+    checkpointing choice); with ``uniform`` one answer per uniform choice
+    follows. ``static_bytes`` defaults to ``chain_static_bytes``. With
+    ``rescore`` (and a budget) the per-unit answer is re-scored by the
+    simulator, and while its predicted peak exceeds the budget the DP runs
+    again with the allowance lowered by the excess (a few times at most): the
+    chain model leaves a few terms out (see [Note: chain model]).
+    """
+    if not chains:
+        return []
+    dp = ChainDP(sim, mesh, chains, max_group=max_group, forward_prefetch=forward_prefetch, static_bytes=static_bytes)
+    return dp.plans(memory_budget, uniform=uniform, rescore=rescore)
+
+
+def _raf_tag(r: bool | int) -> str:
+    return "T" if r is True else "F" if r is False else str(r)

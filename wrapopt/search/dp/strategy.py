@@ -1,0 +1,59 @@
+"""The exact DP as a search strategy: its answers on every shard-group size."""
+
+from __future__ import annotations
+
+import math
+
+from wrapopt.search.dp.plans import ChainDP
+from wrapopt.search.strategy import History, Proposal, SearchProblem, Strategy
+from wrapopt.spec import MeshSpec, PlanSpec
+
+__all__ = ["ExactDP"]
+
+
+class ExactDP(Strategy):
+    """Per-unit reshard and checkpointing over contiguous groupings of the block
+    chains, solved exactly in the chain model (see [Note: chain model]) on each
+    shard-group size of the problem, plus the optimum under each uniform choice
+    on the mesh asked for. The simulator has the last word over the chain model:
+    the driver re-scores every answer."""
+
+    name = "dp"
+    seed_every_plan = True
+
+    def propose(self, problem: SearchProblem, history: History) -> Proposal:
+        if not problem.graph.block_chains:
+            return Proposal()
+        return Proposal(plans=tuple(_dp_candidates(problem)))
+
+
+def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
+    """DP answers per shard-group size (the uniform-choice ones on ``mesh`` only).
+
+    Sizes are solved in the order of their lower bound under the budget; a
+    size whose bound is already slower than an answer found (that the
+    simulator says fits) is skipped, since its answer can only be slower
+    still in the DP's model.
+    """
+    sim, mesh, budget = problem.sim, problem.mesh, problem.memory_budget
+    chains = problem.graph.block_chains
+    prefetches = (0,) if sim.compute.runs_ahead else (0, 1)
+    jobs = []
+    for s in problem.shard_sizes:
+        m = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=s)
+        for pf in prefetches:
+            dp = ChainDP(sim, m, chains, max_group=problem.options.max_group, forward_prefetch=pf)
+            if dp.static_bytes >= budget:
+                break
+            jobs.append((dp.lower_bound(budget), s == mesh.shard_size and pf == 0, dp))
+    jobs.sort(key=lambda j: (not j[1], j[0]))  # the requested mesh first: its uniform answers always come
+    plans: list[PlanSpec] = []
+    best_t = math.inf
+    for lb, main, dp in jobs:
+        if lb >= best_t and not main:
+            continue
+        for answer in dp.answers(budget, uniform=main, give_up_above=math.inf if main else best_t):
+            plans.append(answer.plan)
+            if answer.per_unit:
+                best_t = min(best_t, answer.time_s)
+    return plans

@@ -1,0 +1,168 @@
+"""The tracer's dispatch and function modes, and tensor helpers.
+
+``Recorder`` counts FLOPs per innermost module (PyTorch's FLOP formulas, plus
+the fused CPU attention kernel's), records the module dataflow, the
+parameters each module's forward reads ([Note: who reads a parameter] in
+``meta.py``) and the live bytes of the loss; ``FusedAttention`` routes
+attention to the fused kernel ([Note: attention on meta]).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from wrapopt.trace.fx import OpDataflow
+
+__all__ = ["Recorder", "FusedAttention", "dtype_name", "storage_key", "tensors_in", "nbytes"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash_fwd_flops(q, k, v, *args, out_val=None, **kwargs):
+    return sdpa_flop_count(q.shape, k.shape, v.shape)
+
+
+def _flash_bwd_flops(grad_out, q, k, v, *args, out_val=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+
+
+# FLOP formulas for the fused CPU attention kernel, which PyTorch's registry lacks.
+_EXTRA_FLOPS = {
+    _FLASH_CPU: _flash_fwd_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_bwd_flops,
+}
+
+
+class FusedAttention(TorchFunctionMode):
+    """Run ``F.scaled_dot_product_attention`` as the fused (flash-style) kernel.
+
+    [Note: attention on meta] On meta tensors the dispatcher falls back to the
+    math path, which saves the seq x seq attention matrix for backward; the
+    fused kernels that real GPUs and CPUs run save only the output and the
+    log-sum-exp. Tracing the math path would overstate activations by orders
+    of magnitude at long sequences, so the tracer routes attention to the
+    fused CPU kernel, whose meta implementation saves what the real ones do.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _fused_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is not None and attn_mask.requires_grad:
+        # A trained mask (T5's relative position bias) needs the math path's mask gradient.
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    # With enable_gqa, k and v keep their fewer heads: the fused kernels read them grouped
+    # (as the dispatcher passes them) and save them at that size, not repeated.
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    return _FLASH_CPU(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+class Recorder(TorchDispatchMode):
+    """Counts FLOPs per innermost module; knows whether we are in backward."""
+
+    def __init__(self, stack: list[str]):
+        super().__init__()
+        self.stack = stack
+        self.fwd: dict[str, float] = defaultdict(float)
+        self.backward = False
+        self.bwd_total = 0.0
+        self.flow = OpDataflow()
+        self.record_flow = True  # the model's forward only: off for the loss and backward
+        self.in_loss = False
+        self.in_tail = False  # forward, root's own ops after a child returned: See [Note: loss inside forward]
+        self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
+        self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
+        self.loss_peak = 0
+        self.param_key: dict[int, int] = {}  # id(parameter tensor) -> its key in ``by_id``
+        self.param_reads: dict[tuple[int, str], None] = {}  # (parameter key, reading module), in order
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.in_loss or self.in_tail:
+            self._track_loss(out)
+        if self.record_flow:
+            self.flow.record(self.stack[-1], args, kwargs, out)
+            if self.param_key:  # See [Note: who reads a parameter]
+                for t in tensors_in((args, kwargs)):
+                    key = self.param_key.get(id(t))
+                    if key is not None:
+                        self.param_reads.setdefault((key, self.stack[-1]), None)
+        fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
+        if fn is not None:
+            flops = float(fn(*args, **kwargs, out_val=out))
+            if self.backward:
+                self.bwd_total += flops
+            else:
+                self.fwd[self.stack[-1]] += flops
+        return out
+
+    def start_tail(self, before: set[Any]) -> None:
+        self.in_tail, self.loss_live, self.loss_peak, self.loss_before = True, {}, 0, before
+
+    def end_tail(self) -> int:
+        """Stop tracking root's trailing ops; the most bytes they had alive at once."""
+        peak = self.loss_peak if self.in_tail else 0
+        self.in_tail, self.loss_live, self.loss_peak, self.loss_before = False, {}, 0, set()
+        return peak
+
+    def _track_loss(self, out: Any) -> None:
+        """Live bytes of the tensors the loss created (views share their base's storage)."""
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if isinstance(key, StorageWeakRef) and key not in self.loss_live and key not in self.loss_before:
+                    self.loss_live[key] = t.untyped_storage().nbytes()
+        self.loss_live = {k: b for k, b in self.loss_live.items() if not k.expired()}
+        self.loss_peak = max(self.loss_peak, sum(self.loss_live.values()))
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # tensor subclasses without storage
+        return id(t)
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        return tensors_in(obj.to_tuple())
+    return []
+
+
+def nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(nbytes(o) for o in obj.values())
+    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        return nbytes(obj.to_tuple())
+    return 0

@@ -1,0 +1,251 @@
+"""The training step a plan is made for: mixed precision, gradient accumulation, optimizer.
+
+``TrainConfig`` is accepted by ``optimize_wrap(train=...)``, ``wrapopt.estimate``,
+``wrapopt search``/``estimate`` (``--precision``, ``--accumulation``,
+``--optimizer``, ``--sync``), recorded in the plan file (``"train"``) and
+applied by ``plan.apply`` (the mixed precision) and ``wrapopt.train_step``
+(accumulation the way the plan was scored). ``sim_options`` maps it onto the
+simulator's ``SimOptions``.
+
+Example:
+    >>> from wrapopt.train import TrainConfig
+    >>> cfg = TrainConfig.preset("bf16", grad_accumulation=4)
+    >>> cfg.param_dtype, cfg.reduce_dtype, cfg.precision
+    ('bfloat16', 'float32', 'bf16')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterable
+
+import torch
+
+from wrapopt.errors import PlanError
+from wrapopt.fileio import JsonReader
+from wrapopt.spec import SYNC_MODES, OptimizerKind, SimOptions
+
+__all__ = ["TrainConfig", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES", "SYNC_MODES", "dtype_name",
+           "model_dtype"]
+
+# Canonical dtype names (as in the plan file) and the spellings accepted for them.
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Presets: (param_dtype, reduce_dtype, output_dtype); None keeps the model's own dtype. Without
+# one (``TrainConfig()``, ``--precision none``) no policy is applied: the model's own dtype.
+PRECISIONS: dict[str, tuple[str | None, str | None, str | None]] = {
+    "fp32": ("float32", "float32", None),  # float32 compute and reduction, whatever the model is stored in
+    "bf16": ("bfloat16", "float32", None),  # bf16 compute and all-gathers, fp32 gradient reduction (TorchTitan's default)
+    "bf16-pure": ("bfloat16", "bfloat16", None),  # bf16 reduction too: half the reduce-scatter bytes
+    "fp16": ("float16", "float32", None),  # fp16 compute; needs loss scaling (a GradScaler) to train
+}
+
+# Optimizer names -> (kind, torch class, extra keyword arguments).
+OPTIMIZERS: dict[str, tuple[OptimizerKind, str, dict[str, Any]]] = {
+    "adamw": (OptimizerKind.ADAMW, "AdamW", {}),
+    "adam": (OptimizerKind.ADAM, "Adam", {}),
+    "sgd": (OptimizerKind.SGD, "SGD", {}),
+    "sgd-momentum": (OptimizerKind.SGD_MOMENTUM, "SGD", {"momentum": 0.9}),
+    "adafactor": (OptimizerKind.ADAFACTOR, "Adafactor", {}),
+}
+
+
+def dtype_name(value: Any, *, what: str = "dtype") -> str | None:
+    """The canonical name of a dtype given as a name or a ``torch.dtype``; None stays None.
+    Raises ValueError with one line listing the accepted names."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        for name, dt in TORCH_DTYPES.items():
+            if dt == value:
+                return name
+        raise ValueError(f"unknown {what} {value}; accepted: {', '.join(TORCH_DTYPES)}")
+    name = DTYPE_NAMES.get(str(value).strip().lower())
+    if name is None:
+        raise ValueError(f"unknown {what} {value!r}; accepted: {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def model_dtype(model: Any) -> str:
+    """The name of the dtype ``model``'s floating parameters are stored in (float32 when
+    it has none, or one wrapopt does not plan for)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            for name, dt in TORCH_DTYPES.items():
+                if dt == p.dtype:
+                    return name
+            break
+    return "float32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How each training step runs. The defaults are the model as it is (no
+    mixed precision), one batch per step and AdamW.
+
+    Args:
+        param_dtype: dtype of the gathered parameters and of the forward and
+            backward compute (FSDP2 ``MixedPrecisionPolicy.param_dtype``); None:
+            the model's own.
+        reduce_dtype: dtype of the gradient reduction; None: ``param_dtype``.
+        output_dtype: dtype the model's outputs are cast to; None: no cast.
+        grad_accumulation: micro-batches per optimizer step (the traced batch
+            is one micro-batch).
+        optimizer: one of ``OPTIMIZERS``.
+        accumulation_sync: ``"every"`` micro-batch reduce-scatters its
+            gradients; ``"last"``: only the last does, the others run under
+            ``set_requires_gradient_sync(False)`` and hold unsharded gradients;
+            None: chosen per plan, the faster that fits the memory budget.
+    """
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    grad_accumulation: int = 1
+    optimizer: str = "adamw"
+    accumulation_sync: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("param_dtype", "reduce_dtype", "output_dtype"):
+            object.__setattr__(self, f, dtype_name(getattr(self, f), what=f))
+        if isinstance(self.grad_accumulation, bool) or not isinstance(self.grad_accumulation, int) or self.grad_accumulation < 1:
+            raise ValueError(f"gradient accumulation must be an integer >= 1, got {self.grad_accumulation!r}")
+        name = str(self.optimizer).strip().lower()
+        if name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+        object.__setattr__(self, "optimizer", name)
+        if self.accumulation_sync is not None and self.accumulation_sync not in SYNC_MODES:
+            raise ValueError(f"unknown accumulation sync {self.accumulation_sync!r}; accepted: {', '.join(SYNC_MODES)} "
+                             "(or auto: searched per plan)")
+
+    # -- making one ---------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, precision: str = "none", **kw: Any) -> "TrainConfig":
+        """A named precision (``PRECISIONS``, or ``none``: no policy) with the other fields as given."""
+        key = str(precision).strip().lower()
+        if key == "none":
+            return cls(**kw)
+        if key not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; accepted: none, {', '.join(PRECISIONS)}")
+        p, r, o = PRECISIONS[key]
+        return cls(param_dtype=p, reduce_dtype=r, output_dtype=o, **kw)
+
+    @classmethod
+    def from_policy(cls, policy: Any, **kw: Any) -> "TrainConfig":
+        """From an FSDP2 ``MixedPrecisionPolicy`` (its param, reduce and output dtypes)."""
+        return cls(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                   output_dtype=policy.output_dtype, **kw)
+
+    @classmethod
+    def parse(cls, *, precision: Any = None, accumulation: int | None = None, optimizer: str | None = None,
+              sync: str | None = None) -> "TrainConfig":
+        """From the command line's flags: a preset name or a ``MixedPrecisionPolicy`` for
+        ``precision``; ``sync`` "every", "last", or "auto"/None (searched)."""
+        kw: dict[str, Any] = {"grad_accumulation": 1 if accumulation is None else accumulation,
+                              "optimizer": optimizer or "adamw",
+                              "accumulation_sync": None if sync in (None, "auto") else sync}
+        if precision is None or isinstance(precision, str):
+            return cls.preset(precision or "none", **kw)
+        return cls.from_policy(precision, **kw)
+
+    # -- what it means ------------------------------------------------------------------------
+
+    @property
+    def precision(self) -> str:
+        """The preset this is, "none" (no policy), or "custom"."""
+        mine = (self.param_dtype, self.reduce_dtype, self.output_dtype)
+        if mine == (None, None, None):
+            return "none"
+        return next((k for k, v in PRECISIONS.items() if v == mine), "custom")
+
+    def compute_dtype(self, model_dtype: str = "float32") -> str:
+        """The dtype the forward and backward run in: ``param_dtype``, else the model's."""
+        return self.param_dtype or model_dtype
+
+    @property
+    def sync_chosen(self) -> bool:
+        """Whether the sync mode is settled (or irrelevant: one micro-batch)."""
+        return self.grad_accumulation == 1 or self.accumulation_sync is not None
+
+    def mixed_precision(self) -> dict[str, str | None]:
+        """The plan file's ``mixed_precision`` object."""
+        return {"param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype, "output_dtype": self.output_dtype}
+
+    def mp_policy(self) -> Any:
+        """The FSDP2 ``MixedPrecisionPolicy`` (all None: no casting)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # documented lazy load: torch.distributed.fsdp is heavy
+
+        return MixedPrecisionPolicy(**{k: TORCH_DTYPES[v] if v else None for k, v in self.mixed_precision().items()})
+
+    def sim_options(self, *, batch_scale: float = 1.0, memory_budget: float | None = None) -> SimOptions:
+        """The simulator's options for this step; ``memory_budget`` decides an unset sync mode."""
+        param = DTYPE_BYTES[self.param_dtype] if self.param_dtype else None
+        reduce = DTYPE_BYTES[self.reduce_dtype] if self.reduce_dtype else None
+        out = DTYPE_BYTES[self.output_dtype] if self.output_dtype else None
+        return SimOptions(optimizer=OPTIMIZERS[self.optimizer][0], param_dtype_bytes=param, reduce_dtype_bytes=reduce,
+                          grad_accumulation=self.grad_accumulation, batch_scale=batch_scale,
+                          accumulation_sync=self.accumulation_sync if self.grad_accumulation > 1 else "last",
+                          memory_budget_bytes=memory_budget, activation_dtype_bytes=param, output_dtype_bytes=out)
+
+    def make_optimizer(self, params: Iterable[Any], *, lr: float = 1e-3, **kw: Any) -> torch.optim.Optimizer:
+        """The torch optimizer this config names (``sgd-momentum``: momentum 0.9)."""
+        _kind, cls_name, extra = OPTIMIZERS[self.optimizer]
+        return getattr(torch.optim, cls_name)(params, lr=lr, **{**extra, **kw})
+
+    def describe(self) -> str:
+        """One line for reports."""
+        prec = ("none (no mixed precision: the model's own dtype)" if self.precision == "none" else
+                f"{self.precision} (params {self.param_dtype or 'model'}, reduce "
+                f"{self.reduce_dtype or self.param_dtype or 'model'}"
+                + (f", output {self.output_dtype}" if self.output_dtype else "") + ")")
+        sync = ("" if self.grad_accumulation == 1 else
+                f", sync {self.accumulation_sync}" if self.accumulation_sync else ", sync searched per plan")
+        return (f"precision {prec}, {self.grad_accumulation} micro-batch"
+                f"{'es' if self.grad_accumulation > 1 else ''} per step{sync}, optimizer {self.optimizer}")
+
+    def differences(self, other: "TrainConfig") -> list[str]:
+        """``field (this -> other)`` for every field that differs; an unset sync mode
+        on either side differs from nothing."""
+        out = []
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "accumulation_sync" and (a is None or b is None):
+                continue
+            if a != b:
+                out.append(f"{f.name} ({a} in the plan, {b} given)")
+        return out
+
+    def with_sync(self, mode: str | None) -> "TrainConfig":
+        return replace(self, accumulation_sync=mode if self.grad_accumulation > 1 else None)
+
+    # -- the plan file --------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {"precision": self.precision, "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
+                "output_dtype": self.output_dtype, "grad_accumulation": self.grad_accumulation,
+                "optimizer": self.optimizer, "accumulation_sync": self.accumulation_sync}
+
+    @classmethod
+    def from_json(cls, d: Any, *, source: str = "<plan>") -> "TrainConfig":
+        """Read the plan file's ``train`` object; errors name the file and the field."""
+        r = JsonReader(d, f"{source}: train", error=PlanError)
+        kw: dict[str, Any] = {}
+        for key in ("param_dtype", "reduce_dtype", "output_dtype", "accumulation_sync"):
+            kw[key] = r.d.get(key)
+        kw["grad_accumulation"] = r.d.get("grad_accumulation", 1)
+        kw["optimizer"] = r.d.get("optimizer", "adamw")
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            raise PlanError(f"{r.where}: {e}") from None
+
+    @classmethod
+    def from_mixed_precision(cls, mp: dict[str, Any] | None) -> "TrainConfig":
+        """What an older plan file (``mixed_precision`` only) was made for."""
+        mp = mp or {}
+        return cls(param_dtype=mp.get("param_dtype"), reduce_dtype=mp.get("reduce_dtype"),
+                   output_dtype=mp.get("output_dtype"))
