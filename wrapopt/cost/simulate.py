@@ -363,17 +363,18 @@ class Simulator:
                     raise
                 backend.fall_back(f"{type(e).__name__}: {e}")
                 return self.simulate(plan, record=record)
-            runs.append(_Run(mode=mode, static_bytes=static, held_bytes=held, sharded_grads_bytes=sharded_grads,
-                             events=ev_rows, result=res))
-        if len(runs) > 1:  # the faster that fits, else the smaller peak
+            if len(modes) > 1:  # kept to choose from below (one mode: its locals stand)
+                runs.append(_Run(mode=mode, static_bytes=static, held_bytes=held, sharded_grads_bytes=sharded_grads,
+                                 events=ev_rows, result=res))
+        grads_before = sharded_grads
+        if runs:  # the faster that fits, else the smaller peak
             limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
             fit = [r for r in runs if r.result.peak_bytes <= limit]
             last, every = runs
             times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
-            runs = [min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)]
-        run = runs[0]
-        mode, static, held, grads_before = run.mode, run.static_bytes, run.held_bytes, run.sharded_grads_bytes
-        ev_rows, res = run.events, run.result
+            run = min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)
+            mode, static, held, grads_before = run.mode, run.static_bytes, run.held_bytes, run.sharded_grads_bytes
+            ev_rows, res = run.events, run.result
         fwd_end, bwd_end, end, peak, peak_parts = res.fwd_end, res.bwd_end, res.end, res.peak_bytes, res.peak_parts
         comm_total = res.comm_s
         ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
