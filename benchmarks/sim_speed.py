@@ -38,7 +38,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from wrapopt.cost import step as steploop  # noqa: E402
 from wrapopt.evaluation.evaluate import _cpu_times, _steal, fmt_steal  # noqa: E402
 from wrapopt.fileio import atomic_write_json, atomic_write_text  # noqa: E402
 
@@ -63,22 +62,14 @@ def _setup():
     return trace_model(entry.build("meta"), entry.inputs(), loss_fn=entry.loss, fx=False)
 
 
-def _new_sim(graph):
+def _new_sim(graph, backend: str | None = None):
+    """A fresh simulator; ``backend``: 'compiled' (numba: the step loop, the layout build and the
+    collective-time lookup), 'python', or None for the default. See [Note: compiled step loop]
+    and [Note: layout kernel]."""
     from wrapopt.cost import Simulator
     from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 
-    return Simulator(graph, analytical_fabric(world_size=MESH["world_size"]), analytical_compute())
-
-
-_COMPILED: list = []  # the compiled step loop and layout kernel, made once
-
-
-def use_loop(loop: str) -> None:
-    """Run the simulator's step loop and layout build compiled (numba) or as Python: See
-    [Note: compiled step loop] and [Note: layout kernel]."""
-    if not _COMPILED:
-        _COMPILED.append(steploop.kernels())
-    steploop._JIT[:] = [None] if loop == "python" else _COMPILED
+    return Simulator(graph, analytical_fabric(world_size=MESH["world_size"]), analytical_compute(), backend=backend)
 
 
 def simulator_speed(graph=None, rounds: int = 9) -> list[dict]:
@@ -92,8 +83,7 @@ def simulator_speed(graph=None, rounds: int = 9) -> list[dict]:
     graph = graph or _setup()
     mesh = MeshSpec(**MESH)
     base = baselines(graph, mesh)
-    use_loop("compiled")
-    compiled = steploop.compiled() is not None
+    compiled = _new_sim(graph).backend.name == "compiled"
     root, blocks = base["root-only"].units[-1], graph.blocks
 
     def groupings(k: int) -> list:
@@ -124,15 +114,13 @@ def simulator_speed(graph=None, rounds: int = 9) -> list[dict]:
         for label, make_plans in cases:
             plans = make_plans(k)
             for loop in loops:  # interleaved: the machine is shared
-                use_loop(loop)
-                sim = _new_sim(graph)  # a fresh simulator: layouts are built, not cached
+                sim = _new_sim(graph, loop)  # a fresh simulator: layouts are built, not cached
                 t0 = time.perf_counter()
                 for p in plans:
                     sim.simulate(p)
                 rates[(label, loop)].append(len(plans) / (time.perf_counter() - t0))
             shape[label] = (sum(len(p.units) for p in plans) / len(plans),
                             sum(sim.layout(p.units).num_segments for p in plans) / len(plans))
-    use_loop("compiled")
     rows = []
     for label, _ in cases:
         main = rates[(label, loops[0])]
@@ -186,10 +174,11 @@ def main() -> int:
     from wrapopt.spec import MeshSpec
 
     t1 = time.perf_counter()  # the first simulate compiles (or loads from numba's cache)
-    _new_sim(graph).simulate(baselines(graph, MeshSpec(**MESH))["per-block"])
+    sim = _new_sim(graph)
+    sim.simulate(baselines(graph, MeshSpec(**MESH))["per-block"])
     compile_s = time.perf_counter() - t1
     cold_s = None
-    if steploop.compiled() is not None:
+    if sim.backend.kernels is not None:
         import numba
 
         loop = f"compiled with numba {numba.__version__}"

@@ -59,21 +59,13 @@ WIRING: dict[str, tuple[str, ...]] = {
 }
 
 # (file, imported module): imports inside a function that must stay there, and why.
-LAZY: dict[tuple[str, str], str] = {
-    ("wrapopt/cost/step.py", "wrapopt.cost.kernels"):
-        "the layout kernel is needed only when numba compiles it, on the first scored plan; "
-        "See [Note: compiled step loop]",
-}
+LAZY: dict[tuple[str, str], str] = {}
 
 # Breaks known when this test was written, each being fixed elsewhere (issue 18). Remove an
 # entry with its fix: an entry that no longer matches anything fails.
 PENDING: dict[str, set] = {
-    "private": {  # (file, imported module, name)
-        ("wrapopt/cost/simulate.py", "wrapopt.cost.layout", "_MODULES"),
-    },
-    "long": {  # (file, its line count): may not grow
-        ("wrapopt/cost/layout.py", 546),
-    },
+    "private": set(),  # (file, imported module, name)
+    "long": set(),  # (file, its line count): may not grow
     "stdlib": {  # module; to decide: rename it, or keep it with a stated reason
         "wrapopt.trace",
     },

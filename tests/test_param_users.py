@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from wrapopt.cost import Simulator
-from wrapopt.cost.layout import gradient_sites
+from wrapopt.cost.calls import gradient_sites
 from wrapopt.errors import PlanError
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.launch import spawn

@@ -101,7 +101,7 @@ def test_tracer_separates_the_loss_from_the_root():
 
 
 def test_tied_gradient_appears_at_the_head_and_accumulates_at_the_embedding():
-    from wrapopt.cost.layout import gradient_sites
+    from wrapopt.cost.calls import gradient_sites
     from wrapopt.trace.meta import trace_model
 
     e = zoo.get_entry("gpt-tiny")

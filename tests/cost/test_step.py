@@ -20,13 +20,13 @@ from wrapopt.trace.meta import trace_model
 GPU = analytical_compute()
 
 
-def test_compiled_and_python_paths_agree_exactly(monkeypatch):
-    """See [Note: compiled step loop]: numba's code (step loop, layout kernel, table
-    lookup) and the Python path give the same estimate, timeline included, on FSDP,
-    HSDP and no-shard plans, GPU and CPU schedules; compiled code that fails falls
-    back to Python with a warning."""
+def test_compiled_and_python_paths_agree_exactly():
+    """See [Note: compiled step loop]: numba's code (step loop on its named tuples, layout
+    kernel, table lookup and merge) and the Python path give the same estimate, timeline
+    included, on FSDP, HSDP and no-shard plans, GPU and CPU schedules; compiled code that
+    fails falls back to Python with a warning, for the simulator it failed in only."""
     pytest.importorskip("numba")
-    from wrapopt.cost import step as steploop
+    from wrapopt.cost.step import Backend, Kernels, compile_kernels
     from wrapopt.search.study.space import SearchSpace
 
     model, x = zoo.build("gpt-tiny", "meta")
@@ -39,38 +39,64 @@ def test_compiled_and_python_paths_agree_exactly(monkeypatch):
     assert any(u.checkpoint for p in plans for u in p.units)
     cpu = dataclasses.replace(GPU, device="cpu", runs_ahead=False)
     opts = SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, grad_accumulation=2)
-    monkeypatch.setattr(steploop, "_JIT", [])
-    assert steploop.compiled() is not None
     for comp in (GPU, cpu):
-        jit = [Simulator(g, fab, comp, opts).simulate(p, record=True) for p in plans]
-        monkeypatch.setattr(steploop, "_JIT", [None])
-        py = [Simulator(g, fab, comp, opts).simulate(p, record=True) for p in plans]
-        monkeypatch.setattr(steploop, "_JIT", [])
+        fast = Simulator(g, fab, comp, opts, backend="compiled")
+        jit = [fast.simulate(p, record=True) for p in plans]
+        assert fast.backend.name == "compiled" and fast.backend.kernels is not None  # nothing fell back
+        py = [Simulator(g, fab, comp, opts, backend="python").simulate(p, record=True) for p in plans]
         assert jit == py
         assert all(e.timeline for e in jit)
 
     def broken(*_a):
         raise TypeError("no matching definition")
 
-    real = steploop.kernels()
-    for i in range(len(real)):  # the step loop, the layout kernel, the table lookup
-        monkeypatch.setattr(steploop, "_JIT", [real[:i] + (broken,) + real[i + 1:]])
+    real = compile_kernels()
+    for field in dataclasses.fields(Kernels):  # the step loop, the layout kernel, the table lookup and merge
+        sim = Simulator(g, fab, GPU, opts, backend=Backend("compiled", kernels=dataclasses.replace(real, **{field.name: broken})))
         with pytest.warns(UserWarning, match="compiled code failed"):
-            again = Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
-        assert steploop.compiled() is None  # the rest of the process runs Python
-        assert again == Simulator(g, fab, GPU, opts).simulate(plans[0], record=True)
+            again = sim.simulate(plans[0], record=True)
+        assert sim.backend.name == "python" and sim.layout.backend is sim.backend, field.name  # Python from now on
+        assert again == Simulator(g, fab, GPU, opts, backend="python").simulate(plans[0], record=True)
+        assert Simulator(g, fab, GPU, opts).backend.kernels is real  # other simulators still run compiled
+
+
+def test_backend_choice(monkeypatch):
+    """Each ``Simulator`` owns its backend: compiled by default when numba is installed,
+    Python under ``WRAPOPT_JIT=0`` or when asked; a wrong name says what is expected."""
+    import importlib.util
+
+    from wrapopt.cost.step import Backend
+
+    g = trace_model(*zoo.build("gpt-tiny", "meta"))
+    fab = analytical_fabric(world_size=16, ranks_per_node=4)
+    has_numba = importlib.util.find_spec("numba") is not None
+    monkeypatch.delenv("WRAPOPT_JIT", raising=False)
+    assert Simulator(g, fab, GPU).backend.name == ("compiled" if has_numba else "python")
+    assert Simulator(g, fab, GPU, backend="python").backend.name == "python"
+    monkeypatch.setenv("WRAPOPT_JIT", "0")
+    sim = Simulator(g, fab, GPU)
+    assert sim.backend.name == "python" and sim.backend.kernels is None and sim.layout.backend is sim.backend
+    if has_numba:
+        assert Simulator(g, fab, GPU, backend="compiled").backend.name == "compiled"  # asked for: the environment yields
+    mine = Backend("python")
+    assert Simulator(g, fab, GPU, backend=mine).backend is mine
+    with pytest.raises(ValueError, match="'compiled' .*or 'python'"):
+        Simulator(g, fab, GPU, backend="numba")
 
 
 def test_size_tables_lookup_and_merge():
     """The simulator's tables of collective times by size: ``lookup`` finds every key
     (NaN and a count for the rest), ``merge`` keeps the table sorted; compiled too."""
+    import importlib.util
+
     import numpy as np
 
     from wrapopt.cost import step as steploop
 
     fns = [(steploop.lookup, steploop.merge)]
-    if steploop.kernels() is not None:
-        fns.append(steploop.kernels()[2:4])
+    if importlib.util.find_spec("numba") is not None:
+        compiled = steploop.compile_kernels()
+        fns.append((compiled.lookup, compiled.merge))
     for lookup, merge in fns:
         keys, values = np.array([2.0, 8.0, 32.0]), np.array([0.2, 0.8, 3.2])
         out, missing = lookup(keys, values, np.array([8.0, 2.0, 8.0, 32.0]))
@@ -85,10 +111,10 @@ def test_size_tables_lookup_and_merge():
 def _layout_values(lay):
     """A layout as plain values, whichever builder made it (numpy arrays or tuples)."""
     py = lambda c: tuple(c.tolist()) if hasattr(c, "tolist") else tuple(c)  # noqa: E731
-    return (lay.counts.tolist(), lay.times.tolist(), tuple(map(py, lay.loop[0])), tuple(map(py, lay.loop[1])))
+    return (lay.counts.tolist(), lay.times.tolist(), tuple(map(py, lay.seg_cols)), tuple(map(py, lay.unit_cols)))
 
 
-def test_layout_kernel_matches_the_fragment_path(monkeypatch):
+def test_layout_kernel_matches_the_fragment_path():
     """See [Note: layout kernel]: ``layout_kernel`` (run here as Python, as numba compiles
     it) builds exactly the layout of the fragment path, on zoo models cut into
     sub-block units and on fixture models with a layer called three times, frozen
@@ -97,12 +123,11 @@ def test_layout_kernel_matches_the_fragment_path(monkeypatch):
     import torch
 
     from tests.fixtures_models import DIM, AlbertLike, LoRAModel, MoEModel, WithUnused, moe_inputs
-    from wrapopt.cost import step as steploop
     from wrapopt.cost.kernels import layout_kernel
     from wrapopt.cost.layout import Layouts
+    from wrapopt.cost.step import Backend
     from wrapopt.search.study.space import SearchSpace
 
-    monkeypatch.setattr(steploop, "_JIT", [None])  # Layouts.build takes the fragment path
     graphs = [trace_model(*zoo.build(name, "meta")) for name in ("t5-tiny", "gpt-tiny")]
     graphs += [trace_model(AlbertLike(num_repeats=3), torch.randn(4, DIM)), trace_model(LoRAModel(), torch.randn(4, DIM)),
                trace_model(MoEModel(dense=True), moe_inputs()), trace_model(WithUnused(), torch.randn(4, DIM))]
@@ -125,7 +150,7 @@ def test_layout_kernel_matches_the_fragment_path(monkeypatch):
                     u.append(m)
             plans.append(tuple(UnitSpec(tuple(u)) for u in units) + (UnitSpec(("",), False),))
         for opts in (SimOptions(), SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, batch_scale=1.5)):
-            layouts = Layouts(g, analytical_compute(), opts)
+            layouts = Layouts(g, analytical_compute(), opts, backend=Backend("python"))  # build: the fragment path
             for units in plans:
                 fragments = layouts.build(units)
                 kernel = layouts._build_compiled(layout_kernel, units)
@@ -139,10 +164,17 @@ def test_layout_kernel_matches_the_fragment_path(monkeypatch):
 
 def test_import_does_not_load_numba():
     """See [Note: compiled step loop]: numba (~1 s to import) loads when the first plan
-    is scored, so CLI commands and spawned ranks that never score one do not pay it."""
+    is scored, so CLI commands and spawned ranks that never score one do not pay it
+    (building a ``Simulator`` does not load it either)."""
     import subprocess
     import sys
 
-    code = "import sys, wrapopt, wrapopt.cost.simulate, wrapopt.cli; print('numba' in sys.modules)"
+    code = ("import sys, wrapopt, wrapopt.cost.simulate, wrapopt.cli\n"
+            "from wrapopt.cost import Simulator\n"
+            "from wrapopt.hardware.presets import analytical_compute, analytical_fabric\n"
+            "from wrapopt.models import zoo\n"
+            "from wrapopt.trace.meta import trace_model\n"
+            "Simulator(trace_model(*zoo.build('gpt-tiny', 'meta')), analytical_fabric(world_size=2), analytical_compute())\n"
+            "print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

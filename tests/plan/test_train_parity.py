@@ -10,7 +10,6 @@ losses within BF16_TOL (relative) of the fp32 reference's.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

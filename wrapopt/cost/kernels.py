@@ -2,14 +2,33 @@
 
 See [Note: layout kernel] in ``layout.py``, which prepares its arrays
 (``Layouts._kernel_tables``) and turns its result into a ``Layout``;
-``step.kernels()`` compiles it.
+``step.compile_kernels()`` compiles it.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-__all__ = ["layout_kernel"]
+__all__ = ["LayoutTables", "layout_kernel"]
+
+
+class LayoutTables(NamedTuple):
+    """The module graph as ``layout_kernel`` reads it, after the units' ``ids`` and
+    ``listed`` (its arguments, in this order): See its docstring."""
+
+    e_anc: np.ndarray  # per module call, in forward order: ancestor ids, innermost first, -1 padded
+    e_piece: np.ndarray  # its piece
+    e_time: np.ndarray  # (forward, backward) seconds
+    e_int: np.ndarray  # (saved, output, gradient elements, accumulated elements, input bytes)
+    keep_of: np.ndarray  # per piece: what checkpointing keeps
+    p_anc: np.ndarray  # per parameter module: ancestor ids
+    p_vals: np.ndarray  # (elements, bytes, trainable elements, trainable bytes)
+    m_out: np.ndarray  # per module id: output bytes
+    root_id: int  # -2: no root module
+    scale: float  # the batch scale
+    reduce_elem: float  # bytes per gradient element in the reduce-scatter
 
 
 def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_vals, m_out, root_id,  # noqa: ANN001

@@ -21,65 +21,37 @@ by every plan that cuts the piece the same way. The search's sub-block plans
 cut 32 blocks in a handful of ways each, so a new plan's layout is mostly
 assembled from fragments already seen.
 
-[Note: layout kernel] With numba installed (See [Note: compiled step loop] in
-``step.py``), ``build`` runs ``layout_kernel`` (``kernels.py``)
-instead: the same rules on module ids, one pass over the module calls in
+[Note: layout kernel] With a compiled backend (numba installed: See [Note:
+compiled step loop] in ``step.py``), ``build`` runs ``layout_kernel``
+(``kernels.py``, its inputs ``LayoutTables``) instead: the same rules on module ids, one pass over the module calls in
 forward order (each call's owner is the innermost ancestor that is a unit; a
 segment ends where the owner or the piece changes) and one over the
 parameter modules. It sums in
 the same order as the fragment path, so both give the same layout exactly
-(``tests/test_cost.py``); the fragment path stays for Python, where a loop
+(``tests/cost/test_step.py``); the fragment path stays for Python, where a loop
 over every module call per plan would be slow.
 
-[Note: gradient sites] A parameter's unsharded gradient appears when backward
-reaches the first module using it in backward order: for a tied parameter
-(embedding and output head) that is the use that ran last in forward, so the
-gradient lives through the whole backward until its unit's reduce-scatter.
-Every other use (the other tied modules, a module called more than once)
-accumulates into it: for that moment the new gradient and the sum are held
-besides the old one. Parameters another module's forward reads
-(``ModelGraph.param_users``: ``nn.MultiheadAttention``'s ``out_proj``, which
-never runs itself) are placed the same way, among the modules that use them.
-
-[Note: progressive backward] Within a segment, backward visits its modules
-in reverse: each module's gradients appear and, once its backward is done,
-the activations it saved are freed. The segment's peak is the largest, over
-its modules, of (gradients so far - activations freed so far + the gradient
-arriving, of the module's output size, and the one leaving, of its input size
-+ a gradient accumulation in flight), on top of the segment's saved activations and the
-gradients from before.
+``calls.py`` holds what the layout reads per module call: [Note: gradient
+sites], [Note: progressive backward].
 """
 
 from __future__ import annotations
 
-import math
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from wrapopt.cost import step as steploop
+from wrapopt.cost.calls import backward_working_set, module_calls
+from wrapopt.cost.kernels import LayoutTables
+from wrapopt.cost.step import Backend, Segments, UnitLayout
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, SimOptions, UnitSpec
 from wrapopt.units import ancestors, owner_index
 
-__all__ = ["Layout", "Layouts", "Segment"]
-
-
-class _Entry(NamedTuple):
-    fqn: str
-    anc: tuple[str, ...]
-    fwd_s: float
-    bwd_s: float
-    saved: int
-    out: int
-    grad_numel: int  # trainable elements whose gradient appears at this module's backward
-    piece: str  # the block (or top-level child) it belongs to: segments never span two
-    acc_numel: int  # elements whose gradient is accumulated here into an existing one
-    inp: int  # bytes of its floating inputs: the gradient its backward hands on
+__all__ = ["Layout", "Layouts", "Segment", "unit_modules"]
 
 
 class Segment(NamedTuple):
@@ -95,7 +67,7 @@ class Segment(NamedTuple):
     keep: int  # what checkpointing keeps of this block: its output (~ the next block's input)
 
 
-_MODULES = operator.attrgetter("modules")
+unit_modules = operator.attrgetter("modules")  # a unit's modules: the key of a set of units is these, per unit
 
 # Rows of ``Layout.counts``, per unit:
 NUMEL, STORAGE, TRAINABLE_NUMEL, TRAINABLE_BYTES, SAVED, WORK, INPUT, KEEPS = range(8)
@@ -111,12 +83,10 @@ class Layout:
     # many of its segments start a piece (pay the checkpoint overhead).
     counts: np.ndarray
     times: np.ndarray  # per unit (float64): forward, backward
-    # What the step loop reads (``steploop.step_loop``): the segments as the 8 columns of
-    # ``Segment``, and (units in forward order of first segment, units in backward
-    # order, then per unit: last forward segment, place in forward and in backward
-    # order (-1: never runs), segments, gradient elements that appear during them,
-    # trainable bytes). Tuples, or numpy arrays where the layout kernel built it.
-    loop: tuple[tuple[Sequence[Any], ...], tuple[Sequence[Any], ...]]
+    # What the step loop reads (``step.step_loop``): the segments' columns and the units'
+    # order and sums. Tuples, or numpy arrays where the layout kernel built it.
+    seg_cols: Segments
+    unit_cols: UnitLayout
 
     def _row(self, i: int) -> tuple[int, ...]:
         return tuple(self.counts[i].tolist())
@@ -133,21 +103,24 @@ class Layout:
 
     @property
     def segments(self) -> tuple[Segment, ...]:
-        cols = [c.tolist() if isinstance(c, np.ndarray) else c for c in self.loop[0]]
+        cols = [c.tolist() if isinstance(c, np.ndarray) else c for c in self.seg_cols]
         return tuple(map(Segment._make, zip(*cols)))
 
     @property
     def num_segments(self) -> int:
-        return len(self.loop[0][0])
+        return len(self.seg_cols.unit)
 
 
 class Layouts:
     """Builds (and caches) the ``Layout`` of a set of units for one model, compute
-    profile and step options. Building one costs a pass over the module graph."""
+    profile and step options. Building one costs a pass over the module graph.
 
-    def __init__(self, graph: ModelGraph, compute: ComputeProfile, options: SimOptions):
+    ``backend`` (by default ``Backend.default()``; a ``Simulator`` passes its own):
+    compiled, ``build`` runs the layout kernel (See [Note: layout kernel])."""
+
+    def __init__(self, graph: ModelGraph, compute: ComputeProfile, options: SimOptions, *, backend: Backend | None = None):
         self.options = options
-        measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
+        self.backend = backend or Backend.default()
         scale = options.batch_scale
         blocks = set(graph.blocks)
 
@@ -159,25 +132,7 @@ class Layouts:
 
         self.elem = graph.param_bytes / max(1, graph.num_params)  # storage bytes per element
         self._reduce_elem = options.reduce_dtype_bytes or options.param_dtype_bytes or self.elem
-        grad_at, acc_at = gradient_sites(graph)
-        entries = []
-        for m in graph.call_order():
-            if measured:
-                f, b = measured.get(m.fqn, (0.0, 0.0))
-                f, b = f * scale, b * scale
-            else:
-                f, b = m.fwd_flops / compute.flops_per_s, m.bwd_flops / compute.flops_per_s
-                if compute.op_bandwidth_bytes_per_s:  # See [Note: memory-bound ops] in trace/op_bytes.py
-                    f += m.fwd_bytes / compute.op_bandwidth_bytes_per_s
-                    b += m.bwd_bytes / compute.op_bandwidth_bytes_per_s
-                # The per-call overhead is paid once per call, whatever the batch.
-                oh = compute.module_overhead_s * m.num_calls
-                f, b = f * scale + oh, b * scale + oh
-            # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
-            out = 0 if m.fqn == ROOT else m.output_bytes
-            entries.append(_Entry(m.fqn, ancestors(m.fqn), f, b, int(m.saved_bytes * scale),
-                                  int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
-                                  int((0 if m.fqn == ROOT else m.input_bytes) * scale)))
+        entries = module_calls(graph, compute, scale, piece)
         self._param_modules = tuple(
             (ancestors(m.fqn), m.own_numel, m.own_bytes, m.own_trainable_numel, m.own_trainable_bytes, piece(m.fqn))
             for m in graph.modules
@@ -231,7 +186,7 @@ class Layouts:
     def __call__(self, units: tuple[UnitSpec, ...], key: tuple[tuple[str, ...], ...] | None = None) -> Layout:
         """The layout of ``units``; ``key`` is ``tuple(u.modules for u in units)`` if the caller has it."""
         if key is None:
-            key = tuple(map(_MODULES, units))
+            key = tuple(map(unit_modules, units))
         lay = self._cache.get(key)
         if lay is None:
             lay = self.build(units, key)
@@ -242,12 +197,12 @@ class Layouts:
 
     def build(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...] | None = None) -> Layout:
         """The layout of ``units`` (``mods``: their modules, if the caller has them), not cached."""
-        kernels = steploop.kernels()
+        kernels = self.backend.kernels
         if kernels is not None:  # See [Note: layout kernel]
             try:
-                lay = self._build_compiled(kernels[1], units, mods)
+                lay = self._build_compiled(kernels.layout, units, mods)
             except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-                steploop.disable_jit(f"{type(e).__name__}: {e}")
+                self.backend.fall_back(f"{type(e).__name__}: {e}")
                 lay = None
             if lay is not None:
                 return lay
@@ -347,14 +302,15 @@ class Layouts:
             pos[u] = k
         for k, u in enumerate(border):
             bpos[u] = k
-        loop = (tuple(zip(*segments)) if segments else ((),) * 8,
-                (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg), tuple(seg_grads), tuple(tbytes)))
         return Layout(np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n),
-                      np.array((fwd, bwd), dtype=np.float64).reshape(2, n), loop)
+                      np.array((fwd, bwd), dtype=np.float64).reshape(2, n),
+                      Segments._make(zip(*segments)) if segments else Segments._make(((),) * 8),
+                      UnitLayout(forward=order, backward=border, last_fwd=tuple(last), fwd_pos=tuple(pos), bwd_pos=tuple(bpos),
+                                 num_segments=tuple(nseg), seg_grad_numel=tuple(seg_grads), trainable_bytes=tuple(tbytes)))
 
     # -- the layout kernel: See [Note: layout kernel] ---------------------------------------
 
-    def _kernel_tables(self) -> tuple[dict[str, int], tuple[Any, ...]]:
+    def _kernel_tables(self) -> tuple[dict[str, int], LayoutTables]:
         """The module graph as the kernel reads it: module ids, and arrays of the module
         calls (in forward order) and of the parameter modules. Built on first use."""
         if self._tables is None:
@@ -382,16 +338,17 @@ class Layouts:
             m_out = np.zeros(len(mid), dtype=np.float64)
             for fqn, b in self._out_bytes.items():
                 m_out[mid[fqn]] = b
-            self._tables = mid, (
-                anc_ids([e.anc for e in entries]),
-                np.array(e_piece, dtype=np.int64).reshape(-1),
-                np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]], dtype=np.float64).reshape(2, -1),
-                np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp] for e in entries],
-                         dtype=np.int64).reshape(-1, 5).T.copy(),
-                np.array([self._keep[pc] for pc in pieces], dtype=np.int64),
-                anc_ids([p[0] for p in self._param_modules]),
-                np.array([p[1:5] for p in self._param_modules], dtype=np.int64).reshape(-1, 4).T.copy(),
-                m_out, mid[ROOT] if ROOT in mid else -2, float(self.options.batch_scale), self._reduce_elem,
+            self._tables = mid, LayoutTables(
+                e_anc=anc_ids([e.anc for e in entries]),
+                e_piece=np.array(e_piece, dtype=np.int64).reshape(-1),
+                e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]], dtype=np.float64).reshape(2, -1),
+                e_int=np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp] for e in entries],
+                               dtype=np.int64).reshape(-1, 5).T.copy(),
+                keep_of=np.array([self._keep[pc] for pc in pieces], dtype=np.int64),
+                p_anc=anc_ids([p[0] for p in self._param_modules]),
+                p_vals=np.array([p[1:5] for p in self._param_modules], dtype=np.int64).reshape(-1, 4).T.copy(),
+                m_out=m_out, root_id=mid[ROOT] if ROOT in mid else -2, scale=float(self.options.batch_scale),
+                reduce_elem=self._reduce_elem,
             )
         return self._tables
 
@@ -400,16 +357,17 @@ class Layouts:
         """``build`` by the compiled ``layout_kernel``; None if a unit names a module the graph lacks."""
         mid, tables = self._kernel_tables()
         if mods is None:
-            mods = tuple(map(_MODULES, units))
+            mods = tuple(map(unit_modules, units))
         try:
             ids = np.array(list(map(mid.__getitem__, chain.from_iterable(mods))), dtype=np.int64)
         except KeyError:
             return None
         listed = np.array(list(map(len, mods)), dtype=np.int64)
-        seg_u, seg_f, s, u_i, u_f, runs = kernel(ids, listed, *tables)
-        loop = ((seg_u[:s], *seg_f[:, :s]),  # as Simulator._columns makes them
-                (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[2], u_f[3]))
-        return Layout(u_i[:8], u_f[:2], loop)
+        seg_u, seg_f, s, u_i, u_f, runs = kernel(ids, listed, *tables)  # the tables in the kernel's order
+        # As Simulator._columns makes them; the rows of u_i and u_f: See layout_kernel.
+        return Layout(u_i[:8], u_f[:2], Segments(seg_u[:s], *seg_f[:, :s]),
+                      UnitLayout(forward=u_i[12, :runs], backward=u_i[13, :runs], last_fwd=u_i[8], fwd_pos=u_i[10],
+                                 bwd_pos=u_i[11], num_segments=u_i[9], seg_grad_numel=u_f[2], trainable_bytes=u_f[3]))
 
     def _split(self, r: int, groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
         """How units owning ``groups`` (modules relative to the piece, one tuple per
@@ -458,7 +416,7 @@ class Layouts:
                 sv += e.saved
                 out = max(out, e.out)
                 gn += e.grad_numel
-            hit = self._sums[key] = (f, b, sv, out, gn, self._backward_working_set(es))
+            hit = self._sums[key] = (f, b, sv, out, gn, backward_working_set(es, self._reduce_elem))
         return hit
 
     def _param_sums(self, pc: str, owners: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -486,61 +444,4 @@ class Layouts:
             self._inputs[u.modules] = hit
         return hit
 
-    def _backward_working_set(self, entries: list[_Entry] | tuple[_Entry, ...]) -> int:
-        """Most bytes a segment's backward holds beyond its saved activations and the
-        gradients before it. See [Note: progressive backward]."""
-        reduce_elem = self._reduce_elem
-        freed = grads = 0.0
-        best = 0.0
-        for e in reversed(entries):
-            grads += e.grad_numel * reduce_elem
-            # The gradient arriving (output-sized) and the one leaving (input-sized; the
-            # output's size again where the tracer did not see the inputs).
-            leaving = e.inp if e.inp else e.out
-            best = max(best, grads - freed + e.out + leaving + 2 * e.acc_numel * reduce_elem)
-            freed += e.saved
-        return int(best)
-
-
-def gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:
-    """Where gradients appear in backward: See [Note: gradient sites].
-
-    Returns (module -> trainable elements whose gradient appears at its backward,
-    module -> elements whose gradient is accumulated there into an existing one)."""
-    grad_at = {m.fqn: m.own_trainable_numel for m in graph.modules if m.own_trainable_numel}
-    acc_at: dict[str, int] = {}
-    order = {m.fqn: m.order for m in graph.modules}
-    numel = {fqn: math.prod(shape) for fqn, shape, _dt in graph.param_shapes}
-    for group in graph.tied_groups:
-        owners = [fqn.rsplit(".", 1)[0] if "." in fqn else ROOT for fqn in group]
-        n = numel.get(group[0], 0)
-        ran = [o for o in dict.fromkeys(owners) if order.get(o, -1) >= 0]
-        if not ran or grad_at.get(owners[0], 0) < n:
-            continue  # frozen, or never used
-        last = max(ran, key=lambda o: order[o])  # runs last in forward, first in backward
-        grad_at[owners[0]] -= n
-        grad_at[last] = grad_at.get(last, 0) + n
-        for o in ran:
-            if o != last:
-                acc_at[o] = acc_at.get(o, 0) + n
-    # A module's parameters read by other modules' forward (whole modules: a module
-    # with some parameters read elsewhere and some by itself is placed as if all were).
-    users: dict[str, list[str]] = {}
-    for module, user in graph.param_users:
-        users.setdefault(module, [module]).append(user)
-    for module, uses in users.items():
-        n = grad_at.get(module, 0)
-        ran = [o for o in dict.fromkeys(uses) if order.get(o, -1) >= 0]
-        if not n or not ran or ran == [module]:
-            continue
-        last = max(ran, key=lambda o: order[o])
-        grad_at[module] -= n
-        grad_at[last] = grad_at.get(last, 0) + n
-        for o in ran:
-            if o != last:
-                acc_at[o] = acc_at.get(o, 0) + n
-    for m in graph.modules:
-        if m.num_calls > 1 and m.own_trainable_numel:
-            acc_at[m.fqn] = acc_at.get(m.fqn, 0) + m.own_trainable_numel
-    return grad_at, acc_at
 

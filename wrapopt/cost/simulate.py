@@ -6,7 +6,8 @@ the backward in reverse, placing each unit's all-gather, compute and
 reduce-scatter where FSDP2 places them, and tracks memory at every event.
 The notes below are the assumptions; code cites them as ``# See [Note: ...]``.
 ``layout.py`` turns a plan's units into the segments walked here and holds
-[Note: segments], [Note: gradient sites] and [Note: progressive backward].
+[Note: segments]; ``calls.py`` holds [Note: gradient sites] and [Note:
+progressive backward].
 
 [Note: all-gather issue] A unit's all-gather is issued at its pre-forward.
 On a GPU the CPU runs ahead, so the next unit's all-gather is already issued
@@ -86,7 +87,7 @@ the faster that fits ``memory_budget_bytes`` (else the smaller peak);
 ``CostEstimate.accumulation_sync`` says which.
 
 [Note: simulator speed] The search scores thousands of plans, so with numba
-installed three pieces are compiled (``steploop.py``, [Note: compiled step loop]):
+installed three pieces are compiled (``step.py``, [Note: compiled step loop]):
 the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
 lookup of collective times; without numba the same step loop runs as Python
 and layouts reuse block cuts across blocks and plans ([Note: cut pieces]).
@@ -95,20 +96,19 @@ choices is cached: per set of units its layout and sums, per mesh its bytes,
 collective times and ``UnitCosts`` (made into ``UnitCost`` items only when
 read), and per collective and group a table of times by message size.
 Caching never changes a result: a fresh simulator and one that has scored
-many other plans agree exactly (``tests/test_cost.py``).
+many other plans agree exactly (``tests/cost/test_simulate.py``).
 ``benchmarks/sim_speed.py`` measures plans per second, compiled and Python.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from wrapopt.cost import step as steploop
 from wrapopt.cost.layout import (
-    _MODULES,
     KEEPS,
     NUMEL,
     SAVED,
@@ -117,7 +117,9 @@ from wrapopt.cost.layout import (
     TRAINABLE_NUMEL,
     Layout,
     Layouts,
+    unit_modules,
 )
+from wrapopt.cost.step import Backend, PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param
 from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
@@ -127,8 +129,44 @@ __all__ = ["simulate", "Simulator"]
 
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
 
+_NO_EVENTS = np.zeros((0, 6))  # the step loop's events when none are recorded: it writes none
+
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
                "all_gather_buffer", "unsharded_grads", "activations", "working_set")
+
+
+class _MeshCosts(NamedTuple):
+    """Per set of units and mesh: the units' bytes and collective times."""
+
+    gathered_bytes: np.ndarray
+    grad_bytes: np.ndarray
+    all_gather_s: np.ndarray
+    units: UnitCosts  # what ``CostEstimate.units`` reports
+    notes: frozenset[str]
+    # the first five columns of ``UnitPlan`` (gathered and gradient bytes, all-gather, reduce-scatter,
+    # all-reduce times), as rows of one float64 array
+    columns: tuple[np.ndarray, ...]
+
+
+class _Run(NamedTuple):
+    """One scoring of a plan in one accumulation mode: See [Note: accumulation sync]."""
+
+    mode: str | None  # 'every', 'last', or None (no accumulation)
+    static_bytes: float  # the step loop's static memory
+    held_bytes: float  # unsharded gradients held across micro-batches
+    sharded_grads_bytes: float  # sharded gradients in place before backward
+    events: np.ndarray  # the step loop's recorded events
+    result: StepResult
+
+
+class _UnitSet(NamedTuple):
+    """Per set of units: what every plan of these units shares. See [Note: simulator speed]."""
+
+    layout: Layout
+    storage_bytes: int
+    trainable_bytes: int
+    compute_s: float  # forward and backward, once
+    per_mesh: dict[Any, _MeshCosts]
 
 
 class Simulator:
@@ -139,7 +177,10 @@ class Simulator:
     of units), which keeps the search from ever waiting on the cost model.
     """
 
-    def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, options: SimOptions | None = None):
+    def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, options: SimOptions | None = None,
+                 *, backend: str | Backend | None = None):
+        """``backend``: 'compiled' (numba), 'python', a ``Backend``, or None for the default:
+        compiled when numba is installed, unless ``WRAPOPT_JIT=0``. See [Note: compiled step loop]."""
         self.options = options or SimOptions()
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
@@ -149,18 +190,28 @@ class Simulator:
         # See [Note: accumulation sync]: the modes each plan is scored in.
         micro, sync = self.options.grad_accumulation, self.options.accumulation_sync
         self._modes = (None,) if micro == 1 else (sync,) if sync else SYNC_MODES
-        self.layout = Layouts(graph, compute, self.options)
+        self.backend = Backend.of(backend)
+        self.layout = Layouts(graph, compute, self.options, backend=self.backend)
         self._elem = self.layout.elem  # storage bytes per element
         self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
         self._tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, dict[float, set[str]]]] = {}  # the same
-        self._sets: dict[tuple[tuple[str, ...], ...], tuple[Any, ...]] = {}  # per set of units (and mesh)
+        self._sets: dict[tuple[tuple[str, ...], ...], _UnitSet] = {}  # per set of units (and mesh)
         self._num_tensors = len(graph.param_shapes)
         self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
+        self._gather_elem = self.options.param_dtype_bytes or self._elem  # bytes per element all-gathered
+        self._reduce_elem = self.options.reduce_dtype_bytes or self._gather_elem  # and reduce-scattered
         scale, out_b = self.options.batch_scale, graph.root.output_bytes * self.options.batch_scale
-        # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
-        self._loss = (float(compute.loss_s * scale), float(out_b + graph.loss_peak_bytes * scale), float(out_b),
-                      float(graph.loss_saved_bytes * scale))
-        self._cols: dict[tuple[Any, bool], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}  # per layout
+        self._constants = StepConstants(
+            reduce_elem_bytes=float(self._reduce_elem),
+            overlap_compute=1.0 + fabric.overlap_compute_slowdown,  # See [Note: overlap]
+            overlap_comm=1.0 + fabric.overlap_comm_slowdown,
+            unit_overhead_s=compute.unit_overhead_s,
+            checkpoint_overhead_s=compute.checkpoint_overhead_s,  # per checkpointed block (a segment that starts a piece)
+            runs_ahead=self._runs_ahead,
+            # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
+            loss_s=float(compute.loss_s * scale), loss_work_bytes=float(out_b + graph.loss_peak_bytes * scale),
+            output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale))
+        self._cols: dict[tuple[Any, bool], tuple[Segments, UnitLayout]] = {}  # per layout
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -181,8 +232,8 @@ class Simulator:
         its sizes sorted, their times, and the caveats of extrapolated sizes."""
         key = (name, group, rpn_in_group)
         sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
-        fns = steploop.kernels()
-        lookup, merge = (fns[2], fns[3]) if fns else (steploop.lookup, steploop.merge)
+        fns = self.backend.kernels
+        lookup, merge = (fns.lookup, fns.merge) if fns else (steploop.lookup, steploop.merge)
         try:
             out, missing = lookup(sizes, times, nbytes)
             if missing:  # new sizes: add them to the table
@@ -201,29 +252,29 @@ class Simulator:
         except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
             if fns is None:
                 raise
-            steploop.disable_jit(f"{type(e).__name__}: {e}")
+            self.backend.fall_back(f"{type(e).__name__}: {e}")
             return self._colls_of(name, group, rpn_in_group, nbytes, notes)
         if caveats:  # extrapolated sizes: See FabricProfile.collective_s
             for b in caveats.keys() & set(nbytes.tolist()):
                 notes.update(caveats[b])
         return out
 
-    def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """``lay.loop``: numpy arrays for the compiled loop, tuples for the Python one.
-        Converted (and cached per set of units) when the layout holds the other kind."""
-        if isinstance(lay.loop[0][0], np.ndarray) == arrays:
-            return lay.loop
+    def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[Segments, UnitLayout]:
+        """``lay.seg_cols`` and ``lay.unit_cols``: numpy arrays for the compiled loop, tuples
+        for the Python one. Converted (and cached per set of units) when the layout holds the other kind."""
+        if isinstance(lay.seg_cols.unit, np.ndarray) == arrays:
+            return lay.seg_cols, lay.unit_cols
         key = (mods, arrays)
         hit = self._cols.get(key)
         if hit is None:
-            segs, cols = lay.loop
-            if arrays:
-                segs = (np.array(segs[0], dtype=np.int64), *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
-                cols = (np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.int64),
-                        *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
-                        *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
+            segs, cols = lay.seg_cols, lay.unit_cols
+            if arrays:  # as the layout kernel makes them: See [Note: layout kernel]
+                segs = Segments(np.array(segs.unit, dtype=np.int64), *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
+                cols = UnitLayout(np.array(cols.forward, dtype=np.int64), np.array(cols.backward, dtype=np.int64),
+                                  *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
+                                  *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
             else:
-                segs, cols = tuple(tuple(c.tolist()) for c in segs), tuple(tuple(c.tolist()) for c in cols)
+                segs, cols = Segments._make(tuple(c.tolist()) for c in segs), UnitLayout._make(tuple(c.tolist()) for c in cols)
             if len(self._cols) > 4096:
                 self._cols.clear()
             hit = self._cols[key] = (segs, cols)
@@ -234,26 +285,22 @@ class Simulator:
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
         units, mesh, opt = plan.units, plan.mesh, self.options
-        mods = tuple(map(_MODULES, units))
+        mods = tuple(map(unit_modules, units))
         per_set = self._sets.get(mods)
         if per_set is None:  # what every plan of these units shares: See [Note: simulator speed]
             lay = self.layout.build(units, mods)  # not via the layout cache: this one is the cache
             if len(self._sets) > 4096:
                 self._sets.clear()
-            per_set = self._sets[mods] = (lay, int(lay.counts[STORAGE].sum()), int(lay.counts[TRAINABLE_BYTES].sum()),
-                                          sum(lay.times[0].tolist()) + sum(lay.times[1].tolist()), {})
-        lay, storage, trainable, compute_once, per_mesh = per_set
+            per_set = self._sets[mods] = _UnitSet(
+                layout=lay, storage_bytes=int(lay.counts[STORAGE].sum()), trainable_bytes=int(lay.counts[TRAINABLE_BYTES].sum()),
+                compute_s=sum(lay.times[0].tolist()) + sum(lay.times[1].tolist()), per_mesh={})
+        lay, storage, trainable = per_set.layout, per_set.storage_bytes, per_set.trainable_bytes
         n = len(units)
         notes: set[str] = set()
         shard = mesh.shard_size
-        gather_elem = opt.param_dtype_bytes or self._elem
-        reduce_elem = opt.reduce_dtype_bytes or gather_elem
-        ovl_c = 1.0 + self.fabric.overlap_compute_slowdown
-        ovl_m = 1.0 + self.fabric.overlap_comm_slowdown
-        unit_oh = self.compute.unit_overhead_s
-        ck_oh = self.compute.checkpoint_overhead_s  # per checkpointed block (a segment that starts a piece)
+        gather_elem, reduce_elem = self._gather_elem, self._reduce_elem
 
-        cached = per_mesh.get(mesh)
+        cached = per_set.per_mesh.get(mesh)
         if cached is None:  # per set of units and mesh: bytes and collective times of every unit
             rpn_shard = min(shard, mesh.ranks_per_node)
             rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
@@ -263,10 +310,12 @@ class Simulator:
             ag = self._colls_of("all_gather", shard, rpn_shard, P, cn)
             rs = self._colls_of("reduce_scatter", shard, rpn_shard, G, cn)
             ar = self._colls_of("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
-            cached = per_mesh[mesh] = (P, G, ag, UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs,
-                                                           lay.counts[SAVED]), frozenset(cn), np.array((P, G, ag, rs, ar)))
-        P, G, ag, ucosts, cnotes, unit_arrays = cached
-        notes.update(cnotes)
+            cached = per_set.per_mesh[mesh] = _MeshCosts(
+                gathered_bytes=P, grad_bytes=G, all_gather_s=ag,
+                units=UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED]), notes=frozenset(cn),
+                columns=tuple(np.array((P, G, ag, rs, ar))))
+        P, G, ag = cached.gathered_bytes, cached.grad_bytes, cached.all_gather_s
+        notes.update(cached.notes)
         # Per-unit choices: See [Note: reshard after forward].
         rafs = list(map(_RESHARD, units))
         code = np.array([-1 if r is True else r for r in rafs], dtype=np.int64)  # True: -1, False: 0, else N
@@ -288,15 +337,14 @@ class Simulator:
         # See [Note: accumulation sync]: which modes to score.
         modes = self._modes
 
-        # The step loop: See [Note: compiled step loop] in steploop.py.
-        runs_ahead = self._runs_ahead
-        depth = max(plan.forward_prefetch, 1 if runs_ahead else 0)
-        jit = steploop.compiled()
-        seg_cols, lay_cols = self._columns(lay, mods, jit is not None)
-        unit_cols = (*unit_arrays, rag, keep, ck)
-        if jit is None:
-            unit_cols = tuple(c.tolist() for c in unit_cols)
-        cap = 3 * n + 3 * lay.num_segments + 2 if record else 0
+        # The step loop: See [Note: compiled step loop] and [Note: step loop inputs] in step.py.
+        backend = self.backend
+        compiled = backend.kernels is not None
+        seg_cols, lay_cols = self._columns(lay, mods, compiled)
+        unit_cols = UnitPlan(*cached.columns, regather_s=rag, kept_bytes=keep, checkpoint=ck)
+        if not compiled:
+            unit_cols = UnitPlan._make(c.tolist() for c in unit_cols)
+        depth = max(plan.forward_prefetch, 1 if self._runs_ahead else 0)
         runs = []
         for mode in modes:
             if mode == "every":
@@ -306,29 +354,31 @@ class Simulator:
             else:
                 held = sum(G.tolist()) if micro > 1 else 0  # unsharded grads held across micro-batches (no-sync)
                 static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
-            ev_rows = np.zeros((cap, 6))
-            args = (seg_cols, unit_cols + lay_cols[2:], lay_cols[0], lay_cols[1], float(static), loop_shard,
-                    float(reduce_elem), ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, depth,
-                    *self._loss, record, ev_rows)
-            if jit is not None:
-                try:
-                    res = jit(*args)
-                except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-                    steploop.disable_jit(f"{type(e).__name__}: {e}")
-                    return self.simulate(plan, record=record)
-            else:
-                res = steploop.step_loop(*args)
-            runs.append((mode, static, held, sharded_grads, ev_rows, res))
-        if len(runs) > 1:  # the faster that fits, else the smaller peak
+            scalars = PlanScalars(static_bytes=float(static), shard_size=loop_shard, prefetch_depth=depth, record=record)
+            ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
+            try:
+                res = backend.step(seg_cols, lay_cols, unit_cols, scalars, self._constants, ev_rows)
+            except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
+                if not compiled:
+                    raise
+                backend.fall_back(f"{type(e).__name__}: {e}")
+                return self.simulate(plan, record=record)
+            if len(modes) > 1:  # kept to choose from below (one mode: its locals stand)
+                runs.append(_Run(mode=mode, static_bytes=static, held_bytes=held, sharded_grads_bytes=sharded_grads,
+                                 events=ev_rows, result=res))
+        grads_before = sharded_grads
+        if runs:  # the faster that fits, else the smaller peak
             limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
-            fit = [r for r in runs if r[5][4] <= limit]
+            fit = [r for r in runs if r.result.peak_bytes <= limit]
             last, every = runs
-            times = {"last": last[5][1] * (micro - 1) + last[5][2], "every": every[5][2] * micro}
-            runs = [min(fit, key=lambda r: times[r[0]]) if fit else min(runs, key=lambda r: r[5][4])]
-        mode, static, held, grads_before, ev_rows, res = runs[0]
-        fwd_end, bwd_end, end, comm_total, peak, peak_parts, n_ev = res
+            times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
+            run = min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)
+            mode, static, held, grads_before = run.mode, run.static_bytes, run.held_bytes, run.sharded_grads_bytes
+            ev_rows, res = run.events, run.result
+        fwd_end, bwd_end, end, peak, peak_parts = res.fwd_end, res.bwd_end, res.end, res.peak_bytes, res.peak_parts
+        comm_total = res.comm_s
         ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
-                            float(r[4]), int(r[5])) for r in ev_rows[:n_ev]]
+                            float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]]
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
         # fixed dispatch cost per parameter tensor (dominant for small models).
         # Both calibrated by the profiler's AdamW steps on fully_shard parameters, the
@@ -352,7 +402,8 @@ class Simulator:
                 # Earlier micro-batches: the same forward and backward without the
                 # reduce-scatters (set_requires_gradient_sync(False)).
                 step += (micro - 1) * bwd_end
-        compute_s = compute_once + sum(lay.times[0][ck].tolist())
+        compute_s = per_set.compute_s + sum(lay.times[0][ck].tolist())
+        ck_oh = self._constants.checkpoint_overhead_s
         if ck_oh and ck.any():
             compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
         compute_s += self.compute.loss_s * opt.batch_scale
@@ -368,7 +419,7 @@ class Simulator:
             exposed_comm_s=exposed,
             peak_bytes=int(peak),
             peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, parts + peak_parts[1:])),
-            units=ucosts,
+            units=cached.units,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
             optim_s=optim_s,

@@ -2,18 +2,35 @@
 
 One function, two ways to run it. See [Note: compiled step loop]. This file
 also compiles ``kernels.py``'s ``layout_kernel`` and the simulator's table
-``lookup`` (``kernels()``).
+``lookup`` and ``merge`` (``compile_kernels``), and holds ``Backend``, which
+says how a ``Simulator`` runs them.
 
 [Note: compiled step loop] The loop is written over plain sequences and
 floats so that numba (the optional ``wrapopt[fast]`` extra) can compile it
-unchanged; without numba, or with ``WRAPOPT_JIT=0``, the same source runs as
-Python on tuples. Both give the same floats: the arithmetic is the same
-operations in the same order (``tests/test_cost.py`` checks the two agree
-exactly). The semantics are the notes at the top of ``simulate.py``; this file
-holds no modelling decision of its own. numba is imported when the first
-plan is scored, not with wrapopt; compiling costs 7-10 s once per machine
-(cached on disk, ``cache=True``; loading it ~0.5 s per process), and
-compiled code that fails falls back to Python with a warning.
+unchanged; without numba, or with ``WRAPOPT_JIT=0``, or for a
+``Simulator(..., backend="python")``, the same source runs as Python on
+tuples. Both give the same floats: the arithmetic is the same operations in
+the same order (``tests/cost/test_step.py`` checks the two agree exactly). The
+semantics are the notes at the top of ``simulate.py``; this file holds no
+modelling decision of its own. numba is imported when the first plan is
+scored, not with wrapopt; compiling costs 7-10 s once per machine (cached on
+disk, ``cache=True``; loading it ~0.5 s per process), and compiled code that
+fails falls back to Python with a warning (for the ``Backend`` it failed in).
+
+[Note: step loop inputs] The loop reads five named tuples: the layout's
+``Segments`` and ``UnitLayout``, the plan's ``UnitPlan`` and ``PlanScalars``,
+and the simulator's ``StepConstants`` (built once); ``Backend.step`` returns
+a ``StepResult``. numba (0.68) compiles named tuples of arrays and scalars as
+they are, but types a named tuple argument in Python on every call, where a
+plain tuple's type is found in C: with arguments of these sizes and a
+trivial body, a call took ~7.5 us against ~4 us, and returning a named
+tuple ~1.9 us against ~0.4 us, while scoring a plan whose layout is cached
+takes ~25 us in all. So the compiled ``step_loop`` is given plain tuples
+(``x[:]``, in field order) and returns one; its first line names them
+again, which costs nothing in compiled code (building them in a separate
+entry that calls ``step_loop`` cost ~0.4 us: the new tuples' references to
+their ~30 arrays; inlining it there instead doubled the compile time). As
+Python the same line copies the named tuples it is given (~1 us).
 
 Events are recorded (``record``) as rows of ``ev``: lane, kind, unit, start,
 end, memory, with the codes below.
@@ -21,17 +38,99 @@ end, memory, with the codes below.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
+
+from wrapopt.cost.kernels import layout_kernel
 
 COMPUTE, COMM = 0, 1
 LANES = ("compute", "comm")
 FWD, LOSS, RECOMPUTE, BWD, ALL_GATHER, REDUCE_SCATTER = range(6)
 KINDS = ("fwd", "loss", "recompute", "bwd", "all_gather", "reduce_scatter")
 
+
+# -- the step loop's inputs and result: See [Note: step loop inputs] ---------------------------
+
+
+class Segments(NamedTuple):
+    """The segments a step walks, as columns in forward order (the fields of
+    ``layout.Segment``; See [Note: segments] in ``layout.py``)."""
+
+    unit: Any  # the unit that owns it (int)
+    fwd_s: Any
+    bwd_s: Any
+    saved: Any  # activation bytes it saves
+    work: Any  # working set: largest module output in the segment
+    grad_numel: Any  # gradient elements that appear during its backward
+    bwd_work: Any  # most its backward holds beyond its saved activations and earlier gradients
+    keep: Any  # what checkpointing keeps of its block (on a block's first segment; else 0)
+
+
+class UnitLayout(NamedTuple):
+    """Per unit, what the layout fixes (not the per-unit choices or the mesh)."""
+
+    forward: Any  # the units that run, in forward order of their first segment
+    backward: Any  # the same in backward order (post-forward order reversed)
+    last_fwd: Any  # per unit: its last forward segment
+    fwd_pos: Any  # per unit: its place in ``forward`` (-1: never runs)
+    bwd_pos: Any  # per unit: its place in ``backward``
+    num_segments: Any
+    seg_grad_numel: Any  # gradient elements that appear during its segments' backward (float)
+    trainable_bytes: Any  # float
+
+
+class UnitPlan(NamedTuple):
+    """Per unit, what the plan makes of it: bytes and collective times on its mesh, and its choices."""
+
+    gathered_bytes: Any  # unsharded parameters
+    grad_bytes: Any  # unsharded gradients
+    all_gather_s: Any
+    reduce_scatter_s: Any
+    all_reduce_s: Any  # across the replicas (HSDP)
+    regather_s: Any  # backward all-gather (0: kept since forward): See [Note: reshard after forward]
+    kept_bytes: Any  # what it keeps of its parameters between forward and backward
+    checkpoint: Any  # bool
+
+
+class StepConstants(NamedTuple):
+    """What the profiles and step options fix for every plan a ``Simulator`` scores. See
+    the notes in ``simulate.py``."""
+
+    reduce_elem_bytes: float  # bytes per gradient element in the reduce-scatter
+    overlap_compute: float  # 1 + slowdown of overlapped compute: See [Note: overlap]
+    overlap_comm: float  # 1 + slowdown of overlapped collectives
+    unit_overhead_s: float  # FSDP2's work per unit per all-gather
+    checkpoint_overhead_s: float  # per checkpointed block
+    runs_ahead: bool  # See [Note: all-gather issue], [Note: all-gather buffer]
+    loss_s: float  # See [Note: loss]
+    loss_work_bytes: float  # what memory holds while the loss runs
+    output_bytes: float  # the model's output
+    loss_saved_bytes: float  # what the loss saves for its backward
+
+
+class PlanScalars(NamedTuple):
+    """The rest of one plan's inputs."""
+
+    static_bytes: float  # sharded parameters, optimizer state, accumulated gradients: See [Note: memory]
+    shard_size: float
+    prefetch_depth: int  # forward all-gathers issued this many units ahead
+    record: bool  # record events into ``ev``
+
+
+class StepResult(NamedTuple):
+    fwd_end: float
+    bwd_end: float
+    end: float  # when the last collective lands
+    comm_s: float  # all collectives' time
+    peak_bytes: float
+    # at the peak: sharded gradients, gathered, all-gather buffer, unsharded gradients, activations, working set
+    peak_parts: tuple[float, float, float, float, float, float]
+    num_events: int
 
 def _rec(ev: Any, ne: int, lane: int, kind: int, u: int, start: float, end: float, m: float) -> int:
     ev[ne, 0] = lane
@@ -76,12 +175,22 @@ def _compute(t, dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts
     return t, peak, parts, ne
 
 
-def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh,  # noqa: ANN001
-              runs_ahead, depth, loss_dur, loss_work, out_b, loss_saved, record, ev):
-    """One step's forward and backward. Returns (forward end, backward end, last
-    collective end, comm total, peak, peak parts, events recorded)."""
-    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep = segs
-    P, G, ag, rs, ar, rag, keep, ck, last_fwd, pos, bpos, nseg, seg_grads, tbytes = units
+def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars, k: StepConstants,  # noqa: PLR0913
+              ev: Any) -> tuple[Any, ...]:
+    """One step's forward and backward over ``segs``, recording events into ``ev`` when
+    ``plan.record`` (its rows: at least ``3 * units + 3 * segments + 2``). Takes the named
+    tuples or plain tuples in their field order, and returns ``StepResult``'s fields as a
+    plain tuple: See [Note: step loop inputs]."""
+    segs, lay, units, plan, k = Segments(*segs), UnitLayout(*lay), UnitPlan(*units), PlanScalars(*plan), StepConstants(*k)
+    seg_u, seg_f, seg_b, seg_saved = segs.unit, segs.fwd_s, segs.bwd_s, segs.saved
+    seg_work, seg_gn, seg_bw, seg_keep = segs.work, segs.grad_numel, segs.bwd_work, segs.keep
+    order, border, last_fwd, pos, bpos = lay.forward, lay.backward, lay.last_fwd, lay.fwd_pos, lay.bwd_pos
+    nseg, seg_grads, tbytes = lay.num_segments, lay.seg_grad_numel, lay.trainable_bytes
+    P, G, ag, rs, ar = units.gathered_bytes, units.grad_bytes, units.all_gather_s, units.reduce_scatter_s, units.all_reduce_s
+    rag, keep, ck = units.regather_s, units.kept_bytes, units.checkpoint
+    static, shard, depth, record = plan.static_bytes, plan.shard_size, plan.prefetch_depth, plan.record
+    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh = k.reduce_elem_bytes, k.overlap_compute, k.overlap_comm, k.unit_overhead_s, k.checkpoint_overhead_s
+    runs_ahead, loss_dur, loss_work, out_b, loss_saved = k.runs_ahead, k.loss_s, k.loss_work_bytes, k.output_bytes, k.loss_saved_bytes
     n = len(P)
     nsg = len(seg_u)
     norder = len(order)
@@ -214,7 +323,7 @@ def step_loop(segs, units, order, border, static, shard, reduce_elem, ovl_c, ovl
                 ne = _rec(ev, ne, COMM, REDUCE_SCATTER, u, start, c, 0.0)
             t += unit_oh
     bwd_end = t
-    return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne
+    return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne  # StepResult's fields
 
 
 def lookup(keys, values, x):  # noqa: ANN001
@@ -248,43 +357,103 @@ def merge(keys, values, new_keys, new_values):  # noqa: ANN001
     return out_k, out_v
 
 
-_JIT: list[Any] = []  # [(the compiled step loop, layout kernel, lookup, merge)], or [None]: filled on first use
-_HELPERS_REGISTERED: list[bool] = []
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The compiled (numba) functions a ``Backend`` runs: See [Note: compiled step loop]."""
+
+    step: Callable  # ``step_loop``, given plain tuples: See [Note: step loop inputs]
+    layout: Callable  # ``kernels.layout_kernel``: See [Note: layout kernel] in ``layout.py``
+    lookup: Callable
+    merge: Callable
 
 
-def kernels() -> tuple[Callable, ...] | None:
-    """The compiled step loop, layout kernel (See [Note: layout kernel] in
-    ``layout.py``), ``lookup`` and ``merge``, or None to run Python.
+_COMPILED: dict[str, Kernels] = {}  # compiled once per process; numba caches them on disk
 
-    numba is imported on first use, not with wrapopt (it takes ~1 s)."""
-    if not _JIT:
-        fns = None
-        if os.environ.get("WRAPOPT_JIT", "1") != "0":
+
+def compile_kernels() -> Kernels:
+    """The compiled step loop, layout kernel, ``lookup`` and ``merge``, compiled (or loaded
+    from numba's disk cache) on the first call in a process.
+
+    numba is imported here, on first use, not with wrapopt (it takes ~1 s): the one
+    lazy import of this package. Raises ``ImportError`` without numba."""
+    if not _COMPILED:
+        import numba
+        from numba.extending import register_jitable
+
+        for helper in (_rec, _all_gather, _compute):  # step_loop calls them: numba compiles them with it
+            register_jitable(helper)
+        jit = numba.njit(cache=True)
+        _COMPILED["kernels"] = Kernels(step=jit(step_loop), layout=jit(layout_kernel), lookup=jit(lookup), merge=jit(merge))
+    return _COMPILED["kernels"]
+
+
+class Backend:
+    """How a ``Simulator`` (and its ``Layouts``) runs the step loop, the layout build and
+    the tables of collective times: compiled by numba or as Python. Each ``Simulator``
+    owns one. See [Note: compiled step loop].
+
+    ``Backend("compiled")`` compiles on first use (``compile_kernels``);
+    ``Backend("compiled", kernels=...)`` runs the given functions (tests use it to
+    break one). A compiled backend whose code fails falls back to Python for the rest
+    of its life, with a warning (``fall_back``).
+    """
+
+    __slots__ = ("_name", "_kernels")
+
+    def __init__(self, name: str = "python", *, kernels: Kernels | None = None):
+        if name not in ("compiled", "python"):
+            raise ValueError(f"backend {name!r}: expected 'compiled' (numba) or 'python'")
+        if name == "compiled" and kernels is None and importlib.util.find_spec("numba") is None:
+            raise ValueError("backend 'compiled' needs numba, which is not installed: `pip install wrapopt[fast]`, "
+                             "or use backend='python'")
+        self._name, self._kernels = name, kernels if name == "compiled" else None
+
+    @classmethod
+    def default(cls) -> Backend:
+        """Compiled when numba is installed, unless the environment sets ``WRAPOPT_JIT=0``."""
+        off = os.environ.get("WRAPOPT_JIT", "1") == "0"
+        return cls("python" if off or importlib.util.find_spec("numba") is None else "compiled")
+
+    @classmethod
+    def of(cls, backend: str | Backend | None) -> Backend:
+        """``backend`` itself, one made from its name, or the default one (None)."""
+        if backend is None:
+            return cls.default()
+        return backend if isinstance(backend, Backend) else cls(backend)
+
+    @property
+    def name(self) -> str:
+        """'compiled' or 'python' (after a fall-back: 'python')."""
+        return self._name
+
+    @property
+    def kernels(self) -> Kernels | None:
+        """The compiled functions, or None to run Python."""
+        if self._name != "compiled":
+            return None
+        if self._kernels is None:
             try:
-                import numba
-                from numba.extending import register_jitable
-            except ImportError:
-                pass
-            else:
-                from wrapopt.cost.kernels import layout_kernel
+                self._kernels = compile_kernels()
+            except Exception as e:  # noqa: BLE001 - numba present but failing to import or compile
+                self.fall_back(f"{type(e).__name__}: {e}")
+                return None
+        return self._kernels
 
-                if not _HELPERS_REGISTERED:  # step_loop calls them: numba compiles them with it
-                    for helper in (_rec, _all_gather, _compute):
-                        register_jitable(helper)
-                    _HELPERS_REGISTERED.append(True)
-                fns = tuple(numba.njit(cache=True)(fn) for fn in (step_loop, layout_kernel, lookup, merge))
-        _JIT.append(fns)
-    return _JIT[0]
+    def fall_back(self, reason: str) -> None:
+        """Run Python from now on, saying why."""
+        if self._name == "compiled":
+            warnings.warn(f"wrapopt: compiled code failed ({reason}); using the Python one", stacklevel=3)
+        self._name, self._kernels = "python", None
 
+    def step(self, segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars, k: StepConstants,  # noqa: PLR0913
+             ev: Any) -> StepResult:
+        """``step_loop``, compiled or as Python: columns as numpy arrays for the compiled
+        one, as tuples or lists for Python (``step_loop`` reads both the same way)."""
+        kernels = self._kernels if self._kernels is not None else self.kernels
+        if kernels is None:
+            return StepResult._make(step_loop(segs, lay, units, plan, k, ev))
+        # x[:]: the fields as a plain tuple (tuple(x) takes ~2x as long)
+        return StepResult._make(kernels.step(segs[:], lay[:], units[:], plan[:], k[:], ev))
 
-def compiled() -> Callable | None:
-    """The compiled step loop, or None to run ``step_loop`` as Python."""
-    fns = kernels()
-    return None if fns is None else fns[0]
-
-
-def disable_jit(reason: str) -> None:
-    """Fall back to Python for the rest of the process, saying why once."""
-    if kernels() is not None:
-        warnings.warn(f"wrapopt: compiled code failed ({reason}); using the Python one", stacklevel=3)
-    _JIT[:] = [None]
+    def __repr__(self) -> str:
+        return f"Backend({self._name!r})"

@@ -1,0 +1,137 @@
+"""Module calls as the layout reads them: each module's times and sizes
+(``module_calls``), where gradients appear in backward (``gradient_sites``) and
+what a run of calls holds in backward (``backward_working_set``). Everything
+here depends on the model, the compute profile and the batch, not on the plan;
+``layout.py`` groups it by the plan's units.
+
+[Note: gradient sites] A parameter's unsharded gradient appears when backward
+reaches the first module using it in backward order: for a tied parameter
+(embedding and output head) that is the use that ran last in forward, so the
+gradient lives through the whole backward until its unit's reduce-scatter.
+Every other use (the other tied modules, a module called more than once)
+accumulates into it: for that moment the new gradient and the sum are held
+besides the old one. Parameters another module's forward reads
+(``ModelGraph.param_users``: ``nn.MultiheadAttention``'s ``out_proj``, which
+never runs itself) are placed the same way, among the modules that use them.
+
+[Note: progressive backward] Within a segment, backward visits its modules
+in reverse: each module's gradients appear and, once its backward is done,
+the activations it saved are freed. The segment's peak is the largest, over
+its modules, of (gradients so far - activations freed so far + the gradient
+arriving, of the module's output size, and the one leaving, of its input size
++ a gradient accumulation in flight), on top of the segment's saved activations and the
+gradients from before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from wrapopt.hardware.profiles import ComputeProfile
+from wrapopt.spec import ROOT, ModelGraph
+from wrapopt.units import ancestors
+
+__all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls"]
+
+
+class Entry(NamedTuple):
+    """One module's calls, as the layout reads them (sizes and times scaled by the batch)."""
+
+    fqn: str
+    anc: tuple[str, ...]
+    fwd_s: float
+    bwd_s: float
+    saved: int
+    out: int
+    grad_numel: int  # trainable elements whose gradient appears at this module's backward
+    piece: str  # the block (or top-level child) it belongs to: segments never span two
+    acc_numel: int  # elements whose gradient is accumulated here into an existing one
+    inp: int  # bytes of its floating inputs: the gradient its backward hands on
+
+
+def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece: Callable[[str], str]) -> list[Entry]:
+    """One ``Entry`` per module that runs, in call order: times from the profile's
+    measured module times when it has them, else FLOPs / throughput + bytes of
+    memory-bound ops / op bandwidth, + a per-call overhead; sizes scaled by ``scale`` (the batch); ``piece``: a module's block."""
+    measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
+    grad_at, acc_at = gradient_sites(graph)
+    entries = []
+    for m in graph.call_order():
+        if measured:
+            f, b = measured.get(m.fqn, (0.0, 0.0))
+            f, b = f * scale, b * scale
+        else:
+            f, b = m.fwd_flops / compute.flops_per_s, m.bwd_flops / compute.flops_per_s
+            if compute.op_bandwidth_bytes_per_s:  # See [Note: memory-bound ops] in trace/op_bytes.py
+                f += m.fwd_bytes / compute.op_bandwidth_bytes_per_s
+                b += m.bwd_bytes / compute.op_bandwidth_bytes_per_s
+            # The per-call overhead is paid once per call, whatever the batch.
+            oh = compute.module_overhead_s * m.num_calls
+            f, b = f * scale + oh, b * scale + oh
+        # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
+        out = 0 if m.fqn == ROOT else m.output_bytes
+        entries.append(Entry(m.fqn, ancestors(m.fqn), f, b, int(m.saved_bytes * scale),
+                             int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
+                             int((0 if m.fqn == ROOT else m.input_bytes) * scale)))
+    return entries
+
+
+def gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:
+    """Where gradients appear in backward: See [Note: gradient sites].
+
+    Returns (module -> trainable elements whose gradient appears at its backward,
+    module -> elements whose gradient is accumulated there into an existing one)."""
+    grad_at = {m.fqn: m.own_trainable_numel for m in graph.modules if m.own_trainable_numel}
+    acc_at: dict[str, int] = {}
+    order = {m.fqn: m.order for m in graph.modules}
+    numel = {fqn: math.prod(shape) for fqn, shape, _dt in graph.param_shapes}
+    for group in graph.tied_groups:
+        owners = [fqn.rsplit(".", 1)[0] if "." in fqn else ROOT for fqn in group]
+        n = numel.get(group[0], 0)
+        ran = [o for o in dict.fromkeys(owners) if order.get(o, -1) >= 0]
+        if not ran or grad_at.get(owners[0], 0) < n:
+            continue  # frozen, or never used
+        last = max(ran, key=lambda o: order[o])  # runs last in forward, first in backward
+        grad_at[owners[0]] -= n
+        grad_at[last] = grad_at.get(last, 0) + n
+        for o in ran:
+            if o != last:
+                acc_at[o] = acc_at.get(o, 0) + n
+    # A module's parameters read by other modules' forward (whole modules: a module
+    # with some parameters read elsewhere and some by itself is placed as if all were).
+    users: dict[str, list[str]] = {}
+    for module, user in graph.param_users:
+        users.setdefault(module, [module]).append(user)
+    for module, uses in users.items():
+        n = grad_at.get(module, 0)
+        ran = [o for o in dict.fromkeys(uses) if order.get(o, -1) >= 0]
+        if not n or not ran or ran == [module]:
+            continue
+        last = max(ran, key=lambda o: order[o])
+        grad_at[module] -= n
+        grad_at[last] = grad_at.get(last, 0) + n
+        for o in ran:
+            if o != last:
+                acc_at[o] = acc_at.get(o, 0) + n
+    for m in graph.modules:
+        if m.num_calls > 1 and m.own_trainable_numel:
+            acc_at[m.fqn] = acc_at.get(m.fqn, 0) + m.own_trainable_numel
+    return grad_at, acc_at
+
+
+def backward_working_set(entries: Sequence[Entry], reduce_elem: float) -> int:
+    """Most bytes a segment of ``entries`` holds in backward beyond its saved activations and
+    the gradients before it (``reduce_elem``: bytes per gradient element). See [Note:
+    progressive backward]."""
+    freed = grads = 0.0
+    best = 0.0
+    for e in reversed(entries):
+        grads += e.grad_numel * reduce_elem
+        # The gradient arriving (output-sized) and the one leaving (input-sized; the
+        # output's size again where the tracer did not see the inputs).
+        leaving = e.inp if e.inp else e.out
+        best = max(best, grads - freed + e.out + leaving + 2 * e.acc_numel * reduce_elem)
+        freed += e.saved
+    return int(best)
