@@ -153,14 +153,14 @@ def _worker(
     env: dict[str, str],
     log_dir: str | None = None,
 ) -> None:
-    if log_dir is not None:
-        _output_to_log(rank, log_dir)  # See [Note: quiet ranks]
     os.environ.update(env)
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
          "LOCAL_RANK": str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))), }
     )
     try:
+        if log_dir is not None:
+            _output_to_log(rank, log_dir)  # See [Note: quiet ranks]
         if backend == "gloo":
             torch.set_num_threads(1)
         dist.init_process_group(
