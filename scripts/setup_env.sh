@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-dev,plot,hf,fast,db}
+EXTRAS=${EXTRAS:-dev,plot,hf,fast,db,progress}
 CPU_TORCH=${WRAPOPT_CPU_TORCH:-2.13.0}
 stamp="$VENV/.wrapopt-installed"
 want="$(cat pyproject.toml | sha1sum | cut -c1-12) extras=$EXTRAS"

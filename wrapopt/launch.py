@@ -8,30 +8,92 @@ return value, or raises ``DistributedError`` naming the rank that failed,
 died or hung (not only the peer that timed out waiting for it); the other
 ranks are killed, never left hanging.
 
+``spawn(..., log_dir=DIR)`` keeps the ranks' own output (library warnings,
+profiler and C++ log lines, stray prints) off the terminal: See [Note: quiet
+ranks].
+
 ``init_from_env()`` does the same set-up inside a job started by ``torchrun``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import re
 import socket
+import sys
 import time
 import traceback
 from queue import Empty
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from wrapopt.errors import DistributedError
+from wrapopt.progress import set_console
 
-__all__ = ["spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type", "broadcast_json"]
+__all__ = ["spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type", "broadcast_json",
+           "is_spawned_rank", "QUIET_ENV", "logs_line"]
 
 DEFAULT_TIMEOUT_S = 120.0
+
+# [Note: quiet ranks] With ``spawn(log_dir=DIR)`` a rank's output goes to DIR/rank{r}.log, and
+# wrapopt's own lines still reach the terminal:
+# - first thing in the rank (``_worker``), stdout and stderr are flushed and file descriptors 1
+#   and 2 pointed at the log, so C and C++ code writing to them (Kineto, c10, gloo) lands there
+#   too, not only Python's ``print`` and ``warnings``; a copy of the old fd 2 becomes
+#   ``progress.console()``, where ``progress.say`` and ``Progress`` write;
+# - ``QUIET_ENV`` switches two sources off where they start. ``KINETO_LOG_LEVEL=6``: the
+#   profiler's "USDT ... profiler_start/stop" lines, read at the first profiler use, so setting
+#   it in the rank is early enough (5 does not silence them). ``TORCH_CPP_LOG_LEVEL=ERROR``: c10's
+#   "[W ...]" warning lines, read when torch is loaded, which a spawned rank does while it
+#   unpickles its target, before ``_worker`` runs; so the parent puts it in the environment the
+#   ranks start with. C++ warnings below ERROR are then dropped, not logged. A variable the user
+#   set already is left as it is;
+# - errors still reach the parent through the result queue, and a failure names the log folder.
+# ``log_dir=None`` (``wrapopt -v``) leaves every line on the terminal, as before.
+QUIET_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+_STARTED_BY_SPAWN = "WRAPOPT_SPAWNED_RANK"  # set in every rank spawn starts
+
+
+def is_spawned_rank() -> bool:
+    """True in a rank started by ``spawn``: its stdout and stderr are where ``spawn`` put them."""
+    return os.environ.get(_STARTED_BY_SPAWN) == "1"
+
+
+def logs_line(log_dir: str | os.PathLike) -> str:
+    """The line a command ends with to say where its ranks' own output went."""
+    return f"the ranks' own output (library warnings, profiler lines): {os.path.join(os.fspath(log_dir), 'rank*.log')}"
+
+
+def _output_to_log(rank: int, log_dir: str) -> None:
+    """Point this process's fds 1 and 2 at ``log_dir``/rank{rank}.log; keep the terminal as the console."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    set_console(os.fdopen(os.dup(2), "w", buffering=1))
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` in os.environ while the ranks start (they copy it), then as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:
@@ -89,6 +151,7 @@ def _worker(
     args: tuple[Any, ...],
     queue: Any,
     env: dict[str, str],
+    log_dir: str | None = None,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -96,6 +159,8 @@ def _worker(
          "LOCAL_RANK": str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))), }
     )
     try:
+        if log_dir is not None:
+            _output_to_log(rank, log_dir)  # See [Note: quiet ranks]
         if backend == "gloo":
             torch.set_num_threads(1)
         dist.init_process_group(
@@ -117,8 +182,14 @@ def spawn(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     backend: str | None = None,
     env: dict[str, str] | None = None,
+    log_dir: str | os.PathLike | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return results by rank.
+
+    ``env`` is added to each rank's environment. With ``log_dir`` each rank's
+    stdout and stderr go to ``log_dir``/rank{r}.log (the folder is made) and
+    only wrapopt's own lines (``progress.say``, ``Progress``) reach the
+    terminal; See [Note: quiet ranks].
 
     ``fn`` must be importable (module-level). Results travel through a
     multiprocessing queue, so keep them small (numbers, dicts, lists).
@@ -134,16 +205,22 @@ def spawn(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    log = None if log_dir is None else os.path.abspath(os.fspath(log_dir))
+    quiet = {k: v for k, v in QUIET_ENV.items() if k not in os.environ} if log else {}  # the user's own settings win
+    rank_env = {**quiet, **(env or {}), _STARTED_BY_SPAWN: "1"}
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, timeout_s, fn, args, queue, dict(env or {})),
+            args=(r, world_size, port, backend, timeout_s, fn, args, queue, rank_env, log),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    if log:
+        os.makedirs(log, exist_ok=True)
+    with _environ({k: v for k, v in rank_env.items() if k == "TORCH_CPP_LOG_LEVEL"}):  # read as torch loads
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}  # rank -> "Type: message\ntraceback", in the order reported
     limit_s = timeout_s + 30.0  # start-up slack on top of the collective timeout
@@ -187,7 +264,8 @@ def spawn(
                 p.kill()
                 p.join(timeout=5.0)
     if failure is not None:
-        raise DistributedError(failure.rstrip())
+        where = f"\n(the ranks' own output is in {os.path.join(log, 'rank*.log')})" if log else ""
+        raise DistributedError(failure.rstrip() + where)
     return [results[r] for r in range(world_size)]
 
 

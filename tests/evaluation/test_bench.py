@@ -36,3 +36,23 @@ def test_measure_plans_times_every_plan_and_splits_its_steps_into_phases(two_ran
     # Same model, seed and batch: the plans train alike, however the rounds were ordered.
     for m in got[1:]:
         assert m["losses"] == pytest.approx(got[0]["losses"], rel=1e-5)
+
+
+@two_rank_case
+def bench_warnings_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    from wrapopt.evaluation.bench import measure_plans
+    from wrapopt.search.baselines import baselines
+
+    e = zoo.get_entry("gpt-tiny")
+    base = baselines(zoo_graph("gpt-tiny"), MESH2)
+    got = measure_plans(lambda: e.build("cpu", seed=0), [base["per-block"], base["every-leaf"]], e.inputs(), e.loss,
+                        repeats=1, warmup=0, measure_memory=False)
+    out["bench_warnings"] = {m.label: list(m.warnings) for m in got}
+
+
+def test_measure_plans_records_which_plans_raised_fsdps_view_warning(two_rank_cases):
+    got = two_rank_cases[0]["bench_warnings"]
+    # every-leaf wraps each Linear, and a Linear with bias on 3-D input returns a view; a block
+    # returns its residual sum, not a view.
+    assert any("FSDP2-wrapped module (FSDPLinear) returned a view tensor" in w for w in got["every-leaf"])
+    assert not any("returned a view tensor" in w for w in got["per-block"])

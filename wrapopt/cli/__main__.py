@@ -1,7 +1,4 @@
-import os
-
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines, before torch loads
-
-from wrapopt.cli.main import main  # noqa: E402
+# The ranks' library and profiler output: See [Note: quiet ranks] in wrapopt/launch.py.
+from wrapopt.cli.main import main
 
 raise SystemExit(main())

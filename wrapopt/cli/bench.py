@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
+from wrapopt.cli.logs import logs_line, rank_log_dir
 from wrapopt.errors import ModelError
 from wrapopt.evaluation.evaluate import evaluate
 from wrapopt.evaluation.evidence import format_judgement, judge
@@ -32,13 +34,18 @@ def add_bench_parser(sub: Any) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     if not args.model.startswith("zoo:"):
         raise ModelError("wrapopt bench runs real steps of zoo models: give zoo:NAME (see `wrapopt trace --help`)")
+    # The ranks' own output goes beside --out, else to a folder in the temporary directory.
+    log_dir = rank_log_dir(args, os.path.dirname(os.path.abspath(args.out)) if args.out else
+                           os.path.join(tempfile.gettempdir(), "wrapopt-bench"))
     res = evaluate(args.model[4:], world_size=args.world_size, ranks_per_node=args.ranks_per_node,
                    plan_set=args.plans, repeats=args.repeats, budgets=args.budgets.split(","),
-                   confirm=args.confirm, confirm_repeats=args.confirm_repeats)
+                   confirm=args.confirm, confirm_repeats=args.confirm_repeats, log_dir=log_dir)
     verdicts = judge(res)
     print(format_judgement(res, verdicts))
     if args.out:
         atomic_write_json(args.out, {"result": res, "verdicts": verdicts})
         print(f"wrote {os.path.abspath(args.out)}")
+    if log_dir:
+        print(logs_line(log_dir))
     return 0
 

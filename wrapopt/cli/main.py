@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -19,15 +20,18 @@ from wrapopt.cli.export import add_export_parser
 from wrapopt.cli.fabric import add_fabric_parser
 from wrapopt.cli.options import add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args
 from wrapopt.cli.sync_report import format_sync, sync_json
+from wrapopt.cli.logs import VERBOSE_HELP
 from wrapopt.cli.profile_fabric import add_cli_arguments, run_cli
+from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import WrapoptError
 from wrapopt.evaluation.demo import run_demo
+from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
 from wrapopt.fileio import check_writable, fmt_bytes, read_json
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
 from wrapopt.report.fabric import format_fabric
-from wrapopt.report.plots import draw_timeline
+from wrapopt.report.plots import draw_timeline, require_matplotlib
 from wrapopt.report.text import format_graph, format_plan, graph_to_json
 from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions
 from wrapopt.search.study.space import shard_sizes
@@ -90,6 +94,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
         mesh = replace(mesh, shard_size=options.shard_sizes[0])
     if args.out:
         check_writable(args.out)
+    if args.plot:
+        require_matplotlib()  # before the search, not after it
+        os.makedirs(args.plot, exist_ok=True)
     fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
@@ -102,6 +109,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
                               search=options, memory_budget_source=budget_source(args.memory, compute), train=train)
     if args.out:
         plan.save(args.out)
+    if args.plot:
+        pics = pictures_json(Simulator(graph, fabric, compute), result, result.best.plan)
+        write_pictures(args.plot, pics, title=f"{args.model} on {mesh.world_size} ranks ({mesh.ranks_per_node} per node), "
+                       f"{fabric.name} ({fabric.kind})")
     if args.json:
         out = plan.to_json()
         out.pop("model", None)
@@ -117,6 +128,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
         print(format_sync(result, graph, fabric, compute, train, budget))
         if args.out:
             print(f"wrote {args.out}")
+        if args.plot:
+            print(f"wrote {', '.join(os.path.join(args.plot, name) for name in PICTURES)}")
     return 0
 
 
@@ -188,7 +201,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     train = train_from_args(args) if (args.precision is not None or args.accumulation != 1 or args.optimizer != "adamw"
                                       or args.sync != "auto") else None
     return run_demo(out_dir=args.out, model=args.model, world_size=args.world_size, repeats=args.repeats,
-                    memory_budget=args.memory, train=train)
+                    memory_budget=args.memory, train=train, verbose=args.verbose)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -198,6 +211,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wrapopt", description="Find and apply the best FSDP wrapping plan.")
     parser.add_argument("--version", action="version", version=f"wrapopt {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("profile-fabric", help="measure collective latency per size on each mesh axis")
@@ -232,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-group", type=int, default=8, help="the DP's largest number of blocks in one unit (default 8)")
     p.add_argument("--timeout", type=float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="a progress line on stderr (default: when stderr is a terminal)")
+                   help="a progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help=f"draw {' and '.join(PICTURES)} (predicted; needs matplotlib) into DIR")
     p.set_defaults(func=_cmd_search)
 
     p = sub.add_parser("show", help="print a plan or fabric profile")
@@ -254,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_estimate_parser(sub)
     add_fabric_parser(sub)
+    for p in sub.choices.values():  # -v after the sub-command too; SUPPRESS keeps one given before it
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser
 
 

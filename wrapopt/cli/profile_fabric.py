@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from wrapopt import launch
+from wrapopt.cli.logs import logs_line, rank_log_dir
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
 from wrapopt.hardware.measure_collectives import DEFAULT_TIMEOUT_S, barrier, default_sizes, measure_fabric
@@ -46,10 +47,11 @@ def _profile_worker(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, 
 
 
 def _measure_spawned(
-    out_path: str, *, worker: Callable[..., Any], world_size: int, timeout_s: float, kwargs: dict[str, Any]
+    out_path: str, *, worker: Callable[..., Any], world_size: int, timeout_s: float, kwargs: dict[str, Any],
+    log_dir: str | None = None,
 ) -> FabricProfile:
     """Spawn local ranks running ``worker``; save rank 0's profile only if every rank finished."""
-    results = launch.spawn(worker, world_size=world_size, args=(kwargs,), timeout_s=timeout_s)
+    results = launch.spawn(worker, world_size=world_size, args=(kwargs,), timeout_s=timeout_s, log_dir=log_dir)
     profile = FabricProfile.from_json(results[0], source="rank 0")
     profile.save(out_path)
     return profile
@@ -66,6 +68,7 @@ def profile_fabric_main(
     measure_overlap: bool = True,
     progress: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    log_dir: str | None = None,
 ) -> FabricProfile:
     """Measure the fabric and write it to ``out_path`` (the body of ``wrapopt profile-fabric``).
 
@@ -82,6 +85,8 @@ def profile_fabric_main(
             simulates several nodes on this host (labelled ``simulated_nodes``).
         sizes_bytes, repeats, warmup, measure_overlap, progress: as in ``measure_fabric``.
         timeout_s: limit on every collective, and on the whole spawned run (+30 s start-up).
+        log_dir: spawned ranks only: their own output goes to log files here, not to the
+            terminal (See [Note: quiet ranks] in wrapopt/launch.py).
 
     Returns:
         The profile written.
@@ -95,7 +100,8 @@ def profile_fabric_main(
         if world_size < 2:
             raise ValueError(f"world_size must be at least 2, got {world_size}")
         _check_out(out_path)
-        return _measure_spawned(out_path, worker=_profile_worker, world_size=world_size, timeout_s=timeout_s, kwargs=kwargs)
+        return _measure_spawned(out_path, worker=_profile_worker, world_size=world_size, timeout_s=timeout_s, kwargs=kwargs,
+                                log_dir=log_dir)
 
     owns_group = not dist.is_initialized()
     launch.init_from_env(timeout_s=timeout_s)
@@ -156,14 +162,18 @@ def run_cli(args: argparse.Namespace) -> int:
         sizes = tuple(s for s in sizes if s <= args.max_size)
         if not sizes:
             raise ValueError(f"--max-size {fmt_bytes(args.max_size)} leaves no message size to measure")
+    spawned = not _under_torchrun()
+    log_dir = rank_log_dir(args, os.path.dirname(os.path.abspath(args.out))) if spawned else None
     profile = profile_fabric_main(
         args.out, world_size=args.world_size, ranks_per_node=args.ranks_per_node, sizes_bytes=sizes,
         repeats=args.repeats, warmup=args.warmup, measure_overlap=not args.no_overlap,
-        progress=not args.quiet, timeout_s=args.timeout,
+        progress=not args.quiet, timeout_s=args.timeout, log_dir=log_dir,
     )
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
     if rank0:
         if not args.quiet:
             print(format_fabric(profile))
         print(f"wrote {args.out}")
+        if log_dir and not args.quiet:
+            print(logs_line(log_dir))
     return 0

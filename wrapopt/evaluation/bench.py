@@ -17,12 +17,18 @@ Williams design: round r runs ``(w[k] + r) % n`` for
 once, and for an even n each plan directly follows every other plan once.
 Times stay indexed by plan and round, so two plans' k-th times are still
 from one round (``evaluate.paired_ratio``).
+
+The warnings a plan's first step raises (FSDP2's "returned a view tensor",
+for one) are recorded per plan (``Measured.warnings``), so that a report can
+say which plans raised them. Later steps show them as usual (once per place
+in the code, Python's default).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,10 +55,12 @@ class Measured:
     peak_bytes: int  # max over ranks
     losses: tuple[float, ...]
     phase_s: tuple[float, ...] = ()  # median over repeats of the slowest rank's forward (with the loss), backward, optimizer
+    warnings: tuple[str, ...] = ()  # distinct "Category: message" of the warnings its first step raised
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "step_s": self.step_s, "times_s": list(self.times_s), "spread": self.spread,
-                "peak_bytes": self.peak_bytes, "losses": list(self.losses), "phase_s": dict(zip(PHASES, self.phase_s))}
+                "peak_bytes": self.peak_bytes, "losses": list(self.losses), "phase_s": dict(zip(PHASES, self.phase_s)),
+                "warnings": list(self.warnings)}
 
 
 def round_order(n: int, r: int) -> list[int]:
@@ -133,6 +141,18 @@ def _three(ph: list[float]) -> list[float]:
     return [sum(ph[0:-1:2]), sum(ph[1:-1:2]), ph[-1]]
 
 
+def _recording(run: Callable[[], float], seen: list[str]) -> float:
+    """``run()``, adding the distinct warnings it raises to ``seen`` (recorded, not shown)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run()
+    for w in caught:
+        text = f"{w.category.__name__}: {w.message}"
+        if text not in seen:
+            seen.append(text)
+    return out
+
+
 def measure_plans(
     build: Callable[[], nn.Module],
     plans: list[PlanSpec],
@@ -167,6 +187,7 @@ def measure_plans(
     losses: list[list[float]] = [[] for _ in plans]
     times: list[list[float]] = [[] for _ in plans]
     phases: list[list[list[float]]] = [[] for _ in plans]
+    raised: list[list[str]] = [[] for _ in plans]
     for r in range(warmup + repeats):
         for i in round_order(len(plans), r):  # See [Note: round order]
             m, o = models[i], opts[i]
@@ -175,7 +196,11 @@ def measure_plans(
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             marks = [_mark(on_cuda)]
-            loss = _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
+            if r == 0:  # a warm-up round unless warmup=0
+                loss = _recording(lambda: _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)), micro,
+                                                no_sync), raised[i])
+            else:
+                loss = _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
             if on_cuda:
                 torch.cuda.synchronize()
             dt, *ph = _max_over_ranks(time.perf_counter() - t0, *_three(_phases(marks)))
@@ -205,5 +230,6 @@ def measure_plans(
         med = statistics.median(times[i])
         out.append(Measured(plan.label, med, tuple(times[i]), (max(times[i]) - min(times[i])) / med if med else 0.0,
                             peaks[i], tuple(losses[i]),
-                            tuple(statistics.median(p[k] for p in phases[i]) for k in range(len(PHASES)))))
+                            tuple(statistics.median(p[k] for p in phases[i]) for k in range(len(PHASES))),
+                            tuple(raised[i])))
     return out

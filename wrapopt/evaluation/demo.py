@@ -3,7 +3,13 @@
 Two gloo ranks measure the local fabric and compute, trace a zoo model on
 meta, search under a memory budget, apply the chosen plan and every baseline
 with ``fully_shard``, run real training steps of all of them interleaved, and
-print predicted against measured step time and peak memory.
+print predicted against measured step time and peak memory. It draws the
+chosen plan's predicted step beside the per-block baseline's
+(``timeline.png``) and every scored plan's predicted time against memory with
+the measured points (``pareto.png``), and links both from ``report.md``.
+
+Only wrapopt's own lines reach the terminal; the ranks' own output (library
+warnings, profiler lines) goes to ``<out>/logs/`` unless ``verbose``.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import os
 import time
 from typing import Any
 
+from wrapopt.errors import WrapoptError
 from wrapopt.evaluation.evaluate import evaluate, spearman
+from wrapopt.evaluation.pictures import PICTURES, write_pictures
 from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
 from wrapopt.train import TrainConfig
+from wrapopt.launch import logs_line
 
 __all__ = ["run_demo", "format_rows"]
 
@@ -53,21 +62,43 @@ def format_rows(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _pictures(out_dir: str, res: dict[str, Any]) -> tuple[list[str], str]:
+    """Draw the two pictures; returns (the files written, the report's lines about them)."""
+    m = res["machine"]
+    title = f"{res['model']} on {m['world_size']} {m['backend']} ranks, fabric and compute measured here"
+    try:
+        write_pictures(out_dir, res["pictures"], measured=res["rows"], title=title)
+    except WrapoptError as e:  # matplotlib missing: the demo's numbers still stand
+        return [], f"No pictures: {e}.\n"
+    return list(PICTURES), (
+        "## Where the time goes\n\nThe chosen plan's predicted step above the per-block baseline's: compute and "
+        "communication lanes, memory held while computing.\n\n![predicted step timelines](timeline.png)\n\n"
+        "## Time against memory\n\nEvery plan the search scored (predicted), the time-memory front of those that "
+        "fit, the budget, and, hollow, where the plans run here were measured.\n\n![predicted and measured time "
+        "against memory](pareto.png)\n")
+
+
 def run_demo(*, out_dir: str = "results/demo", model: str = "gpt-tiny", world_size: int = 2, repeats: int = 5,
-             memory_budget: str | None = None, train: TrainConfig | None = None) -> int:
-    """``train``: run every plan in that mixed precision and accumulation (default fp32, one batch)."""
+             memory_budget: str | None = None, train: TrainConfig | None = None, verbose: bool = False) -> int:
+    """``train``: run every plan in that mixed precision and accumulation (default fp32, one batch);
+    ``verbose``: the ranks' own output on the terminal instead of in the log folder."""
     t0 = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
+    log_dir = None if verbose else os.path.join(out_dir, "logs")  # See [Note: quiet ranks] in launch.py
     res = evaluate(model, world_size=world_size, plan_set="baselines", repeats=repeats,
-                   memory_budget=memory_budget or "midway", train=train)
+                   memory_budget=memory_budget or "midway", train=train, log_dir=log_dir)
     res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     text = format_rows(res)
     atomic_write_json(os.path.join(out_dir, "plan.json"), res["plan_json"])
     atomic_write_json(os.path.join(out_dir, "fabric.json"), res["fabric"])
     atomic_write_json(os.path.join(out_dir, "report.json"), {k: v for k, v in res.items() if k not in ("plan_json", "fabric")})
+    pictures, section = _pictures(out_dir, res)
     wall = time.perf_counter() - t0
     atomic_write_text(os.path.join(out_dir, "report.md"), f"# wrapopt demo ({res['date']})\n\n```\n{text}\n```\n\n"
-                      f"Wall time {wall:.0f} s. Regenerate with `make demo`.\n")
+                      f"{section}\nWall time {wall:.0f} s. Regenerate with `make demo`.\n")
     print(f"wrapopt demo\n{text}")
-    print(f"\nwrote {out_dir}/plan.json, report.md, report.json, fabric.json  ({wall:.0f} s)")
+    print(f"\nwrote {out_dir}/plan.json, report.md, report.json, fabric.json{''.join(', ' + p for p in pictures)}  "
+          f"({wall:.0f} s)")
+    if log_dir:
+        print(logs_line(log_dir))
     return 0

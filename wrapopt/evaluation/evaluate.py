@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -49,6 +50,7 @@ import torch
 from wrapopt.cost import Simulator
 from wrapopt.evaluation.bench import PHASES, measure_plans, round_order
 from wrapopt.evaluation.evidence import BASELINES
+from wrapopt.evaluation.pictures import pictures_json
 from wrapopt.fileio import parse_bytes
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
@@ -56,6 +58,7 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.launch import broadcast_json, spawn
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
+from wrapopt.progress import Progress, say
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import search_plan
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, UnitSpec
@@ -67,7 +70,33 @@ __all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "fmt_steal", "noise_floor", "pa
 
 def _log(rank: int, quiet: bool, msg: str) -> None:
     if rank == 0 and not quiet:
-        print(msg, file=sys.stderr, flush=True)
+        say(msg)
+
+
+def _measure(rank: int, quiet: bool, rounds: int, what: str, *args: Any, **kwargs: Any) -> list[Any]:
+    """``measure_plans`` with a progress bar of its rounds on rank 0."""
+    with Progress(rounds, desc=what, unit="round", enabled=rank == 0 and not quiet) as bar:
+        return measure_plans(*args, progress=lambda _msg: bar.update(), **kwargs)
+
+
+# FSDP2's warning for a wrapped module whose output is a view (a Linear with bias on 3-D input
+# returns one): harmless unless the model then modifies that output in place. See _view_note.
+_VIEW_WARNING = re.compile(r"FSDP2-wrapped module \((.*?)\) returned a view tensor")
+
+
+def _view_note(plans: list[PlanSpec], measured: list[Any]) -> str | None:
+    """One line for the log naming the plans whose steps raised FSDP2's view-tensor warning, or None."""
+    hits = []
+    for p, m in zip(plans, measured):
+        classes = sorted({c for w in m.warnings for c in _VIEW_WARNING.findall(w)})
+        if classes:
+            hits.append(f"{p.label} ({', '.join(classes)})")
+    if not hits:
+        return None
+    return ("wrapopt: FSDP2 warned that a wrapped module returns a view tensor in plans " + "; ".join(hits)
+            + ". Harmless unless the model modifies that output in place (x += y), which would skip the module's "
+            "all-gather in backward. wrapopt does not check the model for such in-place ops, so it does not repeat "
+            "this on the terminal.")
 
 
 def _variants(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
@@ -164,7 +193,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     train = TrainConfig.from_json(cfg["train"]) if cfg.get("train") else None
     t0 = time.perf_counter()
     _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {dist.get_backend()} ranks ...")
-    fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=False,
+    fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=not quiet,
                             ranks_per_node=cfg["ranks_per_node"])
     _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, per-module times) ...")
     # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.
@@ -198,8 +227,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             plans.append(p)
     preds = [sim.simulate(p) for p in plans]
     _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats after warm-up ...")
-    measured = measure_plans(lambda: entry.build("cpu", seed=0), plans, inputs, entry.loss,
-                             repeats=cfg["repeats"], warmup=SCREEN_WARMUP, train=train)
+    measured = _measure(rank, quiet, SCREEN_WARMUP + cfg["repeats"], "bench", lambda: entry.build("cpu", seed=0), plans,
+                        inputs, entry.loss, repeats=cfg["repeats"], warmup=SCREEN_WARMUP, train=train)
     confirmed: list[int] = []
     aa: dict[str, Any] | None = None
     screening = list(measured)  # the confirmation round replaces contenders' times in `measured`
@@ -210,9 +239,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         confirmed = sorted(set(confirmed) | {fastest_pred})
         _log(rank, quiet, f"      confirmation round: {len(confirmed)} plans and an A/A copy, {cfg['confirm_repeats']} repeats ...")
         # The last entry is a second, separate copy of the predicted fastest: See [Note: A/A copy].
-        again = measure_plans(lambda: entry.build("cpu", seed=0), [plans[i] for i in confirmed] + [plans[fastest_pred]],
-                              inputs, entry.loss, repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False,
-                              train=train)
+        again = _measure(rank, quiet, 1 + cfg["confirm_repeats"], "confirm", lambda: entry.build("cpu", seed=0),
+                         [plans[i] for i in confirmed] + [plans[fastest_pred]], inputs, entry.loss,
+                         repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False, train=train)
         aa = {"plan": plans[fastest_pred].label, "times_s": list(again[-1].times_s),
               "of_times_s": list(again[confirmed.index(fastest_pred)].times_s)}
         for i, m in zip(confirmed, again):
@@ -220,6 +249,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     _log(rank, quiet, f"[5/5] done in {time.perf_counter() - t0:.1f} s")
     if rank != 0:
         return None
+    note = _view_note(plans, screening)
+    if note:
+        print(note, file=sys.stderr, flush=True)  # the rank's log under launch.spawn(log_dir=...)
     rows = []
     budget_bytes, budget_why = budgets[0]["bytes"], budgets[0]["why"]
     k = train.grad_accumulation if train is not None else 1
@@ -234,11 +266,13 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             # Where the time goes, screening round: See [Note: phases].
             "pred_phase_s": {"fwd": k * e.fwd_s, "bwd": e.step_s - k * e.fwd_s - e.optim_s, "optim": e.optim_s},
             "meas_phase_s": dict(zip(PHASES, screening[i].phase_s)),
+            "warnings": list(screening[i].warnings),
         })
     return {
         "model": f"zoo:{cfg['model']}" + (f" [{_case(train)}]" if train is not None else ""), "rows": rows, "aa": aa,
         "screen_warmup": SCREEN_WARMUP, "train": train.to_json() if train is not None else None,
         "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim, train),
+        "pictures": pictures_json(sim, budgets[0]["result"], budgets[0]["result"].best.plan),
         "budgets": [{k: v for k, v in b.items() if k != "result"} for b in budgets],
         "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
         "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -287,8 +321,13 @@ def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim, train: T
 def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = None, plan_set: str = "baselines",
              repeats: int = 5, memory_budget: str | None = "midway", budgets: list[str] | None = None,
              confirm: int = 0, confirm_repeats: int = 15, quiet: bool = False, timeout_s: float = 900.0,
-             train: TrainConfig | None = None) -> dict[str, Any]:
+             train: TrainConfig | None = None, log_dir: str | None = None) -> dict[str, Any]:
     """Predict and measure ``plan_set`` plans of zoo ``model`` on local gloo ranks; rank 0's rows.
+
+    ``quiet``: no progress lines. ``log_dir``: the ranks' own output (library
+    warnings, profiler lines) goes to log files there, only wrapopt's lines to
+    the terminal (See [Note: quiet ranks] in launch.py); None leaves it all on
+    the terminal.
 
     ``confirm=K`` re-measures, in a second interleaved round of ``confirm_repeats``,
     the K fastest fitting plans per budget, wrapopt's choices and the fastest fitting
@@ -304,10 +343,10 @@ def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = No
     cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budgets": budgets or [memory_budget],
            "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "confirm_repeats": confirm_repeats,
            "train": None if train is None else (train if train.sync_chosen else train.with_sync("last")).to_json()}
-    env = {"LOCAL_WORLD_SIZE": str(rpn), "KINETO_LOG_LEVEL": "5"}
+    env = {"LOCAL_WORLD_SIZE": str(rpn)}
     t0 = time.perf_counter()
     cpu0 = _cpu_times()
-    res = spawn(_worker, world_size=world_size, args=(cfg,), timeout_s=timeout_s, env=env)[0]
+    res = spawn(_worker, world_size=world_size, args=(cfg,), timeout_s=timeout_s, env=env, log_dir=log_dir)[0]
     res["wall_s"] = time.perf_counter() - t0
     res["machine"]["steal"] = _steal(cpu0, _cpu_times())
     return res

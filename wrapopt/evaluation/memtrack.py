@@ -26,16 +26,54 @@ same number, so collectives stay matched). Profiling all threads
 A step of several micro-batches runs several collectives' worth of missed
 frees: ``steady_phases_peak`` tracks each micro-batch (and the optimizer
 step) on its own, from the live bytes at its start, so they do not add up.
+
+[Note: profiler lines] Kineto prints "USDT ... profiler_start" and "...
+profiler_stop" from C++ each time the profiler starts and stops: two lines a
+step. In a rank started by ``launch.spawn`` they are handled there (See
+[Note: quiet ranks] in launch.py). In any other process (the user's own,
+under torchrun) fd 2 points at ``PROFILER_LOG`` only while the profiler
+starts and stops, and back at once: the user's own output is not touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["LiveBytesTracker", "steady_step_peak", "steady_phases_peak"]
+from wrapopt.launch import is_spawned_rank
+
+__all__ = ["LiveBytesTracker", "steady_step_peak", "steady_phases_peak", "PROFILER_LOG"]
+
+PROFILER_LOG = os.path.join(tempfile.gettempdir(), "wrapopt-profiler.log")
+
+
+@contextlib.contextmanager
+def _profiler_lines_to_log() -> Iterator[None]:
+    """fd 2 to ``PROFILER_LOG`` for the duration, outside spawned ranks: See [Note: profiler lines]."""
+    fd = None
+    if not is_spawned_rank():
+        try:
+            fd = os.open(PROFILER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            fd = None  # nowhere to put them: leave them on the terminal
+    if fd is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
@@ -96,11 +134,13 @@ class LiveBytesTracker:
         self.start_bytes = self._live()
         self._refs = []
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        with _profiler_lines_to_log():
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._prof.__exit__(*exc)
+        with _profiler_lines_to_log():
+            self._prof.__exit__(*exc)
         events = sorted(
             (e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"
         )

@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +38,7 @@ from wrapopt import launch
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import COLLECTIVES, AxisProfile, CollectiveCurve, FabricProfile
+from wrapopt.progress import Progress
 
 __all__ = ["default_sizes", "measure_fabric"]
 
@@ -113,29 +113,6 @@ def _collective_fn(name: str, nbytes: int, p: int, group: Any, dtype: torch.dtyp
             raise ValueError(f"unknown collective {name!r}; choose from {COLLECTIVES}")
 
 
-class _Progress:
-    """One self-overwriting line on rank 0's stderr (a line per axis when stderr is not a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.tty = enabled and sys.stderr.isatty()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.tty:
-            sys.stderr.write(f"\rprofile: {label} [{self.done}/{self.total}]\033[K")
-            sys.stderr.flush()
-
-    def note(self, label: str) -> None:
-        if self.enabled and not self.tty:
-            print(f"profile: {label}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def _samples_for(fn: Callable[[], Any], sync: Callable[[], None], reduce_dev: torch.device, repeats: int,
                  budget_s: float = 0.1) -> int:
     """Timed calls for one size: ``repeats``, or up to ``_MAX_SAMPLES_PER_REPEAT`` times more
@@ -194,7 +171,7 @@ def measure_fabric(
         repeats: timed calls per size, at least (small messages get more); the median is kept.
         ranks_per_node: ranks sharing a node; default ``LOCAL_WORLD_SIZE`` or the world size.
         dtype: element type of the messages.
-        progress: show a one-line progress display on rank 0's stderr.
+        progress: show progress on rank 0's console (``wrapopt.progress``).
         measure_overlap: also measure the compute/communication overlap factors.
 
     Returns:
@@ -227,16 +204,15 @@ def measure_fabric(
 
     t_start = time.perf_counter()
     axes = _build_axes(world, rank, rpn)
-    bar = _Progress(len(axes) * len(collectives) * len(sizes), progress and rank == 0)
+    bar = Progress(len(axes) * len(collectives) * len(sizes), desc="profile fabric", unit="message size",
+                   enabled=progress and rank == 0)
     # times[k] holds one (axis, collective, size) cell's repeats; see [Note: fabric timing protocol].
     cells: list[tuple[str, str, int, int]] = []  # (axis, collective, bytes, samples)
     times = torch.zeros(len(axes) * len(collectives) * len(sizes), repeats * _MAX_SAMPLES_PER_REPEAT, dtype=torch.float64)
     for axis in axes:
         for coll in collectives:
-            bar.note(f"{axis.name} {coll}")
             for nbytes in sizes:
                 fn, actual = _collective_fn(coll, nbytes, axis.group_size, axis.group, dtype, device)
-                bar.step(f"{axis.name} {coll} {fmt_bytes(actual)}")
                 barrier()  # world: every axis group starts together
                 for _ in range(warmup):
                     fn()
@@ -249,7 +225,8 @@ def measure_fabric(
                     row[i] = time.perf_counter() - t0
                 cells.append((axis.name, coll, actual, n))
                 del fn  # free the buffers before the next size
-    bar.close()
+                bar.update(note=f"{axis.name} {coll} {fmt_bytes(actual)}")
+    bar.close(note="")  # the last size measured says nothing once all are done
     t_max = times.to(reduce_dev)
     dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
     times = t_max.cpu()

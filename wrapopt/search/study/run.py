@@ -26,7 +26,6 @@ import json
 import math
 import os
 import socket
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import WrapoptError
+from wrapopt.progress import Progress
 from wrapopt.search.study import db
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec
@@ -144,31 +144,24 @@ def default_study_name(identity: dict[str, Any]) -> str:
     return f"wrapopt-{identity['model']}-w{identity['world_size']}-{digest}"
 
 
-class _Progress:
-    """A one-line progress report on stderr (Optuna's own bar needs tqdm)."""
+class _ShowTrials:
+    """An Optuna callback moving a ``Progress`` to the study's count of finished trials (other
+    workers' included) and its best fitting time; the storage is read at most every 0.1 s."""
 
-    def __init__(self, total: int, stream=None):
-        self.total, self.stream = total, stream or sys.stderr
+    def __init__(self, bar: Progress):
+        self.bar = bar
         self.last = 0.0
-        self.shown = False
 
-    def __call__(self, study, trial) -> None:
+    def __call__(self, study, _trial) -> None:
         now = time.monotonic()
-        done = _count_finished(study)
-        if now - self.last < 0.1 and done < self.total:
-            return
-        self.last = now
-        best = _best_time(study)
-        msg = f"\rwrapopt search: trial {min(done, self.total)}/{self.total}"
-        msg += f", best fitting {best * 1e3:.2f} ms" if best is not None else ", nothing fits yet"
-        self.stream.write(msg + "   ")
-        self.stream.flush()
-        self.shown = True
+        if now - self.last >= 0.1:
+            self.last = now
+            self.show(study)
 
-    def close(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
+    def show(self, study) -> None:
+        best = _best_time(study)
+        self.bar.set(_count_finished(study),
+                     note=f"best fitting {best * 1e3:.2f} ms" if best is not None else "nothing fits yet")
 
 
 def _count_finished(study) -> int:
@@ -309,15 +302,15 @@ def run_study(
                 if _count_finished(st) >= trials:
                     st.stop()
 
-            bar = _Progress(trials) if progress else None
-            callbacks = [stop_at_budget] + ([bar] if bar else [])
+            show = _ShowTrials(Progress(trials, desc="search", unit="trial", enabled=progress and done < trials))
+            show.bar.set(done)
             if done < trials:
                 try:
-                    study.optimize(objective, n_trials=trials - done, timeout=timeout_s, callbacks=callbacks,
-                                   gc_after_trial=False)
+                    study.optimize(objective, n_trials=trials - done, timeout=timeout_s,
+                                   callbacks=[stop_at_budget, show], gc_after_trial=False)
+                    show.show(study)
                 finally:
-                    if bar:
-                        bar.close()
+                    show.bar.close()
             finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     finally:
         optuna.logging.set_verbosity(level)
