@@ -70,8 +70,8 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
             f"hf:{path}: field `auto_map` asks for the model's own code (trust_remote_code), which wrapopt never "
             "runs from a config; pass MODEL as package.module:callable returning (model, example_inputs)")
     if "model_type" not in cfg_dict:
-        raise ModelError(f"hf:{path}: no `model_type` field; a Hugging Face config.json names its model type "
-                         "(e.g. \"llama\")")
+        raise ModelError(f"hf:{path}: no `model_type` field; add the one the model's Hugging Face config.json "
+                         "names (e.g. \"model_type\": \"llama\")")
     try:
         config = transformers.AutoConfig.for_model(**cfg_dict)
     except (ValueError, KeyError, TypeError) as e:
