@@ -143,6 +143,8 @@ def search_plan(
                 scored.append(s)
                 by_key.setdefault(_key(plan), s)
             mine.append(s)
+        if proposal.num_illegal:  # ruled out by the strategy itself (the study's pruned trials)
+            pruned[strategy.name] = pruned.get(strategy.name, 0) + proposal.num_illegal
         for s in proposal.evaluated:  # scored by the strategy itself: kept as they are
             s = replace(s, fits=s.estimate.peak_bytes <= budget, strategy=strategy.name)
             scored.append(s)

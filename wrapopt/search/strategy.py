@@ -103,6 +103,8 @@ class Proposal:
     # keeps them as they are and judges only whether they fit.
     evaluated: tuple[Scored, ...] = ()
     detail: object | None = field(default=None, repr=False)  # anything to hand back to the caller (the StudyOutcome)
+    # Plans the strategy ruled out itself because validate_plan refused them (the study's pruned trials).
+    num_illegal: int = 0
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,21 @@ actually counted; the per-op backward attribution is unreliable under
 autograd.
 
 [Note: tracer fallback] Ops with data-dependent output (``.item()``,
-``nonzero``) cannot run on meta tensors. Then, if the model has real weights,
-the step runs once on the real tensors (``torch.autograd.grad``, so no
-``.grad`` is written) and ``ModelGraph.estimates`` says so; a meta model
-raises a ``TraceError`` that says what to do.
+``nonzero``) cannot run on meta tensors. Then the step runs again with the
+integer inputs kept real ([Note: integer inputs stay real]); if that fails
+too and the model has real weights, the step runs once on the real tensors
+(``torch.autograd.grad``, so no ``.grad`` is written). ``ModelGraph.estimates``
+says which; a meta model that needs more raises a ``TraceError`` that says
+what to pass.
+
+[Note: integer inputs stay real] Token ids, masks and labels are small and
+models read their values: BART's decoder asks ``.item()`` whether its
+attention mask is all ones. In the second attempt those inputs stay real CPU
+tensors while the weights and floating inputs are meta; an op on real
+tensors alone runs for real (so values derived from the inputs exist), and
+an op that also takes a meta tensor runs on meta with its real operands
+moved there (``Recorder.meta_wins``). FLOPs and saved bytes are the same as
+on meta: they depend on shapes only.
 
 [Note: fx graph and dataflow] ``trace_fx.export_fx`` keeps the model's fx
 graph (``torch.export`` on fake tensors) when it is cheap: export costs 1-2 ms
@@ -127,14 +138,26 @@ def trace_model(
         modules_by_name.setdefault(fqn, m)
 
     estimates: list[str] = []
+    rec: _StepRecord | None = None
     try:
         rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True)
-    except _DataDependent as e:
+    except _DataDependent as first:  # See [Note: tracer fallback]
+        e = first
+    if rec is None and any(not t.is_floating_point() for t in tensors_in((example_inputs, run_kwargs))):
+        try:
+            rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True, real_ints=True)
+            estimates.append(f"traced with the integer inputs kept real because module {e.module!r} reads their "
+                             f"values ({e.cause}); weights stayed on meta")
+        except _DataDependent as again:
+            e = again
+    if rec is None:
         if any(p.is_meta for p in params.values()):
             raise TraceError(
-                f"module {e.module!r} runs an op that needs real values ({e.cause}); the model is on the meta "
-                "device, so the tracer cannot fall back to a real run. Build the model with real weights "
-                "(small example inputs suffice) or remove the data-dependent op from forward."
+                f"module {e.module!r} runs an op that needs real values ({e.cause}), also with the integer "
+                "inputs kept real; the model is on the meta device, so the tracer cannot fall back to a real run. Pass the "
+                "value it reads as an input (a real integer tensor, e.g. an attention mask of ones, which stays "
+                "real), build the model with real weights (small example inputs suffice), or remove the "
+                "data-dependent op from forward."
             ) from None
         rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=False)
         estimates.append(
@@ -239,6 +262,7 @@ def _run_step(
     params: dict[int, nn.Parameter],
     *,
     meta: bool,
+    real_ints: bool = False,
 ) -> _StepRecord:
     rec = _StepRecord()
     stack: list[str] = [ROOT]
@@ -249,7 +273,8 @@ def _run_step(
             for i, names in by_id.items()
         }
         replacement.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
-        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+        keep = lambda x: real_ints and not x.is_floating_point()  # noqa: E731  See [Note: integer inputs stay real]
+        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not keep(x) else x  # noqa: E731
         inputs = tree_map(to_meta, inputs)
         kwargs = tree_map(to_meta, kwargs)
         param_tensors = [replacement[names[0]] for names in by_id.values()]
@@ -306,6 +331,7 @@ def _run_step(
         handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True, prepend=True))
         handles.append(m.register_forward_hook(post_hook(name)))
     recorder = Recorder(stack)
+    recorder.meta_wins = real_ints
     recorder.param_key = {id(t): key for key, t in zip(by_id, param_tensors)}
     rec.order[ROOT] = 0
     rec.calls[ROOT] = 1

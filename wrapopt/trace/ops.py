@@ -1,7 +1,7 @@
 """The tracer's dispatch and function modes, and tensor helpers.
 
 ``Recorder`` counts FLOPs per innermost module (PyTorch's FLOP formulas, plus
-the fused CPU attention kernel's), records the module dataflow, the
+the fused CPU attention kernel's and the grouped matmul's), records the module dataflow, the
 parameters each module's forward reads ([Note: who reads a parameter] in
 ``meta.py``) and the live bytes of the loss; ``FusedAttention`` routes
 attention to the fused kernel ([Note: attention on meta]).
@@ -16,6 +16,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from wrapopt.trace.fx import OpDataflow
@@ -41,10 +42,24 @@ def _flash_bwd_flops(grad_out, q, k, v, *args, out_val=None, **kwargs):
     return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
 
-# FLOP formulas for the fused CPU attention kernel, which PyTorch's registry lacks.
+_GROUPED_MM = torch.ops.aten._grouped_mm
+_TO_COPY = torch.ops.aten._to_copy.default
+_META = torch.device("meta")
+
+
+def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs):
+    """Every row of a 2-D operand meets one group's matrix: with a 2-D by 3-D product (the
+    experts' forward) that is the routed (token, expert) pairs only. See [Note: experts on meta]."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:  # groups split the inner dim (the weight gradient)
+        return 2 * mat_a.shape[0] * mat_a.shape[1] * mat_b.shape[1]
+    return 2 * out_val.numel() * mat_a.shape[-1]
+
+
+# FLOP formulas for the fused CPU attention kernel and the grouped matmul, which PyTorch's registry lacks.
 _EXTRA_FLOPS = {
     _FLASH_CPU: _flash_fwd_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_bwd_flops,
+    _GROUPED_MM: _grouped_mm_flops,
 }
 
 
@@ -79,7 +94,18 @@ def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 
 
 class Recorder(TorchDispatchMode):
-    """Counts FLOPs per innermost module; knows whether we are in backward."""
+    """Counts FLOPs per innermost module; knows whether we are in backward.
+
+    [Note: experts on meta] Hugging Face mixture-of-experts layers run their
+    experts as grouped matmuls (``torch._grouped_mm``: the tokens sorted by
+    expert, one matrix per expert, offsets between the groups). Its meta
+    kernel accepts bfloat16 only, so on other dtypes the recorder runs it on
+    bfloat16 stand-ins (meta tensors: no data) and hands back the dtype asked
+    for. The offsets are never read: every row of the token operand belongs
+    to some expert, so the FLOPs counted are those of the routed (token,
+    expert) pairs, tokens x top-k, not tokens x every expert; the expert
+    weights are parameters of the experts module and count whole in memory.
+    """
 
     def __init__(self, stack: list[str]):
         super().__init__()
@@ -98,10 +124,16 @@ class Recorder(TorchDispatchMode):
         self.loss_peak = 0
         self.param_key: dict[int, int] = {}  # id(parameter tensor) -> its key in ``by_id``
         self.param_reads: dict[tuple[int, str], None] = {}  # (parameter key, reading module), in order
+        self.meta_wins = False  # ops mixing meta and real tensors run on meta: See [Note: integer inputs stay real]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.meta_wins:
+            args, kwargs = _onto_meta(func, args, kwargs)
+        if func._overloadpacket is _GROUPED_MM:
+            out = _grouped_mm_on_meta(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if self.in_loss or self.in_tail:
             self._track_loss(out)
         if self.record_flow:
@@ -144,6 +176,31 @@ class Recorder(TorchDispatchMode):
                     self.loss_live[key] = t.untyped_storage().nbytes()
         self.loss_live = {k: b for k, b in self.loss_live.items() if not k.expired()}
         self.loss_peak = max(self.loss_peak, sum(self.loss_live.values()))
+
+
+def _onto_meta(func, args: Any, kwargs: dict) -> tuple[Any, dict]:
+    """The real tensors of an op that also takes a meta tensor, moved to meta (the meta kernels
+    refuse mixed devices); an op on real tensors alone runs for real, and a real integer tensor
+    sent to the meta device (``mask.to(hidden.device)``) stays real, values and all."""
+    if (func is _TO_COPY and kwargs.get("device") == _META and not args[0].is_meta
+            and not (kwargs.get("dtype") or args[0].dtype).is_floating_point):
+        return args, {k: v for k, v in kwargs.items() if k != "device"}
+    tensors = tensors_in((args, kwargs))
+    if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+        return args, kwargs
+    move = lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x  # noqa: E731
+    return tree_map(move, args), tree_map(move, kwargs)
+
+
+def _grouped_mm_on_meta(func, args: Any, kwargs: dict) -> Any:
+    """``_grouped_mm`` on meta in any dtype. See [Note: experts on meta]."""
+    mat_a = args[0]
+    if not mat_a.is_meta or mat_a.dtype == torch.bfloat16:
+        return func(*args, **kwargs)
+    dtype = kwargs.get("out_dtype") or mat_a.dtype
+    bf16 = lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+    kwargs = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+    return func(*tree_map(bf16, args), **tree_map(bf16, kwargs)).to(dtype)
 
 
 def storage_key(t: torch.Tensor) -> Any:

@@ -17,6 +17,13 @@ failed and queued again by a live worker once its heartbeat is stale (See
 ``skip_if_exists``, so a restart does not run them twice. A study remembers
 what it was made for (model, mesh, budget, fabric); reopening it for
 anything else is an error rather than a silent mix.
+
+[Note: illegal trials] The space is meant to be legal by construction, but
+a model can hold what it does not foresee (BERT's masked-LM head ties
+``cls.predictions.bias`` to ``decoder.bias``, one level below the modules the
+space keeps together). A trial whose plan ``validate_plan`` refuses is
+pruned, never raised: the search goes on, the trial counts as finished (so
+a budget of trials still ends) and ``StudyOutcome.num_illegal`` counts it.
 """
 
 from __future__ import annotations
@@ -28,11 +35,11 @@ import os
 import socket
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from wrapopt.cost.simulate import Simulator
-from wrapopt.errors import WrapoptError
+from wrapopt.errors import PlanError, WrapoptError
 from wrapopt.progress import Progress
 from wrapopt.search.study import db
 from wrapopt.search.study.space import SearchSpace
@@ -46,6 +53,7 @@ SAMPLERS = ("auto", "tpe", "nsga2")
 # grows with the number of parameters and trials; past this many parameters
 # (a few dozen blocks) NSGA-II, which costs next to nothing per trial, takes over.
 TPE_MAX_PARAMS = 64
+ILLEGAL = "illegal"  # user attribute of a trial pruned because validate_plan refused its plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,7 @@ class StudyOutcome:
     pareto: tuple[TrialResult, ...]  # fitting trials not beaten in both time and memory, fastest first
     num_seeds: int
     sampler: str = ""
+    num_illegal: int = 0  # trials pruned because validate_plan refused their plan: See [Note: illegal trials]
 
 
 def storage_url(storage: str | None) -> str | None:
@@ -165,9 +174,10 @@ class _ShowTrials:
 
 
 def _count_finished(study) -> int:
+    """Complete trials and those pruned as illegal (See [Note: illegal trials])."""
     from optuna.trial import TrialState
 
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
 
 def _fits(trial) -> bool:
@@ -287,7 +297,13 @@ def run_study(
                 nonlocal ran
                 trial.set_user_attr("worker", worker)  # first: a killed worker's trial names it
                 plan = space.suggest(trial)
-                validate_plan(graph, plan)  # internal invariant: the space is legal by construction
+                try:
+                    validate_plan(graph, plan)
+                except PlanError as err:  # See [Note: illegal trials]
+                    ran += 1
+                    trial.set_user_attr("fits", False)
+                    trial.set_user_attr(ILLEGAL, str(err).splitlines()[0][:300])
+                    raise optuna.TrialPruned(ILLEGAL) from None
                 est = sim.simulate(plan)
                 over = est.peak_bytes - budget if math.isfinite(budget) else -1.0
                 trial.set_user_attr("fits", bool(over <= 0))
@@ -312,9 +328,11 @@ def run_study(
                 finally:
                     show.bar.close()
             finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            illegal = sum(ILLEGAL in t.user_attrs for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)))
     finally:
         optuna.logging.set_verbosity(level)
-    return _outcome(space, sim, finished, name, url, ran, num_seeds, sampler)
+    out = _outcome(space, sim, finished, name, url, ran, num_seeds, sampler)
+    return replace(out, num_illegal=illegal) if illegal else out
 
 
 def _outcome(space: SearchSpace, sim: Simulator, finished, name, url, ran, num_seeds, sampler) -> StudyOutcome:

@@ -37,7 +37,7 @@ class OptunaStudy(Strategy):
                           study_name=opts.study_name, sampler=opts.sampler, timeout_s=opts.timeout_s,
                           progress=opts.progress)
         front = tuple(Scored(t.plan, t.estimate, t.fits, strategy=self.name) for t in study.pareto)
-        return Proposal(evaluated=front, detail=study)
+        return Proposal(evaluated=front, detail=study, num_illegal=study.num_illegal)
 
 
 def study_seeds(history: History) -> list[PlanSpec]:
