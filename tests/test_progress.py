@@ -8,6 +8,7 @@ import fcntl
 import io
 import math
 import os
+import select
 import struct
 import sys
 import termios
@@ -93,7 +94,11 @@ def test_tqdm_on_a_terminal_and_one_line_without_it(terminal, monkeypatch):
     assert bar.mode == "tqdm"
     bar.update(3)
     bar.close()
-    drawn = os.read(main, 65536).decode(errors="replace")
+    drawn = ""
+    while select.select([main], [], [], 1.0)[0]:  # read everything written so far (it comes in chunks)
+        drawn += os.read(main, 65536).decode(errors="replace")
+        if "3/3" in drawn:
+            break
     assert "bench" in drawn and "3/3" in drawn
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the extra not installed: import fails
     bar = Progress(3, desc="bench", unit="round", stream=stream)
