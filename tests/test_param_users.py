@@ -27,6 +27,7 @@ from wrapopt.cost import Simulator
 from wrapopt.cost.calls import gradient_sites
 from wrapopt.errors import PlanError
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+from tests.ranks import train
 from wrapopt.launch import spawn
 from wrapopt.plan.apply import apply_plan, known_param_users
 from wrapopt.plan.file import WrapPlan
@@ -344,18 +345,6 @@ def test_user_unit_carries_the_parameters():
 # -- 2 gloo ranks: searched and sampled plans train like the unsharded model ----------------
 
 
-def _train(model, batches, steps: int = 2) -> list[torch.Tensor]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for x in batches[:steps]:
-        loss = _loss(model(*x), x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
-
-
 def _worker(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -374,12 +363,12 @@ def _worker(rank: int, world: int) -> dict:
             plans[f"sampled{i}"] = space.decode(_RandomSource(rng))
         batches = [_inputs(name, batch=2 * world) for _ in range(2)]
         batches[1] = tuple(t.roll(1, dims=0) for t in batches[1])
-        ref_losses = [float(v) for v in _train(copy.deepcopy(ref_model), batches)]
+        ref_losses = [float(v) for v in train(copy.deepcopy(ref_model), batches[:2], _loss)]
         mine = [tuple(t.chunk(world)[rank] for t in x) for x in batches]
         for label, plan in plans.items():
             model = copy.deepcopy(ref_model)
             apply_plan(model, plan)
-            t = torch.stack(_train(model, mine))
+            t = torch.stack(train(model, mine[:2], _loss))
             dist.all_reduce(t)
             out[f"{name}/{label}"] = ([float(v) for v in t / world], ref_losses,
                                       [list(u.modules) for u in plan.units])

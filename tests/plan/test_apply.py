@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.ranks import train
 from wrapopt.launch import spawn
 
 pytestmark = pytest.mark.multiprocess
@@ -36,18 +37,6 @@ def _plans(g, world):
     return plans
 
 
-def _train(model, opt, batches, loss_fn, steps=3):
-    losses = []
-    for s in range(steps):
-        x = batches[s]
-        loss = loss_fn(model(*x), x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
-
-
 def _parity_worker(rank: int, world: int) -> dict:
     from wrapopt.models import zoo
     from wrapopt.plan.apply import apply_plan
@@ -63,13 +52,13 @@ def _parity_worker(rank: int, world: int) -> dict:
             full[step] = tuple(t.roll(step, dims=0) for t in x)
         mine = [tuple(t.chunk(world)[rank] for t in x) for x in full]
         ref = copy.deepcopy(ref_model)
-        ref_losses = [float(v) for v in _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), full, e.loss)]
+        ref_losses = [float(v) for v in train(ref, full[:3], e.loss)]
         for label, plan in _plans(g, world).items():
             if name == "t5-tiny" and label not in ("per-block", "groups-of-2", "no-shard"):
                 continue
             model = copy.deepcopy(ref_model)
             apply_plan(model, plan)
-            losses = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), mine, e.loss)
+            losses = train(model, mine[:3], e.loss)
             t = torch.stack(losses)
             dist.all_reduce(t)  # mean over ranks of half-batch losses = full-batch loss
             out[f"{name}/{label}"] = ([float(v) for v in t / world], ref_losses)
