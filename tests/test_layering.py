@@ -33,7 +33,7 @@ PACKAGE = "wrapopt"
 MAX_LINES = 500
 
 # The bottom layer: imported by every layer, importing only each other.
-SHARED = {"spec", "errors", "fileio", "units", "fingerprint", "losses", "launch", "version", "assumptions", "train",
+SHARED = {"spec", "errors", "tp", "fileio", "units", "fingerprint", "losses", "launch", "version", "assumptions", "train",
           "progress"}
 
 # The stages: each may import the shared modules, its own package, and the modules named

@@ -111,6 +111,10 @@ class ModelGraph:
     # when an input is 2-D integer tokens (0: unknown / not a token model).
     batch_size: int = 0
     seq_len: int = 0
+    # (module, heads, key-value heads) of attention modules, read from their attributes
+    # (n_heads / num_heads / num_attention_heads, n_kv / num_key_value_heads): a
+    # tensor-parallel degree must divide both. See [Note: tensor parallel] in tp.py.
+    attention_heads: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -168,35 +172,52 @@ class ModelGraph:
 
 @dataclass(frozen=True, slots=True)
 class MeshSpec:
-    """The data-parallel mesh a plan runs on.
+    """The mesh a plan runs on.
 
     ``shard_size`` ranks share one copy of the parameters (FSDP's shard group);
-    ``world_size // shard_size`` such groups replicate it (HSDP). ``shard_size ==
+    ``replicate_size`` such groups replicate it (HSDP). ``shard_size ==
     world_size`` is plain FSDP; ``shard_size == 1`` is no sharding at all
     (every rank holds everything, gradients are all-reduced: DDP-like).
+    ``tp_size > 1`` adds a tensor-parallel axis, innermost (consecutive ranks,
+    inside a node), so the mesh is ``replicate x shard x tp`` as TorchTitan builds
+    it; FSDP runs on the data-parallel ranks ``world_size / tp_size``. See
+    [Note: tensor parallel] in tp.py.
     """
 
     world_size: int
     ranks_per_node: int
     shard_size: int
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.ranks_per_node < 1 or self.shard_size < 1:
+        if self.world_size < 1 or self.ranks_per_node < 1 or self.shard_size < 1 or self.tp_size < 1:
             raise ValueError(f"mesh sizes must be positive, got {self}")
         if self.world_size % self.ranks_per_node and self.world_size > self.ranks_per_node:
             raise ValueError(
                 f"world size {self.world_size} is not a multiple of {self.ranks_per_node} "
                 "ranks per node; pass --gpus-per-node that divides the world size"
             )
-        if self.shard_size > self.world_size or self.world_size % self.shard_size:
+        if self.tp_size > 1 and (self.ranks_per_node % self.tp_size or self.world_size % self.tp_size):
             raise ValueError(
-                f"shard group of {self.shard_size} ranks does not divide the world of "
-                f"{self.world_size}; use a divisor of the world size"
+                f"tensor-parallel degree {self.tp_size} does not divide the {self.ranks_per_node} ranks per node "
+                f"(and the world of {self.world_size}); tensor parallelism runs inside a node: pass --tp 1, 2, 4 or 8 "
+                "dividing --gpus-per-node"
+            )
+        dp = self.world_size // self.tp_size
+        if self.shard_size > dp or dp % self.shard_size:
+            raise ValueError(
+                f"shard group of {self.shard_size} ranks does not divide the {dp} data-parallel ranks "
+                f"(world {self.world_size} / tensor-parallel degree {self.tp_size}); use a divisor of {dp}"
             )
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world over the tensor-parallel degree."""
+        return self.world_size // self.tp_size
+
+    @property
     def replicate_size(self) -> int:
-        return self.world_size // self.shard_size
+        return self.world_size // (self.shard_size * self.tp_size)
 
     @property
     def num_nodes(self) -> int:
@@ -206,16 +227,40 @@ class MeshSpec:
     def is_hsdp(self) -> bool:
         return self.replicate_size > 1
 
+    def data_parallel(self) -> "MeshSpec":
+        """The FSDP part alone: one rank of each tensor-parallel group, ``ranks_per_node /
+        tp_size`` of them per node. The simulator scores FSDP's collectives on it."""
+        if self.tp_size == 1:
+            return self
+        return MeshSpec(world_size=self.dp_size, ranks_per_node=max(1, self.ranks_per_node // self.tp_size),
+                        shard_size=self.shard_size)
+
+    def with_tp(self, tp_size: int) -> "MeshSpec":
+        """This data-parallel mesh with a tensor-parallel axis of ``tp_size`` under it
+        (``world_size`` and ``ranks_per_node`` multiplied by it)."""
+        return MeshSpec(world_size=self.world_size * tp_size, ranks_per_node=self.ranks_per_node * tp_size,
+                        shard_size=self.shard_size, tp_size=self.tp_size * tp_size)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The ``DeviceMesh`` shape, outermost first, matching ``axis_names``."""
+        return tuple(n for n, keep in ((self.replicate_size, self.is_hsdp), (self.shard_size, True),
+                                       (self.tp_size, self.tp_size > 1)) if keep)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(n for n, keep in (("replicate", self.is_hsdp), ("shard", True), ("tp", self.tp_size > 1)) if keep)
+
     def to_json(self) -> dict[str, Any]:
-        shape = [self.replicate_size, self.shard_size] if self.is_hsdp else [self.shard_size]
-        names = ["replicate", "shard"] if self.is_hsdp else ["shard"]
-        return {
+        out: dict[str, Any] = {
             "world_size": self.world_size,
             "ranks_per_node": self.ranks_per_node,
             "shard_size": self.shard_size,
-            "shape": shape,
-            "axis_names": names,
         }
+        if self.tp_size > 1:
+            out["tp_size"] = self.tp_size
+        out["shape"], out["axis_names"] = list(self.shape), list(self.axis_names)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +301,13 @@ class PlanSpec:
     # 0 leaves FSDP2's implicit behaviour.
     forward_prefetch: int = 0
     label: str = ""
+    # Tensor parallelism inside blocks; set exactly when ``mesh.tp_size > 1``.
+    tp: Any = None  # a ``wrapopt.tp.TPSpec``
+
+    def __post_init__(self) -> None:
+        if (self.tp is not None) != (self.mesh.tp_size > 1):
+            raise ValueError(f"a plan on a mesh with tp_size {self.mesh.tp_size} needs "
+                             f"{'a' if self.mesh.tp_size > 1 else 'no'} TPSpec (PlanSpec.tp)")
 
     @property
     def root(self) -> UnitSpec:

@@ -56,13 +56,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         kv_in = x if context is None else context
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(kv_in).view(b, kv_in.shape[1], self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, kv_in.shape[1], self.n_kv, self.head_dim).transpose(1, 2)
+        # Head counts come from the shapes (-1), so that a tensor-parallel rank, whose
+        # projections hold n_heads / tp heads, runs the same code.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(kv_in).view(b, kv_in.shape[1], -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, self.head_dim).transpose(1, 2)
         if self.rotary:
             q, k = _rotary(q), _rotary(k)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and context is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -76,6 +76,7 @@ from wrapopt.errors import ModelError, TraceError
 from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.trace.fx import export_fx
+from wrapopt.tp import attention_heads
 from wrapopt.trace.ops import FusedAttention, Recorder, dtype_name, nbytes, storage_key, tensors_in
 
 __all__ = ["trace_model"]
@@ -205,6 +206,7 @@ def trace_model(
         loss=choice.name,
         loss_kind=choice.kind,
         **_batch_and_seq(example_inputs, example_kwargs),
+        attention_heads=attention_heads(model),
     )
 
 
