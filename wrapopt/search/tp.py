@@ -7,7 +7,8 @@ groupings, the study) runs on that degree's data-parallel mesh with the
 simulator of one tensor-parallel rank's model (``Simulator.for_tp``, See
 [Note: tensor parallel costs] in cost/tp.py), at the same global batch. Its
 plans are lifted onto the full mesh (``MeshSpec.with_tp``, ``PlanSpec.tp``), and
-the fastest fitting plan over all degrees wins; so units, reshard,
+the fastest fitting plan over all degrees wins (the Optuna study's trials are
+shared out over the degrees); so units, reshard,
 checkpointing, HSDP and the degree are chosen jointly, each degree's answer
 being exact under the DP's chain model as in 1-D. Beside the answer the result
 keeps, for the report, the best plan of every degree and TorchTitan's default:
@@ -57,6 +58,15 @@ def _lift_result(res: SearchResult, size: int, spec: TPSpec | None) -> SearchRes
                    candidates=tuple(lift), pareto=tuple(map(one, res.pareto)), rounds=rounds)
 
 
+def _per_degree(options: SearchOptions | None, size: int, count: int) -> SearchOptions | None:
+    """The study's trials shared out over the degrees (``trials`` counts them all); a named
+    study gets one study per degree in its storage."""
+    if options is None or count == 1:
+        return options
+    name = options.study_name and (options.study_name if size == 1 else f"{options.study_name}-tp{size}")
+    return replace(options, trials=-(-options.trials // count), study_name=name)
+
+
 def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec | None, degrees: Sequence[int],
               memory_budget: float | None = None, max_group: int | None = None,
               options: SearchOptions | None = None) -> SearchResult:
@@ -72,15 +82,15 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
             raise ValueError("tensor-parallel degrees above 1 need a TPSpec")
         try:
             if d == 1:
-                res = search_plan(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group, options=options)
+                res = search_plan(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group,
+                                  options=_per_degree(options, 1, len(degrees)))
             else:
                 sub, _notes = sim.for_tp(spec, d)
                 dp = MeshSpec(world_size=mesh.world_size // d, ranks_per_node=mesh.ranks_per_node // d,
                               shard_size=mesh.world_size // d)
-                opts = options
-                if options is not None and options.shard_sizes:
-                    opts = replace(options, shard_sizes=tuple(s for s in options.shard_sizes if dp.world_size % s == 0)
-                                   or None)
+                opts = _per_degree(options, d, len(degrees))
+                if opts is not None and opts.shard_sizes:
+                    opts = replace(opts, shard_sizes=tuple(s for s in opts.shard_sizes if dp.world_size % s == 0) or None)
                 res = search_plan(sub.traced, sub, dp, memory_budget=memory_budget, max_group=max_group, options=opts)
             results[d] = _lift_result(res, d, spec)
         except InfeasibleError as e:
