@@ -24,11 +24,13 @@ from wrapopt.launch import spawn
 from wrapopt.models import zoo
 from wrapopt.search.baselines import baselines
 from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace.meta import trace_model
 
 TOL = 1e-5
 STEPS = 3
 MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+MESH_2X2 = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, tp_size=2)  # FSDP over 2 x tensor parallel 2
 
 _CASES: list[str] = []  # "module:function" of every registered case, in the order the modules were imported
 
@@ -70,6 +72,20 @@ def plan_specs(graph, mesh: MeshSpec) -> dict[str, PlanSpec]:
         "per-block": b["per-block"],
         "groups-of-2": PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh, label="g2"),
         "keep+ckpt": PlanSpec(tuple(UnitSpec((blk,), False, True) for blk in blocks) + (root,), mesh, label="kc"),
+    }
+
+
+def tp_plan_specs(graph, mesh: MeshSpec = MESH_2X2) -> dict[str, PlanSpec]:
+    """2-D plans (the builtin tensor-parallel plan under FSDP): blocks in pairs, and one unit
+    per block with checkpointing and resharding on every other block."""
+    tp = builtin_tp_plan(graph)
+    blocks = graph.blocks
+    root = UnitSpec((ROOT,), False)
+    return {
+        "groups-of-2": PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh,
+                                label="tp-g2", tp=tp),
+        "some-ckpt": PlanSpec(tuple(UnitSpec((b,), i % 2 == 0, i % 2 == 0) for i, b in enumerate(blocks)) + (root,), mesh,
+                              label="tp-ckpt", tp=tp),
     }
 
 

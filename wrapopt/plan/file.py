@@ -24,7 +24,8 @@ from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
-from wrapopt.plan.schema import plan_schema, schema_errors
+from wrapopt.plan.schema import plan_schema, schema_errors, short_json
+from wrapopt.plan.tp import tp_from_json
 from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
 from wrapopt.version import __version__
@@ -117,6 +118,7 @@ class WrapPlan:
             "label": self.spec.label,
             "model": self.model,
             "mesh": self.spec.mesh.to_json(),
+            **({"tp": self.spec.tp.to_json()} if self.spec.tp is not None else {}),
             "units": [
                 {"modules": list(u.modules), "reshard_after_forward": u.reshard_after_forward, "checkpoint": u.checkpoint}
                 for u in self.spec.units
@@ -171,11 +173,18 @@ class WrapPlan:
                 world_size=_int(mesh, "world_size", source, "mesh."),
                 ranks_per_node=_int(mesh, "ranks_per_node", source, "mesh."),
                 shard_size=_int(mesh, "shard_size", source, "mesh."),
+                tp_size=_int(mesh, "tp_size", source, "mesh.") if "tp_size" in mesh else 1,
             )
         except ValueError as e:
             if isinstance(e, PlanError):
                 raise
             raise fail("mesh", str(e)) from None
+        if mesh_spec.tp_size > 1 and data.get("tp") is None:
+            raise fail("tp", f"is missing: a plan with mesh.tp_size {mesh_spec.tp_size} needs its tensor-parallel "
+                             "plan ({\"layers\": {block class: {submodule path: \"colwise\" | \"rowwise\"}}})")
+        if mesh_spec.tp_size == 1 and data.get("tp") is not None:
+            raise fail("tp", "is set but mesh.tp_size is 1; set mesh.tp_size to the tensor-parallel degree, or drop tp")
+        tp = tp_from_json(data["tp"], source=source) if mesh_spec.tp_size > 1 else None
         units_raw = data.get("units")
         if not isinstance(units_raw, list) or not units_raw:
             raise fail("units", "must be a non-empty list of {modules, reshard_after_forward, checkpoint}")
@@ -213,7 +222,12 @@ class WrapPlan:
         if problems:
             fld, msg = problems[0]
             raise fail(fld, msg + " (see wrapopt/data/plan.schema.json)")
-        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""))
+        for fld, want in (("shape", list(mesh_spec.shape)), ("axis_names", list(mesh_spec.axis_names))):
+            if fld in mesh and mesh[fld] != want:
+                raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size and tp_size give "
+                                          f"{short_json(want)}; fix the sizes or drop mesh.{fld}")
+        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""),
+                        tp=tp)
         return cls(
             spec=spec,
             model=model,

@@ -14,7 +14,7 @@ from typing import Any
 from wrapopt.errors import PlanError
 from wrapopt.fileio import read_json
 
-__all__ = ["plan_schema", "schema_errors"]
+__all__ = ["plan_schema", "schema_errors", "short_json"]
 
 
 def plan_schema() -> dict[str, Any]:
@@ -71,12 +71,12 @@ def _check_node(v: Any, node: dict[str, Any], root: dict[str, Any], where: str, 
     if "type" in node:
         types = node["type"] if isinstance(node["type"], list) else [node["type"]]
         if not any(_JSON_TYPES[t](v) for t in types):
-            out.append((name, f"must be {' or '.join(types)}, got {_json_type(v)} {_short(v)}"))
+            out.append((name, f"must be {' or '.join(types)}, got {_json_type(v)} {short_json(v)}"))
             return
     if "const" in node and v != node["const"]:
-        out.append((name, f"must be {node['const']!r}, got {_short(v)}"))
+        out.append((name, f"must be {node['const']!r}, got {short_json(v)}"))
     if "enum" in node and v not in node["enum"]:
-        out.append((name, f"must be one of {', '.join(map(json.dumps, node['enum']))}, got {_short(v)}"))
+        out.append((name, f"must be one of {', '.join(map(json.dumps, node['enum']))}, got {short_json(v)}"))
     if "minimum" in node and _JSON_TYPES["number"](v) and v < node["minimum"]:
         out.append((name, f"must be at least {node['minimum']}, got {v!r}"))
     if "pattern" in node and isinstance(v, str) and not re.search(node["pattern"], v):
@@ -127,6 +127,6 @@ def _json_type(v: Any) -> str:
     return next((t for t, ok in _JSON_TYPES.items() if t != "number" and ok(v)), "number")
 
 
-def _short(v: Any) -> str:
+def short_json(v: Any) -> str:
     text = json.dumps(v) if not isinstance(v, float) or v == v else "NaN"
     return text if len(text) <= 40 else text[:37] + "..."
