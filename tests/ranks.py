@@ -123,8 +123,11 @@ def batches(name: str, world: int, rank: int):
     return full, mine
 
 
-def train(model, batches, loss_fn) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def train(model, batches, loss_fn, *, sgd: bool = False) -> list[float]:
+    """``STEPS`` steps of AdamW (lr 1e-2), or of plain SGD (lr 0.1): SGD's update is the gradient
+    itself, so its final parameters compare gradients, where AdamW's normalisation turns
+    rounding-level differences of gradients near zero into steps of size lr."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if sgd else torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x in batches:
         loss = loss_fn(model(*x), x)
