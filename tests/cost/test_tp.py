@@ -102,3 +102,14 @@ def test_resolve_tp(llama):
         resolve_tp(llama, mesh, 4)
     with pytest.raises(PlanError, match="auto or a positive integer"):
         resolve_tp(llama, mesh, "two")
+
+
+def test_tp_overhead_is_charged_per_split_projection_call(llama):
+    spec = builtin_tp_plan(llama)
+    fabric, compute = analytical_fabric(world_size=8), analytical_compute()
+    plain = {f: (a, b) for f, a, b in tp_view(llama, compute, fabric, spec, 2)[1].module_times}
+    slow = {f: (a, b) for f, a, b in tp_view(llama, replace(compute, tp_overhead_s=(1e-3, 2e-3)), fabric, spec, 2)[1].module_times}
+    for f in plain:
+        extra = (slow[f][0] - plain[f][0], slow[f][1] - plain[f][1])
+        split = f.endswith("_proj")
+        assert extra == pytest.approx((1e-3, 2e-3) if split else (0.0, 0.0), abs=1e-12), f

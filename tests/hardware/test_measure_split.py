@@ -1,12 +1,14 @@
-"""measure_split_efficiency: the projections a TPSpec splits, timed whole and split."""
+"""measure_split.py (split efficiency, tensor-parallel overhead) and measure_checkpoint_overhead with a model cache."""
 
 from __future__ import annotations
 
-from wrapopt import zoo
+import pytest
 import torch
 
+from wrapopt import zoo
 from wrapopt.hardware.measure_device import measure_checkpoint_overhead
-from wrapopt.hardware.measure_split import measure_split_efficiency
+from wrapopt.hardware.measure_split import measure_split_efficiency, measure_tp_overhead
+from wrapopt.launch import spawn
 from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace import trace_model
 
@@ -49,3 +51,16 @@ def test_checkpoint_overhead_runs_blocks_without_the_model_cache():
     overhead = measure_checkpoint_overhead(model, (torch.randn(4, 8),), repeats=1)
     assert overhead >= 0
     assert len(model.cache) == 2  # the one forward that captured the inputs; the timed calls added nothing
+
+
+def _overhead_worker(rank, world, _):
+    torch.set_num_threads(1)
+    return measure_tp_overhead(2, repeats=1)
+
+
+@pytest.mark.multiprocess
+def test_tp_overhead_is_measured_on_every_rank_alike():
+    out = spawn(_overhead_worker, world_size=2, args=(None,), timeout_s=120)
+    assert out[0] == out[1]  # the max over ranks, on every rank
+    fwd, bwd = out[0]
+    assert fwd >= 0 and bwd >= 0 and fwd + bwd < 1.0

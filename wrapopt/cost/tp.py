@@ -20,15 +20,25 @@ Time per module is the profile's (measured per module, or FLOPs and bytes over
 the stated rates), split modules' time divided by ``tp * efficiency``, where the
 efficiency is the profile's measured throughput of the model's largest
 projection split ``tp`` ways over unsplit (``ComputeProfile.split_efficiency``;
-without a measurement it is taken as 1 and the estimate says so). The
+without a measurement it is taken as 1 and the estimate says so), plus, per call
+of a split projection, what tensor parallelism costs beyond the matmul and the
+collective (DTensor's dispatch and its input and output hooks:
+``ComputeProfile.tp_overhead_s``, measured by ``measure_tp_overhead``; on a CPU,
+where nothing runs ahead, it is of the order of the small matmuls themselves). The
 tensor-parallel collectives are on the critical path of every block (the next
 op needs their result), so they are time of the module that issues them, on the
 compute lane, not overlapped with anything: forward, one all-reduce of the
 rowwise projection's output per call; backward, one all-reduce of the colwise
 projection's input gradient per call (the gradients of a replicated input are
 partial sums on each rank). They run on a group of ``tp`` consecutive ranks
-inside one node: ``FabricProfile.collective_s("all_reduce", tp, tp, bytes)``. A
-checkpointed unit re-runs its forward and with it the forward all-reduces.
+inside one node: ``FabricProfile.collective_s("all_reduce", tp, tp, bytes)``.
+These counts are torch's (``CommDebugMode`` on 2-D plans, tests/plan/test_tp_ranks.py:
+forward 2, backward 5 for a Llama block and 4 for a GPT block, each of the block's
+activation size). A checkpointed unit is charged its whole forward again, both
+all-reduces included; torch's non-reentrant checkpoint stops its recompute once
+every tensor backward needs is back, which skips the MLP's output projection and
+its all-reduce (measured: one all-reduce per checkpointed block, not two), so a
+checkpointed 2-D plan is predicted slow by about that much.
 Left out: contention between the tensor-parallel collectives and FSDP's on the
 same links, and the faster fused kernels some codebases use for the
 all-reduce; both are small next to the per-block collectives at the sizes
@@ -130,12 +140,16 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
         return t
 
     measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
+    oh_f, oh_b = compute.tp_overhead_s
     times = []
     for m in graph.call_order():
         f, b = module_time(m, compute, batch_scale, measured)
         role = roles.get(m.fqn)
         if role is not None:
             f, b = f / (size * eff), b / (size * eff)
+        if role in ("colwise", "rowwise"):  # DTensor's dispatch and hooks, per call
+            f += m.num_calls * oh_f
+            b += m.num_calls * oh_b
         if role == "rowwise":  # the partial outputs are summed: See [Note: tensor parallel costs]
             f += m.num_calls * all_reduce(m.output_bytes * act * batch_scale)
         elif role == "colwise":  # the replicated input's partial gradients are summed

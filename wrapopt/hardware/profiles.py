@@ -410,6 +410,9 @@ class ComputeProfile:
     # measured on the model's largest projection; none: split matmuls are taken to run
     # as fast per FLOP as whole ones (a stated caveat). See [Note: tensor parallel costs] in cost/tp.py.
     split_efficiency: tuple[tuple[int, float], ...] = ()
+    # (forward, backward) seconds per call of a tensor-parallel projection beyond its matmul and
+    # all-reduce (DTensor dispatch and hooks), measured by measure_split.measure_tp_overhead.
+    tp_overhead_s: tuple[float, float] = (0.0, 0.0)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -431,6 +434,7 @@ class ComputeProfile:
             "module_times": [list(t) for t in self.module_times],
             "runs_ahead": self.runs_ahead,
             "split_efficiency": [list(t) for t in self.split_efficiency],
+            "tp_overhead_s": list(self.tp_overhead_s),
             "meta": self.meta,
         }
 
@@ -458,6 +462,7 @@ class ComputeProfile:
             # files written before the field existed: a CPU device was the one that does not run ahead
             runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),
             split_efficiency=tuple((int(a), float(b)) for a, b in d.get("split_efficiency", [])),
+            tp_overhead_s=tuple(float(v) for v in d.get("tp_overhead_s", (0.0, 0.0)))[:2],  # type: ignore[arg-type]
             meta=dict(d.get("meta", {})),
         )
 

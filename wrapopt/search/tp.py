@@ -28,19 +28,20 @@ from wrapopt.search.strategy import Round, Scored, SearchOptions
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp, tp_degrees
 
-__all__ = ["TORCHTITAN_LABEL", "resolve_tp", "search_tp"]
+__all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp"]
 
 TORCHTITAN_LABEL = "TorchTitan default"
 
 
-def _lift_plan(plan: PlanSpec, size: int, spec: TPSpec | None) -> PlanSpec:
+def lift_plan(plan: PlanSpec, size: int, spec: TPSpec | None) -> PlanSpec:
+    """A plan of the data-parallel mesh as the 2-D plan of degree ``size``."""
     if size == 1:
         return plan
     return replace(plan, mesh=plan.mesh.with_tp(size), tp=spec, label=f"{plan.label} + tp{size}" if plan.label else f"tp{size}")
 
 
 def _lift(s: Scored, size: int, spec: TPSpec | None) -> Scored:
-    return s if size == 1 else replace(s, plan=_lift_plan(s.plan, size, spec))
+    return s if size == 1 else replace(s, plan=lift_plan(s.plan, size, spec))
 
 
 def _lift_result(res: SearchResult, size: int, spec: TPSpec | None) -> SearchResult:
@@ -52,10 +53,16 @@ def _lift_result(res: SearchResult, size: int, spec: TPSpec | None) -> SearchRes
     def one(s: Scored) -> Scored:
         return by_id.get(id(s)) or _lift(s, size, spec)
 
-    rounds = tuple(Round(r.strategy, tuple(_lift_plan(p, size, spec) for p in r.proposed), tuple(map(one, r.scored)), r.detail)
+    rounds = tuple(Round(r.strategy, tuple(lift_plan(p, size, spec) for p in r.proposed), tuple(map(one, r.scored)), r.detail)
                    for r in res.rounds)
     return replace(res, best=one(res.best), baselines={k: one(s) for k, s in res.baselines.items()},
                    candidates=tuple(lift), pareto=tuple(map(one, res.pareto)), rounds=rounds)
+
+
+def dp_mesh(mesh: MeshSpec, size: int) -> MeshSpec:
+    """The data-parallel mesh of ``mesh`` (no tensor parallelism) at degree ``size``: FSDP over it."""
+    return MeshSpec(world_size=mesh.world_size // size, ranks_per_node=mesh.ranks_per_node // size,
+                    shard_size=mesh.world_size // size)
 
 
 def _per_degree(options: SearchOptions | None, size: int, count: int) -> SearchOptions | None:
@@ -86,8 +93,7 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
                                   options=_per_degree(options, 1, len(degrees)))
             else:
                 sub, _notes = sim.for_tp(spec, d)
-                dp = MeshSpec(world_size=mesh.world_size // d, ranks_per_node=mesh.ranks_per_node // d,
-                              shard_size=mesh.world_size // d)
+                dp = dp_mesh(mesh, d)
                 opts = _per_degree(options, d, len(degrees))
                 if opts is not None and opts.shard_sizes:
                     opts = replace(opts, shard_sizes=tuple(s for s in opts.shard_sizes if dp.world_size % s == 0) or None)
