@@ -234,6 +234,8 @@ class Simulator:
     def _colls_of(self, name: str, group: int, rpn_in_group: int, nbytes: np.ndarray, notes: set[str]) -> np.ndarray:
         """``_coll`` of every size in ``nbytes``, from a table per collective and group:
         its sizes sorted, their times, and the caveats of extrapolated sizes."""
+        if group <= 1:  # one rank moves nothing: FabricProfile.collective_s is 0 s with no caveat (full-shard all-reduce)
+            return np.zeros(nbytes.shape[0])
         key = (name, group, rpn_in_group)
         sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
         fns = self.backend.kernels
