@@ -96,8 +96,13 @@ choices is cached: per set of units its layout and sums, per mesh its bytes,
 collective times and ``UnitCosts`` (made into ``UnitCost`` items only when
 read), and per collective and group a table of times by message size.
 Caching never changes a result: a fresh simulator and one that has scored
-many other plans agree exactly (``tests/cost/test_simulate.py``).
-``benchmarks/sim_speed.py`` measures plans per second, compiled and Python.
+many other plans agree exactly (``tests/cost/test_simulate.py``). A plan
+whose layout is cached scores in ~25 us, so the records made per plan are
+named tuples built by ``tuple.__new__`` from their fields in order ([Note:
+step loop inputs] in ``step.py``), and a collective over one rank is not
+looked up (it is 0 s). ``benchmarks/sim_speed.py`` measures plans per
+second, compiled and Python; ``benchmarks/sim_speed_ab.py`` compares two
+checkouts in paired CPU time.
 """
 
 from __future__ import annotations
@@ -245,14 +250,15 @@ class Simulator:
             if missing:  # new sizes: add them to the table
                 if len(sizes) > 65536:
                     sizes, times, caveats = np.zeros(0), np.zeros(0), {}
-                new = np.unique(nbytes[np.isnan(out)])
+                # the missing sizes once each, ascending (np.unique takes ~4 us, a set ~1 us)
+                new = sorted(set(nbytes[np.isnan(out)].tolist()))
                 made = []
-                for b in new.tolist():
+                for b in new:
                     extra: set[str] = set()
                     made.append(self._coll(name, group, rpn_in_group, b, extra))
                     if extra:
                         caveats[b] = extra
-                sizes, times = merge(sizes, times, new, np.array(made, dtype=np.float64))
+                sizes, times = merge(sizes, times, np.array(new, dtype=np.float64), np.array(made, dtype=np.float64))
                 self._tables[key] = (sizes, times, caveats)
                 out, missing = lookup(sizes, times, nbytes)
         except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
