@@ -17,12 +17,13 @@ faster, in plans per CPU second) with a bootstrap 95% interval of that
 median, and the same for new/new' (A/A).
 
     git worktree add /tmp/wrapopt-old <commit>
-    python benchmarks/sim_speed_ab.py --old /tmp/wrapopt-old [--rounds 20]
+    python benchmarks/sim_speed_ab.py --old /tmp/wrapopt-old [--rounds 20] [--out results/sim_speed_ab.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import hashlib
 import json
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MESH = dict(world_size=64, ranks_per_node=8, shard_size=64)
 KINDS = ("per-block", "size-1e8", "groupings", "optuna")
 # plans per measurement, compiled and Python: ~50-150 ms of CPU each
@@ -134,10 +136,11 @@ def _interval(ratios: list[float], rng: random.Random, n: int = 2000) -> tuple[f
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", help="root of the old checkout (PYTHONPATH for the old workers)")
-    ap.add_argument("--new", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    ap.add_argument("--new", default=ROOT)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--loops", default="compiled,python", help="compiled, python or both")
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--out", help="also write the tables, with the machine and the command, to this markdown file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -146,6 +149,12 @@ def main() -> int:
         ap.error("--old is required")
     kinds = args.kinds.split(",")
     rng = random.Random(0)
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
     for loop in args.loops.split(","):
         procs = {"old": _Proc(os.path.abspath(args.old), loop), "new": _Proc(os.path.abspath(args.new), loop),
                  "new'": _Proc(os.path.abspath(args.new), loop)}
@@ -165,19 +174,48 @@ def main() -> int:
                     raise SystemExit(f"sim_speed_ab: {kind} round {r}: the versions' estimates differ ({digests})")
         for p in procs.values():
             p.close()
-        print(f"\n{loop}: {args.rounds} rounds, CPU time per measurement; ratio = plans per CPU second, "
-              "median [bootstrap 95%]")
-        print(f"| kind | old ms | new ms | new/old | A/A new/new' |")
-        print("|---|---|---|---|---|")
+        say("")
+        say(f"{loop}: {args.rounds} rounds; CPU ms per measurement (median); ratio of plans per CPU second, "
+            "median of the rounds [bootstrap 95%]")
+        say("")
+        say("| kind | plans per measurement | old ms | new ms | new/old | A/A new/new' |")
+        say("|---|---|---|---|---|---|")
         for kind in kinds:
             old, new, new2 = cpu[("old", kind)], cpu[("new", kind)], cpu[("new'", kind)]
             ab = [o / n for o, n in zip(old, new)]
             aa = [b / a for a, b in zip(new, new2)]
             lo, hi = _interval(ab, rng)
             alo, ahi = _interval(aa, rng)
-            print(f"| {kind} | {statistics.median(old) * 1e3:.1f} | {statistics.median(new) * 1e3:.1f} "
-                  f"| {statistics.median(ab):.3f} [{lo:.3f}, {hi:.3f}] | {statistics.median(aa):.3f} [{alo:.3f}, {ahi:.3f}] |",
-                  flush=True)
+            say(f"| {kind} | {SIZES[loop][kind]} | {statistics.median(old) * 1e3:.1f} | {statistics.median(new) * 1e3:.1f} "
+                f"| {statistics.median(ab):.3f} [{lo:.3f}, {hi:.3f}] | {statistics.median(aa):.3f} [{alo:.3f}, {ahi:.3f}] |")
+    if args.out:
+        sys.path.insert(0, ROOT)
+        import platform
+
+        from wrapopt.fileio import atomic_write_text
+
+        def head(root: str) -> str:
+            out = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+            return out.stdout.strip()[:100] or root
+
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        text = [
+            "# Simulator speed: two versions in paired CPU time",
+            "",
+            f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}); Python {platform.python_version()}; "
+            f"{date}; {time.perf_counter() - t_start:.0f} s. Load average (1 min) before and after: {load0:.1f} and "
+            f"{os.getloadavg()[0]:.1f} (the machine is shared with other processes when above 1: CPU time, paired "
+            "rounds and the A/A row are for that).",
+            "",
+            f"old: `{head(os.path.abspath(args.old))}`; new: `{head(os.path.abspath(args.new))}` (working tree). "
+            f"Regenerate: `python benchmarks/sim_speed_ab.py --old <checkout of old> --rounds {args.rounds} --out ...`. "
+            "Workloads as `benchmarks/sim_speed.py` (zoo:llama-7b, 64 ranks, analytical fabric): per-block and size-1e8 "
+            "scored again and again (layout cached), random groupings of 1-4 blocks and random Optuna-space plans "
+            "(a new layout each); a fresh `Simulator` per measurement; both versions' estimates checked equal.",
+            *lines,
+            "",
+        ]
+        atomic_write_text(args.out, "\n".join(text))
     return 0
 
 
