@@ -186,8 +186,11 @@ def main() -> int:
     else:
         loop = "Python (numba is not installed: `pip install wrapopt[fast]`)"
     cpu0 = _cpu_times()
+    load0 = os.getloadavg()[0]
     rows = simulator_speed(graph)
     steal = _steal(cpu0, _cpu_times())
+    load1 = os.getloadavg()[0]
+    busy = max(load0, load1) > 1.5  # this benchmark is one busy process
     share = search_share(graph)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lines = [
@@ -202,7 +205,10 @@ def main() -> int:
         f"took {compile_s:.1f} s, once per process"
         + (f"; compiling it from a cold cache took {cold_s:.1f} s (once per machine)" if cold_s else "")
         + f". CPU steal while the rates were measured: {fmt_steal(steal)} (the share of CPU time the hypervisor "
-        "gave to other guests).",
+        "gave to other guests). Load average (1 min) before and after the rates: "
+        f"{load0:.1f} and {load1:.1f} on {os.cpu_count()} cores"
+        + (": the machine was shared with other processes, so the rates are lower and noisier than on an idle one; "
+           "`benchmarks/sim_speed_ab.py` compares versions in paired CPU time." if busy else "."),
         "",
         "| plans | units per plan | compute segments per plan | plan evaluations per second: best | median "
         "| as Python (no numba): best |",
@@ -220,7 +226,8 @@ def main() -> int:
     os.makedirs("results", exist_ok=True)
     atomic_write_text("results/sim_speed.md", "\n".join(lines))
     atomic_write_json("results/sim_speed.json", {"date": date, "step_loop": loop, "compile_s": compile_s,
-                                                  "cold_compile_s": cold_s, "steal": steal, "speed": rows, "search": share})
+                                                  "cold_compile_s": cold_s, "steal": steal,
+                                                  "load_average": [load0, load1], "speed": rows, "search": share})
     print("\n".join(lines))
     return 0
 

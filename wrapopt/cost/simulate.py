@@ -96,8 +96,13 @@ choices is cached: per set of units its layout and sums, per mesh its bytes,
 collective times and ``UnitCosts`` (made into ``UnitCost`` items only when
 read), and per collective and group a table of times by message size.
 Caching never changes a result: a fresh simulator and one that has scored
-many other plans agree exactly (``tests/cost/test_simulate.py``).
-``benchmarks/sim_speed.py`` measures plans per second, compiled and Python.
+many other plans agree exactly (``tests/cost/test_simulate.py``). A plan
+whose layout is cached scores in ~25 us, so the records made per plan are
+named tuples built by ``tuple.__new__`` from their fields in order ([Note:
+step loop inputs] in ``step.py``), and a collective over one rank is not
+looked up (it is 0 s). ``benchmarks/sim_speed.py`` measures plans per
+second, compiled and Python; ``benchmarks/sim_speed_ab.py`` compares two
+checkouts in paired CPU time.
 """
 
 from __future__ import annotations
@@ -133,6 +138,10 @@ __all__ = ["simulate", "Simulator"]
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
 
 _NO_EVENTS = np.zeros((0, 6))  # the step loop's events when none are recorded: it writes none
+
+# Builds a named tuple from a tuple of its fields in order: ~0.15 us against ~0.3 us for keywords and
+# ~0.2 us for ``_make``. The per-plan records below are built this way: See [Note: simulator speed].
+_new = tuple.__new__
 
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
                "all_gather_buffer", "unsharded_grads", "activations", "working_set")
@@ -235,6 +244,8 @@ class Simulator:
     def _colls_of(self, name: str, group: int, rpn_in_group: int, nbytes: np.ndarray, notes: set[str]) -> np.ndarray:
         """``_coll`` of every size in ``nbytes``, from a table per collective and group:
         its sizes sorted, their times, and the caveats of extrapolated sizes."""
+        if group <= 1:  # one rank moves nothing: FabricProfile.collective_s is 0 s with no caveat (full-shard all-reduce)
+            return np.zeros(nbytes.shape[0])
         key = (name, group, rpn_in_group)
         sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
         fns = self.backend.kernels
@@ -244,14 +255,15 @@ class Simulator:
             if missing:  # new sizes: add them to the table
                 if len(sizes) > 65536:
                     sizes, times, caveats = np.zeros(0), np.zeros(0), {}
-                new = np.unique(nbytes[np.isnan(out)])
+                # the missing sizes once each, ascending (np.unique takes ~4 us, a set ~1 us)
+                new = sorted(set(nbytes[np.isnan(out)].tolist()))
                 made = []
-                for b in new.tolist():
+                for b in new:
                     extra: set[str] = set()
                     made.append(self._coll(name, group, rpn_in_group, b, extra))
                     if extra:
                         caveats[b] = extra
-                sizes, times = merge(sizes, times, new, np.array(made, dtype=np.float64))
+                sizes, times = merge(sizes, times, np.array(new, dtype=np.float64), np.array(made, dtype=np.float64))
                 self._tables[key] = (sizes, times, caveats)
                 out, missing = lookup(sizes, times, nbytes)
         except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
@@ -315,9 +327,9 @@ class Simulator:
             lay = self.layout.build(units, mods)  # not via the layout cache: this one is the cache
             if len(self._sets) > 4096:
                 self._sets.clear()
-            per_set = self._sets[mods] = _UnitSet(
-                layout=lay, storage_bytes=int(lay.counts[STORAGE].sum()), trainable_bytes=int(lay.counts[TRAINABLE_BYTES].sum()),
-                compute_s=sum(lay.times[0].tolist()) + sum(lay.times[1].tolist()), per_mesh={})
+            storage, trainable = lay.counts[STORAGE:TRAINABLE_BYTES + 1:TRAINABLE_BYTES - STORAGE].sum(1).tolist()
+            fwd, bwd = lay.times.tolist()
+            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))  # its fields
         lay, storage, trainable = per_set.layout, per_set.storage_bytes, per_set.trainable_bytes
         n = len(units)
         notes: set[str] = set()
@@ -334,10 +346,11 @@ class Simulator:
             ag = self._colls_of("all_gather", shard, rpn_shard, P, cn)
             rs = self._colls_of("reduce_scatter", shard, rpn_shard, G, cn)
             ar = self._colls_of("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
-            cached = per_set.per_mesh[mesh] = _MeshCosts(
-                gathered_bytes=P, grad_bytes=G, all_gather_s=ag,
-                units=UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED]), notes=frozenset(cn),
-                columns=tuple(np.array((P, G, ag, rs, ar))))
+            columns = (P, G, ag, rs, ar)
+            if not all(c.dtype == np.float64 for c in columns):  # P and G are integers for an integer dtype size
+                columns = tuple(np.array(columns, dtype=np.float64))
+            cached = per_set.per_mesh[mesh] = _new(_MeshCosts, (  # in _MeshCosts' field order
+                P, G, ag, UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED]), frozenset(cn), columns))
         P, G, ag = cached.gathered_bytes, cached.grad_bytes, cached.all_gather_s
         notes.update(cached.notes)
         # Per-unit choices: See [Note: reshard after forward].
@@ -351,7 +364,9 @@ class Simulator:
                 keep[at] = P[at] // raf if raf < shard else P[at]
                 if raf > 1:
                     rag[at] = self._colls_of("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
-        ck = np.fromiter(map(_CHECKPOINT, units), dtype=np.bool_, count=n)
+        cks = list(map(_CHECKPOINT, units))
+        ck = np.array(cks, dtype=np.bool_)
+        any_ck = any(cks)
 
         # Static memory: See [Note: memory].
         sharded_params = storage / shard
@@ -365,9 +380,8 @@ class Simulator:
         backend = self.backend
         compiled = backend.kernels is not None
         seg_cols, lay_cols = self._columns(lay, mods, compiled)
-        unit_cols = UnitPlan(*cached.columns, regather_s=rag, kept_bytes=keep, checkpoint=ck)
-        if not compiled:
-            unit_cols = UnitPlan._make(c.tolist() for c in unit_cols)
+        unit_cols = (*cached.columns, rag, keep, ck)  # UnitPlan's fields
+        unit_cols = _new(UnitPlan, unit_cols if compiled else [c.tolist() for c in unit_cols])
         depth = max(plan.forward_prefetch, 1 if self._runs_ahead else 0)
         runs = []
         for mode in modes:
@@ -378,7 +392,7 @@ class Simulator:
             else:
                 held = sum(G.tolist()) if micro > 1 else 0  # unsharded grads held across micro-batches (no-sync)
                 static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
-            scalars = PlanScalars(static_bytes=float(static), shard_size=loop_shard, prefetch_depth=depth, record=record)
+            scalars = _new(PlanScalars, (float(static), loop_shard, depth, record))  # in PlanScalars' field order
             ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
             try:
                 res = backend.step(seg_cols, lay_cols, unit_cols, scalars, self._constants, ev_rows)
@@ -388,8 +402,7 @@ class Simulator:
                 backend.fall_back(f"{type(e).__name__}: {e}")
                 return self.simulate(plan, record=record)
             if len(modes) > 1:  # kept to choose from below (one mode: its locals stand)
-                runs.append(_Run(mode=mode, static_bytes=static, held_bytes=held, sharded_grads_bytes=sharded_grads,
-                                 events=ev_rows, result=res))
+                runs.append(_new(_Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in _Run's field order
         grads_before = sharded_grads
         if runs:  # the faster that fits, else the smaller peak
             limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
@@ -402,7 +415,7 @@ class Simulator:
         fwd_end, bwd_end, end, peak, peak_parts = res.fwd_end, res.bwd_end, res.end, res.peak_bytes, res.peak_parts
         comm_total = res.comm_s
         ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
-                            float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]]
+                            float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]] if record else []
         # Optimizer: read/write the local shard and its states (memory-bound), plus a
         # fixed dispatch cost per parameter tensor (dominant for small models).
         # Both calibrated by the profiler's AdamW steps on fully_shard parameters, the
@@ -426,9 +439,9 @@ class Simulator:
                 # Earlier micro-batches: the same forward and backward without the
                 # reduce-scatters (set_requires_gradient_sync(False)).
                 step += (micro - 1) * bwd_end
-        compute_s = per_set.compute_s + sum(lay.times[0][ck].tolist())
+        compute_s = per_set.compute_s + (sum(lay.times[0][ck].tolist()) if any_ck else 0)  # sum([]) is 0
         ck_oh = self._constants.checkpoint_overhead_s
-        if ck_oh and ck.any():
+        if ck_oh and any_ck:
             compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
         compute_s += self.compute.loss_s * opt.batch_scale
         compute_s *= micro
@@ -442,7 +455,7 @@ class Simulator:
             comm_s=comm_total,
             exposed_comm_s=exposed,
             peak_bytes=int(peak),
-            peak_breakdown=tuple((k, int(v)) for k, v in zip(_PEAK_PARTS, parts + peak_parts[1:])),
+            peak_breakdown=tuple(zip(_PEAK_PARTS, map(int, parts + peak_parts[1:]))),
             units=cached.units,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),

@@ -26,11 +26,16 @@ plain tuple's type is found in C: with arguments of these sizes and a
 trivial body, a call took ~7.5 us against ~4 us, and returning a named
 tuple ~1.9 us against ~0.4 us, while scoring a plan whose layout is cached
 takes ~25 us in all. So the compiled ``step_loop`` is given plain tuples
-(``x[:]``, in field order) and returns one; its first line names them
-again, which costs nothing in compiled code (building them in a separate
+(``x[:]``, in field order) and returns one. Its first lines unpack the five
+inputs by position, in their fields' order (asserted against ``_fields`` at
+import): named or plain, the same line reads both, for free in compiled code
+and in ~0.3 us as Python, where naming them again (``Segments(*segs)``) and
+reading the names took ~1.9 us (building named tuples in a separate compiled
 entry that calls ``step_loop`` cost ~0.4 us: the new tuples' references to
-their ~30 arrays; inlining it there instead doubled the compile time). As
-Python the same line copies the named tuples it is given (~1 us).
+their ~30 arrays; inlining it there instead doubled the compile time). The
+per-plan named tuples are built by ``tuple.__new__(Cls, fields)`` (~0.15 us,
+against ~0.3 us with keywords and ~0.2 us by ``Cls._make``): these records
+are built on every scoring, so their cost is the simulator's speed.
 
 Events are recorded (``record``) as rows of ``ev``: lane, kind, unit, start,
 end, memory, with the codes below.
@@ -47,6 +52,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from wrapopt.cost.kernels import layout_kernel
+
+_new = tuple.__new__  # a named tuple from a tuple of its fields, the fastest way: See [Note: simulator speed]
 
 COMPUTE, COMM = 0, 1
 LANES = ("compute", "comm")
@@ -181,16 +188,13 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     ``plan.record`` (its rows: at least ``3 * units + 3 * segments + 2``). Takes the named
     tuples or plain tuples in their field order, and returns ``StepResult``'s fields as a
     plain tuple: See [Note: step loop inputs]."""
-    segs, lay, units, plan, k = Segments(*segs), UnitLayout(*lay), UnitPlan(*units), PlanScalars(*plan), StepConstants(*k)
-    seg_u, seg_f, seg_b, seg_saved = segs.unit, segs.fwd_s, segs.bwd_s, segs.saved
-    seg_work, seg_gn, seg_bw, seg_keep = segs.work, segs.grad_numel, segs.bwd_work, segs.keep
-    order, border, last_fwd, pos, bpos = lay.forward, lay.backward, lay.last_fwd, lay.fwd_pos, lay.bwd_pos
-    nseg, seg_grads, tbytes = lay.num_segments, lay.seg_grad_numel, lay.trainable_bytes
-    P, G, ag, rs, ar = units.gathered_bytes, units.grad_bytes, units.all_gather_s, units.reduce_scatter_s, units.all_reduce_s
-    rag, keep, ck = units.regather_s, units.kept_bytes, units.checkpoint
-    static, shard, depth, record = plan.static_bytes, plan.shard_size, plan.prefetch_depth, plan.record
-    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh = k.reduce_elem_bytes, k.overlap_compute, k.overlap_comm, k.unit_overhead_s, k.checkpoint_overhead_s
-    runs_ahead, loss_dur, loss_work, out_b, loss_saved = k.runs_ahead, k.loss_s, k.loss_work_bytes, k.output_bytes, k.loss_saved_bytes
+    # The inputs unpacked in their fields' order (checked below the function): in Python ~0.3 us,
+    # against ~1.9 us to name them again and read the names. See [Note: step loop inputs].
+    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep = segs  # Segments
+    order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
+    P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
+    static, shard, depth, record = plan  # PlanScalars
+    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, loss_dur, loss_work, out_b, loss_saved = k  # StepConstants
     n = len(P)
     nsg = len(seg_u)
     norder = len(order)
@@ -326,6 +330,18 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne  # StepResult's fields
 
 
+# step_loop unpacks its inputs by position: these are the orders it reads.
+assert Segments._fields == ("unit", "fwd_s", "bwd_s", "saved", "work", "grad_numel", "bwd_work", "keep")
+assert UnitLayout._fields == ("forward", "backward", "last_fwd", "fwd_pos", "bwd_pos", "num_segments", "seg_grad_numel",
+                              "trainable_bytes")
+assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "reduce_scatter_s", "all_reduce_s",
+                            "regather_s", "kept_bytes", "checkpoint")
+assert PlanScalars._fields == ("static_bytes", "shard_size", "prefetch_depth", "record")
+assert StepConstants._fields == ("reduce_elem_bytes", "overlap_compute", "overlap_comm", "unit_overhead_s",
+                                 "checkpoint_overhead_s", "runs_ahead", "loss_s", "loss_work_bytes", "output_bytes",
+                                 "loss_saved_bytes")
+
+
 def lookup(keys, values, x):  # noqa: ANN001
     """``values`` at the place of each of ``x`` in the sorted ``keys`` (NaN where ``x``
     is not a key), and how many were not: the simulator's tables by size."""
@@ -449,11 +465,13 @@ class Backend:
              ev: Any) -> StepResult:
         """``step_loop``, compiled or as Python: columns as numpy arrays for the compiled
         one, as tuples or lists for Python (``step_loop`` reads both the same way)."""
-        kernels = self._kernels if self._kernels is not None else self.kernels
+        kernels = self._kernels
+        if kernels is None and self._name == "compiled":
+            kernels = self.kernels
         if kernels is None:
-            return StepResult._make(step_loop(segs, lay, units, plan, k, ev))
-        # x[:]: the fields as a plain tuple (tuple(x) takes ~2x as long)
-        return StepResult._make(kernels.step(segs[:], lay[:], units[:], plan[:], k[:], ev))
+            return _new(StepResult, step_loop(segs, lay, units, plan, k, ev))
+        # x[:]: the fields as a plain tuple (tuple(x) takes ~2x as long); tuple.__new__: ~0.08 us, _make ~0.12
+        return _new(StepResult, kernels.step(segs[:], lay[:], units[:], plan[:], k[:], ev))
 
     def __repr__(self) -> str:
         return f"Backend({self._name!r})"
