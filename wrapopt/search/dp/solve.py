@@ -81,6 +81,8 @@ class _Tables:
                     for k, j in (("P", 5), ("G", 6), ("act", 7), ("saved", 8), ("keep", 9), ("reg", 10)):
                         m[k][st, s, ci] = g[j]
                     wid[st, s, ci] = pairs.setdefault((g[3], g[10]), len(pairs))
+        # A group's collectives and gradient bytes do not depend on its choice; the bounds rely on it.
+        assert all((f[k] == f[k][..., :1]).all() for k in ("A", "S")) and (m["G"] == m["G"][..., :1]).all()
         self.f, self.m, self.wid = f, m, wid
         self.sg_after = np.array(sharded_grads_after(cc), dtype=np.int64)
         self.w_R = np.array([r for r, _ in pairs])
@@ -129,6 +131,10 @@ def _lower_bounds(tb: _Tables, cc: ChainCosts, tails: np.ndarray, lams: np.ndarr
     L = lams.size
     o = cc.overhead_s
     H = np.full((L, n + 1, nw, G + 1, C), np.inf)
+    # The cheapest next choice from each state, per next size: a group's
+    # collectives (A, S) and gradient bytes do not depend on its choice (see
+    # _Tables), so only H's own term does.
+    Hmin = np.full((L, n + 1, nw, G + 1), np.inf)
     lam = lams[:, None, None, None]  # (l, w, s, c)
     R_W = tb.w_R[:, None, None]
     reg_W = tb.w_reg[:, None, None].astype(float)
@@ -141,23 +147,29 @@ def _lower_bounds(tb: _Tables, cc: ChainCosts, tails: np.ndarray, lams: np.ndarr
         grow = (m["keep"][st, sl, cs] + m["act"][st, sl, cs]).astype(float)
         if i == n:
             if last:
+                # Both final checks of _solve_front hold for a fitting completion: the last
+                # backward window and the loss window (the all-gather buffer's extra is in both).
+                extra = m["P"][st, sl, cs] - round(cc.P[-1]) if cc.buffer_last else 0
                 local = (m["P"][st, sl, cs] + m["saved"][st, sl, cs] + m["G"][st, sl, cs] + 2 * int(cc.work)
-                         + tb.sg_after[n]).astype(float)
-                mem = local[None] + reg_W
+                         + tb.sg_after[n] + extra).astype(float)
+                loss = (grow + round(cc.loss_mem) + extra + m["reg"][st, sl, cs]).astype(float)
+                mem = np.maximum(local[None] + reg_W, loss[None])
             else:
                 mem = np.broadcast_to(grow[None], (nw,) + grow.shape)
             base = np.maximum(BV[None] + o, R_W) + FV[None]  # (w, s, c)
             H[:, i, :, 1:smax + 1, :] = base[None] + tails[:, None, None, None] + lam * mem[None]
+            Hmin[:, i] = H[:, i].min(axis=-1)
             continue
         vw = tb.wid[st, sl, cs]  # (s, c)
         best = np.full((L, nw, smax, C), np.inf)
         for s_next in range(1, min(G, n - i) + 1):
-            SX, AX = f["S"][i, s_next], f["A"][i, s_next]  # (c_x,)
-            bw = np.maximum(BV[None, :, :, None] + o, R_W[..., None] + SX)  # (w, s, c, c_x)
-            fw = np.maximum(FV[..., None] + o, AX) if cc.runs_ahead else FV[..., None] + o + AX  # (s, c, c_x)
-            rest = H[:, i + s_next, vw, s_next, :]  # (l, s, c, c_x)
-            best = np.minimum(best, (bw[None] + (fw[None] + rest)[:, None]).min(axis=4))
+            SX, AX = f["S"][i, s_next, 0], f["A"][i, s_next, 0]
+            bw = np.maximum(BV[None] + o, R_W + SX)  # (w, s, c)
+            fw = np.maximum(FV + o, AX) if cc.runs_ahead else FV + o + AX  # (s, c)
+            rest = Hmin[:, i + s_next, vw, s_next]  # (l, s, c)
+            np.minimum(best, bw[None] + (fw[None] + rest)[:, None], out=best)
         H[:, i, :, 1:smax + 1, :] = best + lam * grow[None, None]
+        Hmin[:, i] = H[:, i].min(axis=-1)
     return H
 
 
@@ -345,6 +357,50 @@ def _all_bounds(costs, tables, cache: dict) -> _Bounds:
     return cache["bounds"]
 
 
+def _tuned_bounds(costs, tables, cache: dict, a0: float, allowance: float) -> tuple[_Bounds, float]:
+    """Bounds for pruning under ``allowance`` and the best global bound: the
+    multiplier maximised for this allowance. See [Note: tuned multiplier]."""
+    tuned = cache.setdefault("tuned", {})
+    key = a0 - allowance  # the global bound depends on nothing else
+    if key in tuned:
+        return tuned[key]
+    grid = _all_bounds(costs, tables, cache)
+    lams, vals = list(grid.lams), list(grid.global_bound(a0, allowance))
+    j = int(np.argmax(vals))
+    for _ in range(_EXTEND):  # the best is the largest multiplier: extend the grid upwards
+        if j < len(lams) - 1:
+            break
+        more = _Bounds(tables, costs, np.array([lams[-1] * 4.0]))
+        lams.append(float(more.lams[0]))
+        vals.append(float(more.global_bound(a0, allowance)[0]))
+        j = int(np.argmax(vals))
+    coarse = sorted({0, max(0, j - 1), j, min(len(lams) - 1, j + 1)})
+    lo, hi = lams[max(0, j - 1)], lams[min(len(lams) - 1, j + 1)]
+    best_lam, best = lams[j], vals[j]
+    pts_lam, pts_val = [lo, best_lam, hi], [vals[max(0, j - 1)], best, vals[min(len(lams) - 1, j + 1)]]
+    for _ in range(_ZOOM_ROUNDS):
+        new = np.linspace(lo, hi, _ZOOM_POINTS + 2)[1:-1]
+        got = _Bounds(tables, costs, new).global_bound(a0, allowance)
+        pts_lam += list(new)
+        pts_val += list(got)
+        order = np.argsort(pts_lam)
+        xs, ys = np.asarray(pts_lam)[order], np.asarray(pts_val)[order]
+        k = int(np.argmax(ys))
+        gain = ys[k] - best
+        best_lam, best = float(xs[k]), float(ys[k])
+        lo, hi = float(xs[max(0, k - 1)]), float(xs[min(xs.size - 1, k + 1)])
+        if gain <= 1e-9 * abs(best):
+            break
+    use = sorted({float(lams[i]) for i in coarse} | {best_lam})
+    bounds = _Bounds(tables, costs, np.array(use))
+    bounds.allowance = allowance
+    tuned[key] = (bounds, max(best, float(bounds.global_bound(a0, allowance).max())))
+    return tuned[key]
+
+
+_EXTEND, _ZOOM_ROUNDS, _ZOOM_POINTS = 6, 6, 6
+
+
 def lower_bound(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_group: int, mem_allowance: float,
                 a0: float = 0.0, cache: dict | None = None) -> float:
     """The best Lagrangian lower bound on ``solve_chains``' time (see [Note: Lagrangian bound])."""
@@ -354,7 +410,7 @@ def lower_bound(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_gro
         if "free" not in cache:
             cache["free"] = _Bounds(tables, costs, np.zeros(1))
         return float(cache["free"].root[0])
-    return float(_all_bounds(costs, tables, cache).global_bound(a0, mem_allowance).max())
+    return _tuned_bounds(costs, tables, cache, a0, mem_allowance)[1]
 
 
 def solve_chains(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_group: int,
@@ -383,12 +439,7 @@ def solve_chains(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_gr
             bounds = _all_bounds(costs, tables, cache).select([0], math.inf)  # the memory-free bound
         res = _run(tables, costs, bounds, mem_allowance=mem_allowance, a0=a0, ub=give_up_above)
     else:
-        allb = _all_bounds(costs, tables, cache)
-        vals = allb.global_bound(a0, mem_allowance)
-        j = int(np.argmax(vals))
-        idx = sorted({0, max(1, j - 1), j, min(allb.lams.size - 1, j + 1)})
-        bounds = allb.select(idx, mem_allowance)
-        lb = float(vals.max())
+        bounds, lb = _tuned_bounds(costs, tables, cache, a0, mem_allowance)
         res = None
         # Rounds of growing caps: a round whose cap is below the optimum fails fast.
         for d in (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.045, 0.065, 0.09, 0.13, 0.2, 0.3, 0.5, math.inf):
