@@ -138,6 +138,22 @@ def _zoo_section() -> list[str]:
     return lines + [""]
 
 
+# benchmarks/search_tp.py writes its section of results/search.md between these markers; it is kept.
+TP_BEGIN, TP_END = "<!-- search_tp.py: begin -->", "<!-- search_tp.py: end -->"
+
+
+def _kept_section(path: str) -> list[str]:
+    """The section another script wrote between its markers in ``path``, to keep."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    if TP_BEGIN not in text or TP_END not in text:
+        return []
+    return ["", text[text.index(TP_BEGIN):text.index(TP_END) + len(TP_END)], ""]
+
+
 def main() -> int:
     import optuna
     import torch
@@ -155,6 +171,7 @@ def main() -> int:
     body = _search_section() + _zoo_section()
     path = os.path.join(REPO, "results", "search.md")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    body += _kept_section(path)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write("\n".join(head + body))
