@@ -242,6 +242,10 @@ def main() -> int:
     ap.add_argument("--confirm-repeats", type=int, default=15)
     ap.add_argument("--cases", default="fp32,bf16,accum4",
                     help=f"training steps to measure, comma-separated: {', '.join(CASES)} (default fp32,bf16,accum4)")
+    ap.add_argument("--tp", type=int, default=1, help="also run every plan at this tensor-parallel degree (2-D plans) "
+                    "and let the search choose it (default 1: FSDP alone)")
+    ap.add_argument("--name", default="fidelity", help="stem of the files written in --out (default fidelity: "
+                    "fidelity.md, fidelity.json, fidelity_scatter.png)")
     ap.add_argument("--skip-tracker", action="store_true")
     ap.add_argument("--skip-speed", action="store_true", help="do not measure the simulator's speed")
     ap.add_argument("--render", metavar="JSON", help="measure nothing: write fidelity.md again from the fidelity.json "
@@ -273,7 +277,8 @@ def main() -> int:
             for case in cases:
                 for model in args.models.split(","):
                     runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None,
-                                         confirm=args.confirm, confirm_repeats=args.confirm_repeats, train=CASES[case]))
+                                         confirm=args.confirm, confirm_repeats=args.confirm_repeats, train=CASES[case],
+                                         tp=args.tp))
         tracker = [] if args.skip_tracker else fake_tracker_check()
         speed = [] if args.skip_speed else simulator_speed()
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -353,11 +358,11 @@ def main() -> int:
               "and the simulator's share of a search.", "",
               "| plans | units per plan | plan evaluations per second |", "|---|---|---|"]
     lines += [f"| {r['case']} | {r['units']:.0f} | {r['per_s']:,.0f} |" for r in speed]
-    lines += ["", "![predicted vs measured](fidelity_scatter.png)", ""]
+    lines += ["", f"![predicted vs measured]({args.name}_scatter.png)", ""]
     os.makedirs(args.out, exist_ok=True)
-    scatter(runs, os.path.join(args.out, "fidelity_scatter.png"))
-    atomic_write_text(os.path.join(args.out, "fidelity.md"), "\n".join(lines))
-    atomic_write_json(os.path.join(args.out, "fidelity.json"), {"date": date, "wall_s": wall, "summaries": summaries,
+    scatter(runs, os.path.join(args.out, f"{args.name}_scatter.png"))
+    atomic_write_text(os.path.join(args.out, f"{args.name}.md"), "\n".join(lines))
+    atomic_write_json(os.path.join(args.out, f"{args.name}.json"), {"date": date, "wall_s": wall, "summaries": summaries,
                                                                 "runs": runs, "tracker": tracker, "simulator_speed": speed})
     update_history(args.out, [_history_entry(date, wall, runs, summaries)])
     print("\n".join(lines[:12 + len(summaries)]))

@@ -24,11 +24,13 @@ from wrapopt.launch import spawn
 from wrapopt.models import zoo
 from wrapopt.search.baselines import baselines
 from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace.meta import trace_model
 
 TOL = 1e-5
 STEPS = 3
 MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+MESH_2X2 = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, tp_size=2)  # FSDP over 2 x tensor parallel 2
 
 _CASES: list[str] = []  # "module:function" of every registered case, in the order the modules were imported
 
@@ -73,6 +75,20 @@ def plan_specs(graph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     }
 
 
+def tp_plan_specs(graph, mesh: MeshSpec = MESH_2X2) -> dict[str, PlanSpec]:
+    """2-D plans (the builtin tensor-parallel plan under FSDP): blocks in pairs, and one unit
+    per block with checkpointing and resharding on every other block."""
+    tp = builtin_tp_plan(graph)
+    blocks = graph.blocks
+    root = UnitSpec((ROOT,), False)
+    return {
+        "groups-of-2": PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh,
+                                label="tp-g2", tp=tp),
+        "some-ckpt": PlanSpec(tuple(UnitSpec((b,), i % 2 == 0, i % 2 == 0) for i, b in enumerate(blocks)) + (root,), mesh,
+                              label="tp-ckpt", tp=tp),
+    }
+
+
 def init_weights(module: nn.Module) -> None:
     """One module's own parameters, as the examples initialise them."""
     if hasattr(module, "reset_parameters"):
@@ -107,8 +123,11 @@ def batches(name: str, world: int, rank: int):
     return full, mine
 
 
-def train(model, batches, loss_fn) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def train(model, batches, loss_fn, *, sgd: bool = False) -> list[float]:
+    """``STEPS`` steps of AdamW (lr 1e-2), or of plain SGD (lr 0.1): SGD's update is the gradient
+    itself, so its final parameters compare gradients, where AdamW's normalisation turns
+    rounding-level differences of gradients near zero into steps of size lr."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if sgd else torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x in batches:
         loss = loss_fn(model(*x), x)

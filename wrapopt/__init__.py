@@ -22,6 +22,7 @@ from wrapopt.plan import apply as _apply
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.trace import trace_model
 from wrapopt.train import TrainConfig
+from wrapopt.tp import TPSpec
 from wrapopt.version import __version__
 
 # Import paths of the layout before 0.2 (wrapopt.inspect, wrapopt.types, ...), kept for one
@@ -36,6 +37,7 @@ __all__ = [
     "OptimizeResult",
     "estimate",
     "TrainConfig",
+    "TPSpec",
     "train_step",
     "trace_model",
     "simulate",

@@ -37,8 +37,10 @@ from wrapopt.plan.file import WrapPlan
 from wrapopt.report.estimate import EstimateReport, model_flops
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
+from wrapopt.search.tp import resolve_tp, search_tp
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions, UnitSpec
 from wrapopt.trace.meta import trace_model
+from wrapopt.tp import TPSpec
 from wrapopt.train import TrainConfig, model_dtype
 from wrapopt.units import validate_plan
 
@@ -172,6 +174,8 @@ def plan_model(
     search: SearchOptions | None = None,
     memory_budget_source: str | None = None,
     train: TrainConfig | None = None,
+    tp: int | str | None = None,
+    tp_plan: TPSpec | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
 
@@ -180,15 +184,23 @@ def plan_model(
     ``memory_budget_source`` says where the budget came from (``budget_source``);
     the plan's ``assumptions`` state it. ``train`` (default: fp32, one micro-batch,
     AdamW) sets the simulator's options unless ``options`` are given, and is
-    recorded in the plan with the sync mode the search chose.
+    recorded in the plan with the sync mode the search chose. ``tp``: the tensor-parallel
+    degree (1 or None: FSDP alone; an int; "auto": every degree ``tp_degrees`` accepts, chosen
+    with the rest: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised,
+    ``builtin_tp_plan``).
     """
     train = train or TrainConfig()
+    degrees, spec, tp_notes = resolve_tp(graph, mesh, tp, tp_plan)
+    notes = [*(notes or []), *tp_notes]
     if options is None:
         options = train.sim_options(memory_budget=memory_budget)
     sim = Simulator(graph, fabric, compute, options)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
     try:
-        result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
+        if degrees == (1,):
+            result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
+        else:
+            result = search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget, options=search)
     except InfeasibleError as e:
         raise InfeasibleError(f"{e} {_knobs(graph, fabric, compute, mesh, train, memory_budget)}") from None
     best = result.best
@@ -253,6 +265,7 @@ def optimize_wrap(
     save_plan: str | os.PathLike | None = None,
     rescale_fabric: bool = False,
     train: TrainConfig | None = None,
+    tp: int | str | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -274,6 +287,8 @@ def optimize_wrap(
             optimizer, sync mode; default: fp32, one micro-batch, AdamW).
             Recorded in the plan; ``plan.apply`` applies its mixed precision.
         save_plan: where to write the plan (rank 0 writes, atomically).
+        tp: tensor-parallel degree: None or 1 (FSDP alone), an int, or "auto" (chosen with
+            the units: See [Note: 2-D search]).
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -330,7 +345,8 @@ def optimize_wrap(
                     check_writable(save_plan)
                 wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget,  # type: ignore[arg-type]
                                            notes=notes, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
-                                           memory_budget_source=budget_source(memory_budget, compute), train=train)
+                                           memory_budget_source=budget_source(memory_budget, compute), train=train,
+                                           tp=tp)
                 text = {"plan": wplan.to_json()}
             except (WrapoptError, ValueError, OSError) as e:
                 if not in_group:
@@ -369,7 +385,9 @@ def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | N
         return Scored(p, est, est.peak_bytes <= limit)
 
     mine = scored(spec)
-    base = {n: scored(p) for n, p in baselines(graph, spec.mesh).items()}
+    mesh = spec.mesh.data_parallel()
+    base = {n: scored(p if spec.tp is None else replace(p, mesh=spec.mesh, tp=spec.tp))
+            for n, p in baselines(graph, mesh).items()}
     return SearchResult(best=mine, baselines=base, candidates=(mine, *base.values()), memory_budget=limit,
                         notes=("plan given, not searched",))
 

@@ -35,9 +35,10 @@ import torch.multiprocessing as mp
 
 from wrapopt.errors import DistributedError
 from wrapopt.progress import set_console
+from wrapopt.spec import MeshSpec
 
 __all__ = ["spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type", "broadcast_json",
-           "is_spawned_rank", "QUIET_ENV", "logs_line"]
+           "is_spawned_rank", "QUIET_ENV", "logs_line", "dp_rank_size"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -130,6 +131,31 @@ def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def dp_rank_size(mesh: MeshSpec, rank: int | None = None) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of global ``rank`` (default: this process's)
+    on a plan's mesh: which share of the global batch a rank trains on.
+
+    The mesh is ``replicate x shard x tp``, row-major, tensor-parallel axis innermost, so
+    the ``tp_size`` consecutive ranks of one tensor-parallel group share one data-parallel
+    rank, ``rank // tp_size``, of ``world_size // tp_size``; they must be fed the same batch.
+    Without tensor parallelism it is ``(rank, world_size)``.
+
+    Example:
+        >>> dp_rank_size(MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, tp_size=2), rank=3)
+        (1, 2)
+    """
+    if rank is None:
+        if not dist.is_initialized():
+            raise DistributedError("dp_rank_size: no process group; pass rank=, or call wrapopt.launch.init_from_env() first")
+        rank = dist.get_rank()
+        if dist.get_world_size() != mesh.world_size:
+            raise DistributedError(f"dp_rank_size: the plan's mesh has {mesh.world_size} ranks but this job has "
+                                   f"{dist.get_world_size()}; start {mesh.world_size} ranks or re-run the search")
+    if not 0 <= rank < mesh.world_size:
+        raise ValueError(f"dp_rank_size: rank {rank} is outside the mesh of {mesh.world_size} ranks")
+    return rank // mesh.tp_size, mesh.dp_size
 
 
 def shutdown() -> None:

@@ -116,6 +116,10 @@ def _block_plan(graph: ModelGraph, block: str) -> tuple[tuple[str, str], ...]:
     attn = [(fqn, h, kv) for fqn, h, kv in graph.attention_heads if fqn.startswith(block + ".")]
     linears = _linears(graph, block)
     hint = f"pass a TPSpec for {cls} (wrapopt.TPSpec(layers=(('{cls}', (('path.to.linear', 'colwise'), ...)),)))"
+    mha = [fqn for fqn in graph.subtree(block) if graph.info(fqn).cls in ("MultiheadAttention",)]
+    if mha:
+        raise PlanError(f"block {block} ({cls}): {mha[0]} is an nn.MultiheadAttention (fused input projection, "
+                        f"its out_proj is never called); {hint}, or use --tp 1")
     if not linears:
         raise PlanError(f"block {block} ({cls}) has no nn.Linear projections to split "
                         f"(e.g. GPT-2's Conv1D); {hint}")
@@ -123,10 +127,6 @@ def _block_plan(graph: ModelGraph, block: str) -> tuple[tuple[str, str], ...]:
     if experts:
         raise PlanError(f"block {block} ({cls}) holds experts ({experts[0]}): wrapopt does not tensor-parallelise "
                         f"mixtures of experts; {hint}, or use --tp 1")
-    mha = [fqn for fqn in graph.subtree(block) if graph.info(fqn).cls in ("MultiheadAttention",)]
-    if mha:
-        raise PlanError(f"block {block} ({cls}): {mha[0]} is an nn.MultiheadAttention (fused input projection, "
-                        f"its out_proj is never called); {hint}, or use --tp 1")
     if not attn:
         raise PlanError(f"block {block} ({cls}) has no attention module with a head count wrapopt can read "
                         f"(an attribute {' / '.join(_HEADS)}); {hint}")

@@ -293,3 +293,20 @@ def test_search_llama_7b_allocates_no_weights(repo_root, tmp_path):
     rss_kb = int(proc.stderr.split("MAXRSS_KB", 1)[1].split()[0])  # Linux: kilobytes
     assert 0 < rss_kb < 3 * 2**20, f"max RSS {rss_kb / 2**20:.2f} GiB"
     assert (tmp_path / "p.json").exists()
+
+
+def test_search_tp_auto_reports_the_2d_rows(capsys):
+    assert main(["search", "zoo:llama-tiny", "--world-size", "16", "--gpus-per-node", "8", "--tp", "auto",
+                 "--trials", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["search"]
+    rows = {r["row"]: r for r in out["tp_rows"]}
+    assert set(rows) == {"best 1-D", "best tp2", "TorchTitan default (tp2, one unit per block)"}
+    assert rows["best tp2"]["tp_size"] == 2 and rows["best 1-D"]["tp_size"] == 1
+    assert out["tp_chosen"] in (1, 2)
+
+
+def test_search_tp_bad_degree_is_one_line(capsys):
+    assert main(["search", "zoo:llama-tiny", "--world-size", "16", "--gpus-per-node", "8", "--tp", "4",
+                 "--trials", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("tensor-parallel degree 4 does not divide the heads of layers.0.self_attn" in line for line in err)

@@ -40,6 +40,23 @@ def test_cli_profiles_with_spawned_ranks_and_prints_a_summary(tmp_path, capsys) 
     assert "overlap: not measured" in printed
 
 
+@pytest.mark.multiprocess
+def test_tensor_parallel_groups_are_an_axis_of_their_own(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    out = tmp_path / "fabric.json"
+    args = parser.parse_args(["--out", str(out), "--world-size", "4", "--sizes", "4KiB", "--repeats", "2",
+                              "--no-overlap", "--timeout", "90", "--tp", "2", "--quiet"])
+    assert run_cli(args) == 0
+    fabric = FabricProfile.load(str(out))
+    axes = {a.name: (a.group_size, a.ranks_per_node_in_group) for a in fabric.axes}
+    assert axes == {"tp2": (2, 2), "world": (4, 4)}
+    t, caveat = fabric.collective_s("all_reduce", 2, 2, 4096)
+    assert t > 0 and caveat is None  # measured, not rescaled from the world axis
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "x.json", "--tp", "1"])
+
+
 def test_cli_argument_errors() -> None:
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)

@@ -106,7 +106,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
     budget_note = budget_line(args.memory, compute, budget)
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget, notes=notes,
-                              search=options, memory_budget_source=budget_source(args.memory, compute), train=train)
+                              search=options, memory_budget_source=budget_source(args.memory, compute), train=train,
+                              tp=args.tp)
     if args.out:
         plan.save(args.out)
     if args.plot:
@@ -136,14 +137,16 @@ def _cmd_search(args: argparse.Namespace) -> int:
 def _search_json(result, budget_line: str | None) -> dict[str, Any]:
     study = result.study
     pick = lambda s: None if s is None else {  # noqa: E731
-        "label": s.plan.label, "shard_size": s.plan.mesh.shard_size, "num_units": len(s.plan.units),
-        "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes}
+        "label": s.plan.label, "shard_size": s.plan.mesh.shard_size, "tp_size": s.plan.mesh.tp_size,
+        "num_units": len(s.plan.units), "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes, "fits": s.fits}
     return {
         "memory_budget": None if result.memory_budget == float("inf") else result.memory_budget,
         "memory_budget_note": budget_line,
         "dp_best": pick(result.dp_best),
         "optuna_best": pick(result.optuna_best),
         "pareto": [pick(s) for s in result.pareto],
+        "tp_chosen": result.tp_chosen,
+        "tp_rows": [{"row": label, **pick(s)} for label, s in result.tp_rows],
         "study": None if study is None else {"name": study.study_name, "storage": study.storage,
                                              "sampler": study.sampler,
                                              "finished_trials": study.num_trials, "run_here": study.num_run_here,
@@ -156,7 +159,16 @@ def _format_search(result) -> str:
     mesh = best.mesh
     kind = ("FSDP over the world" if mesh.shard_size == mesh.world_size else "no sharding" if mesh.shard_size == 1
             else f"HSDP: {mesh.replicate_size} replicas of a shard group of {mesh.shard_size}")
+    if mesh.tp_size > 1:
+        kind += f", tensor parallel {mesh.tp_size} inside each node ({mesh.dp_size} data-parallel ranks)"
     lines = [f"wrapopt's choice: {len(best.units)} units, {kind}, forward prefetch {best.forward_prefetch}"]
+    if result.tp_rows:
+        lines.append("tensor parallelism (the same global batch; See [Note: 2-D search]):")
+        ref = result.best.estimate.step_s
+        for label, s in result.tp_rows:
+            e = s.estimate
+            lines.append(f"  {label:<44} {e.step_s * 1e3:10.2f}ms {fmt_bytes(e.peak_bytes):>11} "
+                         f"{'fits' if s.fits else 'does not fit':<12} chosen/this {ref / e.step_s:5.3f}  {s.plan.label}")
     if result.dp_best is not None:
         lines.append(f"exact DP best: {result.dp_best.plan.label} {result.dp_best.estimate.step_s * 1e3:.2f}ms")
     study = result.study
@@ -244,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=None,
                    help="fix the shard group (default: search FSDP over the world and HSDP per node / nodes)")
     p.add_argument("--max-group", type=int, default=8, help="the DP's largest number of blocks in one unit (default 8)")
+    p.add_argument("--tp", default="1", metavar="auto|1|2|4|8",
+                   help="tensor-parallel degree inside each node, FSDP across the data-parallel ranks (2-D, as "
+                        "TorchTitan); auto: every degree dividing --gpus-per-node and the heads, chosen with the "
+                        "units (default 1: FSDP alone)")
     p.add_argument("--timeout", type=float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")

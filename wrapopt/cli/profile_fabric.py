@@ -69,6 +69,7 @@ def profile_fabric_main(
     progress: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     log_dir: str | None = None,
+    tp_sizes: tuple[int, ...] = (),
 ) -> FabricProfile:
     """Measure the fabric and write it to ``out_path`` (the body of ``wrapopt profile-fabric``).
 
@@ -83,7 +84,7 @@ def profile_fabric_main(
         world_size: ranks to spawn when not under torchrun (ignored under it).
         ranks_per_node: ranks per node; under spawn, fewer than ``world_size``
             simulates several nodes on this host (labelled ``simulated_nodes``).
-        sizes_bytes, repeats, warmup, measure_overlap, progress: as in ``measure_fabric``.
+        sizes_bytes, repeats, warmup, measure_overlap, progress, tp_sizes: as in ``measure_fabric``.
         timeout_s: limit on every collective, and on the whole spawned run (+30 s start-up).
         log_dir: spawned ranks only: their own output goes to log files here, not to the
             terminal (See [Note: quiet ranks] in wrapopt/launch.py).
@@ -95,7 +96,7 @@ def profile_fabric_main(
         >>> profile_fabric_main("fabric.json", world_size=2)  # doctest: +SKIP
     """
     kwargs = dict(sizes_bytes=sizes_bytes, repeats=repeats, warmup=warmup, ranks_per_node=ranks_per_node,
-                  measure_overlap=measure_overlap, progress=progress)
+                  measure_overlap=measure_overlap, progress=progress, tp_sizes=tuple(tp_sizes))
     if not _under_torchrun():
         if world_size < 2:
             raise ValueError(f"world_size must be at least 2, got {world_size}")
@@ -140,6 +141,16 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _tp_arg(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp: expected degrees like 2,4, got {text!r}") from None
+    if any(d < 2 for d in sizes):
+        raise argparse.ArgumentTypeError(f"--tp: degrees must be at least 2, got {text!r}")
+    return sizes
+
+
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``profile-fabric`` options to a (sub)parser."""
     parser.add_argument("--out", required=True, help="fabric profile JSON to write")
@@ -153,6 +164,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck rank is reported")
     parser.add_argument("--no-overlap", action="store_true", help="skip the compute/communication overlap measurement")
     parser.add_argument("--quiet", action="store_true", help="no progress line and no summary table")
+    parser.add_argument("--tp", type=_tp_arg, default=(), metavar="2,4",
+                        help="also measure tensor-parallel groups of these many consecutive ranks (for --tp searches)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -167,7 +180,7 @@ def run_cli(args: argparse.Namespace) -> int:
     profile = profile_fabric_main(
         args.out, world_size=args.world_size, ranks_per_node=args.ranks_per_node, sizes_bytes=sizes,
         repeats=args.repeats, warmup=args.warmup, measure_overlap=not args.no_overlap,
-        progress=not args.quiet, timeout_s=args.timeout, log_dir=log_dir,
+        progress=not args.quiet, timeout_s=args.timeout, log_dir=log_dir, tp_sizes=args.tp,
     )
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
     if rank0:

@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from wrapopt.hardware.profiles import ComputeProfile
-from wrapopt.spec import ROOT, ModelGraph
+from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.units import ancestors
 
-__all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls"]
+__all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls", "module_time"]
 
 
 class Entry(NamedTuple):
@@ -59,23 +59,32 @@ def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece
     grad_at, acc_at = gradient_sites(graph)
     entries = []
     for m in graph.call_order():
-        if measured:
-            f, b = measured.get(m.fqn, (0.0, 0.0))
-            f, b = f * scale, b * scale
-        else:
-            f, b = m.fwd_flops / compute.flops_per_s, m.bwd_flops / compute.flops_per_s
-            if compute.op_bandwidth_bytes_per_s:  # See [Note: memory-bound ops] in trace/op_bytes.py
-                f += m.fwd_bytes / compute.op_bandwidth_bytes_per_s
-                b += m.bwd_bytes / compute.op_bandwidth_bytes_per_s
-            # The per-call overhead is paid once per call, whatever the batch.
-            oh = compute.module_overhead_s * m.num_calls
-            f, b = f * scale + oh, b * scale + oh
+        f, b = module_time(m, compute, scale, measured)
         # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
         out = 0 if m.fqn == ROOT else m.output_bytes
         entries.append(Entry(m.fqn, ancestors(m.fqn), f, b, int(m.saved_bytes * scale),
                              int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
                              int((0 if m.fqn == ROOT else m.input_bytes) * scale)))
     return entries
+
+
+def module_time(m: ModuleInfo, compute: ComputeProfile, scale: float,
+                measured: dict[str, tuple[float, float]] | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one module's own ops over all its calls at batch ``scale``:
+    the profile's measured time when it has module times, else FLOPs / throughput + bytes of
+    memory-bound ops / op bandwidth, + a per-call overhead."""
+    if measured is None:
+        measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
+    if measured:
+        f, b = measured.get(m.fqn, (0.0, 0.0))
+        return f * scale, b * scale
+    f, b = m.fwd_flops / compute.flops_per_s, m.bwd_flops / compute.flops_per_s
+    if compute.op_bandwidth_bytes_per_s:  # See [Note: memory-bound ops] in trace/op_bytes.py
+        f += m.fwd_bytes / compute.op_bandwidth_bytes_per_s
+        b += m.bwd_bytes / compute.op_bandwidth_bytes_per_s
+    # The per-call overhead is paid once per call, whatever the batch.
+    oh = compute.module_overhead_s * m.num_calls
+    return f * scale + oh, b * scale + oh
 
 
 def gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:

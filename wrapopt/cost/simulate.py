@@ -103,6 +103,7 @@ many other plans agree exactly (``tests/cost/test_simulate.py``).
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -119,10 +120,12 @@ from wrapopt.cost.layout import (
     Layouts,
     unit_modules,
 )
+from wrapopt.cost.tp import tp_view
 from wrapopt.cost.step import Backend, PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param
 from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
+from wrapopt.tp import TPSpec
 from wrapopt.units import validate_plan
 
 __all__ = ["simulate", "Simulator"]
@@ -182,6 +185,8 @@ class Simulator:
         """``backend``: 'compiled' (numba), 'python', a ``Backend``, or None for the default:
         compiled when numba is installed, unless ``WRAPOPT_JIT=0``. See [Note: compiled step loop]."""
         self.options = options or SimOptions()
+        self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
+        self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
         self.graph, self.fabric, self.compute = graph, fabric, compute
@@ -280,10 +285,29 @@ class Simulator:
             hit = self._cols[key] = (segs, cols)
         return hit
 
+    # -- tensor parallelism -------------------------------------------------------------------
+
+    def for_tp(self, spec: TPSpec, size: int) -> tuple["Simulator", frozenset[str]]:
+        """The simulator of one tensor-parallel rank's share of the model (scores plans on the
+        data-parallel mesh), and the view's caveats. See [Note: tensor parallel costs] in tp.py."""
+        key = (spec, size)
+        hit = self._tp_views.get(key)
+        if hit is None:
+            # The same global batch as a 1-D plan: a tensor-parallel group runs ``size`` ranks' batches.
+            opts = replace(self.options, batch_scale=self.options.batch_scale * size)
+            g, c, notes = tp_view(self.traced, self.compute, self.fabric, spec, size, batch_scale=opts.batch_scale,
+                                  activation_dtype_bytes=opts.activation_dtype_bytes)
+            hit = self._tp_views[key] = (Simulator(g, self.fabric, c, opts, backend=self.backend), notes)
+        return hit
+
     # -- the step ---------------------------------------------------------------------------
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
+        if plan.tp is not None:  # FSDP on the data-parallel mesh of one tensor-parallel rank's model
+            sub, tp_notes = self.for_tp(plan.tp, plan.mesh.tp_size)
+            est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel(), tp=None), record=record)
+            return replace(est, notes=tuple(sorted(set(est.notes) | tp_notes))) if tp_notes else est
         units, mesh, opt = plan.units, plan.mesh, self.options
         mods = tuple(map(unit_modules, units))
         per_set = self._sets.get(mods)

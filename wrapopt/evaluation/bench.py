@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.evaluation.memtrack import steady_phases_peak, steady_step_peak
-from wrapopt.plan.apply import apply_plan
+from wrapopt.launch import dp_rank_size
+from wrapopt.plan.apply import apply_plan, build_mesh
 from wrapopt.spec import PlanSpec
 from wrapopt.train import TrainConfig
 
@@ -153,10 +154,28 @@ def _recording(run: Callable[[], float], seen: list[str]) -> float:
     return out
 
 
+def _inputs_for(plan: PlanSpec, inputs: tuple[Any, ...] | Callable[[int, int], tuple[Any, ...]], mesh: Any) -> tuple:
+    """This rank's inputs for ``plan``: ``inputs`` itself, or ``inputs(dp_rank, dp_size)``;
+    under tensor parallelism the tensors of the first rank of each tensor-parallel group,
+    sent to its peers (they step on one batch: See [Note: applying a 2-D plan] in plan/tp.py)."""
+    got = inputs(*dp_rank_size(plan.mesh)) if callable(inputs) else inputs
+    got = got if isinstance(got, tuple) else (got,)
+    if plan.mesh.tp_size == 1:
+        return got
+    group = mesh["tp"].get_group()
+    out = []
+    for x in got:
+        if isinstance(x, torch.Tensor):
+            x = x.clone().contiguous()
+            dist.broadcast(x, group=group, group_src=0)
+        out.append(x)
+    return tuple(out)
+
+
 def measure_plans(
     build: Callable[[], nn.Module],
     plans: list[PlanSpec],
-    inputs: tuple[Any, ...],
+    inputs: tuple[Any, ...] | Callable[[int, int], tuple[Any, ...]],
     loss_fn: Callable[[Any, tuple], torch.Tensor],
     *,
     repeats: int = 5,
@@ -169,6 +188,9 @@ def measure_plans(
     """Run real steps of every plan on the current process group (call on every rank).
 
     ``build()`` must return the same fresh model on every call (fixed seed).
+    ``inputs`` is one rank's inputs, or ``inputs(dp_rank, dp_size)`` giving them per
+    data-parallel rank (``wrapopt.launch.dp_rank_size``); a plan with tensor parallelism
+    steps every tensor-parallel group on its first rank's inputs.
     ``train`` (default: fp32, one micro-batch, AdamW) gives the mixed precision,
     the optimizer, and ``grad_accumulation`` micro-batches of ``inputs`` per step,
     synchronised as its ``accumulation_sync`` says.
@@ -177,10 +199,12 @@ def measure_plans(
     on_cuda = torch.cuda.is_available()
     micro = train.grad_accumulation if train is not None else 1
     no_sync = micro > 1 and train is not None and train.accumulation_sync == "last"
-    models, opts = [], []
+    models, opts, plan_inputs = [], [], []
     for plan in plans:
         m = build()
-        apply_plan(m, plan, mixed_precision=train.mixed_precision() if train is not None else None)
+        mesh = build_mesh(plan) if plan.mesh.tp_size > 1 else None  # a 1-D plan builds its own, as before
+        apply_plan(m, plan, mesh=mesh, mixed_precision=train.mixed_precision() if train is not None else None)
+        plan_inputs.append(_inputs_for(plan, inputs, mesh))
         models.append(m)
         opts.append(train.make_optimizer(m.parameters(), lr=lr) if train is not None
                     else torch.optim.AdamW(m.parameters(), lr=lr))
@@ -190,17 +214,17 @@ def measure_plans(
     raised: list[list[str]] = [[] for _ in plans]
     for r in range(warmup + repeats):
         for i in round_order(len(plans), r):  # See [Note: round order]
-            m, o = models[i], opts[i]
+            m, o, batch = models[i], opts[i], plan_inputs[i]
             dist.barrier()
             if on_cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             marks = [_mark(on_cuda)]
             if r == 0:  # a warm-up round unless warmup=0
-                loss = _recording(lambda: _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)), micro,
+                loss = _recording(lambda: _step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro,
                                                 no_sync), raised[i])
             else:
-                loss = _step(m, o, inputs, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
+                loss = _step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
             if on_cuda:
                 torch.cuda.synchronize()
             dt, *ph = _max_over_ranks(time.perf_counter() - t0, *_three(_phases(marks)))
@@ -212,18 +236,18 @@ def measure_plans(
             progress(f"bench: round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else ""))
     peaks = [0] * len(plans)
     if measure_memory:
-        for i, (m, o) in enumerate(zip(models, opts)):
+        for i, (m, o, batch) in enumerate(zip(models, opts, plan_inputs)):
             dist.barrier()
             if on_cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                _step(m, o, inputs, loss_fn, micro=micro, no_sync=no_sync)
+                _step(m, o, batch, loss_fn, micro=micro, no_sync=no_sync)
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated()
             else:
                 # See [Note: missed frees] in memtrack.py.
-                peak = (steady_step_peak(lambda: _step(m, o, inputs, loss_fn), m, o, "cpu") if micro == 1 else
-                        steady_phases_peak(_step_phases(m, o, inputs, loss_fn, micro, no_sync), m, o, "cpu"))
+                peak = (steady_step_peak(lambda: _step(m, o, batch, loss_fn), m, o, "cpu") if micro == 1 else
+                        steady_phases_peak(_step_phases(m, o, batch, loss_fn, micro, no_sync), m, o, "cpu"))
             peaks[i] = int(_max_over_ranks(float(peak))[0])
     out = []
     for i, plan in enumerate(plans):

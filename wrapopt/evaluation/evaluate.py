@@ -54,6 +54,7 @@ from wrapopt.evaluation.pictures import pictures_json
 from wrapopt.fileio import parse_bytes
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.measure_split import measure_split_efficiency, measure_tp_overhead
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.launch import broadcast_json, spawn
 from wrapopt.models import zoo
@@ -61,7 +62,9 @@ from wrapopt.plan.file import WrapPlan
 from wrapopt.progress import Progress, say
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import search_plan
+from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TORCH_DTYPES, TrainConfig
 
@@ -193,8 +196,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     train = TrainConfig.from_json(cfg["train"]) if cfg.get("train") else None
     t0 = time.perf_counter()
     _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {dist.get_backend()} ranks ...")
+    tp = cfg.get("tp", 1)
     fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=not quiet,
-                            ranks_per_node=cfg["ranks_per_node"])
+                            ranks_per_node=cfg["ranks_per_node"], tp_sizes=(tp,) if tp > 1 else ())
     _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, per-module times) ...")
     # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.
     dt = TORCH_DTYPES[train.compute_dtype()] if train is not None else torch.float32  # the trainable zoo is float32
@@ -204,6 +208,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     _log(rank, quiet, "[3/5] tracing on the meta device and searching ...")
     graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss)
     mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
+    tp_spec = builtin_tp_plan(graph) if tp > 1 else None
+    if tp_spec is not None:  # See [Note: tensor parallel costs] in cost/tp.py
+        eff, oh = measure_split_efficiency(graph, tp_spec, (tp,), dtype=dt), measure_tp_overhead(tp)
+        compute = broadcast_json(replace(compute, split_efficiency=eff, tp_overhead_s=oh).to_json(), ComputeProfile.from_json)
     sim = Simulator(graph, fabric, compute, train.sim_options() if train is not None else None)
     budgets = []
     plans: list[PlanSpec] = []
@@ -211,7 +219,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     chosen_for: dict[int, list[str]] = {}
     for spec in cfg["budgets"]:
         budget_bytes, budget_why = _resolve_budget(spec, graph, sim, mesh)
-        result = search_plan(graph, sim, mesh, memory_budget=budget_bytes)
+        result = (search_plan(graph, sim, mesh, memory_budget=budget_bytes) if tp_spec is None else
+                  search_tp(graph, sim, mesh, spec=tp_spec, degrees=(1, tp), memory_budget=budget_bytes))
         best = result.best.plan
         key = (best.units, best.mesh, best.forward_prefetch)
         if key not in index:
@@ -220,13 +229,17 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         chosen_for.setdefault(index[key], []).append(str(spec))
         budgets.append({"name": str(spec), "bytes": budget_bytes, "why": budget_why, "chosen": plans[index[key]].label,
                         "result": result})
-    for p in PLAN_SETS[cfg["plan_set"]](graph, mesh):
+    more = [] if tp_spec is None else [lift_plan(p, tp, tp_spec) for p in
+                                       PLAN_SETS[cfg["plan_set"]](sim.for_tp(tp_spec, tp)[0].traced, dp_mesh(mesh, tp))]
+    for p in PLAN_SETS[cfg["plan_set"]](graph, mesh) + more:
         key = (p.units, p.mesh, p.forward_prefetch)
         if key not in index:
             index[key] = len(plans)
             plans.append(p)
     preds = [sim.simulate(p) for p in plans]
     _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats after warm-up ...")
+    if tp_spec is not None:  # a tensor-parallel group steps on tp ranks' batches: the same global batch
+        inputs = lambda _r, n: entry.inputs(entry.batch * world // n)  # noqa: E731
     measured = _measure(rank, quiet, SCREEN_WARMUP + cfg["repeats"], "bench", lambda: entry.build("cpu", seed=0), plans,
                         inputs, entry.loss, repeats=cfg["repeats"], warmup=SCREEN_WARMUP, train=train)
     confirmed: list[int] = []
@@ -321,7 +334,7 @@ def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim, train: T
 def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = None, plan_set: str = "baselines",
              repeats: int = 5, memory_budget: str | None = "midway", budgets: list[str] | None = None,
              confirm: int = 0, confirm_repeats: int = 15, quiet: bool = False, timeout_s: float = 900.0,
-             train: TrainConfig | None = None, log_dir: str | None = None) -> dict[str, Any]:
+             train: TrainConfig | None = None, log_dir: str | None = None, tp: int = 1) -> dict[str, Any]:
     """Predict and measure ``plan_set`` plans of zoo ``model`` on local gloo ranks; rank 0's rows.
 
     ``quiet``: no progress lines. ``log_dir``: the ranks' own output (library
@@ -334,14 +347,15 @@ def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = No
     baseline; their rows then carry the second round's times (``confirmed``).
     ``train`` runs every plan with that mixed precision, optimizer and accumulation
     (a sync mode left unset is ``last``: predictions and steps must agree on one),
-    with the compute profile measured in its compute dtype.
+    with the compute profile measured in its compute dtype. ``tp > 1`` adds the same plan set
+    at that tensor-parallel degree (2-D plans, the same global batch) and lets the search choose it.
     """
 
     if plan_set not in PLAN_SETS:
         raise ValueError(f"plan_set must be one of {sorted(PLAN_SETS)}, got {plan_set!r}")
     rpn = ranks_per_node or world_size
     cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budgets": budgets or [memory_budget],
-           "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "confirm_repeats": confirm_repeats,
+           "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "tp": tp, "confirm_repeats": confirm_repeats,
            "train": None if train is None else (train if train.sync_chosen else train.with_sync("last")).to_json()}
     env = {"LOCAL_WORLD_SIZE": str(rpn)}
     t0 = time.perf_counter()

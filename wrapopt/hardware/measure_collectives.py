@@ -15,8 +15,9 @@ what a training step waits for); the curve keeps the *median over repeats*
 and the spread ``(p90 - p10) / median``. One ``all_reduce(MAX)`` at the end
 carries every rank's table, so measuring adds no collectives between sizes.
 
-[Note: concurrent axis groups] The "intra" axis runs one group per node and
-the "inter" axis one group per local rank index, all groups of an axis at the
+[Note: concurrent axis groups] The "intra" axis runs one group per node,
+the "inter" axis one group per local rank index, and a "tp{d}" axis (when
+asked) one group per d consecutive ranks, all groups of an axis at the
 same time, as HSDP's shard and replicate groups do in training: concurrent
 inter-node groups share the nodes' NICs, and that contention belongs in the
 measurement.
@@ -73,10 +74,21 @@ class _Axis:
     ranks_per_node_in_group: int
 
 
-def _build_axes(world: int, rank: int, ranks_per_node: int) -> list[_Axis]:
-    """The axes to measure; every rank creates every group, in the same order (new_group's rule)."""
+def _build_axes(world: int, rank: int, ranks_per_node: int, tp_sizes: tuple[int, ...] = ()) -> list[_Axis]:
+    """The axes to measure; every rank creates every group, in the same order (new_group's rule).
+    ``tp_sizes``: tensor-parallel groups of that many consecutive ranks inside a node (an axis
+    "tp{d}" per size the intra and world axes do not already measure)."""
     num_nodes = world // ranks_per_node
     axes: list[_Axis] = []
+    for d in sorted(set(tp_sizes)):
+        if d < 2 or d >= min(ranks_per_node, world) or ranks_per_node % d:
+            continue  # a group of one measures nothing; a whole node is the intra (or world) axis
+        mine = None
+        for start in range(0, world, d):
+            g = dist.new_group(list(range(start, start + d)))
+            if start <= rank < start + d:
+                mine = g
+        axes.append(_Axis(f"tp{d}", mine, d, d))
     if num_nodes > 1:
         mine = None
         for node in range(num_nodes):
@@ -156,6 +168,7 @@ def measure_fabric(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     measure_overlap: bool = True,
+    tp_sizes: tuple[int, ...] = (),
 ) -> FabricProfile:
     """Time collectives per message size on each mesh axis; collective: every rank calls it.
 
@@ -173,6 +186,8 @@ def measure_fabric(
         dtype: element type of the messages.
         progress: show progress on rank 0's console (``wrapopt.progress``).
         measure_overlap: also measure the compute/communication overlap factors.
+        tp_sizes: tensor-parallel degrees to measure too, each as concurrent groups of that
+            many consecutive ranks (axis "tp{d}"): See [Note: tensor parallel costs] in cost/tp.py.
 
     Returns:
         The same ``FabricProfile`` (kind ``"measured"``) on every rank.
@@ -203,7 +218,7 @@ def measure_fabric(
     reduce_dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     t_start = time.perf_counter()
-    axes = _build_axes(world, rank, rpn)
+    axes = _build_axes(world, rank, rpn, tuple(tp_sizes))
     bar = Progress(len(axes) * len(collectives) * len(sizes), desc="profile fabric", unit="message size",
                    enabled=progress and rank == 0)
     # times[k] holds one (axis, collective, size) cell's repeats; see [Note: fabric timing protocol].

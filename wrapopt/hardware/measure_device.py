@@ -359,6 +359,8 @@ def measure_checkpoint_overhead(model: nn.Module, example_inputs: tuple[Any, ...
     if "call" not in captured:
         return 0.0
     args, kwargs = captured["call"]
+    # A Hugging Face cache (past_key_value(s)) would grow with every timed call: the block runs without one.
+    kwargs = {k: (None if "past_key_value" in k else False if k == "use_cache" else v) for k, v in kwargs.items()}
     device = next(block.parameters(), torch.empty(0)).device
     sync = _sync_for(device)
 

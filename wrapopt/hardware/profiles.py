@@ -406,6 +406,13 @@ class ComputeProfile:
     # while the previous unit computes (a GPU stream); False on a CPU, where each
     # op runs as the host issues it. See [Note: all-gather issue] in cost/simulate.py.
     runs_ahead: bool = True
+    # (tensor-parallel degree, throughput of a projection split that many ways / unsplit):
+    # measured on the model's largest projection; none: split matmuls are taken to run
+    # as fast per FLOP as whole ones (a stated caveat). See [Note: tensor parallel costs] in cost/tp.py.
+    split_efficiency: tuple[tuple[int, float], ...] = ()
+    # (forward, backward) seconds per call of a tensor-parallel projection beyond its matmul and
+    # all-reduce (DTensor dispatch and hooks), measured by measure_split.measure_tp_overhead.
+    tp_overhead_s: tuple[float, float] = (0.0, 0.0)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -426,6 +433,8 @@ class ComputeProfile:
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "module_times": [list(t) for t in self.module_times],
             "runs_ahead": self.runs_ahead,
+            "split_efficiency": [list(t) for t in self.split_efficiency],
+            "tp_overhead_s": list(self.tp_overhead_s),
             "meta": self.meta,
         }
 
@@ -452,6 +461,8 @@ class ComputeProfile:
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
             # files written before the field existed: a CPU device was the one that does not run ahead
             runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),
+            split_efficiency=tuple((int(a), float(b)) for a, b in d.get("split_efficiency", [])),
+            tp_overhead_s=tuple(float(v) for v in d.get("tp_overhead_s", (0.0, 0.0)))[:2],  # type: ignore[arg-type]
             meta=dict(d.get("meta", {})),
         )
 

@@ -165,6 +165,9 @@ def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, sour
         model: the planned model, needed only for plan files without module classes.
         source: the plan file's path, quoted in the header.
     """
+    if plan.spec.tp is not None:
+        raise PlanError(f"this plan runs tensor parallelism (degree {plan.mesh.tp_size}) under FSDP, which wrapopt "
+                        f"cannot export to {to}: apply it with plan.apply(model) (FSDP2)")
     classes = _classes_for(plan, model)
     match to:
         case "accelerate":

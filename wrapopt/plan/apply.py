@@ -4,7 +4,9 @@
 innermost first, root last); a unit of several modules is one
 ``fully_shard([m1, m2, ...])`` call, which is also how tied parameters stay
 in one unit. Activation checkpointing uses the composable ``checkpoint``,
-which keeps module names unchanged. Every check runs before the first
+which keeps module names unchanged. A tensor-parallel plan first runs
+``parallelize_module`` on its blocks, then FSDP on the data-parallel axes (See
+[Note: applying a 2-D plan] in ``plan/tp.py``). Every check runs before the first
 collective, so a bad plan fails on every rank instead of hanging some.
 
 Also here: ``materialize_sharded`` (initialise a model that was sharded on the
@@ -24,6 +26,7 @@ import torch.nn as nn
 
 from wrapopt.errors import PlanError
 from wrapopt.launch import device_type as default_device
+from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_blocks
 from wrapopt.spec import PlanSpec
 from wrapopt.units import user_conflict_message, user_conflicts
 
@@ -34,7 +37,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_mesh(spec: PlanSpec, device_type: str | None = None):
     """The ``DeviceMesh`` a plan runs on: 1-D ("shard",) for FSDP, 2-D
-    ("replicate", "shard") for HSDP and for no sharding (shard size 1)."""
+    ("replicate", "shard") for HSDP and for no sharding (shard size 1); a
+    tensor-parallel plan adds a "tp" axis, innermost (``MeshSpec.axis_names``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = spec.mesh
@@ -47,9 +51,7 @@ def build_mesh(spec: PlanSpec, device_type: str | None = None):
             f"re-run the search with --world-size {world} or start {mesh.world_size} ranks"
         )
     dev = device_type or default_device()
-    if mesh.is_hsdp:
-        return init_device_mesh(dev, (mesh.replicate_size, mesh.shard_size), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(dev, (mesh.shard_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(dev, mesh.shape, mesh_dim_names=mesh.axis_names)
 
 
 def known_param_users(model: nn.Module) -> tuple[tuple[str, str], ...]:
@@ -64,6 +66,7 @@ def known_param_users(model: nn.Module) -> tuple[tuple[str, str], ...]:
 def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
            param_users: Iterable[Sequence[str]] | None = ()) -> dict[str, nn.Module]:
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     modules = dict(model.named_modules())
     sharded = [n or "<root>" for n, m in modules.items() if isinstance(m, FSDPModule)]
@@ -71,6 +74,12 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
         raise PlanError(
             f"the model is already sharded (fully_shard was applied to {', '.join(sharded[:4])}); "
             "apply a plan to a fresh, unsharded model"
+        )
+    distributed = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if distributed:
+        raise PlanError(
+            f"the model's parameters are already distributed ({distributed[0]} is a DTensor: parallelize_module "
+            "or distribute_module ran); apply a plan to a fresh model with plain parameters"
         )
     wrapped = [n or "<root>" for n, m in modules.items() if type(m).__name__ == "FullyShardedDataParallel"]
     if wrapped:
@@ -87,14 +96,22 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
     if conflicts:
         raise PlanError(user_conflict_message(conflicts[0], spec.units))
     if mesh is not None:
-        want = (spec.mesh.replicate_size, spec.mesh.shard_size) if spec.mesh.is_hsdp else (spec.mesh.shard_size,)
+        want = spec.mesh.shape
         got = tuple(mesh.shape) if hasattr(mesh, "shape") else (mesh.size(),)
+        tp = f", tensor-parallel degree {spec.mesh.tp_size}" if spec.mesh.tp_size > 1 else ""
         if got != want:
             raise PlanError(
                 f"the mesh passed has shape {got} but the plan is for {want} "
-                f"({spec.mesh.world_size} ranks, shard groups of {spec.mesh.shard_size}); "
+                f"({spec.mesh.world_size} ranks, shard groups of {spec.mesh.shard_size}{tp}); "
                 "pass a mesh of the plan's shape, or mesh=None to build it from the plan"
             )
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if spec.mesh.tp_size > 1 and names != spec.mesh.axis_names:
+            raise PlanError(f"the mesh passed has axes {names or 'without names'} but a tensor-parallel plan needs "
+                            f"{spec.mesh.axis_names}; build it with init_device_mesh(..., mesh_dim_names="
+                            f"{spec.mesh.axis_names}), or pass mesh=None")
+    if spec.tp is not None:
+        check_tp_model(model, spec.tp, spec.mesh.tp_size)  # See [Note: applying a 2-D plan] in plan/tp.py.
     return modules
 
 
@@ -122,6 +139,9 @@ def apply_plan(
     modules = _check(model, spec, mesh, param_users)  # local checks first: no collective has run yet
     if mesh is None:
         mesh = build_mesh(spec)
+    if spec.tp is not None:  # See [Note: applying a 2-D plan] in plan/tp.py: TP, then checkpointing, then FSDP.
+        parallelize_blocks(model, spec.tp, mesh["tp"])
+    dp_mesh = data_parallel_mesh(mesh, spec.mesh)
     mp = mixed_precision or {}
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")],
                                     output_dtype=DTYPES[mp.get("output_dtype")])
@@ -134,9 +154,10 @@ def apply_plan(
         targets = [modules[n] for n in unit.modules]
         raf = unit.reshard_after_forward
         if unit.is_root:
-            fully_shard(model, mesh=mesh, reshard_after_forward=raf, mp_policy=mp_policy)
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=raf, mp_policy=mp_policy)
         else:
-            fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, reshard_after_forward=raf, mp_policy=mp_policy)
+            fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=raf,
+                        mp_policy=mp_policy)
         fsdp_units.append(targets[0])
     if spec.forward_prefetch > 0:
         _set_forward_prefetch(model, spec, modules)
@@ -167,7 +188,9 @@ def _set_forward_prefetch(model: nn.Module, spec: PlanSpec, modules: dict[str, n
 # device mesh"). ``materialize_sharded`` sidesteps the RNG question on any device: for one module at
 # a time it swaps in full-size plain tensors, runs the initialiser on them exactly as it would run
 # on the unsharded model (same order, same draws), and copies each rank's shard out. Peak extra
-# memory is one module's full parameters.
+# memory is one module's full parameters. Parameters of a 2-D plan (FSDP x tensor parallel) take the
+# same path: ``distribute_tensor`` cuts the full tensor by their own placements, FSDP's
+# ``_StridedShard`` on the data-parallel axis included (a test checks it against the unsharded init).
 
 
 def materialize_sharded(

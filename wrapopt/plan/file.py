@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,8 @@ from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
+from wrapopt.plan.schema import plan_schema, schema_errors, short_json
+from wrapopt.plan.tp import tp_from_json
 from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
 from wrapopt.version import __version__
@@ -117,6 +118,7 @@ class WrapPlan:
             "label": self.spec.label,
             "model": self.model,
             "mesh": self.spec.mesh.to_json(),
+            **({"tp": self.spec.tp.to_json()} if self.spec.tp is not None else {}),
             "units": [
                 {"modules": list(u.modules), "reshard_after_forward": u.reshard_after_forward, "checkpoint": u.checkpoint}
                 for u in self.spec.units
@@ -171,11 +173,18 @@ class WrapPlan:
                 world_size=_int(mesh, "world_size", source, "mesh."),
                 ranks_per_node=_int(mesh, "ranks_per_node", source, "mesh."),
                 shard_size=_int(mesh, "shard_size", source, "mesh."),
+                tp_size=_int(mesh, "tp_size", source, "mesh.") if "tp_size" in mesh else 1,
             )
         except ValueError as e:
             if isinstance(e, PlanError):
                 raise
             raise fail("mesh", str(e)) from None
+        if mesh_spec.tp_size > 1 and data.get("tp") is None:
+            raise fail("tp", f"is missing: a plan with mesh.tp_size {mesh_spec.tp_size} needs its tensor-parallel "
+                             "plan ({\"layers\": {block class: {submodule path: \"colwise\" | \"rowwise\"}}})")
+        if mesh_spec.tp_size == 1 and data.get("tp") is not None:
+            raise fail("tp", "is set but mesh.tp_size is 1; set mesh.tp_size to the tensor-parallel degree, or drop tp")
+        tp = tp_from_json(data["tp"], source=source) if mesh_spec.tp_size > 1 else None
         units_raw = data.get("units")
         if not isinstance(units_raw, list) or not units_raw:
             raise fail("units", "must be a non-empty list of {modules, reshard_after_forward, checkpoint}")
@@ -213,7 +222,12 @@ class WrapPlan:
         if problems:
             fld, msg = problems[0]
             raise fail(fld, msg + " (see wrapopt/data/plan.schema.json)")
-        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""))
+        for fld, want in (("shape", list(mesh_spec.shape)), ("axis_names", list(mesh_spec.axis_names))):
+            if fld in mesh and mesh[fld] != want:
+                raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size and tp_size give "
+                                          f"{short_json(want)}; fix the sizes or drop mesh.{fld}")
+        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""),
+                        tp=tp)
         return cls(
             spec=spec,
             model=model,
@@ -351,125 +365,6 @@ def _class_changes(planned: Any, here: dict[str, list[str]]) -> dict[str, str]:
 def _names(items: list[str], k: int = 6) -> str:
     shown = ", ".join(items[:k])
     return shown + (f" (and {len(items) - k} more)" if len(items) > k else "")
-
-# -- the JSON schema ------------------------------------------------------------------------
-
-
-def plan_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of the plan file, ``wrapopt/data/plan.schema.json``."""
-    global _SCHEMA
-    if _SCHEMA is None:
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "plan.schema.json")
-        _SCHEMA = read_json(path, error=PlanError)
-    return _SCHEMA
-
-
-_SCHEMA: dict[str, Any] | None = None
-
-
-def schema_errors(data: Any, schema: dict[str, Any] | None = None) -> list[tuple[str, str]]:
-    """Where ``data`` breaks the plan schema: ``[(field, message), ...]``, empty when it conforms.
-
-    A small validator for the subset of draft 2020-12 the schema uses (``type``,
-    ``const``, ``enum``, ``required``, ``properties``, ``additionalProperties``,
-    ``items``, ``prefixItems``, ``minItems``, ``minimum``, ``pattern``,
-    ``anyOf``, ``allOf``, local ``$ref``), so that loading a plan needs the
-    standard library only. Fields are written as in error messages:
-    ``units[0].modules``.
-    """
-    root = plan_schema() if schema is None else schema
-    out: list[tuple[str, str]] = []
-    _check_node(data, root, root, "", out)
-    return out
-
-
-_JSON_TYPES = {
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "null": lambda v: v is None,
-}
-_SUPPORTED = {"type", "const", "enum", "required", "properties", "additionalProperties", "items", "prefixItems",
-              "minItems", "minimum", "pattern", "anyOf", "allOf", "$ref", "$schema", "$id", "$defs", "title",
-              "description"}
-
-
-def _check_node(v: Any, node: dict[str, Any], root: dict[str, Any], where: str, out: list[tuple[str, str]]) -> None:
-    import re
-
-    unsupported = set(node) - _SUPPORTED
-    assert not unsupported, f"plan schema uses keywords the validator lacks: {unsupported}"  # internal invariant
-    name = where or "<plan>"
-    if "$ref" in node:
-        target: Any = root
-        for part in node["$ref"].removeprefix("#/").split("/"):
-            target = target[part]
-        _check_node(v, target, root, where, out)
-    if "type" in node:
-        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
-        if not any(_JSON_TYPES[t](v) for t in types):
-            out.append((name, f"must be {' or '.join(types)}, got {_json_type(v)} {_short(v)}"))
-            return
-    if "const" in node and v != node["const"]:
-        out.append((name, f"must be {node['const']!r}, got {_short(v)}"))
-    if "enum" in node and v not in node["enum"]:
-        out.append((name, f"must be one of {', '.join(map(json.dumps, node['enum']))}, got {_short(v)}"))
-    if "minimum" in node and _JSON_TYPES["number"](v) and v < node["minimum"]:
-        out.append((name, f"must be at least {node['minimum']}, got {v!r}"))
-    if "pattern" in node and isinstance(v, str) and not re.search(node["pattern"], v):
-        out.append((name, f"must match {node['pattern']}, got {v!r}"))
-    if "anyOf" in node:
-        branches = [[] for _ in node["anyOf"]]
-        for sub, errs in zip(node["anyOf"], branches):
-            _check_node(v, sub, root, where, errs)
-        if all(branches):
-            deeper = [b for b in branches if b[0][0] != name]  # a branch that matched the type, then failed inside
-            if deeper:
-                out.append(deeper[0][0])
-            else:
-                out.append((name, "; or ".join(b[0][1] for b in branches)))
-    for sub in node.get("allOf", ()):
-        _check_node(v, sub, root, where, out)
-    if isinstance(v, dict):
-        props = node.get("properties", {})
-        for key in node.get("required", ()):
-            if key not in v:
-                out.append((_join(where, key), "is missing"))
-        extra = node.get("additionalProperties", True)
-        for key, item in v.items():
-            if key in props:
-                _check_node(item, props[key], root, _join(where, key), out)
-            elif extra is False:
-                known = ", ".join(props)
-                out.append((_join(where, key), f"is not a field of {name} (known fields: {known})"))
-            elif isinstance(extra, dict):
-                _check_node(item, extra, root, _join(where, key), out)
-    if isinstance(v, list):
-        if len(v) < node.get("minItems", 0):
-            out.append((name, f"must have at least {node['minItems']} item(s), got {len(v)}"))
-        prefix = node.get("prefixItems", ())
-        for i, item in enumerate(v):
-            sub = prefix[i] if i < len(prefix) else node.get("items")
-            if sub is not None:
-                _check_node(item, sub, root, f"{where}[{i}]", out)
-
-
-def _join(where: str, key: str) -> str:
-    if not where:
-        return key
-    return f"{where}.{key}" if key.isidentifier() else f"{where}[{key!r}]"
-
-
-def _json_type(v: Any) -> str:
-    return next((t for t, ok in _JSON_TYPES.items() if t != "number" and ok(v)), "number")
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v) if not isinstance(v, float) or v == v else "NaN"
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _int(d: dict, key: str, source: str, prefix: str) -> int:

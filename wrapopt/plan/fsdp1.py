@@ -64,6 +64,9 @@ def fsdp1_policy(
     from torch.distributed.fsdp import MixedPrecision
 
     mesh = spec.mesh
+    if spec.tp is not None:
+        raise PlanError(f"this plan runs tensor parallelism (degree {mesh.tp_size}) under FSDP; wrapopt's FSDP1 export "
+                        "does not support FSDP1 + tensor parallelism: apply it with plan.apply(model) (FSDP2)")
     notes: list[str] = []
     mp = mixed_precision or {}
     mp_kwargs: dict[str, Any] = {}

@@ -10,9 +10,17 @@ gradients accumulate; the last synchronises them. In ``every`` mode each
 micro-batch reduce-scatters. See [Note: accumulation sync] in
 ``cost/simulate.py`` for what each costs.
 
+Under a 2-D plan (``plan.mesh.tp_size > 1``) every rank of one tensor-parallel
+group must step on the same micro-batches: pick each rank's share of the global
+batch by its data-parallel rank, ``dp_rank, dp_size =
+wrapopt.launch.dp_rank_size(plan.mesh)``, not by its global rank (See [Note:
+applying a 2-D plan] in ``plan/tp.py``).
+
 Example:
     >>> plan = WrapPlan.load("plan.json")  # doctest: +SKIP
     >>> model = plan.apply(model)  # doctest: +SKIP
+    >>> dp_rank, dp_size = dp_rank_size(plan.mesh)  # doctest: +SKIP
+    >>> micro_batches = [b.chunk(dp_size)[dp_rank] for b in global_batches]  # doctest: +SKIP
     >>> opt = plan.train_config.make_optimizer(model.parameters(), lr=3e-4)  # doctest: +SKIP
     >>> loss = train_step(model, opt, micro_batches, loss_fn, plan=plan)  # doctest: +SKIP
 """

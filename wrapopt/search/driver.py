@@ -57,6 +57,10 @@ class SearchResult:
     # Fitting plans not beaten in both time and memory by another, fastest first.
     pareto: tuple[Scored, ...] = field(default=(), repr=False)
     rounds: tuple[Round, ...] = field(default=(), repr=False)  # one per strategy, in the order run
+    # 2-D search (search/tp.py): the tensor-parallel degree chosen, and the comparison rows
+    # (best 1-D, best per degree, TorchTitan's default) as (label, scored).
+    tp_chosen: int = 1
+    tp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
 
     @property
     def best_baseline(self) -> Scored | None:

@@ -1,0 +1,131 @@
+"""Tensor parallelism applied to a live model: the checks, ``parallelize_module`` of
+every block of a class the ``TPSpec`` lists, the data-parallel sub-mesh FSDP runs
+on, and the ``tp`` field of the plan file.
+
+What is split and why is [Note: tensor parallel] in ``wrapopt/tp.py``; how a 2-D
+plan is applied is [Note: applying a 2-D plan] below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from wrapopt.errors import PlanError
+from wrapopt.spec import ROOT, MeshSpec
+from wrapopt.tp import TP_STYLES, TPSpec, attention_heads
+
+__all__ = ["TP_SOURCES", "check_tp_model", "data_parallel_mesh", "parallelize_blocks", "tp_from_json", "tp_modules"]
+
+TP_SOURCES = ("builtin", "user")
+
+# [Note: applying a 2-D plan]
+# A plan with ``mesh.tp_size > 1`` runs on a ``replicate x shard x tp`` DeviceMesh (axes named
+# as ``MeshSpec.axis_names``; tp innermost, so a tensor-parallel group is consecutive ranks of
+# one node). ``apply_plan`` works in TorchTitan's order:
+# 1. every check below, on every rank, before any collective (the mesh is built after them);
+# 2. ``parallelize_module(block, mesh["tp"], {path: ColwiseParallel() / RowwiseParallel()})``
+#    for every module of a listed class: the listed Linears' parameters become DTensors on the
+#    tp axis, with the default layouts (input and output Replicate, plain local tensors out),
+#    so the code around them (norms, residuals, the embeddings and the head) is unchanged;
+# 3. activation checkpointing of the plan's checkpointed units, as for a 1-D plan;
+# 4. ``fully_shard`` of every unit, the root last, on the data-parallel sub-mesh
+#    (``mesh["shard"]``, or ``mesh["replicate", "shard"]`` for HSDP): FSDP2 shards the TP
+#    DTensors again on dim 0 (2-D parameters: a ``_StridedShard`` on the dp axis where TP
+#    split dim 0 too) and the replicated parameters as usual.
+# Every rank of one tensor-parallel group must be fed the same batch (they compute one
+# replica's step between them); the data-parallel rank that picks the batch is
+# ``wrapopt.launch.dp_rank_size(mesh)``: ``rank // tp_size`` of ``world_size // tp_size``.
+# ``materialize_sharded`` works on 2-D parameters unchanged: ``distribute_tensor`` with
+# ``src_data_rank=None`` cuts the full tensor by the parameter's own (strided) placements.
+
+
+def tp_modules(model: nn.Module, spec: TPSpec) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module whose class ``spec`` lists, the root excepted."""
+    listed = {c for c, _ in spec.layers}
+    return [(n, m) for n, m in model.named_modules() if n != ROOT and type(m).__name__ in listed]
+
+
+def _linears(block: nn.Module) -> list[str]:
+    return [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+
+
+def check_tp_model(model: nn.Module, spec: TPSpec, size: int) -> None:
+    """``PlanError`` (one line, naming the module and what to pass) unless every listed path
+    of every module of a listed class is an ``nn.Linear`` whose split features ``size``
+    divides, and ``size`` divides the heads and key-value heads of every attention module
+    in those blocks. Local: no collective."""
+    blocks = tp_modules(model, spec)
+    have = {type(m).__name__ for _, m in blocks}
+    missing = [c for c, _ in spec.layers if c not in have]
+    if missing:
+        classes = sorted({type(m).__name__ for _, m in model.named_modules()} - {type(model).__name__})
+        raise PlanError(f"the TP plan names block class {missing[0]}, which this {type(model).__name__} does not have "
+                        f"(its module classes: {', '.join(classes[:8])}{' ...' if len(classes) > 8 else ''}); "
+                        "pass a TPSpec for this model's blocks")
+    for name, block in blocks:
+        cls = type(block).__name__
+        for path, style in spec.styles(cls).items():
+            hint = f"list the block's nn.Linear submodules ({', '.join(_linears(block)[:8]) or 'it has none'})"
+            try:
+                sub = block.get_submodule(path)
+            except AttributeError:
+                raise PlanError(f"the TP plan for {cls} names {path}, but {name} has no submodule {path}; {hint}") from None
+            if not isinstance(sub, nn.Linear):
+                raise PlanError(f"the TP plan for {cls} names {path}, but {name}.{path} is a {type(sub).__name__}, "
+                                f"not an nn.Linear; {hint}")
+            n = sub.out_features if style == "colwise" else sub.in_features
+            if n % size:
+                raise PlanError(f"tensor-parallel degree {size} does not divide the {n} "
+                                f"{'output' if style == 'colwise' else 'input'} features of {name}.{path}; "
+                                f"use a tensor-parallel degree dividing {n}")
+    prefixes = tuple(n + "." for n, _ in blocks)
+    for fqn, heads, kv in attention_heads(model):
+        if fqn.startswith(prefixes) and (heads % size or kv % size):
+            raise PlanError(f"tensor-parallel degree {size} does not divide the heads of {fqn} ({heads} heads, "
+                            f"{kv} key-value heads); use a tensor-parallel degree dividing both")
+
+
+def parallelize_blocks(model: nn.Module, spec: TPSpec, tp_mesh: Any) -> None:
+    """``parallelize_module`` every module of a listed class on ``tp_mesh`` (the mesh's "tp"
+    axis): its listed Linears become ``ColwiseParallel`` / ``RowwiseParallel``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for _name, block in tp_modules(model, spec):
+        styles = spec.styles(type(block).__name__)
+        parallelize_module(block, tp_mesh, {path: ColwiseParallel() if style == "colwise" else RowwiseParallel()
+                                            for path, style in styles.items()})
+
+
+def data_parallel_mesh(mesh: Any, mesh_spec: MeshSpec) -> Any:
+    """The sub-mesh FSDP shards on: the whole mesh for a 1-D plan, else its data-parallel
+    axes (``"shard"``, or ``("replicate", "shard")`` for HSDP and for no sharding)."""
+    if mesh_spec.tp_size == 1:
+        return mesh
+    return mesh["replicate", "shard"] if mesh_spec.is_hsdp else mesh["shard"]
+
+
+def tp_from_json(raw: Any, *, source: str) -> TPSpec:
+    """The plan file's ``tp`` field as a ``TPSpec``; ``PlanError`` naming the file and the field."""
+    def fail(fld: str, msg: str) -> PlanError:
+        return PlanError(f"{source}: field {fld!r} {msg}")
+
+    if not isinstance(raw, dict):
+        raise fail("tp", "must be an object {source, layers} (the tensor-parallel plan)")
+    src = raw.get("source", "user")
+    if src not in TP_SOURCES:
+        raise fail("tp.source", f"must be one of {', '.join(TP_SOURCES)}, got {src!r}")
+    layers = raw.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise fail("tp.layers", "must be a non-empty object: block class -> {submodule path: \"colwise\" | \"rowwise\"}")
+    out = []
+    for cls, pairs in layers.items():
+        if not isinstance(pairs, dict) or not pairs:
+            raise fail(f"tp.layers.{cls}", "must be a non-empty object: submodule path (relative to the block) -> "
+                                           "\"colwise\" | \"rowwise\"")
+        for path, style in pairs.items():
+            if style not in TP_STYLES:
+                raise fail(f"tp.layers.{cls}.{path}", f"style must be {' or '.join(TP_STYLES)}, got {style!r}")
+        out.append((cls, tuple(pairs.items())))
+    return TPSpec(layers=tuple(out), source=src)

@@ -1,0 +1,151 @@
+"""2-D search: the tensor-parallel degree chosen together with the FSDP plan.
+
+[Note: 2-D search] For each tensor-parallel degree asked for (``--tp auto``: 1 and
+every degree ``wrapopt.tp.tp_degrees`` accepts), the whole 1-D search
+(``search_plan``: baselines, the exact DP on every shard group with HSDP, uniform
+groupings, the study) runs on that degree's data-parallel mesh with the
+simulator of one tensor-parallel rank's model (``Simulator.for_tp``, See
+[Note: tensor parallel costs] in cost/tp.py), at the same global batch. Its
+plans are lifted onto the full mesh (``MeshSpec.with_tp``, ``PlanSpec.tp``), and
+the fastest fitting plan over all degrees wins (the Optuna study's trials are
+shared out over the degrees); so units, reshard,
+checkpointing, HSDP and the degree are chosen jointly, each degree's answer
+being exact under the DP's chain model as in 1-D. Beside the answer the result
+keeps, for the report, the best plan of every degree and TorchTitan's default:
+the largest degree (tensor parallelism across the node), one FSDP unit per
+block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import InfeasibleError, PlanError
+from wrapopt.search.driver import SearchResult, search_plan
+from wrapopt.search.strategy import Round, Scored, SearchOptions
+from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
+from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp, tp_degrees
+
+__all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp"]
+
+TORCHTITAN_LABEL = "TorchTitan default"
+
+
+def lift_plan(plan: PlanSpec, size: int, spec: TPSpec | None) -> PlanSpec:
+    """A plan of the data-parallel mesh as the 2-D plan of degree ``size``."""
+    if size == 1:
+        return plan
+    return replace(plan, mesh=plan.mesh.with_tp(size), tp=spec, label=f"{plan.label} + tp{size}" if plan.label else f"tp{size}")
+
+
+def _lift(s: Scored, size: int, spec: TPSpec | None) -> Scored:
+    return s if size == 1 else replace(s, plan=lift_plan(s.plan, size, spec))
+
+
+def _lift_result(res: SearchResult, size: int, spec: TPSpec | None) -> SearchResult:
+    if size == 1:
+        return res
+    lift = [_lift(s, size, spec) for s in res.candidates]
+    by_id = {id(a): b for a, b in zip(res.candidates, lift)}
+
+    def one(s: Scored) -> Scored:
+        return by_id.get(id(s)) or _lift(s, size, spec)
+
+    rounds = tuple(Round(r.strategy, tuple(lift_plan(p, size, spec) for p in r.proposed), tuple(map(one, r.scored)), r.detail)
+                   for r in res.rounds)
+    return replace(res, best=one(res.best), baselines={k: one(s) for k, s in res.baselines.items()},
+                   candidates=tuple(lift), pareto=tuple(map(one, res.pareto)), rounds=rounds)
+
+
+def dp_mesh(mesh: MeshSpec, size: int) -> MeshSpec:
+    """The data-parallel mesh of ``mesh`` (no tensor parallelism) at degree ``size``: FSDP over it."""
+    return MeshSpec(world_size=mesh.world_size // size, ranks_per_node=mesh.ranks_per_node // size,
+                    shard_size=mesh.world_size // size)
+
+
+def _per_degree(options: SearchOptions | None, size: int, count: int) -> SearchOptions | None:
+    """The study's trials shared out over the degrees (``trials`` counts them all); a named
+    study gets one study per degree in its storage."""
+    if options is None or count == 1:
+        return options
+    name = options.study_name and (options.study_name if size == 1 else f"{options.study_name}-tp{size}")
+    return replace(options, trials=-(-options.trials // count), study_name=name)
+
+
+def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec | None, degrees: Sequence[int],
+              memory_budget: float | None = None, max_group: int | None = None,
+              options: SearchOptions | None = None) -> SearchResult:
+    """The fastest fitting plan over ``degrees`` (See [Note: 2-D search]); ``mesh`` is the
+    whole mesh without tensor parallelism (``tp_size == 1``), ``spec`` how blocks are split
+    (needed for any degree above 1). ``SearchResult.tp_rows`` holds the comparison rows."""
+    if mesh.tp_size != 1:
+        raise ValueError("search_tp takes the mesh without tensor parallelism and the degrees to try")
+    results: dict[int, SearchResult] = {}
+    failed: dict[int, str] = {}
+    for d in degrees:
+        if d > 1 and spec is None:
+            raise ValueError("tensor-parallel degrees above 1 need a TPSpec")
+        try:
+            if d == 1:
+                res = search_plan(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group,
+                                  options=_per_degree(options, 1, len(degrees)))
+            else:
+                sub, _notes = sim.for_tp(spec, d)
+                dp = dp_mesh(mesh, d)
+                opts = _per_degree(options, d, len(degrees))
+                if opts is not None and opts.shard_sizes:
+                    opts = replace(opts, shard_sizes=tuple(s for s in opts.shard_sizes if dp.world_size % s == 0) or None)
+                res = search_plan(sub.traced, sub, dp, memory_budget=memory_budget, max_group=max_group, options=opts)
+            results[d] = _lift_result(res, d, spec)
+        except InfeasibleError as e:
+            failed[d] = str(e)
+    if not results:
+        raise InfeasibleError(failed.get(1) or next(iter(failed.values())))
+    chosen = min(results, key=lambda d: results[d].best.estimate.step_s)
+    out = results[chosen]
+    rows: list[tuple[str, Scored]] = []
+    if 1 in results:
+        rows.append(("best 1-D", results[1].best))
+    for d in sorted(results):
+        if d > 1:
+            rows.append((f"best tp{d}", results[d].best))
+    top = max(degrees)
+    if top > 1 and top in results:
+        tt = results[top].baselines.get("per-block")
+        if tt is not None:
+            rows.append((f"{TORCHTITAN_LABEL} (tp{top}, one unit per block)", tt))
+    notes = out.notes + tuple(f"tp{d}: {msg}" for d, msg in sorted(failed.items()))
+    return replace(out, notes=notes, tp_rows=tuple(rows), tp_chosen=chosen)
+
+
+def resolve_tp(graph: ModelGraph, mesh: MeshSpec, tp: Any, tp_plan: TPSpec | None = None,
+               ) -> tuple[tuple[int, ...], TPSpec | None, list[str]]:
+    """(degrees to search, the TPSpec, notes) for ``tp``: None / 1 / "1", an int, or "auto".
+    A degree that cannot be used raises ``PlanError`` naming the module or the mesh, and what
+    to pass; "auto" on a model wrapopt cannot split searches FSDP alone and says why."""
+    if tp is None or str(tp) == "1":
+        return (1,), None, []
+    if str(tp) == "auto":
+        try:
+            spec = tp_plan or builtin_tp_plan(graph)
+        except PlanError as e:
+            return (1,), None, [f"--tp auto: tensor parallelism not tried: {e}"]
+        degrees = tp_degrees(graph, spec, mesh.ranks_per_node, mesh.world_size)
+        return degrees, spec, [] if len(degrees) > 1 else [
+            f"--tp auto: no degree above 1 divides the {mesh.ranks_per_node} ranks per node and every attention's heads"]
+    try:
+        d = int(tp)
+    except (TypeError, ValueError):
+        raise PlanError(f"--tp must be auto or a positive integer, got {tp!r}") from None
+    if d < 1:
+        raise PlanError(f"--tp must be auto or a positive integer, got {tp!r}")
+    if d == 1:
+        return (1,), None, []
+    if mesh.ranks_per_node % d or mesh.world_size % d:
+        raise PlanError(f"--tp {d} does not divide the {mesh.ranks_per_node} GPUs per node (world {mesh.world_size}): "
+                        "tensor parallelism runs inside a node; pass --tp with a divisor of --gpus-per-node, or auto")
+    spec = tp_plan or builtin_tp_plan(graph)
+    check_tp(graph, spec, d)
+    return (d,), spec, []
