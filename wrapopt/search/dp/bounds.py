@@ -19,11 +19,11 @@ multiplier is the best); the bracket around the best point is then zoomed
 into (a few interior points per round; by concavity the maximum stays
 between the best point's neighbours), which finds 5.225 s (0.4% under the
 optimum), and labels are pruned with the tuned multiplier and ``lam = 0``
-(the best of the two per label; adding the grid's best and its neighbours
-kept 0.1% fewer labels on llama-70b for 2.5 times the work per label). Whether a shard-group
-size can beat an answer found (``strategy.py``) is judged on the tuned
-bound too; a size skipped so would have been solved under a cap below its
-optimum and given nothing. The order in which the sizes are solved stays
+(the better of the two per label; adding the grid's best and its
+neighbours kept 0.1% fewer labels on llama-70b for 2.5 times the work per
+label). Whether a shard-group size can beat an answer found
+(``strategy.py``) is judged on the tuned bound too; a size skipped so
+would have been solved under a cap below its optimum and given nothing. The order in which the sizes are solved stays
 the fixed grid's bound, as before: which slower sizes still get an answer
 (each is one more candidate for the simulator, which has the last word)
 depends on that order, and keeping it keeps the proposals the same.
