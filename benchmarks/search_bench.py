@@ -33,8 +33,8 @@ LLAMA_70B = ["zoo:llama-70b", "--world-size", "1024", "--gpus-per-node", "8"]
 TRAINABLE = ("gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny")
 
 
-def _timed_search(extra: list[str]) -> tuple[float, float, dict]:
-    """(wall s, peak RSS bytes, JSON output) of one ``wrapopt search`` in a fresh process."""
+def _timed_search(extra: list[str]) -> tuple[float, float, float, dict]:
+    """(wall s, CPU s, peak RSS bytes, JSON output) of one ``wrapopt search`` in a fresh process."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "wrapopt.cli", "search", *LLAMA_70B, "--json", *extra]
     import tempfile
@@ -49,7 +49,7 @@ def _timed_search(extra: list[str]) -> tuple[float, float, dict]:
         err.seek(0)
         if proc.returncode != 0:
             raise RuntimeError(f"search failed: {err.read()}")
-        return wall, usage.ru_maxrss * 1024, json.loads(out.read())
+        return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, json.loads(out.read())
 
 
 def _fmt_gib(n: float) -> str:
@@ -59,14 +59,18 @@ def _fmt_gib(n: float) -> str:
 def _search_section() -> list[str]:
     lines = ["## llama-70b on 1024 GPUs (128 nodes of 8), analytical H100 + IB fabric", ""]
     lines += ["`wrapopt search zoo:llama-70b --world-size 1024 --gpus-per-node 8 --memory none|auto`, fresh process, "
-              "tracing included; peak RSS from `wait4`. Target: at most 30 s and under 3 GB.", ""]
+              "tracing included; CPU time (user + system) and peak RSS from `wait4` (CPU time is the steadier "
+              "figure on a shared machine). Target: at most 30 s and under 3 GB.", ""]
     rows = []
     outputs = {}
     for label, extra in (("--memory none", ["--memory", "none"]), ("--memory auto (the default)", ["--memory", "auto"])):
-        wall, rss, data = _timed_search(extra)
+        load = os.getloadavg()[0]
+        wall, cpu, rss, data = _timed_search(extra)
         outputs[label] = data
-        rows.append(f"| {label} | {wall:.1f} s | {rss / 1e9:.2f} GB | {data['search']['study']['finished_trials']} |")
-    lines += ["| search | wall time | peak RSS | Optuna trials |", "|---|---|---|---|", *rows, ""]
+        rows.append(f"| {label} | {wall:.1f} s | {cpu:.1f} s | {rss / 1e9:.2f} GB | "
+                    f"{data['search']['study']['finished_trials']} | {load:.1f} |")
+    lines += ["| search | wall time | CPU time | peak RSS | Optuna trials | load average before |",
+              "|---|---|---|---|---|---|", *rows, ""]
     for label, data in outputs.items():
         pred = data["prediction"]
         lines += [f"### Chosen plan vs baselines ({label})", ""]
@@ -134,6 +138,22 @@ def _zoo_section() -> list[str]:
     return lines + [""]
 
 
+# benchmarks/search_tp.py writes its section of results/search.md between these markers; it is kept.
+TP_BEGIN, TP_END = "<!-- search_tp.py: begin -->", "<!-- search_tp.py: end -->"
+
+
+def _kept_section(path: str) -> list[str]:
+    """The section another script wrote between its markers in ``path``, to keep."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    if TP_BEGIN not in text or TP_END not in text:
+        return []
+    return ["", text[text.index(TP_BEGIN):text.index(TP_END) + len(TP_END)], ""]
+
+
 def main() -> int:
     import optuna
     import torch
@@ -151,8 +171,11 @@ def main() -> int:
     body = _search_section() + _zoo_section()
     path = os.path.join(REPO, "results", "search.md")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    body += _kept_section(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write("\n".join(head + body))
+    os.replace(tmp, path)  # atomically: a failed run leaves the last results
     print("\n".join(head + body))
     return 0
 

@@ -14,7 +14,8 @@ from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.search.dp.chain import brute_force_chain, chain_costs, chain_model, unit_choices
 from wrapopt.search.dp.plans import ChainDP, dp_plans
-from wrapopt.search.dp.solve import solve_chain, solve_chains
+from wrapopt.search.dp.bounds import GroupTables, grid_bounds
+from wrapopt.search.dp.solve import lower_bound, solve_chain, solve_chains
 from wrapopt.search.driver import search_plan
 from wrapopt.spec import MeshSpec
 
@@ -73,6 +74,7 @@ def test_per_unit_dp_equals_brute_force_6_blocks(cpu):
         assert (dp is None) == (bf is None), allowance
         if dp is not None:
             assert dp[0] == pytest.approx(bf[0], rel=1e-12)
+            assert lower_bound([cc], choices=choices, max_group=6, mem_allowance=allowance) <= bf[0] * (1 + 1e-12)
             t, peak, _a = chain_model(cc, zip(dp[1], dp[2]))  # the DP's plan really has its time and fits
             assert t == pytest.approx(dp[0], rel=1e-12) and peak <= allowance
 
@@ -119,6 +121,28 @@ def test_two_chain_dp_equals_brute_force():
         assert (ans is None) == (best is None)
         if ans is not None:
             assert ans.time_s == pytest.approx(best, rel=1e-12)
+            assert lower_bound(dp.costs, choices=choices, max_group=3, mem_allowance=allowance) <= best * (1 + 1e-12)
+
+
+def test_tuned_bound_is_below_the_optimum_and_above_the_grid():
+    """[Note: tuned multiplier]: the bound with its multiplier tuned to the allowance
+    never exceeds the brute-force optimum (the branch and bound would lose it) and is
+    never weaker than the best multiplier of the fixed grid; tuning tightens it somewhere."""
+    g = zoo_graph("llama-tiny")
+    mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
+    cc = chain_costs(make_sim(g, 16), mesh, g.block_chains[0][:5], max_group=5)
+    choices = unit_choices(mesh)
+    grid = grid_bounds([cc], [GroupTables(cc, choices, 5)], {})
+    gains = []
+    for allowance in _allowances(cc, choices, 5)[:-1]:
+        lb = lower_bound([cc], choices=choices, max_group=5, mem_allowance=allowance)
+        coarse = float(grid.global_bound(0.0, allowance).max())
+        assert lb >= coarse
+        bf = brute_force_chain(cc, choices=choices, max_group=5, mem_allowance=allowance)
+        if bf is not None:
+            assert lb <= bf[0] * (1 + 1e-12)
+            gains.append(lb - coarse)
+    assert len(gains) >= 4 and max(gains) > 0
 
 
 def test_per_unit_dp_not_slower_than_uniform(setup):

@@ -88,10 +88,11 @@ class ChainDP:
         tag = "" if mesh.shard_size == mesh.world_size else f",shard={mesh.shard_size}"
         self.tag = tag + (f",prefetch={forward_prefetch}" if forward_prefetch else "")
 
-    def lower_bound(self, memory_budget: float) -> float:
-        """A lower bound on the chain-model time of the per-unit optimum under the budget."""
+    def lower_bound(self, memory_budget: float, *, tuned: bool = True) -> float:
+        """A lower bound on the chain-model time of the per-unit optimum under the budget
+        (``tuned=False``: the fixed grid's weaker one; see [Note: tuned multiplier])."""
         return lower_bound(self.costs, choices=self.choices, max_group=self.max_group,
-                           mem_allowance=memory_budget - self.static_bytes, cache=self._cache)
+                           mem_allowance=memory_budget - self.static_bytes, cache=self._cache, tuned=tuned)
 
     def _plan(self, ans: ChainAnswer, label: str) -> PlanSpec:
         units = [UnitSpec(self.chains[c][st:st + s], ch[0], ch[1]) for c, st, s, ch in ans.groups]

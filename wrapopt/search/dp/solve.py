@@ -2,7 +2,8 @@
 chains, given their costs (``ChainCosts``), with a choice of (reshard after
 forward, activation checkpointing) per unit, under a memory allowance. The
 model it minimises is in ``chain.py`` ([Note: chain model]); ``plans.py``
-turns a model on a mesh into chain costs, and the answers into plans.
+turns a model on a mesh into chain costs, and the answers into plans;
+``bounds.py`` holds the group tables and the lower bounds that prune.
 
 [Note: exact DP with a prefix-additive memory term] The local terms make the
 state after placing a unit ``(end, W's effect on later windows, V, c_V)``;
@@ -32,6 +33,7 @@ import math
 
 import numpy as np
 
+from wrapopt.search.dp.bounds import Bounds, GroupTables, grid_bounds, tuned_bounds
 from wrapopt.search.dp.chain import (
     ChainAnswer,
     ChainCosts,
@@ -39,8 +41,6 @@ from wrapopt.search.dp.chain import (
     brute_force_chain,
     chain_costs,
     chain_model,
-    group_figures,
-    sharded_grads_after,
     unit_choices,
 )
 
@@ -57,35 +57,6 @@ __all__ = [
     "chain_model",
     "brute_force_chain",
 ]
-
-
-class _Tables:
-    """Every group's figures as arrays indexed [start, size, choice] (see ``group_figures``)."""
-
-    def __init__(self, cc: ChainCosts, choices: tuple[Choice, ...], max_group: int):
-        n, C = len(cc.blocks), len(choices)
-        G = min(max_group, n)
-        shape = (n + 1, G + 1, C)
-        f = {k: np.zeros(shape) for k in ("F", "B", "A", "R", "S")}
-        m = {k: np.zeros(shape, dtype=np.int64) for k in ("P", "G", "act", "saved", "keep", "reg")}
-        self.valid = np.zeros(shape, dtype=bool)
-        wid = np.zeros(shape, dtype=np.int64)
-        pairs: dict[tuple[float, int], int] = {(0.0, 0): 0}  # W's effect (R, re-gathered bytes) -> id
-        for st in range(n):
-            for s in range(1, min(G, n - st) + 1):
-                for ci, ch in enumerate(choices):
-                    g = group_figures(cc, st, s, ch)
-                    self.valid[st, s, ci] = True
-                    for k, j in (("F", 0), ("B", 1), ("A", 2), ("R", 3), ("S", 4)):
-                        f[k][st, s, ci] = g[j]
-                    for k, j in (("P", 5), ("G", 6), ("act", 7), ("saved", 8), ("keep", 9), ("reg", 10)):
-                        m[k][st, s, ci] = g[j]
-                    wid[st, s, ci] = pairs.setdefault((g[3], g[10]), len(pairs))
-        self.f, self.m, self.wid = f, m, wid
-        self.sg_after = np.array(sharded_grads_after(cc), dtype=np.int64)
-        self.w_R = np.array([r for r, _ in pairs])
-        self.w_reg = np.array([b for _, b in pairs], dtype=np.int64)
-        self.n, self.G, self.C = n, G, C
 
 
 def _prune(key: np.ndarray, t: np.ndarray, a: np.ndarray, use_mem: bool) -> np.ndarray:
@@ -107,96 +78,6 @@ def _prune(key: np.ndarray, t: np.ndarray, a: np.ndarray, use_mem: bool) -> np.n
     keep = first.copy()
     keep[1:] |= shifted[1:] < run[:-1]
     return order[keep]
-
-
-def _lower_bounds(tb: _Tables, cc: ChainCosts, tails: np.ndarray, lams: np.ndarray, last: bool) -> np.ndarray:
-    """H[l, i, w, s, c], one slice per multiplier ``lams[l]`` >= 0 (seconds per byte).
-
-    [Note: Lagrangian bound] From the state (end i, W's effect w, last group
-    of size s with choice c) with prefix memory A, any completion that fits
-    the budget has remaining time at least ``H + lam * (A - allowance)``:
-    H is the least over *all* completions of remaining time plus ``lam``
-    times the memory of the final backward window beyond A (the kept
-    parameters and activations still to be added, plus the last window's
-    local terms), and for a fitting completion that final window is at most
-    the allowance. ``lam = 0`` is the memory-free bound. Later chains enter
-    through ``tails``; a chain that is not the last passes its whole
-    increase of A on to them.
-    """
-    n, G, C = tb.n, tb.G, tb.C
-    f, m = tb.f, tb.m
-    nw = tb.w_R.size
-    L = lams.size
-    o = cc.overhead_s
-    H = np.full((L, n + 1, nw, G + 1, C), np.inf)
-    lam = lams[:, None, None, None]  # (l, w, s, c)
-    R_W = tb.w_R[:, None, None]
-    reg_W = tb.w_reg[:, None, None].astype(float)
-    cs = np.arange(C)[None, :]
-    for i in range(n, 0, -1):
-        smax = min(G, i)
-        sl = np.arange(1, smax + 1)[:, None]
-        st = i - sl
-        FV, BV = f["F"][st, sl, cs], f["B"][st, sl, cs]  # (s, c)
-        grow = (m["keep"][st, sl, cs] + m["act"][st, sl, cs]).astype(float)
-        if i == n:
-            if last:
-                local = (m["P"][st, sl, cs] + m["saved"][st, sl, cs] + m["G"][st, sl, cs] + 2 * int(cc.work)
-                         + tb.sg_after[n]).astype(float)
-                mem = local[None] + reg_W
-            else:
-                mem = np.broadcast_to(grow[None], (nw,) + grow.shape)
-            base = np.maximum(BV[None] + o, R_W) + FV[None]  # (w, s, c)
-            H[:, i, :, 1:smax + 1, :] = base[None] + tails[:, None, None, None] + lam * mem[None]
-            continue
-        vw = tb.wid[st, sl, cs]  # (s, c)
-        best = np.full((L, nw, smax, C), np.inf)
-        for s_next in range(1, min(G, n - i) + 1):
-            SX, AX = f["S"][i, s_next], f["A"][i, s_next]  # (c_x,)
-            bw = np.maximum(BV[None, :, :, None] + o, R_W[..., None] + SX)  # (w, s, c, c_x)
-            fw = np.maximum(FV[..., None] + o, AX) if cc.runs_ahead else FV[..., None] + o + AX  # (s, c, c_x)
-            rest = H[:, i + s_next, vw, s_next, :]  # (l, s, c, c_x)
-            best = np.minimum(best, (bw[None] + (fw[None] + rest)[:, None]).min(axis=4))
-        H[:, i, :, 1:smax + 1, :] = best + lam * grow[None, None]
-    return H
-
-
-def _start_value(tb: _Tables, cc: ChainCosts, H: np.ndarray) -> np.ndarray:
-    """The bound at the chain's start (before its first group), per multiplier, without the A term."""
-    AX = tb.f["A"][0, 1:tb.G + 1, :]
-    fw = np.maximum(cc.overhead_s, AX) if cc.runs_ahead else cc.overhead_s + AX
-    s = np.arange(1, tb.G + 1)
-    return (fw[None] + H[:, s, 0, s, :]).min(axis=(1, 2))
-
-
-class _Bounds:
-    """Lower bounds for pruning: per chain, H for every multiplier (see [Note: Lagrangian bound])."""
-
-    def __init__(self, tables: list[_Tables], costs: list[ChainCosts], lams: np.ndarray):
-        self.lams = lams
-        self.allowance = 0.0
-        self.H: list[np.ndarray] = [np.zeros(0)] * len(tables)
-        tails = np.zeros(lams.size)
-        for k in range(len(tables) - 1, -1, -1):
-            self.H[k] = _lower_bounds(tables[k], costs[k], tails, lams, last=k == len(tables) - 1)
-            tails = _start_value(tables[k], costs[k], self.H[k])
-        self.root = tails
-
-    def select(self, idx: list[int], allowance: float) -> "_Bounds":
-        out = object.__new__(_Bounds)
-        out.lams = self.lams[idx]
-        out.allowance = allowance if math.isfinite(allowance) else 0.0
-        out.H = [Hk[idx] for Hk in self.H]
-        out.root = self.root[idx]
-        return out
-
-    def at(self, k: int, i, wid, s, c, a) -> np.ndarray:
-        """The best bound on the remaining time of labels with prefix memory ``a``."""
-        v = self.H[k][:, i, wid, s, c] + self.lams.reshape((-1,) + (1,) * np.ndim(a)) * (a - self.allowance)
-        return v.max(axis=0)
-
-    def global_bound(self, a0: float, allowance: float) -> np.ndarray:
-        return self.root + self.lams * (a0 - allowance)
 
 
 class _Store:
@@ -226,8 +107,8 @@ class _Store:
         return tuple(reversed(out))
 
 
-def _solve_front(tb: _Tables, cc: ChainCosts, chain_index: int, start: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 store: _Store, *, mem_allowance: float, bounds: _Bounds, ub: float = math.inf):
+def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 store: _Store, *, mem_allowance: float, bounds: Bounds, ub: float = math.inf):
     """Run the DP on one chain from the labels ``start`` = (time, A, id); return the
     final Pareto set of (time, A, id). Vectorised over labels and next groups.
 
@@ -324,37 +205,30 @@ def _run(tables, costs, bounds, *, mem_allowance: float, a0: float, ub: float):
     return float(front[0][best]), float(front[1][best]), store, int(front[2][best])
 
 
-def _prepare(costs, choices, max_group, cache: dict) -> list[_Tables]:
+def _prepare(costs, choices, max_group, cache: dict) -> list[GroupTables]:
     key = (id(costs), tuple(choices), max_group)
     if cache.get("key") != key:
         cache.clear()
         cache["key"] = key
         cache["costs"] = costs  # keeps id(costs) alive and unique
-        cache["tables"] = [_Tables(cc, choices, max_group) for cc in costs]
+        cache["tables"] = [GroupTables(cc, choices, max_group) for cc in costs]
     return cache["tables"]
 
 
-def _all_bounds(costs, tables, cache: dict) -> _Bounds:
-    if "bounds" not in cache:
-        # Multipliers around the exchange rate of time for memory (the bound is
-        # concave in lam; the best of a log grid and its neighbours are used).
-        free = _Bounds(tables, costs, np.zeros(1))
-        span = sum(sum(cc.act) + sum(cc.P) for cc in costs) or 1.0
-        scale = float(free.root[0]) / span
-        cache["bounds"] = _Bounds(tables, costs, np.array([0.0] + [scale * 4.0 ** k for k in range(-3, 6)]))
-    return cache["bounds"]
-
-
 def lower_bound(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_group: int, mem_allowance: float,
-                a0: float = 0.0, cache: dict | None = None) -> float:
-    """The best Lagrangian lower bound on ``solve_chains``' time (see [Note: Lagrangian bound])."""
+                a0: float = 0.0, cache: dict | None = None, tuned: bool = True) -> float:
+    """A Lagrangian lower bound on ``solve_chains``' time, its multiplier tuned to
+    the allowance (see [Note: Lagrangian bound], [Note: tuned multiplier]);
+    ``tuned=False``: the best multiplier of the fixed grid only (weaker)."""
     cache = cache if cache is not None else {}
     tables = _prepare(costs, choices, max_group, cache)
     if not math.isfinite(mem_allowance):
         if "free" not in cache:
-            cache["free"] = _Bounds(tables, costs, np.zeros(1))
+            cache["free"] = Bounds(tables, costs, np.zeros(1))
         return float(cache["free"].root[0])
-    return float(_all_bounds(costs, tables, cache).global_bound(a0, mem_allowance).max())
+    if not tuned:
+        return float(grid_bounds(costs, tables, cache).global_bound(a0, mem_allowance).max())
+    return tuned_bounds(costs, tables, cache, a0, mem_allowance)[1]
 
 
 def solve_chains(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_group: int,
@@ -365,8 +239,8 @@ def solve_chains(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_gr
     ``give_up_above``, when none is faster than that). See [Note: chain model].
 
     Under a budget the label sets can grow large, so with several choices the
-    exact DP runs as a branch and bound: the best Lagrangian lower bound LB
-    (see [Note: Lagrangian bound]) gives a first cap ``ub = LB * (1 + d)``;
+    exact DP runs as a branch and bound: the Lagrangian lower bound LB
+    (see [Note: Lagrangian bound], [Note: tuned multiplier]) gives a first cap ``ub = LB * (1 + d)``;
     labels that cannot finish under ``ub`` by their own lower bound are
     dropped. If a plan is found its time is at most ``ub``, and every dropped
     label's completions were slower than ``ub``, so the plan is optimal; if
@@ -378,17 +252,12 @@ def solve_chains(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_gr
     tables = _prepare(costs, choices, max_group, cache)
     if not math.isfinite(mem_allowance) or len(choices) == 1:
         # No budget, or one choice (the prefix memory then hardly varies): plain labels.
-        bounds = _Bounds.__new__(_Bounds)
+        bounds = Bounds.__new__(Bounds)
         if math.isfinite(give_up_above):
-            bounds = _all_bounds(costs, tables, cache).select([0], math.inf)  # the memory-free bound
+            bounds = grid_bounds(costs, tables, cache).select([0], math.inf)  # the memory-free bound
         res = _run(tables, costs, bounds, mem_allowance=mem_allowance, a0=a0, ub=give_up_above)
     else:
-        allb = _all_bounds(costs, tables, cache)
-        vals = allb.global_bound(a0, mem_allowance)
-        j = int(np.argmax(vals))
-        idx = sorted({0, max(1, j - 1), j, min(allb.lams.size - 1, j + 1)})
-        bounds = allb.select(idx, mem_allowance)
-        lb = float(vals.max())
+        bounds, lb = tuned_bounds(costs, tables, cache, a0, mem_allowance)
         res = None
         # Rounds of growing caps: a round whose cap is below the optimum fails fast.
         for d in (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.045, 0.065, 0.09, 0.13, 0.2, 0.3, 0.5, math.inf):

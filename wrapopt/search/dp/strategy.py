@@ -30,10 +30,10 @@ class ExactDP(Strategy):
 def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
     """DP answers per shard-group size (the uniform-choice ones on ``mesh`` only).
 
-    Sizes are solved in the order of their lower bound under the budget; a
-    size whose bound is already slower than an answer found (that the
-    simulator says fits) is skipped, since its answer can only be slower
-    still in the DP's model.
+    Sizes are solved in the order of their lower bound under the budget (the
+    fixed grid's: see [Note: tuned multiplier]); a size whose (tuned) bound is
+    already slower than an answer found (that the simulator says fits) is
+    skipped, since its answer can only be slower still in the DP's model.
     """
     sim, mesh, budget = problem.sim, problem.mesh, problem.memory_budget
     chains = problem.graph.block_chains
@@ -45,12 +45,12 @@ def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
             dp = ChainDP(sim, m, chains, max_group=problem.options.max_group, forward_prefetch=pf)
             if dp.static_bytes >= budget:
                 break
-            jobs.append((dp.lower_bound(budget), s == mesh.shard_size and pf == 0, dp))
+            jobs.append((dp.lower_bound(budget, tuned=False), s == mesh.shard_size and pf == 0, dp))
     jobs.sort(key=lambda j: (not j[1], j[0]))  # the requested mesh first: its uniform answers always come
     plans: list[PlanSpec] = []
     best_t = math.inf
-    for lb, main, dp in jobs:
-        if lb >= best_t and not main:
+    for _order, main, dp in jobs:
+        if not main and dp.lower_bound(budget) >= best_t:
             continue
         for answer in dp.answers(budget, uniform=main, give_up_above=math.inf if main else best_t):
             plans.append(answer.plan)
