@@ -53,7 +53,7 @@ def tp_section(extra: list[str] | None = None) -> list[str]:
               "fresh process, tracing included. Every row is at the same global batch (a tensor-parallel group of "
               "tp GPUs runs tp GPUs' batches). *gain* = the row's predicted step / the chosen plan's (> 1: the "
               "chosen plan is faster). TorchTitan's default: tp 8 inside the node, one FSDP unit per block "
-              "(reshard after forward), no checkpointing; wrapopt applies tensor parallelism without sequence "
+              "(reshard after forward), every block checkpointed (full activation checkpointing, as TorchTitan's Llama configs; its per-op selective checkpointing is not in wrapopt's space); wrapopt applies tensor parallelism without sequence "
               "parallelism (See [Note: tensor parallel] in wrapopt/tp.py), so this is TorchTitan's layout as "
               "wrapopt applies it. Target: llama-70b at 1024 GPUs in at most 60 s and 3 GB.", ""]
     lines += ["| model | GPUs | wall | peak RSS | chosen tp | chosen plan | step | peak | best 1-D | gain | "

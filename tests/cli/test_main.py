@@ -300,7 +300,7 @@ def test_search_tp_auto_reports_the_2d_rows(capsys):
                  "--trials", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["search"]
     rows = {r["row"]: r for r in out["tp_rows"]}
-    assert set(rows) == {"best 1-D", "best tp2", "TorchTitan default (tp2, one unit per block)"}
+    assert set(rows) == {"best 1-D", "best tp2", "TorchTitan default (tp2, one unit per block, checkpointed)"}
     assert rows["best tp2"]["tp_size"] == 2 and rows["best 1-D"]["tp_size"] == 1
     assert out["tp_chosen"] in (1, 2)
 

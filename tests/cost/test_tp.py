@@ -79,7 +79,7 @@ def test_search_chooses_the_degree_with_the_units(llama):
     sim = Simulator(llama, analytical_fabric(world_size=16), analytical_compute())
     res = search_tp(llama, sim, mesh, spec=spec, degrees=(1, 2), options=SearchOptions(trials=0))
     rows = dict(res.tp_rows)
-    assert set(rows) == {"best 1-D", "best tp2", "TorchTitan default (tp2, one unit per block)"}
+    assert set(rows) == {"best 1-D", "best tp2", "TorchTitan default (tp2, one unit per block, checkpointed)"}
     assert rows["best tp2"].plan.mesh.tp_size == 2 and rows["best tp2"].plan.tp == spec
     assert rows["best 1-D"].plan.mesh == mesh or rows["best 1-D"].plan.mesh.tp_size == 1
     chosen = min((rows["best 1-D"], rows["best tp2"]), key=lambda s: s.estimate.step_s)
