@@ -57,7 +57,7 @@ def tp_section(extra: list[str] | None = None) -> list[str]:
               "parallelism (See [Note: tensor parallel] in wrapopt/tp.py), so this is TorchTitan's layout as "
               "wrapopt applies it. Target: llama-70b at 1024 GPUs in at most 60 s and 3 GB.", ""]
     lines += ["| model | GPUs | wall | peak RSS | chosen tp | chosen plan | step | peak | best 1-D | gain | "
-              "TorchTitan default | gain |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "TorchTitan default | gain | best per degree (tp: step) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, world in CASES:
         wall, rss, data = _run(model, world, extra)
         s = data["search"]
@@ -74,7 +74,9 @@ def tp_section(extra: list[str] | None = None) -> list[str]:
 
         lines.append(f"| {model} | {world} | {wall:.1f} s | {rss / 1e9:.2f} GB | {s['tp_chosen']} | {data['label']} "
                      f"(shard {data['mesh']['shard_size']}) | {step * 1e3:.0f} ms | "
-                     f"{data['prediction']['peak_bytes'] / 2**30:.1f} GiB | {cell(one)} | {cell(tt)} |")
+                     f"{data['prediction']['peak_bytes'] / 2**30:.1f} GiB | {cell(one)} | {cell(tt)} | "
+                     + ", ".join(f"{r['tp_size']}: {r['step_s'] * 1e3:.0f} ms" for k, r in rows.items()
+                                 if k.startswith("best ")) + " |")
         print(lines[-1], flush=True)
     return lines + ["", END]
 
