@@ -322,7 +322,10 @@ def optimize_wrap(
 
     if in_group and given_plan is None:
         if fab is None:
-            fab = measure_fabric(progress=rank == 0)
+            # with tensor parallelism asked for, its groups too (See [Note: tensor parallel costs])
+            tp_sizes = () if tp is None or str(tp) == "1" else tuple(
+                d for d in (2, 4, 8, 16) if mesh.ranks_per_node % d == 0 and (str(tp) == "auto" or str(d) == str(tp)))
+            fab = measure_fabric(progress=rank == 0, tp_sizes=tp_sizes)
         if compute is None:
             compute = measure_compute()
             compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
