@@ -310,3 +310,16 @@ def test_search_tp_bad_degree_is_one_line(capsys):
                  "--trials", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert any("tensor-parallel degree 4 does not divide the heads of layers.0.self_attn" in line for line in err)
+
+
+def test_a_2d_plan_file_is_shown_and_estimated(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["search", "zoo:llama-tiny", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2",
+                 "--trials", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "tensor parallel 2 inside the node" in shown
+    assert "tensor parallel (builtin) in every LlamaBlock: colwise mlp.gate_proj" in shown
+    assert main(["estimate", "zoo:llama-tiny", "--plan", str(out), "--world-size", "16", "--gpus-per-node", "8"]) == 0
+    assert ", tensor parallel 2   fabric:" in capsys.readouterr().out

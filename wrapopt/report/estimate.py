@@ -121,7 +121,8 @@ def format_estimate(r: EstimateReport) -> str:
     e, m = r.estimate, r.mesh
     lines = [
         f"model: {r.model}   plan: {r.plan_label} ({r.num_units} units)",
-        f"mesh: {m.world_size} ranks, {m.ranks_per_node} per node, shard group {m.shard_size}   fabric: {r.fabric}   "
+        f"mesh: {m.world_size} ranks, {m.ranks_per_node} per node, shard group {m.shard_size}"
+        f"{f', tensor parallel {m.tp_size}' if m.tp_size > 1 else ''}   fabric: {r.fabric}   "
         f"compute: {r.compute}",
         f"training: {r.train.describe()}",
         f"step: {e.step_s * 1e3:.2f} ms ("

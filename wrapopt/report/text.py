@@ -134,11 +134,16 @@ def format_plan(plan) -> str:
         f"plan {plan.spec.label or ''} for {plan.model.get('class')} ({plan.model.get('num_params', 0):,} parameters), "
         f"wrapopt {plan.wrapopt_version}, {plan.created}",
         f"mesh: {plan.mesh.world_size} ranks, {plan.mesh.ranks_per_node} per node, shard group {plan.mesh.shard_size}"
+        + (f", tensor parallel {plan.mesh.tp_size} inside the node" if plan.mesh.tp_size > 1 else "")
         + (" (HSDP)" if plan.mesh.is_hsdp else ""),
         f"scored on fabric {fab.get('name')} ({str(fab.get('kind', '?')).upper()}), compute {fab.get('compute')}",
         "training: " + (plan.train.describe() if plan.train is not None else "not recorded (a plan file written before "
                         "it was: no mixed precision, one micro-batch, AdamW)"),
     ]
+    for cls, pairs in (plan.spec.tp.layers if plan.spec.tp is not None else ()):
+        split = {style: [path for path, st in pairs if st == style] for style in ("colwise", "rowwise")}
+        lines.append(f"tensor parallel ({plan.spec.tp.source}) in every {cls}: colwise {', '.join(split['colwise'])}; "
+                     f"rowwise {', '.join(split['rowwise'])}")
     if p:
         lines.append(f"predicted: step {p.get('step_s', 0) * 1e3:.2f} ms, exposed comm {p.get('exposed_comm_s', 0) * 1e3:.2f} ms, "
                      f"peak {fmt_bytes(p.get('peak_bytes', 0))} per rank")
