@@ -23,6 +23,7 @@ from wrapopt.fileio import check_writable, fmt_bytes, read_json
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.measure_split import with_tp_measurements
 from wrapopt.hardware.presets import (
     ANALYTICAL_FABRICS,
     ANALYTICAL_FORMAT,
@@ -321,13 +322,13 @@ def optimize_wrap(
         compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))  # as `wrapopt search` does
 
     if in_group and given_plan is None:
+        # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs])
+        tp_sizes = () if tp is None or str(tp) == "1" else tuple(
+            d for d in (2, 4, 8, 16) if mesh.ranks_per_node % d == 0 and (str(tp) == "auto" or str(d) == str(tp)))
         if fab is None:
-            # with tensor parallelism asked for, its groups too (See [Note: tensor parallel costs])
-            tp_sizes = () if tp is None or str(tp) == "1" else tuple(
-                d for d in (2, 4, 8, 16) if mesh.ranks_per_node % d == 0 and (str(tp) == "auto" or str(d) == str(tp)))
             fab = measure_fabric(progress=rank == 0, tp_sizes=tp_sizes)
         if compute is None:
-            compute = measure_compute()
+            compute = with_tp_measurements(measure_compute(), graph, tp_sizes)
             compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
     if compute is None:
         compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))

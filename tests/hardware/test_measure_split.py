@@ -7,7 +7,8 @@ import torch
 
 from wrapopt import zoo
 from wrapopt.hardware.measure_device import measure_checkpoint_overhead
-from wrapopt.hardware.measure_split import measure_split_efficiency, measure_tp_overhead
+from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.measure_split import measure_split_efficiency, measure_tp_overhead, with_tp_measurements
 from wrapopt.launch import spawn
 from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace import trace_model
@@ -64,3 +65,19 @@ def test_tp_overhead_is_measured_on_every_rank_alike():
     assert out[0] == out[1]  # the max over ranks, on every rank
     fwd, bwd = out[0]
     assert fwd >= 0 and bwd >= 0 and fwd + bwd < 1.0
+
+
+def _with_tp_worker(rank, world, _):
+    torch.set_num_threads(1)
+    model, x = zoo.build("llama-tiny", "meta")
+    g = trace_model(model, x)
+    base = measure_compute(device="cpu", repeats=1, unit_overhead_s=0.0)
+    out = with_tp_measurements(base, g, (2, 4))  # 4 does not divide the world of 2: 2 alone is measured
+    return {"eff": [list(e) for e in out.split_efficiency], "oh": list(out.tp_overhead_s)}
+
+
+@pytest.mark.multiprocess
+def test_with_tp_measurements_fills_the_compute_profile():
+    out = spawn(_with_tp_worker, world_size=2, args=(None,), timeout_s=180)
+    assert [d for d, _ in out[0]["eff"]] == [2]
+    assert out[0]["oh"] == out[1]["oh"] and min(out[0]["oh"]) >= 0

@@ -10,17 +10,21 @@ summed whole time over the summed split time: ``ComputeProfile.split_efficiency`
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from wrapopt.errors import PlanError
+from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ModelGraph
-from wrapopt.tp import TPSpec, tp_blocks
+from wrapopt.tp import TPSpec, builtin_tp_plan, tp_blocks
 
-__all__ = ["measure_split_efficiency", "measure_tp_overhead"]
+__all__ = ["measure_split_efficiency", "measure_tp_overhead", "with_tp_measurements"]
 
 
 def _shapes(graph: ModelGraph, spec: TPSpec, elem: int) -> dict[tuple[int, int, int, str], int]:
@@ -105,7 +109,6 @@ def measure_tp_overhead(size: int, *, rows: int = 256, width: int = 64, hidden: 
     Times a ``ColwiseParallel`` / ``RowwiseParallel`` pair (forward: one all-reduce, backward: one),
     the same pair as plain local ``nn.Linear``s of the split shapes, and a bare all-reduce of the
     activation, interleaved; per projection: (pair - local - all-reduce) / 2, medians, at least 0."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -153,3 +156,18 @@ def measure_tp_overhead(size: int, *, rows: int = 256, width: int = 64, hidden: 
     out = torch.tensor([max(0.0, (tf - lf - ar) / 2), max(0.0, (tb - lb - ar) / 2)], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank is what a step waits for
     return float(out[0]), float(out[1])
+
+
+def with_tp_measurements(compute: ComputeProfile, graph: ModelGraph, sizes: Sequence[int]) -> ComputeProfile:
+    """``compute`` with the split efficiency of ``graph``'s recognised projections at ``sizes``
+    and the tensor-parallel overhead at the largest size that divides the world (collective:
+    every rank calls it). Unchanged when no size applies or the model cannot be split."""
+    sizes = [d for d in sizes if d > 1 and dist.get_world_size() % d == 0]
+    if not sizes:
+        return compute
+    try:
+        spec = builtin_tp_plan(graph)
+    except PlanError:
+        return compute  # every rank decides alike: the graph is the same
+    eff = measure_split_efficiency(graph, spec, sizes, device=compute.device)
+    return dataclasses.replace(compute, split_efficiency=eff, tp_overhead_s=measure_tp_overhead(max(sizes)))
