@@ -267,6 +267,7 @@ def optimize_wrap(
     rescale_fabric: bool = False,
     train: TrainConfig | None = None,
     tp: int | str | None = None,
+    tp_plan: TPSpec | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -289,7 +290,7 @@ def optimize_wrap(
             Recorded in the plan; ``plan.apply`` applies its mixed precision.
         save_plan: where to write the plan (rank 0 writes, atomically).
         tp: tensor-parallel degree: None or 1 (FSDP alone), an int, or "auto" (chosen with
-            the units: See [Note: 2-D search]).
+            the units: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised).
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -350,7 +351,7 @@ def optimize_wrap(
                 wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget,  # type: ignore[arg-type]
                                            notes=notes, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
                                            memory_budget_source=budget_source(memory_budget, compute), train=train,
-                                           tp=tp)
+                                           tp=tp, tp_plan=tp_plan)
                 text = {"plan": wplan.to_json()}
             except (WrapoptError, ValueError, OSError) as e:
                 if not in_group:

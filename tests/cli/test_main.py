@@ -323,3 +323,17 @@ def test_a_2d_plan_file_is_shown_and_estimated(tmp_path, capsys):
     assert "tensor parallel (builtin) in every LlamaBlock: colwise mlp.gate_proj" in shown
     assert main(["estimate", "zoo:llama-tiny", "--plan", str(out), "--world-size", "16", "--gpus-per-node", "8"]) == 0
     assert ", tensor parallel 2   fabric:" in capsys.readouterr().out
+
+
+def test_search_takes_a_user_tp_plan(tmp_path, capsys):
+    plan = tmp_path / "tp.json"
+    plan.write_text(json.dumps({"layers": {"GPTBlock": {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}}}))
+    out = tmp_path / "plan.json"
+    assert main(["search", "zoo:gpt-tiny", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2",
+                 "--tp-plan", str(plan), "--trials", "0", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["tp"] == {"source": "user", "layers": {"GPTBlock": {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}}}
+    plan.write_text(json.dumps({"layers": {"GPTBlock": {"mlp.fc1": "sideways"}}}))
+    capsys.readouterr()
+    assert main(["search", "zoo:gpt-tiny", "--world-size", "16", "--tp", "2", "--tp-plan", str(plan)]) == 1
+    assert "tp.layers.GPTBlock.mlp.fc1' style must be colwise or rowwise" in capsys.readouterr().err

@@ -23,13 +23,14 @@ from wrapopt.cli.sync_report import format_sync, sync_json
 from wrapopt.cli.logs import VERBOSE_HELP
 from wrapopt.cli.profile_fabric import add_cli_arguments, run_cli
 from wrapopt.cost.simulate import Simulator
-from wrapopt.errors import WrapoptError
+from wrapopt.errors import PlanError, WrapoptError
 from wrapopt.evaluation.demo import run_demo
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
 from wrapopt.fileio import check_writable, fmt_bytes, read_json
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
+from wrapopt.plan.tp import tp_from_json
 from wrapopt.report.fabric import format_fabric
 from wrapopt.report.plots import draw_timeline, require_matplotlib
 from wrapopt.report.text import format_graph, format_plan, graph_to_json
@@ -88,6 +89,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     train = train_from_args(args)  # bad training flags fail before anything runs
+    tp_plan = _tp_plan(args.tp_plan)
     mesh = _mesh(args)
     options = _search_options(args, mesh)
     if options.shard_sizes:
@@ -107,7 +109,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget, notes=notes,
                               search=options, memory_budget_source=budget_source(args.memory, compute), train=train,
-                              tp=args.tp)
+                              tp=args.tp, tp_plan=tp_plan)
     if args.out:
         plan.save(args.out)
     if args.plot:
@@ -132,6 +134,16 @@ def _cmd_search(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"wrote {', '.join(os.path.join(args.plot, name) for name in PICTURES)}")
     return 0
+
+
+def _tp_plan(path: str | None):
+    """A user's tensor-parallel plan: a JSON file {"layers": {block class: {path: "colwise" | "rowwise"}}}."""
+    if path is None:
+        return None
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise PlanError(f"{path}: a tensor-parallel plan is a JSON object {{\"layers\": {{block class: {{path: style}}}}}}")
+    return tp_from_json({"source": "user", **data}, source=path)
 
 
 def _search_json(result, budget_line: str | None) -> dict[str, Any]:
@@ -260,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel degree inside each node, FSDP across the data-parallel ranks (2-D, as "
                         "TorchTitan); auto: every degree dividing --gpus-per-node and the heads, chosen with the "
                         "units (default 1: FSDP alone)")
+    p.add_argument("--tp-plan", default=None, metavar="FILE",
+                   help='how blocks split for --tp, instead of the recognised one: a JSON file '
+                        '{"layers": {"MyBlock": {"attn.q": "colwise", ..., "mlp.out": "rowwise"}}}')
     p.add_argument("--timeout", type=float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
