@@ -95,6 +95,8 @@ def test_diagnose_not_in_the_search_space_and_what_the_simulator_thinks():
 
 def test_diagnose_wrapopt_over_budget_and_other():
     assert _why(_row("wrapopt:a", 11, 10.5), _row("[3+3]", 10, 9.5)) == "over budget"
+    # Over budget is reported even where the plan was faster than every plan that fits.
+    assert _why(_row("wrapopt:a", 9, 10.5), _row("[3+3]", 10, 9.5), noise=(1.0, 0.9, 1.1)) == "over budget"
     # Scored, predicted to fit and faster, not chosen: the search itself is at fault.
     assert _why(_row("wrapopt:a", 11, 9, pred_ms=10), _row("[3+3]", 10, 9.5, pred_ms=9)) == "other"
     assert set(CAUSES) == {"memory", "time", "not searched", "over budget", "other"}

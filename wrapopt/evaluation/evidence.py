@@ -18,7 +18,7 @@ figures the row already has:
 (b) ``time``: it was predicted to fit but predicted no faster than wrapopt's plan:
     the simulator ranked it slower;
 ``over budget``: wrapopt's own plan did not fit when measured (memory predicted too
-low; the comparison is then with plans it should not have beaten);
+low), reported whether or not it was slower: its ratio compares it with plans that fit;
 ``other``: scored, predicted to fit and predicted faster, yet not chosen (a search bug).
 """
 
@@ -46,16 +46,17 @@ CAUSES = {
 def diagnose(mine: dict[str, Any], contender: dict[str, Any], *, budget: str, budget_bytes: float,
              noise: tuple[float, float, float] | None = None) -> dict[str, Any] | None:
     """Why wrapopt's row ``mine`` lost to the fitting row ``contender`` under ``budget``; None when
-    it did not lose measurably (ratio <= 1.00, or inside the A/A interval ``noise``). Rows are
+    it did not lose measurably (ratio <= 1.00, or inside the A/A interval ``noise``) and fits. Rows are
     ``evaluate``'s (predicted and measured step and peak, ``scored_for``). See [Note: diagnosis]."""
     ratio = mine["meas_step_s"] / contender["meas_step_s"]
-    if ratio <= max(1.0, noise[2] if noise else 1.0) or mine is contender:
+    over = mine["meas_peak_bytes"] > budget_bytes  # a failure whatever the times say
+    if not over and (ratio <= max(1.0, noise[2] if noise else 1.0) or mine is contender):
         return None
     pred_over = contender["pred_peak_bytes"] > budget_bytes
     pred_slower = contender["pred_step_s"] >= mine["pred_step_s"]
     view = ("predicted peak over budget" if pred_over else
             "predicted slower than wrapopt's plan" if pred_slower else "predicted to fit and faster")
-    if mine["meas_peak_bytes"] > budget_bytes:
+    if over:
         cause = "over budget"
     elif budget not in contender.get("scored_for", ()):
         cause = "not searched"
