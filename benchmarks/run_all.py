@@ -214,7 +214,7 @@ def main() -> int:
               "no further from 1.00 than that interval reaches may be the machine's noise, not a difference "
               "between plans. CPU steal: the share of the machine's CPU time the hypervisor gave to other guests "
               "while the case ran (`/proc/stat`). Diagnosis (`evidence.diagnose`, [Note: diagnosis]): where wrapopt's "
-              "plan is slower than the best fitting contender by more than the A/A interval's upper end, why the search "
+              "plan is slower than the best fitting contender by more than the A/A interval reaches from 1.00, why the search "
               "passed that contender over: " + "; ".join(f"*{k}*: {v}" for k, v in CAUSES.items()) + "; *-*: not "
               "measurably slower.", ""]
     diagnosed = [(run, v) for run, vs in zip(runs, verdicts) for v in vs if v.get("diagnosis")]

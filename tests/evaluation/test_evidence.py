@@ -108,6 +108,8 @@ def test_diagnose_nothing_when_not_measurably_slower():
     assert _why(mine, other) == "time"  # 1.03 with no A/A interval: any loss counts
     assert _why(mine, other, noise=(1.0, 0.96, 1.05)) is None  # inside the A/A interval
     assert _why(mine, other, noise=(1.0, 0.99, 1.02)) == "time"
+    # An interval that misses 1.00 reaches as far on its other side: 0.81 is 0.19 from 1.00.
+    assert _why(mine, other, noise=(0.9, 0.81, 0.98)) is None
     assert _why(_row("wrapopt:a", 9, 9), other) is None  # faster
 
 

@@ -7,8 +7,8 @@ round: among the re-measured contenders, whose times come from one round),
 and wrapopt's ratios to both. ``wrapopt bench`` (cli/bench.py) prints it; ``benchmarks/run_all.py`` publishes it.
 
 [Note: diagnosis] Where wrapopt's plan is measurably slower than the best fitting
-contender (its ratio above the A/A interval's upper end, or above 1.00 when no A/A
-copy ran), ``diagnose`` says why the search passed the contender over, from the
+contender (its ratio further above 1.00 than the A/A interval reaches from 1.00 on
+either side, or above 1.00 when no A/A copy ran), ``diagnose`` says why the search passed the contender over, from the
 figures the row already has:
 (c) ``not searched``: the search never scored the contender (not in its space: the
     row's ``scored_for`` lacks the budget). The simulator's view of it is added, since
@@ -50,7 +50,9 @@ def diagnose(mine: dict[str, Any], contender: dict[str, Any], *, budget: str, bu
     ``evaluate``'s (predicted and measured step and peak, ``scored_for``). See [Note: diagnosis]."""
     ratio = mine["meas_step_s"] / contender["meas_step_s"]
     over = mine["meas_peak_bytes"] > budget_bytes  # a failure whatever the times say
-    if not over and (ratio <= max(1.0, noise[2] if noise else 1.0) or mine is contender):
+    # The A/A interval's farthest reach from 1.00 is how far two copies of one plan can differ.
+    reach = max(noise[2] - 1.0, 1.0 - noise[1], 0.0) if noise else 0.0
+    if not over and (ratio <= 1.0 + reach or mine is contender):
         return None
     pred_over = contender["pred_peak_bytes"] > budget_bytes
     pred_slower = contender["pred_step_s"] >= mine["pred_step_s"]
