@@ -55,7 +55,7 @@ def _line(stated, key: str) -> str:
 def test_loss_stated_is_the_traced_one(gpt):
     model, inputs, graph = gpt
     stated, _ = _stated(graph)
-    assert stated.loss == "wrapopt.models.zoo._lm_loss" and stated.loss_kind == "user"
+    assert stated.loss == "wrapopt.models.entry.lm_loss" and stated.loss_kind == "user"
     assert stated.loss_saved_bytes == graph.loss_saved_bytes > 0
     assert stated.loss_peak_bytes == graph.loss_peak_bytes
 
@@ -181,10 +181,10 @@ def test_report_cli_and_plan_file_carry_the_block(gpt, tmp_path, capsys):
     assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--trials", "0", "--memory", "1GiB"]) == 0
     text = capsys.readouterr().out
     assert "assumptions (the prediction rests on these" in text
-    assert "loss:       wrapopt.models.zoo._lm_loss" in text and "1.00 GiB per rank (given: 1GiB)" in text
+    assert "loss:       wrapopt.models.entry.lm_loss" in text and "1.00 GiB per rank (given: 1GiB)" in text
     assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--trials", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["assumptions"]["loss"] == "wrapopt.models.zoo._lm_loss"
+    assert out["assumptions"]["loss"] == "wrapopt.models.entry.lm_loss"
     assert out["assumptions"]["memory_budget_bytes"] == 0.9 * 80 * 2**30  # the default: auto
     assert out["assumptions"]["optimizer"] == "adamw"
     assert main(["show", str(path)]) == 0

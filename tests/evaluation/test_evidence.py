@@ -6,7 +6,7 @@ import pytest
 
 from wrapopt.evaluation.bench import Measured
 from wrapopt.evaluation.evaluate import _confirm_set, paired_ratio, spearman
-from wrapopt.evaluation.evidence import judge
+from wrapopt.evaluation.evidence import CAUSES, diagnose, fmt_diagnosis, judge
 from wrapopt.spec import MeshSpec, PlanSpec
 
 
@@ -30,9 +30,12 @@ def test_confirm_set_takes_fastest_fitting_plans_wrapopts_and_the_best_fitting_b
     assert picks == [0, 1, 3]  # size-1e8 is faster but does not fit the tight budget
 
 
-def _row(plan, step_ms, peak_mib, *, chosen_for=(), confirmed=False):
+def _row(plan, step_ms, peak_mib, *, chosen_for=(), confirmed=False, pred_ms=None, pred_peak_mib=None,
+         scored_for=("tight", "loose")):
     return {"plan": plan, "meas_step_s": step_ms / 1e3, "meas_peak_bytes": peak_mib * 2**20, "meas_spread": 0.2,
-            "chosen_for": list(chosen_for), "confirmed": confirmed, "pred_step_s": step_ms / 1e3}
+            "chosen_for": list(chosen_for), "confirmed": confirmed,
+            "pred_step_s": (step_ms if pred_ms is None else pred_ms) / 1e3,
+            "pred_peak_bytes": (peak_mib if pred_peak_mib is None else pred_peak_mib) * 2**20, "scored_for": list(scored_for)}
 
 
 def test_judge_compares_fitting_plans_by_measured_peak():
@@ -55,6 +58,69 @@ def test_judge_after_confirmation_compares_only_the_rows_of_that_round():
                     _row("size-1e8", 9.5, 9, confirmed=True)]}
     (v,) = judge(res)
     assert v["optimum"] == "size-1e8" and v["vs_optimum"] == pytest.approx(10 / 9.5)
+
+
+# --- the diagnosis: See [Note: diagnosis] in evidence.py -------------------------------------------------
+
+TIGHT = 10 * 2**20
+
+
+def _why(mine, contender, noise=None):
+    d = diagnose(mine, contender, budget="tight", budget_bytes=TIGHT, noise=noise)
+    return d and d["cause"]
+
+
+def test_diagnose_memory_predicted_too_high():
+    mine = _row("wrapopt:a", 11, 9, chosen_for=["tight"])
+    # Measured at 9.5 MiB (fits), predicted at 10.5 MiB (over): the search excluded it for memory.
+    assert _why(mine, _row("[3+3]", 10, 9.5, pred_ms=9, pred_peak_mib=10.5)) == "memory"
+
+
+def test_diagnose_time_mispredicted():
+    mine = _row("wrapopt:a", 11, 9, pred_ms=8)
+    # Predicted to fit, predicted slower than wrapopt's plan (9 > 8 ms), measured faster.
+    assert _why(mine, _row("[3+3]", 10, 9.5, pred_ms=9)) == "time"
+    assert _why(mine, _row("[3+3]", 10, 9.5, pred_ms=8)) == "time"  # a tie is not a preference
+
+
+def test_diagnose_not_in_the_search_space_and_what_the_simulator_thinks():
+    mine = _row("wrapopt:a", 11, 9, pred_ms=10)
+    d = diagnose(mine, _row("uniform-3", 10, 9.5, pred_ms=9, scored_for=["loose"]), budget="tight", budget_bytes=TIGHT)
+    assert d["cause"] == "not searched" and d["simulator"] == "predicted to fit and faster"
+    assert d["ratio"] == pytest.approx(1.1) and d["pred_ratio"] == pytest.approx(10 / 9)
+    d = diagnose(mine, _row("uniform-3", 10, 9.5, pred_peak_mib=11, scored_for=()), budget="tight", budget_bytes=TIGHT)
+    assert d["cause"] == "not searched" and d["simulator"] == "predicted peak over budget"
+    assert "not searched" in fmt_diagnosis(d) and "uniform-3" in fmt_diagnosis(d)
+
+
+def test_diagnose_wrapopt_over_budget_and_other():
+    assert _why(_row("wrapopt:a", 11, 10.5), _row("[3+3]", 10, 9.5)) == "over budget"
+    # Over budget is reported even where the plan was faster than every plan that fits.
+    assert _why(_row("wrapopt:a", 9, 10.5), _row("[3+3]", 10, 9.5), noise=(1.0, 0.9, 1.1)) == "over budget"
+    # Scored, predicted to fit and faster, not chosen: the search itself is at fault.
+    assert _why(_row("wrapopt:a", 11, 9, pred_ms=10), _row("[3+3]", 10, 9.5, pred_ms=9)) == "other"
+    assert set(CAUSES) == {"memory", "time", "not searched", "over budget", "other"}
+
+
+def test_diagnose_nothing_when_not_measurably_slower():
+    mine = _row("wrapopt:a", 10.3, 9, pred_ms=8)
+    other = _row("[3+3]", 10, 9.5, pred_ms=9)
+    assert _why(mine, other) == "time"  # 1.03 with no A/A interval: any loss counts
+    assert _why(mine, other, noise=(1.0, 0.96, 1.05)) is None  # inside the A/A interval
+    assert _why(mine, other, noise=(1.0, 0.99, 1.02)) == "time"
+    # An interval that misses 1.00 reaches as far on its other side: 0.81 is 0.19 from 1.00.
+    assert _why(mine, other, noise=(0.9, 0.81, 0.98)) is None
+    assert _why(_row("wrapopt:a", 9, 9), other) is None  # faster
+
+
+def test_judge_carries_the_diagnosis_per_budget():
+    res = {"budgets": [{"name": "tight", "bytes": TIGHT, "why": ""}, {"name": "loose", "bytes": float("inf"), "why": ""}],
+           "rows": [_row("wrapopt:a", 11, 9, chosen_for=["tight", "loose"]),
+                    _row("[2+2]", 10, 9.5, pred_peak_mib=10.5, pred_ms=9)]}
+    tight, loose = judge(res, noise=(1.0, 0.98, 1.02))
+    assert tight["diagnosis"]["cause"] == "memory" and tight["diagnosis"]["contender"] == "[2+2]"
+    assert loose["diagnosis"]["cause"] == "other"  # no budget: it fitted, was faster, scored
+    assert judge(res, noise=(1.0, 0.9, 1.2))[0]["diagnosis"] is None
 
 
 def test_spearman_handles_ties_and_reversal():

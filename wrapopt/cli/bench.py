@@ -9,7 +9,7 @@ from typing import Any
 
 from wrapopt.cli.logs import logs_line, rank_log_dir
 from wrapopt.errors import ModelError
-from wrapopt.evaluation.evaluate import evaluate
+from wrapopt.evaluation.evaluate import PLAN_SETS, evaluate, noise_floor
 from wrapopt.evaluation.evidence import format_judgement, judge
 from wrapopt.fileio import atomic_write_json
 
@@ -21,7 +21,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("model", help="a trainable zoo model, e.g. zoo:gpt-tiny")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--plans", default="exhaustive", choices=["baselines", "variants", "exhaustive"])
+    p.add_argument("--plans", default="exhaustive", choices=sorted(PLAN_SETS))
     p.add_argument("--budgets", default="tight,loose", help="comma list: tight, loose, midway or sizes like 12MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--confirm", type=int, default=4, metavar="K",
@@ -40,7 +40,7 @@ def run_bench(args: argparse.Namespace) -> int:
     res = evaluate(args.model[4:], world_size=args.world_size, ranks_per_node=args.ranks_per_node,
                    plan_set=args.plans, repeats=args.repeats, budgets=args.budgets.split(","),
                    confirm=args.confirm, confirm_repeats=args.confirm_repeats, log_dir=log_dir)
-    verdicts = judge(res)
+    verdicts = judge(res, noise_floor(res))
     print(format_judgement(res, verdicts))
     if args.out:
         atomic_write_json(args.out, {"result": res, "verdicts": verdicts})

@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -51,6 +51,7 @@ from wrapopt.cost import Simulator
 from wrapopt.evaluation.bench import PHASES, measure_plans, round_order
 from wrapopt.evaluation.evidence import BASELINES
 from wrapopt.evaluation.pictures import pictures_json
+from wrapopt.evaluation.plan_sets import PLAN_SETS
 from wrapopt.fileio import parse_bytes
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
@@ -60,10 +61,9 @@ from wrapopt.launch import broadcast_json, spawn
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 from wrapopt.progress import Progress, say
-from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import search_plan
 from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
-from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
 from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TORCH_DTYPES, TrainConfig
@@ -100,75 +100,6 @@ def _view_note(plans: list[PlanSpec], measured: list[Any]) -> str | None:
             + ". Harmless unless the model modifies that output in place (x += y), which would skip the module's "
             "all-gather in backward. wrapopt does not check the model for such in-place ops, so it does not repeat "
             "this on the terminal.")
-
-
-def _variants(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
-    """The baselines, groupings of 1, 2 and 4 blocks with and without resharding
-    after forward and activation checkpointing, and explicit prefetch."""
-
-    base = baselines(graph, mesh)
-    out = list(base.values())
-    root = base["root-only"].units[-1]
-    for size in (1, 2, 4):
-        groups = [c[i:i + size] for c in graph.block_chains for i in range(0, len(c), size)]
-        if not groups or (size > 1 and all(len(g) == 1 for g in groups)):
-            continue
-        for raf, ck in ((True, False), (False, False), (True, True)):
-            name = f"groups-of-{size}" + ("" if raf else ",keep") + (",ckpt" if ck else "")
-            out.append(PlanSpec(tuple(UnitSpec(g, raf, ck) for g in groups) + (root,), mesh, label=name))
-    blocks = [u for u in out if u.label == "groups-of-1"]
-    if blocks:
-        out.append(replace(blocks[0], forward_prefetch=1, label="groups-of-1,prefetch"))
-    return out
-
-
-def _baselines(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
-    return list(baselines(graph, mesh).values())
-
-
-def _compositions(n: int, max_group: int):
-    if n == 0:
-        yield ()
-        return
-    for s in range(1, min(max_group, n) + 1):
-        for rest in _compositions(n - s, max_group):
-            yield (s,) + rest
-
-
-def _exhaustive(graph: ModelGraph, mesh: MeshSpec, *, cap: int = 72) -> list[PlanSpec]:
-    """Every contiguous grouping of every block chain (uniform reshard choice), the
-    checkpointed uniform groupings, and the baselines: the measured optimum is the
-    fastest of these. The largest group size is lowered until the set has <= cap plans."""
-    import itertools
-
-    base = baselines(graph, mesh)
-    root = base["root-only"].units[-1]
-    longest = max((len(c) for c in graph.block_chains), default=0)
-    for max_group in range(longest, 0, -1):
-        per_chain = [list(_compositions(len(c), max_group)) for c in graph.block_chains]
-        if 2 * len(list(itertools.product(*per_chain))) <= cap:
-            break
-    out = list(base.values())
-    for combo in itertools.product(*per_chain):
-        groups = []
-        for chain, sizes in zip(graph.block_chains, combo):
-            i = 0
-            for s in sizes:
-                groups.append(chain[i:i + s])
-                i += s
-        name = "+".join("-".join(str(s) for s in sizes) for sizes in combo)
-        for raf in (True, False):
-            out.append(PlanSpec(tuple(UnitSpec(g, raf) for g in groups) + (root,), mesh,
-                                label=f"[{name}]" + ("" if raf else ",keep")))
-    out += [p for p in _variants(graph, mesh) if "ckpt" in p.label]
-    return out
-
-
-PLAN_SETS: dict[str, Callable[[ModelGraph, MeshSpec], list[PlanSpec]]] = {
-    "baselines": _baselines,
-    "variants": _variants,
-    "exhaustive": _exhaustive,
-}
 
 
 def _resolve_budget(spec: Any, graph: ModelGraph, sim: Any, mesh: MeshSpec) -> tuple[float, str]:
@@ -228,7 +159,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             plans.append(replace(best, label="wrapopt:" + (best.label or "plan")))
         chosen_for.setdefault(index[key], []).append(str(spec))
         budgets.append({"name": str(spec), "bytes": budget_bytes, "why": budget_why, "chosen": plans[index[key]].label,
-                        "result": result})
+                        "result": result, "scored": {(s.plan.units, s.plan.mesh, s.plan.forward_prefetch)
+                                                     for s in result.candidates}})
     more = [] if tp_spec is None else [lift_plan(p, tp, tp_spec) for p in
                                        PLAN_SETS[cfg["plan_set"]](sim.for_tp(tp_spec, tp)[0].traced, dp_mesh(mesh, tp))]
     for p in PLAN_SETS[cfg["plan_set"]](graph, mesh) + more:
@@ -271,6 +203,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     for i, (p, e, m) in enumerate(zip(plans, preds, measured)):
         rows.append({
             "plan": p.label, "units": len(p.units), "chosen": i == 0, "chosen_for": chosen_for.get(i, []),
+            # Budgets whose search scored this plan (the diagnosis in evidence.py: not in the search space).
+            "scored_for": [b["name"] for b in budgets if (p.units, p.mesh, p.forward_prefetch) in b["scored"]],
             "fits": e.peak_bytes <= budget_bytes,
             "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s), "meas_spread": m.spread,
             "pred_peak_bytes": e.peak_bytes, "meas_peak_bytes": m.peak_bytes, "confirmed": i in confirmed,
@@ -286,7 +220,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         "screen_warmup": SCREEN_WARMUP, "train": train.to_json() if train is not None else None,
         "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim, train),
         "pictures": pictures_json(sim, budgets[0]["result"], budgets[0]["result"].best.plan),
-        "budgets": [{k: v for k, v in b.items() if k != "result"} for b in budgets],
+        "budgets": [{k: v for k, v in b.items() if k not in ("result", "scored")} for b in budgets],
         "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
         "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "backend": dist.get_backend(), "world_size": world,

@@ -1,5 +1,8 @@
 """The model zoo behind ``zoo:NAME``: small models that train on 2 CPU ranks, and
 planning-only shapes (``llama-7b``, ``llama-70b``) that are built on the meta device.
+The wider bench set (``bench_models.py``: models built from ``torch.nn.Transformer*``
+layers, other shapes, a mixture of experts, frozen base with adapters) is registered
+here too, with ``ZooEntry.suite == "bench"``.
 
 Each entry builds a model, example inputs at a given batch, and a loss, so the
 same entry serves tracing, the demo, the benchmarks and the tests.
@@ -7,7 +10,6 @@ same entry serves tracing, the demo, the benchmarks and the tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -15,6 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from wrapopt.errors import ModelError
+from wrapopt.models.bench_models import BENCH
+from wrapopt.models.entry import ZooEntry, cls_loss, images, lm_loss, src_tgt, tokens
 
 __all__ = ["ZooEntry", "ZOO", "get_entry", "build"]
 
@@ -245,91 +249,23 @@ class T5(nn.Module):
 # --- registry ----------------------------------------------------------------------------------
 
 
-def _lm_loss(output: torch.Tensor, inputs: tuple[Any, ...]) -> torch.Tensor:
-    # Next-token prediction on the input itself: targets are the inputs shifted by one.
-    tokens = inputs[-1]
-    return F.cross_entropy(output[:, :-1].reshape(-1, output.shape[-1]).float(), tokens[:, 1:].reshape(-1))
-
-
-def _cls_loss(output: torch.Tensor, inputs: tuple[Any, ...]) -> torch.Tensor:
-    labels = torch.arange(output.shape[0], device=output.device) % output.shape[-1]
-    return F.cross_entropy(output.float(), labels)
-
-
-def _tokens(vocab: int, seq: int) -> Callable[[int, torch.device], tuple[torch.Tensor, ...]]:
-    def make(batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        g = torch.Generator().manual_seed(1234)
-        return (torch.randint(0, vocab, (batch, seq), generator=g).to(device),)
-
-    return make
-
-
-def _images(image: int) -> Callable[[int, torch.device], tuple[torch.Tensor, ...]]:
-    def make(batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        g = torch.Generator().manual_seed(1234)
-        return (torch.randn(batch, 3, image, image, generator=g).to(device),)
-
-    return make
-
-
-def _src_tgt(vocab: int, seq: int) -> Callable[[int, torch.device], tuple[torch.Tensor, ...]]:
-    def make(batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        g = torch.Generator().manual_seed(1234)
-        return (
-            torch.randint(0, vocab, (batch, seq), generator=g).to(device),
-            torch.randint(0, vocab, (batch, seq), generator=g).to(device),
-        )
-
-    return make
-
-
-@dataclass(frozen=True, slots=True)
-class ZooEntry:
-    name: str
-    description: str
-    factory: Callable[[], nn.Module]
-    make_inputs: Callable[[int, torch.device], tuple[Any, ...]]
-    loss: Callable[[Any, tuple[Any, ...]], torch.Tensor]
-    batch: int  # per-rank batch used by the demo, benchmarks and tracing
-    trainable: bool  # small enough to run real steps on 2 CPU ranks
-
-    def build(self, device: str | torch.device = "cpu", *, seed: int = 0) -> nn.Module:
-        """Build the model; on ``meta`` no weights are allocated."""
-        device = torch.device(device)
-        if device.type != "meta":
-            torch.manual_seed(seed)
-        # Planning-only shapes are built in bfloat16, as such models are trained.
-        dtype = torch.float32 if self.trainable else torch.bfloat16
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with device:
-                model = self.factory()
-        finally:
-            torch.set_default_dtype(old)
-        return model
-
-    def inputs(self, batch: int | None = None, device: str | torch.device = "cpu") -> tuple[Any, ...]:
-        return self.make_inputs(batch or self.batch, torch.device(device))
-
-
 ZOO: dict[str, ZooEntry] = {
     e.name: e
     for e in (
         ZooEntry("gpt-tiny", "GPT-2 style, 4 blocks, d=64, tied input/output embeddings",
-                 lambda: GPT(vocab=2048, dim=64, n_layers=4, n_heads=4, max_seq=64), _tokens(2048, 64), _lm_loss, 4, True),
+                 lambda: GPT(vocab=2048, dim=64, n_layers=4, n_heads=4, max_seq=64), tokens(2048, 64), lm_loss, 4, True),
         ZooEntry("llama-tiny", "Llama style, 6 blocks, d=64, GQA (4 heads, 2 KV), SwiGLU, RMSNorm",
-                 lambda: Llama(vocab=2048, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn=176), _tokens(2048, 64), _lm_loss, 4, True),
+                 lambda: Llama(vocab=2048, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn=176), tokens(2048, 64), lm_loss, 4, True),
         ZooEntry("vit-tiny", "ViT, 32x32 images, 4x4 patches, 4 blocks, d=64",
-                 lambda: ViT(image=32, patch=4, dim=64, n_layers=4, n_heads=4, classes=10), _images(32), _cls_loss, 8, True),
+                 lambda: ViT(image=32, patch=4, dim=64, n_layers=4, n_heads=4, classes=10), images(32), cls_loss, 8, True),
         ZooEntry("t5-tiny", "T5 style encoder-decoder, 3+3 blocks, d=64, shared embeddings tied to the head",
-                 lambda: T5(vocab=2048, dim=64, n_layers=3, n_heads=4, ffn=256), _src_tgt(2048, 32), _lm_loss, 4, True),
+                 lambda: T5(vocab=2048, dim=64, n_layers=3, n_heads=4, ffn=256), src_tgt(2048, 32), lm_loss, 4, True),
         ZooEntry("llama-7b", "Llama-2 7B shapes: 32 blocks, d=4096, FFN 11008, vocab 32000 (planning only, meta)",
-                 lambda: Llama(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn=11008), _tokens(32000, 4096), _lm_loss, 1, False),
+                 lambda: Llama(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn=11008), tokens(32000, 4096), lm_loss, 1, False),
         ZooEntry("llama-70b", "Llama-2 70B shapes: 80 blocks, d=8192, FFN 28672, 64 heads, 8 KV heads (planning only, meta)",
-                 lambda: Llama(vocab=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn=28672), _tokens(32000, 4096), _lm_loss, 1, False),
+                 lambda: Llama(vocab=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn=28672), tokens(32000, 4096), lm_loss, 1, False),
     )
-}
+} | {e.name: e for e in BENCH}
 
 
 def get_entry(name: str) -> ZooEntry:

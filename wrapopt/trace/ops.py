@@ -76,15 +76,43 @@ class FusedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
+        if func is _SDPA:
             return _fused_sdpa(*args, **kwargs)
+        if func is _MHA_FORWARD:
+            return _mha_forward(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+# The functions as torch defines them (``_mha_forward`` swaps the first for a moment).
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_MHA_FORWARD = torch.nn.functional.multi_head_attention_forward
+
+
+def _mha_forward(*args: Any, **kwargs: Any) -> Any:
+    """``F.multi_head_attention_forward`` with its attention run as the fused kernel.
+
+    [Note: attention inside nn.MultiheadAttention] ``nn.MultiheadAttention`` calls
+    ``F.multi_head_attention_forward``, a Python function with its own torch-function
+    override, so ``FusedAttention`` sees that call; while a mode handles a call it is
+    off, so the ``scaled_dot_product_attention`` inside (``need_weights=False``, as
+    ``nn.TransformerEncoderLayer`` and ``DecoderLayer`` call it) would run on the math
+    path and the trace would save the seq x seq matrix that the real CPU kernel does not
+    (tx-encoder: 380 KiB per layer, 1.5 MiB of its 3.2 MiB of activations). The
+    function reads ``scaled_dot_product_attention`` from ``torch.nn.functional``'s
+    globals, so for this one call that name is the fused routing.
+    """
+    fn = torch.nn.functional
+    fn.scaled_dot_product_attention = _fused_sdpa
+    try:
+        return _MHA_FORWARD(*args, **kwargs)
+    finally:
+        fn.scaled_dot_product_attention = _SDPA
 
 
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if attn_mask is not None and attn_mask.requires_grad:
         # A trained mask (T5's relative position bias) needs the math path's mask gradient.
-        return torch.nn.functional.scaled_dot_product_attention(
+        return _SDPA(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     # With enable_gqa, k and v keep their fewer heads: the fused kernels read them grouped
     # (as the dispatcher passes them) and save them at that size, not repeated.

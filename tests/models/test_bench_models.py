@@ -1,0 +1,167 @@
+"""The wider bench set (wrapopt/models/bench_models.py): each model is built as it says, and on
+2 gloo ranks every plan a search scores for it (and every baseline) runs real steps under
+``apply_plan`` and trains as the unsharded model does. The multi-process case runs in the
+shared spawn (See tests/ranks.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.ranks import catch, two_rank_case
+from wrapopt.api import compute_for, resolve_fabric
+from wrapopt.cost import Simulator
+from wrapopt.models import zoo
+from wrapopt.models.bench_models import BENCH, MoEFFN
+from wrapopt.plan.apply import apply_plan
+from wrapopt.search.driver import search_plan
+from wrapopt.spec import MeshSpec, PlanSpec
+from wrapopt.trace.meta import trace_model
+from wrapopt.train import TrainConfig
+
+BENCH_NAMES = [e.name for e in BENCH]
+TRAINABLE = [n for n, e in zoo.ZOO.items() if e.trainable]
+STEPS = 2
+
+
+def _trace(name: str):
+    e = zoo.get_entry(name)
+    return trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+
+
+# --- the models ----------------------------------------------------------------------------------------
+
+
+def test_bench_set_is_registered_in_the_zoo_as_trainable():
+    assert BENCH_NAMES == ["tx-encoder", "tx-decoder", "wide-shallow", "deep-narrow", "big-vocab", "moe-tiny", "lora-tiny"]
+    for name in BENCH_NAMES:
+        e = zoo.get_entry(name)
+        assert e.suite == "bench" and e.trainable and e.description
+    assert {e.suite for n, e in zoo.ZOO.items() if n not in BENCH_NAMES} == {"zoo"}
+
+
+@pytest.mark.parametrize("name,chains", [("tx-encoder", [4]), ("tx-decoder", [2, 3]), ("wide-shallow", [2]),
+                                         ("deep-narrow", [20]), ("big-vocab", [2]), ("moe-tiny", [4]), ("lora-tiny", [4])])
+def test_block_chains(name, chains):
+    assert [len(c) for c in _trace(name).block_chains] == chains
+
+
+def test_transformer_layers_record_out_proj_as_read_by_its_attention():
+    users = dict(_trace("tx-encoder").param_users)
+    assert users["encoder.layers.0.self_attn.out_proj"] == "encoder.layers.0.self_attn"
+    users = dict(_trace("tx-decoder").param_users)
+    assert users["transformer.decoder.layers.1.multihead_attn.out_proj"] == "transformer.decoder.layers.1.multihead_attn"
+
+
+def test_big_vocab_parameters_are_mostly_embedding_and_head():
+    model = zoo.get_entry("big-vocab").build("meta")
+    total = sum(p.numel() for p in model.parameters())
+    assert (model.tok.weight.numel() + model.out.weight.numel()) / total > 0.95
+    assert model.tok.weight is not model.out.weight
+
+
+def test_lora_tiny_trains_only_the_adapters():
+    model = zoo.get_entry("lora-tiny").build("meta")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_a." in n or ".lora_b." in n for n in trainable)
+    assert {n.split(".")[3] for n in trainable} == {"q_proj", "v_proj"}
+    assert _trace("lora-tiny").trainable_bytes == 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_moe_routing_depends_on_the_data_and_is_deterministic_under_a_seed():
+    torch.manual_seed(0)
+    moe = MoEFFN(16, 32, num_experts=4, top_k=2)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    chosen = moe.router(x.reshape(-1, 16)).topk(2, dim=-1).indices
+    assert len(set(chosen[:, 0].tolist())) > 1  # tokens go to different experts
+    torch.manual_seed(0)
+    again = MoEFFN(16, 32, num_experts=4, top_k=2)
+    assert torch.equal(moe(x), again(x))
+    # Without capacity drops the block equals the routed sum, expert by expert.
+    wide = MoEFFN(16, 32, num_experts=4, top_k=2, capacity_factor=4.0)
+    wide.load_state_dict(moe.state_dict())
+    t = x.reshape(-1, 16)
+    w, idx = wide.router(t).softmax(-1).topk(2, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    ref = torch.zeros_like(t)
+    for j in range(2):
+        for n in range(t.shape[0]):
+            e = idx[n, j]
+            ref[n] += w[n, j] * (torch.nn.functional.gelu(t[n] @ wide.w_in[e]) @ wide.w_out[e])
+    assert torch.allclose(wide(x).reshape(-1, 16), ref, atol=1e-5)
+
+
+def test_moe_tiny_traces_on_meta_without_a_real_run():
+    graph = _trace("moe-tiny")
+    assert not any("real" in s for s in graph.estimates)
+    assert graph.info("blocks.0.ffn").fwd_flops > 0
+
+
+# --- every searched plan runs, 2 ranks -----------------------------------------------------------------
+
+
+def searched_plans(name: str, world: int) -> dict[str, PlanSpec]:
+    """Every plan the search scores for ``name`` under a loose, a midway and a tight budget (the
+    baselines among them), on the analytical profile the CLI uses without one, keyed by units."""
+    graph = _trace(name)
+    mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
+    fabric = resolve_fabric(None, world_size=world, ranks_per_node=world)
+    sim = Simulator(graph, fabric, compute_for(fabric, None, TrainConfig(), "float32"))
+    probe = search_plan(graph, sim, mesh)
+    peaks = [s.estimate.peak_bytes for s in probe.baselines.values()]
+    budgets = (math.inf, (min(peaks) + max(peaks)) / 2, probe.baselines["per-block"].estimate.peak_bytes * 1.02)
+    plans: dict[str, PlanSpec] = {}
+    for budget in budgets:
+        for s in search_plan(graph, sim, mesh, memory_budget=budget).candidates:
+            plans.setdefault(repr((s.plan.units, s.plan.forward_prefetch)), s.plan)
+    return plans
+
+
+@two_rank_case
+def searched_plans_run_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    for name in TRAINABLE:
+        e = zoo.get_entry(name)
+        graph = _trace(name)
+        x = tuple(t.chunk(world)[rank] for t in e.inputs(batch=e.batch * world))
+        ref = e.build("cpu", seed=0)
+        ref_loss = float(e.loss(ref(*x), x))
+        rows = []
+        for spec in searched_plans(name, world).values():
+            model = e.build("cpu", seed=0)
+            losses: list[float] = []
+
+            def run(model=model, spec=spec, losses=losses) -> None:
+                apply_plan(model, spec, param_users=graph.param_users)
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+                for _ in range(STEPS):
+                    loss = e.loss(model(*x), x)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(float(loss))
+
+            rows.append({"plan": spec.label, "units": len(spec.units), "error": catch(run, Exception), "losses": losses})
+        out[f"bench/{name}"] = {"ref_loss": ref_loss, "rows": rows}
+
+
+@pytest.mark.multiprocess
+def test_every_searched_plan_runs_and_trains_alike(two_rank_cases):
+    failed, checked = [], 0
+    for rank_out in two_rank_cases:
+        for name in TRAINABLE:
+            case = rank_out[f"bench/{name}"]
+            assert len(case["rows"]) >= 5, name  # the baselines at least
+            first = case["rows"][0]["losses"]
+            for r in case["rows"]:
+                checked += 1
+                if r["error"] or len(r["losses"]) != STEPS or not all(map(math.isfinite, r["losses"])):
+                    failed.append(f"{name} {r['plan']}: {r['error'] or r['losses']}")
+                    continue
+                # Step 1 is the unsharded model's loss on this rank's batch; step 2 follows the
+                # gradient averaged over ranks, which every plan must compute alike.
+                assert r["losses"][0] == pytest.approx(case["ref_loss"], rel=1e-5), (name, r["plan"])
+                assert r["losses"][1] == pytest.approx(first[1], rel=1e-4), (name, r["plan"])
+    assert not failed, f"{len(failed)} of {checked} searched plans failed to run: " + "; ".join(failed)
