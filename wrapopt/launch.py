@@ -24,6 +24,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from queue import Empty
@@ -37,7 +38,7 @@ from wrapopt.errors import DistributedError
 from wrapopt.progress import set_console
 from wrapopt.spec import MeshSpec
 
-__all__ = ["spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type", "broadcast_json",
+__all__ = ["PROFILER_LOG", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type", "broadcast_json",
            "is_spawned_rank", "QUIET_ENV", "logs_line", "dp_rank_size"]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -369,3 +370,29 @@ def broadcast_json(obj: Any, parse: Callable[..., Any]) -> Any:
     box = [json.dumps(obj) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return parse(json.loads(box[0]))  # type: ignore[arg-type]
+
+
+PROFILER_LOG = os.path.join(tempfile.gettempdir(), "wrapopt-profiler.log")
+
+
+@contextlib.contextmanager
+def profiler_lines_to_log() -> Iterator[None]:
+    """fd 2 to ``PROFILER_LOG`` for the duration, outside spawned ranks: See [Note: profiler lines]."""
+    fd = None
+    if not is_spawned_rank():
+        try:
+            fd = os.open(PROFILER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            fd = None  # nowhere to put them: leave them on the terminal
+    if fd is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)

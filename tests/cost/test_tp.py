@@ -113,3 +113,4 @@ def test_tp_overhead_is_charged_per_split_projection_call(llama):
         extra = (slow[f][0] - plain[f][0], slow[f][1] - plain[f][1])
         split = f.endswith("_proj")
         assert extra == pytest.approx((1e-3, 2e-3) if split else (0.0, 0.0), abs=1e-12), f
+

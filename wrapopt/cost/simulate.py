@@ -224,7 +224,8 @@ class Simulator:
             runs_ahead=self._runs_ahead,
             # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
             loss_s=float(compute.loss_s * scale), loss_work_bytes=float(out_b + graph.loss_peak_bytes * scale),
-            output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale))
+            output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale),
+            collective_copy=float(fabric.collective_copies))  # See [Note: collective copies]
         self._cols: dict[tuple[Any, bool], tuple[Segments, UnitLayout]] = {}  # per layout
 
     # -- collectives ----------------------------------------------------------------------

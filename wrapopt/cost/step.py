@@ -104,6 +104,17 @@ class UnitPlan(NamedTuple):
     checkpoint: Any  # bool
 
 
+# [Note: collective copies] Some backends copy: gloo's all-gather and reduce-scatter
+# allocate a buffer of the collective's unsharded size while they run (measured with the
+# profiler's memory events on 2 ranks: 10 MiB for a 10 MiB all-gather output or reduce-scatter
+# input; ``measure_fabric`` measures it as ``FabricProfile.collective_copies``). So on such
+# a fabric a unit's copy-out holds the all-gather output, that copy and the unsharded
+# parameters, and its reduce-scatter copy-in the gradients, the input buffer and that copy.
+# A plan whose one unit holds the whole model peaks there (a tiny Mixtral's single unit was
+# measured 13.75 MiB over the prediction without it, its parameters being 13.8 MiB). NCCL works
+# in its own buffers: 0, and analytical fabrics state 0.
+
+
 class StepConstants(NamedTuple):
     """What the profiles and step options fix for every plan a ``Simulator`` scores. See
     the notes in ``simulate.py``."""
@@ -118,6 +129,7 @@ class StepConstants(NamedTuple):
     loss_work_bytes: float  # what memory holds while the loss runs
     output_bytes: float  # the model's output
     loss_saved_bytes: float  # what the loss saves for its backward
+    collective_copy: float  # See [Note: collective copies]
 
 
 class PlanScalars(NamedTuple):
@@ -194,7 +206,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
     P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
     static, shard, depth, record = plan  # PlanScalars
-    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, loss_dur, loss_work, out_b, loss_saved = k  # StepConstants
+    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, loss_dur, loss_work, out_b, loss_saved, copy = k  # StepConstants
     n = len(P)
     nsg = len(seg_u)
     norder = len(order)
@@ -232,10 +244,10 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 ag_end[u] = c
                 issued[u] = True
             t = max(t, ag_end[u]) + unit_oh
-            # copy-out: the all-gather output beside the unsharded parameters
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
+            # copy-out: the all-gather output (and the collective's own copy) beside the unsharded parameters
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u] * (1.0 + copy)
             if m > peak:
-                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * 1.0)
+                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * (1.0 + copy))
             if runs_ahead:
                 ag_buffer = P[u] * 1.0  # See [Note: all-gather buffer]
             if depth:  # prefetch `depth` units ahead, issued at this unit's pre-forward
@@ -310,9 +322,9 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
             grads_pending += G[u] - seg_grads[u] * reduce_elem
             gathered -= keep[u] if not rag[u] > 0 else P[u]
             # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u]
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u] * (1.0 + copy)
             if m > peak:
-                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, G[u] * 1.0)
+                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, G[u] * (1.0 + copy))
             if held:
                 t = max(t, held_end)
                 grads_pending -= held_bytes
@@ -339,7 +351,7 @@ assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "red
 assert PlanScalars._fields == ("static_bytes", "shard_size", "prefetch_depth", "record")
 assert StepConstants._fields == ("reduce_elem_bytes", "overlap_compute", "overlap_comm", "unit_overhead_s",
                                  "checkpoint_overhead_s", "runs_ahead", "loss_s", "loss_work_bytes", "output_bytes",
-                                 "loss_saved_bytes")
+                                 "loss_saved_bytes", "collective_copy")
 
 
 def lookup(keys, values, x):  # noqa: ANN001

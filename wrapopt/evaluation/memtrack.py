@@ -37,44 +37,14 @@ starts and stops, and back at once: the user's own output is not touched.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import tempfile
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from wrapopt.launch import is_spawned_rank
+from wrapopt.launch import PROFILER_LOG, profiler_lines_to_log
 
 __all__ = ["LiveBytesTracker", "steady_step_peak", "steady_phases_peak", "PROFILER_LOG"]
-
-PROFILER_LOG = os.path.join(tempfile.gettempdir(), "wrapopt-profiler.log")
-
-
-@contextlib.contextmanager
-def _profiler_lines_to_log() -> Iterator[None]:
-    """fd 2 to ``PROFILER_LOG`` for the duration, outside spawned ranks: See [Note: profiler lines]."""
-    fd = None
-    if not is_spawned_rank():
-        try:
-            fd = os.open(PROFILER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError:
-            fd = None  # nowhere to put them: leave them on the terminal
-    if fd is None:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(fd, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(fd)
-
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
     if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
@@ -134,12 +104,12 @@ class LiveBytesTracker:
         self.start_bytes = self._live()
         self._refs = []
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _profiler_lines_to_log():
+        with profiler_lines_to_log():
             self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
-        with _profiler_lines_to_log():
+        with profiler_lines_to_log():
             self._prof.__exit__(*exc)
         events = sorted(
             (e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"

@@ -247,6 +247,7 @@ def measure_fabric(
     times = t_max.cpu()
 
     overlap = _measure_overlap(device=device, sync=sync, reduce_device=reduce_dev) if measure_overlap else (0.0, 0.0)
+    copies = _collective_copies(device, world)
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
 
@@ -293,12 +294,37 @@ def measure_fabric(
         axes=tuple(built),
         overlap_compute_slowdown=overlap[0],
         overlap_comm_slowdown=overlap[1],
+        collective_copies=copies,
         meta=meta,
     )
     # Rank 0's profile everywhere: the latencies already agree (all-reduced), the date and timings may not.
     box = [profile.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return FabricProfile.from_json(box[0], source="rank 0")
+
+
+def _collective_copies(device: torch.device, world: int) -> float:
+    """What a collective allocates beside its input and output, in copies of its unsharded size:
+    one all-gather of 1 MiB on the world group under the profiler's memory events, the max over
+    ranks. Host collectives only (gloo copies: 1); on a GPU, NCCL works in its own buffers: 0.
+    See [Note: collective copies] in cost/step.py."""
+    if device.type != "cpu":
+        return 0.0
+    from torch.profiler import ProfilerActivity, profile
+
+    n = (2**20 // 4) // world * world
+    out, inp = torch.empty(n), torch.randn(n // world)
+    barrier()
+    with launch.profiler_lines_to_log(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _all_gather(out, inp)
+    running = best = 0
+    for _t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                             if e.name() == "[memory]"):
+        running += nbytes
+        best = max(best, running)
+    copies = torch.tensor([round(best / (n * 4), 2)], dtype=torch.float64)
+    dist.all_reduce(copies, op=dist.ReduceOp.MAX)
+    return float(copies[0])
 
 
 # --- overlap factor ------------------------------------------------------------------------------

@@ -188,6 +188,10 @@ class FabricProfile:
     # are measured by running each alone and both together; 0 = no slowdown.
     overlap_compute_slowdown: float = 0.0
     overlap_comm_slowdown: float = 0.0
+    # Copies of its unsharded size a collective allocates while it runs, beside its input and
+    # output (gloo's all-gather and reduce-scatter copy: 1, measured by measure_fabric; NCCL
+    # works in its own buffers: 0). See [Note: collective copies] in cost/step.py.
+    collective_copies: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     intra: AnalyticalLink | None = None  # only for analytical profiles
     inter: AnalyticalLink | None = None
@@ -259,6 +263,7 @@ class FabricProfile:
             "ranks_per_node": self.ranks_per_node,
             "overlap_compute_slowdown": self.overlap_compute_slowdown,
             "overlap_comm_slowdown": self.overlap_comm_slowdown,
+            "collective_copies": self.collective_copies,
             "axes": [
                 {
                     "name": a.name,
@@ -318,6 +323,7 @@ class FabricProfile:
             axes=tuple(axes),
             overlap_compute_slowdown=float(d.get("overlap_compute_slowdown", 0.0)),
             overlap_comm_slowdown=float(d.get("overlap_comm_slowdown", 0.0)),
+            collective_copies=float(d.get("collective_copies", 0.0)),
             meta=dict(d.get("meta", {})),
             intra=links.get("intra"),
             inter=links.get("inter"),
