@@ -112,7 +112,8 @@ class UnitPlan(NamedTuple):
 # parameters, and its reduce-scatter copy-in the gradients, the input buffer and that copy.
 # A plan whose one unit holds the whole model peaks there (a tiny Mixtral's single unit was
 # measured 13.75 MiB over the prediction without it, its parameters being 13.8 MiB). NCCL works
-# in its own buffers: 0, and analytical fabrics state 0.
+# in its own buffers: 0, and analytical fabrics state 0. A shard group of one rank (no-shard
+# plans) gathers and reduce-scatters nothing: no copy.
 
 
 class StepConstants(NamedTuple):
