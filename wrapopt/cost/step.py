@@ -107,7 +107,7 @@ class UnitPlan(NamedTuple):
 # [Note: collective copies] Some backends copy: gloo's all-gather and reduce-scatter
 # allocate a buffer of the collective's unsharded size while they run (measured with the
 # profiler's memory events on 2 ranks: 10 MiB for a 10 MiB all-gather output or reduce-scatter
-# input; ``measure_fabric`` measures it as ``FabricProfile.collective_copies``). So on such
+# input; ``measure_fabric`` records it per backend as ``FabricProfile.collective_copies``). So on such
 # a fabric a unit's copy-out holds the all-gather output, that copy and the unsharded
 # parameters, and its reduce-scatter copy-in the gradients, the input buffer and that copy.
 # A plan whose one unit holds the whole model peaks there (a tiny Mixtral's single unit was

@@ -189,7 +189,7 @@ class FabricProfile:
     overlap_compute_slowdown: float = 0.0
     overlap_comm_slowdown: float = 0.0
     # Copies of its unsharded size a collective allocates while it runs, beside its input and
-    # output (gloo's all-gather and reduce-scatter copy: 1, measured by measure_fabric; NCCL
+    # output (gloo's all-gather and reduce-scatter copy: 1, as measure_fabric records it; NCCL
     # works in its own buffers: 0). See [Note: collective copies] in cost/step.py.
     collective_copies: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
