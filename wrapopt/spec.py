@@ -64,6 +64,10 @@ class ModuleInfo:
     # adds, copies), summed over calls; See [Note: memory-bound ops] in trace/op_bytes.py.
     fwd_bytes: int = 0
     bwd_bytes: int = 0
+    # Experts whose weights this module holds stacked (a 3-D parameter whose leading dimension
+    # its forward's grouped or batched matmul splits per expert); 0 for other modules.
+    # See [Note: experts on meta] in trace/ops.py.
+    experts: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,8 @@ def test_moe_tiny_traces_on_meta_without_a_real_run():
     graph = _trace("moe-tiny")
     assert not any("real" in s for s in graph.estimates)
     assert graph.info("blocks.0.ffn").fwd_flops > 0
+    # Its experts' weights are stacked and split per expert by a batched matmul: 4 experts, seen in the trace.
+    assert [(m.fqn, m.experts) for m in graph.modules if m.experts] == [(f"blocks.{i}.ffn", 4) for i in range(4)]
 
 
 # --- every searched plan runs, 2 ranks -----------------------------------------------------------------

@@ -71,6 +71,8 @@ def test_moe_experts_cost_the_routed_share_and_hold_every_expert(name, config_di
         # each routed (token, expert) pair multiplies by one expert's matrices: 2 FLOPs per weight
         assert m.fwd_flops == pytest.approx(2 * BATCH * SEQ * k * per_expert), m.fqn
         assert m.fwd_flops < 2 * BATCH * SEQ * m.own_numel  # not every expert on every token
+        assert m.experts == n, m.fqn  # the per-expert count, read off the stacked weights in the trace
+    assert {m.fqn for m in graph.modules if m.experts} == {m.fqn for m in experts}
 
 
 def test_without_architectures_the_task_follows_the_config(config_dir):

@@ -88,3 +88,4 @@ def test_grouped_matmul_experts_trace_on_meta_in_float32_at_the_routed_share():
     assert info.fwd_flops == 2 * tokens * k * dim * hidden  # top-k of n experts per token, not n
     assert info.bwd_flops == pytest.approx(info.fwd_flops)  # the weight gradient (a 2-D by 2-D grouped matmul) only
     assert info.own_numel == n * dim * hidden  # memory holds every expert
+    assert info.experts == n  # the stacked weight's leading dimension, recorded from the grouped matmul

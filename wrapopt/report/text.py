@@ -49,6 +49,11 @@ def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
         lines.append("parameters read by another module (kept in its unit): "
                      + "; ".join(f"{m} read by {u or '<root>'}" for m, u in graph.param_users[:8])
                      + (f" (+{len(graph.param_users) - 8} more)" if len(graph.param_users) > 8 else ""))
+    experts = [m for m in graph.modules if m.experts]
+    if experts:  # See [Note: experts on meta] in trace/ops.py.
+        lines.append("experts (stacked weights, one unit's; compute counted for the routed tokens only): "
+                     + ", ".join(f"{m.fqn} ({m.experts}, {m.total_numel:,} parameters)" for m in experts[:8])
+                     + (f" (+{len(experts) - 8} more)" if len(experts) > 8 else ""))
     # Containers (ModuleList, ...) are never called themselves; only modules none of whose parts ran.
     never = graph.never_called
     if never:
@@ -121,7 +126,7 @@ def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
             {"fqn": m.fqn, "class": m.cls, "parent": m.parent, "depth": m.depth, "own_numel": m.own_numel,
              "own_bytes": m.own_bytes, "own_trainable_numel": m.own_trainable_numel, "total_numel": m.total_numel,
              "fwd_flops": m.fwd_flops, "bwd_flops": m.bwd_flops, "saved_bytes": m.saved_bytes,
-             "output_bytes": m.output_bytes, "order": m.order, "num_calls": m.num_calls}
+             "output_bytes": m.output_bytes, "order": m.order, "num_calls": m.num_calls, "experts": m.experts}
             for m in graph.modules
         ],
     }

@@ -253,6 +253,7 @@ class _StepRecord:
         self.tail_saved = 0  # saved by root's own ops after its last child returned
         self.tail_peak = 0  # most bytes those ops created alive at once
         self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
+        self.experts: dict[str, int] = {}  # See [Note: experts on meta] in ops.py
 
 
 def _run_step(
@@ -378,6 +379,7 @@ def _run_step(
     rec.flow = recorder.flow.graph
     rec.loss_peak = recorder.loss_peak
     rec.param_reads = recorder.param_reads
+    rec.experts = dict(recorder.experts)
     return rec
 
 
@@ -456,6 +458,7 @@ def _build_graph(
             input_bytes=rec.in_bytes.get(n, 0),
             fwd_bytes=rec.fwd_bytes.get(n, 0),
             bwd_bytes=int(rec.fwd_bytes.get(n, 0) * bytes_scale),
+            experts=rec.experts.get(n, 0),
         )
         g.add_node(n, info=info)
         if parent is not None:

@@ -43,6 +43,7 @@ def _flash_bwd_flops(grad_out, q, k, v, *args, out_val=None, **kwargs):
 
 
 _GROUPED_MM = torch.ops.aten._grouped_mm
+_PER_EXPERT = (_GROUPED_MM, torch.ops.aten.bmm)  # matmuls that give each slice of a 3-D weight its own tokens
 _TO_COPY = torch.ops.aten._to_copy.default
 _META = torch.device("meta")
 
@@ -133,6 +134,9 @@ class Recorder(TorchDispatchMode):
     to some expert, so the FLOPs counted are those of the routed (token,
     expert) pairs, tokens x top-k, not tokens x every expert; the expert
     weights are parameters of the experts module and count whole in memory.
+    A module whose forward hands a 3-D parameter to a grouped or batched
+    matmul holds that many experts' weights stacked (``ModuleInfo.experts``,
+    shown by ``wrapopt trace``): one tensor, so its experts are one unit's.
     """
 
     def __init__(self, stack: list[str]):
@@ -152,6 +156,7 @@ class Recorder(TorchDispatchMode):
         self.loss_peak = 0
         self.param_key: dict[int, int] = {}  # id(parameter tensor) -> its key in ``by_id``
         self.param_reads: dict[tuple[int, str], None] = {}  # (parameter key, reading module), in order
+        self.experts: dict[str, int] = {}  # module -> experts its 3-D weights hold
         self.meta_wins = False  # ops mixing meta and real tensors run on meta: See [Note: integer inputs stay real]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -171,6 +176,11 @@ class Recorder(TorchDispatchMode):
                     key = self.param_key.get(id(t))
                     if key is not None:
                         self.param_reads.setdefault((key, self.stack[-1]), None)
+                if func._overloadpacket in _PER_EXPERT:  # See [Note: experts on meta]
+                    for t in tensors_in(args):  # a 3-D parameter, or a view of one (transposed)
+                        if t.dim() == 3 and (id(t) in self.param_key or id(t._base) in self.param_key):
+                            m = self.stack[-1]
+                            self.experts[m] = max(self.experts.get(m, 0), t.shape[0])
         fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func._overloadpacket)
         if fn is not None:
             flops = float(fn(*args, **kwargs, out_val=out))
