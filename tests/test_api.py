@@ -110,15 +110,17 @@ def _reuse_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
 
 
 def _midway_budget() -> float:
-    """A budget between the smallest and largest baseline peak: the plan must shard."""
+    """A budget between the smallest baseline peak and the smallest of a single unit's:
+    the plan must have units below the root."""
     from wrapopt.cost import Simulator
     from wrapopt.hardware.presets import analytical_compute, analytical_fabric
     from wrapopt.search.driver import search_plan
 
     graph = zoo_graph("gpt-tiny")
-    sim = Simulator(graph, analytical_fabric(world_size=2), analytical_compute())
-    peaks = [s.estimate.peak_bytes for s in search_plan(graph, sim, MESH2).baselines.values()]
-    return (min(peaks) + max(peaks)) / 2
+    sim = Simulator(graph, analytical_fabric("h100-nvlink-ib400", world_size=2), analytical_compute())
+    base = search_plan(graph, sim, MESH2).baselines.values()
+    one_unit = min(s.estimate.peak_bytes for s in base if len(s.plan.units) == 1)
+    return (min(s.estimate.peak_bytes for s in base) + one_unit) / 2
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,8 @@ Two lanes: *compute* (the default stream / the Python thread on CPU) and
 the backward in reverse, placing each unit's all-gather, compute and
 reduce-scatter where FSDP2 places them, and tracks memory at every event.
 The notes below are the assumptions; code cites them as ``# See [Note: ...]``.
-``layout.py`` turns a plan's units into the segments walked here and holds
-[Note: segments]; ``calls.py`` holds [Note: gradient sites] and [Note:
-progressive backward].
+``layout.py`` turns a plan's units into the segments walked here ([Note:
+segments]); ``calls.py`` holds [Note: gradient sites], [Note: progressive backward].
 
 [Note: all-gather issue] A unit's all-gather is issued at its pre-forward.
 On a GPU the CPU runs ahead, so the next unit's all-gather is already issued
@@ -26,13 +25,15 @@ default for the root.
 
 [Note: backward schedule] Backward walks the segments in reverse. At a
 unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
-the next unit's in backward order. A checkpointed unit first recomputes its
-forward, each checkpointed block paying the profile's measured
-``checkpoint_overhead_s`` on top. After the unit's last backward segment its gradients are
-reduce-scattered (then all-reduced across the replicate axis under HSDP);
-the unsharded gradients live until the next unit's post-backward (See [Note:
-reduce-scatter buffer]). The step ends when the last
-collective lands, plus the optimizer step (memory-bound on the local shard).
+the next unit's in backward order ([Note: pre-backward] the first of these
+beside the output's gradient, on which FSDP2's hook fires; measured: moe-tiny's
+4-block unit peaked in that prefetch). A checkpointed unit first recomputes
+its forward, each checkpointed block paying the profile's measured
+``checkpoint_overhead_s`` on top. After the unit's last backward segment its
+gradients are reduce-scattered (then all-reduced across the replicate axis
+under HSDP); the unsharded gradients live until the next unit's
+post-backward (See [Note: reduce-scatter buffer]). The step ends when the
+last collective lands, plus the optimizer step (memory-bound on the local shard).
 
 [Note: memory] At any instant: sharded parameters + sharded gradients +
 optimizer state (all / shard size) + gathered units + unsharded gradients
@@ -56,13 +57,14 @@ tracer's ``loss_peak_bytes``: for cross-entropy a flattened copy and
 log_softmax's output); afterwards what it saved (``loss_saved_bytes``) stays
 until its backward, which holds two gradients of the output's size.
 
-[Note: all-gather buffer] On a GPU, FSDP2 keeps the output buffer of a
-forward all-gather alive until the next unit's forward all-gather has been
-copied out (so the copy-out overlaps the next collective), and the last one
-of the forward until the next step's first: one unit's gathered size more,
-always, and the whole model for a root-only plan. On CPU (gloo) the
-all-gather is asynchronous and the buffer is freed right after the copy-out.
-Every copy-out briefly holds the buffer beside the unsharded parameters.
+[Note: all-gather buffer] FSDP2 (torch 2.13, ``wait_for_unshard``) keeps a
+forward all-gather's output after its copy-out, to overlap the copy-out with
+the next collective, and frees it just before the next unit's copy-out; the
+root's post-forward frees the last one. So while forward computes, the unit
+before holds its gathered size once more (the whole model for a root-only
+plan), on every device (measured, 2 gloo ranks: wide-shallow's one unit peaked
+in a forward matmul beside that buffer). Backward all-gathers free theirs at
+once; a shard group of one gathers nothing.
 
 [Note: overlap] Collectives are not free when overlapped: a compute segment
 that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
@@ -221,7 +223,6 @@ class Simulator:
             overlap_comm=1.0 + fabric.overlap_comm_slowdown,
             unit_overhead_s=compute.unit_overhead_s,
             checkpoint_overhead_s=compute.checkpoint_overhead_s,  # per checkpointed block (a segment that starts a piece)
-            runs_ahead=self._runs_ahead,
             # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
             loss_s=float(compute.loss_s * scale), loss_work_bytes=float(out_b + graph.loss_peak_bytes * scale),
             output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale),

@@ -104,16 +104,14 @@ class UnitPlan(NamedTuple):
     checkpoint: Any  # bool
 
 
-# [Note: collective copies] Some backends copy: gloo's all-gather and reduce-scatter
-# allocate a buffer of the collective's unsharded size while they run (measured with the
-# profiler's memory events on 2 ranks: 10 MiB for a 10 MiB all-gather output or reduce-scatter
-# input; ``measure_fabric`` records it per backend as ``FabricProfile.collective_copies``). So on such
-# a fabric a unit's copy-out holds the all-gather output, that copy and the unsharded
-# parameters, and its reduce-scatter copy-in the gradients, the input buffer and that copy.
-# A plan whose one unit holds the whole model peaks there (a tiny Mixtral's single unit was
-# measured 13.75 MiB over the prediction without it, its parameters being 13.8 MiB). NCCL works
-# in its own buffers: 0, and analytical fabrics state 0. A shard group of one rank (no-shard
-# plans) gathers and reduce-scatters nothing: no copy.
+# [Note: collective copies] gloo's all-gather and reduce-scatter allocate a buffer of the
+# collective's unsharded size while they run, free again by the time the collective is waited
+# on (measured with the profiler's memory events, 2 ranks: 10 MiB for a 10 MiB all-gather output
+# or reduce-scatter input); ``FabricProfile.collective_copies`` states it per backend (NCCL and
+# analytical fabrics: 0). So an all-gather holds its output and that copy while it runs; by its
+# copy-out the copy is gone. A reduce-scatter's copy adds nothing to its copy-in: FSDP2 frees the
+# unsharded gradients once copied into the input buffer (``foreach_reduce``), before it runs.
+# A shard group of one rank gathers and reduce-scatters nothing: no copy.
 
 
 class StepConstants(NamedTuple):
@@ -125,7 +123,6 @@ class StepConstants(NamedTuple):
     overlap_comm: float  # 1 + slowdown of overlapped collectives
     unit_overhead_s: float  # FSDP2's work per unit per all-gather
     checkpoint_overhead_s: float  # per checkpointed block
-    runs_ahead: bool  # See [Note: all-gather issue], [Note: all-gather buffer]
     loss_s: float  # See [Note: loss]
     loss_work_bytes: float  # what memory holds while the loss runs
     output_bytes: float  # the model's output
@@ -163,16 +160,19 @@ def _rec(ev: Any, ne: int, lane: int, kind: int, u: int, start: float, end: floa
 
 
 def _all_gather(u, at, dur, nbytes, c, t, ovl_m, static, sharded_grads, gathered, ag_buffer, acts,  # noqa: ANN001
-                grads_pending, peak, parts, record, ev, ne):
+                grads_pending, peak, parts, record, ev, ne, work, copy):
     """Issue unit ``u``'s all-gather (``dur`` seconds, ``nbytes`` gathered) at ``at`` on
-    the comm lane, behind what is queued there (See [Note: overlap]). Returns (its
-    end, its duration, gathered bytes, peak, peak parts, events recorded)."""
+    the comm lane, behind what is queued there (See [Note: overlap]), while compute
+    holds ``work`` bytes beyond the rest and the collective its own ``copy`` (See
+    [Note: collective copies]). Returns (its end, its duration, gathered bytes, peak,
+    peak parts, events recorded)."""
     start = at if at > c else c
     d = dur * (ovl_m if t > start else 1.0)
     gathered += nbytes
-    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending
+    held = work + copy * nbytes
+    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + held
     if m > peak:
-        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, 0.0)
+        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, held)
     if record and d > 0:
         ne = _rec(ev, ne, COMM, ALL_GATHER, u, start, start + d, m)
     return start + d, d, gathered, peak, parts, ne
@@ -207,7 +207,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
     P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
     static, shard, depth, record = plan  # PlanScalars
-    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, runs_ahead, loss_dur, loss_work, out_b, loss_saved, copy = k  # StepConstants
+    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, loss_dur, loss_work, out_b, loss_saved, copy = k  # StepConstants
     n = len(P)
     nsg = len(seg_u)
     norder = len(order)
@@ -224,13 +224,14 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     comm_total = 0.0
 
     # ---- forward: See [Note: segments], [Note: all-gather issue] --------------------
-    ag_buffer = P[order[norder - 1]] * 1.0 if runs_ahead else 0.0  # the previous step's last
+    ag_buffer = 0.0  # See [Note: all-gather buffer]: the previous step's last was freed at its forward's end
+    keeps = shard > 1.0  # a shard group of one gathers nothing: no all-gather output to keep
     ag_end = [0.0] * n
     issued = [False] * n
     seen = [False] * n
     u = order[0]
     c, d, gathered, peak, parts, ne = _all_gather(u, 0.0, ag[u], P[u], c, t, ovl_m, static,
-        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, 0.0, copy)
     comm_total += d
     ag_end[u] = c
     issued[u] = True
@@ -240,23 +241,25 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
             seen[u] = True
             if not issued[u]:  # issued when compute reaches the unit
                 c, d, gathered, peak, parts, ne = _all_gather(u, t, ag[u], P[u], c, t, ovl_m, static,
-                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, 0.0, copy)
                 comm_total += d
                 ag_end[u] = c
                 issued[u] = True
             t = max(t, ag_end[u]) + unit_oh
-            # copy-out: the all-gather output (and the collective's own copy) beside the unsharded parameters
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u] * (1.0 + copy)
+            # copy-out: the output beside the unsharded parameters, the previous one freed first (See [Note: all-gather buffer])
+            if keeps:
+                ag_buffer = 0.0
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
             if m > peak:
-                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * (1.0 + copy))
-            if runs_ahead:
-                ag_buffer = P[u] * 1.0  # See [Note: all-gather buffer]
+                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * 1.0)
+            if keeps:
+                ag_buffer = P[u] * 1.0
             if depth:  # prefetch `depth` units ahead, issued at this unit's pre-forward
                 k = pos[u] + depth
                 if k < norder and not issued[order[k]]:
                     x = order[k]
                     c, d, gathered, peak, parts, ne = _all_gather(x, t, ag[x], P[x], c, t, ovl_m, static,
-                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, 0.0, copy)
                     comm_total += d
                     ag_end[x] = c
                     issued[x] = True
@@ -266,6 +269,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
         acts += seg_keep[si] if ck[u] else seg_saved[si]
         if si == last_fwd[u]:
             gathered -= P[u] - keep[u]  # reshard after forward
+    ag_buffer = 0.0  # the root's post-forward frees the last all-gather output: See [Note: all-gather buffer]
     # See [Note: loss]: forward holds the model's output beside what the loss creates.
     t, peak, parts, ne = _compute(t, loss_dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
                                   grads_pending, loss_work, peak, parts, record, ev, ne, LOSS, n - 1)
@@ -288,23 +292,25 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
         u = seg_u[si]
         if not first[u]:
             first[u] = True
+            # See [Note: pre-backward] in simulate.py: the first segment's all-gathers run beside the output's gradient.
+            arriving = out_b * 1.0 if si == nsg - 1 else 0.0
             if rag[u] > 0 and not bissued[u]:
                 c, d, gathered, peak, parts, ne = _all_gather(u, t, rag[u], P[u] - keep[u], c, t, ovl_m, static,
-                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving, copy)
                 comm_total += d
                 bag_end[u] = c
                 bissued[u] = True
             t = max(t, bag_end[u]) + (unit_oh if rag[u] > 0 else 0.0)
             if rag[u] > 0:  # copy-out transient; freed at once in backward
-                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
+                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + arriving + P[u]
                 if m > peak:
-                    peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * 1.0)
+                    peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, arriving + P[u])
             k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
             if k < nborder:
                 x = border[k]
                 if rag[x] > 0 and not bissued[x]:
                     c, d, gathered, peak, parts, ne = _all_gather(x, t, rag[x], P[x] - keep[x], c, t, ovl_m, static,
-                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne)
+                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving, copy)
                     comm_total += d
                     bag_end[x] = c
                     bissued[x] = True
@@ -323,9 +329,11 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
             grads_pending += G[u] - seg_grads[u] * reduce_elem
             gathered -= keep[u] if not rag[u] > 0 else P[u]
             # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u] * (1.0 + copy)
+            # See [Note: collective copies]: the gradients are freed before the collective's copy.
+            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u] * (copy if copy > 1.0 else 1.0)
             if m > peak:
-                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, G[u] * (1.0 + copy))
+                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts,
+                                  G[u] * (copy if copy > 1.0 else 1.0))
             if held:
                 t = max(t, held_end)
                 grads_pending -= held_bytes
@@ -351,7 +359,7 @@ assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "red
                             "regather_s", "kept_bytes", "checkpoint")
 assert PlanScalars._fields == ("static_bytes", "shard_size", "prefetch_depth", "record")
 assert StepConstants._fields == ("reduce_elem_bytes", "overlap_compute", "overlap_comm", "unit_overhead_s",
-                                 "checkpoint_overhead_s", "runs_ahead", "loss_s", "loss_work_bytes", "output_bytes",
+                                 "checkpoint_overhead_s", "loss_s", "loss_work_bytes", "output_bytes",
                                  "loss_saved_bytes", "collective_copy")
 
 

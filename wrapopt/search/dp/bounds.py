@@ -109,11 +109,10 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
         if i == n:
             if last:
                 # Both final checks of _solve_front hold for a fitting completion: the last
-                # backward window and the loss window (the all-gather buffer's extra is in both).
-                extra = m["P"][st, sl, cs] - round(cc.P[-1]) if cc.buffer_last else 0
+                # backward window and the loss window.
                 local = (m["P"][st, sl, cs] + m["saved"][st, sl, cs] + m["G"][st, sl, cs] + 2 * int(cc.work)
-                         + tb.sg_after[n] + extra).astype(float)
-                loss = (grow + round(cc.loss_mem) + extra + m["reg"][st, sl, cs]).astype(float)
+                         + tb.sg_after[n]).astype(float)
+                loss = (grow + round(cc.loss_mem) + m["reg"][st, sl, cs]).astype(float)
                 mem = np.maximum(local[None] + reg_W, loss[None])
             else:
                 mem = np.broadcast_to(grow[None], (nw,) + grow.shape)

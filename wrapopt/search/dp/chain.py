@@ -25,12 +25,12 @@ them, or each block's output when checkpointed), ``acts_V`` is V's own
 (checkpointed: the kept outputs plus one block re-materialised), ``SG`` the
 sharded gradients of the blocks whose reduce-scatter has landed (fixed by
 X's end, whatever the grouping), and the rest is local to W, V, X. Terms the
-chain model leaves out (the all-gather buffer of the last group in earlier
-windows, the root's gradients) are caught by re-scoring: ``plans.dp_plans``
+chain model leaves out (the root's gradients; forward, where a unit's
+all-gather output is held beside the next: See [Note: all-gather buffer]) are caught by re-scoring: ``plans.dp_plans``
 re-runs the DP with a smaller allowance when the simulator's peak exceeds
 the budget. The last chain also checks the loss and the head's backward:
 ``A(all) + loss working set + root activations after the chains + the last
-group's re-gather and all-gather buffer``.
+group's re-gather``.
 
 ``solve.py`` minimises this model exactly; ``brute_force_chain`` scores every
 grouping and choice with the same functions, for the tests.
@@ -85,10 +85,6 @@ class ChainCosts:
     # chains' memory (the working set, the root's activations after the chains);
     # the last group's re-gather is prefetched then too.
     loss_mem: float = 0.0
-    # On a GPU the last forward unit's all-gather output stays allocated through
-    # backward (See [Note: all-gather buffer]); static memory holds one block of it,
-    # the final windows add the rest of the last group.
-    buffer_last: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,11 +212,10 @@ def chain_model(cc: ChainCosts, groups: Iterable[tuple[int, Choice]], *, a0: flo
         peak = max(peak, acc + _local_mem(cc, W, V, X, sg[ends[min(k + 1, len(ends) - 1)]]))
         acc += V[9] + V[7]
         t += _bw(cc, W, V, X) + (_fw(cc, V, X) if X is not _EMPTY else V[0])
-    extra = gs[-1][5] - round(cc.P[-1]) if cc.buffer_last else 0
     W, V = ext[-3], ext[-2]
-    last = acc - V[9] - V[7] + _local_mem(cc, W, V, _EMPTY, sg[ends[-1]]) + extra
+    last = acc - V[9] - V[7] + _local_mem(cc, W, V, _EMPTY, sg[ends[-1]])
     # The head's backward (root) prefetches the last group's re-gather.
-    return t, max(peak, last, acc + round(cc.loss_mem) + extra + V[10]), acc
+    return t, max(peak, last, acc + round(cc.loss_mem) + V[10]), acc
 
 
 def brute_force_chain(cc: ChainCosts, *, choices: tuple[Choice, ...] | None = None, reshard: bool | int = True,

@@ -45,8 +45,7 @@ def _root_activations(sim: Simulator, chains: tuple[tuple[str, ...], ...]) -> tu
 def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...]) -> float:
     """Memory outside the chains' terms on ``mesh`` (see [Note: memory] in the
     simulator): sharded parameters and optimizer state, gradients kept for
-    accumulation, the root unit's parameters (gathered all step) and, on a GPU,
-    the all-gather buffer of at least one block."""
+    accumulation and the root unit's parameters (gathered all step)."""
     g, opt = sim.graph, sim.options
     shard = mesh.shard_size
     blocks = [b for c in chains for b in c]
@@ -57,8 +56,6 @@ def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, 
     if opt.grad_accumulation > 1 and opt.accumulation_sync == "last":  # See [Note: accumulation sync]
         static += sum(u.param_bytes for u in est.units) * (opt.reduce_dtype_bytes or 1) / (opt.param_dtype_bytes or 1)
     static += est.units[-1].param_bytes
-    if sim.compute.runs_ahead and blocks:
-        static += est.units[len(blocks) - 1].param_bytes  # See [Note: all-gather buffer]
     return static
 
 
@@ -81,7 +78,7 @@ class ChainDP:
         self.static_bytes += before  # the root's activations saved before the first block live through backward
         g, scale = sim.graph, sim.options.batch_scale  # See [Note: loss] in the simulator
         loss = max(g.root.output_bytes + g.loss_peak_bytes, 2 * g.root.output_bytes + g.loss_saved_bytes) * scale + after
-        costs[-1] = replace(costs[-1], loss_mem=loss, buffer_last=sim.compute.runs_ahead)
+        costs[-1] = replace(costs[-1], loss_mem=loss)
         self.costs = costs
         self.choices = unit_choices(mesh)
         self._cache: dict = {}

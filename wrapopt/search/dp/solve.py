@@ -158,9 +158,8 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
         bw_comp = BV + o
         if i == n:
             if use_mem:
-                extra = m["P"][st, sl, cl] - round(cc.P[-1]) if cc.buffer_last else 0
-                ok = (base_mem + tb.sg_after[n] + extra <= allow)
-                ok &= a_next + round(cc.loss_mem) + extra + m["reg"][st, sl, cl] <= allow
+                ok = (base_mem + tb.sg_after[n] <= allow)
+                ok &= a_next + round(cc.loss_mem) + m["reg"][st, sl, cl] <= allow
             else:
                 ok = np.ones(t.size, dtype=bool)
             final_t.append((t + np.maximum(bw_comp, R_W) + FV)[ok])
