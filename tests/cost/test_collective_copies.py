@@ -1,4 +1,6 @@
-"""[Note: collective copies] in cost/step.py: a fabric whose collectives copy."""
+"""Memory around the collectives as FSDP2 (torch 2.13) holds it: [Note: collective copies] in
+cost/step.py, [Note: all-gather buffer] and [Note: pre-backward] in cost/simulate.py; and the
+optimizer stepping trainable tensors only."""
 
 from __future__ import annotations
 
@@ -7,11 +9,14 @@ from dataclasses import replace
 import pytest
 
 from wrapopt import zoo
+from wrapopt.cost.dtypes import trainable_tensors
 from wrapopt.cost.simulate import Simulator
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.baselines import baselines
 from wrapopt.spec import MeshSpec
 from wrapopt.trace import trace_model
+
+MESH = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +25,43 @@ def llama():
     return trace_model(model, x)
 
 
-def test_a_copying_backend_adds_its_copy_at_the_copy_out(llama):
-    """[Note: collective copies]: a single unit's copy-out holds the gathered model twice over
-    on a fabric whose collectives copy; a fabric that does not copy predicts as before."""
+def _sims(graph):
     fabric, compute = analytical_fabric(world_size=2), replace(analytical_compute(), runs_ahead=False)
-    mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
-    one = baselines(llama, mesh)["root-only"]
-    plain = Simulator(llama, fabric, compute).simulate(one)
-    copying = Simulator(llama, replace(fabric, collective_copies=1.0), compute).simulate(one)
-    gathered = dict(plain.peak_breakdown)["unsharded_params"]
-    assert copying.peak_bytes >= plain.peak_bytes
-    assert copying.peak_bytes == pytest.approx(max(plain.peak_bytes, dict(copying.peak_breakdown)["sharded_params"]
-                                                   + dict(copying.peak_breakdown)["optimizer_state"]
-                                                   + 3 * gathered), rel=0.02)
+    return Simulator(graph, fabric, compute), Simulator(graph, replace(fabric, collective_copies=1.0), compute)
+
+
+def test_a_copying_backend_holds_its_copy_while_the_all_gather_runs(llama):
+    """Every all-gather of a per-block plan holds one more copy of what it gathers while it
+    runs, and nothing more after: the timelines differ by exactly that at each all-gather."""
+    plain, copying = (s.simulate(baselines(llama, MESH)["per-block"], record=True) for s in _sims(llama))
+    gathers = [(a, b) for a, b in zip(plain.timeline, copying.timeline) if a.kind == "all_gather"]
+    size = {u.name: u.param_bytes for u in plain.units}
+    assert gathers
+    assert all(b.memory_bytes - a.memory_bytes == pytest.approx(size[a.unit], abs=8) for a, b in gathers)
+    others = [(a, b) for a, b in zip(plain.timeline, copying.timeline) if a.kind in ("fwd", "bwd")]
+    assert all(a.memory_bytes == b.memory_bytes for a, b in others)
+
+
+def test_a_root_only_plan_holds_its_all_gather_output_through_forward():
+    """[Note: all-gather buffer]: while forward computes, the one unit's all-gather output is
+    held beside its unsharded parameters; wide-shallow (parameters >> activations) peaks there.
+    The root's post-forward frees it: the loss's moment holds no buffer."""
+    model, x = zoo.build("wide-shallow", "meta")
+    graph = trace_model(model, x)
+    est = _sims(graph)[0].simulate(baselines(graph, MESH)["root-only"], record=True)
+    whole = est.units[-1].param_bytes
+    parts = dict(est.peak_breakdown)
+    assert parts["all_gather_buffer"] == whole == parts["unsharded_params"]
+    fwd = max(e.memory_bytes for e in est.timeline if e.kind == "fwd")
+    bwd = max(e.memory_bytes for e in est.timeline if e.kind == "bwd")
+    assert fwd > bwd  # forward holds the buffer; backward does not
+
+
+def test_the_optimizer_steps_trainable_tensors_only():
+    """A frozen base with adapters: the per-tensor cost is paid for the adapters' tensors."""
+    model, x = zoo.build("lora-tiny", "meta")
+    graph = trace_model(model, x)
+    assert trainable_tensors(graph) == sum(p.requires_grad for p in model.parameters()) < len(graph.param_shapes)
+    compute = replace(analytical_compute(), runs_ahead=False, optimizer_tensor_s=1e-3)
+    est = Simulator(graph, analytical_fabric(world_size=2), compute).simulate(baselines(graph, MESH)["per-block"])
+    assert est.optim_s == pytest.approx(trainable_tensors(graph) * 1e-3, rel=0.05)

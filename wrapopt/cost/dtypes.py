@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from itertools import combinations
 
 from wrapopt.spec import ModelGraph, OptimizerKind, factored_state_numel
 
-__all__ = ["in_compute_dtype", "optimizer_states_per_param"]
+__all__ = ["in_compute_dtype", "optimizer_states_per_param", "trainable_tensors"]
 
 
 def in_compute_dtype(graph: ModelGraph, activation_bytes: int | None, output_bytes: int | None) -> ModelGraph:
@@ -65,3 +66,22 @@ def optimizer_states_per_param(graph: ModelGraph, kind: OptimizerKind) -> float:
         return kind.states_per_param
     numel = sum(math.prod(shape) for _fqn, shape, _dt in graph.param_shapes)
     return sum(factored_state_numel(tuple(shape)) for _fqn, shape, _dt in graph.param_shapes) / max(1, numel)
+
+
+def trainable_tensors(graph: ModelGraph) -> int:
+    """How many parameter tensors require gradients. Per module: all of its own, none, or
+    (some frozen) the fewest whose elements add up to its trainable ones."""
+    by_module: dict[str, list[int]] = {}
+    for fqn, shape, _dt in graph.param_shapes:
+        by_module.setdefault(fqn.rsplit(".", 1)[0] if "." in fqn else "", []).append(math.prod(shape))
+    count = 0
+    for m in graph.modules:
+        sizes = by_module.get(m.fqn, [])
+        if m.own_trainable_numel == 0 or not sizes:
+            continue
+        if m.own_trainable_numel >= sum(sizes) or len(sizes) > 12:
+            count += len(sizes)
+            continue
+        count += min((k for k in range(1, len(sizes) + 1) for c in combinations(sizes, k)
+                      if sum(c) == m.own_trainable_numel), default=len(sizes))
+    return count

@@ -130,7 +130,7 @@ from wrapopt.cost.layout import (
 from wrapopt.cost.tp import tp_view
 from wrapopt.cost.step import Backend, PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param
+from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
 from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
 from wrapopt.tp import TPSpec
 from wrapopt.units import validate_plan
@@ -212,7 +212,7 @@ class Simulator:
         self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
         self._tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, dict[float, set[str]]]] = {}  # the same
         self._sets: dict[tuple[tuple[str, ...], ...], _UnitSet] = {}  # per set of units (and mesh)
-        self._num_tensors = len(graph.param_shapes)
+        self._num_tensors = trainable_tensors(graph)  # the optimizer steps these only
         self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
         self._gather_elem = self.options.param_dtype_bytes or self._elem  # bytes per element all-gathered
         self._reduce_elem = self.options.reduce_dtype_bytes or self._gather_elem  # and reduce-scattered
@@ -420,13 +420,13 @@ class Simulator:
         comm_total = res.comm_s
         ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
                             float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]] if record else []
-        # Optimizer: read/write the local shard and its states (memory-bound), plus a
-        # fixed dispatch cost per parameter tensor (dominant for small models).
-        # Both calibrated by the profiler's AdamW steps on fully_shard parameters, the
-        # per-tensor cost separately for 2-D meshes (HSDP, no-shard): see
-        # profile/compute.py::measure_optimizer.
+        # Optimizer: read/write the local shard of the trainable parameters and its states
+        # (memory-bound), plus a fixed dispatch cost per trainable tensor (dominant for small
+        # models; frozen parameters have no gradient and are skipped). Both calibrated by the
+        # profiler's AdamW steps on fully_shard parameters, the per-tensor cost separately for
+        # 2-D meshes (HSDP, no-shard): see profile/compute.py::measure_optimizer.
         cp = self.compute
-        optim_s = (storage / shard) * (2 + 2 * self._states) / (
+        optim_s = (trainable / shard) * (2 + 2 * self._states) / (
             cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
         if self._stepping:
             per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
