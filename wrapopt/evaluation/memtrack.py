@@ -77,7 +77,8 @@ class LiveBytesTracker:
         for m in self._model.modules():
             get_state = getattr(m, "_get_fsdp_state", None)
             group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
-            # The all-gather output FSDP2 keeps from the previous step's last forward unshard.
+            # An all-gather output FSDP2 still holds (torch 2.13 frees the last one at the root's
+            # post-forward, so none between steps; older versions kept it into the next step).
             ag_state = getattr(getattr(group, "comm_ctx", None), "all_gather_state", None)
             if ag_state is not None:
                 self._add_any(getattr(ag_state.all_gather_result, "all_gather_output", None))
