@@ -13,7 +13,7 @@ from wrapopt.cost.dtypes import trainable_tensors
 from wrapopt.cost.simulate import Simulator
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.baselines import baselines
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, SimOptions
 from wrapopt.trace import trace_model
 
 MESH = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
@@ -65,3 +65,20 @@ def test_the_optimizer_steps_trainable_tensors_only():
     compute = replace(analytical_compute(), runs_ahead=False, optimizer_tensor_s=1e-3)
     est = Simulator(graph, analytical_fabric(world_size=2), compute).simulate(baselines(graph, MESH)["per-block"])
     assert est.optim_s == pytest.approx(trainable_tensors(graph) * 1e-3, rel=0.05)
+
+
+@pytest.mark.parametrize("sync", ["every", "last"])
+def test_a_shard_group_of_one_holds_no_buffer_nor_copy_with_accumulation(sync):
+    """No-shard gathers nothing, so it keeps no all-gather output and no collective copy, in
+    either accumulation mode: 'every' runs the loop with gradients already sharded (an infinite
+    shard), which must not pass for a shard group of many ranks."""
+    model, x = zoo.build("wide-shallow", "meta")
+    graph = trace_model(model, x)
+    fabric, compute = analytical_fabric(world_size=2), replace(analytical_compute(), runs_ahead=False)
+    options = SimOptions(grad_accumulation=2, accumulation_sync=sync)
+    plan = baselines(graph, MESH)["no-shard"]
+    plain, copying = (Simulator(graph, f, compute, options).simulate(plan) for f in (fabric, replace(fabric, collective_copies=1.0)))
+    assert dict(plain.peak_breakdown)["all_gather_buffer"] == 0
+    assert copying.peak_bytes == plain.peak_bytes
+    sharded = Simulator(graph, fabric, compute, options).simulate(baselines(graph, MESH)["root-only"])
+    assert dict(sharded.peak_breakdown)["all_gather_buffer"] > 0  # a real shard group keeps it, in this mode too

@@ -227,7 +227,6 @@ class Simulator:
             loss_s=float(compute.loss_s * scale), loss_work_bytes=float(out_b + graph.loss_peak_bytes * scale),
             output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale),
             collective_copy=float(fabric.collective_copies))  # See [Note: collective copies]
-        self._no_copy = self._constants._replace(collective_copy=0.0)  # a shard group of one gathers nothing
         self._cols: dict[tuple[Any, bool], tuple[Segments, UnitLayout]] = {}  # per layout
 
     # -- collectives ----------------------------------------------------------------------
@@ -395,11 +394,11 @@ class Simulator:
             else:
                 held = sum(G.tolist()) if micro > 1 else 0  # unsharded grads held across micro-batches (no-sync)
                 static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
-            scalars = _new(PlanScalars, (float(static), loop_shard, depth, record))  # in PlanScalars' field order
+            scalars = _new(PlanScalars, (float(static), loop_shard, depth, record, bool(shard > 1)))  # in field order
             ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
             try:
                 res = backend.step(seg_cols, lay_cols, unit_cols, scalars,
-                                   self._constants if shard > 1 else self._no_copy, ev_rows)
+                                   self._constants, ev_rows)
             except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
                 if not compiled:
                     raise

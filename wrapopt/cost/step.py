@@ -134,9 +134,10 @@ class PlanScalars(NamedTuple):
     """The rest of one plan's inputs."""
 
     static_bytes: float  # sharded parameters, optimizer state, accumulated gradients: See [Note: memory]
-    shard_size: float
+    shard_size: float  # how far the loop divides gradients as they land (inf: already sharded)
     prefetch_depth: int  # forward all-gathers issued this many units ahead
     record: bool  # record events into ``ev``
+    gathers: bool  # the shard group has more than one rank (a group of one gathers nothing)
 
 
 class StepResult(NamedTuple):
@@ -206,7 +207,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep = segs  # Segments
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
     P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
-    static, shard, depth, record = plan  # PlanScalars
+    static, shard, depth, record, gathers = plan  # PlanScalars
     reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, loss_dur, loss_work, out_b, loss_saved, copy = k  # StepConstants
     n = len(P)
     nsg = len(seg_u)
@@ -225,7 +226,9 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
 
     # ---- forward: See [Note: segments], [Note: all-gather issue] --------------------
     ag_buffer = 0.0  # See [Note: all-gather buffer]: the previous step's last was freed at its forward's end
-    keeps = shard > 1.0  # a shard group of one gathers nothing: no all-gather output to keep
+    keeps = gathers  # a shard group of one gathers nothing: no all-gather output to keep,
+    if not gathers:  # nor a collective's copy: See [Note: collective copies]
+        copy = 0.0
     ag_end = [0.0] * n
     issued = [False] * n
     seen = [False] * n
@@ -357,7 +360,7 @@ assert UnitLayout._fields == ("forward", "backward", "last_fwd", "fwd_pos", "bwd
                               "trainable_bytes")
 assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "reduce_scatter_s", "all_reduce_s",
                             "regather_s", "kept_bytes", "checkpoint")
-assert PlanScalars._fields == ("static_bytes", "shard_size", "prefetch_depth", "record")
+assert PlanScalars._fields == ("static_bytes", "shard_size", "prefetch_depth", "record", "gathers")
 assert StepConstants._fields == ("reduce_elem_bytes", "overlap_compute", "overlap_comm", "unit_overhead_s",
                                  "checkpoint_overhead_s", "loss_s", "loss_work_bytes", "output_bytes",
                                  "loss_saved_bytes", "collective_copy")
