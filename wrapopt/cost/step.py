@@ -226,9 +226,8 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
 
     # ---- forward: See [Note: segments], [Note: all-gather issue] --------------------
     ag_buffer = 0.0  # See [Note: all-gather buffer]: the previous step's last was freed at its forward's end
-    keeps = gathers  # a shard group of one gathers nothing: no all-gather output to keep,
-    if not gathers:  # nor a collective's copy: See [Note: collective copies]
-        copy = 0.0
+    # A shard group of one gathers nothing: no output to keep, no copy (See [Note: collective copies]).
+    keeps, copy = gathers, copy if gathers else 0.0
     ag_end = [0.0] * n
     issued = [False] * n
     seen = [False] * n
