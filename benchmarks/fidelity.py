@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -272,6 +273,9 @@ def main() -> int:
         unknown = [c for c in cases if c not in CASES]
         if unknown:
             raise SystemExit(f"unknown --cases {', '.join(unknown)}; accepted: {', '.join(CASES)}")
+        # The checks that need no ranks first: one that fails must not cost the measured runs.
+        tracker = [] if args.skip_tracker else fake_tracker_check()
+        speed = [] if args.skip_speed else simulator_speed()
         runs = []
         for ws in [int(w) for w in args.world_sizes.split(",")]:
             for case in cases:
@@ -279,8 +283,6 @@ def main() -> int:
                     runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None,
                                          confirm=args.confirm, confirm_repeats=args.confirm_repeats, train=CASES[case],
                                          tp=args.tp))
-        tracker = [] if args.skip_tracker else fake_tracker_check()
-        speed = [] if args.skip_speed else simulator_speed()
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         wall = time.perf_counter() - t0
     summaries = [summarize(r) for r in runs]
@@ -289,9 +291,11 @@ def main() -> int:
         "# Cost-model fidelity: predicted vs measured",
         "",
         f"Machine: {platform.node()}, {m['cores']} cores ({m['cpu']}), no GPU; backend {m['backend']}, one thread per rank; "
-        f"torch {m['torch']}; {date}. Regenerate: `python benchmarks/fidelity.py --world-sizes {args.world_sizes} "
-        f"--repeats {args.repeats} --confirm {args.confirm} --confirm-repeats {args.confirm_repeats} --cases {args.cases}` "
-        + (f"({wall:.0f} s)." if wall else "(this file written again from that run's fidelity.json with `--render`)."),
+        f"torch {m['torch']}; {date}. Regenerate: `"
+        + (f"python benchmarks/fidelity.py {shlex.join(sys.argv[1:])}` ({wall:.0f} s)." if wall else  # as this run was called
+           f"python benchmarks/fidelity.py --world-sizes {args.world_sizes} --repeats {args.repeats} --confirm "
+           f"{args.confirm} --confirm-repeats {args.confirm_repeats} --cases {args.cases}` "
+           "(this file written again from that run's fidelity.json with `--render`)."),
         "",
         "Each model: fabric and compute measured on the same ranks first; then every plan predicted by the simulator "
         f"and run for real, interleaved (one step of each plan per round, in an order that changes every round), 2 warm-up rounds, median over {args.repeats} repeats of the "

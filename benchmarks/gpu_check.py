@@ -5,8 +5,11 @@ profile in bf16 (matmul rate, per-module times) and in fp32, then predict and
 run plans of a ~0.5B-parameter Llama (bf16 and fp32, with and without
 activation checkpointing, with and without 4 micro-batches of accumulation)
 and compare the predicted step time and peak memory with the measured ones
-(``torch.cuda.max_memory_allocated``, one plan resident at a time). Writes
-results/gpu.md naming the device. Takes 3-5 minutes on an H100-class GPU.
+(``torch.cuda.max_memory_allocated``, one plan resident at a time). Then the
+bf16 GEMM rate at the four GEMM shapes of a block for each MPT width of
+benchmarks/published.py (768 to 7168): the data its one fitted efficiency per
+GPU cannot hold. Writes results/gpu.md naming the device. Takes 3-5 minutes on
+an H100-class GPU.
 
     python benchmarks/gpu_check.py                      # on a GPU, writes results/gpu.md
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu.md   # the same code path on CPU, tiny sizes
@@ -44,6 +47,37 @@ SIZES = {  # Llama(vocab, dim, n_layers, n_heads, n_kv_heads, ffn), batch, seq
     "cuda": (dict(vocab=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, ffn=5632), 2, 2048),
     "cpu": (dict(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=128), 2, 32),
 }
+
+# The GEMM-by-width sweep (issue 20): llm-foundry's MPT widths, 125m to 30b, at a micro-batch of tokens;
+# on the CPU two tiny widths run the same code path.
+GEMM_WIDTHS = {"cuda": ((768, 1024, 1536, 2048, 2560, 4096, 5120, 7168), 16384), "cpu": ((64, 128), 64)}
+
+
+def gemm_sweep(device: str, repeats: int = 5) -> list[dict]:
+    """Achieved bf16 matmul rate at a transformer block's four GEMM shapes per width ``d`` (tokens x d
+    times d x 3d, d x d, d x 4d; tokens x 4d times 4d x d), forward only: what the one fitted efficiency
+    of ``benchmarks/published.py`` averages over (its 125m rows run 20% slower than it predicts)."""
+    widths, tokens = GEMM_WIDTHS[device]
+    dt = torch.bfloat16
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for d in widths:
+        for name, k, n in (("qkv", d, 3 * d), ("out", d, d), ("up", d, 4 * d), ("down", 4 * d, d)):
+            a = torch.randn(tokens, k, device=device, dtype=dt)
+            b = torch.randn(k, n, device=device, dtype=dt)
+            for _ in range(2):
+                torch.mm(a, b)
+            sync()
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                sync()
+                ts.append(time.perf_counter() - t0)
+            t = sorted(ts)[len(ts) // 2]
+            rows.append({"width": d, "gemm": name, "m": tokens, "k": k, "n": n, "s": t, "flops_per_s": 2 * tokens * k * n / t})
+            del a, b
+    return rows
 
 
 def _cases(graph, mesh: MeshSpec) -> list[tuple[str, PlanSpec, TrainConfig]]:
@@ -96,13 +130,14 @@ def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
                      "meas_peak_bytes": meas.peak_bytes, "breakdown": dict(est.peak_breakdown)})
         if device == "cuda":
             torch.cuda.empty_cache()
+    gemms = gemm_sweep(device, repeats)
     bf = profiles["bfloat16"]
     top = sorted(bf.module_times, key=lambda t: -(t[1] + t[2]))[:10]
     return {"rows": rows, "profile_s": profile_s, "num_params": graph.num_params,
             "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
             "flops": {k: p.flops_per_s for k, p in profiles.items()}, "bandwidth": bf.memory_bandwidth_bytes_per_s,
             "capacity": bf.memory_capacity_bytes, "top_modules": [list(t) for t in top], "cfg": cfg, "batch": batch,
-            "seq": seq}
+            "seq": seq, "gemms": gemms}
 
 
 def render(res: dict, *, device: str, repeats: int, wall_s: float) -> str:
@@ -137,6 +172,13 @@ def render(res: dict, *, device: str, repeats: int, wall_s: float) -> str:
     lines += ["", "## The ten slowest modules, bf16 (self times, forward and backward, ms)", "",
               "| module | forward | backward |", "|---|---|---|"]
     lines += [f"| {fqn or '<root>'} | {f * 1e3:.3f} | {b * 1e3:.3f} |" for fqn, f, b in res["top_modules"]]
+    ref = res["flops"]["bfloat16"]
+    lines += ["", f"## bf16 GEMM rate by width (issue 20: llm-foundry's MPT widths, {res['gemms'][0]['m']} tokens)", "",
+              f"Median of {repeats} forward matmuls per shape; *of profile*: the rate over the compute profile's "
+              f"matmul rate ({ref / 1e12:.1f} TFLOP/s), the one rate the simulator scales every GEMM by.", "",
+              "| width | GEMM | m x k x n | ms | TFLOP/s | of profile |", "|---|---|---|---|---|---|"]
+    lines += [f"| {g['width']} | {g['gemm']} | {g['m']} x {g['k']} x {g['n']} | {g['s'] * 1e3:.3f} | "
+              f"{g['flops_per_s'] / 1e12:.2f} | {g['flops_per_s'] / ref:.2f} |" for g in res["gemms"]]
     return "\n".join(lines) + "\n"
 
 

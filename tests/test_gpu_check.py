@@ -29,3 +29,5 @@ def test_gpu_check_on_cpu(repo_root, tmp_path):
         assert pred_ms > 0 and meas_ms > 0
         assert abs(float(cells[9].rstrip("%"))) < 25  # predicted vs measured peak, live bytes on CPU
     assert "slowest modules, bf16" in text
+    gemms = [line for line in text.splitlines() if line.startswith("| 64 |") or line.startswith("| 128 |")]
+    assert len(gemms) == 8 and all(float(g.strip("|").split("|")[4]) > 0 for g in gemms)  # 2 widths x 4 GEMMs

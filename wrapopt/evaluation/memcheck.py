@@ -83,7 +83,7 @@ def run_fake_check(zoo_name: str, plans: list[dict[str, Any]], *, world_size: in
     """``fake_peak_bytes`` for each plan (plan-file JSON) in a fresh interpreter; one dict per plan."""
     payload = json.dumps({"model": zoo_name, "plans": plans, "world_size": world_size, "seq": seq})
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "wrapopt.cost.memcheck"], input=payload, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", _main.__module__], input=payload, capture_output=True,
                           text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
         raise WrapoptError(f"FSDPMemTracker check failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
