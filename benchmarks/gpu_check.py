@@ -178,7 +178,7 @@ def render(res: dict, *, device: str, repeats: int, wall_s: float) -> str:
               f"matmul rate ({ref / 1e12:.1f} TFLOP/s), the one rate the simulator scales every GEMM by.", "",
               "| width | GEMM | m x k x n | ms | TFLOP/s | of profile |", "|---|---|---|---|---|---|"]
     lines += [f"| {g['width']} | {g['gemm']} | {g['m']} x {g['k']} x {g['n']} | {g['s'] * 1e3:.3f} | "
-              f"{g['flops_per_s'] / 1e12:.2f} | {g['flops_per_s'] / ref:.2f} |" for g in res["gemms"]]
+              f"{g['flops_per_s'] / 1e12:.3g} | {g['flops_per_s'] / ref:.2f} |" for g in res["gemms"]]
     return "\n".join(lines) + "\n"
 
 
