@@ -227,7 +227,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     # ---- forward: See [Note: segments], [Note: all-gather issue] --------------------
     ag_buffer = 0.0  # See [Note: all-gather buffer]: the previous step's last was freed at its forward's end
     # A shard group of one gathers nothing: no output to keep, no copy (See [Note: collective copies]).
-    keeps, copy = gathers, copy if gathers else 0.0
+    copy = copy if gathers else 0.0
     ag_end = [0.0] * n
     issued = [False] * n
     seen = [False] * n
@@ -249,12 +249,12 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 issued[u] = True
             t = max(t, ag_end[u]) + unit_oh
             # copy-out: the output beside the unsharded parameters, the previous one freed first (See [Note: all-gather buffer])
-            if keeps:
+            if gathers:
                 ag_buffer = 0.0
             m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
             if m > peak:
                 peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * 1.0)
-            if keeps:
+            if gathers:
                 ag_buffer = P[u] * 1.0
             if depth:  # prefetch `depth` units ahead, issued at this unit's pre-forward
                 k = pos[u] + depth
