@@ -30,12 +30,11 @@ takes ~25 us in all. So the compiled ``step_loop`` is given plain tuples
 inputs by position, in their fields' order (asserted against ``_fields`` at
 import): named or plain, the same line reads both, for free in compiled code
 and in ~0.3 us as Python, where naming them again (``Segments(*segs)``) and
-reading the names took ~1.9 us (building named tuples in a separate compiled
-entry that calls ``step_loop`` cost ~0.4 us: the new tuples' references to
-their ~30 arrays; inlining it there instead doubled the compile time). The
-per-plan named tuples are built by ``tuple.__new__(Cls, fields)`` (~0.15 us,
-against ~0.3 us with keywords and ~0.2 us by ``Cls._make``): these records
-are built on every scoring, so their cost is the simulator's speed.
+reading the names took ~1.9 us (a separate compiled entry building them cost
+~0.4 us; inlining it doubled the compile time). The per-plan named tuples
+are built by ``tuple.__new__(Cls, fields)`` (~0.15 us, against ~0.3 us with
+keywords and ~0.2 us by ``Cls._make``): these records are built on every
+scoring, so their cost is the simulator's speed.
 
 Events are recorded (``record``) as rows of ``ev``: lane, kind, unit, start,
 end, memory, with the codes below.
@@ -111,7 +110,8 @@ class UnitPlan(NamedTuple):
 # analytical fabrics: 0). So an all-gather holds its output and that copy while it runs; by its
 # copy-out the copy is gone. A reduce-scatter's copy adds nothing to its copy-in: FSDP2 frees the
 # unsharded gradients once copied into the input buffer (``foreach_reduce``), before it runs.
-# A shard group of one rank gathers and reduce-scatters nothing: no copy.
+# [Note: shard group of one] A shard group of one gathers and reduce-scatters nothing: no copy, no per-unit
+# overhead in forward (FSDP2 only copies; charging it put no-shard's forward 2.5 ms slow, median of 52 runs).
 
 
 class StepConstants(NamedTuple):
@@ -247,7 +247,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 comm_total += d
                 ag_end[u] = c
                 issued[u] = True
-            t = max(t, ag_end[u]) + unit_oh
+            t = max(t, ag_end[u]) + (unit_oh if gathers else 0.0)  # See [Note: shard group of one]
             # copy-out: the output beside the unsharded parameters, the previous one freed first (See [Note: all-gather buffer])
             if gathers:
                 ag_buffer = 0.0

@@ -73,7 +73,8 @@ class ChainCosts:
     act: tuple[float, ...]  # saved activation bytes
     inp: tuple[float, ...]  # what a checkpointed block keeps
     work: float
-    overhead_s: float
+    overhead_s: float  # per group per backward
+    fwd_overhead_s: float  # per group per forward: none for a shard group of one (See [Note: shard group of one])
     ckpt_overhead_s: float  # per checkpointed block, beyond its recomputed forward
     runs_ahead: bool
     shard_size: int
@@ -132,7 +133,8 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G), SG=tuple(lay.trainable_bytes[i] / shard for i in range(n)),
         act=tuple(float(x) for x in lay.saved[:n]),
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
-        overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
+        overhead_s=sim.compute.unit_overhead_s,
+        fwd_overhead_s=sim.compute.unit_overhead_s if shard > 1 else 0.0, ckpt_overhead_s=sim.compute.checkpoint_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
     )
 
 
@@ -172,7 +174,7 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
 
 
 def _fw(cc: ChainCosts, V: tuple, X: tuple) -> float:
-    o = cc.overhead_s
+    o = cc.fwd_overhead_s
     return max(V[0] + o, X[2]) if cc.runs_ahead else V[0] + o + X[2]
 
 

@@ -120,7 +120,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
     f, m = tb.f, tb.m
     use_mem = math.isfinite(mem_allowance)
     allow = mem_allowance if use_mem else 0.0
-    o = cc.overhead_s
+    o, fo = cc.overhead_s, cc.fwd_overhead_s
     two_work = 2 * int(cc.work)
     ahead = cc.runs_ahead
     cis = np.arange(C)
@@ -130,7 +130,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
     t0, a0, id0 = start
     for s in range(1, G + 1):
         AX = f["A"][0, s]
-        dt = np.maximum(o, AX) if ahead else o + AX
+        dt = np.maximum(fo, AX) if ahead else fo + AX
         L = t0.size
         pending[s].append((
             (t0[:, None] + dt[None, :]).ravel(), np.repeat(a0, C), np.zeros(L * C, dtype=np.int64),
@@ -167,7 +167,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
             final_p.append(ids[ok])
             continue
         v_wid = tb.wid[st, sl, cl]
-        fw_comp = FV + o
+        fw_comp = FV + fo
         L = t.size
         for s_next in range(1, min(G, n - i) + 1):
             SX, AX, GX = f["S"][i, s_next], f["A"][i, s_next], m["G"][i, s_next]
