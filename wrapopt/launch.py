@@ -365,6 +365,15 @@ def _explain(procs: list[Any], results: dict[int, Any], errors: dict[int, str]) 
     return f"{culprit}; rank {rank} then failed: {head}\n{rest}"
 
 
+def max_over_ranks(*xs: float) -> list[float]:
+    """Each of ``xs``, the largest over the ranks (a collective: call on every rank); as
+    given when no process group is running."""
+    t = torch.tensor(xs, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def broadcast_json(obj: Any, parse: Callable[..., Any]) -> Any:
     """Rank 0's JSON-able object on every rank (sent as JSON text, never pickled user data)."""
     box = [json.dumps(obj) if dist.get_rank() == 0 else None]

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.evaluation.memtrack import steady_phases_peak, steady_step_peak
-from wrapopt.launch import dp_rank_size
+from wrapopt.launch import dp_rank_size, max_over_ranks
 from wrapopt.plan.apply import apply_plan, build_mesh
 from wrapopt.spec import PlanSpec
 from wrapopt.train import TrainConfig
@@ -75,12 +75,6 @@ def round_order(n: int, r: int) -> list[int]:
             w.append(hi)
             hi -= 1
     return [(x + r) % n for x in w]
-
-
-def _max_over_ranks(*xs: float) -> list[float]:
-    t = torch.tensor(xs, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def _mark(on_cuda: bool) -> Any:
@@ -227,7 +221,7 @@ def measure_plans(
                 loss = _step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
             if on_cuda:
                 torch.cuda.synchronize()
-            dt, *ph = _max_over_ranks(time.perf_counter() - t0, *_three(_phases(marks)))
+            dt, *ph = max_over_ranks(time.perf_counter() - t0, *_three(_phases(marks)))
             if r >= warmup:
                 times[i].append(dt)
                 phases[i].append(ph)
@@ -248,7 +242,7 @@ def measure_plans(
                 # See [Note: missed frees] in memtrack.py.
                 peak = (steady_step_peak(lambda: _step(m, o, batch, loss_fn), m, o, "cpu") if micro == 1 else
                         steady_phases_peak(_step_phases(m, o, batch, loss_fn, micro, no_sync), m, o, "cpu"))
-            peaks[i] = int(_max_over_ranks(float(peak))[0])
+            peaks[i] = int(max_over_ranks(float(peak))[0])
     out = []
     for i, plan in enumerate(plans):
         med = statistics.median(times[i])

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from wrapopt.launch import PROFILER_LOG, profiler_lines_to_log
+from wrapopt.launch import PROFILER_LOG, max_over_ranks, profiler_lines_to_log
 
 __all__ = ["LiveBytesTracker", "steady_step_peak", "steady_phases_peak", "PROFILER_LOG"]
 
@@ -153,17 +153,6 @@ class LiveBytesTracker:
         return sum(seen.values())
 
 
-def _balanced_everywhere(net: int) -> bool:
-    """Whether every rank has a step whose events balance (``net == 0``); the same
-    answer on every rank, so they run the same number of steps."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([0 if net == 0 else 1])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag) == 0
-
-
 def steady_step_peak(step: Callable[[], Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                      device: str = "cpu", *, tries: int = 3, max_tries: int = 8) -> int:
     """Peak live bytes of one steady-state ``step()``: runs it ``tries`` times, and on
@@ -174,8 +163,10 @@ def steady_step_peak(step: Callable[[], Any], model: torch.nn.Module, optimizer:
     for k in range(max(1, max_tries)):
         with LiveBytesTracker(model, optimizer, device) as tr:
             step()
-        best = min(best or (abs(tr.net_bytes), tr.peak_bytes), (abs(tr.net_bytes), tr.peak_bytes))
-        if k + 1 >= tries and _balanced_everywhere(best[0]):
+        this = (abs(tr.net_bytes), tr.peak_bytes)
+        best = this if best is None else min(best, this)
+        # Every rank balanced: the same answer everywhere, so all run the same number of steps.
+        if k + 1 >= tries and max_over_ranks(best[0])[0] == 0:
             break
     return best[1]
 

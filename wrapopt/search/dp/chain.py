@@ -74,7 +74,6 @@ class ChainCosts:
     inp: tuple[float, ...]  # what a checkpointed block keeps
     work: float
     overhead_s: float  # per group per backward
-    fwd_overhead_s: float  # per group per forward: none for a shard group of one (See [Note: shard group of one])
     ckpt_overhead_s: float  # per checkpointed block, beyond its recomputed forward
     runs_ahead: bool
     shard_size: int
@@ -86,6 +85,11 @@ class ChainCosts:
     # chains' memory (the working set, the root's activations after the chains);
     # the last group's re-gather is prefetched then too.
     loss_mem: float = 0.0
+
+    @property
+    def fwd_overhead_s(self) -> float:
+        """Per group per forward: none for a shard group of one (See [Note: shard group of one])."""
+        return self.overhead_s if self.shard_size > 1 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +137,7 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G), SG=tuple(lay.trainable_bytes[i] / shard for i in range(n)),
         act=tuple(float(x) for x in lay.saved[:n]),
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
-        overhead_s=sim.compute.unit_overhead_s,
-        fwd_overhead_s=sim.compute.unit_overhead_s if shard > 1 else 0.0, ckpt_overhead_s=sim.compute.checkpoint_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
+        overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
     )
 
 
