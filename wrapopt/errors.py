@@ -15,6 +15,8 @@ __all__ = [
     "PlanMismatchError",
     "InfeasibleError",
     "DistributedError",
+    "RankFailedError",
+    "RanksDisagreeError",
 ]
 
 
@@ -48,3 +50,17 @@ class InfeasibleError(WrapoptError):
 
 class DistributedError(WrapoptError, RuntimeError):
     """A multi-process step failed or timed out; names the rank when known."""
+
+
+class RankFailedError(DistributedError):
+    """A rank failed in work every rank does; raised on every rank, naming the failing ranks
+    (``ranks``) and the first one's message (See [Note: every rank explains] in wrapopt/consensus.py)."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RanksDisagreeError(DistributedError):
+    """The ranks were given different models, inputs, plans or options; raised on every rank,
+    naming the ranks and what differs."""
