@@ -7,6 +7,8 @@ tuned; these check that plans hold on models wrapopt was not built around
 
 - ``tx-encoder``: ``nn.TransformerEncoder`` of ``nn.TransformerEncoderLayer`` (batch first,
   pre-norm): ``nn.MultiheadAttention`` reads its ``out_proj`` weight without calling it;
+- ``tx-tied``: a GPT of causal ``nn.TransformerEncoderLayer`` blocks with the head tied to the
+  embedding (issue 33: the memory model on stock modules with a tied pair);
 - ``tx-decoder``: ``nn.Transformer`` (encoder and decoder stacks, cross-attention to the
   encoder's memory, post-norm), untied embeddings;
 - ``wide-shallow``: 2 wide decoder blocks (d=256, FFN 1024) with a fused qkv projection;
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from wrapopt.models.entry import ZooEntry, lm_loss, src_tgt, tokens
 
-__all__ = ["BENCH", "TxEncoderLM", "TxSeq2Seq", "FusedDecoder", "MoEFFN", "LoRALinear", "LoRALlama"]
+__all__ = ["BENCH", "TxEncoderLM", "TxCausalLM", "TxSeq2Seq", "FusedDecoder", "MoEFFN", "LoRALinear", "LoRALlama"]
 
 
 # --- built from torch.nn.Transformer* layers ------------------------------------------------------
@@ -52,6 +54,30 @@ class TxEncoderLM(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         return self.head(self.encoder(x))
+
+
+class TxCausalLM(nn.Module):
+    """A GPT built from stock modules: ``nn.TransformerEncoderLayer`` blocks run causally in an
+    ``nn.ModuleList``, the head tied to the token embedding."""
+
+    def __init__(self, *, vocab: int, dim: int, n_layers: int, n_heads: int, ffn: int, max_seq: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_seq, dim)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, n_heads, ffn, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.embed(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(self.norm(x))
 
 
 class TxSeq2Seq(nn.Module):
@@ -243,6 +269,9 @@ BENCH: tuple[ZooEntry, ...] = (
     _bench("tx-encoder", "nn.TransformerEncoder of 4 nn.TransformerEncoderLayer (batch first, pre-norm), d=64, FFN 256, "
            "nn.MultiheadAttention", lambda: TxEncoderLM(vocab=2048, dim=64, n_layers=4, n_heads=4, ffn=256, max_seq=64),
            tokens(2048, 64), 4),
+    _bench("tx-tied", "GPT of 6 causal nn.TransformerEncoderLayer blocks (nn.MultiheadAttention, pre-norm) in an "
+           "nn.ModuleList, d=128, FFN 512, head tied to the embedding",
+           lambda: TxCausalLM(vocab=2048, dim=128, n_layers=6, n_heads=4, ffn=512, max_seq=128), tokens(2048, 128), 8),
     _bench("tx-decoder", "nn.Transformer, 2 encoder + 3 decoder layers (cross-attention to the memory, post-norm), d=64, "
            "FFN 256, untied embeddings", lambda: TxSeq2Seq(vocab=2048, dim=64, n_enc=2, n_dec=3, n_heads=4, ffn=256),
            src_tgt(2048, 32), 4),
