@@ -15,6 +15,7 @@ __all__ = [
     "PlanMismatchError",
     "InfeasibleError",
     "DistributedError",
+    "OptionError",
 ]
 
 
@@ -48,3 +49,7 @@ class InfeasibleError(WrapoptError):
 
 class DistributedError(WrapoptError, RuntimeError):
     """A multi-process step failed or timed out; names the rank when known."""
+
+
+class OptionError(WrapoptError, ValueError):
+    """An argument or option has a value wrapopt cannot use; names the argument and what it accepts."""
