@@ -73,7 +73,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from wrapopt.errors import ModelError, TraceError
-from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
+from wrapopt.losses import DefaultLoss, labels_for, scalar_loss, user_loss_choice
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.trace.fx import export_fx
 from wrapopt.tp import attention_heads
@@ -362,7 +362,7 @@ def _run_step(
             recorder.record_flow = False
             recorder.loss_before = {storage_key(t) for t in tensors_in((out, inputs))}
             recorder.in_loss = True
-            loss = loss_fn(out, inputs)
+            loss = scalar_loss(loss_fn(out, inputs), loss_fn)
             recorder.in_loss = False
         recorder.backward = True
         trainable = [t for t in param_tensors if t.requires_grad]
