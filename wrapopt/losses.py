@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from wrapopt.errors import ModelError
 
-__all__ = ["scalar_loss", "default_loss", "next_token_cross_entropy", "LossChoice", "DefaultLoss", "user_loss_choice", "labels_for",
-           "LOSS_KINDS", "MEAN_SQUARE_HINT"]
+__all__ = ["scalar_loss", "default_loss", "next_token_cross_entropy", "LossChoice", "DefaultLoss", "user_loss_choice",
+           "labels_for", "LOSS_KINDS", "MEAN_SQUARE_HINT"]
 
 # Closed set of ``LossChoice.kind``: the user's loss_fn, the model's own, the two defaults.
 LOSS_KINDS = ("user", "model", "cross_entropy", "mean_square")
