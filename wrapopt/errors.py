@@ -17,6 +17,7 @@ __all__ = [
     "DistributedError",
     "RankFailedError",
     "RanksDisagreeError",
+    "OptionError",
 ]
 
 
@@ -64,3 +65,7 @@ class RankFailedError(DistributedError):
 class RanksDisagreeError(DistributedError):
     """The ranks were given different models, inputs, plans or options; raised on every rank,
     naming the ranks and what differs."""
+
+
+class OptionError(WrapoptError, ValueError):
+    """An argument or option has a value wrapopt cannot use; names the argument and what it accepts."""

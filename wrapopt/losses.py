@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from wrapopt.errors import ModelError
 
-__all__ = ["default_loss", "next_token_cross_entropy", "LossChoice", "DefaultLoss", "user_loss_choice", "labels_for",
-           "LOSS_KINDS", "MEAN_SQUARE_HINT"]
+__all__ = ["scalar_loss", "default_loss", "next_token_cross_entropy", "LossChoice", "DefaultLoss", "user_loss_choice",
+           "labels_for", "LOSS_KINDS", "MEAN_SQUARE_HINT"]
 
 # Closed set of ``LossChoice.kind``: the user's loss_fn, the model's own, the two defaults.
 LOSS_KINDS = ("user", "model", "cross_entropy", "mean_square")
@@ -113,6 +113,18 @@ class DefaultLoss:
             return next_token_cross_entropy(logits, tokens)
         self.choice = _MEAN_SQUARE
         return default_loss(output, inputs)
+
+
+def scalar_loss(loss: Any, loss_fn: Callable[..., Any]) -> torch.Tensor:
+    """``loss`` when it is a one-element tensor (what ``backward()`` takes), else ``ModelError``
+    naming ``loss_fn``, what it returned and the fix. Every caller of a ``loss_fn`` goes through it."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    own = isinstance(loss_fn, DefaultLoss) and loss_fn.choice is not None
+    name = loss_fn.choice.name if own else user_loss_choice(loss_fn).name  # type: ignore[union-attr]
+    raise ModelError(f"loss_fn {name} returned {what}, not a scalar; reduce it to one "
+                     "number, e.g. return loss.mean() (or .sum())")
 
 
 def user_loss_choice(loss_fn: Callable[..., Any]) -> LossChoice:

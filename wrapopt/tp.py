@@ -84,18 +84,33 @@ _LINEAR = ("Linear",)
 
 
 def attention_heads(model) -> tuple[tuple[str, int, int], ...]:
-    """(module, heads, key-value heads) for every module holding a head count attribute
-    and at least one ``nn.Linear`` child: what ``ModelGraph.attention_heads`` records."""
+    """(module, heads, key-value heads) for every module holding a head count attribute (or a
+    ``head_dim`` and a ``config`` with the counts: ``_config_heads``) and at least one ``nn.Linear``
+    child: what ``ModelGraph.attention_heads`` records, and what the degree must divide."""
     import torch.nn as nn
 
     out = []
     for name, m in model.named_modules():
         heads = next((getattr(m, a) for a in _HEADS if isinstance(getattr(m, a, None), int)), None)
+        kv = next((getattr(m, a) for a in _KV_HEADS if isinstance(getattr(m, a, None), int)), heads)
+        if heads is None:
+            heads, kv = _config_heads(m)
         if heads is None or heads < 1 or not any(isinstance(c, nn.Linear) for c in m.children()):
             continue
-        kv = next((getattr(m, a) for a in _KV_HEADS if isinstance(getattr(m, a, None), int)), heads)
         out.append((name, int(heads), int(kv or heads)))
     return tuple(out)
+
+
+def _config_heads(m: Any) -> tuple[int | None, int | None]:
+    """(heads, key-value heads) of an attention that keeps its counts in its model's config, as
+    Hugging Face's Llama, Qwen, Mistral and GPT-NeoX attentions do: a module with a ``head_dim``
+    (or ``head_size``) of its own and a ``config`` naming the heads; (None, None) otherwise."""
+    cfg = getattr(m, "config", None)
+    if not any(isinstance(getattr(m, a, None), int) for a in ("head_dim", "head_size")) or cfg is None:
+        return None, None
+    heads = next((getattr(cfg, a) for a in _HEADS if isinstance(getattr(cfg, a, None), int)), None)
+    kv = next((getattr(cfg, a) for a in _KV_HEADS if isinstance(getattr(cfg, a, None), int)), heads)
+    return heads, kv
 
 
 def _linears(graph: ModelGraph, block: str) -> dict[str, tuple[int, int]]:

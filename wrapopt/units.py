@@ -26,14 +26,14 @@ the user's backward.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from functools import lru_cache
 
 from wrapopt.errors import PlanError
 from wrapopt.spec import ROOT, ModelGraph, PlanSpec, UnitSpec
 
-__all__ = ["ancestors", "owner_index", "validate_plan", "unit_param_bytes", "user_conflicts", "user_conflict_message",
-           "together_groups"]
+__all__ = ["ancestors", "owner_index", "validate_plan", "check_units", "unit_param_bytes", "user_conflicts",
+           "user_conflict_message", "together_groups"]
 
 
 @lru_cache(maxsize=65536)
@@ -67,8 +67,20 @@ def validate_plan(graph: ModelGraph, plan: PlanSpec) -> None:
 
     Legal: the root unit comes last; every named module exists; no module is
     listed twice (every parameter in exactly one unit); a unit's modules are
-    not nested in one another; tied parameters end up in one unit.
+    not nested in one another; tied parameters end up in one unit; a module
+    shares its unit with the modules reading its parameters ([Note: parameter users]).
     """
+    check_units(plan, graph.tree, graph.tied_groups)
+    conflicts = user_conflicts(graph.param_users, plan.units)
+    if conflicts:
+        never_ran = graph.info(conflicts[0][0]).order < 0
+        raise PlanError(user_conflict_message(conflicts[0], plan.units, never_ran=never_ran))
+
+
+def check_units(plan: PlanSpec, modules: Container[str], tied_groups: Iterable[Iterable[str]]) -> None:
+    """``validate_plan`` but for the parameter users, from what a model alone gives (the
+    module names of ``named_modules()``, the groups of tied parameter names): ``apply_plan``
+    runs it before any ``fully_shard``, so a plan is refused on apply as on estimate."""
     units = plan.units
     if not units or not units[-1].is_root:
         raise PlanError("the last unit of a plan must be the root (modules [\"\"]); fully_shard(model) comes last")
@@ -80,7 +92,7 @@ def validate_plan(graph: ModelGraph, plan: PlanSpec) -> None:
         if u.is_root and i != len(units) - 1:
             raise PlanError("the root module appears in a unit other than the last")
         for m in u.modules:
-            if m not in graph.tree:
+            if m not in modules:
                 unknown.append(m)
             if m in seen:
                 raise PlanError(f"module {m!r} is in units {seen[m]} and {i}; each module may be wrapped once")
@@ -98,7 +110,8 @@ def validate_plan(graph: ModelGraph, plan: PlanSpec) -> None:
     if unknown:
         raise PlanError(f"the plan names modules the model does not have: {', '.join(sorted(unknown)[:8])}")
     index = owner_index(units)
-    for group in graph.tied_groups:
+    for group in tied_groups:
+        group = tuple(group)
         owners = {}
         for pname in group:
             mod = pname.rsplit(".", 1)[0] if "." in pname else ROOT
@@ -109,9 +122,6 @@ def validate_plan(graph: ModelGraph, plan: PlanSpec) -> None:
                 f"tied parameters {', '.join(group)} would land in different units ({where}); "
                 "put their modules in one unit, e.g. fully_shard([module_a, module_b]), or leave them to a common parent"
             )
-    conflicts = user_conflicts(graph.param_users, units)
-    if conflicts:
-        raise PlanError(user_conflict_message(conflicts[0], units, never_ran=graph.info(conflicts[0][0]).order < 0))
 
 
 def user_conflicts(param_users: Iterable[tuple[str, str]], units: tuple[UnitSpec, ...]) -> list[tuple[str, str, int, int]]:

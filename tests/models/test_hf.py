@@ -107,3 +107,38 @@ def test_a_config_transformers_cannot_build_is_one_line_naming_the_field(fields,
         resolve_model(f"hf:{path}")
     assert words in str(err.value) and "\n" not in str(err.value)
     assert any(w in str(err.value) for w in ("package.module:callable", "remove `architectures`", "add the one"))
+
+
+@pytest.mark.parametrize("arch, change, words", [
+    ("llama", {"pad_token_id": 500}, "field `pad_token_id` = 500 is outside the vocabulary (`vocab_size` = 128); "
+                                     "give a token id from 0 to 127"),
+    ("llama", {"eos_token_id": [2, 128]}, "field `eos_token_id` = 128 is outside the vocabulary"),
+    ("bart", {"decoder_start_token_id": -1}, "field `decoder_start_token_id` = -1 is outside the vocabulary"),
+    ("llama", {"vocab_size": 0}, "field `vocab_size` must be a positive integer, got 0"),
+    ("llama", {"hidden_size": "big"}, "field `hidden_size` must be a positive integer, got 'big'"),
+    ("gpt2", {"n_head": 3}, "field `n_head` = 3 does not divide `n_embd` = 32"),
+    ("bart", {"encoder_attention_heads": 5}, "field `encoder_attention_heads` = 5 does not divide `d_model` = 32"),
+    ("llama", {"num_key_value_heads": 3}, "field `num_key_value_heads` = 3 does not divide `num_attention_heads` = 2"),
+    # head_dim set: transformers' own check, translated
+    ("llama", {"num_attention_heads": 3}, "refuses this llama config: ValueError: The hidden size (32) is not a "
+                                          "multiple of the number of attention heads (3); fix the field"),
+])
+def test_bad_config_fields_are_one_line_naming_the_file_and_the_field(arch, change, words, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**archs()[arch][0]().to_dict(), **change}))
+    with pytest.raises(ModelError) as err:
+        resolve_model(f"hf:{path}")
+    msg = str(err.value)
+    assert msg.startswith(f"hf:{path}: ") and words in msg and "\n" not in msg, msg
+
+
+def test_a_build_error_names_the_class_and_the_config(tmp_path, monkeypatch):
+    from wrapopt.models import hf
+
+    monkeypatch.setattr(hf, "check_config_fields", lambda cfg, where: None)  # what the fields check would stop
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**archs()["llama"][0]().to_dict(), "pad_token_id": 500}))
+    with pytest.raises(ModelError) as err:
+        resolve_model(f"hf:{path}")
+    assert "building LlamaForCausalLM from this config failed (AssertionError: Padding_idx must be within" \
+        in str(err.value) and "\n" not in str(err.value)

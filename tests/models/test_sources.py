@@ -45,3 +45,50 @@ def test_old_import_paths_still_work_for_one_release():
 
     assert MeshSpec is wrapopt.spec.MeshSpec
     assert full_tensor is wrapopt.debug.full_tensor
+
+
+_USER_MODULE = '''
+import torch
+import torch.nn as nn
+
+def broken():
+    raise RuntimeError("CUDA out of memory\\nsecond line")
+
+def ok():
+    return nn.Linear(4, 4), torch.randn(2, 4)
+
+CALLS = []
+
+def fails_on_build():
+    CALLS.append(1)
+    if len(CALLS) > 1:
+        raise KeyError("weights")
+    return ok()
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch) -> str:
+    (tmp_path / "rel2_user_models.py").write_text(_USER_MODULE)
+    (tmp_path / "rel2_bad_import.py").write_text("raise ValueError('no config here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "rel2_user_models"
+
+
+def test_a_callable_that_raises_is_one_line_naming_it_the_error_and_the_fix(user_module):
+    with pytest.raises(ModelError) as err:
+        resolve_model(f"{user_module}:broken")
+    msg = str(err.value)
+    assert f"calling {user_module}.broken() raised RuntimeError: CUDA out of memory;" in msg and "\n" not in msg
+    assert "returns (model, example_inputs)" in msg
+    src = resolve_model(f"{user_module}:fails_on_build")  # the probe works; building again fails
+    with pytest.raises(ModelError, match=r"fails_on_build\(\) raised KeyError: 'weights'"):
+        src.build("meta")
+    assert resolve_model(f"{user_module}:ok").build("meta").weight.is_meta
+
+
+def test_a_module_that_raises_on_import_is_one_line(user_module):
+    with pytest.raises(ModelError) as err:
+        resolve_model("rel2_bad_import:anything")
+    assert "importing 'rel2_bad_import' raised ValueError: no config here" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from wrapopt.evaluation.memtrack import steady_phases_peak, steady_step_peak
 from wrapopt.launch import dp_rank_size, max_over_ranks
+from wrapopt.losses import scalar_loss
 from wrapopt.plan.apply import apply_plan, build_mesh
 from wrapopt.spec import PlanSpec
 from wrapopt.train import TrainConfig
@@ -102,7 +103,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, loss_fn: 
     for i in range(micro):
         if no_sync:
             model.set_requires_gradient_sync(i == micro - 1)  # type: ignore[operator]
-        loss = loss_fn(model(*inputs), inputs)
+        loss = scalar_loss(loss_fn(model(*inputs), inputs), loss_fn)
         mark()
         (loss / micro if micro > 1 else loss).backward()  # FSDP2's final callback waits for the last reduce-scatter
         mark()
@@ -120,7 +121,7 @@ def _step_phases(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, lo
         def run() -> None:
             if no_sync:
                 model.set_requires_gradient_sync(i == micro - 1)  # type: ignore[operator]
-            (loss_fn(model(*inputs), inputs) / micro).backward()
+            (scalar_loss(loss_fn(model(*inputs), inputs), loss_fn) / micro).backward()
         return run
 
     def optim() -> None:

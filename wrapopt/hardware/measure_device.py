@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from wrapopt.errors import ModelError, ProfileError
 from wrapopt.hardware.profiles import ComputeProfile
-from wrapopt.losses import default_loss
+from wrapopt.losses import default_loss, scalar_loss
 
 __all__ = [
     "measure_compute",
@@ -171,7 +171,7 @@ def measure_module_times(
             fwd.clear()
             stack.clear()
             out = model(*inputs)
-            loss = loss_fn(out, inputs)
+            loss = scalar_loss(loss_fn(out, inputs), loss_fn)
             sync()
             t0 = time.perf_counter()
             loss.backward()
@@ -318,7 +318,7 @@ def measure_loss_time(model: nn.Module, example_inputs: tuple[Any, ...], loss_fn
 
     def run() -> None:
         o = out.detach().requires_grad_(True) if isinstance(out, torch.Tensor) else out
-        loss = loss_fn(o, inputs)
+        loss = scalar_loss(loss_fn(o, inputs), loss_fn)
         if loss.requires_grad:
             loss.backward()
 

@@ -38,7 +38,7 @@ from wrapopt.errors import ModelError
 from wrapopt.fileio import read_json
 from wrapopt.models.base import ModelSource
 
-__all__ = ["hf_source", "TASKS"]
+__all__ = ["hf_source", "check_config_fields", "TASKS"]
 
 # (task, name of the model_type -> class name mapping in transformers.models.auto.modeling_auto)
 TASKS = (
@@ -72,14 +72,17 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
     if "model_type" not in cfg_dict:
         raise ModelError(f"hf:{path}: no `model_type` field; add the one the model's Hugging Face config.json "
                          "names (e.g. \"model_type\": \"llama\")")
+    check_config_fields(cfg_dict, f"hf:{path}")
     try:
         config = transformers.AutoConfig.for_model(**cfg_dict)
-    except (ValueError, KeyError, TypeError) as e:
-        known = cfg_dict["model_type"] in transformers.CONFIG_MAPPING
-        why = f"its other fields do not fit it ({str(e).splitlines()[0][:200]})" if known else "unknown to it"
+    except Exception as e:  # noqa: BLE001 (ValueError, KeyError, huggingface_hub's strict-dataclass errors)
+        if cfg_dict["model_type"] in transformers.CONFIG_MAPPING:  # known: a field does not fit the others
+            raise ModelError(f"hf:{path}: transformers {transformers.__version__} refuses this "
+                             f"{cfg_dict['model_type']} config: {_last_line(e)}; fix the field it names, or pass "
+                             "MODEL as package.module:callable") from None
         raise ModelError(f"hf:{path}: field `model_type` = {cfg_dict['model_type']!r}: transformers "
-                         f"{transformers.__version__} cannot build this config, {why}; upgrade transformers or pass "
-                         "MODEL as package.module:callable") from None
+                         f"{transformers.__version__} cannot build this config, it is unknown to it; upgrade "
+                         "transformers or pass MODEL as package.module:callable") from None
     cls, task = _model_class(transformers, config, cfg_dict, path)
 
     def build(device: str) -> nn.Module:
@@ -92,10 +95,61 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
         with torch.device(device):  # a copy: transformers writes the experts implementation into the config
             return cls._from_config(copy.deepcopy(config), **kwargs)
 
-    model = build("meta")
+    try:
+        model = build("meta")
+    except Exception as e:  # noqa: BLE001 (transformers' own error, translated: See check_config_fields)
+        raise ModelError(f"hf:{path}: building {cls.__name__} from this config failed ({type(e).__name__}: "
+                         f"{_last_line(e)}); fix the config's fields, or pass MODEL as package.module:callable") from e
     inputs = _example_inputs(cls, config, batch, seq, path)
     small = sum(p.numel() for p in model.parameters()) <= _TRAINABLE_MAX_PARAMS
     return ModelSource(f"hf:{path}", build, inputs, None, small)
+
+
+# Fields that, when a config has them, count something: positive integers.
+_SIZES = ("vocab_size", "hidden_size", "n_embd", "d_model", "dim", "intermediate_size", "ffn_dim", "d_ff", "n_inner",
+          "encoder_ffn_dim", "decoder_ffn_dim", "num_hidden_layers", "n_layer", "num_layers", "n_layers",
+          "encoder_layers", "decoder_layers", "num_attention_heads", "n_head", "n_heads", "num_heads",
+          "encoder_attention_heads", "decoder_attention_heads", "num_key_value_heads", "head_dim", "d_kv",
+          "max_position_embeddings", "n_positions")
+# (width field, heads field): the heads split the width, unless the config sets ``head_dim`` itself.
+_WIDTH_HEADS = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"), ("d_model", "encoder_attention_heads"),
+                ("d_model", "decoder_attention_heads"), ("dim", "n_heads"))
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def check_config_fields(cfg: dict[str, Any], where: str) -> None:
+    """``ModelError`` naming ``where`` (the config file), the field and the fix when a size is not a
+    positive integer, the attention heads do not split the width (or the key-value heads the
+    heads), or a token id lies outside the vocabulary: checked before transformers builds anything."""
+    for name in _SIZES:
+        v = cfg.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ModelError(f"{where}: field `{name}` must be a positive integer, got {v!r}; "
+                             f"write a number without quotes, e.g. \"{name}\": 64")
+    for width, heads in _WIDTH_HEADS:
+        w, h = cfg.get(width), cfg.get(heads)
+        if w and h and cfg.get("head_dim") is None and w % h:
+            raise ModelError(f"{where}: field `{heads}` = {h} does not divide `{width}` = {w} (each head gets "
+                             f"{width} / {heads} features); give a number of heads that divides {w}")
+    h, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if h and kv and h % kv:
+        raise ModelError(f"{where}: field `num_key_value_heads` = {kv} does not divide `num_attention_heads` = {h}; "
+                         f"give a divisor of {h} (each key-value head serves a group of query heads)")
+    vocab = cfg.get("vocab_size")
+    for name in _TOKEN_IDS:
+        ids = cfg.get(name)
+        for i in ids if isinstance(ids, list) else [ids]:
+            if i is None or (isinstance(i, int) and not isinstance(i, bool) and (vocab is None or 0 <= i < vocab)):
+                continue
+            within = f"0 to {vocab - 1}" if vocab else "0 or more"
+            raise ModelError(f"{where}: field `{name}` = {i!r} is outside the vocabulary (`vocab_size` = {vocab}); "
+                             f"give a token id from {within}, or null")
+
+
+def _last_line(e: BaseException) -> str:
+    """The last line of an error's message: huggingface_hub's validation errors put the cause there."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1][:300].rstrip(".") if lines else type(e).__name__
 
 
 def _model_class(transformers: Any, config: Any, cfg_dict: dict, path: str) -> tuple[type, str]:

@@ -63,10 +63,14 @@ def _callable(spec: str) -> ModelSource:
         module = importlib.import_module(mod_name)
     except ImportError as e:
         raise ModelError(f"cannot import {mod_name!r} for MODEL {spec!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 (the user's module failed while importing)
+        raise ModelError(f"MODEL {spec}: importing {mod_name!r} raised {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else '(no message)'}; "
+                         "fix the module so that it imports") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ModelError(f"{mod_name!r} has no callable {attr!r}; MODEL must name a function returning a model")
-    probe = fn()
+    probe = _call(fn, spec)
     model, inputs = (probe if isinstance(probe, tuple) else (probe, None))
     if not isinstance(model, nn.Module):
         raise ModelError(f"{spec} returned {type(model).__name__}, not an nn.Module (or (module, example_inputs))")
@@ -77,10 +81,21 @@ def _callable(spec: str) -> ModelSource:
     def build(device: str) -> nn.Module:
         torch.manual_seed(0)
         with torch.device(device):
-            out = fn()
+            out = _call(fn, spec)
         return out[0] if isinstance(out, tuple) else out
 
     return ModelSource(spec, build, inputs, None, True)
+
+
+def _call(fn: Callable[[], object], spec: str) -> object:
+    """``fn()``; an exception it raises becomes one line naming the callable, the error and the fix."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 (the user's code: any error is theirs to fix)
+        text = str(e).strip().splitlines()[0][:300] if str(e).strip() else "(no message)"
+        raise ModelError(f"MODEL {spec}: calling {spec.replace(':', '.', 1)}() raised {type(e).__name__}: {text}; "
+                         "fix the callable so that, called with no arguments, it returns (model, example_inputs)"
+                         ) from e
 
 
 register_source("zoo", _zoo)

@@ -28,7 +28,8 @@ from wrapopt.errors import PlanError
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_blocks
 from wrapopt.spec import PlanSpec
-from wrapopt.units import user_conflict_message, user_conflicts
+from wrapopt.units import check_units, user_conflict_message, user_conflicts
+from wrapopt.wrapped import check_unwrapped
 
 __all__ = ["apply_plan", "build_mesh", "materialize_sharded", "known_param_users", "DTYPES"]
 
@@ -65,31 +66,9 @@ def known_param_users(model: nn.Module) -> tuple[tuple[str, str], ...]:
 
 def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
            param_users: Iterable[Sequence[str]] | None = ()) -> dict[str, nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
+    check_unwrapped(model, "apply", error=PlanError)
     modules = dict(model.named_modules())
-    sharded = [n or "<root>" for n, m in modules.items() if isinstance(m, FSDPModule)]
-    if sharded:
-        raise PlanError(
-            f"the model is already sharded (fully_shard was applied to {', '.join(sharded[:4])}); "
-            "apply a plan to a fresh, unsharded model"
-        )
-    distributed = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    if distributed:
-        raise PlanError(
-            f"the model's parameters are already distributed ({distributed[0]} is a DTensor: parallelize_module "
-            "or distribute_module ran); apply a plan to a fresh model with plain parameters"
-        )
-    wrapped = [n or "<root>" for n, m in modules.items() if type(m).__name__ == "FullyShardedDataParallel"]
-    if wrapped:
-        raise PlanError(
-            f"the model is already wrapped by FSDP1 (FullyShardedDataParallel at {', '.join(wrapped[:4])}); "
-            "apply a plan to a fresh, unwrapped model"
-        )
-    missing = sorted({m for u in spec.units for m in u.modules} - set(modules))
-    if missing:
-        raise PlanError(f"the plan names modules the model does not have: {', '.join(missing[:6])}")
+    check_units(spec, modules, _tied_groups(model))  # the rules estimate runs: See [Note: unit ownership] in units.py
     # See [Note: parameter users] in units.py.
     pairs = dict.fromkeys([*((p[0], p[1]) for p in param_users or ()), *known_param_users(model)])
     conflicts = user_conflicts([p for p in pairs if p[0] in modules and p[1] in modules], spec.units)
@@ -113,6 +92,14 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
     if spec.tp is not None:
         check_tp_model(model, spec.tp, spec.mesh.tp_size)  # See [Note: applying a 2-D plan] in plan/tp.py.
     return modules
+
+
+def _tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Names of each parameter shared by several modules (``ModelGraph.tied_groups`` without a trace)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [tuple(names) for names in by_id.values() if len(names) > 1]
 
 
 def apply_plan(

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from wrapopt.errors import PlanError
+from wrapopt.losses import scalar_loss
 from wrapopt.plan.file import WrapPlan
 from wrapopt.train import TrainConfig
 
@@ -76,7 +77,7 @@ def train_step(
         for i, inputs in enumerate(batches):
             if no_sync and can_toggle:
                 model.set_requires_gradient_sync(i == k - 1)  # type: ignore[operator]
-            loss = loss_fn(model(*inputs), inputs)
+            loss = scalar_loss(loss_fn(model(*inputs), inputs), loss_fn)
             (loss / k if k > 1 else loss).backward()
             total += float(loss.detach())
     finally:

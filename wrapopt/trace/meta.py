@@ -73,10 +73,11 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from wrapopt.errors import ModelError, TraceError
-from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
+from wrapopt.losses import DefaultLoss, labels_for, scalar_loss, user_loss_choice
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.trace.fx import export_fx
 from wrapopt.tp import attention_heads
+from wrapopt.wrapped import check_unwrapped
 from wrapopt.trace.ops import FusedAttention, Recorder, dtype_name, nbytes, storage_key, tensors_in
 
 __all__ = ["trace_model"]
@@ -117,6 +118,7 @@ def trace_model(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_kwargs = example_kwargs or {}
+    check_unwrapped(model, "trace")  # See wrapopt/wrapped.py
     run_kwargs, choice = example_kwargs, user_loss_choice(loss_fn) if loss_fn is not None else None
     if loss_fn is None:  # See [Note: the assumed loss] in losses.py
         run_kwargs = labels_for(model, example_inputs, example_kwargs) or example_kwargs
@@ -362,7 +364,7 @@ def _run_step(
             recorder.record_flow = False
             recorder.loss_before = {storage_key(t) for t in tensors_in((out, inputs))}
             recorder.in_loss = True
-            loss = loss_fn(out, inputs)
+            loss = scalar_loss(loss_fn(out, inputs), loss_fn)
             recorder.in_loss = False
         recorder.backward = True
         trainable = [t for t in param_tensors if t.requires_grad]
