@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests.ranks import catch, two_rank_case
 from wrapopt.consensus import agree, every_rank, input_facts
@@ -35,8 +36,34 @@ def consensus_cases(rank: int, world: int, tmp: str, out: dict) -> None:
             pass
 
     out["every/none"] = catch(fine, RankFailedError)
+
+    def fails_everywhere() -> None:
+        with every_rank("reading the plan"):
+            raise KeyError(f"rank {rank}'s own")
+
+    out["every/all"] = catch(fails_everywhere, KeyError)
+    _apply_cases(rank, out)
     # The group still works after a reported failure: the exchange consumed it cleanly.
     out["after"] = catch(lambda: agree("after a failure", same), RanksDisagreeError)
+
+
+def _mlp(n: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+def _apply_cases(rank: int, out: dict) -> None:
+    """Rank 1 is given a model with one more layer than rank 0 (and than the plan's)."""
+    from wrapopt.errors import WrapoptError
+    from wrapopt.fingerprint import model_fingerprint
+    from wrapopt.plan.file import WrapPlan
+    from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
+
+    spec = PlanSpec(units=(UnitSpec(("0",)), UnitSpec(("1",)), UnitSpec((ROOT,), reshard_after_forward=False)),
+                    mesh=MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))
+    plan = WrapPlan(spec=spec, model=model_fingerprint(_mlp(2)))
+    out["apply/strict"] = catch(lambda: plan.apply(_mlp(2 + rank)), WrapoptError)
+    out["apply/names-only"] = catch(lambda: plan.apply(_mlp(2 + rank), strict=False), WrapoptError)
 
 
 pytestmark_mp = pytest.mark.multiprocess
@@ -61,6 +88,7 @@ def test_every_rank_hears_of_a_local_failure(two_rank_cases):
         assert r["every/ranks"] == [1]
         assert r["every/cause"] == ("ValueError" if rank == 1 else None)
         assert r["every/none"] is None
+        assert r["every/all"] == f"KeyError: \"rank {rank}'s own\""  # all failed: each its own error
 
 
 def test_outside_a_process_group_they_are_plain_code():
@@ -73,3 +101,14 @@ def test_outside_a_process_group_they_are_plain_code():
 def test_input_facts_names_shapes_and_dtypes():
     x = (torch.zeros(2, 8, dtype=torch.long), {"mask": torch.ones(2, 8, dtype=torch.bool)}, None, 3)
     assert input_facts(x) == [[[2, 8], "int64"], {"mask": [[2, 8], "bool"]}, None, 3]
+
+
+@pytestmark_mp
+def test_apply_on_ranks_given_different_models_fails_on_every_rank_naming_it(two_rank_cases):
+    a, b = two_rank_cases
+    assert a["apply/strict"] == b["apply/strict"]
+    assert a["apply/strict"].startswith("RankFailedError: rank 1 failed while checking the plan file against the "
+                                        "model: PlanMismatchError")
+    # Without the fingerprint check each rank's names exist: the ranks compare what they hold.
+    assert a["apply/names-only"] == b["apply/names-only"]
+    assert a["apply/names-only"].startswith("RanksDisagreeError: the ranks disagree while applying the plan: model:")

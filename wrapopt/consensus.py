@@ -10,9 +10,10 @@ or ``launch.spawn``), each a collective that every rank must reach:
   the ranks and the fact that differs.
 - ``every_rank(what)``: a context manager around *local* work (no
   collective inside: tracing, reading a plan, a forward that is timed). On
-  exit the ranks exchange their outcome; when any rank raised, every rank
-  raises ``RankFailedError`` naming the failing rank(s) and the message, the
-  failing rank chained to its own exception.
+  exit the ranks exchange their outcome; when some ranks raised, every rank
+  raises ``RankFailedError`` naming the failing rank(s) and the message, a
+  failing rank chained to its own exception. When every rank raised, each
+  raises its own error, as it would alone.
 
 See [Note: every rank explains].
 
@@ -95,9 +96,10 @@ def _short(value: Any, limit: int = 160) -> str:
 def every_rank(what: str) -> Iterator[None]:
     """Run a stretch of local work (no collective inside) whose failure every rank must hear of.
 
-    On exit the ranks exchange their outcome (a collective). If any rank raised,
+    On exit the ranks exchange their outcome (a collective). If some ranks raised,
     every rank raises ``RankFailedError`` naming the failing ranks and the first
     one's message; on a failing rank it is chained to the rank's own exception.
+    If every rank raised, each raises its own exception unchanged.
 
     Example:
         >>> with every_rank("tracing the model"):  # no process group: plain local code
@@ -116,6 +118,8 @@ def every_rank(what: str) -> Iterator[None]:
     failed = [r for r, s in enumerate(outcomes) if s]
     if not failed:
         return
+    if failure is not None and len(failed) == len(outcomes):
+        raise failure  # every rank failed: each raises its own error, as it would alone
     first = outcomes[failed[0]]
     err = RankFailedError(f"{_ranks(failed)} failed while {what}: {first}", ranks=tuple(failed))
     if failure is not None:

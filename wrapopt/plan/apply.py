@@ -17,6 +17,7 @@ meta device, so that it equals the same model initialised unsharded; see
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
@@ -24,7 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from wrapopt.consensus import agree, every_rank
 from wrapopt.errors import PlanError
+from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_blocks
 from wrapopt.spec import PlanSpec
@@ -123,7 +126,12 @@ def apply_plan(
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    modules = _check(model, spec, mesh, param_users)  # local checks first: no collective has run yet
+    # Local checks first, no collective has run yet; then the ranks compare what they were given.
+    # See [Note: every rank explains] in wrapopt/consensus.py.
+    with every_rank("checking the plan against the model"):
+        modules = _check(model, spec, mesh, param_users)
+    agree("applying the plan", {"model": model_fingerprint(model)["hash"], "plan": plan_digest(spec),
+                                "mixed_precision": mixed_precision or {}})
     if mesh is None:
         mesh = build_mesh(spec)
     if spec.tp is not None:  # See [Note: applying a 2-D plan] in plan/tp.py: TP, then checkpointing, then FSDP.
@@ -149,6 +157,11 @@ def apply_plan(
     if spec.forward_prefetch > 0:
         _set_forward_prefetch(model, spec, modules)
     return model
+
+
+def plan_digest(spec: PlanSpec) -> str:
+    """A short hash of everything ``spec`` decides, for comparing plans across ranks."""
+    return f"{len(spec.units)} units, " + hashlib.sha256(repr(spec).encode()).hexdigest()[:12]
 
 
 def _set_forward_prefetch(model: nn.Module, spec: PlanSpec, modules: dict[str, nn.Module]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch.nn as nn
 
 from wrapopt.assumptions import Assumptions
+from wrapopt.consensus import every_rank
 from wrapopt.errors import PlanError, PlanMismatchError
 from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
@@ -304,17 +305,18 @@ class WrapPlan:
             >>> model = WrapPlan.load("plan.json").apply(model)  # doctest: +SKIP
         """
 
-        if strict:
-            self.check_model(model)
-        mp = self.train_config.mixed_precision()
-        if train is not None:
-            differ = self.train_config.differences(train)
-            if differ and not override_train:
-                raise PlanError(
-                    "the plan was scored for another training step: " + "; ".join(differ)
-                    + ". Re-run the search with these settings, or pass override_train=True to apply anyway"
-                )
-            mp = train.mixed_precision()
+        with every_rank("checking the plan file against the model"):  # See [Note: every rank explains]
+            if strict:
+                self.check_model(model)
+            mp = self.train_config.mixed_precision()
+            if train is not None:
+                differ = self.train_config.differences(train)
+                if differ and not override_train:
+                    raise PlanError(
+                        "the plan was scored for another training step: " + "; ".join(differ)
+                        + ". Re-run the search with these settings, or pass override_train=True to apply anyway"
+                    )
+                mp = train.mixed_precision()
         return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=self.model.get("param_users") or ())
 
     @property
