@@ -1,8 +1,9 @@
 """The simulator's peak memory against live tensor bytes of real FSDP2 steps.
 
-One spawn of 2 gloo ranks runs one step of several plans of two models that
+One spawn of 2 gloo ranks runs one step of several plans of three models that
 exercise the memory notes: tied embeddings whose gradient lives through
-backward (gpt-tiny, t5-tiny), a cross-entropy loss whose saved output and
+backward (gpt-tiny, t5-tiny, and tx-tied, built from the stock
+``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention``: issue 33), a cross-entropy loss whose saved output and
 temporaries are larger than a block's activations, two block chains
 (t5-tiny), checkpointing, keeping parameters after forward, every leaf its
 own unit. The cost model's target is 10%; these plans are held to 5%, which
@@ -20,7 +21,7 @@ from wrapopt.launch import spawn
 from wrapopt.models import zoo
 from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 
-MODELS = ("gpt-tiny", "t5-tiny")
+MODELS = ("gpt-tiny", "t5-tiny", "tx-tied")
 MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
 
 

@@ -270,8 +270,8 @@ BENCH: tuple[ZooEntry, ...] = (
            "nn.MultiheadAttention", lambda: TxEncoderLM(vocab=2048, dim=64, n_layers=4, n_heads=4, ffn=256, max_seq=64),
            tokens(2048, 64), 4),
     _bench("tx-tied", "GPT of 6 causal nn.TransformerEncoderLayer blocks (nn.MultiheadAttention, pre-norm) in an "
-           "nn.ModuleList, d=128, FFN 512, head tied to the embedding",
-           lambda: TxCausalLM(vocab=2048, dim=128, n_layers=6, n_heads=4, ffn=512, max_seq=128), tokens(2048, 128), 8),
+           "nn.ModuleList, d=96, FFN 384, head tied to the embedding",
+           lambda: TxCausalLM(vocab=2048, dim=96, n_layers=6, n_heads=4, ffn=384, max_seq=64), tokens(2048, 64), 4),
     _bench("tx-decoder", "nn.Transformer, 2 encoder + 3 decoder layers (cross-attention to the memory, post-norm), d=64, "
            "FFN 256, untied embeddings", lambda: TxSeq2Seq(vocab=2048, dim=64, n_enc=2, n_dec=3, n_heads=4, ffn=256),
            src_tgt(2048, 32), 4),
