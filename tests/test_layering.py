@@ -47,7 +47,9 @@ STAGES: dict[str, tuple[str, ...]] = {
     "cost": ("hardware.profiles",),  # the fabric and compute data it prices a step with
     "search": ("cost.simulate",),  # drives the Simulator it is given
     "interop": ("plan.file",),  # reads a WrapPlan
-    "report": ("hardware.profiles",),  # formats a FabricProfile
+    # formats a FabricProfile, and a SearchResult (report/choice.py: the choice beside the
+    # baselines, the search behind it); search sits below report and never imports it
+    "report": ("hardware.profiles", "search.driver"),
 }
 
 # The wiring: may import anything except the wiring named here (the arrows point down

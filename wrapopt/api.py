@@ -2,7 +2,13 @@
 
 trace -> profile (or a given / analytical profile) -> search -> WrapPlan ->
 apply. Inside a process group every rank profiles, rank 0 searches, the plan
-travels to every rank as JSON text, and every rank applies it.
+travels to every rank as JSON text, and every rank applies it. ``estimate``
+wires the same stages for one plan the user already has.
+
+Only wiring lives here: the text report is ``report.choice``, the FLOPs and
+MFU of an estimate ``report.estimate``, the what-if re-simulations (training
+knobs when nothing fits, a given plan scored beside the baselines)
+``search.diagnosis``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.nn as nn
 from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
-from wrapopt.fileio import check_writable, fmt_bytes, read_json
+from wrapopt.fileio import check_writable, read_json
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
@@ -35,19 +41,21 @@ from wrapopt.hardware.presets import (
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.file import WrapPlan
-from wrapopt.report.estimate import EstimateReport, model_flops
+from wrapopt.report.choice import format_report
+from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate
 from wrapopt.search.baselines import baselines
+from wrapopt.search.diagnosis import knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
 from wrapopt.search.tp import resolve_tp, search_tp
-from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions, UnitSpec
+from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.trace.meta import trace_model
 from wrapopt.tp import TPSpec
 from wrapopt.train import TrainConfig, model_dtype
 from wrapopt.units import validate_plan
 
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
-           "MEMORY_HEADROOM", "budget_source", "assumptions_for", "estimate", "compute_for", "budget_line"]
-
+           "MEMORY_HEADROOM", "budget_source", "assumptions_for", "estimate", "compute_for", "budget_line",
+           "check_fabric_fits", "default_mesh"]
 
 
 @dataclass
@@ -66,40 +74,20 @@ class OptimizeResult:
 
     def report(self) -> str:
         """A text table: the chosen plan and every baseline, predicted time and memory,
-        then the assumptions the prediction rests on."""
+        then the assumptions the prediction rests on (``report.choice.format_report``)."""
         return format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
 
 
-def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec,
-                  measured: dict[str, Any] | None = None, *, assumptions: Assumptions | None = None) -> str:
-    budget = "none" if result.memory_budget == float("inf") else fmt_bytes(result.memory_budget)
-    lines = [
-        f"fabric: {fabric.label}" + ("  <- ANALYTICAL: stated numbers, not measured" if fabric.kind == "analytical" else ""),
-        f"compute: {compute.device} ({compute.kind})   mesh: {mesh.world_size} ranks, {mesh.ranks_per_node} per node, "
-        f"shard group {mesh.shard_size}   memory budget: {budget} per rank",
-    ]
-    head = f"{'':2}{'plan':34} {'units':>5} {'pred step':>10} {'exposed':>9} {'pred peak':>11} {'fits':>4}"
-    if measured:
-        head += f" {'meas step':>10} {'meas peak':>11}"
-    lines += [head, "-" * len(head)]
-    rows = [("*", result.best)] + [(" ", s) for s in result.baselines.values() if s.plan != result.best.plan]
-    for mark, s in rows:
-        e = s.estimate
-        row = (f"{mark:2}{(s.plan.label or 'wrapopt')[:34]:34} {len(s.plan.units):5d} {e.step_s * 1e3:8.2f}ms "
-               f"{e.exposed_comm_s * 1e3:7.2f}ms {fmt_bytes(e.peak_bytes):>11} {'yes' if s.fits else 'NO':>4}")
-        if measured:
-            m = measured.get(s.plan.label)
-            row += f" {m['step_s'] * 1e3:8.2f}ms {fmt_bytes(m['peak_bytes']):>11}" if m else f" {'-':>10} {'-':>11}"
-        lines.append(row)
-    lines.append("* = wrapopt's choice")
-    if result.notes:
-        lines.append("notes: " + "; ".join(result.notes[:3]))
-    if assumptions is not None:
-        lines += assumptions.lines()
-    return "\n".join(lines)
+def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
+    """The mesh asked for, FSDP over the world: ``gpus_per_node`` defaults to ``world_size``
+    up to 8, ``world_size`` to ``gpus_per_node`` (8 ranks on one node when neither is given)."""
+    gpn = gpus_per_node or min(world_size or 8, 8)
+    world = world_size or gpn
+    return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
 
 
-def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_size: int, ranks_per_node: int) -> FabricProfile:
+def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_size: int,
+                   ranks_per_node: int) -> FabricProfile:
     """A profile object from a profile, a file path, or the name of an analytical fabric."""
     if isinstance(fabric, FabricProfile):
         return fabric
@@ -115,7 +103,8 @@ def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_si
             "or state one (`wrapopt fabric --template`)"
         )
     data = read_json(text, error=ProfileError)
-    if isinstance(data, dict) and data.get("format") == ANALYTICAL_FORMAT:  # stated numbers: See [Note: stated fabric file]
+    if isinstance(data, dict) and data.get("format") == ANALYTICAL_FORMAT:
+        # stated numbers: See [Note: stated fabric file]
         return analytical_from_json(data, source=text, world_size=world_size, ranks_per_node=ranks_per_node)
     return FabricProfile.from_json(data, source=text)
 
@@ -131,7 +120,7 @@ def compute_for(fabric: FabricProfile | None, compute: ComputeProfile | str | No
         return ComputeProfile.load(compute)
     if fabric is None or fabric.kind == "analytical":
         return fabric_compute(fabric or analytical_fabric(world_size=1), dtype=train.compute_dtype(model_dtype))
-    return _local_compute()
+    return measure_compute()
 
 
 def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -> list[str]:
@@ -143,9 +132,9 @@ def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -
     msg = (f"the fabric profile was measured on {fabric.world_size} ranks ({fabric.ranks_per_node} per node), "
            f"the plan is for {mesh.world_size} ({mesh.ranks_per_node} per node)")
     if not rescale:
-        raise ProfileError(msg + "; measure the target mesh, or pass rescale=True / --rescale-fabric to rescale by the ring model")
+        raise ProfileError(msg + "; measure the target mesh, or pass rescale=True / --rescale-fabric to rescale "
+                                 "by the ring model")
     return [msg + "; collective times rescaled by the ring model"]
-
 
 def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
                     memory_budget: float | None, source: str) -> Assumptions:
@@ -201,9 +190,10 @@ def plan_model(
         if degrees == (1,):
             result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
         else:
-            result = search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget, options=search)
+            result = search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget,
+                               options=search)
     except InfeasibleError as e:
-        raise InfeasibleError(f"{e} {_knobs(graph, fabric, compute, mesh, train, memory_budget)}") from None
+        raise InfeasibleError(f"{e} {knobs_sentence(graph, sim, mesh, train, memory_budget)}") from None
     best = result.best
     source = memory_budget_source or ("given" if memory_budget else "none given: every plan fits")
     plan = WrapPlan.from_search(
@@ -220,35 +210,6 @@ def plan_model(
         train=train.with_sync(best.estimate.accumulation_sync) if train.grad_accumulation > 1 else train,
     )
     return plan, result
-
-
-def _knobs(graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec, train: TrainConfig,
-           budget: float | None) -> str:
-    """What the training step's knobs do to the smallest plan (every block its own unit,
-    resharded and checkpointed): one sentence per knob that lowers its peak."""
-    per_block = baselines(graph, mesh).get("per-block") or baselines(graph, mesh)["every-leaf"]
-    smallest = PlanSpec(tuple(u if u.is_root else UnitSpec(u.modules, True, True) for u in per_block.units), mesh,
-                        label="per-block,ckpt")
-
-    def peak(t: TrainConfig, scale: float = 1.0) -> int:
-        return Simulator(graph, fabric, compute, t.sim_options(batch_scale=scale, memory_budget=budget)).simulate(smallest).peak_bytes
-
-    here = peak(train)
-    tries: list[tuple[str, int]] = []
-    if train.param_dtype in (None, "float32"):
-        tries.append(("--precision bf16", peak(TrainConfig.preset("bf16", grad_accumulation=train.grad_accumulation,
-                                                                   optimizer=train.optimizer,
-                                                                   accumulation_sync=train.accumulation_sync))))
-    if train.grad_accumulation > 1 and train.accumulation_sync != "every":
-        tries.append(("--sync every", peak(train.with_sync("every"))))
-    if train.optimizer in ("adamw", "adam"):
-        tries.append(("--optimizer adafactor", peak(replace(train, optimizer="adafactor"))))
-    tries.append(("half the per-rank batch (--batch, with --accumulation doubled)", peak(train, 0.5)))
-    limit = budget if budget is not None else float("inf")
-    said = [f"{k}: {fmt_bytes(p)}" + (" (fits)" if p <= limit else "") for k, p in tries if p < here]
-    if not said:
-        return ""
-    return (f"Training knobs, on per-block,ckpt ({fmt_bytes(here)} now): " + "; ".join(said) + ".")
 
 
 def optimize_wrap(
@@ -299,106 +260,139 @@ def optimize_wrap(
         >>> print(res.report())  # doctest: +SKIP
     """
     in_group = dist.is_initialized()
-    rank = dist.get_rank() if in_group else 0
-    if in_group:
-        if world_size is not None and world_size != dist.get_world_size():
-            raise ModelError(f"world_size={world_size} but the process group has {dist.get_world_size()} ranks")
-        world_size = dist.get_world_size()
-        gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    else:
-        gpus_per_node = gpus_per_node or min(world_size or 8, 8)
-        world_size = world_size or gpus_per_node
-    mesh = MeshSpec(world_size=world_size, ranks_per_node=min(gpus_per_node, world_size), shard_size=world_size)
-
+    mesh = _job_mesh(world_size, gpus_per_node)
     # Local work first (errors here are raised on every rank before any collective).
     graph = trace_model(model, example_inputs, loss_fn=loss_fn)
-    given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-    if given_plan is not None:
-        given_plan.check_model(model)
-        validate_plan(graph, given_plan.spec)  # a hand-written plan may part a module from its parameters' user
-    if isinstance(compute, str):
-        compute = ComputeProfile.load(compute)
-    fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=world_size, ranks_per_node=mesh.ranks_per_node)
-    if compute is None and fab is not None and fab.kind == "analytical":
-        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))  # as `wrapopt search` does
-
-    if in_group and given_plan is None:
-        # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs])
-        tp_sizes = () if tp is None or str(tp) == "1" else tuple(
-            d for d in (2, 4, 8, 16) if mesh.ranks_per_node % d == 0 and (str(tp) == "auto" or str(d) == str(tp)))
-        if fab is None:
-            fab = measure_fabric(progress=rank == 0, tp_sizes=tp_sizes)
-        if compute is None:
-            compute = with_tp_measurements(measure_compute(), graph, tp_sizes)
-            compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
-    if compute is None:
-        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))
-    assert fab is not None or given_plan is not None
+    given_plan = _load_given_plan(plan, model, graph)
+    fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
+                             measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
 
     result: SearchResult | None = None
     if given_plan is not None:
         wplan = given_plan
     else:
-        notes = check_fabric_fits(fab, mesh, rescale=rescale_fabric)  # type: ignore[arg-type]
-        text: dict[str, Any] | None = None
-        failure: Exception | None = None
-        if rank == 0:
-            # A failure here must reach every rank (they wait in the broadcast), not hang them.
-            try:
-                if save_plan is not None:
-                    check_writable(save_plan)
-                wplan, result = plan_model(graph, model, mesh=mesh, fabric=fab, compute=compute, memory_budget=budget,  # type: ignore[arg-type]
-                                           notes=notes, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
-                                           memory_budget_source=budget_source(memory_budget, compute), train=train,
-                                           tp=tp, tp_plan=tp_plan)
-                text = {"plan": wplan.to_json()}
-            except (WrapoptError, ValueError, OSError) as e:
-                if not in_group:
-                    raise
-                text, failure = {"error": type(e).__name__, "message": str(e)}, e
-        if in_group:
-            text = broadcast_json(text, lambda d, **_: d)
-            if "error" in text:  # type: ignore[operator]
-                if failure is not None:
-                    raise failure
-                kinds = {c.__name__: c for c in (InfeasibleError, ModelError, ProfileError, PlanError)}
-                raise kinds.get(text["error"], WrapoptError)(f"rank 0 could not make a plan: {text['message']}")  # type: ignore[index]
-            if rank != 0:
-                wplan = WrapPlan.from_json(text["plan"])  # type: ignore[index]
-    if save_plan is not None and rank == 0:
+        wplan, result = _plan_on_rank_0(graph, model, mesh=mesh, fabric=fab, compute=compute,  # type: ignore[arg-type]
+                                        budget=budget, memory_budget=memory_budget,
+                                        search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed), train=train,
+                                        tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric)
+    if save_plan is not None and (not in_group or dist.get_rank() == 0):
         wplan.save(save_plan)
     sharded = wplan.apply(model, train=train) if in_group else None
-    fab = fab or analytical_fabric(world_size=world_size, ranks_per_node=mesh.ranks_per_node)
+    fab = fab or analytical_fabric(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     if result is None:  # a given or received plan: score it beside the baselines, no search
-        opts = (train or wplan.train_config).sim_options(memory_budget=budget)
-        sim = Simulator(graph, fab, compute, opts)
-        result = _score_given(graph, sim, wplan.spec, budget)
-        stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
-                                 source=budget_source(memory_budget, compute))
+        result, stated = _score_plan(graph, wplan, fabric=fab, compute=compute, train=train, budget=budget,
+                                     memory_budget=memory_budget)
     else:
         stated = wplan.assumptions
     return OptimizeResult(plan=wplan, model=sharded, baselines=result.baselines, search=result, graph=graph,
                           fabric=fab, compute=compute, assumptions=stated)
 
 
-def _score_given(graph: ModelGraph, sim: Simulator, spec: Any, budget: float | None) -> SearchResult:
-    limit = float(budget) if budget else float("inf")
-
-    def scored(p: Any) -> Scored:
-        est = sim.simulate(p)
-        return Scored(p, est, est.peak_bytes <= limit)
-
-    mine = scored(spec)
-    mesh = spec.mesh.data_parallel()
-    base = {n: scored(p if spec.tp is None else replace(p, mesh=spec.mesh, tp=spec.tp))
-            for n, p in baselines(graph, mesh).items()}
-    return SearchResult(best=mine, baselines=base, candidates=(mine, *base.values()), memory_budget=limit,
-                        notes=("plan given, not searched",))
+def _score_plan(graph: ModelGraph, wplan: WrapPlan, *, fabric: FabricProfile, compute: ComputeProfile,
+                train: TrainConfig | None, budget: float | None,
+                memory_budget: int | float | str | None) -> tuple[SearchResult, Assumptions]:
+    """A plan not searched here, scored beside the baselines, and the assumptions of its score."""
+    sim = Simulator(graph, fabric, compute, (train or wplan.train_config).sim_options(memory_budget=budget))
+    result = score_given(graph, sim, wplan.spec, budget)
+    stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
+                             source=budget_source(memory_budget, compute))
+    return result, stated
 
 
-def _local_compute() -> ComputeProfile:
-    return measure_compute()
+def _job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
+    """``default_mesh``; under a process group its world, with torchrun's LOCAL_WORLD_SIZE
+    ranks per node unless ``gpus_per_node`` says otherwise."""
+    if not dist.is_initialized():
+        return default_mesh(world_size=world_size, gpus_per_node=gpus_per_node)
+    world = dist.get_world_size()
+    if world_size is not None and world_size != world:
+        raise ModelError(f"world_size={world_size} but the process group has {world} ranks")
+    per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return default_mesh(world_size=world, gpus_per_node=per_node)
+
+
+def _load_given_plan(plan: WrapPlan | str | os.PathLike | None, model: nn.Module,
+                     graph: ModelGraph) -> WrapPlan | None:
+    """The plan to apply instead of searching, checked against the model; None: search."""
+    given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if given is not None:
+        given.check_model(model)
+        validate_plan(graph, given.spec)  # a hand-written plan may part a module from its parameters' user
+    return given
+
+
+def _tp_sizes(tp: int | str | None, mesh: MeshSpec) -> tuple[int, ...]:
+    """The tensor-parallel group sizes to measure for ``tp`` (See [Note: tensor parallel costs])."""
+    if tp is None or str(tp) == "1":
+        return ()
+    return tuple(d for d in (2, 4, 8, 16)
+                 if mesh.ranks_per_node % d == 0 and (str(tp) == "auto" or str(d) == str(tp)))
+
+
+def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: ComputeProfile | str | None, *,
+              mesh: MeshSpec, graph: ModelGraph, model: nn.Module, train: TrainConfig | None, tp: int | str | None,
+              measure: bool) -> tuple[FabricProfile | None, ComputeProfile]:
+    """The fabric and compute profiles: given, stated (analytical), or, with ``measure`` (under a
+    process group, searching), measured on every rank. The fabric stays None only under a process
+    group with a plan given and no fabric: nothing is searched, nothing measured."""
+    if isinstance(compute, str):
+        compute = ComputeProfile.load(compute)
+    in_group = dist.is_initialized()
+    fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=mesh.world_size,
+                                                                    ranks_per_node=mesh.ranks_per_node)
+    if compute is None and fab is not None and fab.kind == "analytical":
+        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))  # as `wrapopt search` does
+    if measure:
+        # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs])
+        tp_sizes = _tp_sizes(tp, mesh)
+        if fab is None:
+            fab = measure_fabric(progress=dist.get_rank() == 0, tp_sizes=tp_sizes)
+        if compute is None:
+            compute = with_tp_measurements(measure_compute(), graph, tp_sizes)
+            compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
+    if compute is None:
+        compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))
+    return fab, compute
+
+
+def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabric: FabricProfile,
+                    compute: ComputeProfile, budget: float | None, memory_budget: int | float | str | None,
+                    search: SearchOptions, train: TrainConfig | None, tp: int | str | None, tp_plan: TPSpec | None,
+                    save_plan: str | os.PathLike | None,
+                    rescale_fabric: bool) -> tuple[WrapPlan, SearchResult | None]:
+    """Rank 0 searches (``plan_model``) and the plan travels to every rank as JSON text; the
+    search's result stays on rank 0 (None elsewhere). Outside a process group: just the search."""
+    in_group = dist.is_initialized()
+    rank = dist.get_rank() if in_group else 0
+    notes = check_fabric_fits(fabric, mesh, rescale=rescale_fabric)
+    text: dict[str, Any] | None = None
+    failure: Exception | None = None
+    wplan, result = None, None
+    if rank == 0:
+        # A failure here must reach every rank (they wait in the broadcast), not hang them.
+        try:
+            if save_plan is not None:
+                check_writable(save_plan)
+            wplan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
+                                       notes=notes, search=search, train=train, tp=tp, tp_plan=tp_plan,
+                                       memory_budget_source=budget_source(memory_budget, compute))
+            text = {"plan": wplan.to_json()}
+        except (WrapoptError, ValueError, OSError) as e:
+            if not in_group:
+                raise
+            text, failure = {"error": type(e).__name__, "message": str(e)}, e
+    if in_group:
+        text = broadcast_json(text, lambda d, **_: d)
+        if "error" in text:  # type: ignore[operator]
+            if failure is not None:
+                raise failure
+            kinds = {c.__name__: c for c in (InfeasibleError, ModelError, ProfileError, PlanError)}
+            raise kinds.get(text["error"], WrapoptError)(  # type: ignore[index]
+                f"rank 0 could not make a plan: {text['message']}")  # type: ignore[index]
+        if rank != 0:
+            wplan = WrapPlan.from_json(text["plan"])  # type: ignore[index]
+    return wplan, result  # type: ignore[return-value]
 
 
 def estimate(
@@ -437,23 +431,8 @@ def estimate(
         >>> r.step_s > 0 and 0 < r.mfu < 1
         True
     """
-    given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) and os.path.exists(os.fspath(plan)) else plan
-    notes: list[str] = []
-    if isinstance(given, WrapPlan):
-        given.check_model(model)
-        pm = given.mesh
-        if world_size is not None and world_size != pm.world_size:
-            raise PlanError(f"the plan is for {pm.world_size} ranks, --world-size says {world_size}; "
-                            "re-run the search for this mesh, or drop --world-size")
-        mesh = pm
-        if train is not None and given.train is not None and given.train_config.differences(train):
-            notes.append("the plan was scored for another training step (" + "; ".join(given.train_config.differences(train))
-                         + "); estimated for the one given")
-        train = train or given.train_config
-    else:
-        gpn = gpus_per_node or min(world_size or 8, 8)
-        world = world_size or gpn
-        mesh = MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
+    given, mesh, train, notes = _plan_to_estimate(plan, model, world_size=world_size, gpus_per_node=gpus_per_node,
+                                                  train=train)
     train = train or TrainConfig()
     if checkpoint not in (None, "none", "blocks"):
         raise ValueError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
@@ -462,6 +441,40 @@ def estimate(
     comp = compute_for(fab, compute, train, model_dtype(model))
     budget = resolve_budget(memory_budget, comp)
     graph = trace_model(model, example_inputs, loss_fn=loss_fn)
+    spec = _spec_of(given, graph, mesh, checkpoint)
+    est = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget)).simulate(spec)
+    if train.grad_accumulation > 1:
+        train = train.with_sync(est.accumulation_sync)
+    peak, source = peak_rate(comp, train.compute_dtype(model_dtype(model)))
+    return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan",
+                          num_units=len(spec.units), mesh=spec.mesh, train=train, fabric=fab.label,
+                          compute=f"{comp.device} ({comp.kind})",
+                          estimate=est, flops=infer_model_flops(model, example_inputs, graph), peak_flops_per_s=peak,
+                          peak_source=source, memory_budget=budget, notes=tuple(notes),
+                          budget_note=budget_line(memory_budget, comp, budget))
+
+
+def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, world_size: int | None,
+                      gpus_per_node: int | None,
+                      train: TrainConfig | None) -> tuple[WrapPlan | Any, MeshSpec, TrainConfig | None, list[str]]:
+    """The plan (a loaded ``WrapPlan``, else a baseline's name), its mesh, the training step
+    (the one given, else the plan file's) and notes."""
+    given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) and os.path.exists(os.fspath(plan)) else plan
+    if not isinstance(given, WrapPlan):
+        return given, default_mesh(world_size=world_size, gpus_per_node=gpus_per_node), train, []
+    given.check_model(model)
+    if world_size is not None and world_size != given.mesh.world_size:
+        raise PlanError(f"the plan is for {given.mesh.world_size} ranks, --world-size says {world_size}; "
+                        "re-run the search for this mesh, or drop --world-size")
+    notes = []
+    if train is not None and given.train is not None and given.train_config.differences(train):
+        notes.append("the plan was scored for another training step ("
+                     + "; ".join(given.train_config.differences(train)) + "); estimated for the one given")
+    return given, given.mesh, train or given.train_config, notes
+
+
+def _spec_of(given: WrapPlan | Any, graph: ModelGraph, mesh: MeshSpec, checkpoint: str | None) -> PlanSpec:
+    """The plan's spec, or the named baseline's on ``mesh``, with ``checkpoint`` applied; validated."""
     if isinstance(given, WrapPlan):
         spec = given.spec
     else:
@@ -470,26 +483,7 @@ def estimate(
             raise ValueError(f"unknown --plan {given!r}; accepted: {', '.join(base)}, or a plan file (plan.json)")
         spec = base[given]
     if checkpoint is not None:
-        spec = replace(spec, units=tuple(u if u.is_root else replace(u, checkpoint=checkpoint == "blocks") for u in spec.units))
+        units = tuple(u if u.is_root else replace(u, checkpoint=checkpoint == "blocks") for u in spec.units)
+        spec = replace(spec, units=units)
     validate_plan(graph, spec)
-    est = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget)).simulate(spec)
-    if train.grad_accumulation > 1:
-        train = train.with_sync(est.accumulation_sync)
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-    token_model = (first is not None and first.dim() == 2 and not first.is_floating_point()
-                   and sum(isinstance(x, torch.Tensor) and not x.is_floating_point() for x in inputs) == 1)
-    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    params = {id(p): p.numel() for p in model.parameters()}
-    emb_ids = {id(m.weight) for m in embeds}
-    width = max((m.embedding_dim for m in embeds), default=0)
-    flops = model_flops(graph, non_embedding_params=sum(n for i, n in params.items() if i not in emb_ids),
-                        tokens=first.numel() if token_model else 0, seq_len=first.shape[1] if token_model else 0,
-                        samples=first.shape[0] if first is not None and first.dim() else 1, width=width)
-    peak = comp.meta.get("peak_flops_per_s") or comp.flops_per_s
-    source = (f"stated dense {train.compute_dtype(model_dtype(model))} peak" if comp.meta.get("peak_flops_per_s")
-              else "the measured matmul rate" if comp.kind == "measured" else "the stated achieved rate")
-    return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan", num_units=len(spec.units),
-                          mesh=spec.mesh, train=train, fabric=fab.label, compute=f"{comp.device} ({comp.kind})",
-                          estimate=est, flops=flops, peak_flops_per_s=float(peak), peak_source=source,
-                          memory_budget=budget, notes=tuple(notes), budget_note=budget_line(memory_budget, comp, budget))
+    return spec

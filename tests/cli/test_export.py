@@ -6,7 +6,7 @@ import argparse
 import json
 
 from tests.ranks import MESH2
-from wrapopt.cli.export import add_export_parser, run_export
+from wrapopt.cli import export
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.baselines import make_plan
@@ -20,9 +20,8 @@ def _plan(graph, model, modules, **kw) -> WrapPlan:
 
 def _cli(argv):
     parser = argparse.ArgumentParser(prog="wrapopt")
-    add_export_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    export.add_parser(parser.add_subparsers(dest="command", required=True))
+    return export.run(parser.parse_args(argv))
 
 
 def test_export_command(gpt_tiny, tmp_path, capsys):
@@ -41,4 +40,3 @@ def test_export_command(gpt_tiny, tmp_path, capsys):
     assert _cli(["export", str(lossy), "--to", "accelerate", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["exact"] is False and data["settings"]["fsdp_config"]["fsdp_version"] == 2
-    assert run_export is not None

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from wrapopt.cli import profile_fabric
-from wrapopt.cli.profile_fabric import add_cli_arguments, profile_fabric_main, run_cli
+from wrapopt.cli.profile_fabric import profile_fabric_main, run
 from wrapopt.errors import DistributedError, ProfileError
 from wrapopt.hardware.profiles import FabricProfile
 
@@ -27,11 +27,10 @@ def _dying_worker(rank: int, world: int, kwargs: dict) -> dict | None:
 
 @pytest.mark.multiprocess
 def test_cli_profiles_with_spawned_ranks_and_prints_a_summary(tmp_path, capsys) -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
+    parser = profile_fabric.add_parser(argparse.ArgumentParser().add_subparsers())
     out = tmp_path / "sub" / "fabric.json"
     args = parser.parse_args(["--out", str(out), "--sizes", "4KiB,64KiB", "--repeats", "3", "--no-overlap", "--timeout", "60"])
-    assert run_cli(args) == 0
+    assert run(args) == 0
     fabric = FabricProfile.load(str(out))
     assert fabric.kind == "measured" and fabric.world_size == 2
     assert fabric.axes[0].curve("all_gather").sizes_bytes == (4096, 65536)
@@ -42,12 +41,11 @@ def test_cli_profiles_with_spawned_ranks_and_prints_a_summary(tmp_path, capsys) 
 
 @pytest.mark.multiprocess
 def test_tensor_parallel_groups_are_an_axis_of_their_own(tmp_path) -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
+    parser = profile_fabric.add_parser(argparse.ArgumentParser().add_subparsers())
     out = tmp_path / "fabric.json"
     args = parser.parse_args(["--out", str(out), "--world-size", "4", "--sizes", "4KiB", "--repeats", "2",
                               "--no-overlap", "--timeout", "90", "--tp", "2", "--quiet"])
-    assert run_cli(args) == 0
+    assert run(args) == 0
     fabric = FabricProfile.load(str(out))
     axes = {a.name: (a.group_size, a.ranks_per_node_in_group) for a in fabric.axes}
     assert axes == {"tp2": (2, 2), "world": (4, 4)}
@@ -60,13 +58,12 @@ def test_tensor_parallel_groups_are_an_axis_of_their_own(tmp_path) -> None:
 
 
 def test_cli_argument_errors() -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
+    parser = profile_fabric.add_parser(argparse.ArgumentParser().add_subparsers())
     with pytest.raises(SystemExit):  # argparse: bad size, exit code 2 with a message
         parser.parse_args(["--out", "f.json", "--sizes", "4 parsecs"])
     args = parser.parse_args(["--out", "f.json", "--max-size", "1KiB"])
     with pytest.raises(ValueError, match="max-size"):
-        run_cli(args)
+        run(args)
 
 
 def test_unwritable_output_fails_before_measuring(monkeypatch) -> None:
@@ -78,10 +75,9 @@ def test_unwritable_output_fails_before_measuring(monkeypatch) -> None:
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ProfileError, match="/proc/nope/f.json"):
         profile_fabric_main("/proc/nope/f.json")
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
+    parser = profile_fabric.add_parser(argparse.ArgumentParser().add_subparsers())
     with pytest.raises(ProfileError, match="choose another --out"):
-        run_cli(parser.parse_args(["--out", "/proc/nope/f.json"]))
+        run(parser.parse_args(["--out", "/proc/nope/f.json"]))
 
 
 @pytest.mark.multiprocess

@@ -13,11 +13,12 @@ from wrapopt.evaluation.evaluate import PLAN_SETS, evaluate, noise_floor
 from wrapopt.evaluation.evidence import format_judgement, judge
 from wrapopt.fileio import atomic_write_json
 
-__all__ = ["add_bench_parser", "run_bench"]
+__all__ = ["add_parser", "run"]
 
 
-def add_bench_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="measure wrapopt's plan against baselines and an exhaustive plan set")
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``wrapopt bench`` to the CLI's sub-commands; it runs ``run``."""
+    p = subparsers.add_parser("bench", help="measure wrapopt's plan against baselines and an exhaustive plan set")
     p.add_argument("model", help="a trainable zoo model, e.g. zoo:gpt-tiny")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=None)
@@ -28,10 +29,11 @@ def add_bench_parser(sub: Any) -> None:
                    help="re-measure the K fastest fitting plans per budget, wrapopt's and the best baseline (0: off)")
     p.add_argument("--confirm-repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="write the raw results (JSON) here")
-    p.set_defaults(func=run_bench)
+    return p
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Body of ``wrapopt bench``."""
     if not args.model.startswith("zoo:"):
         raise ModelError("wrapopt bench runs real steps of zoo models: give zoo:NAME (see `wrapopt trace --help`)")
     # The ranks' own output goes beside --out, else to a folder in the temporary directory.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 from wrapopt.api import estimate
 from wrapopt.cli.options import add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args
@@ -12,10 +13,11 @@ from wrapopt.models.sources import resolve_model
 from wrapopt.report.estimate import format_estimate
 from wrapopt.search.baselines import BASELINE_NAMES
 
-__all__ = ["add_estimate_parser"]
+__all__ = ["add_parser", "run"]
 
 
-def _cmd_estimate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Body of ``wrapopt estimate``: a plan file brings its own training step unless a flag is given."""
     given_flags = {"--precision": args.precision is not None, "--accumulation": args.accumulation != 1,
                    "--optimizer": args.optimizer != "adamw", "--sync": args.sync != "auto"}
     train = train_from_args(args)
@@ -39,8 +41,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("estimate", help="predict step time, throughput, MFU and peak memory of a plan you have")
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``wrapopt estimate`` to the CLI's sub-commands; it runs ``run``."""
+    p = subparsers.add_parser("estimate", help="predict step time, throughput, MFU and peak memory of a plan you have")
     add_model_arguments(p)
     p.add_argument("--plan", default="per-block",
                    help=f"a baseline ({', '.join(BASELINE_NAMES)}) or a plan file (plan.json); default per-block")
@@ -50,4 +53,4 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
                    help="activation checkpointing on every block (every unit but the root), or none "
                         "(default: as the plan says)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.set_defaults(func=_cmd_estimate)
+    return p

@@ -12,11 +12,11 @@ from wrapopt.interop.export import TARGETS, export_plan
 from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
 
-__all__ = ["add_export_parser", "run_export"]
+__all__ = ["add_parser", "run"]
 
 
-def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``wrapopt export`` to the CLI's sub-commands; it runs ``run_export``."""
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``wrapopt export`` to the CLI's sub-commands; it runs ``run``."""
     p = subparsers.add_parser("export", help="write a plan as an Accelerate config or a Lightning FSDPStrategy",
                               description="Write the configuration Accelerate or Lightning reads for a plan; "
                                           "what the tool cannot express is listed under LOSSES.")
@@ -28,11 +28,10 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "plan files that do not record module classes")
     p.add_argument("--json", action="store_true", help="print the settings and losses as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 without writing when the export loses anything")
-    p.set_defaults(func=run_export)
     return p
 
 
-def run_export(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt export``; library errors propagate (the CLI turns them into exit 1)."""
     plan = WrapPlan.load(args.plan)
     model = None

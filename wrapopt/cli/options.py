@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from wrapopt.api import default_mesh
 from wrapopt.spec import MeshSpec
 from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 
-__all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args", "add_model_arguments",
-           "check_batch"]
+__all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args",
+           "add_model_arguments", "check_batch"]
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,11 +62,14 @@ def check_batch(args: argparse.Namespace) -> None:
         raise ValueError(f"--seq must be at least 1, got {args.seq}")
 
 
-def mesh_from_args(args: argparse.Namespace, *, default_world: int = 8) -> MeshSpec:
-    world = args.world_size if args.world_size is not None else default_world
-    gpn = args.gpus_per_node or min(world, 8)
-    if world < 1:
-        raise ValueError(f"--world-size must be positive, got {world}")
-    if world > gpn and world % gpn:
-        raise ValueError(f"--world-size {world} is not a multiple of --gpus-per-node {gpn}")
-    return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
+def mesh_from_args(args: argparse.Namespace) -> MeshSpec:
+    """The mesh of ``--world-size`` and ``--gpus-per-node`` (defaults: ``api.default_mesh``);
+    a world that is not positive, or not whole nodes, raises ValueError."""
+    world = args.world_size
+    if world is not None:
+        if world < 1:
+            raise ValueError(f"--world-size must be positive, got {world}")
+        per_node = args.gpus_per_node or min(world, 8)
+        if world > per_node and world % per_node:
+            raise ValueError(f"--world-size {world} is not a multiple of --gpus-per-node {per_node}")
+    return default_mesh(world_size=world, gpus_per_node=args.gpus_per_node)

@@ -4,8 +4,8 @@
 the file) and otherwise spawns local gloo/NCCL ranks itself (the parent
 writes rank 0's profile). Either way the output path is checked before
 anything is measured, and the file is written once, atomically, only after a
-complete measurement. ``add_cli_arguments()`` and ``run_cli()`` plug it into
-``wrapopt.cli``.
+complete measurement. ``add_parser()`` and ``run()`` plug it into
+``wrapopt.cli``, as every command module does.
 
 The spawned worker ``_profile_worker`` stays module-level: ``launch.spawn``
 pickles the target by module path.
@@ -27,7 +27,7 @@ from wrapopt.hardware.measure_collectives import DEFAULT_TIMEOUT_S, barrier, def
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.report.fabric import format_fabric
 
-__all__ = ["profile_fabric_main", "add_cli_arguments", "run_cli"]
+__all__ = ["profile_fabric_main", "add_parser", "run"]
 
 
 def _under_torchrun() -> bool:
@@ -38,7 +38,8 @@ def _check_out(out_path: str) -> None:
     try:
         check_writable(out_path)
     except OSError as e:
-        raise ProfileError(f"cannot write the fabric profile to {out_path}: {e.strerror or e}; choose another --out") from None
+        raise ProfileError(f"cannot write the fabric profile to {out_path}: {e.strerror or e}; "
+                           "choose another --out") from None
 
 
 def _profile_worker(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -101,8 +102,8 @@ def profile_fabric_main(
         if world_size < 2:
             raise ValueError(f"world_size must be at least 2, got {world_size}")
         _check_out(out_path)
-        return _measure_spawned(out_path, worker=_profile_worker, world_size=world_size, timeout_s=timeout_s, kwargs=kwargs,
-                                log_dir=log_dir)
+        return _measure_spawned(out_path, worker=_profile_worker, world_size=world_size, timeout_s=timeout_s,
+                                kwargs=kwargs, log_dir=log_dir)
 
     owns_group = not dist.is_initialized()
     launch.init_from_env(timeout_s=timeout_s)
@@ -151,24 +152,30 @@ def _tp_arg(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``profile-fabric`` options to a (sub)parser."""
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``wrapopt profile-fabric`` to the CLI's sub-commands; it runs ``run``."""
+    parser = subparsers.add_parser("profile-fabric", help="measure collective latency per size on each mesh axis")
     parser.add_argument("--out", required=True, help="fabric profile JSON to write")
-    parser.add_argument("--world-size", type=int, default=2, help="local ranks to spawn when not under torchrun (default 2)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="local ranks to spawn when not under torchrun (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="ranks per node (default LOCAL_WORLD_SIZE or the world size); fewer simulates nodes locally")
+                        help="ranks per node (default LOCAL_WORLD_SIZE or the world size); fewer simulates nodes "
+                             "locally")
     parser.add_argument("--sizes", type=_sizes_arg, default=None, help="message sizes, e.g. 4KiB,64KiB,1MiB")
     parser.add_argument("--max-size", type=_size_arg, default=None, help="drop default sizes above this, e.g. 4MiB")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per size (median kept; default 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default 2)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck rank is reported")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="seconds before a stuck rank is reported")
     parser.add_argument("--no-overlap", action="store_true", help="skip the compute/communication overlap measurement")
     parser.add_argument("--quiet", action="store_true", help="no progress line and no summary table")
     parser.add_argument("--tp", type=_tp_arg, default=(), metavar="2,4",
-                        help="also measure tensor-parallel groups of these many consecutive ranks (for --tp searches)")
+                        help="also measure tensor-parallel groups of these many consecutive ranks "
+                             "(for --tp searches)")
+    return parser
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run ``profile-fabric`` from parsed arguments; library errors propagate to ``cli.main``."""
     sizes = args.sizes or default_sizes()
     if args.max_size is not None:

@@ -18,10 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.nn as nn
+
 from wrapopt.fileio import fmt_bytes
+from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph
 
-__all__ = ["EstimateReport", "ModelFlops", "model_flops", "format_estimate", "format_breakdown", "BREAKDOWN_NAMES"]
+__all__ = ["EstimateReport", "ModelFlops", "model_flops", "infer_model_flops", "peak_rate", "format_estimate",
+           "format_breakdown", "BREAKDOWN_NAMES"]
 
 BREAKDOWN_NAMES = {
     "sharded_params": "sharded parameters",
@@ -57,6 +62,32 @@ def model_flops(graph: ModelGraph, *, non_embedding_params: int, tokens: int, se
                           f"L = {layers} blocks, d = {width}, T = {seq_len}")
     fwd = sum(m.fwd_flops for m in graph.modules)
     return ModelFlops(3 * fwd, 0, samples, f"3 x the traced forward FLOPs ({fwd:.3g} per micro-batch)")
+
+
+def infer_model_flops(model: nn.Module, example_inputs: tuple[Any, ...] | Any, graph: ModelGraph) -> ModelFlops:
+    """``model_flops`` with its figures read from the model and one micro-batch of inputs: a
+    token model has exactly one integer input, of shape batch x sequence; its width is the
+    widest ``nn.Embedding``, whose weights are left out of N (See [Note: model FLOPs])."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    token_model = (first is not None and first.dim() == 2 and not first.is_floating_point()
+                   and sum(isinstance(x, torch.Tensor) and not x.is_floating_point() for x in inputs) == 1)
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    params = {id(p): p.numel() for p in model.parameters()}
+    emb_ids = {id(m.weight) for m in embeds}
+    width = max((m.embedding_dim for m in embeds), default=0)
+    return model_flops(graph, non_embedding_params=sum(n for i, n in params.items() if i not in emb_ids),
+                       tokens=first.numel() if token_model else 0, seq_len=first.shape[1] if token_model else 0,
+                       samples=first.shape[0] if first is not None and first.dim() else 1, width=width)
+
+
+def peak_rate(compute: ComputeProfile, dtype: str) -> tuple[float, str]:
+    """The FLOP rate MFU is measured against, and where it comes from: the stated dense peak
+    in ``dtype`` for an analytical device, else the measured (or stated achieved) matmul rate."""
+    peak = compute.meta.get("peak_flops_per_s") or compute.flops_per_s
+    source = (f"stated dense {dtype} peak" if compute.meta.get("peak_flops_per_s")
+              else "the measured matmul rate" if compute.kind == "measured" else "the stated achieved rate")
+    return float(peak), source
 
 
 @dataclass(frozen=True)
@@ -108,7 +139,8 @@ class EstimateReport:
             "step_s": e.step_s, "tokens_per_s_per_gpu": self.tokens_per_s or None,
             "samples_per_s_per_gpu": self.samples_per_s, "mfu": self.mfu,
             "model_flops_per_step_per_gpu": self.flops.flops * self.train.grad_accumulation,
-            "flops_formula": self.flops.formula, "peak_flops_per_s": self.peak_flops_per_s, "peak_source": self.peak_source,
+            "flops_formula": self.flops.formula, "peak_flops_per_s": self.peak_flops_per_s,
+            "peak_source": self.peak_source,
             "peak_bytes": e.peak_bytes, "peak_breakdown": dict(e.peak_breakdown),
             "memory_budget": self.memory_budget, "fits": self.fits,
             "fwd_s": e.fwd_s, "bwd_s": e.bwd_s, "optim_s": e.optim_s, "compute_s": e.compute_s, "comm_s": e.comm_s,
@@ -136,7 +168,8 @@ def format_estimate(r: EstimateReport) -> str:
         lines.append(f"throughput: {r.samples_per_s:,.2f} samples/s per GPU")
     lines.append(f"MFU: {r.mfu * 100:.3g}% of {r.peak_flops_per_s / 1e12:,.1f} TFLOP/s ({r.peak_source}); "
                  f"model FLOPs {r.flops.formula}")
-    budget = "no limit" if r.memory_budget is None else f"budget {fmt_bytes(r.memory_budget)}: " + ("fits" if r.fits else "DOES NOT FIT")
+    budget = ("no limit" if r.memory_budget is None
+              else f"budget {fmt_bytes(r.memory_budget)}: " + ("fits" if r.fits else "DOES NOT FIT"))
     lines.append(f"peak memory: {fmt_bytes(e.peak_bytes)} per GPU ({budget})")
     lines += format_breakdown(e)
     for n in list(r.notes) + list(e.notes):

@@ -119,8 +119,8 @@ def draw_timelines(panels: Sequence[TimelinePanel], path: str | os.PathLike, *, 
             seen.setdefault(kind, h)
         lanes.set_yticks([0, 1], ["comm", "compute"])
         lanes.set_ylim(-0.6, 1.6)
-        lanes.set_title(f"{panel.title}: step {panel.step_s / t_div:.3g} {t_unit}, peak {panel.peak_bytes / b_div:.3g} {b_unit}",
-                        loc="left", fontsize=10)
+        lanes.set_title(f"{panel.title}: step {panel.step_s / t_div:.3g} {t_unit}, "
+                        f"peak {panel.peak_bytes / b_div:.3g} {b_unit}", loc="left", fontsize=10)
         lanes.axvline(panel.step_s / t_div, color="black", linewidth=0.8)
         compute = sorted((e[3], e[4], e[5]) for e in panel.events if e[0] == "compute" and e[5])
         if compute:
@@ -146,8 +146,9 @@ def draw_timelines(panels: Sequence[TimelinePanel], path: str | os.PathLike, *, 
         fig.suptitle(title, y=1 - 0.12 * inch, va="top", fontsize=11)
     fig.legend([seen[k] for k in order], [_NAMES.get(k, k) for k in order], loc="upper center",
                ncol=len(order), fontsize=9, frameon=False, bbox_to_anchor=(0.5, 1 - (0.42 if title else 0.1) * inch))
-    fig.text(0.01, 0.1 * inch, "Memory rows: bytes held during each compute event. The predicted peak (dotted) can come "
-             "from a moment the curve does not show: an all-gather's copy-out, the loss's working memory.", fontsize=8, color="#555555")
+    fig.text(0.01, 0.1 * inch, "Memory rows: bytes held during each compute event. The predicted peak (dotted) can "
+             "come from a moment the curve does not show: an all-gather's copy-out, the loss's working memory.",
+             fontsize=8, color="#555555")
     fig.subplots_adjust(left=0.08, right=0.98, top=1 - (0.95 if title else 0.6) * inch, bottom=0.75 * inch)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -30,7 +30,8 @@ def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
             p = totals.setdefault(m.parent, [0.0, 0.0, 0.0])
             for i in range(3):
                 p[i] += t[i]
-    head = f"{'module':48} {'class':22} {'params':>12} {'fwd FLOPs':>10} {'bwd FLOPs':>10} {'saved act':>11} {'order':>5} {'calls':>5}"
+    head = (f"{'module':48} {'class':22} {'params':>12} {'fwd FLOPs':>10} {'bwd FLOPs':>10} {'saved act':>11} "
+            f"{'order':>5} {'calls':>5}")
     lines = [f"{graph.model_class}: {graph.num_params:,} parameters ({fmt_bytes(graph.param_bytes)}), "
              f"{len(graph.modules)} modules, block chains: "
              + (", ".join(f"{len(c)} x {graph.info(c[0]).cls}" for c in graph.block_chains) or "none"),
@@ -150,11 +151,17 @@ def format_plan(plan) -> str:
         lines.append(f"tensor parallel ({plan.spec.tp.source}) in every {cls}: colwise {', '.join(split['colwise'])}; "
                      f"rowwise {', '.join(split['rowwise'])}")
     if p:
-        lines.append(f"predicted: step {p.get('step_s', 0) * 1e3:.2f} ms, exposed comm {p.get('exposed_comm_s', 0) * 1e3:.2f} ms, "
+        lines.append(f"predicted: step {p.get('step_s', 0) * 1e3:.2f} ms, "
+                     f"exposed comm {p.get('exposed_comm_s', 0) * 1e3:.2f} ms, "
                      f"peak {fmt_bytes(p.get('peak_bytes', 0))} per rank")
     lines.append(f"{len(plan.units)} units (applied in this order, root last):")
     for i, u in enumerate(plan.units):
-        mods = "<root>" if u.is_root else (u.modules[0] if len(u.modules) == 1 else f"[{u.modules[0]} .. {u.modules[-1]}] ({len(u.modules)} modules)")
+        if u.is_root:
+            mods = "<root>"
+        elif len(u.modules) == 1:
+            mods = u.modules[0]
+        else:
+            mods = f"[{u.modules[0]} .. {u.modules[-1]}] ({len(u.modules)} modules)"
         lines.append(f"  {i:3d}  {mods:50} reshard_after_forward={u.reshard_after_forward} checkpoint={u.checkpoint}")
     if plan.baselines:
         lines.append("baselines on the same fabric:")

@@ -1,0 +1,163 @@
+"""``wrapopt search MODEL --world-size N``: the best plan for a model on a mesh, beside the
+baselines, with the search behind it; the plan written with ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from typing import Any
+
+from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
+                         resolve_fabric)
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, mesh_from_args,
+                                 train_from_args)
+from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import PlanError
+from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
+from wrapopt.fileio import check_writable, read_json
+from wrapopt.models.sources import resolve_model
+from wrapopt.plan.file import WrapPlan
+from wrapopt.plan.tp import tp_from_json
+from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
+from wrapopt.report.plots import require_matplotlib
+from wrapopt.search.diagnosis import both_syncs
+from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions, SearchResult
+from wrapopt.search.study.space import shard_sizes
+from wrapopt.spec import MeshSpec
+from wrapopt.tp import TPSpec
+from wrapopt.trace.meta import trace_model
+from wrapopt.train import model_dtype
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``wrapopt search`` to the CLI's sub-commands; it runs ``run``."""
+    p = subparsers.add_parser("search", help="search the best plan for a model on a mesh")
+    add_model_arguments(p)
+    add_mesh_arguments(p)
+    add_train_arguments(p)
+    p.add_argument("--out", default=None, help="write the plan here (JSON)")
+    p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
+
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+                   help=f"Optuna trials in total, seeds included (default {DEFAULT_TRIALS}; "
+                        "0: baselines and exact DP only)")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same search (default 0)")
+    p.add_argument("--storage", default=None,
+                   help="make the study resumable and shareable by several workers: a file path (SQLite; a path "
+                        "ending in .journal is an Optuna journal file, faster per trial) or any Optuna storage URL")
+    p.add_argument("--study-name", default=None,
+                   help="study name in --storage (default: from model, mesh, budget, fabric)")
+    p.add_argument("--sampler", choices=("auto", "tpe", "nsga2"), default="auto",
+                   help="Optuna sampler (default auto: TPE on small spaces, NSGA-II past 64 parameters)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="fix the shard group (default: search FSDP over the world and HSDP per node / nodes)")
+    p.add_argument("--max-group", type=int, default=8, help="the DP's largest number of blocks in one unit (default 8)")
+    p.add_argument("--tp", default="1", metavar="auto|1|2|4|8",
+                   help="tensor-parallel degree inside each node, FSDP across the data-parallel ranks (2-D, as "
+                        "TorchTitan); auto: every degree dividing --gpus-per-node and the heads, chosen with the "
+                        "units (default 1: FSDP alone)")
+    p.add_argument("--tp-plan", default=None, metavar="FILE",
+                   help='how blocks split for --tp, instead of the recognised one: a JSON file '
+                        '{"layers": {"MyBlock": {"attn.q": "colwise", ..., "mlp.out": "rowwise"}}}')
+    p.add_argument("--timeout", type=float, default=None, help="stop the study after this many seconds")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help=f"draw {' and '.join(PICTURES)} (predicted; needs matplotlib) into DIR")
+    return p
+
+
+def _search_options(args: argparse.Namespace, mesh: MeshSpec) -> SearchOptions:
+    shard = None
+    if args.shard_size is not None:
+        legal = shard_sizes(mesh)
+        if args.shard_size > mesh.world_size:
+            raise ValueError(f"--shard-size {args.shard_size} is larger than the world of {mesh.world_size} ranks")
+        if args.shard_size not in legal:
+            raise ValueError(
+                f"--shard-size {args.shard_size} must divide the world of {mesh.world_size} ranks and be a part of one "
+                f"node or whole nodes of {mesh.ranks_per_node}; choose one of {', '.join(map(str, legal))}"
+            )
+        shard = (args.shard_size,)
+    if args.trials < 0:
+        raise ValueError(f"--trials must be >= 0, got {args.trials}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    return SearchOptions(trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study_name,
+                         sampler=args.sampler, shard_sizes=shard, max_group=args.max_group, timeout_s=args.timeout,
+                         progress=progress)
+
+
+def _tp_plan(path: str | None) -> TPSpec | None:
+    """A user's tensor-parallel plan: a JSON file {"layers": {block class: {path: "colwise" | "rowwise"}}}."""
+    if path is None:
+        return None
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise PlanError(f"{path}: a tensor-parallel plan is a JSON object "
+                        "{\"layers\": {block class: {path: style}}}")
+    return tp_from_json({"source": "user", **data}, source=path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Body of ``wrapopt search``: flags are checked, and the output writable, before the search."""
+    train = train_from_args(args)  # bad training flags fail before anything runs
+    tp_plan = _tp_plan(args.tp_plan)
+    mesh = mesh_from_args(args)
+    options = _search_options(args, mesh)
+    if options.shard_sizes:
+        mesh = replace(mesh, shard_size=options.shard_sizes[0])
+    if args.out:
+        check_writable(args.out)
+    if args.plot:
+        require_matplotlib()  # before the search, not after it
+        os.makedirs(args.plot, exist_ok=True)
+    fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
+    notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
+    src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    model = src.build("meta")
+    compute = compute_for(fabric, args.compute, train, model_dtype(model))
+    budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
+    budget_note = budget_line(args.memory, compute, budget)
+    graph = trace_model(model, src.inputs, loss_fn=src.loss)
+    plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
+                              notes=notes, search=options, memory_budget_source=budget_source(args.memory, compute),
+                              train=train, tp=args.tp, tp_plan=tp_plan)
+    if args.out:
+        plan.save(args.out)
+    if args.plot:
+        pics = pictures_json(Simulator(graph, fabric, compute), result, result.best.plan)
+        write_pictures(args.plot, pics, title=f"{args.model} on {mesh.world_size} ranks ({mesh.ranks_per_node} per "
+                                              f"node), {fabric.name} ({fabric.kind})")
+    syncs = None  # under gradient accumulation, the choice scored with each sync mode
+    if train.grad_accumulation > 1:
+        syncs = both_syncs(result, graph, Simulator(graph, fabric, compute), train, budget)
+    if args.json:
+        print(json.dumps(_plan_json(plan, result, budget_note, syncs), indent=1))
+    else:
+        print(budget_note)
+        print(f"training: {plan.train_config.describe()}")
+        print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
+        print(format_search(result))
+        print(format_sync(result, train, budget, syncs))
+        if args.out:
+            print(f"wrote {args.out}")
+        if args.plot:
+            print(f"wrote {', '.join(os.path.join(args.plot, name) for name in PICTURES)}")
+    return 0
+
+
+def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: Any) -> dict[str, Any]:
+    """What ``--json`` prints: the plan (the model without its parameter list) and the search."""
+    out = plan.to_json()
+    out.pop("model", None)
+    out["model"] = {k: v for k, v in plan.model.items() if k not in ("params", "module_classes")}
+    out["search"] = search_json(result, budget_note)
+    out["search"]["sync"] = sync_json(result, syncs)
+    return out

@@ -1,0 +1,34 @@
+"""``wrapopt trace MODEL``: the module tree with parameters, FLOPs and saved activations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from wrapopt.cli.options import add_model_arguments
+from wrapopt.models.sources import resolve_model
+from wrapopt.report.text import format_graph, graph_to_json
+from wrapopt.trace.meta import trace_model
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``wrapopt trace`` to the CLI's sub-commands; it runs ``run``."""
+    p = subparsers.add_parser("trace", help="print the module tree with parameters, FLOPs and activations")
+    add_model_arguments(p)
+    p.add_argument("--depth", type=int, default=2, help="fold the tree below this depth (default 2)")
+    p.add_argument("--json", action="store_true", help="print the graph as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Body of ``wrapopt trace``."""
+    src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    graph = trace_model(src.build("meta"), src.inputs, loss_fn=src.loss)
+    if args.json:
+        print(json.dumps(graph_to_json(graph), indent=1))
+    else:
+        print(format_graph(graph, depth=args.depth))
+    return 0

@@ -1,0 +1,161 @@
+"""wrapopt's choice as text and JSON: the plan beside the baselines (``format_report``,
+what ``OptimizeResult.report()`` prints), the search behind it (``format_search``,
+``search_json``) and, under gradient accumulation, both sync modes (``format_sync``,
+``sync_json``). The numbers come from the search and the simulator; nothing here
+simulates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wrapopt.assumptions import Assumptions
+from wrapopt.fileio import fmt_bytes
+from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.report.estimate import format_breakdown
+from wrapopt.search.driver import SearchResult
+from wrapopt.spec import CostEstimate, MeshSpec
+from wrapopt.train import TrainConfig
+
+__all__ = ["format_report", "format_search", "search_json", "format_sync", "sync_json"]
+
+_SYNC_MODE = {"last": "last (no-sync until the last micro-batch)", "every": "every micro-batch"}
+
+
+def _fabric_lines(result: SearchResult, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec) -> list[str]:
+    budget = "none" if result.memory_budget == float("inf") else fmt_bytes(result.memory_budget)
+    stated = "  <- ANALYTICAL: stated numbers, not measured" if fabric.kind == "analytical" else ""
+    return [
+        f"fabric: {fabric.label}" + stated,
+        f"compute: {compute.device} ({compute.kind})   mesh: {mesh.world_size} ranks, {mesh.ranks_per_node} per node, "
+        f"shard group {mesh.shard_size}   memory budget: {budget} per rank",
+    ]
+
+
+def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec,
+                  measured: dict[str, Any] | None = None, *, assumptions: Assumptions | None = None) -> str:
+    """A text table: the chosen plan and every baseline, predicted time and memory (and the
+    ``measured`` ones, by plan label, when given), then the assumptions the prediction rests on."""
+    lines = _fabric_lines(result, fabric, compute, mesh)
+    head = f"{'':2}{'plan':34} {'units':>5} {'pred step':>10} {'exposed':>9} {'pred peak':>11} {'fits':>4}"
+    if measured:
+        head += f" {'meas step':>10} {'meas peak':>11}"
+    lines += [head, "-" * len(head)]
+    rows = [("*", result.best)] + [(" ", s) for s in result.baselines.values() if s.plan != result.best.plan]
+    for mark, s in rows:
+        e = s.estimate
+        row = (f"{mark:2}{(s.plan.label or 'wrapopt')[:34]:34} {len(s.plan.units):5d} {e.step_s * 1e3:8.2f}ms "
+               f"{e.exposed_comm_s * 1e3:7.2f}ms {fmt_bytes(e.peak_bytes):>11} {'yes' if s.fits else 'NO':>4}")
+        if measured:
+            m = measured.get(s.plan.label)
+            row += f" {m['step_s'] * 1e3:8.2f}ms {fmt_bytes(m['peak_bytes']):>11}" if m else f" {'-':>10} {'-':>11}"
+        lines.append(row)
+    lines.append("* = wrapopt's choice")
+    if result.notes:
+        lines.append("notes: " + "; ".join(result.notes[:3]))
+    if assumptions is not None:
+        lines += assumptions.lines()
+    return "\n".join(lines)
+
+
+def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]:
+    """The search behind the choice: the DP's and the study's bests, the Pareto front, the
+    tensor-parallel rows and the study."""
+    study = result.study
+    pick = lambda s: None if s is None else {  # noqa: E731
+        "label": s.plan.label, "shard_size": s.plan.mesh.shard_size, "tp_size": s.plan.mesh.tp_size,
+        "num_units": len(s.plan.units), "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes,
+        "fits": s.fits}
+    return {
+        "memory_budget": None if result.memory_budget == float("inf") else result.memory_budget,
+        "memory_budget_note": budget_line,
+        "dp_best": pick(result.dp_best),
+        "optuna_best": pick(result.optuna_best),
+        "pareto": [pick(s) for s in result.pareto],
+        "tp_chosen": result.tp_chosen,
+        "tp_rows": [{"row": label, **pick(s)} for label, s in result.tp_rows],
+        "study": None if study is None else {"name": study.study_name, "storage": study.storage,
+                                             "sampler": study.sampler,
+                                             "finished_trials": study.num_trials, "run_here": study.num_run_here,
+                                             "seeds": study.num_seeds},
+    }
+
+
+def _sharding_kind(result: SearchResult) -> str:
+    mesh = result.best.plan.mesh
+    kind = ("FSDP over the world" if mesh.shard_size == mesh.world_size else "no sharding" if mesh.shard_size == 1
+            else f"HSDP: {mesh.replicate_size} replicas of a shard group of {mesh.shard_size}")
+    if mesh.tp_size > 1:
+        kind += f", tensor parallel {mesh.tp_size} inside each node ({mesh.dp_size} data-parallel ranks)"
+    return kind
+
+
+def _tp_lines(result: SearchResult) -> list[str]:
+    lines = ["tensor parallelism (the same global batch; See [Note: 2-D search]):"]
+    ref = result.best.estimate.step_s
+    for label, s in result.tp_rows:
+        e = s.estimate
+        lines.append(f"  {label:<44} {e.step_s * 1e3:10.2f}ms {fmt_bytes(e.peak_bytes):>11} "
+                     f"{'fits' if s.fits else 'does not fit':<12} chosen/this {ref / e.step_s:5.3f}  {s.plan.label}")
+    return lines
+
+
+def _pareto_lines(result: SearchResult) -> list[str]:
+    lines = ["time-memory Pareto front (plans that fit; none is both faster and smaller than another):"]
+    for s in result.pareto[:10]:
+        lines.append(f"  {s.estimate.step_s * 1e3:9.2f}ms {fmt_bytes(s.estimate.peak_bytes):>11}  "
+                     f"shard {s.plan.mesh.shard_size:<5d} {len(s.plan.units):4d} units  {s.plan.label}")
+    if len(result.pareto) > 10:
+        lines.append(f"  ... {len(result.pareto) - 10} more")
+    return lines
+
+
+def format_search(result: SearchResult) -> str:
+    """The search behind the choice, as ``wrapopt search`` prints it under the table."""
+    best = result.best.plan
+    lines = [f"wrapopt's choice: {len(best.units)} units, {_sharding_kind(result)}, "
+             f"forward prefetch {best.forward_prefetch}"]
+    if result.tp_rows:
+        lines += _tp_lines(result)
+    if result.dp_best is not None:
+        lines.append(f"exact DP best: {result.dp_best.plan.label} {result.dp_best.estimate.step_s * 1e3:.2f}ms")
+    study = result.study
+    if study is not None:
+        found = result.optuna_best
+        where = f" in {study.storage}" if study.storage else ""
+        lines.append(f"optuna study {study.study_name!r}{where} ({study.sampler}): {study.num_trials} finished trials "
+                     f"({study.num_run_here} run now, {study.num_seeds} seeds); best fitting: "
+                     + (f"{found.estimate.step_s * 1e3:.2f}ms" if found else "none"))
+    if result.pareto:
+        lines += _pareto_lines(result)
+    return "\n".join(lines)
+
+
+def format_sync(result: SearchResult, train: TrainConfig, budget: float | None,
+                syncs: dict[str, CostEstimate] | None) -> str:
+    """The peak of the choice, broken down, and, under gradient accumulation, the choice
+    under each sync mode (``syncs``: ``search.diagnosis.both_syncs``)."""
+    best = result.best.estimate
+    lines = [f"peak memory of wrapopt's choice: {fmt_bytes(best.peak_bytes)} per rank"]
+    lines += format_breakdown(best)
+    if train.grad_accumulation > 1 and syncs is not None:
+        limit = budget if budget is not None else float("inf")
+        lines.append(f"gradient sync over {train.grad_accumulation} micro-batches, wrapopt's choice scored both ways:")
+        for m, e in syncs.items():
+            mark = "*" if m == best.accumulation_sync else " "
+            lines.append(f" {mark} {_SYNC_MODE[m]:42} {e.step_s * 1e3:10.2f}ms {fmt_bytes(e.peak_bytes):>11} "
+                         f"{'fits' if e.peak_bytes <= limit else 'does NOT fit'}")
+            if m == "last":
+                held = dict(e.peak_breakdown).get("accumulated_grads", 0)
+                lines.append(f"    holds {fmt_bytes(held)} of unsharded gradients across micro-batches")
+        lines.append("  * = chosen: " + ("as asked (--sync)" if train.accumulation_sync else "the faster that fits"))
+    return "\n".join(lines)
+
+
+def sync_json(result: SearchResult, syncs: dict[str, CostEstimate] | None) -> dict[str, Any] | None:
+    """Both sync modes of the choice as JSON; None without gradient accumulation (``syncs`` None)."""
+    if syncs is None:
+        return None
+    out: dict[str, Any] = {"chosen": result.best.estimate.accumulation_sync}
+    for m, e in syncs.items():
+        out[m] = {"step_s": e.step_s, "peak_bytes": e.peak_bytes, "peak_breakdown": dict(e.peak_breakdown)}
+    return out
