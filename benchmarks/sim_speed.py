@@ -208,7 +208,7 @@ def main() -> int:
         "gave to other guests). Load average (1 min) before and after the rates: "
         f"{load0:.1f} and {load1:.1f} on {os.cpu_count()} cores"
         + (": the machine was shared with other processes, so the rates are lower and noisier than on an idle one; "
-           "`benchmarks/sim_speed_ab.py` compares versions in paired CPU time." if busy else "."),
+           "`scripts/sim_speed_ab.py` compares versions in paired CPU time." if busy else "."),
         "",
         "| plans | units per plan | compute segments per plan | plan evaluations per second: best | median "
         "| as Python (no numba): best |",

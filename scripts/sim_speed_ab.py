@@ -17,7 +17,7 @@ faster, in plans per CPU second) with a bootstrap 95% interval of that
 median, and the same for new/new' (A/A).
 
     git worktree add /tmp/wrapopt-old <commit>
-    python benchmarks/sim_speed_ab.py --old /tmp/wrapopt-old [--rounds 20] [--out results/sim_speed_ab.md]
+    python scripts/sim_speed_ab.py --old /tmp/wrapopt-old [--rounds 20] [--out results/sim_speed_ab.md]
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main() -> int:
             "rounds and the A/A row are for that).",
             "",
             f"old: `{head(os.path.abspath(args.old))}`; new: `{head(os.path.abspath(args.new))}` (working tree). "
-            f"Regenerate: `python benchmarks/sim_speed_ab.py --old <checkout of old> --rounds {args.rounds} --out ...`. "
+            f"Regenerate: `python scripts/sim_speed_ab.py --old <checkout of old> --rounds {args.rounds} --out ...`. "
             "Workloads as `benchmarks/sim_speed.py` (zoo:llama-7b, 64 ranks, analytical fabric): per-block and size-1e8 "
             "scored again and again (layout cached), random groupings of 1-4 blocks and random Optuna-space plans "
             "(a new layout each); a fresh `Simulator` per measurement; both versions' estimates checked equal.",
