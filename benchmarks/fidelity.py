@@ -9,14 +9,14 @@ of 8 ranks, and the simulator's speed. Writes results/fidelity.md, results/fidel
 results/fidelity_scatter.png, and adds the run's summary to results/fidelity_history.json/.md
 (every run's verdicts side by side).
 
-    python benchmarks/fidelity.py [--world-sizes 2,4] [--repeats 15] [--confirm 3] [--models gpt-tiny,...]
+    python -m benchmarks.fidelity [--world-sizes 2,4] [--repeats 15] [--confirm 3] [--models gpt-tiny,...]
                                   [--cases fp32,bf16,accum4]
 
 Each case is a training step: ``fp32`` (the model as it is, one batch), ``bf16``
 (bf16 parameters and compute, fp32 reduction; module times measured in bf16) and
 ``accum4`` (4 micro-batches per step, synchronised on the last only); its rows
 carry the case in the model column, e.g. ``zoo:gpt-tiny [bf16]``.
-    python benchmarks/fidelity.py --add-to-history old/fidelity.json ...   # measure nothing
+    python -m benchmarks.fidelity --add-to-history old/fidelity.json ...   # measure nothing
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from wrapopt.evaluation.bench import PHASES  # noqa: E402
+from benchmarks.sim_speed import simulator_speed
+from wrapopt.evaluation.bench import PHASES
 from wrapopt.evaluation.evaluate import (
     evaluate,
     fmt_ratio,
@@ -42,12 +41,9 @@ from wrapopt.evaluation.evaluate import (
     paired_ratio,
     place_effect,
     spearman,
-)  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.train import TrainConfig  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
+)
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
+from wrapopt.train import TrainConfig
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
 CASES = {  # name -> the TrainConfig of the case (None: fp32, one batch, as before the cases existed)
@@ -292,8 +288,8 @@ def main() -> int:
         "",
         f"Machine: {platform.node()}, {m['cores']} cores ({m['cpu']}), no GPU; backend {m['backend']}, one thread per rank; "
         f"torch {m['torch']}; {date}. Regenerate: `"
-        + (f"python benchmarks/fidelity.py {shlex.join(sys.argv[1:])}` ({wall:.0f} s)." if wall else  # as this run was called
-           f"python benchmarks/fidelity.py --world-sizes {args.world_sizes} --repeats {args.repeats} --confirm "
+        + (f"python -m benchmarks.fidelity {shlex.join(sys.argv[1:])}` ({wall:.0f} s)." if wall else  # as this run was called
+           f"python -m benchmarks.fidelity --world-sizes {args.world_sizes} --repeats {args.repeats} --confirm "
            f"{args.confirm} --confirm-repeats {args.confirm_repeats} --cases {args.cases}` "
            "(this file written again from that run's fidelity.json with `--render`)."),
         "",

@@ -10,7 +10,7 @@ trace runs the grouped-matmul experts on meta; the measured CPU model runs trans
 "eager" experts, the CPU grouped matmul having no float32 backward; both compute the
 routed (token, expert) pairs only). Writes results/fidelity_moe.md and .json.
 
-    python benchmarks/fidelity_moe.py [--world-size 2] [--repeats 7] [--layers 4]
+    python -m benchmarks.fidelity_moe [--world-size 2] [--repeats 7] [--layers 4]
 """
 
 from __future__ import annotations
@@ -19,28 +19,25 @@ import argparse
 import datetime
 import os
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from wrapopt.cost.simulate import Simulator  # noqa: E402
-from wrapopt.evaluation.bench import measure_plans  # noqa: E402
-from wrapopt.evaluation.evaluate import PLAN_SETS, spearman  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.hardware.measure_collectives import measure_fabric  # noqa: E402
-from wrapopt.hardware.measure_device import measure_compute  # noqa: E402
-from wrapopt.hardware.profiles import ComputeProfile  # noqa: E402
-from wrapopt.launch import broadcast_json, spawn  # noqa: E402
-from wrapopt.models.sources import resolve_model  # noqa: E402
-from wrapopt.search.baselines import baselines  # noqa: E402
-from wrapopt.search.driver import search_plan  # noqa: E402
-from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec  # noqa: E402
-from wrapopt.trace.meta import trace_model  # noqa: E402
+from wrapopt.cost.simulate import Simulator
+from wrapopt.evaluation.bench import measure_plans
+from wrapopt.evaluation.evaluate import PLAN_SETS, spearman
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
+from wrapopt.hardware.measure_collectives import measure_fabric
+from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.profiles import ComputeProfile
+from wrapopt.launch import broadcast_json, spawn
+from wrapopt.models.sources import resolve_model
+from wrapopt.search.baselines import baselines
+from wrapopt.search.driver import search_plan
+from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+from wrapopt.trace.meta import trace_model
 
 
 def write_config(directory: str, layers: int) -> str:
@@ -127,7 +124,7 @@ def main() -> int:
     pred_fast = min(rows, key=lambda r: r["pred_step_s"])
     meas_fast = min(rows, key=lambda r: r["meas_step_s"])
     peak_errs = [abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"] for r in rows]
-    cmd = (f"python benchmarks/fidelity_moe.py --world-size {args.world_size} --repeats {args.repeats} "
+    cmd = (f"python -m benchmarks.fidelity_moe --world-size {args.world_size} --repeats {args.repeats} "
            f"--layers {args.layers} --batch {args.batch} --seq {args.seq}")
     summary = {"spearman": rho, "pred_fastest": pred_fast["plan"], "meas_fastest": meas_fast["plan"],
                "meas_pred_fastest_over_meas_fastest": pred_fast["meas_step_s"] / meas_fast["meas_step_s"],

@@ -11,8 +11,8 @@ benchmarks/published.py (768 to 7168): the data its one fitted efficiency per
 GPU cannot hold. Writes results/gpu.md naming the device. Takes 3-5 minutes on
 an H100-class GPU.
 
-    python benchmarks/gpu_check.py                      # on a GPU, writes results/gpu.md
-    python benchmarks/gpu_check.py --device cpu --out /tmp/gpu.md   # the same code path on CPU, tiny sizes
+    python -m benchmarks.gpu_check                      # on a GPU, writes results/gpu.md
+    python -m benchmarks.gpu_check --device cpu --out /tmp/gpu.md   # the same code path on CPU, tiny sizes
 
 ``--device cpu`` is for hosts without CUDA (the test of this script): a tiny
 model on one gloo rank, peak memory as live tensor bytes.
@@ -22,26 +22,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from wrapopt.cost import Simulator  # noqa: E402
-from wrapopt.evaluation.bench import measure_plans  # noqa: E402
-from wrapopt.fileio import atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.hardware.measure_device import _sync_for, _time_reps, measure_compute  # noqa: E402
-from wrapopt.hardware.presets import analytical_fabric  # noqa: E402
-from wrapopt.launch import spawn  # noqa: E402
-from wrapopt.models import zoo  # noqa: E402
-from wrapopt.search.baselines import baselines  # noqa: E402
-from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec  # noqa: E402
-from wrapopt.trace.meta import trace_model  # noqa: E402
-from wrapopt.train import TORCH_DTYPES, TrainConfig  # noqa: E402
+from wrapopt.cost import Simulator
+from wrapopt.evaluation.bench import measure_plans
+from wrapopt.fileio import atomic_write_text, fmt_bytes
+from wrapopt.hardware.measure_device import _sync_for, _time_reps, measure_compute
+from wrapopt.hardware.presets import analytical_fabric
+from wrapopt.launch import spawn
+from wrapopt.models import zoo
+from wrapopt.search.baselines import baselines
+from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+from wrapopt.trace.meta import trace_model
+from wrapopt.train import TORCH_DTYPES, TrainConfig
 
 SIZES = {  # Llama(vocab, dim, n_layers, n_heads, n_kv_heads, ffn), batch, seq
     "cuda": (dict(vocab=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, ffn=5632), 2, 2048),
@@ -136,7 +132,7 @@ def render(res: dict, *, device: str, repeats: int, wall_s: float) -> str:
         f"# GPU check: {res['device_name']}",
         "",
         f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; torch {torch.__version__}; "
-        f"device {device} ({res['device_name']}); world size 1. Regenerate: `python benchmarks/gpu_check.py"
+        f"device {device} ({res['device_name']}); world size 1. Regenerate: `python -m benchmarks.gpu_check"
         + (" --device cpu" if device == "cpu" else "") + f"` ({wall_s:.0f} s).",
         "",
         f"Model: Llama {cfg}, {res['num_params']:,} parameters; batch {res['batch']} x {res['seq']} tokens per micro-batch; "

@@ -10,7 +10,7 @@ is fitted on every other row of that type, in the order the tables list them;
 the other half is the held-out check. Then wrapopt's own search on each
 row's hardware and memory budget, against the row's per-block plan.
 
-    PYTHONPATH=. python benchmarks/published.py [--source PATH] [--out results/published.md] [--no-search]
+    python -m benchmarks.published [--source PATH] [--out results/published.md] [--no-search]
 
 Meta device only: no GPU, no weights. Predicted figures are the simulator's.
 """
@@ -27,16 +27,15 @@ import statistics
 import sys
 import time
 
+from benchmarks.published_predict import (
+    GPUS, Prediction, Predictor, SearchRow, errors_of, fabric_at, fit_efficiency,
+)
+from benchmarks.published_rows import DEFAULT_SOURCE, PublishedRow, parse_published
+from wrapopt.fileio import atomic_write_text
+from wrapopt.hardware.budget import MEMORY_HEADROOM
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
-
-from wrapopt.fileio import atomic_write_text  # noqa: E402
-from wrapopt.hardware.budget import MEMORY_HEADROOM  # noqa: E402
-
-from published_predict import GPUS, Prediction, Predictor, SearchRow, errors_of, fit_efficiency, fabric_at  # noqa: E402
-from published_rows import DEFAULT_SOURCE, PublishedRow, parse_published  # noqa: E402
 
 GROUPS = (("a100_40gb", "A100 40GB"), ("a100_80gb", "A100 80GB"), ("h100_80gb", "H100 80GB"))
 # The DP's largest group of blocks per unit in the headline search: 4 keeps the whole benchmark under
@@ -203,7 +202,7 @@ def _report(args, published, usable, skipped, effs, preds, sens, rail, searches,
     out += [f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}. Machine: "
             f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.platform()}), no GPU; "
             f"Python {platform.python_version()}, torch {torch.__version__}. Command: "
-            f"`PYTHONPATH=. python benchmarks/published.py{' --no-search' if args.no_search else ''}"
+            f"`python -m benchmarks.published{' --no-search' if args.no_search else ''}"
             f"{f' --max-group {args.max_group}' if args.max_group != SEARCH_MAX_GROUP else ''}` "
             f"(source `{os.path.relpath(published.source, REPO)}`). Run time {elapsed:.0f} s wall, {cpu_s:.0f} s CPU; tracing "
             f"{trace_s:.0f} s (meta device). Every predicted figure is the simulator's; published figures are "

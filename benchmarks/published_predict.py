@@ -31,17 +31,18 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from wrapopt.hardware.budget import MEMORY_HEADROOM
+from benchmarks.published_rows import (
+    Published, PublishedRow, Skipped, build_mpt, count_params, fused_cross_entropy, with_master_weights,
+)
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError
 from wrapopt.evaluation.evaluate import spearman
+from wrapopt.hardware.budget import MEMORY_HEADROOM
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.search.driver import SearchOptions, search_plan
 from wrapopt.trace.meta import trace_model
 from wrapopt.spec import ROOT, CostEstimate, MeshSpec, ModelGraph, OptimizerKind, PlanSpec, SimOptions, UnitSpec
-
-from published_rows import Published, PublishedRow, Skipped, build_mpt, count_params, fused_cross_entropy, with_master_weights
 
 __all__ = ["GPUS", "GpuSpec", "Predictor", "Prediction", "SearchRow", "fit_efficiency", "errors_of"]
 

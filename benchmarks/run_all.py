@@ -12,7 +12,7 @@ measurably slower than a fitting contender is diagnosed (``evidence.diagnose``).
 Then a planning section for scales this machine cannot run (simulated, labelled).
 Writes results/README.md, results/bench.json and PNG charts.
 
-    python benchmarks/run_all.py [--world-sizes 2,4] [--repeats 5] [--models ...] [--bench-models ...]
+    python -m benchmarks.run_all [--world-sizes 2,4] [--repeats 5] [--models ...] [--bench-models ...]
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from wrapopt.evaluation.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman  # noqa: E402
-from wrapopt.evaluation.evidence import BASELINES, CAUSES, fmt_diagnosis, judge  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.models import zoo  # noqa: E402
+from wrapopt.evaluation.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman
+from wrapopt.evaluation.evidence import BASELINES, CAUSES, fmt_diagnosis, judge
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
+from wrapopt.models import zoo
 
 # [Note: bench time] `make bench` must stay within 30 minutes on the 2-core VM. Measured
 # (results/bench.json of 2026-12-03, repeats 5, confirmation 15): the zoo's exhaustive set took

@@ -11,7 +11,7 @@
    ``wrapopt search`` seeds it (baselines + DP answers), and seeded with the
    baselines only (can the study find the DP's optimum by itself?).
 
-Run: ``PYTHONPATH=. python benchmarks/search_bench.py`` (about two minutes on 2 cores).
+Run: ``python -m benchmarks.search_bench`` (about two minutes on 2 cores).
 Predicted times come from the simulator; nothing here is a measured step.
 """
 
@@ -27,7 +27,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 LLAMA_70B = ["zoo:llama-70b", "--world-size", "1024", "--gpus-per-node", "8"]
 TRAINABLE = ("gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny")

@@ -9,7 +9,7 @@ chosen, its predicted step against the best 1-D plan and TorchTitan's default
 global batch. Predicted, not measured. The section is written between markers,
 so ``search_bench.py`` and this script each keep the other's part.
 
-Run: ``PYTHONPATH=. python benchmarks/search_tp.py`` (a few minutes on 2 cores).
+Run: ``python -m benchmarks.search_tp`` (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 BEGIN, END = "<!-- search_tp.py: begin -->", "<!-- search_tp.py: end -->"
 CASES = [(m, w, None) for m in ("llama-7b", "llama-70b") for w in (64, 256, 1024)] + [("llama-70b", 256, "h100-nvlink-eth100")]

@@ -16,7 +16,7 @@ Each case runs compiled (numba: the step loop, the layout kernel and the
 collective-time lookup) and as Python, alternately (See [Note: compiled step
 loop], [Note: layout kernel]); best and median of 9 rounds, each round all
 kinds both ways (the machine's speed drifts). Run:
-``python benchmarks/sim_speed.py`` (about a minute). Loading the compiled code
+``python -m benchmarks.sim_speed`` (about a minute). Loading the compiled code
 from numba's disk cache happens once, before the timed rounds, and is reported
 on its own, as is compiling it from a cold cache (in a subprocess with an
 empty ``NUMBA_CACHE_DIR``).
@@ -34,12 +34,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from wrapopt.evaluation.evaluate import _cpu_times, _steal, fmt_steal  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text  # noqa: E402
+from wrapopt.evaluation.evaluate import _cpu_times, _steal, fmt_steal
+from wrapopt.fileio import atomic_write_json, atomic_write_text
 
 MESH = dict(world_size=64, ranks_per_node=8, shard_size=64)
 
@@ -157,7 +155,7 @@ def search_share(graph=None, trials: int = 200) -> dict:
 
 def cold_compile_s() -> float:
     """Seconds to compile the simulator from an empty numba cache, in a subprocess."""
-    code = ("import time, sys; sys.path.insert(0, '.'); from benchmarks import sim_speed as s; g = s._setup(); "
+    code = ("import time, sys; from benchmarks import sim_speed as s; g = s._setup(); "
             "from wrapopt.search import baselines; from wrapopt.types import MeshSpec; "
             "p = baselines(g, MeshSpec(**s.MESH))['per-block']; t = time.perf_counter(); s._new_sim(g).simulate(p); "
             "print(time.perf_counter() - t)")
@@ -197,7 +195,7 @@ def main() -> int:
         "# Simulator speed",
         "",
         f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}), one thread; Python "
-        f"{platform.python_version()}, torch {torch.__version__}; {date}. Regenerate: `python benchmarks/sim_speed.py` "
+        f"{platform.python_version()}, torch {torch.__version__}; {date}. Regenerate: `python -m benchmarks.sim_speed` "
         f"({time.perf_counter() - t0:.0f} s). zoo:llama-7b (32 blocks) on 64 ranks, analytical fabric; best and "
         "median of 9 rounds (the machine is shared and its speed drifts: compare rows within one run).",
         "",
