@@ -117,7 +117,8 @@ def main() -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         path = write_config(d, args.layers)
-        res = spawn(worker, world_size=args.world_size, args=(path, args.batch, args.seq, args.repeats), timeout_s=1800)[0]
+        res = spawn(worker, world_size=args.world_size, args=(path, args.batch, args.seq, args.repeats),
+                    timeout_s=1800)[0]
     wall = time.perf_counter() - t0
     rows = res["rows"]
     rho = spearman([r["pred_step_s"] for r in rows], [r["meas_step_s"] for r in rows])
@@ -141,21 +142,21 @@ def main() -> int:
              f"Machine: {machine['host']}, {machine['cores']} cores ({machine['cpu']}), no GPU; gloo, "
              f"{args.world_size} ranks, one thread per rank; torch {machine['torch']}, transformers "
              f"{out['transformers']}; {date}. Command: `{cmd}` ({wall:.0f} s).", "",
-             f"Model: Hugging Face Mixtral from a config ({res['params'] / 1e6:.2f} M parameters: {args.layers} layers, "
-             f"width 128, 8 experts of width 256, top-2), batch {args.batch} x {args.seq} tokens per rank, its own "
-             "loss. Traced on meta with the grouped-matmul experts; measured with transformers' eager experts (the CPU "
-             "grouped matmul has no float32 backward). Reduced protocol: fabric and compute measured on the same ranks, "
-             f"then every plan run for real, interleaved, 2 warm-up rounds, median of {args.repeats} repeats of the "
-             "slowest rank's step; no confirmation round. Peak: live tensor bytes, max over ranks.", "",
+             f"Model: Hugging Face Mixtral from a config ({res['params'] / 1e6:.2f} M parameters: {args.layers} "
+             f"layers, width 128, 8 experts of width 256, top-2), batch {args.batch} x {args.seq} tokens per rank, its "
+             f"own loss. Traced on meta with the grouped-matmul experts; measured with transformers' eager experts "
+             "(the CPU grouped matmul has no float32 backward). Reduced protocol: fabric and compute measured on the "
+             f"same ranks, then every plan run for real, interleaved, 2 warm-up rounds, median of {args.repeats} "
+             f"repeats of the slowest rank's step; no confirmation round. Peak: live tensor bytes, max over ranks.", "",
              f"Spearman (predicted vs measured step): **{rho:.2f}**; predicted fastest {pred_fast['plan']}, measured "
              f"fastest {meas_fast['plan']}, measured ratio {summary['meas_pred_fastest_over_meas_fastest']:.3f}; peak "
              f"error worst {summary['worst_peak_error']:.1%}, median {summary['median_peak_error']:.1%}.", "",
              "| plan | units | predicted step | measured step (spread) | predicted peak | measured peak | peak error |",
              "|---|---|---|---|---|---|---|"]
     for r, err in zip(rows, peak_errs):
-        lines.append(f"| {r['plan']} | {r['units']} | {r['pred_step_s'] * 1e3:.1f} ms | {r['meas_step_s'] * 1e3:.1f} ms "
-                     f"({r['meas_spread']:.0%}) | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['meas_peak_bytes'])} "
-                     f"| {err:.1%} |")
+        lines.append(f"| {r['plan']} | {r['units']} | {r['pred_step_s'] * 1e3:.1f} ms | {r['meas_step_s'] * 1e3:.1f} "
+                     f"ms ({r['meas_spread']:.0%}) | {fmt_bytes(r['pred_peak_bytes'])} | "
+                     f"{fmt_bytes(r['meas_peak_bytes'])} | {err:.1%} |")
     os.makedirs(args.out, exist_ok=True)
     atomic_write_json(os.path.join(args.out, "fidelity_moe.json"), out)
     atomic_write_text(os.path.join(args.out, "fidelity_moe.md"), "\n".join(lines) + "\n")

@@ -61,7 +61,8 @@ def gemm_sweep(device: str, repeats: int = 5) -> list[dict]:
             a = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
             t = _time_reps(lambda: torch.mm(a, b), repeats=repeats, warmup=2, sync=sync)  # noqa: B023 - called here
-            rows.append({"width": d, "gemm": name, "m": tokens, "k": k, "n": n, "s": t, "flops_per_s": 2 * tokens * k * n / t})
+            rows.append({"width": d, "gemm": name, "m": tokens, "k": k, "n": n, "s": t,
+                         "flops_per_s": 2 * tokens * k * n / t})
             del a, b
     return rows
 
@@ -69,7 +70,8 @@ def gemm_sweep(device: str, repeats: int = 5) -> list[dict]:
 def _cases(graph, mesh: MeshSpec) -> list[tuple[str, PlanSpec, TrainConfig]]:
     base = baselines(graph, mesh)
     per_block = base["per-block"]
-    ckpt = PlanSpec(tuple(u if u.is_root else UnitSpec(u.modules, u.reshard_after_forward, True) for u in per_block.units),
+    ckpt = PlanSpec(tuple(u if u.is_root else UnitSpec(u.modules, u.reshard_after_forward, True)
+                          for u in per_block.units),
                     mesh, label="per-block,ckpt")
     bf16 = TrainConfig.preset("bf16")
     acc = TrainConfig.preset("bf16", grad_accumulation=4, accumulation_sync="last")
@@ -120,7 +122,8 @@ def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
     bf = profiles["bfloat16"]
     top = sorted(bf.module_times, key=lambda t: -(t[1] + t[2]))[:10]
     return {"rows": rows, "profile_s": profile_s, "num_params": graph.num_params,
-            "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+            "device_name": (torch.cuda.get_device_name() if device == "cuda"
+                            else platform.processor() or platform.machine()),
             "flops": {k: p.flops_per_s for k, p in profiles.items()}, "bandwidth": bf.memory_bandwidth_bytes_per_s,
             "capacity": bf.memory_capacity_bytes, "top_modules": [list(t) for t in top], "cfg": cfg, "batch": batch,
             "seq": seq, "gemms": gemms}
@@ -135,15 +138,15 @@ def render(res: dict, *, device: str, repeats: int, wall_s: float) -> str:
         f"device {device} ({res['device_name']}); world size 1. Regenerate: `python -m benchmarks.gpu_check"
         + (" --device cpu" if device == "cpu" else "") + f"` ({wall_s:.0f} s).",
         "",
-        f"Model: Llama {cfg}, {res['num_params']:,} parameters; batch {res['batch']} x {res['seq']} tokens per micro-batch; "
-        f"AdamW. Compute profile measured here ({res['profile_s']:.0f} s): matmul "
+        f"Model: Llama {cfg}, {res['num_params']:,} parameters; batch {res['batch']} x {res['seq']} tokens per "
+        f"micro-batch; AdamW. Compute profile measured here ({res['profile_s']:.0f} s): matmul "
         + ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in res["flops"].items())
         + f"; copy bandwidth {res['bandwidth'] / 1e9:.0f} GB/s; capacity {fmt_bytes(res['capacity'] or 0)}. "
         f"(The matmul rate is measured in bf16 on a GPU, fp32 on a CPU, whatever the profile's dtype; per-module "
         f"times are measured in the profile's dtype.)",
         "",
-        f"Measured step: median of {repeats} after 2 warm-up steps; peak: `torch.cuda.max_memory_allocated` of one step "
-        "(one plan resident at a time)" if device == "cuda" else
+        f"Measured step: median of {repeats} after 2 warm-up steps; peak: `torch.cuda.max_memory_allocated` of one "
+        f"step (one plan resident at a time)" if device == "cuda" else
         f"Measured step: median of {repeats} after 2 warm-up steps; peak: live tensor bytes (CPU).",
         "",
         "| plan | units | training step | predicted step (ms) | measured step (ms) | spread | measured / predicted "

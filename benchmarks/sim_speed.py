@@ -161,7 +161,8 @@ def cold_compile_s() -> float:
             "print(time.perf_counter() - t)")
     with tempfile.TemporaryDirectory() as cache:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True,
-                             cwd=os.path.join(os.path.dirname(__file__), ".."), env={**os.environ, "NUMBA_CACHE_DIR": cache})
+                             cwd=os.path.join(os.path.dirname(__file__), ".."),
+                             env={**os.environ, "NUMBA_CACHE_DIR": cache})
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -216,9 +217,10 @@ def main() -> int:
               f"| {r['python_per_s']:,.0f} |" for r in rows]
     lines += [
         "",
-        f"`search_plan` with {share['trials']} Optuna trials (the DP, baselines and seeds included): {share['wall_s']:.1f} s, "
-        f"of which {share['simulate_s']:.1f} s ({share['simulate_s'] / share['wall_s']:.0%}) inside `Simulator.simulate` "
-        f"({share['simulate_calls']} calls). The rest is the DP and Optuna's own sampling and bookkeeping.",
+        f"`search_plan` with {share['trials']} Optuna trials (the DP, baselines and seeds included): "
+        f"{share['wall_s']:.1f} s, of which {share['simulate_s']:.1f} s ({share['simulate_s'] / share['wall_s']:.0%}) "
+        f"inside `Simulator.simulate` ({share['simulate_calls']} calls). The rest is the DP and Optuna's own sampling "
+        f"and bookkeeping.",
         "",
     ]
     os.makedirs("results", exist_ok=True)
