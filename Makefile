@@ -21,7 +21,7 @@ test: setup
 	$(PY) -m pytest -q -m multiprocess tests
 
 bench: setup
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.run_all
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

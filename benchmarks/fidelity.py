@@ -9,14 +9,14 @@ of 8 ranks, and the simulator's speed. Writes results/fidelity.md, results/fidel
 results/fidelity_scatter.png, and adds the run's summary to results/fidelity_history.json/.md
 (every run's verdicts side by side).
 
-    python benchmarks/fidelity.py [--world-sizes 2,4] [--repeats 15] [--confirm 3] [--models gpt-tiny,...]
+    python -m benchmarks.fidelity [--world-sizes 2,4] [--repeats 15] [--confirm 3] [--models gpt-tiny,...]
                                   [--cases fp32,bf16,accum4]
 
 Each case is a training step: ``fp32`` (the model as it is, one batch), ``bf16``
 (bf16 parameters and compute, fp32 reduction; module times measured in bf16) and
 ``accum4`` (4 micro-batches per step, synchronised on the last only); its rows
 carry the case in the model column, e.g. ``zoo:gpt-tiny [bf16]``.
-    python benchmarks/fidelity.py --add-to-history old/fidelity.json ...   # measure nothing
+    python -m benchmarks.fidelity --add-to-history old/fidelity.json ...   # measure nothing
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from wrapopt.evaluation.bench import PHASES  # noqa: E402
+from benchmarks.sim_speed import simulator_speed
+from wrapopt.evaluation.bench import PHASES
 from wrapopt.evaluation.evaluate import (
     evaluate,
     fmt_ratio,
@@ -42,12 +41,9 @@ from wrapopt.evaluation.evaluate import (
     paired_ratio,
     place_effect,
     spearman,
-)  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.train import TrainConfig  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sim_speed import simulator_speed  # noqa: E402  (benchmarks/sim_speed.py)
+)
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
+from wrapopt.train import TrainConfig
 
 TRAINABLE = ["gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny"]
 CASES = {  # name -> the TrainConfig of the case (None: fp32, one batch, as before the cases existed)
@@ -79,7 +75,8 @@ def fake_tracker_check(world_size: int = 8) -> list[dict]:
     root = base["root-only"].units[-1]
     blocks = graph.blocks
     plans = [base["per-block"], base["root-only"], base["size-1e8"],
-             PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh, label="groups-of-2"),
+             PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh,
+                      label="groups-of-2"),
              PlanSpec(tuple(UnitSpec((b,), True, True) for b in blocks) + (root,), mesh, label="per-block,ckpt"),
              PlanSpec(tuple(UnitSpec((b,), False) for b in blocks) + (root,), mesh, label="per-block,keep")]
     sim = Simulator(graph, analytical_fabric(world_size=world_size), analytical_compute())
@@ -109,8 +106,8 @@ def scatter(all_runs: list[dict], path: str) -> None:
         xs = [r["pred_step_s"] * 1e3 for r in run["rows"]]
         ys = [r["screen_step_s"] * 1e3 for r in run["rows"]]
         a1.scatter(xs, ys, label=label, s=18)
-        a2.scatter([r["pred_peak_bytes"] / 2**20 for r in run["rows"]], [r["meas_peak_bytes"] / 2**20 for r in run["rows"]],
-                   label=label, s=18)
+        a2.scatter([r["pred_peak_bytes"] / 2**20 for r in run["rows"]],
+                   [r["meas_peak_bytes"] / 2**20 for r in run["rows"]], label=label, s=18)
     for ax, unit, title in ((a1, "ms", "step time"), (a2, "MiB", "peak memory per rank")):
         lo, hi = ax.get_xlim()
         lo2, hi2 = ax.get_ylim()
@@ -138,7 +135,8 @@ def summarize(run: dict) -> dict:
     pool = [r for r in rows if r["confirmed"]] or rows
     meas_best = min(pool, key=lambda r: r["meas_step_s"])
     # The same comparison round by round (See paired_ratio): 1.0 when the predicted fastest is the measured fastest.
-    paired = (1.0, 1.0, 1.0) if pred_best is meas_best else paired_ratio(pred_best["meas_times_s"], meas_best["meas_times_s"])
+    paired = ((1.0, 1.0, 1.0) if pred_best is meas_best
+              else paired_ratio(pred_best["meas_times_s"], meas_best["meas_times_s"]))
     # The bench's resolution: the predicted fastest against a second copy of itself (See [Note: A/A copy]).
     noise = noise_floor(run)
     return {
@@ -179,20 +177,25 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
     if os.path.exists(path):
         with open(path) as f:
             runs = json.load(f)
-        if not isinstance(runs, list) or not all(isinstance(r, dict) and "date" in r and "summaries" in r for r in runs):
-            raise SystemExit(f"{path}: expected a list of runs, each with 'date' and 'summaries'; fix or delete the file")
+        if not isinstance(runs, list) or not all(isinstance(r, dict) and "date" in r and "summaries" in r
+                                                 for r in runs):
+            raise SystemExit(f"{path}: expected a list of runs, each with 'date' and 'summaries'; fix or delete the "
+                             f"file")
     by_date = {r["date"]: r for r in runs}
     by_date.update({e["date"]: e for e in entries})
     runs = sorted(by_date.values(), key=lambda r: r["date"])
     cases = sorted({(s["model"], s["world_size"]) for r in runs for s in r["summaries"]}, key=lambda c: (c[1], c[0]))
     lines = ["# Cost-model fidelity across runs", "",
-             "Every run of `benchmarks/fidelity.py` adds its summary here; a column names its date (UTC), host, "
-             "cores, backend and torch. A cell: the predicted fastest plan's measured step over the measured fastest's, as the median "
-             "of per-round ratios in the confirmation round [90% bootstrap interval] (1.000: wrapopt predicted the "
-             "fastest); then, for runs that had it, the A/A noise floor: the predicted fastest against a second copy of "
-             "itself in the same round; then Spearman (predicted vs measured step, screening round); then, for runs "
-             "that recorded it, the CPU steal over the case (time the hypervisor gave to other guests).", "",
-             "| case | " + " | ".join(f"{r['date'][:16].replace('T', ' ')} ({r.get('host', '?')}, {r.get('cores', '?')} cores, "
+             "Every run of `benchmarks/fidelity.py` adds its summary here; a column names its date (UTC), host, cores, "
+             "backend and torch. A cell: the predicted fastest plan's measured step over the measured fastest's, as "
+             "the median of per-round ratios in the confirmation round [90% bootstrap interval] (1.000: wrapopt "
+             "predicted the fastest); then, for runs that had it, the A/A noise floor: the predicted fastest against a "
+             "second copy of itself in the same round; then Spearman (predicted vs measured step, screening round); "
+             "then, for runs that recorded it, the CPU steal over the case (time the hypervisor gave to other "
+             "guests).", "",
+             "| case "
+             "| " + " "
+                    "| ".join(f"{r['date'][:16].replace('T', ' ')} ({r.get('host', '?')}, {r.get('cores', '?')} cores, "
                                    f"{r.get('backend', '?')}, torch {r.get('torch', '?')})" for r in runs) + " |",
              "|---" * (len(runs) + 1) + "|"]
     for model, ws in cases:
@@ -214,8 +217,9 @@ def update_history(out_dir: str, entries: list[dict]) -> str:
         ss = r["summaries"]
         aa = [x for x in ss if x.get("aa_ratio") is not None]
         widest = max(aa, key=lambda x: x["aa_ratio_ci90"][1] - x["aa_ratio_ci90"][0]) if aa else None
-        lines.append(f"| {r['date'][:16].replace('T', ' ')} UTC | {len(ss)} | {sum(x['paired_ratio'] <= 1.05 for x in ss)} "
-                     f"| {min(x['spearman'] for x in ss):.2f} | {max(x['worst_mem_error'] for x in ss):.1%} | "
+        lines.append(f"| {r['date'][:16].replace('T', ' ')} UTC | {len(ss)} | "
+                     f"{sum(x['paired_ratio'] <= 1.05 for x in ss)} | {min(x['spearman'] for x in ss):.2f} | "
+                     f"{max(x['worst_mem_error'] for x in ss):.1%} | "
                      + (f"[{widest['aa_ratio_ci90'][0]:.2f}, {widest['aa_ratio_ci90'][1]:.2f}] ({widest['model']} "
                         f"×{widest['world_size']})" if widest else "not measured")
                      + f" | {sorted(x['median_spread'] for x in ss)[len(ss) // 2]:.0%} | "
@@ -260,7 +264,8 @@ def main() -> int:
         for path in args.add_to_history:
             with open(path) as f:
                 data = json.load(f)
-            entries.append(_history_entry(data["date"], data.get("wall_s"), data["runs"], [summarize(r) for r in data["runs"]]))
+            entries.append(_history_entry(data["date"], data.get("wall_s"), data["runs"],
+                                          [summarize(r) for r in data["runs"]]))
         print(update_history(args.out, entries))
         return 0
     if args.render:
@@ -280,9 +285,9 @@ def main() -> int:
         for ws in [int(w) for w in args.world_sizes.split(",")]:
             for case in cases:
                 for model in args.models.split(","):
-                    runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats, memory_budget=None,
-                                         confirm=args.confirm, confirm_repeats=args.confirm_repeats, train=CASES[case],
-                                         tp=args.tp))
+                    runs.append(evaluate(model, world_size=ws, plan_set="variants", repeats=args.repeats,
+                                         memory_budget=None, confirm=args.confirm,
+                                         confirm_repeats=args.confirm_repeats, train=CASES[case], tp=args.tp))
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         wall = time.perf_counter() - t0
     summaries = [summarize(r) for r in runs]
@@ -290,34 +295,37 @@ def main() -> int:
     lines = [
         "# Cost-model fidelity: predicted vs measured",
         "",
-        f"Machine: {platform.node()}, {m['cores']} cores ({m['cpu']}), no GPU; backend {m['backend']}, one thread per rank; "
-        f"torch {m['torch']}; {date}. Regenerate: `"
-        + (f"python benchmarks/fidelity.py {shlex.join(sys.argv[1:])}` ({wall:.0f} s)." if wall else  # as this run was called
-           f"python benchmarks/fidelity.py --world-sizes {args.world_sizes} --repeats {args.repeats} --confirm "
+        f"Machine: {platform.node()}, {m['cores']} cores ({m['cpu']}), no GPU; backend {m['backend']}, one thread per "
+        f"rank; torch {m['torch']}; {date}. Regenerate: `"
+        + (f"python -m benchmarks.fidelity {shlex.join(sys.argv[1:])}` ({wall:.0f} "
+           f"s)." if wall else  # as this run was called
+           f"python -m benchmarks.fidelity --world-sizes {args.world_sizes} --repeats {args.repeats} --confirm "
            f"{args.confirm} --confirm-repeats {args.confirm_repeats} --cases {args.cases}` "
            "(this file written again from that run's fidelity.json with `--render`)."),
         "",
         "Each model: fabric and compute measured on the same ranks first; then every plan predicted by the simulator "
-        f"and run for real, interleaved (one step of each plan per round, in an order that changes every round), 2 warm-up rounds, median over {args.repeats} repeats of the "
-        "slowest rank's step (the screening round; Spearman is computed on it). "
-        + (f"Then a confirmation round: the {args.confirm} fastest plans of the screening round and the predicted fastest, "
-           f"re-measured together, interleaved, {args.confirm_repeats} repeats; the predicted fastest is compared with the "
-           "measured fastest in that round, as a ratio of the two medians and as the median of the per-round ratios "
-           "(the two steps of a round run moments apart, so the machine's drift between rounds cancels) with a 90% "
-           "bootstrap interval; the screening round's ratio of medians is shown too. The same round also runs a "
-           "second, separately built copy of the predicted fastest (an A/A test): its paired ratio to the original "
-           "is the bench's noise floor, the smallest miss this run could tell from noise. " if args.confirm else "")
-        + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks; a step of several "
-        "micro-batches is tracked micro-batch by micro-batch. Cases: a model's name alone is fp32, one batch per step; "
-        "[bf16] is bf16 parameters and compute with fp32 reduction (module times measured in bf16); [accumulation 4, "
-        "sync last] is 4 micro-batches per step, synchronised on the last only. "
-        "CPU steal: the share of the machine's CPU time the hypervisor gave to other guests while the case ran. "
-        "Place in round: a step's time over its plan's median, median over the steps taken first in their round, and over "
-        "those taken last (the order changes every round; 1.00 and 1.00 when the place does not matter).",
+        f"and run for real, interleaved (one step of each plan per round, in an order that changes every round), 2 "
+        f"warm-up rounds, median over {args.repeats} repeats of the slowest rank's step (the screening round; Spearman "
+        "is computed on it). "
+        + (f"Then a confirmation round: the {args.confirm} fastest plans of the screening round and the predicted "
+           f"fastest, re-measured together, interleaved, {args.confirm_repeats} repeats; the predicted fastest is "
+           f"compared with the measured fastest in that round, as a ratio of the two medians and as the median of the "
+           "per-round ratios (the two steps of a round run moments apart, so the machine's drift between rounds "
+           "cancels) with a 90% bootstrap interval; the screening round's ratio of medians is shown too. The same "
+           "round also runs a second, separately built copy of the predicted fastest (an A/A test): its paired ratio "
+           "to the original is the bench's noise floor, the smallest miss this run could tell from "
+           "noise. " if args.confirm else "")
+        + "Peak memory measured as live tensor bytes (CPU allocator events) per rank, max over ranks; a step of "
+          "several micro-batches is tracked micro-batch by micro-batch. Cases: a model's name alone is fp32, one batch "
+          "per step; [bf16] is bf16 parameters and compute with fp32 reduction (module times measured in bf16); "
+          "[accumulation 4, sync last] is 4 micro-batches per step, synchronised on the last only. CPU steal: the "
+          "share of the machine's CPU time the hypervisor gave to other guests while the case ran. Place in round: a "
+          "step's time over its plan's median, median over the steps taken first in their round, and over those taken "
+          "last (the order changes every round; 1.00 and 1.00 when the place does not matter).",
         "",
-        "| model | ranks | plans | Spearman (step) | predicted fastest | measured fastest | meas(pred fastest) / meas fastest "
-        "| same, paired by round (90% CI) | noise floor: A/A, paired (90% CI) | same, screening round "
-        "| worst peak error | median spread | CPU steal | place in round: first, last |",
+        "| model | ranks | plans | Spearman (step) | predicted fastest | measured fastest | meas(pred fastest) / meas "
+        "fastest | same, paired by round (90% CI) | noise floor: A/A, paired (90% CI) | same, screening round | worst "
+        "peak error | median spread | CPU steal | place in round: first, last |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
@@ -327,47 +335,52 @@ def main() -> int:
                      f"{fmt_ratio((s['paired_ratio'], *s['paired_ratio_ci90']))} | {aa} | {s['screen_ratio']:.3f} | "
                      f"{s['worst_mem_error']:.1%} | {s['median_spread']:.0%} | "
                      + fmt_steal(s.get("steal")) + " | "
-                     + (f"{s['place_effect'][0]:.2f}, {s['place_effect'][-1]:.2f}" if s.get("place_effect") else "not recorded")
+                     + (f"{s['place_effect'][0]:.2f}, "
+                        f"{s['place_effect'][-1]:.2f}" if s.get("place_effect") else "not recorded")
                      + " |")
     if all(s.get("phase_ratio") for s in summaries):
         lines += ["", "## Where the predictions miss", "",
-                  "Measured / predicted time of each phase of the step, median over the plans of a case (screening round): "
-                  "forward with the loss; backward up to the last reduce-scatter (`backward()` waits for it); the "
-                  "optimizer step. Per plan in the tables below.", "",
+                  "Measured / predicted time of each phase of the step, median over the plans of a case (screening "
+                  "round): forward with the loss; backward up to the last reduce-scatter (`backward()` waits for it); "
+                  "the optimizer step. Per plan in the tables below.", "",
                   "| model | ranks | forward | backward | optimizer |", "|---|---|---|---|---|"]
-        lines += [f"| {s['model']} | {s['world_size']} | " + " | ".join(f"{s['phase_ratio'][k]:.2f}" for k in PHASES) + " |"
+        lines += [f"| {s['model']} | {s['world_size']} "
+                  f"| " + " | ".join(f"{s['phase_ratio'][k]:.2f}" for k in PHASES) + " |"
                   for s in summaries]
     for run in runs:
         lines += ["", f"## {run['model']} on {run['machine']['world_size']} ranks", "",
-                  "| plan | units | predicted step (ms) | measured step, screening (ms) | spread | confirmation round (ms) "
-                  "| measured / predicted: forward, backward, optimizer | predicted peak | measured peak | error |",
+                  "| plan | units | predicted step (ms) | measured step, screening (ms) | spread | confirmation round "
+                  "(ms) | measured / predicted: forward, backward, optimizer | predicted peak | measured peak | error "
+                  "|",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["rows"]:
             err = (r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"]
             conf = f"{r['meas_step_s'] * 1e3:.1f} ({r['meas_spread']:.0%})" if r["confirmed"] else ""
-            lines.append(f"| {r['plan']} | {r['units']} | {r['pred_step_s'] * 1e3:.1f} | {r['screen_step_s'] * 1e3:.1f} | "
-                         f"{r['screen_spread']:.0%} | {conf} | {_phase_cell(r)} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['meas_peak_bytes'])} "
-                         f"| {err:+.1%} |")
+            lines.append(f"| {r['plan']} | {r['units']} | {r['pred_step_s'] * 1e3:.1f} | "
+                         f"{r['screen_step_s'] * 1e3:.1f} | {r['screen_spread']:.0%} | {conf} | {_phase_cell(r)} | "
+                         f"{fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['meas_peak_bytes'])} | {err:+.1%} |")
     if tracker:
         lines += ["", "## Peak memory vs PyTorch's FSDPMemTracker: zoo:llama-7b, fake process group of 8 ranks", "",
                   "Fake tensors (no memory allocated), real `fully_shard` code, bf16, seq 4096, batch 1, AdamW; "
                   "the simulator with GPU semantics (analytical H100 compute profile).", "",
                   "| plan | predicted peak | FSDPMemTracker peak | error |", "|---|---|---|---|"]
         for r in tracker:
-            lines.append(f"| {r['plan']} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['tracker_peak_bytes'])} | {r['error']:+.1%} |")
+            lines.append(f"| {r['plan']} | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['tracker_peak_bytes'])} | "
+                         f"{r['error']:+.1%} |")
     rounds = len(next(iter(speed[0]["rounds"].values()))) if speed and "rounds" in speed[0] else 5  # older runs: 5
     lines += [] if not speed else ["", "## Simulator speed", "",
-              "`Simulator.simulate` in this process (one core, one thread), llama-7b (32 blocks) on 64 ranks, analytical "
-              f"fabric; best of {rounds} rounds (the machine is shared). `benchmarks/sim_speed.py` measures the same alone, "
-              "and the simulator's share of a search.", "",
+              "`Simulator.simulate` in this process (one core, one thread), llama-7b (32 blocks) on 64 ranks, "
+              f"analytical fabric; best of {rounds} rounds (the machine is shared). `benchmarks/sim_speed.py` measures "
+              f"the same alone, and the simulator's share of a search.", "",
               "| plans | units per plan | plan evaluations per second |", "|---|---|---|"]
     lines += [f"| {r['case']} | {r['units']:.0f} | {r['per_s']:,.0f} |" for r in speed]
     lines += ["", f"![predicted vs measured]({args.name}_scatter.png)", ""]
     os.makedirs(args.out, exist_ok=True)
     scatter(runs, os.path.join(args.out, f"{args.name}_scatter.png"))
     atomic_write_text(os.path.join(args.out, f"{args.name}.md"), "\n".join(lines))
-    atomic_write_json(os.path.join(args.out, f"{args.name}.json"), {"date": date, "wall_s": wall, "summaries": summaries,
-                                                                "runs": runs, "tracker": tracker, "simulator_speed": speed})
+    atomic_write_json(os.path.join(args.out, f"{args.name}.json"),
+                      {"date": date, "wall_s": wall, "summaries": summaries, "runs": runs, "tracker": tracker,
+                       "simulator_speed": speed})
     update_history(args.out, [_history_entry(date, wall, runs, summaries)])
     print("\n".join(lines[:12 + len(summaries)]))
     return 0

@@ -10,7 +10,7 @@ trace runs the grouped-matmul experts on meta; the measured CPU model runs trans
 "eager" experts, the CPU grouped matmul having no float32 backward; both compute the
 routed (token, expert) pairs only). Writes results/fidelity_moe.md and .json.
 
-    python benchmarks/fidelity_moe.py [--world-size 2] [--repeats 7] [--layers 4]
+    python -m benchmarks.fidelity_moe [--world-size 2] [--repeats 7] [--layers 4]
 """
 
 from __future__ import annotations
@@ -19,28 +19,25 @@ import argparse
 import datetime
 import os
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from wrapopt.cost.simulate import Simulator  # noqa: E402
-from wrapopt.evaluation.bench import measure_plans  # noqa: E402
-from wrapopt.evaluation.evaluate import PLAN_SETS, spearman  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.hardware.measure_collectives import measure_fabric  # noqa: E402
-from wrapopt.hardware.measure_device import measure_compute  # noqa: E402
-from wrapopt.hardware.profiles import ComputeProfile  # noqa: E402
-from wrapopt.launch import broadcast_json, spawn  # noqa: E402
-from wrapopt.models.sources import resolve_model  # noqa: E402
-from wrapopt.search.baselines import baselines  # noqa: E402
-from wrapopt.search.driver import search_plan  # noqa: E402
-from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec  # noqa: E402
-from wrapopt.trace.meta import trace_model  # noqa: E402
+from wrapopt.cost.simulate import Simulator
+from wrapopt.evaluation.bench import measure_plans
+from wrapopt.evaluation.evaluate import PLAN_SETS, spearman
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
+from wrapopt.hardware.measure_collectives import measure_fabric
+from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.profiles import ComputeProfile
+from wrapopt.launch import broadcast_json, spawn
+from wrapopt.models.sources import resolve_model
+from wrapopt.search.baselines import baselines
+from wrapopt.search.driver import search_plan
+from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+from wrapopt.trace.meta import trace_model
 
 
 def write_config(directory: str, layers: int) -> str:
@@ -120,14 +117,15 @@ def main() -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         path = write_config(d, args.layers)
-        res = spawn(worker, world_size=args.world_size, args=(path, args.batch, args.seq, args.repeats), timeout_s=1800)[0]
+        res = spawn(worker, world_size=args.world_size, args=(path, args.batch, args.seq, args.repeats),
+                    timeout_s=1800)[0]
     wall = time.perf_counter() - t0
     rows = res["rows"]
     rho = spearman([r["pred_step_s"] for r in rows], [r["meas_step_s"] for r in rows])
     pred_fast = min(rows, key=lambda r: r["pred_step_s"])
     meas_fast = min(rows, key=lambda r: r["meas_step_s"])
     peak_errs = [abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"] for r in rows]
-    cmd = (f"python benchmarks/fidelity_moe.py --world-size {args.world_size} --repeats {args.repeats} "
+    cmd = (f"python -m benchmarks.fidelity_moe --world-size {args.world_size} --repeats {args.repeats} "
            f"--layers {args.layers} --batch {args.batch} --seq {args.seq}")
     summary = {"spearman": rho, "pred_fastest": pred_fast["plan"], "meas_fastest": meas_fast["plan"],
                "meas_pred_fastest_over_meas_fastest": pred_fast["meas_step_s"] / meas_fast["meas_step_s"],
@@ -144,21 +142,21 @@ def main() -> int:
              f"Machine: {machine['host']}, {machine['cores']} cores ({machine['cpu']}), no GPU; gloo, "
              f"{args.world_size} ranks, one thread per rank; torch {machine['torch']}, transformers "
              f"{out['transformers']}; {date}. Command: `{cmd}` ({wall:.0f} s).", "",
-             f"Model: Hugging Face Mixtral from a config ({res['params'] / 1e6:.2f} M parameters: {args.layers} layers, "
-             f"width 128, 8 experts of width 256, top-2), batch {args.batch} x {args.seq} tokens per rank, its own "
-             "loss. Traced on meta with the grouped-matmul experts; measured with transformers' eager experts (the CPU "
-             "grouped matmul has no float32 backward). Reduced protocol: fabric and compute measured on the same ranks, "
-             f"then every plan run for real, interleaved, 2 warm-up rounds, median of {args.repeats} repeats of the "
-             "slowest rank's step; no confirmation round. Peak: live tensor bytes, max over ranks.", "",
+             f"Model: Hugging Face Mixtral from a config ({res['params'] / 1e6:.2f} M parameters: {args.layers} "
+             f"layers, width 128, 8 experts of width 256, top-2), batch {args.batch} x {args.seq} tokens per rank, its "
+             f"own loss. Traced on meta with the grouped-matmul experts; measured with transformers' eager experts "
+             "(the CPU grouped matmul has no float32 backward). Reduced protocol: fabric and compute measured on the "
+             f"same ranks, then every plan run for real, interleaved, 2 warm-up rounds, median of {args.repeats} "
+             f"repeats of the slowest rank's step; no confirmation round. Peak: live tensor bytes, max over ranks.", "",
              f"Spearman (predicted vs measured step): **{rho:.2f}**; predicted fastest {pred_fast['plan']}, measured "
              f"fastest {meas_fast['plan']}, measured ratio {summary['meas_pred_fastest_over_meas_fastest']:.3f}; peak "
              f"error worst {summary['worst_peak_error']:.1%}, median {summary['median_peak_error']:.1%}.", "",
              "| plan | units | predicted step | measured step (spread) | predicted peak | measured peak | peak error |",
              "|---|---|---|---|---|---|---|"]
     for r, err in zip(rows, peak_errs):
-        lines.append(f"| {r['plan']} | {r['units']} | {r['pred_step_s'] * 1e3:.1f} ms | {r['meas_step_s'] * 1e3:.1f} ms "
-                     f"({r['meas_spread']:.0%}) | {fmt_bytes(r['pred_peak_bytes'])} | {fmt_bytes(r['meas_peak_bytes'])} "
-                     f"| {err:.1%} |")
+        lines.append(f"| {r['plan']} | {r['units']} | {r['pred_step_s'] * 1e3:.1f} ms | {r['meas_step_s'] * 1e3:.1f} "
+                     f"ms ({r['meas_spread']:.0%}) | {fmt_bytes(r['pred_peak_bytes'])} | "
+                     f"{fmt_bytes(r['meas_peak_bytes'])} | {err:.1%} |")
     os.makedirs(args.out, exist_ok=True)
     atomic_write_json(os.path.join(args.out, "fidelity_moe.json"), out)
     atomic_write_text(os.path.join(args.out, "fidelity_moe.md"), "\n".join(lines) + "\n")

@@ -11,8 +11,8 @@ benchmarks/published.py (768 to 7168): the data its one fitted efficiency per
 GPU cannot hold. Writes results/gpu.md naming the device. Takes 3-5 minutes on
 an H100-class GPU.
 
-    python benchmarks/gpu_check.py                      # on a GPU, writes results/gpu.md
-    python benchmarks/gpu_check.py --device cpu --out /tmp/gpu.md   # the same code path on CPU, tiny sizes
+    python -m benchmarks.gpu_check                      # on a GPU, writes results/gpu.md
+    python -m benchmarks.gpu_check --device cpu --out /tmp/gpu.md   # the same code path on CPU, tiny sizes
 
 ``--device cpu`` is for hosts without CUDA (the test of this script): a tiny
 model on one gloo rank, peak memory as live tensor bytes.
@@ -22,26 +22,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from wrapopt.cost import Simulator  # noqa: E402
-from wrapopt.evaluation.bench import measure_plans  # noqa: E402
-from wrapopt.fileio import atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.hardware.measure_device import _sync_for, _time_reps, measure_compute  # noqa: E402
-from wrapopt.hardware.presets import analytical_fabric  # noqa: E402
-from wrapopt.launch import spawn  # noqa: E402
-from wrapopt.models import zoo  # noqa: E402
-from wrapopt.search.baselines import baselines  # noqa: E402
-from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec  # noqa: E402
-from wrapopt.trace.meta import trace_model  # noqa: E402
-from wrapopt.train import TORCH_DTYPES, TrainConfig  # noqa: E402
+from wrapopt.cost import Simulator
+from wrapopt.evaluation.bench import measure_plans
+from wrapopt.fileio import atomic_write_text, fmt_bytes
+from wrapopt.hardware.measure_device import _sync_for, _time_reps, measure_compute
+from wrapopt.hardware.presets import analytical_fabric
+from wrapopt.launch import spawn
+from wrapopt.models import zoo
+from wrapopt.search.baselines import baselines
+from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+from wrapopt.trace.meta import trace_model
+from wrapopt.train import TORCH_DTYPES, TrainConfig
 
 SIZES = {  # Llama(vocab, dim, n_layers, n_heads, n_kv_heads, ffn), batch, seq
     "cuda": (dict(vocab=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, ffn=5632), 2, 2048),
@@ -65,7 +61,8 @@ def gemm_sweep(device: str, repeats: int = 5) -> list[dict]:
             a = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
             t = _time_reps(lambda: torch.mm(a, b), repeats=repeats, warmup=2, sync=sync)  # noqa: B023 - called here
-            rows.append({"width": d, "gemm": name, "m": tokens, "k": k, "n": n, "s": t, "flops_per_s": 2 * tokens * k * n / t})
+            rows.append({"width": d, "gemm": name, "m": tokens, "k": k, "n": n, "s": t,
+                         "flops_per_s": 2 * tokens * k * n / t})
             del a, b
     return rows
 
@@ -73,7 +70,8 @@ def gemm_sweep(device: str, repeats: int = 5) -> list[dict]:
 def _cases(graph, mesh: MeshSpec) -> list[tuple[str, PlanSpec, TrainConfig]]:
     base = baselines(graph, mesh)
     per_block = base["per-block"]
-    ckpt = PlanSpec(tuple(u if u.is_root else UnitSpec(u.modules, u.reshard_after_forward, True) for u in per_block.units),
+    ckpt = PlanSpec(tuple(u if u.is_root else UnitSpec(u.modules, u.reshard_after_forward, True)
+                          for u in per_block.units),
                     mesh, label="per-block,ckpt")
     bf16 = TrainConfig.preset("bf16")
     acc = TrainConfig.preset("bf16", grad_accumulation=4, accumulation_sync="last")
@@ -124,7 +122,8 @@ def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
     bf = profiles["bfloat16"]
     top = sorted(bf.module_times, key=lambda t: -(t[1] + t[2]))[:10]
     return {"rows": rows, "profile_s": profile_s, "num_params": graph.num_params,
-            "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+            "device_name": (torch.cuda.get_device_name() if device == "cuda"
+                            else platform.processor() or platform.machine()),
             "flops": {k: p.flops_per_s for k, p in profiles.items()}, "bandwidth": bf.memory_bandwidth_bytes_per_s,
             "capacity": bf.memory_capacity_bytes, "top_modules": [list(t) for t in top], "cfg": cfg, "batch": batch,
             "seq": seq, "gemms": gemms}
@@ -136,18 +135,18 @@ def render(res: dict, *, device: str, repeats: int, wall_s: float) -> str:
         f"# GPU check: {res['device_name']}",
         "",
         f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; torch {torch.__version__}; "
-        f"device {device} ({res['device_name']}); world size 1. Regenerate: `python benchmarks/gpu_check.py"
+        f"device {device} ({res['device_name']}); world size 1. Regenerate: `python -m benchmarks.gpu_check"
         + (" --device cpu" if device == "cpu" else "") + f"` ({wall_s:.0f} s).",
         "",
-        f"Model: Llama {cfg}, {res['num_params']:,} parameters; batch {res['batch']} x {res['seq']} tokens per micro-batch; "
-        f"AdamW. Compute profile measured here ({res['profile_s']:.0f} s): matmul "
+        f"Model: Llama {cfg}, {res['num_params']:,} parameters; batch {res['batch']} x {res['seq']} tokens per "
+        f"micro-batch; AdamW. Compute profile measured here ({res['profile_s']:.0f} s): matmul "
         + ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in res["flops"].items())
         + f"; copy bandwidth {res['bandwidth'] / 1e9:.0f} GB/s; capacity {fmt_bytes(res['capacity'] or 0)}. "
         f"(The matmul rate is measured in bf16 on a GPU, fp32 on a CPU, whatever the profile's dtype; per-module "
         f"times are measured in the profile's dtype.)",
         "",
-        f"Measured step: median of {repeats} after 2 warm-up steps; peak: `torch.cuda.max_memory_allocated` of one step "
-        "(one plan resident at a time)" if device == "cuda" else
+        f"Measured step: median of {repeats} after 2 warm-up steps; peak: `torch.cuda.max_memory_allocated` of one "
+        f"step (one plan resident at a time)" if device == "cuda" else
         f"Measured step: median of {repeats} after 2 warm-up steps; peak: live tensor bytes (CPU).",
         "",
         "| plan | units | training step | predicted step (ms) | measured step (ms) | spread | measured / predicted "

@@ -10,7 +10,7 @@ is fitted on every other row of that type, in the order the tables list them;
 the other half is the held-out check. Then wrapopt's own search on each
 row's hardware and memory budget, against the row's per-block plan.
 
-    PYTHONPATH=. python benchmarks/published.py [--source PATH] [--out results/published.md] [--no-search]
+    python -m benchmarks.published [--source PATH] [--out results/published.md] [--no-search]
 
 Meta device only: no GPU, no weights. Predicted figures are the simulator's.
 """
@@ -27,16 +27,15 @@ import statistics
 import sys
 import time
 
+from benchmarks.published_predict import (
+    GPUS, Prediction, Predictor, SearchRow, errors_of, fabric_at, fit_efficiency,
+)
+from benchmarks.published_rows import DEFAULT_SOURCE, PublishedRow, parse_published
+from wrapopt.fileio import atomic_write_text
+from wrapopt.hardware.budget import MEMORY_HEADROOM
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
-
-from wrapopt.fileio import atomic_write_text  # noqa: E402
-from wrapopt.hardware.budget import MEMORY_HEADROOM  # noqa: E402
-
-from published_predict import GPUS, Prediction, Predictor, SearchRow, errors_of, fit_efficiency, fabric_at  # noqa: E402
-from published_rows import DEFAULT_SOURCE, PublishedRow, parse_published  # noqa: E402
 
 GROUPS = (("a100_40gb", "A100 40GB"), ("a100_80gb", "A100 80GB"), ("h100_80gb", "H100 80GB"))
 # The DP's largest group of blocks per unit in the headline search: 4 keeps the whole benchmark under
@@ -122,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "results", "published.md"))
     ap.add_argument("--no-search", action="store_true", help="skip wrapopt's search per row")
     ap.add_argument("--max-group", type=int, default=SEARCH_MAX_GROUP,
-                    help=f"the search's largest group of blocks in one unit (default {SEARCH_MAX_GROUP}; `wrapopt search` uses 8)")
+                    help=f"the search's largest group of blocks in one unit (default {SEARCH_MAX_GROUP}; `wrapopt "
+                         f"search` uses 8)")
     args = ap.parse_args(argv)
     t_start, cpu_start = time.perf_counter(), time.process_time()
     say = lambda s: print(f"[{time.perf_counter() - t_start:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
@@ -157,14 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         effs[g] = fit_efficiency(pred, fit_rows)
         preds[g] = [pred.predict(r, effs[g], "fit" if i % 2 == 0 else "held-out") for i, r in enumerate(rows)]
         e = errors_of([p for p in preds[g] if p.role == "held-out"])
-        say(f"{name}: efficiency {effs[g]:.3f}; held-out median {e['median']:.1%} max {e['max']:.1%} Spearman {e['spearman']:.3f}")
+        say(f"{name}: efficiency {effs[g]:.3f}; held-out median {e['median']:.1%} max {e['max']:.1%} Spearman "
+            f"{e['spearman']:.3f}")
 
     # H100 sensitivity to the unstated inter-node bandwidth; A100 multi-rail diagnosis.
     sens: dict[tuple[str, int, float], float] = {}
     for g in ("h100_80gb",):
         for r in usable.get(g, []):
             for gbit in H100_SENSITIVITY_GBIT:
-                sens[(g, r.line, gbit)] = pred.tokens_per_s(r, effs[g], fabric_at(GPUS[g], r.num_gpus, gbit)) / r.tokens_per_s_per_gpu
+                sens[(g, r.line, gbit)] = (pred.tokens_per_s(r, effs[g], fabric_at(GPUS[g], r.num_gpus, gbit))
+                                           / r.tokens_per_s_per_gpu)
     rail: dict[int, float] = {}  # one NIC per ring: the model before [Note: multi-rail rings]
     for g, _name in GROUPS:
         for r in usable.get(g, []):
@@ -202,10 +204,10 @@ def _report(args, published, usable, skipped, effs, preds, sens, rail, searches,
     out = ["# Predictions against published GPU runs (llm-foundry MPT)", ""]
     out += [f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}. Machine: "
             f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.platform()}), no GPU; "
-            f"Python {platform.python_version()}, torch {torch.__version__}. Command: "
-            f"`PYTHONPATH=. python benchmarks/published.py{' --no-search' if args.no_search else ''}"
-            f"{f' --max-group {args.max_group}' if args.max_group != SEARCH_MAX_GROUP else ''}` "
-            f"(source `{os.path.relpath(published.source, REPO)}`). Run time {elapsed:.0f} s wall, {cpu_s:.0f} s CPU; tracing "
+            f"Python {platform.python_version()}, torch {torch.__version__}. Command: `python -m "
+            f"benchmarks.published{' --no-search' if args.no_search else ''}"
+            f"{f' --max-group {args.max_group}' if args.max_group != SEARCH_MAX_GROUP else ''}` (source "
+            f"`{os.path.relpath(published.source, REPO)}`). Run time {elapsed:.0f} s wall, {cpu_s:.0f} s CPU; tracing "
             f"{trace_s:.0f} s (meta device). Every predicted figure is the simulator's; published figures are "
             "llm-foundry's `Throughput (T/s/GPU)` column as copied in the source.", ""]
     out += ["## Summary", "",
@@ -213,8 +215,9 @@ def _report(args, published, usable, skipped, effs, preds, sens, rail, searches,
             "Error = |predicted / published - 1| of tokens/s/GPU; Spearman of predicted vs published tokens/s/GPU "
             "within the GPU type. Targets (issue 20, A100 held-out): median <= 10%, max <= 20%, Spearman >= 0.9, "
             "every row predicted to fit.", "",
-            "| GPU type | fitted efficiency (of peak bf16) | rows | held-out median | held-out max | held-out Spearman | "
-            "held-out median ratio | held-out rows | all rows: median | max | Spearman | rows > 20% | predicted to fit |",
+            "| GPU type | fitted efficiency (of peak bf16) | rows | held-out median | held-out max | held-out Spearman "
+            "| held-out median ratio | held-out rows | all rows: median | max | Spearman | rows > 20% | predicted to "
+            "fit |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g, name in GROUPS:
         if g not in preds:
@@ -250,22 +253,24 @@ def _report(args, published, usable, skipped, effs, preds, sens, rail, searches,
             out.append(f"| {lab} | `{os.path.relpath(s.where, REPO)}` | {s.reason} |")
     else:
         out.append("None.")
-    out += ["", "Sections read: " + "; ".join(f"{n}: {p} of {s} stated rows" for n, s, p in published.sections) + ".", ""]
+    out += ["", "Sections "
+                "read: " + "; ".join(f"{n}: {p} of {s} stated rows" for n, s, p in published.sections) + ".", ""]
     return "\n".join(out)
 
 
 def _method(effs: dict[str, float]) -> list[str]:
     lines = ["## Method", "",
-             "- **Model**: llm-foundry's MPT of each size (shapes table of the source; vocabulary 50368 from its text), "
-             "learned position embeddings, tied head, LayerNorm, fused Wqkv, GELU MLP of 4d, biases; built on the meta "
-             "device in bf16; its parameter count must equal the row's NumParams exactly (`benchmarks/published_rows.py`).",
+             "- **Model**: llm-foundry's MPT of each size (shapes table of the source; vocabulary 50368 from its "
+             "text), learned position embeddings, tied head, LayerNorm, fused Wqkv, GELU MLP of 4d, biases; built on "
+             "the meta device in bf16; its parameter count must equal the row's NumParams exactly "
+             "(`benchmarks/published_rows.py`).",
              "- **Trace**: `wrapopt.trace.trace_model` at the row's micro-batch and sequence, with llm-foundry's fused "
              "cross-entropy (its default loss); parameters then counted as fp32 master weights.",
-             "- **Plan**: the one the row ran: one unit per MPT block plus the root, FULL_SHARD = reshard after forward, "
-             "SHARD_GRAD_OP = keep, every block checkpointed where the row says AC, FSDP over all GPUs.",
-             "- **Step**: AdamW; bf16 gathered parameters; gradient reduction in fp32 (DEFAULT) or bf16 (PURE); gradient "
-             "accumulation as Composer runs it with FSDP (every micro-batch reduce-scatters; one optimizer step): "
-             "step = GA x (simulated forward + backward) + optimizer.",
+             "- **Plan**: the one the row ran: one unit per MPT block plus the root, FULL_SHARD = reshard after "
+             "forward, SHARD_GRAD_OP = keep, every block checkpointed where the row says AC, FSDP over all GPUs.",
+             "- **Step**: AdamW; bf16 gathered parameters; gradient reduction in fp32 (DEFAULT) or bf16 (PURE); "
+             "gradient accumulation as Composer runs it with FSDP (every micro-batch reduce-scatters; one optimizer "
+             "step): step = GA x (simulated forward + backward) + optimizer.",
              "- **Hardware** (stated, not fitted): " + "; ".join(f"{s.name}: {s.source}" for s in GPUS.values()) +
              f". HBM at 80% achieved (the analytical presets' convention) for memory-bound ops and the optimizer. "
              "Fabric: the built-in `a100-nvlink-ib200` (NVLink 3 inside a node, 200 Gb/s per GPU between nodes = the "
@@ -282,7 +287,8 @@ def _h100_sensitivity(preds: list[Prediction], sens: dict) -> list[str]:
     out = ["## H100: sensitivity to the inter-node bandwidth (not a fit)", "",
            "Same efficiency constant; only the inter-node link changes (per GPU, ~80% achieved). Single-node rows "
            "do not depend on it.", "",
-           "| inter-node per GPU | all rows: median error | max | Spearman | multi-node rows: median pred/pub | max error |",
+           "| inter-node per GPU | all rows: median error | max | Spearman | multi-node rows: median pred/pub | max "
+           "error |",
            "|---|---|---|---|---|---|"]
     from wrapopt.evaluation.evaluate import spearman
 
@@ -294,12 +300,14 @@ def _h100_sensitivity(preds: list[Prediction], sens: dict) -> list[str]:
         out.append(f"| {gbit:g} Gb/s{' (built-in)' if gbit == 400 else ''} | "
                    f"{statistics.median(abs(x - 1) for x in ratios):.1%} | {max(abs(x - 1) for x in ratios):.1%} | "
                    f"{rho:.3f} | {statistics.median(multi):.3f} | {max(abs(x - 1) for x in multi):.1%} |")
-    out += ["", "| model | seq | GPUs | micro-batch | AC | " + " | ".join(f"pred/pub @{g:g}" for g in H100_SENSITIVITY_GBIT) + " |",
+    out += ["", "| model | seq | GPUs | micro-batch | AC "
+                "| " + " | ".join(f"pred/pub @{g:g}" for g in H100_SENSITIVITY_GBIT) + " |",
             "|---|---|---|---|---|" + "---|" * len(H100_SENSITIVITY_GBIT)]
     for p in preds:
         r = p.row
         if r.num_gpus > 8:
-            out.append(f"| {r.model} | {r.seq_len} | {r.num_gpus} | {r.micro_batch} | {'AC' if r.checkpointing else '-'} | " +
+            out.append(f"| {r.model} | {r.seq_len} | {r.num_gpus} | {r.micro_batch} | "
+                       f"{'AC' if r.checkpointing else '-'} | " +
                        " | ".join(f"{sens[('h100_80gb', r.line, g)]:.3f}" for g in H100_SENSITIVITY_GBIT) + " |")
     return out + [""]
 
@@ -309,7 +317,8 @@ def _departures(preds: dict[str, list[Prediction]]) -> str:
     for g, _name in GROUPS:
         ps = preds.get(g, [])
         for p in ps:
-            same = [q.row.mfu for q in ps if q is not p and q.row.model == p.row.model and q.row.seq_len == p.row.seq_len
+            same = [q.row.mfu for q in ps
+                    if q is not p and q.row.model == p.row.model and q.row.seq_len == p.row.seq_len
                     and q.row.checkpointing == p.row.checkpointing]
             if same and p.row.mfu < 0.85 * statistics.median(same):
                 r = p.row
@@ -328,7 +337,8 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
             continue
         out += [f"- **{name}**: " + _split(ps, lambda p: p.row.checkpointing, "checkpointed", "not") + "; " +
                 _split(ps, lambda p: p.attention_share > 0.3, "attention > 30% of compute", "<= 30%") + "; " +
-                _split(ps, lambda p: p.memory_bound_share > 0.15, "memory-bound ops > 15% of compute", "<= 15%") + "; " +
+                _split(ps, lambda p: p.memory_bound_share > 0.15, "memory-bound ops > 15% of "
+                                                                  "compute", "<= 15%") + "; " +
                 _split(ps, lambda p: p.exposed_share > 0.1, "exposed comm > 10% of step", "<= 10%") + "; " +
                 _split(ps, lambda p: p.row.num_gpus > 8, "multi-node", "single node") + "."]
     out += ["", "Reading these splits (the same on every GPU type unless said):", "",
@@ -337,11 +347,11 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
             "cost about half of that. The recompute model is the general FSDP semantics and no cause in the simulator "
             "was found; correcting it per row class would be a second fitted constant, so it is left as the largest "
             "systematic miss.",
-            "- **Attention**: the tracer counts attention FLOPs with PyTorch's non-causal formula (as llm-foundry's MFU "
-            "does); causal kernels skip the masked half, so at one efficiency the model assumes attention runs at half "
-            "the GEMMs' rate on the work it does. That holds within a few per cent on A100 (Triton FlashAttention); "
-            "on H100 attention-heavy rows are predicted faster than published (the 2023 attention kernels reach a "
-            "smaller share of H100 peak than its GEMMs).",
+            "- **Attention**: the tracer counts attention FLOPs with PyTorch's non-causal formula (as llm-foundry's "
+            "MFU does); causal kernels skip the masked half, so at one efficiency the model assumes attention runs at "
+            "half the GEMMs' rate on the work it does. That holds within a few per cent on A100 (Triton "
+            "FlashAttention); on H100 attention-heavy rows are predicted faster than published (the 2023 attention "
+            "kernels reach a smaller share of H100 peak than its GEMMs).",
             "- **Memory-bound ops** (norms, GELU, residual adds, the loss; [Note: memory-bound ops]): added by this "
             "benchmark; without them small models were predicted 20-35% too fast at one efficiency. The smallest "
             "model (125m, d = 768) is still predicted too fast: GEMMs with a 768-wide dimension run below the fitted "
@@ -351,22 +361,25 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
             "old one-NIC-per-ring model and the new one. The rows that moved most are the communication-bound ones "
             "(small micro-batch, FULL_SHARD, 16-512 GPUs); one A100 40GB row (70b on 64 GPUs) moved the wrong way.",
             "- **Published rows that depart from their neighbours** (published MFU more than 15% below the median of "
-            "the rows of the same model, sequence, GPU type and checkpointing on other GPU counts): " + _departures(preds) + ".",
+            "the rows of the same model, sequence, GPU type and checkpointing on other GPU "
+            "counts): " + _departures(preds) + ".",
             "", "Rows off by more than 15% (all GPU types):", "",
-            "| GPU | model | seq | GPUs | micro-batch | AC | pred/pub | published MFU | exposed comm | attention | memory-bound |",
+            "| GPU | model | seq | GPUs | micro-batch | AC | pred/pub | published MFU | exposed comm | attention | "
+            "memory-bound |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g, _name in GROUPS:
         for p in preds.get(g, []):
             if abs(p.ratio - 1) > 0.15:
                 r = p.row
                 out.append(f"| {r.gpu} | {r.model} | {r.seq_len} | {r.num_gpus} | {r.micro_batch} | "
-                           f"{'AC' if r.checkpointing else '-'} | {p.ratio:.3f} | {r.mfu:.1f}% | {p.exposed_share:.0%} | "
-                           f"{p.attention_share:.0%} | {p.memory_bound_share:.0%} |")
+                           f"{'AC' if r.checkpointing else '-'} | {p.ratio:.3f} | {r.mfu:.1f}% | {p.exposed_share:.0%} "
+                           f"| {p.attention_share:.0%} | {p.memory_bound_share:.0%} |")
     if rail:
         out += ["", "Multi-node rows with the rings' inter-node bandwidth modelled as before this benchmark (one NIC "
                 "per ring: the per-GPU bandwidth) and as now (See [Note: multi-rail rings] in `wrapopt/fabric.py`: "
                 "the ring's channels leave the node through all 8 NICs):", "",
-                "| GPU | model | seq | GPUs | micro-batch | AC | pred/pub, one NIC per ring | pred/pub, multi-rail (used) |",
+                "| GPU | model | seq | GPUs | micro-batch | AC | pred/pub, one NIC per ring | pred/pub, multi-rail "
+                "(used) |",
                 "|---|---|---|---|---|---|---|---|"]
         for g, _name in GROUPS:
             for p in preds.get(g, []):
@@ -376,9 +389,9 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
                                f"{'AC' if r.checkpointing else '-'} | {rail[r.line]:.3f} | {p.ratio:.3f} |")
         one = [rail[p.row.line] for g in preds for p in preds[g] if p.row.line in rail]
         multi = [p.ratio for g in preds for p in preds[g] if p.row.line in rail]
-        out += ["", f"Median |error| of these {len(one)} rows: {statistics.median(abs(x - 1) for x in one):.1%} with one "
-                f"NIC per ring, {statistics.median(abs(x - 1) for x in multi):.1%} multi-rail; max "
-                f"{max(abs(x - 1) for x in one):.1%} and {max(abs(x - 1) for x in multi):.1%}."]
+        out += ["", f"Median |error| of these {len(one)} rows: {statistics.median(abs(x - 1) for x in one):.1%} with "
+                    f"one NIC per ring, {statistics.median(abs(x - 1) for x in multi):.1%} multi-rail; max "
+                    f"{max(abs(x - 1) for x in one):.1%} and {max(abs(x - 1) for x in multi):.1%}."]
     return out + [""]
 
 
@@ -409,13 +422,14 @@ def _search_section(searches: list[SearchRow]) -> list[str]:
     if not searches:
         return ["## wrapopt's search on these rows", "", "Not run (`--no-search`).", ""]
     out = ["## wrapopt's search on these rows (the headline)", "",
-           f"For each row: `search_plan` on the row's mesh, fabric, compute profile and step, memory budget = the GPU's "
-           f"capacity x {MEMORY_HEADROOM:.0%} (`--memory auto`), `SearchOptions(trials=0, max_group={searches[0].max_group})`: "
-           "the baselines, the exact DP over block groupings (at most max_group blocks per unit; `wrapopt search` allows 8) "
-           "with per-unit reshard and checkpointing on every shard-group size (FSDP and HSDP), "
-           "and uniform groupings; no Optuna study. Speed-up = the row's per-block plan's predicted step / the chosen "
-           "plan's (both with the row's accumulation). *row plan fits*: the per-block plan's predicted peak within "
-           "the same budget (when it does not, the search must pick a plan that does, and may be slower).", ""]
+           f"For each row: `search_plan` on the row's mesh, fabric, compute profile and step, memory budget = the "
+           f"GPU's capacity x {MEMORY_HEADROOM:.0%} (`--memory auto`), `SearchOptions(trials=0, "
+           f"max_group={searches[0].max_group})`: the baselines, the exact DP over block groupings (at most max_group "
+           "blocks per unit; `wrapopt search` allows 8) with per-unit reshard and checkpointing on every shard-group "
+           "size (FSDP and HSDP), and uniform groupings; no Optuna study. Speed-up = the row's per-block plan's "
+           "predicted step / the chosen plan's (both with the row's accumulation). *row plan fits*: the per-block "
+           "plan's predicted peak within the same budget (when it does not, the search must pick a plan that does, and "
+           "may be slower).", ""]
     for g, name in GROUPS:
         rows = [s for s in searches if s.row.gpu == g]
         if not rows:
@@ -423,17 +437,20 @@ def _search_section(searches: list[SearchRow]) -> list[str]:
         sp = [s.speedup for s in rows if not math.isnan(s.speedup)]
         fit_sp = [s.speedup for s in rows if not math.isnan(s.speedup) and s.row_fits_budget]
         if sp:
-            out.append(f"- **{name}**: {len(rows)} rows; speed-up median {statistics.median(sp):.3f}, max {max(sp):.3f}, "
-                       f"min {min(sp):.3f}; >= 1.05 on {sum(x >= 1.05 for x in sp)} rows; on the {len(fit_sp)} rows whose "
-                       f"own plan fits the budget: median {statistics.median(fit_sp) if fit_sp else math.nan:.3f}; "
-                       f"search time {sum(s.seconds for s in rows):.0f} s in all.")
+            out.append(f"- **{name}**: {len(rows)} rows; speed-up median {statistics.median(sp):.3f}, max "
+                       f"{max(sp):.3f}, min {min(sp):.3f}; >= 1.05 on {sum(x >= 1.05 for x in sp)} rows; on the "
+                       f"{len(fit_sp)} rows whose own plan fits the budget: median "
+                       f"{statistics.median(fit_sp) if fit_sp else math.nan:.3f}; search time "
+                       f"{sum(s.seconds for s in rows):.0f} s in all.")
     gains = [s for s in searches if not math.isnan(s.speedup) and s.speedup >= 1.05]
     less_ck = [s for s in gains if s.row.checkpointing and s.checkpointed < s.blocks]
-    out += ["", f"Of the {len(gains)} rows where wrapopt's plan is predicted >= 5% faster, {len(less_ck)} are rows that "
-            "checkpoint every block and where the chosen plan checkpoints fewer: exactly the term the simulator "
-            "over-charges against these rows (checkpointed rows are predicted slower than published, relative to the "
-            "others, on every GPU type: see the split above), so those gains are likely overstated."]
-    out += ["", "| GPU | model | seq | GPUs | micro-batch | GA | AC | row plan fits | wrapopt's choice | speed-up | search s |",
+    out += ["", f"Of the {len(gains)} rows where wrapopt's plan is predicted >= 5% faster, {len(less_ck)} are rows "
+                f"that checkpoint every block and where the chosen plan checkpoints fewer: exactly the term the "
+                "simulator over-charges against these rows (checkpointed rows are predicted slower than published, "
+                "relative to the others, on every GPU type: see the split above), so those gains are likely "
+                "overstated."]
+    out += ["", "| GPU | model | seq | GPUs | micro-batch | GA | AC | row plan fits | wrapopt's choice | speed-up | "
+                "search s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in searches:
         r = s.row

@@ -31,17 +31,18 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from wrapopt.hardware.budget import MEMORY_HEADROOM
+from benchmarks.published_rows import (
+    Published, PublishedRow, Skipped, build_mpt, count_params, fused_cross_entropy, with_master_weights,
+)
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError
 from wrapopt.evaluation.evaluate import spearman
+from wrapopt.hardware.budget import MEMORY_HEADROOM
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.search.driver import SearchOptions, search_plan
 from wrapopt.trace.meta import trace_model
 from wrapopt.spec import ROOT, CostEstimate, MeshSpec, ModelGraph, OptimizerKind, PlanSpec, SimOptions, UnitSpec
-
-from published_rows import Published, PublishedRow, Skipped, build_mpt, count_params, fused_cross_entropy, with_master_weights
 
 __all__ = ["GPUS", "GpuSpec", "Predictor", "Prediction", "SearchRow", "fit_efficiency", "errors_of"]
 
@@ -98,7 +99,8 @@ def row_plan(graph: ModelGraph, row: PublishedRow) -> PlanSpec:
 
 
 def sim_options(row: PublishedRow) -> SimOptions:
-    return SimOptions(optimizer=OptimizerKind.ADAMW, param_dtype_bytes=2, reduce_dtype_bytes=2 if row.mp_mode == "PURE" else 4)
+    return SimOptions(optimizer=OptimizerKind.ADAMW, param_dtype_bytes=2,
+                      reduce_dtype_bytes=2 if row.mp_mode == "PURE" else 4)
 
 
 def step_s(est: CostEstimate, grad_accum: int) -> float:
@@ -194,7 +196,8 @@ class Predictor:
             self.progress(f"traced {row.model} seq {row.seq_len} batch {row.micro_batch} ({len(self._graphs)} models)")
         return g
 
-    def simulate(self, row: PublishedRow, efficiency: float, fabric: FabricProfile | None = None) -> tuple[CostEstimate, float]:
+    def simulate(self, row: PublishedRow, efficiency: float,
+                 fabric: FabricProfile | None = None) -> tuple[CostEstimate, float]:
         gpu = GPUS[row.gpu]
         g = self.graph(row)
         fab = fabric or fabric_at(gpu, row.num_gpus)
@@ -211,8 +214,10 @@ class Predictor:
         g = self.graph(row)
         flops_s = gpu.peak_flops * efficiency
         recompute = 1.0 if row.checkpointing else 0.0
-        attn = sum((m.fwd_flops * (1 + recompute) + m.bwd_flops) for m in g.modules if m.cls == "MptAttention") / flops_s
-        mem = sum(m.fwd_bytes * (1 + recompute) + m.bwd_bytes for m in g.modules) / (gpu.hbm_bytes_per_s * _HBM_ACHIEVED)
+        attn = (sum((m.fwd_flops * (1 + recompute) + m.bwd_flops) for m in g.modules if m.cls == "MptAttention")
+                / flops_s)
+        mem = (sum(m.fwd_bytes * (1 + recompute) + m.bwd_bytes for m in g.modules)
+               / (gpu.hbm_bytes_per_s * _HBM_ACHIEVED))
         compute = max(est.compute_s, 1e-12)  # one micro-batch (the simulated step)
         return Prediction(row, role, row.micro_batch * row.seq_len * row.grad_accum / step, step, est.peak_bytes,
                           est.peak_bytes <= gpu.capacity_bytes, est.exposed_comm_s / est.step_s, attn / compute,
@@ -230,7 +235,8 @@ class Predictor:
         budget = gpu.capacity_bytes * MEMORY_HEADROOM
         t0 = time.perf_counter()
         try:
-            res = search_plan(g, sim, plan.mesh, memory_budget=budget, options=SearchOptions(trials=0, max_group=max_group))
+            res = search_plan(g, sim, plan.mesh, memory_budget=budget,
+                              options=SearchOptions(trials=0, max_group=max_group))
         except InfeasibleError as e:
             return SearchRow(row, mine.peak_bytes <= budget, f"nothing fits: {str(e).splitlines()[0][:80]}", math.nan,
                              time.perf_counter() - t0, max_group)
@@ -267,6 +273,7 @@ def errors_of(preds: list[Prediction]) -> dict[str, Any]:
     if not preds:
         return {"n": 0, "median": math.nan, "max": math.nan, "spearman": math.nan, "over_20": 0}
     errs = [abs(p.ratio - 1) for p in preds]
-    rho = spearman([p.tokens_per_s for p in preds], [p.row.tokens_per_s_per_gpu for p in preds]) if len(preds) > 2 else math.nan
+    rho = (spearman([p.tokens_per_s for p in preds], [p.row.tokens_per_s_per_gpu for p in preds]) if len(preds) > 2
+           else math.nan)
     return {"n": len(preds), "median": statistics.median(errs), "max": max(errs), "spearman": rho,
             "over_20": sum(e > 0.2 for e in errs), "median_ratio": statistics.median(p.ratio for p in preds)}

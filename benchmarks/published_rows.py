@@ -119,7 +119,8 @@ def _tables(lines: list[str]) -> list[tuple[int, list[str], list[tuple[int, list
     out = []
     i = 0
     while i < len(lines):
-        if lines[i].lstrip().startswith("|") and i + 1 < len(lines) and re.match(r"^\s*\|[\s\-:|]+\|\s*$", lines[i + 1]):
+        if (lines[i].lstrip().startswith("|") and i + 1 < len(lines)
+                and re.match(r"^\s*\|[\s\-:|]+\|\s*$", lines[i + 1])):
             head, body = _cells(lines[i]), []
             j = i + 2
             while j < len(lines) and lines[j].lstrip().startswith("|"):

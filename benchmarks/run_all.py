@@ -12,7 +12,7 @@ measurably slower than a fitting contender is diagnosed (``evidence.diagnose``).
 Then a planning section for scales this machine cannot run (simulated, labelled).
 Writes results/README.md, results/bench.json and PNG charts.
 
-    python benchmarks/run_all.py [--world-sizes 2,4] [--repeats 5] [--models ...] [--bench-models ...]
+    python -m benchmarks.run_all [--world-sizes 2,4] [--repeats 5] [--models ...] [--bench-models ...]
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from wrapopt.evaluation.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman  # noqa: E402
-from wrapopt.evaluation.evidence import BASELINES, CAUSES, fmt_diagnosis, judge  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes  # noqa: E402
-from wrapopt.models import zoo  # noqa: E402
+from wrapopt.evaluation.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman
+from wrapopt.evaluation.evidence import BASELINES, CAUSES, fmt_diagnosis, judge
+from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
+from wrapopt.models import zoo
 
 # [Note: bench time] `make bench` must stay within 30 minutes on the 2-core VM. Measured
 # (results/bench.json of 2026-12-03, repeats 5, confirmation 15): the zoo's exhaustive set took
@@ -108,7 +106,8 @@ def planning_section() -> list[str]:
         graph = trace_model(model, entry.inputs(), loss_fn=entry.loss)
         for fab_name in ("h100-nvlink-ib400", "h100-nvlink-eth100"):
             lines += [f"### {name}, {fab_name} (analytical)", "",
-                      "| GPUs | wrapopt plan | units | step (s) | peak | per-block | size-1e8 | every-leaf | root-only | no-shard |",
+                      "| GPUs | wrapopt plan | units | step (s) | peak | per-block | size-1e8 | every-leaf | root-only "
+                      "| no-shard |",
                       "|---|---|---|---|---|---|---|---|---|---|"]
             for world in (64, 512, 1024):
                 mesh = MeshSpec(world_size=world, ranks_per_node=8, shard_size=world)
@@ -141,7 +140,8 @@ def main() -> int:
     ap.add_argument("--bench-world-sizes", default="2")
     ap.add_argument("--bench-plans", default="uniform", help="plan set of the bench set's models")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--confirm", type=int, default=4, help="contenders per budget re-measured (see wrapopt/evaluate.py)")
+    ap.add_argument("--confirm", type=int, default=4,
+                    help="contenders per budget re-measured (see wrapopt/evaluate.py)")
     ap.add_argument("--confirm-repeats", type=int, default=15)
     ap.add_argument("--out", default="results")
     ap.add_argument("--skip-planning", action="store_true", help="leave out the simulated planning section")
@@ -152,7 +152,8 @@ def main() -> int:
     # See [Note: bench time].
     cases = [(m, int(w), args.plans if int(w) <= 2 else args.plans_wide)
              for w in args.world_sizes.split(",") for m in args.models.split(",") if m]
-    cases += [(m, int(w), args.bench_plans) for w in args.bench_world_sizes.split(",") for m in args.bench_models.split(",") if m]
+    cases += [(m, int(w), args.bench_plans)
+              for w in args.bench_world_sizes.split(",") for m in args.bench_models.split(",") if m]
     for model, ws, plan_set in cases:
         print(f"== {model} on {ws} ranks, plan set {plan_set}", file=sys.stderr, flush=True)
         run = evaluate(model, world_size=ws, plan_set=plan_set, repeats=args.repeats,
@@ -169,30 +170,32 @@ def main() -> int:
     wall = time.perf_counter() - t0
     lines = [
         "# Results", "",
-        f"Measured on {platform.node()}: {m['cores']} CPU cores ({m['cpu']}), no GPU; backend {m['backend']}, one thread "
-        f"per rank; world sizes {args.world_sizes} (the bench set: {args.bench_world_sizes}); torch {m['torch']}; {date}. All ranks share the machine's cores, so a "
-        "4-rank run has half a core per rank.",
-        f"Regenerate everything: `make bench` (this run: {wall / 60:.1f} min). The demo's table is in `demo/report.md`; "
-        "the cost model's fidelity in `fidelity.md` (every run's verdicts side by side in `fidelity_history.md`); the tracer in `trace.md`; the search in `search.md`.", "",
+        f"Measured on {platform.node()}: {m['cores']} CPU cores ({m['cpu']}), no GPU; backend {m['backend']}, one "
+        f"thread per rank; world sizes {args.world_sizes} (the bench set: {args.bench_world_sizes}); torch "
+        f"{m['torch']}; {date}. All ranks share the machine's cores, so a 4-rank run has half a core per rank.",
+        f"Regenerate everything: `make bench` (this run: {wall / 60:.1f} min). The demo's table is in "
+        f"`demo/report.md`; the cost model's fidelity in `fidelity.md` (every run's verdicts side by side in "
+        "`fidelity_history.md`); the tracer in `trace.md`; the search in `search.md`.", "",
         f"Method: per model and world size, the fabric and compute are measured on the same ranks, wrapopt searches "
         "under each budget, and every plan below is sharded with `fully_shard` and stepped for real, all plans "
-        f"interleaved (one step of each plan per round, in an order that changes every round), 2 warm-up rounds, then the median over {args.repeats} repeats of the slowest rank's step "
-        f"time. The contenders (per budget the {args.confirm} fastest fitting plans, wrapopt's choice and the fastest "
-        f"fitting baseline) then run again, interleaved, {args.confirm_repeats} repeats, and their rows (marked "
-        "*confirmed*) carry those times; the verdict compares confirmed rows only (one round, one machine state): the fastest of "
-        "dozens of noisy short medians is biased low, and the machine's speed drifts between rounds. "
-        "Peak memory: live tensor bytes per rank (CPU allocator events), max over ranks. A plan *fits* a budget when its "
-        "measured peak does. *Tight*: 2% above the per-block baseline's predicted peak: plans that keep parameters "
-        "gathered between forward and backward, or gather the whole model at once, do not fit; "
-        "*loose*: no limit. Plan sets (`wrapopt/evaluation/plan_sets.py`): *exhaustive*, every contiguous grouping of "
-        "the block chains (with and without resharding after forward), checkpointed groupings, and the baselines; "
-        "*uniform*, every uniform grouping of the blocks (groups of 1-4 and of every size dividing a chain, up to the "
-        "whole chain), with and without resharding after forward and checkpointing, and the baselines; *contenders*, "
-        "both. The zoo's models run *contenders*; the wider bench set (models wrapopt was not tuned on: "
-        "`wrapopt/models/bench_models.py`) runs *uniform*.", "",
+        f"interleaved (one step of each plan per round, in an order that changes every round), 2 warm-up rounds, then "
+        f"the median over {args.repeats} repeats of the slowest rank's step time. The contenders (per budget the "
+        f"{args.confirm} fastest fitting plans, wrapopt's choice and the fastest fitting baseline) then run again, "
+        f"interleaved, {args.confirm_repeats} repeats, and their rows (marked *confirmed*) carry those times; the "
+        "verdict compares confirmed rows only (one round, one machine state): the fastest of dozens of noisy short "
+        "medians is biased low, and the machine's speed drifts between rounds. Peak memory: live tensor bytes per rank "
+        "(CPU allocator events), max over ranks. A plan *fits* a budget when its measured peak does. *Tight*: 2% above "
+        "the per-block baseline's predicted peak: plans that keep parameters gathered between forward and backward, or "
+        "gather the whole model at once, do not fit; *loose*: no limit. Plan sets (`wrapopt/evaluation/plan_sets.py`): "
+        "*exhaustive*, every contiguous grouping of the block chains (with and without resharding after forward), "
+        "checkpointed groupings, and the baselines; *uniform*, every uniform grouping of the blocks (groups of 1-4 and "
+        "of every size dividing a chain, up to the whole chain), with and without resharding after forward and "
+        "checkpointing, and the baselines; *contenders*, both. The zoo's models run *contenders*; the wider bench set "
+        "(models wrapopt was not tuned on: `wrapopt/models/bench_models.py`) runs *uniform*.", "",
         "## wrapopt against the best baseline and the measured optimum", "",
-        "| model | ranks | plan set | budget | plans fit | wrapopt's plan | / best fitting baseline | / measured optimum (plan) "
-        "| run-to-run spread | noise floor: A/A (90% CI) | Spearman pred vs meas | CPU steal | diagnosis |",
+        "| model | ranks | plan set | budget | plans fit | wrapopt's plan | / best fitting baseline | / measured "
+        "optimum (plan) | run-to-run spread | noise floor: A/A (90% CI) | Spearman pred vs meas | CPU steal | "
+        "diagnosis |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, vs in zip(runs, verdicts):
@@ -204,18 +207,19 @@ def main() -> int:
             vb = f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"] else "no baseline fits"
             vo = f"{v['vs_optimum']:.3f} ({v['optimum']})" if v["vs_optimum"] else "n/a"
             why = v["diagnosis"]["cause"] if v.get("diagnosis") else "-"
-            lines.append(f"| {run['model']} | {run['machine']['world_size']} | {run.get('plan_set', '')} | {v['budget']} "
-                         f"| {v['num_fit']} | {v['wrapopt']} | {vb} | {vo} | {v['median_spread']:.0%} | {floor} | {rho:.2f} "
-                         f"| {steal} | {why} |")
+            lines.append(f"| {run['model']} | {run['machine']['world_size']} | {run.get('plan_set', '')} | "
+                         f"{v['budget']} | {v['num_fit']} | {v['wrapopt']} | {vb} | {vo} | {v['median_spread']:.0%} | "
+                         f"{floor} | {rho:.2f} | {steal} | {why} |")
     lines += ["", "Ratios below 1.00 mean wrapopt's plan was faster. The spread column is the median over plans of "
-              "(max - min) / median across repeats. The noise floor is an A/A test: the confirmation round also runs "
-              "a second, separately built copy of the predicted fastest plan, and the column is the median of the "
-              "per-round ratios of the two copies with a 90% bootstrap interval (`evaluate.noise_floor`): a ratio "
-              "no further from 1.00 than that interval reaches may be the machine's noise, not a difference "
-              "between plans. CPU steal: the share of the machine's CPU time the hypervisor gave to other guests "
-              "while the case ran (`/proc/stat`). Diagnosis (`evidence.diagnose`, [Note: diagnosis]): where wrapopt's "
-              "plan is slower than the best fitting contender by more than the A/A interval reaches from 1.00, why the search "
-              "passed that contender over: " + "; ".join(f"*{k}*: {v}" for k, v in CAUSES.items()) + "; *-*: not "
+                  "(max - min) / median across repeats. The noise floor is an A/A test: the confirmation round also "
+                  "runs a second, separately built copy of the predicted fastest plan, and the column is the median of "
+                  "the per-round ratios of the two copies with a 90% bootstrap interval (`evaluate.noise_floor`): a "
+                  "ratio no further from 1.00 than that interval reaches may be the machine's noise, not a difference "
+                  "between plans. CPU steal: the share of the machine's CPU time the hypervisor gave to other guests "
+                  "while the case ran (`/proc/stat`). Diagnosis (`evidence.diagnose`, [Note: diagnosis]): where "
+                  "wrapopt's plan is slower than the best fitting contender by more than the A/A interval reaches from "
+                  "1.00, why the search passed that contender "
+                  "over: " + "; ".join(f"*{k}*: {v}" for k, v in CAUSES.items()) + "; *-*: not "
               "measurably slower.", ""]
     diagnosed = [(run, v) for run, vs in zip(runs, verdicts) for v in vs if v.get("diagnosis")]
     if diagnosed:
@@ -227,17 +231,19 @@ def main() -> int:
     for run, vs in zip(runs, verdicts):
         ws = run["machine"]["world_size"]
         lines += [f"## {run['model']} on {ws} ranks", "",
-                  f"Plan set {run.get('plan_set', '')}: {len(run['rows'])} plans; the case took {run['wall_s']:.0f} s.", "",
+                  f"Plan set {run.get('plan_set', '')}: {len(run['rows'])} plans; the case took {run['wall_s']:.0f} "
+                  f"s.", "",
                   f"![bars](bench_{run['model'][4:]}_x{ws}.png)", "",
-                  "| plan | units | measured step (ms) | spread | predicted step (ms) | measured peak | predicted peak | fits tight |",
+                  "| plan | units | measured step (ms) | spread | predicted step (ms) | measured peak | predicted peak "
+                  "| fits tight |",
                   "|---|---|---|---|---|---|---|---|"]
         tight = next(v for v in vs if v["budget"] == "tight")["budget_bytes"]
         for r in sorted(run["rows"], key=lambda r: r["meas_step_s"]):
             mark = " **(wrapopt: " + ",".join(r["chosen_for"]) + ")**" if r.get("chosen_for") else ""
             mark += " *confirmed*" if r.get("confirmed") else ""
-            lines.append(f"| {r['plan']}{mark} | {r['units']} | {r['meas_step_s'] * 1e3:.1f} | {r['meas_spread']:.0%} | "
-                         f"{r['pred_step_s'] * 1e3:.1f} | {fmt_bytes(r['meas_peak_bytes'])} | {fmt_bytes(r['pred_peak_bytes'])} | "
-                         f"{'yes' if r['meas_peak_bytes'] <= tight else 'no'} |")
+            lines.append(f"| {r['plan']}{mark} | {r['units']} | {r['meas_step_s'] * 1e3:.1f} | {r['meas_spread']:.0%} "
+                         f"| {r['pred_step_s'] * 1e3:.1f} | {fmt_bytes(r['meas_peak_bytes'])} | "
+                         f"{fmt_bytes(r['pred_peak_bytes'])} | {'yes' if r['meas_peak_bytes'] <= tight else 'no'} |")
         lines.append("")
     if not args.skip_planning:
         lines += planning_section()

@@ -11,7 +11,7 @@
    ``wrapopt search`` seeds it (baselines + DP answers), and seeded with the
    baselines only (can the study find the DP's optimum by itself?).
 
-Run: ``PYTHONPATH=. python benchmarks/search_bench.py`` (about two minutes on 2 cores).
+Run: ``python -m benchmarks.search_bench`` (about two minutes on 2 cores).
 Predicted times come from the simulator; nothing here is a measured step.
 """
 
@@ -27,7 +27,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 LLAMA_70B = ["zoo:llama-70b", "--world-size", "1024", "--gpus-per-node", "8"]
 TRAINABLE = ("gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny")
@@ -63,7 +62,8 @@ def _search_section() -> list[str]:
               "figure on a shared machine). Target: at most 30 s and under 3 GB.", ""]
     rows = []
     outputs = {}
-    for label, extra in (("--memory none", ["--memory", "none"]), ("--memory auto (the default)", ["--memory", "auto"])):
+    for label, extra in (("--memory "
+                          "none", ["--memory", "none"]), ("--memory auto (the default)", ["--memory", "auto"])):
         load = os.getloadavg()[0]
         wall, cpu, rss, data = _timed_search(extra)
         outputs[label] = data
@@ -76,12 +76,13 @@ def _search_section() -> list[str]:
         lines += [f"### Chosen plan vs baselines ({label})", ""]
         if data["search"]["memory_budget_note"]:
             lines += [data["search"]["memory_budget_note"], ""]
-        lines += ["| plan | shard group | units | predicted step | predicted peak | fits |", "|---|---|---|---|---|---|"]
+        lines += ["| plan | shard group | units | predicted step | predicted peak | fits "
+                  "|", "|---|---|---|---|---|---|"]
         lines.append(f"| **wrapopt: {data['label']}** | {data['mesh']['shard_size']} | {len(data['units'])} | "
                      f"{pred['step_s'] * 1e3:.0f} ms | {_fmt_gib(pred['peak_bytes'])} | yes |")
         for name, b in data["baselines"].items():
-            lines.append(f"| {name} | {'1' if name == 'no-shard' else '1024'} | {b['num_units']} | {b['step_s'] * 1e3:.0f} ms | "
-                         f"{_fmt_gib(b['peak_bytes'])} | {'yes' if b['fits'] else 'no'} |")
+            lines.append(f"| {name} | {'1' if name == 'no-shard' else '1024'} | {b['num_units']} | "
+                         f"{b['step_s'] * 1e3:.0f} ms | {_fmt_gib(b['peak_bytes'])} | {'yes' if b['fits'] else 'no'} |")
         fitting = [b["step_s"] for b in data["baselines"].values() if b["fits"]]
         if fitting:
             lines += ["", f"Speed-up over the best fitting baseline: {min(fitting) / pred['step_s']:.2f}x."]
@@ -132,7 +133,8 @@ def _zoo_section() -> list[str]:
                               trials=DEFAULT_TRIALS, seed=0)
             a = (f"{alone.best.estimate.step_s * 1e3:.3f} ms | {alone.best.estimate.step_s / dp:.3f}" if alone.best
                  else "nothing fits | -")
-            chosen = f"{res.best.estimate.step_s * 1e3:.3f} ms ({res.best.plan.label}, shard {res.best.plan.mesh.shard_size})"
+            chosen = (f"{res.best.estimate.step_s * 1e3:.3f} ms ({res.best.plan.label}, "
+                      f"shard {res.best.plan.mesh.shard_size})")
             lines.append(f"| {name} | {blabel} | {dp * 1e3:.3f} ms | {seeded * 1e3:.3f} ms | {seeded / dp:.3f} | "
                          f"{a} | {chosen} | {took:.1f} s |")
     return lines + [""]

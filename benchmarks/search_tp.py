@@ -9,7 +9,7 @@ chosen, its predicted step against the best 1-D plan and TorchTitan's default
 global batch. Predicted, not measured. The section is written between markers,
 so ``search_bench.py`` and this script each keep the other's part.
 
-Run: ``PYTHONPATH=. python benchmarks/search_tp.py`` (a few minutes on 2 cores).
+Run: ``python -m benchmarks.search_tp`` (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 BEGIN, END = "<!-- search_tp.py: begin -->", "<!-- search_tp.py: end -->"
-CASES = [(m, w, None) for m in ("llama-7b", "llama-70b") for w in (64, 256, 1024)] + [("llama-70b", 256, "h100-nvlink-eth100")]
+CASES = ([(m, w, None) for m in ("llama-7b", "llama-70b") for w in (64, 256, 1024)]
+         + [("llama-70b", 256, "h100-nvlink-eth100")])
 
 
 def _run(model: str, world: int, extra: list[str], fabric: str | None = None) -> tuple[float, float, dict]:
@@ -49,14 +49,15 @@ def tp_section(extra: list[str] | None = None) -> list[str]:
     lines = [BEGIN, "## 2-D plans: `--tp auto` (tensor parallel inside the node, FSDP across)", ""]
     lines += ["`wrapopt search zoo:MODEL --world-size W --gpus-per-node 8 --tp auto` "
               + (" ".join(extra) + " " if extra else "")
-              + "(defaults otherwise: memory budget auto = 72 GiB of an 80 GiB H100, 200 Optuna trials in all), "
-              "fresh process, tracing included. Every row is at the same global batch (a tensor-parallel group of "
-              "tp GPUs runs tp GPUs' batches). *gain* = the row's predicted step / the chosen plan's (> 1: the "
-              "chosen plan is faster). TorchTitan's default: tp 8 inside the node, one FSDP unit per block "
-              "(reshard after forward), every block checkpointed (full activation checkpointing, as TorchTitan's Llama configs; its per-op selective checkpointing is not in wrapopt's space); wrapopt applies tensor parallelism without sequence "
-              "parallelism (See [Note: tensor parallel] in wrapopt/tp.py), so this is TorchTitan's layout as "
-              "wrapopt applies it. Target: llama-70b at 1024 GPUs in at most 60 s and 3 GB. The last row is the "
-              "same search on a slow fabric (one 100 Gb/s Ethernet NIC per node).", "",
+              + "(defaults otherwise: memory budget auto = 72 GiB of an 80 GiB H100, 200 Optuna trials in all), fresh "
+                "process, tracing included. Every row is at the same global batch (a tensor-parallel group of tp GPUs "
+                "runs tp GPUs' batches). *gain* = the row's predicted step / the chosen plan's (> 1: the chosen plan "
+                "is faster). TorchTitan's default: tp 8 inside the node, one FSDP unit per block (reshard after "
+                "forward), every block checkpointed (full activation checkpointing, as TorchTitan's Llama configs; its "
+                "per-op selective checkpointing is not in wrapopt's space); wrapopt applies tensor parallelism without "
+                "sequence parallelism (See [Note: tensor parallel] in wrapopt/tp.py), so this is TorchTitan's layout "
+                "as wrapopt applies it. Target: llama-70b at 1024 GPUs in at most 60 s and 3 GB. The last row is the "
+                "same search on a slow fabric (one 100 Gb/s Ethernet NIC per node).", "",
               "Why FSDP alone wins on the default fabric: at one 4096-token sequence per GPU, FSDP's collectives hide "
               "under compute, while tensor parallelism puts its all-reduces on the critical path of every block (7 per "
               "Llama block forward and backward, each the size of the group's whole activation) and runs the "
@@ -64,8 +65,8 @@ def tp_section(extra: list[str] | None = None) -> list[str]:
               "sequence parallelism and asynchronous tensor parallelism, which TorchTitan uses to cut both, are not "
               "modelled or applied by wrapopt yet. Where FSDP's traffic cannot hide (the slow fabric), a small degree "
               "wins by a little.", ""]
-    lines += ["| model | GPUs | wall | peak RSS | chosen tp | chosen plan | step | peak | best 1-D | gain | "
-              "TorchTitan default | gain | best per degree (tp: step) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| model | GPUs | wall | peak RSS | chosen tp | chosen plan | step | peak | best 1-D | gain | TorchTitan "
+              "default | gain | best per degree (tp: step) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, world, fabric in CASES:
         wall, rss, data = _run(model, world, extra, fabric)
         s = data["search"]

@@ -16,7 +16,7 @@ Each case runs compiled (numba: the step loop, the layout kernel and the
 collective-time lookup) and as Python, alternately (See [Note: compiled step
 loop], [Note: layout kernel]); best and median of 9 rounds, each round all
 kinds both ways (the machine's speed drifts). Run:
-``python benchmarks/sim_speed.py`` (about a minute). Loading the compiled code
+``python -m benchmarks.sim_speed`` (about a minute). Loading the compiled code
 from numba's disk cache happens once, before the timed rounds, and is reported
 on its own, as is compiling it from a cold cache (in a subprocess with an
 empty ``NUMBA_CACHE_DIR``).
@@ -34,12 +34,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from wrapopt.evaluation.evaluate import _cpu_times, _steal, fmt_steal  # noqa: E402
-from wrapopt.fileio import atomic_write_json, atomic_write_text  # noqa: E402
+from wrapopt.evaluation.evaluate import _cpu_times, _steal, fmt_steal
+from wrapopt.fileio import atomic_write_json, atomic_write_text
 
 MESH = dict(world_size=64, ranks_per_node=8, shard_size=64)
 
@@ -157,13 +155,14 @@ def search_share(graph=None, trials: int = 200) -> dict:
 
 def cold_compile_s() -> float:
     """Seconds to compile the simulator from an empty numba cache, in a subprocess."""
-    code = ("import time, sys; sys.path.insert(0, '.'); from benchmarks import sim_speed as s; g = s._setup(); "
+    code = ("import time, sys; from benchmarks import sim_speed as s; g = s._setup(); "
             "from wrapopt.search import baselines; from wrapopt.types import MeshSpec; "
             "p = baselines(g, MeshSpec(**s.MESH))['per-block']; t = time.perf_counter(); s._new_sim(g).simulate(p); "
             "print(time.perf_counter() - t)")
     with tempfile.TemporaryDirectory() as cache:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True,
-                             cwd=os.path.join(os.path.dirname(__file__), ".."), env={**os.environ, "NUMBA_CACHE_DIR": cache})
+                             cwd=os.path.join(os.path.dirname(__file__), ".."),
+                             env={**os.environ, "NUMBA_CACHE_DIR": cache})
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -197,7 +196,7 @@ def main() -> int:
         "# Simulator speed",
         "",
         f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}), one thread; Python "
-        f"{platform.python_version()}, torch {torch.__version__}; {date}. Regenerate: `python benchmarks/sim_speed.py` "
+        f"{platform.python_version()}, torch {torch.__version__}; {date}. Regenerate: `python -m benchmarks.sim_speed` "
         f"({time.perf_counter() - t0:.0f} s). zoo:llama-7b (32 blocks) on 64 ranks, analytical fabric; best and "
         "median of 9 rounds (the machine is shared and its speed drifts: compare rows within one run).",
         "",
@@ -208,7 +207,7 @@ def main() -> int:
         "gave to other guests). Load average (1 min) before and after the rates: "
         f"{load0:.1f} and {load1:.1f} on {os.cpu_count()} cores"
         + (": the machine was shared with other processes, so the rates are lower and noisier than on an idle one; "
-           "`benchmarks/sim_speed_ab.py` compares versions in paired CPU time." if busy else "."),
+           "`scripts/sim_speed_ab.py` compares versions in paired CPU time." if busy else "."),
         "",
         "| plans | units per plan | compute segments per plan | plan evaluations per second: best | median "
         "| as Python (no numba): best |",
@@ -218,9 +217,10 @@ def main() -> int:
               f"| {r['python_per_s']:,.0f} |" for r in rows]
     lines += [
         "",
-        f"`search_plan` with {share['trials']} Optuna trials (the DP, baselines and seeds included): {share['wall_s']:.1f} s, "
-        f"of which {share['simulate_s']:.1f} s ({share['simulate_s'] / share['wall_s']:.0%}) inside `Simulator.simulate` "
-        f"({share['simulate_calls']} calls). The rest is the DP and Optuna's own sampling and bookkeeping.",
+        f"`search_plan` with {share['trials']} Optuna trials (the DP, baselines and seeds included): "
+        f"{share['wall_s']:.1f} s, of which {share['simulate_s']:.1f} s ({share['simulate_s'] / share['wall_s']:.0%}) "
+        f"inside `Simulator.simulate` ({share['simulate_calls']} calls). The rest is the DP and Optuna's own sampling "
+        f"and bookkeeping.",
         "",
     ]
     os.makedirs("results", exist_ok=True)

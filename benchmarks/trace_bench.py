@@ -16,7 +16,7 @@ For each zoo model and a few Hugging Face models built from tiny configs:
   peak resident memory of that process (targets: llama-7b <= 5 s, llama-70b
   <= 20 s and <= 3 GB).
 
-Usage: ``python benchmarks/trace_bench.py [--out results/trace.md]``.
+Usage: ``python -m benchmarks.trace_bench [--out results/trace.md]``.
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ _T0 = time.perf_counter()  # before torch and wrapopt are imported: a child repo
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from wrapopt.fileio import atomic_write_text  # noqa: E402
-from wrapopt.models import zoo
+from wrapopt.models import zoo  # noqa: E402
 from wrapopt.trace.meta import trace_model  # noqa: E402
 
 BIG = ("llama-7b", "llama-70b")
@@ -197,7 +195,8 @@ def child(name: str, fx: str) -> None:
         "rss_bytes": peak_rss_bytes(),
         "modules": len(g.modules), "params": g.num_params,
         "params_ref": sum(p.numel() for p in model.parameters()),
-        "flops": sum(m.fwd_flops for m in g.modules), "saved": sum(m.saved_bytes for m in g.modules) + g.loss_saved_bytes,
+        "flops": sum(m.fwd_flops for m in g.modules),
+        "saved": sum(m.saved_bytes for m in g.modules) + g.loss_saved_bytes,
         "fx_kept": g.fx_graph is not None,
         "dataflow_edges": g.dataflow.number_of_edges() if g.dataflow is not None else 0,
         "notes": list(g.estimates),
@@ -209,7 +208,7 @@ def child(name: str, fx: str) -> None:
 
 def bench_big(name: str, fx: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo(), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--fx", fx],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.trace_bench", "--child", name, "--fx", fx],
                           capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:

@@ -1,6 +1,7 @@
-"""Shared fixtures: the repository root on ``sys.path`` (so ``tests.fixtures_models``
-imports and works as a CLI ``MODEL``), traced tiny zoo models reused by several
-tests, and the one spawn of 2 gloo ranks that runs the registered two-rank cases.
+"""Shared fixtures: traced tiny zoo models reused by several tests, and the one spawn
+of 2 gloo ranks that runs the registered two-rank cases. (The repository root is on
+``sys.path`` through pytest's rootdir insertion: ``tests`` is a package, so
+``tests.fixtures_models`` works as a CLI ``MODEL`` and ``benchmarks`` imports.)
 
 A test that starts ranks through ``wrapopt.launch.spawn`` (in its body or in one of
 its fixtures) must carry ``@pytest.mark.multiprocess``, so that ``make test`` runs it
@@ -9,13 +10,10 @@ with the multi-process part; without the marker it fails and says so."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 
 
 class _NoProcesses:

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
+
+from benchmarks import gpu_check
 
 
 @pytest.mark.multiprocess
-def test_gpu_check_on_cpu(repo_root, tmp_path):
-    bench_dir = os.path.join(repo_root, "benchmarks")
-    if bench_dir not in sys.path:
-        sys.path.insert(0, bench_dir)  # importable by name: the spawned rank unpickles gpu_check._worker
-    mod = importlib.import_module("gpu_check")
+def test_gpu_check_on_cpu(tmp_path):
     out = tmp_path / "gpu.md"
-    assert mod.main(["--device", "cpu", "--out", str(out), "--repeats", "1"]) == 0
+    assert gpu_check.main(["--device", "cpu", "--out", str(out), "--repeats", "1"]) == 0
     text = out.read_text()
     assert text.startswith("# GPU check: ")
     rows = [line for line in text.splitlines() if line.startswith("| per-block") or line.startswith("| root-only")

@@ -4,11 +4,11 @@ MPT built on meta has exactly each row's NumParams (benchmarks/published_rows.py
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
+from benchmarks.published_predict import Predictor
 from benchmarks.published_rows import (
     DEFAULT_SOURCE, build_mpt, count_params, fused_cross_entropy, parse_published, with_master_weights,
 )
@@ -46,9 +46,6 @@ def test_built_mpt_has_the_rows_numparams(published):
 
 
 def test_mismatched_or_unmodelled_rows_are_skipped_with_the_reason(tmp_path, published):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    from published_predict import Predictor
-
     lines = open(DEFAULT_SOURCE, encoding="utf-8").read().splitlines()
     a100 = next(i for i, l in enumerate(lines) if l.startswith("|  125m") and "a100_40gb" in l)
     cells = lines[a100].split("|")

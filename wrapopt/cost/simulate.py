@@ -103,7 +103,7 @@ whose layout is cached scores in ~25 us, so the records made per plan are
 named tuples built by ``tuple.__new__`` from their fields in order ([Note:
 step loop inputs] in ``step.py``), and a collective over one rank is not
 looked up (it is 0 s). ``benchmarks/sim_speed.py`` measures plans per
-second, compiled and Python; ``benchmarks/sim_speed_ab.py`` compares two
+second, compiled and Python; ``scripts/sim_speed_ab.py`` compares two
 checkouts in paired CPU time.
 """
 

@@ -30,7 +30,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,8 @@ class Measured:
     spread: float  # (max - min) / median over repeats
     peak_bytes: int  # max over ranks
     losses: tuple[float, ...]
-    phase_s: tuple[float, ...] = ()  # median over repeats of the slowest rank's forward (with the loss), backward, optimizer
+    # median over repeats of the slowest rank's forward (with the loss), backward, optimizer
+    phase_s: tuple[float, ...] = ()
     warnings: tuple[str, ...] = ()  # distinct "Category: message" of the warnings its first step raised
 
     def to_json(self) -> dict[str, Any]:
@@ -194,6 +195,16 @@ def measure_plans(
     on_cuda = torch.cuda.is_available()
     micro = train.grad_accumulation if train is not None else 1
     no_sync = micro > 1 and train is not None and train.accumulation_sync == "last"
+    models, opts, plan_inputs = _build_plans(build, plans, inputs, lr=lr, train=train)
+    rounds = _timed_rounds(models, opts, plan_inputs, loss_fn, warmup=warmup, repeats=repeats, micro=micro,
+                           no_sync=no_sync, on_cuda=on_cuda, progress=progress)
+    peaks = (_measured_peaks(models, opts, plan_inputs, loss_fn, micro=micro, no_sync=no_sync, on_cuda=on_cuda)
+             if measure_memory else [0] * len(plans))
+    return [_summary(plan, rounds, i, peaks[i]) for i, plan in enumerate(plans)]
+
+
+def _build_plans(build, plans, inputs, *, lr, train):
+    """One fresh model per plan, sharded as it says, with its optimizer and its inputs."""
     models, opts, plan_inputs = [], [], []
     for plan in plans:
         m = build()
@@ -203,12 +214,25 @@ def measure_plans(
         models.append(m)
         opts.append(train.make_optimizer(m.parameters(), lr=lr) if train is not None
                     else torch.optim.AdamW(m.parameters(), lr=lr))
-    losses: list[list[float]] = [[] for _ in plans]
-    times: list[list[float]] = [[] for _ in plans]
-    phases: list[list[list[float]]] = [[] for _ in plans]
-    raised: list[list[str]] = [[] for _ in plans]
+    return models, opts, plan_inputs
+
+
+class _Rounds(NamedTuple):
+    """Per plan: every round's loss, the timed rounds' step times and phases, what the first round raised."""
+
+    losses: list[list[float]]
+    times: list[list[float]]
+    phases: list[list[list[float]]]
+    raised: list[list[str]]
+
+
+def _timed_rounds(models, opts, plan_inputs, loss_fn, *, warmup, repeats, micro, no_sync, on_cuda,
+                  progress) -> _Rounds:
+    """``warmup + repeats`` rounds, each stepping every plan once in its rotating order."""
+    n = len(models)
+    losses, times, phases, raised = ([[] for _ in range(n)] for _ in range(4))
     for r in range(warmup + repeats):
-        for i in round_order(len(plans), r):  # See [Note: round order]
+        for i in round_order(n, r):  # See [Note: round order]
             m, o, batch = models[i], opts[i], plan_inputs[i]
             dist.barrier()
             if on_cuda:
@@ -229,26 +253,32 @@ def measure_plans(
             losses[i].append(loss)
         if progress:
             progress(f"bench: round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else ""))
-    peaks = [0] * len(plans)
-    if measure_memory:
-        for i, (m, o, batch) in enumerate(zip(models, opts, plan_inputs)):
-            dist.barrier()
-            if on_cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                _step(m, o, batch, loss_fn, micro=micro, no_sync=no_sync)
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated()
-            else:
-                # See [Note: missed frees] in memtrack.py.
-                peak = (steady_step_peak(lambda: _step(m, o, batch, loss_fn), m, o, "cpu") if micro == 1 else
-                        steady_phases_peak(_step_phases(m, o, batch, loss_fn, micro, no_sync), m, o, "cpu"))
-            peaks[i] = int(max_over_ranks(float(peak))[0])
-    out = []
-    for i, plan in enumerate(plans):
-        med = statistics.median(times[i])
-        out.append(Measured(plan.label, med, tuple(times[i]), (max(times[i]) - min(times[i])) / med if med else 0.0,
-                            peaks[i], tuple(losses[i]),
-                            tuple(statistics.median(p[k] for p in phases[i]) for k in range(len(PHASES))),
-                            tuple(raised[i])))
-    return out
+    return _Rounds(losses, times, phases, raised)
+
+
+def _measured_peaks(models, opts, plan_inputs, loss_fn, *, micro, no_sync, on_cuda) -> list[int]:
+    """Each plan's peak memory over one more step, the largest over ranks."""
+    peaks = [0] * len(models)
+    for i, (m, o, batch) in enumerate(zip(models, opts, plan_inputs)):
+        dist.barrier()
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            _step(m, o, batch, loss_fn, micro=micro, no_sync=no_sync)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            # See [Note: missed frees] in memtrack.py.
+            peak = (steady_step_peak(lambda: _step(m, o, batch, loss_fn), m, o, "cpu") if micro == 1 else
+                    steady_phases_peak(_step_phases(m, o, batch, loss_fn, micro, no_sync), m, o, "cpu"))
+        peaks[i] = int(max_over_ranks(float(peak))[0])
+    return peaks
+
+
+def _summary(plan: PlanSpec, rounds: _Rounds, i: int, peak: int) -> Measured:
+    times, phases = rounds.times[i], rounds.phases[i]
+    med = statistics.median(times)
+    return Measured(plan.label, med, tuple(times), (max(times) - min(times)) / med if med else 0.0,
+                    peak, tuple(rounds.losses[i]),
+                    tuple(statistics.median(p[k] for p in phases) for k in range(len(PHASES))),
+                    tuple(rounds.raised[i]))

@@ -54,10 +54,12 @@ def format_rows(res: dict[str, Any]) -> str:
     rho = spearman([r["pred_step_s"] for r in rows], [r["meas_step_s"] for r in rows])
     mem_err = max(abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"] for r in rows)
     lines += [
-        "* = wrapopt's choice. Step: median over repeats of the slowest rank, plans interleaved; spread = (max-min)/median.",
+        "* = wrapopt's choice. Step: median over repeats of the slowest rank, plans interleaved; "
+        "spread = (max-min)/median.",
         f"wrapopt's plan / fastest measured plan that fits the budget ({best['plan']}): "
         f"{rows[0]['meas_step_s'] / best['meas_step_s']:.2f}",
-        f"Spearman(predicted, measured step) = {rho:.2f} over {len(rows)} plans; worst peak-memory error = {mem_err:.0%}",
+        f"Spearman(predicted, measured step) = {rho:.2f} over {len(rows)} plans; "
+        f"worst peak-memory error = {mem_err:.0%}",
     ]
     return "\n".join(lines)
 
@@ -91,7 +93,8 @@ def run_demo(*, out_dir: str = "results/demo", model: str = "gpt-tiny", world_si
     text = format_rows(res)
     atomic_write_json(os.path.join(out_dir, "plan.json"), res["plan_json"])
     atomic_write_json(os.path.join(out_dir, "fabric.json"), res["fabric"])
-    atomic_write_json(os.path.join(out_dir, "report.json"), {k: v for k, v in res.items() if k not in ("plan_json", "fabric")})
+    atomic_write_json(os.path.join(out_dir, "report.json"),
+                      {k: v for k, v in res.items() if k not in ("plan_json", "fabric")})
     pictures, section = _pictures(out_dir, res)
     wall = time.perf_counter() - t0
     atomic_write_text(os.path.join(out_dir, "report.md"), f"# wrapopt demo ({res['date']})\n\n```\n{text}\n```\n\n"

@@ -56,7 +56,7 @@ from wrapopt.fileio import parse_bytes
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import measure_split_efficiency, measure_tp_overhead
-from wrapopt.hardware.profiles import ComputeProfile
+from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.launch import broadcast_json, spawn
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
@@ -109,7 +109,8 @@ def _resolve_budget(spec: Any, graph: ModelGraph, sim: Any, mesh: MeshSpec) -> t
         probe = search_plan(graph, sim, mesh)
         peaks = {k: s.estimate.peak_bytes for k, s in probe.baselines.items()}
         if spec == "midway":
-            return (min(peaks.values()) + max(peaks.values())) / 2, "midway between the smallest and largest predicted baseline peak"
+            return ((min(peaks.values()) + max(peaks.values())) / 2,
+                    "midway between the smallest and largest predicted baseline peak")
         ref = peaks.get("per-block", min(peaks.values()))
         return ref * 1.02, "tight: 2% above the per-block baseline's predicted peak, so only fine-grained plans fit"
     return float(parse_bytes(spec)), "given"
@@ -126,24 +127,78 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     inputs = entry.inputs()
     train = TrainConfig.from_json(cfg["train"]) if cfg.get("train") else None
     t0 = time.perf_counter()
-    _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {dist.get_backend()} ranks ...")
     tp = cfg.get("tp", 1)
-    fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=not quiet,
-                            ranks_per_node=cfg["ranks_per_node"], tp_sizes=(tp,) if tp > 1 else ())
-    _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, per-module times) ...")
-    # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.
-    dt = TORCH_DTYPES[train.compute_dtype()] if train is not None else torch.float32  # the trainable zoo is float32
-    in_dt = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
-    compute = measure_compute(model=entry.build("cpu", seed=0).to(dt), example_inputs=in_dt, loss_fn=entry.loss, repeats=5)
-    compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)
+    fabric, compute, dt = _measure_hardware(rank, world, cfg, entry, inputs, train, backend=dist.get_backend())
     _log(rank, quiet, "[3/5] tracing on the meta device and searching ...")
     graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss)
     mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
     tp_spec = builtin_tp_plan(graph) if tp > 1 else None
     if tp_spec is not None:  # See [Note: tensor parallel costs] in cost/tp.py
         eff, oh = measure_split_efficiency(graph, tp_spec, (tp,), dtype=dt), measure_tp_overhead(tp)
-        compute = broadcast_json(replace(compute, split_efficiency=eff, tp_overhead_s=oh).to_json(), ComputeProfile.from_json)
+        compute = broadcast_json(replace(compute, split_efficiency=eff, tp_overhead_s=oh).to_json(),
+                                 ComputeProfile.from_json)
     sim = Simulator(graph, fabric, compute, train.sim_options() if train is not None else None)
+    plans, budgets, chosen_for = _plans_to_run(cfg, graph, sim, mesh, tp_spec, tp)
+    preds = [sim.simulate(p) for p in plans]
+    _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats "
+                      "after warm-up ...")
+    if tp_spec is not None:  # a tensor-parallel group steps on tp ranks' batches: the same global batch
+        inputs = lambda _r, n: entry.inputs(entry.batch * world // n)  # noqa: E731
+    measured = _measure(rank, quiet, SCREEN_WARMUP + cfg["repeats"], "bench", lambda: entry.build("cpu", seed=0),
+                        plans, inputs, entry.loss, repeats=cfg["repeats"], warmup=SCREEN_WARMUP, train=train)
+    screening = list(measured)  # the confirmation round replaces contenders' times in `measured`
+    confirmed: list[int] = []
+    aa: dict[str, Any] | None = None
+    if cfg["confirm"]:
+        confirmed, aa = _confirmation_round(rank, cfg, entry, train, plans, preds, measured, budgets, chosen_for,
+                                            inputs)
+    _log(rank, quiet, f"[5/5] done in {time.perf_counter() - t0:.1f} s")
+    if rank != 0:
+        return None
+    note = _view_note(plans, screening)
+    if note:
+        print(note, file=sys.stderr, flush=True)  # the rank's log under launch.spawn(log_dir=...)
+    rows = _rows(plans, preds, measured, screening, budgets, chosen_for, confirmed, train)
+    budget_bytes, budget_why = budgets[0]["bytes"], budgets[0]["why"]
+    return {
+        "model": f"zoo:{cfg['model']}" + (f" [{_case(train)}]" if train is not None else ""), "rows": rows, "aa": aa,
+        "screen_warmup": SCREEN_WARMUP, "train": train.to_json() if train is not None else None,
+        "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim, train),
+        "pictures": pictures_json(sim, budgets[0]["result"], budgets[0]["result"].best.plan),
+        "budgets": [{k: v for k, v in b.items() if k not in ("result", "scored")} for b in budgets],
+        "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes,
+        "budget_why": budget_why,
+        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch": torch.__version__, "backend": dist.get_backend(), "world_size": world,
+                    "ranks_per_node": cfg["ranks_per_node"], "threads_per_rank": torch.get_num_threads()},
+    }
+
+
+def _measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inputs: tuple[Any, ...],
+                      train: TrainConfig | None, *, backend: str) -> tuple[FabricProfile, ComputeProfile, torch.dtype]:
+    """Steps 1 and 2: the fabric and the compute, measured on these ranks (the compute broadcast from rank 0),
+    and the dtype the step computes in."""
+    quiet = cfg["quiet"]
+    tp = cfg.get("tp", 1)
+    _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {backend} ranks ...")
+    fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=not quiet,
+                            ranks_per_node=cfg["ranks_per_node"], tp_sizes=(tp,) if tp > 1 else ())
+    _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, "
+                      "per-module times) ...")
+    # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.
+    dt = TORCH_DTYPES[train.compute_dtype()] if train is not None else torch.float32  # the trainable zoo is float32
+    in_dt = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
+    compute = measure_compute(model=entry.build("cpu", seed=0).to(dt), example_inputs=in_dt, loss_fn=entry.loss,
+                              repeats=5)
+    return fabric, broadcast_json(compute.to_json(), ComputeProfile.from_json), dt
+
+
+def _plans_to_run(cfg: dict[str, Any], graph: ModelGraph, sim: Any, mesh: MeshSpec, tp_spec: Any,
+                  tp: int) -> tuple[list[PlanSpec], list[dict[str, Any]], dict[int, list[str]]]:
+    """wrapopt's plan for each budget (first, once each), then the plan set's plans not among them.
+
+    Returns the plans, the budgets (with each search's result and the plans it scored), and
+    for each of wrapopt's plans the budgets it was chosen for."""
     budgets = []
     plans: list[PlanSpec] = []
     index: dict[tuple, int] = {}
@@ -168,37 +223,36 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         if key not in index:
             index[key] = len(plans)
             plans.append(p)
-    preds = [sim.simulate(p) for p in plans]
-    _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats after warm-up ...")
-    if tp_spec is not None:  # a tensor-parallel group steps on tp ranks' batches: the same global batch
-        inputs = lambda _r, n: entry.inputs(entry.batch * world // n)  # noqa: E731
-    measured = _measure(rank, quiet, SCREEN_WARMUP + cfg["repeats"], "bench", lambda: entry.build("cpu", seed=0), plans,
-                        inputs, entry.loss, repeats=cfg["repeats"], warmup=SCREEN_WARMUP, train=train)
-    confirmed: list[int] = []
-    aa: dict[str, Any] | None = None
-    screening = list(measured)  # the confirmation round replaces contenders' times in `measured`
-    if cfg["confirm"]:
-        # See [Note: confirmation round].
-        confirmed = _confirm_set(plans, measured, budgets, chosen_for, top=cfg["confirm"])
-        fastest_pred = min(range(len(plans)), key=lambda i: preds[i].step_s)
-        confirmed = sorted(set(confirmed) | {fastest_pred})
-        _log(rank, quiet, f"      confirmation round: {len(confirmed)} plans and an A/A copy, {cfg['confirm_repeats']} repeats ...")
-        # The last entry is a second, separate copy of the predicted fastest: See [Note: A/A copy].
-        again = _measure(rank, quiet, 1 + cfg["confirm_repeats"], "confirm", lambda: entry.build("cpu", seed=0),
-                         [plans[i] for i in confirmed] + [plans[fastest_pred]], inputs, entry.loss,
-                         repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False, train=train)
-        aa = {"plan": plans[fastest_pred].label, "times_s": list(again[-1].times_s),
-              "of_times_s": list(again[confirmed.index(fastest_pred)].times_s)}
-        for i, m in zip(confirmed, again):
-            measured[i] = replace(m, peak_bytes=measured[i].peak_bytes)
-    _log(rank, quiet, f"[5/5] done in {time.perf_counter() - t0:.1f} s")
-    if rank != 0:
-        return None
-    note = _view_note(plans, screening)
-    if note:
-        print(note, file=sys.stderr, flush=True)  # the rank's log under launch.spawn(log_dir=...)
+    return plans, budgets, chosen_for
+
+
+def _confirmation_round(rank: int, cfg: dict[str, Any], entry: Any, train: TrainConfig | None,
+                        plans: list[PlanSpec], preds: list[Any], measured: list[Any], budgets: list[dict[str, Any]],
+                        chosen_for: dict[int, list[str]], inputs: Any) -> tuple[list[int], dict[str, Any]]:
+    """Re-measure the contenders and an A/A copy (See [Note: confirmation round]); their times replace
+    the screening's in ``measured`` (in place). Returns the confirmed plans' indices and the A/A times."""
+    confirmed = _confirm_set(plans, measured, budgets, chosen_for, top=cfg["confirm"])
+    fastest_pred = min(range(len(plans)), key=lambda i: preds[i].step_s)
+    confirmed = sorted(set(confirmed) | {fastest_pred})
+    _log(rank, cfg["quiet"], f"      confirmation round: {len(confirmed)} plans and an A/A copy, "
+                             f"{cfg['confirm_repeats']} repeats ...")
+    # The last entry is a second, separate copy of the predicted fastest: See [Note: A/A copy].
+    again = _measure(rank, cfg["quiet"], 1 + cfg["confirm_repeats"], "confirm", lambda: entry.build("cpu", seed=0),
+                     [plans[i] for i in confirmed] + [plans[fastest_pred]], inputs, entry.loss,
+                     repeats=cfg["confirm_repeats"], warmup=1, measure_memory=False, train=train)
+    aa = {"plan": plans[fastest_pred].label, "times_s": list(again[-1].times_s),
+          "of_times_s": list(again[confirmed.index(fastest_pred)].times_s)}
+    for i, m in zip(confirmed, again):
+        measured[i] = replace(m, peak_bytes=measured[i].peak_bytes)
+    return confirmed, aa
+
+
+def _rows(plans: list[PlanSpec], preds: list[Any], measured: list[Any], screening: list[Any],
+          budgets: list[dict[str, Any]], chosen_for: dict[int, list[str]], confirmed: list[int],
+          train: TrainConfig | None) -> list[dict[str, Any]]:
+    """One row per plan: predicted and measured step and peak, the screening's figures, the phases."""
     rows = []
-    budget_bytes, budget_why = budgets[0]["bytes"], budgets[0]["why"]
+    budget_bytes = budgets[0]["bytes"]
     k = train.grad_accumulation if train is not None else 1
     for i, (p, e, m) in enumerate(zip(plans, preds, measured)):
         rows.append({
@@ -206,7 +260,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             # Budgets whose search scored this plan (the diagnosis in evidence.py: not in the search space).
             "scored_for": [b["name"] for b in budgets if (p.units, p.mesh, p.forward_prefetch) in b["scored"]],
             "fits": e.peak_bytes <= budget_bytes,
-            "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s), "meas_spread": m.spread,
+            "pred_step_s": e.step_s, "meas_step_s": m.step_s, "meas_times_s": list(m.times_s),
+            "meas_spread": m.spread,
             "pred_peak_bytes": e.peak_bytes, "meas_peak_bytes": m.peak_bytes, "confirmed": i in confirmed,
             "screen_step_s": screening[i].step_s, "screen_spread": screening[i].spread,
             "screen_times_s": list(screening[i].times_s),
@@ -215,17 +270,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             "meas_phase_s": dict(zip(PHASES, screening[i].phase_s)),
             "warnings": list(screening[i].warnings),
         })
-    return {
-        "model": f"zoo:{cfg['model']}" + (f" [{_case(train)}]" if train is not None else ""), "rows": rows, "aa": aa,
-        "screen_warmup": SCREEN_WARMUP, "train": train.to_json() if train is not None else None,
-        "plan_json": _plan_json(budgets[0]["result"], plans[0], graph, entry, sim, train),
-        "pictures": pictures_json(sim, budgets[0]["result"], budgets[0]["result"].best.plan),
-        "budgets": [{k: v for k, v in b.items() if k not in ("result", "scored")} for b in budgets],
-        "fabric": fabric.to_json(), "compute": compute.to_json(), "budget_bytes": budget_bytes, "budget_why": budget_why,
-        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch": torch.__version__, "backend": dist.get_backend(), "world_size": world,
-                    "ranks_per_node": cfg["ranks_per_node"], "threads_per_rank": torch.get_num_threads()},
-    }
+    return rows
 
 
 def _confirm_set(plans: list[PlanSpec], measured: list[Any], budgets: list[dict[str, Any]],
@@ -236,7 +281,8 @@ def _confirm_set(plans: list[PlanSpec], measured: list[Any], budgets: list[dict[
 
     picks: set[int] = set(chosen_for)
     for b in budgets:
-        fits = sorted((i for i, m in enumerate(measured) if m.peak_bytes <= b["bytes"]), key=lambda i: measured[i].step_s)
+        fits = sorted((i for i, m in enumerate(measured) if m.peak_bytes <= b["bytes"]),
+                      key=lambda i: measured[i].step_s)
         picks.update(fits[:top])
         base = [i for i in fits if plans[i].label in BASELINES]
         picks.update(base[:1])
@@ -251,7 +297,8 @@ def _case(train: TrainConfig) -> str:
     return ", ".join(parts) or "fp32"
 
 
-def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim, train: TrainConfig | None = None) -> dict[str, Any]:
+def _plan_json(result, chosen: PlanSpec, graph: ModelGraph, entry, sim,
+               train: TrainConfig | None = None) -> dict[str, Any]:
     fab = sim.fabric
     plan = WrapPlan.from_search(
         chosen, entry.build("meta"), sim.simulate(chosen, record=True),

@@ -35,7 +35,8 @@ BASELINES = ("per-block", "size-1e8", "every-leaf", "root-only", "no-shard")
 
 # What each diagnosis means, for the reports. See [Note: diagnosis].
 CAUSES = {
-    "memory": "(a) memory predicted too high: the contender's predicted peak is over the budget, its measured peak under",
+    "memory": "(a) memory predicted too high: the contender's predicted peak is over the budget, "
+              "its measured peak under",
     "time": "(b) time mispredicted: the simulator ranked the contender no faster than wrapopt's plan",
     "not searched": "(c) not in the search space: the search never scored the contender",
     "over budget": "wrapopt's plan exceeded the budget when measured (memory predicted too low)",
@@ -96,7 +97,8 @@ def judge(res: dict[str, Any], noise: tuple[float, float, float] | None = None) 
             "optimum": optimum["plan"] if optimum else None,
             "vs_optimum": mine["meas_step_s"] / optimum["meas_step_s"] if optimum else None,
             "median_spread": spread,
-            "diagnosis": diagnose(mine, optimum, budget=b["name"], budget_bytes=b["bytes"], noise=noise) if optimum else None,
+            "diagnosis": (diagnose(mine, optimum, budget=b["name"], budget_bytes=b["bytes"], noise=noise)
+                          if optimum else None),
         })
     return out
 
@@ -108,16 +110,18 @@ def format_judgement(res: dict[str, Any], verdicts: list[dict[str, Any]], *, max
     for v in verdicts:
         budget = "none" if v["budget_bytes"] == float("inf") else fmt_bytes(v["budget_bytes"])
         lines += ["", f"budget {v['budget']} = {budget} ({v['why']}); {v['num_fit']} plans fit by measured peak"]
-        fits = sorted((r for r in res["rows"] if r["meas_peak_bytes"] <= v["budget_bytes"]), key=lambda r: r["meas_step_s"])
+        fits = sorted((r for r in res["rows"] if r["meas_peak_bytes"] <= v["budget_bytes"]),
+                      key=lambda r: r["meas_step_s"])
         shown = fits[:max_rows]
         if not any(r["plan"] == v["wrapopt"] for r in shown):
             shown += [r for r in res["rows"] if r["plan"] == v["wrapopt"]]
         shown += [r for r in fits[max_rows:] if r["plan"] in BASELINES]
         for r in shown:
             mark = "*" if r["plan"] == v["wrapopt"] else " "
-            lines.append(f"  {mark} {r['plan'][:34]:34} meas {r['meas_step_s'] * 1e3:8.2f} ms  pred {r['pred_step_s'] * 1e3:8.2f} ms"
-                         f"  peak {fmt_bytes(r['meas_peak_bytes']):>10}")
-        vb = f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"] else "n/a (no baseline fits)"
+            lines.append(f"  {mark} {r['plan'][:34]:34} meas {r['meas_step_s'] * 1e3:8.2f} ms  "
+                         f"pred {r['pred_step_s'] * 1e3:8.2f} ms  peak {fmt_bytes(r['meas_peak_bytes']):>10}")
+        vb = (f"{v['vs_best_baseline']:.3f} ({v['best_baseline']})" if v["vs_best_baseline"]
+              else "n/a (no baseline fits)")
         vo = f"{v['vs_optimum']:.3f} ({v['optimum']})" if v["vs_optimum"] else "n/a"
         lines.append(f"  wrapopt / best fitting baseline = {vb};  wrapopt / measured optimum = {vo}"
                      + ("" if v["wrapopt_fits"] else "  [wrapopt's plan exceeded the budget when measured]"))

@@ -86,7 +86,8 @@ def run_fake_check(zoo_name: str, plans: list[dict[str, Any]], *, world_size: in
     proc = subprocess.run([sys.executable, "-m", _main.__module__], input=payload, capture_output=True,
                           text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
-        raise WrapoptError(f"FSDPMemTracker check failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode
+        raise WrapoptError(f"FSDPMemTracker check failed: {why}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

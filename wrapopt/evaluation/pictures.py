@@ -41,7 +41,8 @@ def pictures_json(sim: Simulator, result: SearchResult, chosen: PlanSpec) -> dic
     ref = None if ref_name is None else {"label": ref_name, "num_units": len(others[ref_name].plan.units),
                                           "prediction": _prediction(sim, others[ref_name].plan)}
     return {
-        "chosen": {"label": chosen.label or "wrapopt", "num_units": len(chosen.units), "prediction": _prediction(sim, chosen)},
+        "chosen": {"label": chosen.label or "wrapopt", "num_units": len(chosen.units),
+                   "prediction": _prediction(sim, chosen)},
         "reference": ref,
         "scored": [{"label": s.plan.label or "", "strategy": s.strategy, "step_s": s.estimate.step_s,
                     "peak_bytes": s.estimate.peak_bytes} for s in result.candidates],
@@ -69,9 +70,11 @@ def write_pictures(out_dir: str | os.PathLike, pics: dict[str, Any], *, measured
         panels.append(TimelinePanel.from_prediction(f"baseline {ref['label']} ({_units(ref['num_units'])})",
                                                     ref["prediction"]))
     budget = pics["memory_budget"]
-    draw_timelines(panels, timeline, budget_bytes=budget, title=f"predicted step, {title}" if title else "predicted step")
+    draw_timelines(panels, timeline, budget_bytes=budget,
+                   title=f"predicted step, {title}" if title else "predicted step")
 
-    points = [PlanPoint(p["label"], p["step_s"], p["peak_bytes"], "baseline" if p["strategy"] == "baselines" else "scored")
+    points = [PlanPoint(p["label"], p["step_s"], p["peak_bytes"],
+                        "baseline" if p["strategy"] == "baselines" else "scored")
               for p in pics["scored"]]
     by_label = {p.label: i for i, p in enumerate(points) if p.role == "baseline"}
     pred = chosen["prediction"]
@@ -79,7 +82,8 @@ def write_pictures(out_dir: str | os.PathLike, pics: dict[str, Any], *, measured
     for row in measured or []:
         figures = dict(measured_step_s=row["meas_step_s"], measured_peak_bytes=row["meas_peak_bytes"])
         if row["chosen"]:
-            chosen_point = PlanPoint(chosen_point.label, row["pred_step_s"], row["pred_peak_bytes"], "chosen", **figures)
+            chosen_point = PlanPoint(chosen_point.label, row["pred_step_s"], row["pred_peak_bytes"], "chosen",
+                                     **figures)
         elif row["plan"] in by_label:
             i = by_label[row["plan"]]
             points[i] = PlanPoint(points[i].label, row["pred_step_s"], row["pred_peak_bytes"], "baseline", **figures)

@@ -193,7 +193,8 @@ def _infeasible_message(sim: Simulator, mesh: MeshSpec, budget: float, scored: l
     acts = parts.get("activations", 0) + parts.get("working_set", 0)
     plan = smallest.plan
     msg = (f"no plan fits the memory budget of {fmt_bytes(budget)} per rank: the smallest predicted peak is "
-           f"{fmt_bytes(smallest.estimate.peak_bytes)} ({plan.label or 'candidate'}, shard group {plan.mesh.shard_size}: "
+           f"{fmt_bytes(smallest.estimate.peak_bytes)} ({plan.label or 'candidate'}, "
+           f"shard group {plan.mesh.shard_size}: "
            f"sharded state {fmt_bytes(sharded)}, activations and working set {fmt_bytes(acts)}). To fit: ")
     advice = []
     if not all(u.checkpoint for u in plan.units if not u.is_root):

@@ -39,7 +39,8 @@ def lift_plan(plan: PlanSpec, size: int, spec: TPSpec | None) -> PlanSpec:
     """A plan of the data-parallel mesh as the 2-D plan of degree ``size``."""
     if size == 1:
         return plan
-    return replace(plan, mesh=plan.mesh.with_tp(size), tp=spec, label=f"{plan.label} + tp{size}" if plan.label else f"tp{size}")
+    return replace(plan, mesh=plan.mesh.with_tp(size), tp=spec,
+                   label=f"{plan.label} + tp{size}" if plan.label else f"tp{size}")
 
 
 def _lift(s: Scored, size: int, spec: TPSpec | None) -> Scored:
@@ -55,7 +56,8 @@ def _lift_result(res: SearchResult, size: int, spec: TPSpec | None) -> SearchRes
     def one(s: Scored) -> Scored:
         return by_id.get(id(s)) or _lift(s, size, spec)
 
-    rounds = tuple(Round(r.strategy, tuple(lift_plan(p, size, spec) for p in r.proposed), tuple(map(one, r.scored)), r.detail)
+    rounds = tuple(Round(r.strategy, tuple(lift_plan(p, size, spec) for p in r.proposed), tuple(map(one, r.scored)),
+                         r.detail)
                    for r in res.rounds)
     return replace(res, best=one(res.best), baselines={k: one(s) for k, s in res.baselines.items()},
                    candidates=tuple(lift), pareto=tuple(map(one, res.pareto)), rounds=rounds)
@@ -98,7 +100,8 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
                 dp = dp_mesh(mesh, d)
                 opts = _per_degree(options, d, len(degrees))
                 if opts is not None and opts.shard_sizes:
-                    opts = replace(opts, shard_sizes=tuple(s for s in opts.shard_sizes if dp.world_size % s == 0) or None)
+                    opts = replace(opts,
+                                   shard_sizes=tuple(s for s in opts.shard_sizes if dp.world_size % s == 0) or None)
                 res = search_plan(sub.traced, sub, dp, memory_budget=memory_budget, max_group=max_group, options=opts)
             results[d] = _lift_result(res, d, spec)
         except InfeasibleError as e:
@@ -117,9 +120,9 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
     if top > 1 and top in results:
         per_block = results[top].baselines.get("per-block")
         if per_block is not None:  # with full activation checkpointing, as TorchTitan's Llama configs train
-            plan = replace(per_block.plan, units=tuple(u if u.is_root else replace(u, reshard_after_forward=True,
-                                                                                     checkpoint=True)
-                                                       for u in per_block.plan.units), label=f"per-block,ckpt + tp{top}")
+            units = tuple(u if u.is_root else replace(u, reshard_after_forward=True, checkpoint=True)
+                          for u in per_block.plan.units)
+            plan = replace(per_block.plan, units=units, label=f"per-block,ckpt + tp{top}")
             est = sim.simulate(plan)
             limit = results[top].memory_budget
             rows.append((f"{TORCHTITAN_LABEL} (tp{top}, one unit per block, checkpointed)",
@@ -142,7 +145,8 @@ def resolve_tp(graph: ModelGraph, mesh: MeshSpec, tp: Any, tp_plan: TPSpec | Non
             return (1,), None, [f"--tp auto: tensor parallelism not tried: {e}"]
         degrees = tp_degrees(graph, spec, mesh.ranks_per_node, mesh.world_size)
         return degrees, spec, [] if len(degrees) > 1 else [
-            f"--tp auto: no degree above 1 divides the {mesh.ranks_per_node} ranks per node and every attention's heads"]
+            f"--tp auto: no degree above 1 divides the {mesh.ranks_per_node} ranks per node "
+            "and every attention's heads"]
     try:
         d = int(tp)
     except (TypeError, ValueError):

@@ -128,16 +128,19 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         for s in range(1, min(max_group, n - i) + 1):
             p, g = sum(P[i:i + s]), sum(G[i:i + s])
             ag[(i, s)] = sim._coll("all_gather", shard, rpn, p, notes)
-            rs[(i, s)] = sim._coll("reduce_scatter", shard, rpn, g, notes) + sim._coll("all_reduce", rep, rpn_rep, g / shard, notes)
+            rs[(i, s)] = (sim._coll("reduce_scatter", shard, rpn, g, notes)
+                          + sim._coll("all_reduce", rep, rpn_rep, g / shard, notes))
             for r in node_rafs:
                 rag[(i, s, r)] = sim._coll("all_gather", r, min(r, mesh.ranks_per_node), p, notes)
     runs_ahead = sim.compute.runs_ahead or forward_prefetch > 0  # See [Note: all-gather issue]
     return ChainCosts(
         blocks=chain,
-        F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G), SG=tuple(lay.trainable_bytes[i] / shard for i in range(n)),
+        F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G),
+        SG=tuple(lay.trainable_bytes[i] / shard for i in range(n)),
         act=tuple(float(x) for x in lay.saved[:n]),
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
-        overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s, runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
+        overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s,
+        runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
     )
 
 

@@ -125,17 +125,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
     ahead = cc.runs_ahead
     cis = np.arange(C)
     bound = ub * (1 + 1e-12) if math.isfinite(ub) else math.inf
-    # pending[end] = list of (t, a, wid, s_last, ci_last, parent)
-    pending: list[list] = [[] for _ in range(n + 1)]
-    t0, a0, id0 = start
-    for s in range(1, G + 1):
-        AX = f["A"][0, s]
-        dt = np.maximum(fo, AX) if ahead else fo + AX
-        L = t0.size
-        pending[s].append((
-            (t0[:, None] + dt[None, :]).ravel(), np.repeat(a0, C), np.zeros(L * C, dtype=np.int64),
-            np.full(L * C, s), np.tile(cis, L), np.repeat(id0, C),
-        ))
+    pending = _first_groups(tb, cc, start)
     final_t, final_a, final_p = [], [], []
     for i in range(1, n + 1):
         if not pending[i]:
@@ -178,12 +168,38 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
             if use_mem:
                 ok &= base_mem[:, None] + GX[None, :] + tb.sg_after[i + s_next] <= allow
             if bound < math.inf:
-                ok &= nt + bounds.at(chain_index, i + s_next, v_wid[:, None], s_next, cis[None, :], a_next[:, None]) <= bound
+                ok &= nt + bounds.at(chain_index, i + s_next, v_wid[:, None], s_next, cis[None, :],
+                                     a_next[:, None]) <= bound
             ok = ok.ravel()
             pending[i + s_next].append((
                 nt.ravel()[ok], np.repeat(a_next, C)[ok], np.repeat(v_wid, C)[ok],
                 np.full(L * C, s_next)[ok], np.tile(cis, L)[ok], np.repeat(ids, C)[ok],
             ))
+    return _final_front(final_t, final_a, final_p, store, chain_index, use_mem=use_mem)
+
+
+def _first_groups(tb: GroupTables, cc: ChainCosts, start: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[list]:
+    """The labels after the chain's first group, of every size and choice, from the labels ``start``.
+
+    ``pending[end]`` lists arrays (t, a, wid, s_last, ci_last, parent) of labels whose last group ends at ``end``."""
+    n, G, C = tb.n, tb.G, tb.C
+    fo, ahead, cis = cc.fwd_overhead_s, cc.runs_ahead, np.arange(C)
+    pending: list[list] = [[] for _ in range(n + 1)]
+    t0, a0, id0 = start
+    for s in range(1, G + 1):
+        AX = tb.f["A"][0, s]
+        dt = np.maximum(fo, AX) if ahead else fo + AX
+        L = t0.size
+        pending[s].append((
+            (t0[:, None] + dt[None, :]).ravel(), np.repeat(a0, C), np.zeros(L * C, dtype=np.int64),
+            np.full(L * C, s), np.tile(cis, L), np.repeat(id0, C),
+        ))
+    return pending
+
+
+def _final_front(final_t: list[np.ndarray], final_a: list[np.ndarray], final_p: list[np.ndarray], store: _Store,
+                 chain_index: int, *, use_mem: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The Pareto set of the labels that end the chain, each stored with an end marker."""
     if not final_t:
         return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     t, a, p = np.concatenate(final_t), np.concatenate(final_a), np.concatenate(final_p)
@@ -273,7 +289,8 @@ def solve_chains(costs: list[ChainCosts], *, choices: tuple[Choice, ...], max_gr
 
 
 def solve_chain(cc: ChainCosts, *, choices: tuple[Choice, ...] | None = None, reshard: bool | int = True,
-                ckpt: bool = False, max_group: int, mem_allowance: float) -> tuple[float, tuple[int, ...], tuple[Choice, ...]] | None:
+                ckpt: bool = False, max_group: int,
+                mem_allowance: float) -> tuple[float, tuple[int, ...], tuple[Choice, ...]] | None:
     """One chain: (time, group sizes, per-group choices), or None when nothing fits.
 
     ``choices`` are the per-unit options (default: the one uniform choice

@@ -281,15 +281,7 @@ def run_study(
             study = _open_study(url, name, identity, _sampler(sampler, seed, pop),
                                 {"heartbeat_s": heartbeat_s, "grace_s": grace_s})
             done = _count_finished(study)
-            num_seeds = 0
-            if done < trials:
-                for plan in seeds:
-                    params = space.encode(plan)
-                    if params is not None:
-                        study.enqueue_trial(params, user_attrs={"seed": plan.label or "seed"}, skip_if_exists=True)
-                        num_seeds += 1
-                if url is not None and num_seeds:
-                    db.drop_duplicate_seeds(study)  # See [Note: seeds enqueued twice]
+            num_seeds = _enqueue_seeds(study, space, seeds, shared=url is not None) if done < trials else 0
             ran = 0
             worker = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -314,25 +306,45 @@ def run_study(
                 ran += 1
                 return est.step_s, float(est.peak_bytes)
 
-            def stop_at_budget(st, _trial) -> None:
-                if _count_finished(st) >= trials:
-                    st.stop()
-
-            show = _ShowTrials(Progress(trials, desc="search", unit="trial", enabled=progress and done < trials))
-            show.bar.set(done)
-            if done < trials:
-                try:
-                    study.optimize(objective, n_trials=trials - done, timeout=timeout_s,
-                                   callbacks=[stop_at_budget, show], gc_after_trial=False)
-                    show.show(study)
-                finally:
-                    show.bar.close()
+            _optimize(study, objective, trials=trials, done=done, timeout_s=timeout_s, progress=progress)
             finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            illegal = sum(ILLEGAL in t.user_attrs for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)))
+            pruned = study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
+            illegal = sum(ILLEGAL in t.user_attrs for t in pruned)
     finally:
         optuna.logging.set_verbosity(level)
     out = _outcome(space, sim, finished, name, url, ran, num_seeds, sampler)
     return replace(out, num_illegal=illegal) if illegal else out
+
+
+def _enqueue_seeds(study, space: SearchSpace, seeds: list[PlanSpec], *, shared: bool) -> int:
+    """Enqueue the seeds that ``space`` can express; return how many."""
+    num_seeds = 0
+    for plan in seeds:
+        params = space.encode(plan)
+        if params is not None:
+            study.enqueue_trial(params, user_attrs={"seed": plan.label or "seed"}, skip_if_exists=True)
+            num_seeds += 1
+    if shared and num_seeds:
+        db.drop_duplicate_seeds(study)  # See [Note: seeds enqueued twice]
+    return num_seeds
+
+
+def _optimize(study, objective, *, trials: int, done: int, timeout_s: float | None, progress: bool) -> None:
+    """Run trials until the study holds ``trials`` finished ones (``done`` already), showing them."""
+
+    def stop_at_budget(st, _trial) -> None:
+        if _count_finished(st) >= trials:
+            st.stop()
+
+    show = _ShowTrials(Progress(trials, desc="search", unit="trial", enabled=progress and done < trials))
+    show.bar.set(done)
+    if done < trials:
+        try:
+            study.optimize(objective, n_trials=trials - done, timeout=timeout_s,
+                           callbacks=[stop_at_budget, show], gc_after_trial=False)
+            show.show(study)
+        finally:
+            show.bar.close()
 
 
 def _outcome(space: SearchSpace, sim: Simulator, finished, name, url, ran, num_seeds, sampler) -> StudyOutcome:

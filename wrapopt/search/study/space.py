@@ -302,6 +302,7 @@ def _outermost(mods: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _same_plan(a: PlanSpec, b: PlanSpec) -> bool:
-    key = lambda p: sorted((u.modules, u.reshard_after_forward if not isinstance(u.reshard_after_forward, bool)  # noqa: E731
-                            else bool(u.reshard_after_forward), u.checkpoint) for u in p.units)
+    key = lambda p: sorted(  # noqa: E731
+        (u.modules, u.reshard_after_forward if not isinstance(u.reshard_after_forward, bool)
+         else bool(u.reshard_after_forward), u.checkpoint) for u in p.units)
     return a.mesh == b.mesh and a.forward_prefetch == b.forward_prefetch and key(a) == key(b)

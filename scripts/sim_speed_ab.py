@@ -17,7 +17,7 @@ faster, in plans per CPU second) with a bootstrap 95% interval of that
 median, and the same for new/new' (A/A).
 
     git worktree add /tmp/wrapopt-old <commit>
-    python benchmarks/sim_speed_ab.py --old /tmp/wrapopt-old [--rounds 20] [--out results/sim_speed_ab.md]
+    python scripts/sim_speed_ab.py --old /tmp/wrapopt-old [--rounds 20] [--out results/sim_speed_ab.md]
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ class _Proc:
     def __init__(self, root: str, loop: str):
         # One hash seed for every worker: string hashes (dict and set layouts) alike in all of them,
         # else the A/A row shows ~5-10% between two processes of the same code as Python.
-        env = {**os.environ, "PYTHONPATH": root, "WRAPOPT_JIT": "1" if loop == "compiled" else "0", "PYTHONHASHSEED": "0"}
+        env = {**os.environ, "PYTHONPATH": root, "WRAPOPT_JIT": "1" if loop == "compiled" else "0",
+               "PYTHONHASHSEED": "0"}
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", loop], cwd=root, env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -186,8 +187,9 @@ def main() -> int:
             aa = [b / a for a, b in zip(new, new2)]
             lo, hi = _interval(ab, rng)
             alo, ahi = _interval(aa, rng)
-            say(f"| {kind} | {SIZES[loop][kind]} | {statistics.median(old) * 1e3:.1f} | {statistics.median(new) * 1e3:.1f} "
-                f"| {statistics.median(ab):.3f} [{lo:.3f}, {hi:.3f}] | {statistics.median(aa):.3f} [{alo:.3f}, {ahi:.3f}] |")
+            say(f"| {kind} | {SIZES[loop][kind]} | {statistics.median(old) * 1e3:.1f} | "
+                f"{statistics.median(new) * 1e3:.1f} | {statistics.median(ab):.3f} [{lo:.3f}, {hi:.3f}] | "
+                f"{statistics.median(aa):.3f} [{alo:.3f}, {ahi:.3f}] |")
     if args.out:
         sys.path.insert(0, ROOT)
         import platform
@@ -202,16 +204,16 @@ def main() -> int:
         text = [
             "# Simulator speed: two versions in paired CPU time",
             "",
-            f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}); Python {platform.python_version()}; "
-            f"{date}; {time.perf_counter() - t_start:.0f} s. Load average (1 min) before and after: {load0:.1f} and "
-            f"{os.getloadavg()[0]:.1f} (the machine is shared with other processes when above 1: CPU time, paired "
-            "rounds and the A/A row are for that).",
+            f"Machine: {platform.node()}, {os.cpu_count()} cores ({platform.machine()}); Python "
+            f"{platform.python_version()}; {date}; {time.perf_counter() - t_start:.0f} s. Load average (1 min) before "
+            f"and after: {load0:.1f} and {os.getloadavg()[0]:.1f} (the machine is shared with other processes when "
+            f"above 1: CPU time, paired rounds and the A/A row are for that).",
             "",
             f"old: `{head(os.path.abspath(args.old))}`; new: `{head(os.path.abspath(args.new))}` (working tree). "
-            f"Regenerate: `python benchmarks/sim_speed_ab.py --old <checkout of old> --rounds {args.rounds} --out ...`. "
-            "Workloads as `benchmarks/sim_speed.py` (zoo:llama-7b, 64 ranks, analytical fabric): per-block and size-1e8 "
-            "scored again and again (layout cached), random groupings of 1-4 blocks and random Optuna-space plans "
-            "(a new layout each); a fresh `Simulator` per measurement; both versions' estimates checked equal.",
+            f"Regenerate: `python scripts/sim_speed_ab.py --old <checkout of old> --rounds {args.rounds} --out ...`. "
+            "Workloads as `benchmarks/sim_speed.py` (zoo:llama-7b, 64 ranks, analytical fabric): per-block and "
+            "size-1e8 scored again and again (layout cached), random groupings of 1-4 blocks and random Optuna-space "
+            "plans (a new layout each); a fresh `Simulator` per measurement; both versions' estimates checked equal.",
             *lines,
             "",
         ]

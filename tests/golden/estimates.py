@@ -1,12 +1,14 @@
-"""Dump the simulator's estimates for a fixed plan set, to check that a refactor
-changes no estimate (``cmp`` two dumps: they must be byte-identical).
+"""The simulator's estimates for a fixed plan set (formerly ``benchmarks/estimate_dump.py``).
 
 The set: the zoo's four tiny models and llama-7b, two meshes (2 ranks on one
 node; 64 ranks, 8 per node, with HSDP shard groups), three option sets, a GPU
 (analytical) and a CPU-like compute profile, every baseline and seeded random
 plans of the Optuna search space, timelines for the baselines.
 
-    python benchmarks/estimate_dump.py --out /tmp/estimates.json
+``test_golden.py`` compares it with ``estimates.golden.json``. The full dump, to
+``cmp`` two checkouts or to read what changed:
+
+    PYTHONPATH=$PWD python -m tests.golden.estimates --out /tmp/estimates.json
 """
 
 from __future__ import annotations
@@ -15,20 +17,12 @@ import argparse
 import json
 import random
 
-from wrapopt import ComputeProfile, MeshSpec, analytical_fabric, trace_model, zoo
+from tests.golden.digest import Entry, canonical_sha256
+from wrapopt import ComputeProfile, MeshSpec, analytical_compute, analytical_fabric, trace_model, zoo
 from wrapopt.cost import Simulator
-
-try:  # the layout after issue 18
-    from wrapopt import analytical_compute
-    from wrapopt.search.baselines import baselines
-    from wrapopt.search.study.space import SearchSpace
-    from wrapopt.spec import OptimizerKind, SimOptions
-except ImportError:  # the layout before it
-    from wrapopt.search import baselines  # type: ignore[no-redef]
-    from wrapopt.search.space import SearchSpace  # type: ignore[no-redef]
-    from wrapopt.types import OptimizerKind, SimOptions  # type: ignore[no-redef]
-
-    analytical_compute = ComputeProfile.analytical  # type: ignore[attr-defined]
+from wrapopt.search.baselines import baselines
+from wrapopt.search.study.space import SearchSpace
+from wrapopt.spec import OptimizerKind, SimOptions
 
 MODELS = ("gpt-tiny", "llama-tiny", "vit-tiny", "t5-tiny", "llama-7b")
 MESHES = (dict(world_size=2, ranks_per_node=2, shard_size=2), dict(world_size=64, ranks_per_node=8, shard_size=8))
@@ -49,16 +43,14 @@ class _Random:
 
 def _cpu_like() -> ComputeProfile:
     g = analytical_compute()
-    kw = dict(kind="measured", device="cpu", flops_per_s=4e10, memory_bandwidth_bytes_per_s=1e10,
-              memory_capacity_bytes=g.memory_capacity_bytes, unit_overhead_s=4e-4, module_overhead_s=3e-5,
-              optimizer_tensor_s=2e-5, loss_s=1e-3, checkpoint_overhead_s=1e-4)
-    try:
-        return ComputeProfile(**kw, runs_ahead=False)
-    except TypeError:  # before issue 18 the CPU schedule came from the device's name
-        return ComputeProfile(**kw)
+    return ComputeProfile(kind="measured", device="cpu", flops_per_s=4e10, memory_bandwidth_bytes_per_s=1e10,
+                          memory_capacity_bytes=g.memory_capacity_bytes, unit_overhead_s=4e-4,
+                          module_overhead_s=3e-5, optimizer_tensor_s=2e-5, loss_s=1e-3,
+                          checkpoint_overhead_s=1e-4, runs_ahead=False)
 
 
 def dump() -> list:
+    """Rows ``[model, world_size, compute, options index, plan label, estimate JSON]``."""
     rows = []
     computes = (("gpu", analytical_compute()), ("cpu", _cpu_like()))
     for name in MODELS:
@@ -79,6 +71,16 @@ def dump() -> list:
                         est = sim.simulate(plan, record=record)
                         rows.append([name, m["world_size"], cname, k, label, est.to_json()])
     return rows
+
+
+def entries(rows: list) -> list[Entry]:
+    """The golden entries of ``dump()``'s rows (or of a full dump read back from JSON)."""
+    out = []
+    for row in rows:
+        name, world, cname, k, label, est = row
+        out.append(Entry(key=f"{name} x{world} {cname} options[{k}] {label}", step_s=repr(est["step_s"]),
+                         peak_bytes=est["peak_bytes"], sha256=canonical_sha256(row)))
+    return out
 
 
 def main() -> int:
