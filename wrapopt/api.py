@@ -23,9 +23,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.assumptions import Assumptions, state_assumptions
+from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
 from wrapopt.fileio import check_writable, read_json
+from wrapopt.fingerprint import model_fingerprint
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
@@ -40,6 +42,7 @@ from wrapopt.hardware.presets import (
 )
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.launch import broadcast_json
+from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
 from wrapopt.report.choice import format_report
 from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate
@@ -260,10 +263,16 @@ def optimize_wrap(
         >>> print(res.report())  # doctest: +SKIP
     """
     in_group = dist.is_initialized()
-    mesh = _job_mesh(world_size, gpus_per_node)
-    # Local work first (errors here are raised on every rank before any collective).
-    graph = trace_model(model, example_inputs, loss_fn=loss_fn)
-    given_plan = _load_given_plan(plan, model, graph)
+    # Local work first; a failure on any rank is raised on every rank before any collective, and the
+    # ranks compare what they were given. See [Note: every rank explains] in wrapopt/consensus.py.
+    with every_rank("tracing the model and reading the plan"):
+        mesh = _job_mesh(world_size, gpus_per_node)
+        graph = trace_model(model, example_inputs, loss_fn=loss_fn)
+        given_plan = _load_given_plan(plan, model, graph)
+    agree("starting optimize_wrap", {
+        "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
+        "plan": None if given_plan is None else plan_digest(given_plan.spec),
+        "options": repr((memory_budget, seed, tp, train))})
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
                              measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
