@@ -44,9 +44,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from wrapopt.cost.backend import Backend
 from wrapopt.cost.calls import backward_working_set, module_calls
 from wrapopt.cost.kernels import LayoutTables
-from wrapopt.cost.step import Backend, Segments, UnitLayout
+from wrapopt.cost.step_inputs import Segments, UnitLayout
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, SimOptions, UnitSpec
 from wrapopt.units import ancestors, owner_index

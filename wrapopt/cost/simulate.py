@@ -66,6 +66,20 @@ plan), on every device (measured, 2 gloo ranks: wide-shallow's one unit peaked
 in a forward matmul beside that buffer). Backward all-gathers free theirs at
 once; a shard group of one gathers nothing.
 
+[Note: collective copies] gloo's all-gather and reduce-scatter allocate a
+buffer of the collective's unsharded size while they run, free again by the
+time the collective is waited on (measured with the profiler's memory events,
+2 ranks: 10 MiB for a 10 MiB all-gather output or reduce-scatter input);
+``FabricProfile.collective_copies`` states it per backend (NCCL and
+analytical fabrics: 0). So an all-gather holds its output and that copy while
+it runs; by its copy-out the copy is gone. A reduce-scatter's copy adds
+nothing to its copy-in: FSDP2 frees the unsharded gradients once copied into
+the input buffer (``foreach_reduce``), before it runs.
+
+[Note: shard group of one] A shard group of one gathers and reduce-scatters
+nothing: no copy, no per-unit overhead in forward (FSDP2 only copies;
+charging it put no-shard's forward 2.5 ms slow, median of 52 runs).
+
 [Note: overlap] Collectives are not free when overlapped: a compute segment
 that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
 times longer over the overlapped part, and a collective issued while compute
@@ -115,7 +129,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from wrapopt.cost import step as steploop
+from wrapopt.cost.backend import Backend
+from wrapopt.cost.collectives import CollectiveTimes
+from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
 from wrapopt.cost.layout import (
     KEEPS,
     NUMEL,
@@ -127,10 +143,10 @@ from wrapopt.cost.layout import (
     Layouts,
     unit_modules,
 )
+from wrapopt.cost.step import KINDS, LANES
+from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.cost.tp import tp_view
-from wrapopt.cost.step import Backend, PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
 from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
 from wrapopt.tp import TPSpec
 from wrapopt.units import validate_plan
@@ -209,8 +225,7 @@ class Simulator:
         self.backend = Backend.of(backend)
         self.layout = Layouts(graph, compute, self.options, backend=self.backend)
         self._elem = self.layout.elem  # storage bytes per element
-        self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
-        self._tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, dict[float, set[str]]]] = {}  # the same
+        self.collectives = CollectiveTimes(fabric, self.backend)  # collective times by size
         self._sets: dict[tuple[tuple[str, ...], ...], _UnitSet] = {}  # per set of units (and mesh)
         self._num_tensors = trainable_tensors(graph)  # the optimizer steps these only
         self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
@@ -232,51 +247,8 @@ class Simulator:
     # -- collectives ----------------------------------------------------------------------
 
     def _coll(self, name: str, group: int, rpn_in_group: int, nbytes: float, notes: set[str]) -> float:
-        key = (name, group, rpn_in_group, nbytes)
-        hit = self._colls.get(key)
-        if hit is None:
-            if len(self._colls) > 65536:
-                self._colls.clear()
-            hit = self._colls[key] = self.fabric.collective_s(name, group, rpn_in_group, nbytes)
-        t, caveat = hit
-        if caveat:
-            notes.add(caveat)
-        return t
-
-    def _colls_of(self, name: str, group: int, rpn_in_group: int, nbytes: np.ndarray, notes: set[str]) -> np.ndarray:
-        """``_coll`` of every size in ``nbytes``, from a table per collective and group:
-        its sizes sorted, their times, and the caveats of extrapolated sizes."""
-        if group <= 1:  # one rank moves nothing: FabricProfile.collective_s is 0 s with no caveat (full-shard all-reduce)
-            return np.zeros(nbytes.shape[0])
-        key = (name, group, rpn_in_group)
-        sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
-        fns = self.backend.kernels
-        lookup, merge = (fns.lookup, fns.merge) if fns else (steploop.lookup, steploop.merge)
-        try:
-            out, missing = lookup(sizes, times, nbytes)
-            if missing:  # new sizes: add them to the table
-                if len(sizes) > 65536:
-                    sizes, times, caveats = np.zeros(0), np.zeros(0), {}
-                # the missing sizes once each, ascending (np.unique takes ~4 us, a set ~1 us)
-                new = sorted(set(nbytes[np.isnan(out)].tolist()))
-                made = []
-                for b in new:
-                    extra: set[str] = set()
-                    made.append(self._coll(name, group, rpn_in_group, b, extra))
-                    if extra:
-                        caveats[b] = extra
-                sizes, times = merge(sizes, times, np.array(new, dtype=np.float64), np.array(made, dtype=np.float64))
-                self._tables[key] = (sizes, times, caveats)
-                out, missing = lookup(sizes, times, nbytes)
-        except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-            if fns is None:
-                raise
-            self.backend.fall_back(f"{type(e).__name__}: {e}")
-            return self._colls_of(name, group, rpn_in_group, nbytes, notes)
-        if caveats:  # extrapolated sizes: See FabricProfile.collective_s
-            for b in caveats.keys() & set(nbytes.tolist()):
-                notes.update(caveats[b])
-        return out
+        """One collective's seconds (``CollectiveTimes.time``), as the chain DP reads them."""
+        return self.collectives.time(name, group, rpn_in_group, nbytes, notes)
 
     def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[Segments, UnitLayout]:
         """``lay.seg_cols`` and ``lay.unit_cols``: numpy arrays for the compiled loop, tuples
@@ -345,9 +317,9 @@ class Simulator:
             P = lay.counts[NUMEL] * gather_elem  # gathered bytes
             G = lay.counts[TRAINABLE_NUMEL] * reduce_elem  # unsharded grad bytes
             cn: set[str] = set()
-            ag = self._colls_of("all_gather", shard, rpn_shard, P, cn)
-            rs = self._colls_of("reduce_scatter", shard, rpn_shard, G, cn)
-            ar = self._colls_of("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
+            ag = self.collectives.times("all_gather", shard, rpn_shard, P, cn)
+            rs = self.collectives.times("reduce_scatter", shard, rpn_shard, G, cn)
+            ar = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
             columns = (P, G, ag, rs, ar)
             if not all(c.dtype == np.float64 for c in columns):  # P and G are integers for an integer dtype size
                 columns = tuple(np.array(columns, dtype=np.float64))
@@ -365,7 +337,7 @@ class Simulator:
                 at = np.flatnonzero(code == raf)
                 keep[at] = P[at] // raf if raf < shard else P[at]
                 if raf > 1:
-                    rag[at] = self._colls_of("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
+                    rag[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
         cks = list(map(_CHECKPOINT, units))
         ck = np.array(cks, dtype=np.bool_)
         any_ck = any(cks)
@@ -417,7 +389,7 @@ class Simulator:
             ev_rows, res = run.events, run.result
         fwd_end, bwd_end, end, peak, peak_parts = res.fwd_end, res.bwd_end, res.end, res.peak_bytes, res.peak_parts
         comm_total = res.comm_s
-        ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
+        ev = [TimelineEvent(LANES[int(r[0])], KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
                             float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]] if record else []
         # Optimizer: read/write the local shard of the trainable parameters and its states
         # (memory-bound), plus a fixed dispatch cost per trainable tensor (dominant for small

@@ -190,7 +190,7 @@ class FabricProfile:
     overlap_comm_slowdown: float = 0.0
     # Copies of its unsharded size a collective allocates while it runs, beside its input and
     # output (gloo's all-gather and reduce-scatter copy: 1, as measure_fabric records it; NCCL
-    # works in its own buffers: 0). See [Note: collective copies] in cost/step.py.
+    # works in its own buffers: 0). See [Note: collective copies] in cost/simulate.py.
     collective_copies: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     intra: AnalyticalLink | None = None  # only for analytical profiles
