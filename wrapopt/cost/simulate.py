@@ -147,7 +147,18 @@ from wrapopt.cost.step import KINDS, LANES
 from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.cost.tp import tp_view
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
+from wrapopt.spec import (
+    SYNC_MODES,
+    CostEstimate,
+    MeshSpec,
+    ModelGraph,
+    OptimizerKind,
+    PlanSpec,
+    SimOptions,
+    TimelineEvent,
+    UnitCosts,
+    UnitSpec,
+)
 from wrapopt.tp import TPSpec
 from wrapopt.units import validate_plan
 
@@ -187,6 +198,15 @@ class _Run(NamedTuple):
     sharded_grads_bytes: float  # sharded gradients in place before backward
     events: np.ndarray  # the step loop's recorded events
     result: StepResult
+
+
+class _Choices(NamedTuple):
+    """One plan's per-unit choices as the step loop reads them: See [Note: reshard after forward]."""
+
+    regather_s: np.ndarray  # backward all-gather (0: kept since forward)
+    kept_bytes: np.ndarray  # parameters kept from forward to backward
+    checkpoint: np.ndarray  # bool
+    any_checkpoint: bool
 
 
 class _UnitSet(NamedTuple):
@@ -286,36 +306,56 @@ class Simulator:
             hit = self._tp_views[key] = (Simulator(g, self.fabric, c, opts, backend=self.backend), notes)
         return hit
 
-    # -- the step ---------------------------------------------------------------------------
+    # -- the step: ``simulate`` and its phases, in the order it runs them --------------------
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
-        if plan.tp is not None:  # FSDP on the data-parallel mesh of one tensor-parallel rank's model
-            sub, tp_notes = self.for_tp(plan.tp, plan.mesh.tp_size)
-            est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel(), tp=None), record=record)
-            return replace(est, notes=tuple(sorted(set(est.notes) | tp_notes))) if tp_notes else est
-        units, mesh, opt = plan.units, plan.mesh, self.options
+        if plan.tp is not None:
+            return self._simulate_tp(plan, record)
+        units, mesh = plan.units, plan.mesh
         mods = tuple(map(unit_modules, units))
+        per_set = self._unit_set(units, mods)
+        per_mesh = self._mesh_costs(per_set, units, mesh)
+        notes = set(per_mesh.notes)
+        choices = self._reshard_choices(units, mesh, per_mesh, notes)
+        run = self._run(plan, per_set, mods, per_mesh, choices, record)
+        if run is None:  # compiled code failed: its backend runs Python from now on
+            return self.simulate(plan, record=record)
+        return self._estimate(plan, per_set, per_mesh, choices, run, notes, record)
+
+    # -- tensor-parallel dispatch
+
+    def _simulate_tp(self, plan: PlanSpec, record: bool) -> CostEstimate:
+        """FSDP on the data-parallel mesh of one tensor-parallel rank's model: See [Note:
+        tensor parallel costs] in tp.py."""
+        sub, tp_notes = self.for_tp(plan.tp, plan.mesh.tp_size)
+        est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel(), tp=None), record=record)
+        return replace(est, notes=tuple(sorted(set(est.notes) | tp_notes))) if tp_notes else est
+
+    # -- cache lookups: what every plan of these units (and mesh) shares
+
+    def _unit_set(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...]) -> _UnitSet:
+        """Per set of units: its layout and sums. See [Note: simulator speed]."""
         per_set = self._sets.get(mods)
-        if per_set is None:  # what every plan of these units shares: See [Note: simulator speed]
+        if per_set is None:
             lay = self.layout.build(units, mods)  # not via the layout cache: this one is the cache
             if len(self._sets) > 4096:
                 self._sets.clear()
             storage, trainable = lay.counts[STORAGE:TRAINABLE_BYTES + 1:TRAINABLE_BYTES - STORAGE].sum(1).tolist()
             fwd, bwd = lay.times.tolist()
-            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))  # its fields
-        lay, storage, trainable = per_set.layout, per_set.storage_bytes, per_set.trainable_bytes
-        n = len(units)
-        notes: set[str] = set()
-        shard = mesh.shard_size
-        gather_elem, reduce_elem = self._gather_elem, self._reduce_elem
+            # in _UnitSet's field order
+            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))
+        return per_set
 
+    def _mesh_costs(self, per_set: _UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec) -> _MeshCosts:
+        """Per set of units and mesh: bytes and collective times of every unit."""
         cached = per_set.per_mesh.get(mesh)
-        if cached is None:  # per set of units and mesh: bytes and collective times of every unit
+        if cached is None:
+            lay, shard = per_set.layout, mesh.shard_size
             rpn_shard = min(shard, mesh.ranks_per_node)
             rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
-            P = lay.counts[NUMEL] * gather_elem  # gathered bytes
-            G = lay.counts[TRAINABLE_NUMEL] * reduce_elem  # unsharded grad bytes
+            P = lay.counts[NUMEL] * self._gather_elem  # gathered bytes
+            G = lay.counts[TRAINABLE_NUMEL] * self._reduce_elem  # unsharded grad bytes
             cn: set[str] = set()
             ag = self.collectives.times("all_gather", shard, rpn_shard, P, cn)
             rs = self.collectives.times("reduce_scatter", shard, rpn_shard, G, cn)
@@ -323,13 +363,19 @@ class Simulator:
             columns = (P, G, ag, rs, ar)
             if not all(c.dtype == np.float64 for c in columns):  # P and G are integers for an integer dtype size
                 columns = tuple(np.array(columns, dtype=np.float64))
-            cached = per_set.per_mesh[mesh] = _new(_MeshCosts, (  # in _MeshCosts' field order
-                P, G, ag, UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED]), frozenset(cn), columns))
-        P, G, ag = cached.gathered_bytes, cached.grad_bytes, cached.all_gather_s
-        notes.update(cached.notes)
-        # Per-unit choices: See [Note: reshard after forward].
-        rafs = list(map(_RESHARD, units))
-        code = np.array([-1 if r is True else r for r in rafs], dtype=np.int64)  # True: -1, False: 0, else N
+            unit_costs = UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED])
+            # in _MeshCosts' field order
+            cached = per_set.per_mesh[mesh] = _new(_MeshCosts, (P, G, ag, unit_costs, frozenset(cn), columns))
+        return cached
+
+    # -- reshard and checkpoint choices
+
+    def _reshard_choices(self, units: tuple[UnitSpec, ...], mesh: MeshSpec, per_mesh: _MeshCosts,
+                         notes: set[str]) -> _Choices:
+        """Per unit: backward re-gather time, bytes kept from forward to backward, checkpointing.
+        See [Note: reshard after forward]."""
+        P, ag, shard = per_mesh.gathered_bytes, per_mesh.all_gather_s, mesh.shard_size
+        code = np.array([-1 if r is True else r for r in map(_RESHARD, units)], dtype=np.int64)  # True: -1, False: 0
         rag = np.where(code < 0, ag, 0.0)  # backward re-gather cost per unit
         keep = np.where(code == 0, P, 0.0)  # bytes kept between forward and backward
         if code.max() > 0:  # N: each rank keeps 1/N and re-gathers within N ranks
@@ -339,99 +385,127 @@ class Simulator:
                 if raf > 1:
                     rag[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
         cks = list(map(_CHECKPOINT, units))
-        ck = np.array(cks, dtype=np.bool_)
-        any_ck = any(cks)
+        return _new(_Choices, (rag, keep, np.array(cks, dtype=np.bool_), any(cks)))  # in _Choices' field order
 
-        # Static memory: See [Note: memory].
-        sharded_params = storage / shard
-        # Sharded gradients appear unit by unit as reduce-scatters land (zero_grad(set_to_none=True)).
-        optim = trainable * self._states / shard
-        micro = opt.grad_accumulation
-        # See [Note: accumulation sync]: which modes to score.
-        modes = self._modes
+    # -- the step loop, once per accumulation mode, on the backend
 
-        # The step loop: See [Note: compiled step loop] and [Note: step loop inputs] in step.py.
+    def _run(self, plan: PlanSpec, per_set: _UnitSet, mods: tuple[tuple[str, ...], ...], per_mesh: _MeshCosts,
+             choices: _Choices, record: bool) -> _Run | None:
+        """The step loop in each accumulation mode (See [Note: accumulation sync]) and the run
+        the estimate reports; None when compiled code failed (See [Note: compiled step loop]
+        and [Note: step loop inputs] in step_inputs.py)."""
+        lay, shard, micro = per_set.layout, plan.mesh.shard_size, self.options.grad_accumulation
+        trainable = per_set.trainable_bytes
+        sharded_params, optim = self._static_bytes(per_set, shard)
         backend = self.backend
         compiled = backend.kernels is not None
         seg_cols, lay_cols = self._columns(lay, mods, compiled)
-        unit_cols = (*cached.columns, rag, keep, ck)  # UnitPlan's fields
+        unit_cols = (*per_mesh.columns, choices.regather_s, choices.kept_bytes, choices.checkpoint)  # UnitPlan's
         unit_cols = _new(UnitPlan, unit_cols if compiled else [c.tolist() for c in unit_cols])
         depth = max(plan.forward_prefetch, 1 if self._runs_ahead else 0)
         runs = []
-        for mode in modes:
+        for mode in self._modes:
             if mode == "every":
                 # Later micro-batches start with every sharded gradient in place (the loop
                 # adds none: an infinite shard); no unsharded gradients are held.
-                held, static, loop_shard, sharded_grads = 0, sharded_params + optim + trainable / shard, float("inf"), trainable / shard
+                held, sharded_grads = 0, trainable / shard
+                static, loop_shard = sharded_params + optim + sharded_grads, float("inf")
             else:
-                held = sum(G.tolist()) if micro > 1 else 0  # unsharded grads held across micro-batches (no-sync)
+                held = sum(per_mesh.grad_bytes.tolist()) if micro > 1 else 0  # held across micro-batches (no-sync)
                 static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
             scalars = _new(PlanScalars, (float(static), loop_shard, depth, record, bool(shard > 1)))  # in field order
-            ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
+            ev_rows = np.zeros((3 * len(plan.units) + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
             try:
-                res = backend.step(seg_cols, lay_cols, unit_cols, scalars,
-                                   self._constants, ev_rows)
+                res = backend.step(seg_cols, lay_cols, unit_cols, scalars, self._constants, ev_rows)
             except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
                 if not compiled:
                     raise
                 backend.fall_back(f"{type(e).__name__}: {e}")
-                return self.simulate(plan, record=record)
-            if len(modes) > 1:  # kept to choose from below (one mode: its locals stand)
-                runs.append(_new(_Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in _Run's field order
-        grads_before = sharded_grads
-        if runs:  # the faster that fits, else the smaller peak
-            limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
-            fit = [r for r in runs if r.result.peak_bytes <= limit]
-            last, every = runs
-            times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
-            run = min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)
-            mode, static, held, grads_before = run.mode, run.static_bytes, run.held_bytes, run.sharded_grads_bytes
-            ev_rows, res = run.events, run.result
-        fwd_end, bwd_end, end, peak, peak_parts = res.fwd_end, res.bwd_end, res.end, res.peak_bytes, res.peak_parts
-        comm_total = res.comm_s
-        ev = [TimelineEvent(LANES[int(r[0])], KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
-                            float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]] if record else []
-        # Optimizer: read/write the local shard of the trainable parameters and its states
-        # (memory-bound), plus a fixed dispatch cost per trainable tensor (dominant for small
-        # models; frozen parameters have no gradient and are skipped). Both calibrated by the
-        # profiler's AdamW steps on fully_shard parameters, the per-tensor cost separately for
-        # 2-D meshes (HSDP, no-shard): see profile/compute.py::measure_optimizer.
+                return None
+            runs.append(_new(_Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in _Run's field order
+        return runs[0] if len(runs) == 1 else self._choose(runs)
+
+    def _static_bytes(self, per_set: _UnitSet, shard: int) -> tuple[float, float]:
+        """Sharded parameters and optimizer state: See [Note: memory]. (Sharded gradients
+        appear unit by unit as reduce-scatters land: zero_grad(set_to_none=True).)"""
+        return per_set.storage_bytes / shard, per_set.trainable_bytes * self._states / shard
+
+    def _choose(self, runs: list[_Run]) -> _Run:
+        """Of the runs in modes 'last' and 'every', the faster that fits the memory budget,
+        else the smaller peak: See [Note: accumulation sync]."""
+        opt, micro = self.options, self.options.grad_accumulation
+        limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
+        fit = [r for r in runs if r.result.peak_bytes <= limit]
+        last, every = runs
+        times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
+        return min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)
+
+    # -- event decoding, the optimizer, the result
+
+    @staticmethod
+    def _timeline(run: _Run, units: tuple[UnitSpec, ...]) -> list[TimelineEvent]:
+        """The step loop's recorded rows as events (codes: ``step.LANES``, ``step.KINDS``)."""
+        return [TimelineEvent(LANES[int(r[0])], KINDS[int(r[1])], units[int(r[2])].name, float(r[3]), float(r[4]),
+                              int(r[5])) for r in run.events[:run.result.num_events]]
+
+    def _optimizer_s(self, trainable: int, mesh: MeshSpec) -> float:
+        """The optimizer step: read/write the local shard of the trainable parameters and its
+        states (memory-bound), plus a fixed dispatch cost per trainable tensor (dominant for
+        small models; frozen parameters have no gradient and are skipped). Both calibrated by
+        the profiler's AdamW steps on fully_shard parameters, the per-tensor cost separately
+        for 2-D meshes (HSDP, no-shard): see profile/compute.py::measure_optimizer."""
         cp = self.compute
-        optim_s = (trainable / shard) * (2 + 2 * self._states) / (
+        optim_s = (trainable / mesh.shard_size) * (2 + 2 * self._states) / (
             cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
         if self._stepping:
             per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
             optim_s += self._num_tensors * per_tensor
-        step = end + optim_s
-        if record:
-            ev.append(TimelineEvent("compute", "optim", "<all>", end, step, int(static)))
+        return optim_s
 
-        if micro > 1:
-            if mode == "every":  # every micro-batch: forward, backward and its reduce-scatters
-                step += (micro - 1) * end
-                comm_total *= micro
-            else:
-                # Earlier micro-batches: the same forward and backward without the
-                # reduce-scatters (set_requires_gradient_sync(False)).
-                step += (micro - 1) * bwd_end
+    def _compute_s(self, per_set: _UnitSet, choices: _Choices) -> float:
+        """Compute of all micro-batches: forward and backward, recomputed forwards and their
+        overhead, and the loss."""
+        lay, ck, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
         compute_s = per_set.compute_s + (sum(lay.times[0][ck].tolist()) if any_ck else 0)  # sum([]) is 0
         ck_oh = self._constants.checkpoint_overhead_s
         if ck_oh and any_ck:
             compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
-        compute_s += self.compute.loss_s * opt.batch_scale
-        compute_s *= micro
-        exposed = max(0.0, step - compute_s - optim_s)
-        parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, held)
+        compute_s += self.compute.loss_s * self.options.batch_scale
+        return compute_s * self.options.grad_accumulation
+
+    def _estimate(self, plan: PlanSpec, per_set: _UnitSet, per_mesh: _MeshCosts, choices: _Choices, run: _Run,
+                  notes: set[str], record: bool) -> CostEstimate:
+        """The ``CostEstimate`` of ``run``: the step's time with the optimizer and the earlier
+        micro-batches (See [Note: accumulation sync]), and the peak's breakdown."""
+        res, micro, mode = run.result, self.options.grad_accumulation, run.mode
+        ev = self._timeline(run, plan.units) if record else []
+        optim_s = self._optimizer_s(per_set.trainable_bytes, plan.mesh)
+        step = res.end + optim_s
+        if record:
+            ev.append(TimelineEvent("compute", "optim", "<all>", res.end, step, int(run.static_bytes)))
+        comm_total = res.comm_s
+        if micro > 1:
+            if mode == "every":  # every micro-batch: forward, backward and its reduce-scatters
+                step += (micro - 1) * res.end
+                comm_total *= micro
+            else:
+                # Earlier micro-batches: the same forward and backward without the
+                # reduce-scatters (set_requires_gradient_sync(False)).
+                step += (micro - 1) * res.bwd_end
+        compute_s = self._compute_s(per_set, choices)
+        sharded_params, optim = self._static_bytes(per_set, plan.mesh.shard_size)
+        grads_before, peak_parts = run.sharded_grads_bytes, res.peak_parts
+        parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, run.held_bytes)
         return CostEstimate(
             step_s=step,
-            fwd_s=fwd_end,
-            bwd_s=bwd_end - fwd_end,
+            fwd_s=res.fwd_end,
+            bwd_s=res.bwd_end - res.fwd_end,
             compute_s=compute_s,
             comm_s=comm_total,
-            exposed_comm_s=exposed,
-            peak_bytes=int(peak),
+            exposed_comm_s=max(0.0, step - compute_s - optim_s),
+            peak_bytes=int(res.peak_bytes),
             peak_breakdown=tuple(zip(_PEAK_PARTS, map(int, parts + peak_parts[1:]))),
-            units=cached.units,
+            units=per_mesh.units,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
             optim_s=optim_s,
