@@ -2,8 +2,8 @@
 
 Everything here depends only on which modules each unit owns, not on the
 per-unit choices (resharding, checkpointing) or the mesh, so ``Layouts``
-builds it once per set of units and caches it. The step itself is simulated
-in ``simulate.py``.
+builds it once per set of units and caches it. The step itself is walked in
+``step.py``, for a plan that ``simulate.py`` prepares.
 
 [Note: segments] Forward compute is a sequence of *segments*: runs of
 consecutive module calls owned by the same unit and inside the same block
@@ -22,11 +22,11 @@ cut 32 blocks in a handful of ways each, so a new plan's layout is mostly
 assembled from fragments already seen.
 
 [Note: layout kernel] With a compiled backend (numba installed: See [Note:
-compiled step loop] in ``step.py``), ``build`` runs ``layout_kernel``
-(``kernels.py``, its inputs ``LayoutTables``) instead: the same rules on module ids, one pass over the module calls in
-forward order (each call's owner is the innermost ancestor that is a unit; a
-segment ends where the owner or the piece changes) and one over the
-parameter modules. It sums in
+compiled step loop] in ``backend.py``), ``build`` runs ``layout_kernel``
+(``kernels.py``, its inputs ``LayoutTables``) instead: the same rules on
+module ids, one pass over the module calls in forward order (each call's
+owner is the innermost ancestor that is a unit; a segment ends where the
+owner or the piece changes) and one over the parameter modules. It sums in
 the same order as the fragment path, so both give the same layout exactly
 (``tests/cost/test_step.py``); the fragment path stays for Python, where a loop
 over every module call per plan would be slow.
@@ -158,7 +158,7 @@ class Layouts:
                 acc[k] += v
         self._piece_params = tuple((pc, ancestors(pc), tuple(v)) for pc, v in piece_params.items())
         self._out_bytes = {m.fqn: m.output_bytes for m in graph.modules}
-        # What checkpointing keeps of a piece: its output. See [Note: memory] in simulate.py.
+        # What checkpointing keeps of a piece: its output. See [Note: memory] in step.py.
         self._keep = {pc: int(self._out_bytes.get(pc, 0) * scale) for pc, *_r in self._runs}
         self._cache: dict[tuple[tuple[str, ...], ...], Layout] = {}
         self._tables: Any = None  # the layout kernel's arrays, built on first use

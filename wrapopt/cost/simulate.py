@@ -1,90 +1,21 @@
-"""plan -> CostEstimate: an event simulation of one FSDP2 training step, per rank.
+"""plan -> CostEstimate: one FSDP2 training step per rank, as the ``Simulator`` scores it.
 
-Two lanes: *compute* (the default stream / the Python thread on CPU) and
-*comm* (collectives). The simulation walks the forward in execution order and
-the backward in reverse, placing each unit's all-gather, compute and
-reduce-scatter where FSDP2 places them, and tracks memory at every event.
-The notes below are the assumptions; code cites them as ``# See [Note: ...]``.
-``layout.py`` turns a plan's units into the segments walked here ([Note:
-segments]); ``calls.py`` holds [Note: gradient sites], [Note: progressive backward].
-
-[Note: all-gather issue] A unit's all-gather is issued at its pre-forward.
-On a GPU the CPU runs ahead, so the next unit's all-gather is already issued
-while this unit computes (FSDP2 lets at most one all-gather run ahead:
-depth 1). On CPU (gloo) there is no running ahead: without explicit prefetch
-the all-gather is issued when compute reaches the unit, and is exposed.
-``PlanSpec.forward_prefetch = k`` issues it k units early
-(``set_modules_to_forward_prefetch``). All collectives share one lane and
-run in issue order.
+``layout.py`` turns a plan's units into the segments the step walks ([Note:
+segments]); ``step.py`` walks it on two lanes, *compute* and *comm*, and
+holds the notes on how FSDP2 schedules a step and what memory holds
+([Note: all-gather issue], [Note: backward schedule], [Note: memory],
+[Note: overlap] and the rest); ``calls.py`` holds [Note: gradient sites],
+[Note: progressive backward]. This file prepares the loop's inputs for a plan
+(per-unit bytes and collective times, cached; the plan's per-unit choices),
+runs it once per accumulation mode, and adds the optimizer step. Its
+modelling decisions are the notes below; code cites them as
+``# See [Note: ...]``.
 
 [Note: reshard after forward] True frees the gathered parameters after the
 unit's last forward segment and re-gathers them in backward; False keeps them
 to backward (no second all-gather); an int N keeps a 1/N copy and re-gathers
 over N ranks of one node. Plans keep the root unsharded (False), FSDP2's
 default for the root.
-
-[Note: backward schedule] Backward walks the segments in reverse. At a
-unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
-the next unit's in backward order ([Note: pre-backward] the first of these
-beside the output's gradient, on which FSDP2's hook fires; measured: moe-tiny's
-4-block unit peaked in that prefetch). A checkpointed unit first recomputes
-its forward, each checkpointed block paying the profile's measured
-``checkpoint_overhead_s`` on top. After the unit's last backward segment its
-gradients are reduce-scattered (then all-reduced across the replicate axis
-under HSDP); the unsharded gradients live until the next unit's
-post-backward (See [Note: reduce-scatter buffer]). The step ends when the
-last collective lands, plus the optimizer step (memory-bound on the local shard).
-
-[Note: memory] At any instant: sharded parameters + sharded gradients +
-optimizer state (all / shard size) + gathered units + unsharded gradients
-awaiting reduce-scatter + saved activations not yet consumed + the working
-set of the segment computing now (its largest module output, twice: the
-output and the incoming gradient in backward). A checkpointed unit keeps only
-its input during forward and re-saves its activations while it recomputes.
-
-[Note: reduce-scatter buffer] At a unit's post-backward FSDP2 copies its
-unsharded gradients into one reduce-scatter input buffer (both exist for a
-moment), frees the gradients, and keeps the buffer referenced until the next
-unit's post-backward, which first waits for that reduce-scatter
-(``reduce_scatter_max_input_buffers = 1``); the last is freed when backward
-ends. So a unit's gradients are held until the next unit in backward order
-finishes, however fast the collective is; the sharded gradients are
-allocated when the reduce-scatter is issued.
-
-[Note: loss] The loss runs after forward, outside every module. While it
-runs, memory holds the model's output and the tensors the loss creates (the
-tracer's ``loss_peak_bytes``: for cross-entropy a flattened copy and
-log_softmax's output); afterwards what it saved (``loss_saved_bytes``) stays
-until its backward, which holds two gradients of the output's size.
-
-[Note: all-gather buffer] FSDP2 (torch 2.13, ``wait_for_unshard``) keeps a
-forward all-gather's output after its copy-out, to overlap the copy-out with
-the next collective, and frees it just before the next unit's copy-out; the
-root's post-forward frees the last one. So while forward computes, the unit
-before holds its gathered size once more (the whole model for a root-only
-plan), on every device (measured, 2 gloo ranks: wide-shallow's one unit peaked
-in a forward matmul beside that buffer). Backward all-gathers free theirs at
-once; a shard group of one gathers nothing.
-
-[Note: collective copies] gloo's all-gather and reduce-scatter allocate a
-buffer of the collective's unsharded size while they run, free again by the
-time the collective is waited on (measured with the profiler's memory events,
-2 ranks: 10 MiB for a 10 MiB all-gather output or reduce-scatter input);
-``FabricProfile.collective_copies`` states it per backend (NCCL and
-analytical fabrics: 0). So an all-gather holds its output and that copy while
-it runs; by its copy-out the copy is gone. A reduce-scatter's copy adds
-nothing to its copy-in: FSDP2 frees the unsharded gradients once copied into
-the input buffer (``foreach_reduce``), before it runs.
-
-[Note: shard group of one] A shard group of one gathers and reduce-scatters
-nothing: no copy, no per-unit overhead in forward (FSDP2 only copies;
-charging it put no-shard's forward 2.5 ms slow, median of 52 runs).
-
-[Note: overlap] Collectives are not free when overlapped: a compute segment
-that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
-times longer over the overlapped part, and a collective issued while compute
-is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
-measured by the profiler.
 
 [Note: accumulation sync] With k micro-batches per step FSDP2 can
 synchronise gradients two ways. ``every``: each micro-batch reduce-scatters
@@ -103,7 +34,7 @@ the faster that fits ``memory_budget_bytes`` (else the smaller peak);
 ``CostEstimate.accumulation_sync`` says which.
 
 [Note: simulator speed] The search scores thousands of plans, so with numba
-installed three pieces are compiled (``step.py``, [Note: compiled step loop]):
+installed three pieces are compiled (``backend.py``, [Note: compiled step loop]):
 the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
 lookup of collective times; without numba the same step loop runs as Python
 and layouts reuse block cuts across blocks and plans ([Note: cut pieces]).
@@ -115,7 +46,7 @@ Caching never changes a result: a fresh simulator and one that has scored
 many other plans agree exactly (``tests/cost/test_simulate.py``). A plan
 whose layout is cached scores in ~25 us, so the records made per plan are
 named tuples built by ``tuple.__new__`` from their fields in order ([Note:
-step loop inputs] in ``step.py``), and a collective over one rank is not
+step loop inputs] in ``step_inputs.py``), and a collective over one rank is not
 looked up (it is 0 s). ``benchmarks/sim_speed.py`` measures plans per
 second, compiled and Python; ``benchmarks/sim_speed_ab.py`` compares two
 checkouts in paired CPU time.

@@ -1,13 +1,88 @@
-"""The step loop of ``simulate.py``: forward and backward over the segments, on two lanes.
+"""The step loop: forward and backward over the segments, on two lanes, and the notes
+on how FSDP2 runs a step that it applies.
 
-``step_loop`` walks one step as the notes of ``simulate.py`` describe it
-(issue, overlap and memory of every all-gather, compute segment and
-reduce-scatter) and records events as rows of ``ev``: lane, kind, unit,
-start, end, memory, with the codes below. The modelling decisions are the
-notes of ``simulate.py``; the code cites them where it applies them. Its
-inputs are the named tuples of ``step_inputs.py``; ``backend.py`` compiles
-it (numba) or runs it as Python: See [Note: compiled step loop] in
+Two lanes: *compute* (the default stream / the Python thread on CPU) and
+*comm* (collectives). ``step_loop`` walks the forward in execution order and
+the backward in reverse, placing each unit's all-gather, compute and
+reduce-scatter where FSDP2 places them, and tracks memory at every event. The
+notes below are its modelling decisions; code cites them as
+``# See [Note: ...]``. It records events as rows of ``ev``: lane, kind, unit,
+start, end, memory, with the codes below. Its inputs are the named tuples of
+``step_inputs.py`` (``simulate.py`` builds them); ``backend.py`` compiles it
+(numba) or runs it as Python: See [Note: compiled step loop] in
 ``backend.py``.
+
+[Note: all-gather issue] A unit's all-gather is issued at its pre-forward.
+On a GPU the CPU runs ahead, so the next unit's all-gather is already issued
+while this unit computes (FSDP2 lets at most one all-gather run ahead:
+depth 1). On CPU (gloo) there is no running ahead: without explicit prefetch
+the all-gather is issued when compute reaches the unit, and is exposed.
+``PlanSpec.forward_prefetch = k`` issues it k units early
+(``set_modules_to_forward_prefetch``). All collectives share one lane and
+run in issue order.
+
+[Note: backward schedule] Backward walks the segments in reverse. At a
+unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
+the next unit's in backward order ([Note: pre-backward] the first of these
+beside the output's gradient, on which FSDP2's hook fires; measured: moe-tiny's
+4-block unit peaked in that prefetch). A checkpointed unit first recomputes
+its forward, each checkpointed block paying the profile's measured
+``checkpoint_overhead_s`` on top. After the unit's last backward segment its
+gradients are reduce-scattered (then all-reduced across the replicate axis
+under HSDP); the unsharded gradients live until the next unit's
+post-backward (See [Note: reduce-scatter buffer]). The step ends when the
+last collective lands, plus the optimizer step (memory-bound on the local shard).
+
+[Note: memory] At any instant: sharded parameters + sharded gradients +
+optimizer state (all / shard size) + gathered units + unsharded gradients
+awaiting reduce-scatter + saved activations not yet consumed + the working
+set of the segment computing now (its largest module output, twice: the
+output and the incoming gradient in backward). A checkpointed unit keeps only
+its input during forward and re-saves its activations while it recomputes.
+
+[Note: reduce-scatter buffer] At a unit's post-backward FSDP2 copies its
+unsharded gradients into one reduce-scatter input buffer (both exist for a
+moment), frees the gradients, and keeps the buffer referenced until the next
+unit's post-backward, which first waits for that reduce-scatter
+(``reduce_scatter_max_input_buffers = 1``); the last is freed when backward
+ends. So a unit's gradients are held until the next unit in backward order
+finishes, however fast the collective is; the sharded gradients are
+allocated when the reduce-scatter is issued.
+
+[Note: loss] The loss runs after forward, outside every module. While it
+runs, memory holds the model's output and the tensors the loss creates (the
+tracer's ``loss_peak_bytes``: for cross-entropy a flattened copy and
+log_softmax's output); afterwards what it saved (``loss_saved_bytes``) stays
+until its backward, which holds two gradients of the output's size.
+
+[Note: all-gather buffer] FSDP2 (torch 2.13, ``wait_for_unshard``) keeps a
+forward all-gather's output after its copy-out, to overlap the copy-out with
+the next collective, and frees it just before the next unit's copy-out; the
+root's post-forward frees the last one. So while forward computes, the unit
+before holds its gathered size once more (the whole model for a root-only
+plan), on every device (measured, 2 gloo ranks: wide-shallow's one unit peaked
+in a forward matmul beside that buffer). Backward all-gathers free theirs at
+once; a shard group of one gathers nothing.
+
+[Note: collective copies] gloo's all-gather and reduce-scatter allocate a
+buffer of the collective's unsharded size while they run, free again by the
+time the collective is waited on (measured with the profiler's memory events,
+2 ranks: 10 MiB for a 10 MiB all-gather output or reduce-scatter input);
+``FabricProfile.collective_copies`` states it per backend (NCCL and
+analytical fabrics: 0). So an all-gather holds its output and that copy while
+it runs; by its copy-out the copy is gone. A reduce-scatter's copy adds
+nothing to its copy-in: FSDP2 frees the unsharded gradients once copied into
+the input buffer (``foreach_reduce``), before it runs.
+
+[Note: shard group of one] A shard group of one gathers and reduce-scatters
+nothing: no copy, no per-unit overhead in forward (FSDP2 only copies;
+charging it put no-shard's forward 2.5 ms slow, median of 52 runs).
+
+[Note: overlap] Collectives are not free when overlapped: a compute segment
+that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
+times longer over the overlapped part, and a collective issued while compute
+is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
+measured by the profiler.
 """
 
 from __future__ import annotations
@@ -170,7 +245,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
         u = seg_u[si]
         if not first[u]:
             first[u] = True
-            # See [Note: pre-backward] in simulate.py: the first segment's all-gathers run beside the output's gradient.
+            # See [Note: pre-backward]: the first segment's all-gathers run beside the output's gradient.
             arriving = out_b * 1.0 if si == nsg - 1 else 0.0
             if rag[u] > 0 and not bissued[u]:
                 c, d, gathered, peak, parts, ne = _all_gather(u, t, rag[u], P[u] - keep[u], c, t, ovl_m, static,

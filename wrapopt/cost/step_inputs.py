@@ -4,8 +4,8 @@
 ``simulate.py`` builds ``UnitPlan`` and ``PlanScalars`` (per plan) and
 ``StepConstants`` (per ``Simulator``); ``step.py``'s ``step_loop`` reads them
 and ``backend.py``'s ``Backend.step`` returns a ``StepResult``. The fields are
-the model's figures; what the loop does with them is in ``step.py`` and the
-notes of ``simulate.py``.
+the model's figures; what the loop does with them is ``step.py`` and its
+notes. No modelling decision here.
 
 [Note: step loop inputs] The loop reads five named tuples: the layout's
 ``Segments`` and ``UnitLayout``, the plan's ``UnitPlan`` and ``PlanScalars``,
@@ -76,7 +76,7 @@ class UnitPlan(NamedTuple):
 
 class StepConstants(NamedTuple):
     """What the profiles and step options fix for every plan a ``Simulator`` scores. See
-    the notes in ``simulate.py``."""
+    the notes in ``step.py``."""
 
     reduce_elem_bytes: float  # bytes per gradient element in the reduce-scatter
     overlap_compute: float  # 1 + slowdown of overlapped compute: See [Note: overlap]

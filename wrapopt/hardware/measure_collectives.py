@@ -308,7 +308,7 @@ def _collective_copies(device: torch.device, world: int) -> float:
     gloo's all-gather and reduce-scatter copy (1: measured once with the profiler's memory events,
     10 MiB for 10 MiB on 2 ranks); NCCL works in its own buffers (0). Stated per backend rather
     than profiled here: a profiler started inside a training job can abort its ranks at exit.
-    See [Note: collective copies] in cost/simulate.py."""
+    See [Note: collective copies] in cost/step.py."""
     del world
     return 1.0 if device.type == "cpu" and dist.get_backend() == "gloo" else 0.0
 

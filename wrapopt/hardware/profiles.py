@@ -190,7 +190,7 @@ class FabricProfile:
     overlap_comm_slowdown: float = 0.0
     # Copies of its unsharded size a collective allocates while it runs, beside its input and
     # output (gloo's all-gather and reduce-scatter copy: 1, as measure_fabric records it; NCCL
-    # works in its own buffers: 0). See [Note: collective copies] in cost/simulate.py.
+    # works in its own buffers: 0). See [Note: collective copies] in cost/step.py.
     collective_copies: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     intra: AnalyticalLink | None = None  # only for analytical profiles
@@ -410,7 +410,7 @@ class ComputeProfile:
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
     # Whether the host runs ahead of the device, so that a unit's all-gather is issued
     # while the previous unit computes (a GPU stream); False on a CPU, where each
-    # op runs as the host issues it. See [Note: all-gather issue] in cost/simulate.py.
+    # op runs as the host issues it. See [Note: all-gather issue] in cost/step.py.
     runs_ahead: bool = True
     # (tensor-parallel degree, throughput of a projection split that many ways / unsplit):
     # measured on the model's largest projection; none: split matmuls are taken to run
