@@ -40,7 +40,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -110,6 +110,20 @@ class Layout:
     @property
     def num_segments(self) -> int:
         return len(self.seg_cols.unit)
+
+
+def _owner_by_ancestors(index: dict[str, int], n: int) -> Callable[[tuple[str, ...]], int]:
+    """The owner of a module given its ancestors (innermost first): the first that is a
+    unit in ``index``, else the root (the last of ``n`` units)."""
+
+    def owner(anc: tuple[str, ...]) -> int:
+        for a in anc:
+            i = index.get(a)
+            if i is not None:
+                return i
+        return n - 1
+
+    return owner
 
 
 class Layouts:
@@ -197,7 +211,8 @@ class Layouts:
         return lay
 
     def build(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...] | None = None) -> Layout:
-        """The layout of ``units`` (``mods``: their modules, if the caller has them), not cached."""
+        """The layout of ``units`` (``mods``: their modules, if the caller has them), not cached:
+        by the layout kernel where the backend is compiled, else from fragments."""
         kernels = self.backend.kernels
         if kernels is not None:  # See [Note: layout kernel]
             try:
@@ -207,18 +222,24 @@ class Layouts:
                 lay = None
             if lay is not None:
                 return lay
+        return self._build_fragments(units)
+
+    # -- the fragment path: See [Note: cut pieces] ------------------------------------------
+
+    def _build_fragments(self, units: tuple[UnitSpec, ...]) -> Layout:
+        """``build`` as Python: whole pieces from their sums, cut pieces from fragments."""
         n = len(units)
-        index = owner_index(units)
+        owner = _owner_by_ancestors(owner_index(units), n)
+        cut = self._cut_pieces(units)
+        params = ([0] * n, [0] * n, [0] * n, [0] * n)  # elements, storage bytes, trainable elements and bytes
+        owner_of = self._whole_piece_params(cut, owner, params)
+        saved, work = [0] * n, [0] * n
+        segments = self._segments(cut, owner, owner_of, params, saved, work)
+        return self._assemble(units, segments, params, saved, work)
 
-        def owner(anc: tuple[str, ...]) -> int:
-            for a in anc:
-                i = index.get(a)
-                if i is not None:
-                    return i
-            return n - 1
-
-        # Pieces a unit cuts into (a unit module strictly inside a piece), with the
-        # units that do, in unit order: they take the fragment path below.
+    def _cut_pieces(self, units: tuple[UnitSpec, ...]) -> dict[str, dict[int, list[str]]]:
+        """Pieces a unit cuts into (a unit module strictly inside a piece), with the units
+        that do, in unit order: they take the fragment path."""
         cut: dict[str, dict[int, list[str]]] = {}
         piece_of = self._piece_of
         for i, u in enumerate(units):
@@ -226,7 +247,13 @@ class Layouts:
                 pc = piece_of.get(m, m)
                 if pc != m:
                     cut.setdefault(pc, {}).setdefault(i, []).append(m)
-        numel, sbytes, tnumel, tbytes = [0] * n, [0] * n, [0] * n, [0] * n
+        return cut
+
+    def _whole_piece_params(self, cut: dict[str, Any], owner: Callable[[tuple[str, ...]], int],
+                            params: tuple[list[int], ...]) -> dict[str, int]:
+        """Adds the parameters of every piece no unit cuts into to its owner's ``params``;
+        returns the owner of each such piece."""
+        numel, sbytes, tnumel, tbytes = params
         owner_of: dict[str, int] = {}  # piece -> the unit owning it whole (or around its cuts)
         for pc, anc, (ne, nb, tn, tb) in self._piece_params:
             if pc in cut:
@@ -236,7 +263,15 @@ class Layouts:
             sbytes[u] += nb
             tnumel[u] += tn
             tbytes[u] += tb
-        saved, work = [0] * n, [0] * n
+        return owner_of
+
+    def _segments(self, cut: dict[str, dict[int, list[str]]], owner: Callable[[tuple[str, ...]], int],
+                  owner_of: dict[str, int], params: tuple[list[int], ...], saved: list[int],
+                  work: list[int]) -> list[Segment]:
+        """The segments in forward order: one per run of a whole piece, the fragments of a cut
+        one (See [Note: cut pieces]). Adds each unit's saved activations and working set,
+        and the cut pieces' parameters to ``params``."""
+        numel, sbytes, tnumel, tbytes = params
         keep_of = self._keep
         segments: list[Segment] = []
         new = tuple.__new__
@@ -279,6 +314,12 @@ class Layouts:
                 sbytes[g] += nb
                 tnumel[g] += tn
                 tbytes[g] += tb
+        return segments
+
+    def _assemble(self, units: tuple[UnitSpec, ...], segments: list[Segment], params: tuple[list[int], ...],
+                  saved: list[int], work: list[int]) -> Layout:
+        """The ``Layout``: per-unit sums of the segments and the units' forward and backward order."""
+        n = len(units)
         fwd, bwd = [0.0] * n, [0.0] * n  # a unit's times: the sums of its segments'
         order_d: dict[int, None] = {n - 1: None}
         last = [-1] * n
@@ -303,6 +344,8 @@ class Layouts:
             pos[u] = k
         for k, u in enumerate(border):
             bpos[u] = k
+        numel, sbytes, tnumel, tbytes = params
+        new = tuple.__new__
         return Layout(np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n),
                       np.array((fwd, bwd), dtype=np.float64).reshape(2, n),
                       new(Segments, zip(*segments)) if segments else new(Segments, ((),) * 8),
