@@ -153,8 +153,8 @@ class Backend:
             warnings.warn(f"wrapopt: compiled code failed ({reason}); using the Python one", stacklevel=3)
         self._name, self._kernels = "python", None
 
-    def step(self, segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars, k: StepConstants,  # noqa: PLR0913
-             ev: Any) -> StepResult:
+    def step(self, segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars,  # noqa: PLR0913
+             k: StepConstants, ev: Any) -> StepResult:
         """``step_loop``, compiled or as Python: columns as numpy arrays for the compiled
         one, as tuples or lists for Python (``step_loop`` reads both the same way)."""
         kernels = self._kernels

@@ -133,7 +133,8 @@ class Layouts:
     ``backend`` (by default ``Backend.default()``; a ``Simulator`` passes its own):
     compiled, ``build`` runs the layout kernel (See [Note: layout kernel])."""
 
-    def __init__(self, graph: ModelGraph, compute: ComputeProfile, options: SimOptions, *, backend: Backend | None = None):
+    def __init__(self, graph: ModelGraph, compute: ComputeProfile, options: SimOptions, *,
+                 backend: Backend | None = None):
         self.options = options
         self.backend = backend or Backend.default()
         scale = options.batch_scale
@@ -346,12 +347,13 @@ class Layouts:
             bpos[u] = k
         numel, sbytes, tnumel, tbytes = params
         new = tuple.__new__
-        return Layout(np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n),
+        counts = np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n)
+        return Layout(counts,
                       np.array((fwd, bwd), dtype=np.float64).reshape(2, n),
                       new(Segments, zip(*segments)) if segments else new(Segments, ((),) * 8),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
-                      new(UnitLayout, (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg), tuple(seg_grads),
-                                       tuple(tbytes))))
+                      new(UnitLayout, (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg),
+                                       tuple(seg_grads), tuple(tbytes))))
 
     # -- the layout kernel: See [Note: layout kernel] ---------------------------------------
 
@@ -386,7 +388,8 @@ class Layouts:
             self._tables = mid, LayoutTables(
                 e_anc=anc_ids([e.anc for e in entries]),
                 e_piece=np.array(e_piece, dtype=np.int64).reshape(-1),
-                e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]], dtype=np.float64).reshape(2, -1),
+                e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]],
+                                dtype=np.float64).reshape(2, -1),
                 e_int=np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp] for e in entries],
                                dtype=np.int64).reshape(-1, 5).T.copy(),
                 keep_of=np.array([self._keep[pc] for pc in pieces], dtype=np.int64),
@@ -413,9 +416,11 @@ class Layouts:
         new = tuple.__new__  # the named tuples from their fields in order (faster than keywords)
         return Layout(u_i[:8], u_f[:2], new(Segments, (seg_u[:s], *seg_f[:, :s])),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
-                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[2], u_f[3])))
+                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[2],
+                                       u_f[3])))
 
-    def _split(self, r: int, groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
+    def _split(self, r: int,
+               groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
         """How units owning ``groups`` (modules relative to the piece, one tuple per
         unit: local ids 0..k-1; id k is the unit around them) split run ``r``: its
         segments as (local id, first entry, end), and the local owner of each of the

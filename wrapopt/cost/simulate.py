@@ -158,8 +158,8 @@ class Simulator:
     of units), which keeps the search from ever waiting on the cost model.
     """
 
-    def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, options: SimOptions | None = None,
-                 *, backend: str | Backend | None = None):
+    def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile,
+                 options: SimOptions | None = None, *, backend: str | Backend | None = None):
         """``backend``: 'compiled' (numba), 'python', a ``Backend``, or None for the default:
         compiled when numba is installed, unless ``WRAPOPT_JIT=0``. See [Note: compiled step loop]."""
         self.options = options or SimOptions()
@@ -188,7 +188,8 @@ class Simulator:
             overlap_compute=1.0 + fabric.overlap_compute_slowdown,  # See [Note: overlap]
             overlap_comm=1.0 + fabric.overlap_comm_slowdown,
             unit_overhead_s=compute.unit_overhead_s,
-            checkpoint_overhead_s=compute.checkpoint_overhead_s,  # per checkpointed block (a segment that starts a piece)
+            # per checkpointed block (a segment that starts a piece)
+            checkpoint_overhead_s=compute.checkpoint_overhead_s,
             # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
             loss_s=float(compute.loss_s * scale), loss_work_bytes=float(out_b + graph.loss_peak_bytes * scale),
             output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale),
@@ -211,12 +212,14 @@ class Simulator:
         if hit is None:
             segs, cols = lay.seg_cols, lay.unit_cols
             if arrays:  # as the layout kernel makes them: See [Note: layout kernel]
-                segs = Segments(np.array(segs.unit, dtype=np.int64), *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
+                segs = Segments(np.array(segs.unit, dtype=np.int64),
+                                *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
                 cols = UnitLayout(np.array(cols.forward, dtype=np.int64), np.array(cols.backward, dtype=np.int64),
                                   *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
                                   *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
             else:
-                segs, cols = Segments._make(tuple(c.tolist()) for c in segs), UnitLayout._make(tuple(c.tolist()) for c in cols)
+                segs = Segments._make(tuple(c.tolist()) for c in segs)
+                cols = UnitLayout._make(tuple(c.tolist()) for c in cols)
             if len(self._cols) > 4096:
                 self._cols.clear()
             hit = self._cols[key] = (segs, cols)

@@ -199,7 +199,8 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 ag_end[u] = c
                 issued[u] = True
             t = max(t, ag_end[u]) + (unit_oh if gathers else 0.0)  # See [Note: shard group of one]
-            # copy-out: the output beside the unsharded parameters, the previous one freed first (See [Note: all-gather buffer])
+            # copy-out: the output beside the unsharded parameters, the previous one freed first
+            # (See [Note: all-gather buffer])
             if gathers:
                 ag_buffer = 0.0
             m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
@@ -249,7 +250,8 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
             arriving = out_b * 1.0 if si == nsg - 1 else 0.0
             if rag[u] > 0 and not bissued[u]:
                 c, d, gathered, peak, parts, ne = _all_gather(u, t, rag[u], P[u] - keep[u], c, t, ovl_m, static,
-                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving, copy)
+                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving,
+                    copy)
                 comm_total += d
                 bag_end[u] = c
                 bissued[u] = True
@@ -263,7 +265,8 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 x = border[k]
                 if rag[x] > 0 and not bissued[x]:
                     c, d, gathered, peak, parts, ne = _all_gather(x, t, rag[x], P[x] - keep[x], c, t, ovl_m, static,
-                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving, copy)
+                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving,
+                        copy)
                     comm_total += d
                     bag_end[x] = c
                     bissued[x] = True
@@ -283,7 +286,8 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
             gathered -= keep[u] if not rag[u] > 0 else P[u]
             # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
             # See [Note: collective copies]: the gradients are freed before the collective's copy.
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + G[u] * (copy if copy > 1.0 else 1.0)
+            m = (static + sharded_grads + gathered + ag_buffer + acts + grads_pending
+                 + G[u] * (copy if copy > 1.0 else 1.0))
             if m > peak:
                 peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts,
                                   G[u] * (copy if copy > 1.0 else 1.0))
