@@ -108,7 +108,7 @@ _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulate
 
 
 class _MeshCosts(NamedTuple):
-    """Per set of units and mesh: the units' bytes and collective times."""
+    """Per set of units and mesh: the units' bytes and collective times, static memory, the optimizer step."""
 
     gathered_bytes: np.ndarray
     grad_bytes: np.ndarray
@@ -118,6 +118,9 @@ class _MeshCosts(NamedTuple):
     # the first five columns of ``UnitPlan`` (gathered and gradient bytes, all-gather, reduce-scatter,
     # all-reduce times), as rows of one float64 array
     columns: tuple[np.ndarray, ...]
+    sharded_params_bytes: float  # See [Note: memory]
+    optimizer_bytes: float  # optimizer state, sharded
+    optim_s: float  # the optimizer step: See ``Simulator._optimizer_s``
 
 
 class _Run(NamedTuple):
@@ -282,7 +285,8 @@ class Simulator:
         return per_set
 
     def _mesh_costs(self, per_set: _UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec) -> _MeshCosts:
-        """Per set of units and mesh: bytes and collective times of every unit."""
+        """Per set of units and mesh: bytes and collective times of every unit, static memory
+        and the optimizer step."""
         cached = per_set.per_mesh.get(mesh)
         if cached is None:
             lay, shard = per_set.layout, mesh.shard_size
@@ -298,8 +302,10 @@ class Simulator:
             if not all(c.dtype == np.float64 for c in columns):  # P and G are integers for an integer dtype size
                 columns = tuple(np.array(columns, dtype=np.float64))
             unit_costs = UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED])
-            # in _MeshCosts' field order
-            cached = per_set.per_mesh[mesh] = _new(_MeshCosts, (P, G, ag, unit_costs, frozenset(cn), columns))
+            sharded_params, optim = self._static_bytes(per_set, shard)
+            optim_s = self._optimizer_s(per_set.trainable_bytes, mesh)
+            cached = per_set.per_mesh[mesh] = _new(_MeshCosts, (  # in _MeshCosts' field order
+                P, G, ag, unit_costs, frozenset(cn), columns, sharded_params, optim, optim_s))
         return cached
 
     # -- reshard and checkpoint choices
@@ -330,7 +336,7 @@ class Simulator:
         and [Note: step loop inputs] in step_inputs.py)."""
         lay, shard, micro = per_set.layout, plan.mesh.shard_size, self.options.grad_accumulation
         trainable = per_set.trainable_bytes
-        sharded_params, optim = self._static_bytes(per_set, shard)
+        sharded_params, optim = per_mesh.sharded_params_bytes, per_mesh.optimizer_bytes
         backend = self.backend
         compiled = backend.kernels is not None
         seg_cols, lay_cols = self._columns(lay, mods, compiled)
@@ -413,7 +419,7 @@ class Simulator:
         micro-batches (See [Note: accumulation sync]), and the peak's breakdown."""
         res, micro, mode = run.result, self.options.grad_accumulation, run.mode
         ev = self._timeline(run, plan.units) if record else []
-        optim_s = self._optimizer_s(per_set.trainable_bytes, plan.mesh)
+        optim_s = per_mesh.optim_s
         step = res.end + optim_s
         if record:
             ev.append(TimelineEvent("compute", "optim", "<all>", res.end, step, int(run.static_bytes)))
@@ -427,7 +433,7 @@ class Simulator:
                 # reduce-scatters (set_requires_gradient_sync(False)).
                 step += (micro - 1) * res.bwd_end
         compute_s = self._compute_s(per_set, choices)
-        sharded_params, optim = self._static_bytes(per_set, plan.mesh.shard_size)
+        sharded_params, optim = per_mesh.sharded_params_bytes, per_mesh.optimizer_bytes
         grads_before, peak_parts = run.sharded_grads_bytes, res.peak_parts
         parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, run.held_bytes)
         return CostEstimate(
