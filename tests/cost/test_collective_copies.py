@@ -1,5 +1,5 @@
-"""Memory around the collectives as FSDP2 (torch 2.13) holds it: [Note: collective copies] in
-cost/step.py, [Note: all-gather buffer] and [Note: pre-backward] in cost/simulate.py; and the
+"""Memory around the collectives as FSDP2 (torch 2.13) holds it: [Note: collective copies],
+[Note: all-gather buffer] and [Note: pre-backward] in cost/step.py; and the
 optimizer stepping trainable tensors only."""
 
 from __future__ import annotations

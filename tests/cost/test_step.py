@@ -1,4 +1,4 @@
-"""The compiled step loop (cost/step.py, cost/kernels.py): numba's code and the
+"""The compiled step loop (cost/backend.py, cost/step.py, cost/kernels.py): numba's code and the
 Python path give the same estimates, the layout kernel builds the fragment path's
 layout, the size tables look up and merge, and importing wrapopt loads no numba."""
 
@@ -26,7 +26,7 @@ def test_compiled_and_python_paths_agree_exactly():
     included, on FSDP, HSDP and no-shard plans, GPU and CPU schedules; compiled code that
     fails falls back to Python with a warning, for the simulator it failed in only."""
     pytest.importorskip("numba")
-    from wrapopt.cost.step import Backend, Kernels, compile_kernels
+    from wrapopt.cost.backend import Backend, Kernels, compile_kernels
     from wrapopt.search.study.space import SearchSpace
 
     model, x = zoo.build("gpt-tiny", "meta")
@@ -65,7 +65,7 @@ def test_backend_choice(monkeypatch):
     Python under ``WRAPOPT_JIT=0`` or when asked; a wrong name says what is expected."""
     import importlib.util
 
-    from wrapopt.cost.step import Backend
+    from wrapopt.cost.backend import Backend
 
     g = trace_model(*zoo.build("gpt-tiny", "meta"))
     fab = analytical_fabric(world_size=16, ranks_per_node=4)
@@ -91,11 +91,12 @@ def test_size_tables_lookup_and_merge():
 
     import numpy as np
 
-    from wrapopt.cost import step as steploop
+    from wrapopt.cost.backend import compile_kernels
+    from wrapopt.cost.kernels import lookup, merge
 
-    fns = [(steploop.lookup, steploop.merge)]
+    fns = [(lookup, merge)]
     if importlib.util.find_spec("numba") is not None:
-        compiled = steploop.compile_kernels()
+        compiled = compile_kernels()
         fns.append((compiled.lookup, compiled.merge))
     for lookup, merge in fns:
         keys, values = np.array([2.0, 8.0, 32.0]), np.array([0.2, 0.8, 3.2])
@@ -125,7 +126,7 @@ def test_layout_kernel_matches_the_fragment_path():
     from tests.fixtures_models import DIM, AlbertLike, LoRAModel, MoEModel, WithUnused, moe_inputs
     from wrapopt.cost.kernels import layout_kernel
     from wrapopt.cost.layout import Layouts
-    from wrapopt.cost.step import Backend
+    from wrapopt.cost.backend import Backend
     from wrapopt.search.study.space import SearchSpace
 
     graphs = [trace_model(*zoo.build(name, "meta")) for name in ("t5-tiny", "gpt-tiny")]

@@ -54,7 +54,8 @@ class Entry(NamedTuple):
 def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece: Callable[[str], str]) -> list[Entry]:
     """One ``Entry`` per module that runs, in call order: times from the profile's
     measured module times when it has them, else FLOPs / throughput + bytes of
-    memory-bound ops / op bandwidth, + a per-call overhead; sizes scaled by ``scale`` (the batch); ``piece``: a module's block."""
+    memory-bound ops / op bandwidth, + a per-call overhead; sizes scaled by ``scale``
+    (the batch); ``piece``: a module's block."""
     measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
     grad_at, acc_at = gradient_sites(graph)
     entries = []

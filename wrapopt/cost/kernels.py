@@ -1,8 +1,13 @@
-"""``layout_kernel``: ``Layouts.build`` on module ids, compiled by numba.
+"""The array functions numba compiles beside the step loop: ``layout_kernel`` and the
+size tables' ``lookup`` and ``merge``.
 
-See [Note: layout kernel] in ``layout.py``, which prepares its arrays
-(``Layouts._kernel_tables``) and turns its result into a ``Layout``;
-``step.compile_kernels()`` compiles it.
+``layout_kernel`` is ``Layouts.build`` on module ids: See [Note: layout kernel]
+in ``layout.py``, which prepares its arrays (``Layouts._kernel_tables``) and
+turns its result into a ``Layout``. ``lookup`` and ``merge`` keep the sorted
+tables of collective times by message size (``collectives.py``).
+``backend.compile_kernels()`` compiles all three; as Python they run
+unchanged. No modelling decision here: these apply the rules of ``layout.py``
+and ``calls.py`` on arrays.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["LayoutTables", "layout_kernel"]
+__all__ = ["LayoutTables", "layout_kernel", "lookup", "merge"]
 
 
 class LayoutTables(NamedTuple):
@@ -31,6 +36,8 @@ class LayoutTables(NamedTuple):
     reduce_elem: float  # bytes per gradient element in the reduce-scatter
 
 
+# Exempt from the 80-line cap: numba compiles one function, and splitting it into
+# functions would cost a call per module call in its loops (See [Note: layout kernel]).
 def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_vals, m_out, root_id,  # noqa: ANN001
                   scale, reduce_elem):
     """``Layouts.build`` on module ids, for numba: See [Note: layout kernel].
@@ -153,3 +160,34 @@ def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_
         u_i[11, n - 1] = k
         u_i[13, k] = n - 1
     return seg_u, seg_f, s, u_i, u_f, runs
+
+
+def lookup(keys, values, x):  # noqa: ANN001
+    """``values`` at the place of each of ``x`` in the sorted ``keys`` (NaN where ``x``
+    is not a key), and how many were not: the simulator's tables by size."""
+    at = np.searchsorted(keys, x)
+    out = np.empty(x.shape[0], np.float64)
+    missing = 0
+    for i in range(x.shape[0]):
+        if at[i] < keys.shape[0] and keys[at[i]] == x[i]:
+            out[i] = values[at[i]]
+        else:
+            out[i] = np.nan
+            missing += 1
+    return out, missing
+
+
+def merge(keys, values, new_keys, new_values):  # noqa: ANN001
+    """Two sorted tables with no key in common, as one sorted table (keys, values)."""
+    n, m = keys.shape[0], new_keys.shape[0]
+    out_k = np.empty(n + m, np.float64)
+    out_v = np.empty(n + m, np.float64)
+    i = j = 0
+    for k in range(n + m):
+        if j >= m or (i < n and keys[i] < new_keys[j]):
+            out_k[k], out_v[k] = keys[i], values[i]
+            i += 1
+        else:
+            out_k[k], out_v[k] = new_keys[j], new_values[j]
+            j += 1
+    return out_k, out_v

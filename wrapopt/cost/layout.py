@@ -2,8 +2,8 @@
 
 Everything here depends only on which modules each unit owns, not on the
 per-unit choices (resharding, checkpointing) or the mesh, so ``Layouts``
-builds it once per set of units and caches it. The step itself is simulated
-in ``simulate.py``.
+builds it once per set of units and caches it. The step itself is walked in
+``step.py``, for a plan that ``simulate.py`` prepares.
 
 [Note: segments] Forward compute is a sequence of *segments*: runs of
 consecutive module calls owned by the same unit and inside the same block
@@ -22,11 +22,11 @@ cut 32 blocks in a handful of ways each, so a new plan's layout is mostly
 assembled from fragments already seen.
 
 [Note: layout kernel] With a compiled backend (numba installed: See [Note:
-compiled step loop] in ``step.py``), ``build`` runs ``layout_kernel``
-(``kernels.py``, its inputs ``LayoutTables``) instead: the same rules on module ids, one pass over the module calls in
-forward order (each call's owner is the innermost ancestor that is a unit; a
-segment ends where the owner or the piece changes) and one over the
-parameter modules. It sums in
+compiled step loop] in ``backend.py``), ``build`` runs ``layout_kernel``
+(``kernels.py``, its inputs ``LayoutTables``) instead: the same rules on
+module ids, one pass over the module calls in forward order (each call's
+owner is the innermost ancestor that is a unit; a segment ends where the
+owner or the piece changes) and one over the parameter modules. It sums in
 the same order as the fragment path, so both give the same layout exactly
 (``tests/cost/test_step.py``); the fragment path stays for Python, where a loop
 over every module call per plan would be slow.
@@ -40,13 +40,14 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from wrapopt.cost.backend import Backend
 from wrapopt.cost.calls import backward_working_set, module_calls
 from wrapopt.cost.kernels import LayoutTables
-from wrapopt.cost.step import Backend, Segments, UnitLayout
+from wrapopt.cost.step_inputs import Segments, UnitLayout
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, SimOptions, UnitSpec
 from wrapopt.units import ancestors, owner_index
@@ -111,6 +112,20 @@ class Layout:
         return len(self.seg_cols.unit)
 
 
+def _owner_by_ancestors(index: dict[str, int], n: int) -> Callable[[tuple[str, ...]], int]:
+    """The owner of a module given its ancestors (innermost first): the first that is a
+    unit in ``index``, else the root (the last of ``n`` units)."""
+
+    def owner(anc: tuple[str, ...]) -> int:
+        for a in anc:
+            i = index.get(a)
+            if i is not None:
+                return i
+        return n - 1
+
+    return owner
+
+
 class Layouts:
     """Builds (and caches) the ``Layout`` of a set of units for one model, compute
     profile and step options. Building one costs a pass over the module graph.
@@ -118,7 +133,8 @@ class Layouts:
     ``backend`` (by default ``Backend.default()``; a ``Simulator`` passes its own):
     compiled, ``build`` runs the layout kernel (See [Note: layout kernel])."""
 
-    def __init__(self, graph: ModelGraph, compute: ComputeProfile, options: SimOptions, *, backend: Backend | None = None):
+    def __init__(self, graph: ModelGraph, compute: ComputeProfile, options: SimOptions, *,
+                 backend: Backend | None = None):
         self.options = options
         self.backend = backend or Backend.default()
         scale = options.batch_scale
@@ -157,7 +173,7 @@ class Layouts:
                 acc[k] += v
         self._piece_params = tuple((pc, ancestors(pc), tuple(v)) for pc, v in piece_params.items())
         self._out_bytes = {m.fqn: m.output_bytes for m in graph.modules}
-        # What checkpointing keeps of a piece: its output. See [Note: memory] in simulate.py.
+        # What checkpointing keeps of a piece: its output. See [Note: memory] in step.py.
         self._keep = {pc: int(self._out_bytes.get(pc, 0) * scale) for pc, *_r in self._runs}
         self._cache: dict[tuple[tuple[str, ...], ...], Layout] = {}
         self._tables: Any = None  # the layout kernel's arrays, built on first use
@@ -196,7 +212,8 @@ class Layouts:
         return lay
 
     def build(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...] | None = None) -> Layout:
-        """The layout of ``units`` (``mods``: their modules, if the caller has them), not cached."""
+        """The layout of ``units`` (``mods``: their modules, if the caller has them), not cached:
+        by the layout kernel where the backend is compiled, else from fragments."""
         kernels = self.backend.kernels
         if kernels is not None:  # See [Note: layout kernel]
             try:
@@ -206,18 +223,24 @@ class Layouts:
                 lay = None
             if lay is not None:
                 return lay
+        return self._build_fragments(units)
+
+    # -- the fragment path: See [Note: cut pieces] ------------------------------------------
+
+    def _build_fragments(self, units: tuple[UnitSpec, ...]) -> Layout:
+        """``build`` as Python: whole pieces from their sums, cut pieces from fragments."""
         n = len(units)
-        index = owner_index(units)
+        owner = _owner_by_ancestors(owner_index(units), n)
+        cut = self._cut_pieces(units)
+        params = ([0] * n, [0] * n, [0] * n, [0] * n)  # elements, storage bytes, trainable elements and bytes
+        owner_of = self._whole_piece_params(cut, owner, params)
+        saved, work = [0] * n, [0] * n
+        segments = self._segments(cut, owner, owner_of, params, saved, work)
+        return self._assemble(units, segments, params, saved, work)
 
-        def owner(anc: tuple[str, ...]) -> int:
-            for a in anc:
-                i = index.get(a)
-                if i is not None:
-                    return i
-            return n - 1
-
-        # Pieces a unit cuts into (a unit module strictly inside a piece), with the
-        # units that do, in unit order: they take the fragment path below.
+    def _cut_pieces(self, units: tuple[UnitSpec, ...]) -> dict[str, dict[int, list[str]]]:
+        """Pieces a unit cuts into (a unit module strictly inside a piece), with the units
+        that do, in unit order: they take the fragment path."""
         cut: dict[str, dict[int, list[str]]] = {}
         piece_of = self._piece_of
         for i, u in enumerate(units):
@@ -225,7 +248,13 @@ class Layouts:
                 pc = piece_of.get(m, m)
                 if pc != m:
                     cut.setdefault(pc, {}).setdefault(i, []).append(m)
-        numel, sbytes, tnumel, tbytes = [0] * n, [0] * n, [0] * n, [0] * n
+        return cut
+
+    def _whole_piece_params(self, cut: dict[str, Any], owner: Callable[[tuple[str, ...]], int],
+                            params: tuple[list[int], ...]) -> dict[str, int]:
+        """Adds the parameters of every piece no unit cuts into to its owner's ``params``;
+        returns the owner of each such piece."""
+        numel, sbytes, tnumel, tbytes = params
         owner_of: dict[str, int] = {}  # piece -> the unit owning it whole (or around its cuts)
         for pc, anc, (ne, nb, tn, tb) in self._piece_params:
             if pc in cut:
@@ -235,7 +264,15 @@ class Layouts:
             sbytes[u] += nb
             tnumel[u] += tn
             tbytes[u] += tb
-        saved, work = [0] * n, [0] * n
+        return owner_of
+
+    def _segments(self, cut: dict[str, dict[int, list[str]]], owner: Callable[[tuple[str, ...]], int],
+                  owner_of: dict[str, int], params: tuple[list[int], ...], saved: list[int],
+                  work: list[int]) -> list[Segment]:
+        """The segments in forward order: one per run of a whole piece, the fragments of a cut
+        one (See [Note: cut pieces]). Adds each unit's saved activations and working set,
+        and the cut pieces' parameters to ``params``."""
+        numel, sbytes, tnumel, tbytes = params
         keep_of = self._keep
         segments: list[Segment] = []
         new = tuple.__new__
@@ -278,6 +315,12 @@ class Layouts:
                 sbytes[g] += nb
                 tnumel[g] += tn
                 tbytes[g] += tb
+        return segments
+
+    def _assemble(self, units: tuple[UnitSpec, ...], segments: list[Segment], params: tuple[list[int], ...],
+                  saved: list[int], work: list[int]) -> Layout:
+        """The ``Layout``: per-unit sums of the segments and the units' forward and backward order."""
+        n = len(units)
         fwd, bwd = [0.0] * n, [0.0] * n  # a unit's times: the sums of its segments'
         order_d: dict[int, None] = {n - 1: None}
         last = [-1] * n
@@ -302,12 +345,15 @@ class Layouts:
             pos[u] = k
         for k, u in enumerate(border):
             bpos[u] = k
-        return Layout(np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n),
+        numel, sbytes, tnumel, tbytes = params
+        new = tuple.__new__
+        counts = np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n)
+        return Layout(counts,
                       np.array((fwd, bwd), dtype=np.float64).reshape(2, n),
                       new(Segments, zip(*segments)) if segments else new(Segments, ((),) * 8),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
-                      new(UnitLayout, (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg), tuple(seg_grads),
-                                       tuple(tbytes))))
+                      new(UnitLayout, (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg),
+                                       tuple(seg_grads), tuple(tbytes))))
 
     # -- the layout kernel: See [Note: layout kernel] ---------------------------------------
 
@@ -342,7 +388,8 @@ class Layouts:
             self._tables = mid, LayoutTables(
                 e_anc=anc_ids([e.anc for e in entries]),
                 e_piece=np.array(e_piece, dtype=np.int64).reshape(-1),
-                e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]], dtype=np.float64).reshape(2, -1),
+                e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]],
+                                dtype=np.float64).reshape(2, -1),
                 e_int=np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp] for e in entries],
                                dtype=np.int64).reshape(-1, 5).T.copy(),
                 keep_of=np.array([self._keep[pc] for pc in pieces], dtype=np.int64),
@@ -369,9 +416,11 @@ class Layouts:
         new = tuple.__new__  # the named tuples from their fields in order (faster than keywords)
         return Layout(u_i[:8], u_f[:2], new(Segments, (seg_u[:s], *seg_f[:, :s])),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
-                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[2], u_f[3])))
+                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[2],
+                                       u_f[3])))
 
-    def _split(self, r: int, groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
+    def _split(self, r: int,
+               groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
         """How units owning ``groups`` (modules relative to the piece, one tuple per
         unit: local ids 0..k-1; id k is the unit around them) split run ``r``: its
         segments as (local id, first entry, end), and the local owner of each of the

@@ -1,76 +1,21 @@
-"""plan -> CostEstimate: an event simulation of one FSDP2 training step, per rank.
+"""plan -> CostEstimate: one FSDP2 training step per rank, as the ``Simulator`` scores it.
 
-Two lanes: *compute* (the default stream / the Python thread on CPU) and
-*comm* (collectives). The simulation walks the forward in execution order and
-the backward in reverse, placing each unit's all-gather, compute and
-reduce-scatter where FSDP2 places them, and tracks memory at every event.
-The notes below are the assumptions; code cites them as ``# See [Note: ...]``.
-``layout.py`` turns a plan's units into the segments walked here ([Note:
-segments]); ``calls.py`` holds [Note: gradient sites], [Note: progressive backward].
-
-[Note: all-gather issue] A unit's all-gather is issued at its pre-forward.
-On a GPU the CPU runs ahead, so the next unit's all-gather is already issued
-while this unit computes (FSDP2 lets at most one all-gather run ahead:
-depth 1). On CPU (gloo) there is no running ahead: without explicit prefetch
-the all-gather is issued when compute reaches the unit, and is exposed.
-``PlanSpec.forward_prefetch = k`` issues it k units early
-(``set_modules_to_forward_prefetch``). All collectives share one lane and
-run in issue order.
+``layout.py`` turns a plan's units into the segments the step walks ([Note:
+segments]); ``step.py`` walks it on two lanes, *compute* and *comm*, and
+holds the notes on how FSDP2 schedules a step and what memory holds
+([Note: all-gather issue], [Note: backward schedule], [Note: memory],
+[Note: overlap] and the rest); ``calls.py`` holds [Note: gradient sites],
+[Note: progressive backward]. This file prepares the loop's inputs for a plan
+(per-unit bytes and collective times, cached; the plan's per-unit choices),
+runs it once per accumulation mode, and adds the optimizer step. Its
+modelling decisions are the notes below; code cites them as
+``# See [Note: ...]``.
 
 [Note: reshard after forward] True frees the gathered parameters after the
 unit's last forward segment and re-gathers them in backward; False keeps them
 to backward (no second all-gather); an int N keeps a 1/N copy and re-gathers
 over N ranks of one node. Plans keep the root unsharded (False), FSDP2's
 default for the root.
-
-[Note: backward schedule] Backward walks the segments in reverse. At a
-unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
-the next unit's in backward order ([Note: pre-backward] the first of these
-beside the output's gradient, on which FSDP2's hook fires; measured: moe-tiny's
-4-block unit peaked in that prefetch). A checkpointed unit first recomputes
-its forward, each checkpointed block paying the profile's measured
-``checkpoint_overhead_s`` on top. After the unit's last backward segment its
-gradients are reduce-scattered (then all-reduced across the replicate axis
-under HSDP); the unsharded gradients live until the next unit's
-post-backward (See [Note: reduce-scatter buffer]). The step ends when the
-last collective lands, plus the optimizer step (memory-bound on the local shard).
-
-[Note: memory] At any instant: sharded parameters + sharded gradients +
-optimizer state (all / shard size) + gathered units + unsharded gradients
-awaiting reduce-scatter + saved activations not yet consumed + the working
-set of the segment computing now (its largest module output, twice: the
-output and the incoming gradient in backward). A checkpointed unit keeps only
-its input during forward and re-saves its activations while it recomputes.
-
-[Note: reduce-scatter buffer] At a unit's post-backward FSDP2 copies its
-unsharded gradients into one reduce-scatter input buffer (both exist for a
-moment), frees the gradients, and keeps the buffer referenced until the next
-unit's post-backward, which first waits for that reduce-scatter
-(``reduce_scatter_max_input_buffers = 1``); the last is freed when backward
-ends. So a unit's gradients are held until the next unit in backward order
-finishes, however fast the collective is; the sharded gradients are
-allocated when the reduce-scatter is issued.
-
-[Note: loss] The loss runs after forward, outside every module. While it
-runs, memory holds the model's output and the tensors the loss creates (the
-tracer's ``loss_peak_bytes``: for cross-entropy a flattened copy and
-log_softmax's output); afterwards what it saved (``loss_saved_bytes``) stays
-until its backward, which holds two gradients of the output's size.
-
-[Note: all-gather buffer] FSDP2 (torch 2.13, ``wait_for_unshard``) keeps a
-forward all-gather's output after its copy-out, to overlap the copy-out with
-the next collective, and frees it just before the next unit's copy-out; the
-root's post-forward frees the last one. So while forward computes, the unit
-before holds its gathered size once more (the whole model for a root-only
-plan), on every device (measured, 2 gloo ranks: wide-shallow's one unit peaked
-in a forward matmul beside that buffer). Backward all-gathers free theirs at
-once; a shard group of one gathers nothing.
-
-[Note: overlap] Collectives are not free when overlapped: a compute segment
-that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
-times longer over the overlapped part, and a collective issued while compute
-is busy runs ``1 + overlap_comm_slowdown`` times longer. Both factors are
-measured by the profiler.
 
 [Note: accumulation sync] With k micro-batches per step FSDP2 can
 synchronise gradients two ways. ``every``: each micro-batch reduce-scatters
@@ -89,7 +34,7 @@ the faster that fits ``memory_budget_bytes`` (else the smaller peak);
 ``CostEstimate.accumulation_sync`` says which.
 
 [Note: simulator speed] The search scores thousands of plans, so with numba
-installed three pieces are compiled (``step.py``, [Note: compiled step loop]):
+installed three pieces are compiled (``backend.py``, [Note: compiled step loop]):
 the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
 lookup of collective times; without numba the same step loop runs as Python
 and layouts reuse block cuts across blocks and plans ([Note: cut pieces]).
@@ -101,7 +46,7 @@ Caching never changes a result: a fresh simulator and one that has scored
 many other plans agree exactly (``tests/cost/test_simulate.py``). A plan
 whose layout is cached scores in ~25 us, so the records made per plan are
 named tuples built by ``tuple.__new__`` from their fields in order ([Note:
-step loop inputs] in ``step.py``), and a collective over one rank is not
+step loop inputs] in ``step_inputs.py``), and a collective over one rank is not
 looked up (it is 0 s). ``benchmarks/sim_speed.py`` measures plans per
 second, compiled and Python; ``scripts/sim_speed_ab.py`` compares two
 checkouts in paired CPU time.
@@ -115,7 +60,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from wrapopt.cost import step as steploop
+from wrapopt.cost.backend import Backend
+from wrapopt.cost.collectives import CollectiveTimes
+from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
 from wrapopt.cost.layout import (
     KEEPS,
     NUMEL,
@@ -127,11 +74,22 @@ from wrapopt.cost.layout import (
     Layouts,
     unit_modules,
 )
+from wrapopt.cost.step import KINDS, LANES
+from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.cost.tp import tp_view
-from wrapopt.cost.step import Backend, PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
-from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, OptimizerKind, PlanSpec, SimOptions, TimelineEvent, UnitCosts
+from wrapopt.spec import (
+    SYNC_MODES,
+    CostEstimate,
+    MeshSpec,
+    ModelGraph,
+    OptimizerKind,
+    PlanSpec,
+    SimOptions,
+    TimelineEvent,
+    UnitCosts,
+    UnitSpec,
+)
 from wrapopt.tp import TPSpec
 from wrapopt.units import validate_plan
 
@@ -150,7 +108,7 @@ _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulate
 
 
 class _MeshCosts(NamedTuple):
-    """Per set of units and mesh: the units' bytes and collective times."""
+    """Per set of units and mesh: the units' bytes and collective times, static memory, the optimizer step."""
 
     gathered_bytes: np.ndarray
     grad_bytes: np.ndarray
@@ -160,6 +118,9 @@ class _MeshCosts(NamedTuple):
     # the first five columns of ``UnitPlan`` (gathered and gradient bytes, all-gather, reduce-scatter,
     # all-reduce times), as rows of one float64 array
     columns: tuple[np.ndarray, ...]
+    sharded_params_bytes: float  # See [Note: memory]
+    optimizer_bytes: float  # optimizer state, sharded
+    optim_s: float  # the optimizer step: See ``Simulator._optimizer_s``
 
 
 class _Run(NamedTuple):
@@ -171,6 +132,15 @@ class _Run(NamedTuple):
     sharded_grads_bytes: float  # sharded gradients in place before backward
     events: np.ndarray  # the step loop's recorded events
     result: StepResult
+
+
+class _Choices(NamedTuple):
+    """One plan's per-unit choices as the step loop reads them: See [Note: reshard after forward]."""
+
+    regather_s: np.ndarray  # backward all-gather (0: kept since forward)
+    kept_bytes: np.ndarray  # parameters kept from forward to backward
+    checkpoint: np.ndarray  # bool
+    any_checkpoint: bool
 
 
 class _UnitSet(NamedTuple):
@@ -191,8 +161,8 @@ class Simulator:
     of units), which keeps the search from ever waiting on the cost model.
     """
 
-    def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile, options: SimOptions | None = None,
-                 *, backend: str | Backend | None = None):
+    def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile,
+                 options: SimOptions | None = None, *, backend: str | Backend | None = None):
         """``backend``: 'compiled' (numba), 'python', a ``Backend``, or None for the default:
         compiled when numba is installed, unless ``WRAPOPT_JIT=0``. See [Note: compiled step loop]."""
         self.options = options or SimOptions()
@@ -209,8 +179,7 @@ class Simulator:
         self.backend = Backend.of(backend)
         self.layout = Layouts(graph, compute, self.options, backend=self.backend)
         self._elem = self.layout.elem  # storage bytes per element
-        self._colls: dict[tuple[str, int, int, float], tuple[float, str | None]] = {}  # collective times by size
-        self._tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, dict[float, set[str]]]] = {}  # the same
+        self.collectives = CollectiveTimes(fabric, self.backend)  # collective times by size
         self._sets: dict[tuple[tuple[str, ...], ...], _UnitSet] = {}  # per set of units (and mesh)
         self._num_tensors = trainable_tensors(graph)  # the optimizer steps these only
         self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
@@ -222,7 +191,8 @@ class Simulator:
             overlap_compute=1.0 + fabric.overlap_compute_slowdown,  # See [Note: overlap]
             overlap_comm=1.0 + fabric.overlap_comm_slowdown,
             unit_overhead_s=compute.unit_overhead_s,
-            checkpoint_overhead_s=compute.checkpoint_overhead_s,  # per checkpointed block (a segment that starts a piece)
+            # per checkpointed block (a segment that starts a piece)
+            checkpoint_overhead_s=compute.checkpoint_overhead_s,
             # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
             loss_s=float(compute.loss_s * scale), loss_work_bytes=float(out_b + graph.loss_peak_bytes * scale),
             output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale),
@@ -232,51 +202,8 @@ class Simulator:
     # -- collectives ----------------------------------------------------------------------
 
     def _coll(self, name: str, group: int, rpn_in_group: int, nbytes: float, notes: set[str]) -> float:
-        key = (name, group, rpn_in_group, nbytes)
-        hit = self._colls.get(key)
-        if hit is None:
-            if len(self._colls) > 65536:
-                self._colls.clear()
-            hit = self._colls[key] = self.fabric.collective_s(name, group, rpn_in_group, nbytes)
-        t, caveat = hit
-        if caveat:
-            notes.add(caveat)
-        return t
-
-    def _colls_of(self, name: str, group: int, rpn_in_group: int, nbytes: np.ndarray, notes: set[str]) -> np.ndarray:
-        """``_coll`` of every size in ``nbytes``, from a table per collective and group:
-        its sizes sorted, their times, and the caveats of extrapolated sizes."""
-        if group <= 1:  # one rank moves nothing: FabricProfile.collective_s is 0 s with no caveat (full-shard all-reduce)
-            return np.zeros(nbytes.shape[0])
-        key = (name, group, rpn_in_group)
-        sizes, times, caveats = self._tables.get(key) or (np.zeros(0), np.zeros(0), {})
-        fns = self.backend.kernels
-        lookup, merge = (fns.lookup, fns.merge) if fns else (steploop.lookup, steploop.merge)
-        try:
-            out, missing = lookup(sizes, times, nbytes)
-            if missing:  # new sizes: add them to the table
-                if len(sizes) > 65536:
-                    sizes, times, caveats = np.zeros(0), np.zeros(0), {}
-                # the missing sizes once each, ascending (np.unique takes ~4 us, a set ~1 us)
-                new = sorted(set(nbytes[np.isnan(out)].tolist()))
-                made = []
-                for b in new:
-                    extra: set[str] = set()
-                    made.append(self._coll(name, group, rpn_in_group, b, extra))
-                    if extra:
-                        caveats[b] = extra
-                sizes, times = merge(sizes, times, np.array(new, dtype=np.float64), np.array(made, dtype=np.float64))
-                self._tables[key] = (sizes, times, caveats)
-                out, missing = lookup(sizes, times, nbytes)
-        except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
-            if fns is None:
-                raise
-            self.backend.fall_back(f"{type(e).__name__}: {e}")
-            return self._colls_of(name, group, rpn_in_group, nbytes, notes)
-        if caveats:  # extrapolated sizes: See FabricProfile.collective_s
-            for b in caveats.keys() & set(nbytes.tolist()):
-                notes.update(caveats[b])
-        return out
+        """One collective's seconds (``CollectiveTimes.time``), as the chain DP reads them."""
+        return self.collectives.time(name, group, rpn_in_group, nbytes, notes)
 
     def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[Segments, UnitLayout]:
         """``lay.seg_cols`` and ``lay.unit_cols``: numpy arrays for the compiled loop, tuples
@@ -288,12 +215,14 @@ class Simulator:
         if hit is None:
             segs, cols = lay.seg_cols, lay.unit_cols
             if arrays:  # as the layout kernel makes them: See [Note: layout kernel]
-                segs = Segments(np.array(segs.unit, dtype=np.int64), *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
+                segs = Segments(np.array(segs.unit, dtype=np.int64),
+                                *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
                 cols = UnitLayout(np.array(cols.forward, dtype=np.int64), np.array(cols.backward, dtype=np.int64),
                                   *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
                                   *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
             else:
-                segs, cols = Segments._make(tuple(c.tolist()) for c in segs), UnitLayout._make(tuple(c.tolist()) for c in cols)
+                segs = Segments._make(tuple(c.tolist()) for c in segs)
+                cols = UnitLayout._make(tuple(c.tolist()) for c in cols)
             if len(self._cols) > 4096:
                 self._cols.clear()
             hit = self._cols[key] = (segs, cols)
@@ -314,50 +243,79 @@ class Simulator:
             hit = self._tp_views[key] = (Simulator(g, self.fabric, c, opts, backend=self.backend), notes)
         return hit
 
-    # -- the step ---------------------------------------------------------------------------
+    # -- the step: ``simulate`` and its phases, in the order it runs them --------------------
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
-        if plan.tp is not None:  # FSDP on the data-parallel mesh of one tensor-parallel rank's model
-            sub, tp_notes = self.for_tp(plan.tp, plan.mesh.tp_size)
-            est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel(), tp=None), record=record)
-            return replace(est, notes=tuple(sorted(set(est.notes) | tp_notes))) if tp_notes else est
-        units, mesh, opt = plan.units, plan.mesh, self.options
+        if plan.tp is not None:
+            return self._simulate_tp(plan, record)
+        units, mesh = plan.units, plan.mesh
         mods = tuple(map(unit_modules, units))
+        per_set = self._unit_set(units, mods)
+        per_mesh = self._mesh_costs(per_set, units, mesh)
+        notes = set(per_mesh.notes)
+        choices = self._reshard_choices(units, mesh, per_mesh, notes)
+        run = self._run(plan, per_set, mods, per_mesh, choices, record)
+        if run is None:  # compiled code failed: its backend runs Python from now on
+            return self.simulate(plan, record=record)
+        return self._estimate(plan, per_set, per_mesh, choices, run, notes, record)
+
+    # -- tensor-parallel dispatch
+
+    def _simulate_tp(self, plan: PlanSpec, record: bool) -> CostEstimate:
+        """FSDP on the data-parallel mesh of one tensor-parallel rank's model: See [Note:
+        tensor parallel costs] in tp.py."""
+        sub, tp_notes = self.for_tp(plan.tp, plan.mesh.tp_size)
+        est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel(), tp=None), record=record)
+        return replace(est, notes=tuple(sorted(set(est.notes) | tp_notes))) if tp_notes else est
+
+    # -- cache lookups: what every plan of these units (and mesh) shares
+
+    def _unit_set(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...]) -> _UnitSet:
+        """Per set of units: its layout and sums. See [Note: simulator speed]."""
         per_set = self._sets.get(mods)
-        if per_set is None:  # what every plan of these units shares: See [Note: simulator speed]
+        if per_set is None:
             lay = self.layout.build(units, mods)  # not via the layout cache: this one is the cache
             if len(self._sets) > 4096:
                 self._sets.clear()
             storage, trainable = lay.counts[STORAGE:TRAINABLE_BYTES + 1:TRAINABLE_BYTES - STORAGE].sum(1).tolist()
             fwd, bwd = lay.times.tolist()
-            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))  # its fields
-        lay, storage, trainable = per_set.layout, per_set.storage_bytes, per_set.trainable_bytes
-        n = len(units)
-        notes: set[str] = set()
-        shard = mesh.shard_size
-        gather_elem, reduce_elem = self._gather_elem, self._reduce_elem
+            # in _UnitSet's field order
+            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))
+        return per_set
 
+    def _mesh_costs(self, per_set: _UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec) -> _MeshCosts:
+        """Per set of units and mesh: bytes and collective times of every unit, static memory
+        and the optimizer step."""
         cached = per_set.per_mesh.get(mesh)
-        if cached is None:  # per set of units and mesh: bytes and collective times of every unit
+        if cached is None:
+            lay, shard = per_set.layout, mesh.shard_size
             rpn_shard = min(shard, mesh.ranks_per_node)
             rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
-            P = lay.counts[NUMEL] * gather_elem  # gathered bytes
-            G = lay.counts[TRAINABLE_NUMEL] * reduce_elem  # unsharded grad bytes
+            P = lay.counts[NUMEL] * self._gather_elem  # gathered bytes
+            G = lay.counts[TRAINABLE_NUMEL] * self._reduce_elem  # unsharded grad bytes
             cn: set[str] = set()
-            ag = self._colls_of("all_gather", shard, rpn_shard, P, cn)
-            rs = self._colls_of("reduce_scatter", shard, rpn_shard, G, cn)
-            ar = self._colls_of("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
+            ag = self.collectives.times("all_gather", shard, rpn_shard, P, cn)
+            rs = self.collectives.times("reduce_scatter", shard, rpn_shard, G, cn)
+            ar = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
             columns = (P, G, ag, rs, ar)
             if not all(c.dtype == np.float64 for c in columns):  # P and G are integers for an integer dtype size
                 columns = tuple(np.array(columns, dtype=np.float64))
+            unit_costs = UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED])
+            sharded_params, optim = self._static_bytes(per_set, shard)
+            optim_s = self._optimizer_s(per_set.trainable_bytes, mesh)
             cached = per_set.per_mesh[mesh] = _new(_MeshCosts, (  # in _MeshCosts' field order
-                P, G, ag, UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED]), frozenset(cn), columns))
-        P, G, ag = cached.gathered_bytes, cached.grad_bytes, cached.all_gather_s
-        notes.update(cached.notes)
-        # Per-unit choices: See [Note: reshard after forward].
-        rafs = list(map(_RESHARD, units))
-        code = np.array([-1 if r is True else r for r in rafs], dtype=np.int64)  # True: -1, False: 0, else N
+                P, G, ag, unit_costs, frozenset(cn), columns, sharded_params, optim, optim_s))
+        return cached
+
+    # -- reshard and checkpoint choices
+
+    def _reshard_choices(self, units: tuple[UnitSpec, ...], mesh: MeshSpec, per_mesh: _MeshCosts,
+                         notes: set[str]) -> _Choices:
+        """Per unit: backward re-gather time, bytes kept from forward to backward, checkpointing.
+        See [Note: reshard after forward]."""
+        P, ag, shard = per_mesh.gathered_bytes, per_mesh.all_gather_s, mesh.shard_size
+        code = np.array([-1 if r is True else r for r in map(_RESHARD, units)], dtype=np.int64)  # True: -1, False: 0
         rag = np.where(code < 0, ag, 0.0)  # backward re-gather cost per unit
         keep = np.where(code == 0, P, 0.0)  # bytes kept between forward and backward
         if code.max() > 0:  # N: each rank keeps 1/N and re-gathers within N ranks
@@ -365,101 +323,129 @@ class Simulator:
                 at = np.flatnonzero(code == raf)
                 keep[at] = P[at] // raf if raf < shard else P[at]
                 if raf > 1:
-                    rag[at] = self._colls_of("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
+                    rag[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
         cks = list(map(_CHECKPOINT, units))
-        ck = np.array(cks, dtype=np.bool_)
-        any_ck = any(cks)
+        return _new(_Choices, (rag, keep, np.array(cks, dtype=np.bool_), any(cks)))  # in _Choices' field order
 
-        # Static memory: See [Note: memory].
-        sharded_params = storage / shard
-        # Sharded gradients appear unit by unit as reduce-scatters land (zero_grad(set_to_none=True)).
-        optim = trainable * self._states / shard
-        micro = opt.grad_accumulation
-        # See [Note: accumulation sync]: which modes to score.
-        modes = self._modes
+    # -- the step loop, once per accumulation mode, on the backend
 
-        # The step loop: See [Note: compiled step loop] and [Note: step loop inputs] in step.py.
+    def _run(self, plan: PlanSpec, per_set: _UnitSet, mods: tuple[tuple[str, ...], ...], per_mesh: _MeshCosts,
+             choices: _Choices, record: bool) -> _Run | None:
+        """The step loop in each accumulation mode (See [Note: accumulation sync]) and the run
+        the estimate reports; None when compiled code failed (See [Note: compiled step loop]
+        and [Note: step loop inputs] in step_inputs.py)."""
+        lay, shard, micro = per_set.layout, plan.mesh.shard_size, self.options.grad_accumulation
+        trainable = per_set.trainable_bytes
+        sharded_params, optim = per_mesh.sharded_params_bytes, per_mesh.optimizer_bytes
         backend = self.backend
         compiled = backend.kernels is not None
         seg_cols, lay_cols = self._columns(lay, mods, compiled)
-        unit_cols = (*cached.columns, rag, keep, ck)  # UnitPlan's fields
+        unit_cols = (*per_mesh.columns, choices.regather_s, choices.kept_bytes, choices.checkpoint)  # UnitPlan's
         unit_cols = _new(UnitPlan, unit_cols if compiled else [c.tolist() for c in unit_cols])
         depth = max(plan.forward_prefetch, 1 if self._runs_ahead else 0)
         runs = []
-        for mode in modes:
+        for mode in self._modes:
             if mode == "every":
                 # Later micro-batches start with every sharded gradient in place (the loop
                 # adds none: an infinite shard); no unsharded gradients are held.
-                held, static, loop_shard, sharded_grads = 0, sharded_params + optim + trainable / shard, float("inf"), trainable / shard
+                held, sharded_grads = 0, trainable / shard
+                static, loop_shard = sharded_params + optim + sharded_grads, float("inf")
             else:
-                held = sum(G.tolist()) if micro > 1 else 0  # unsharded grads held across micro-batches (no-sync)
+                held = sum(per_mesh.grad_bytes.tolist()) if micro > 1 else 0  # held across micro-batches (no-sync)
                 static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
             scalars = _new(PlanScalars, (float(static), loop_shard, depth, record, bool(shard > 1)))  # in field order
-            ev_rows = np.zeros((3 * n + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
+            ev_rows = np.zeros((3 * len(plan.units) + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
             try:
-                res = backend.step(seg_cols, lay_cols, unit_cols, scalars,
-                                   self._constants, ev_rows)
+                res = backend.step(seg_cols, lay_cols, unit_cols, scalars, self._constants, ev_rows)
             except Exception as e:  # noqa: BLE001 - any compile failure: See [Note: compiled step loop]
                 if not compiled:
                     raise
                 backend.fall_back(f"{type(e).__name__}: {e}")
-                return self.simulate(plan, record=record)
-            if len(modes) > 1:  # kept to choose from below (one mode: its locals stand)
-                runs.append(_new(_Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in _Run's field order
-        grads_before = sharded_grads
-        if runs:  # the faster that fits, else the smaller peak
-            limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
-            fit = [r for r in runs if r.result.peak_bytes <= limit]
-            last, every = runs
-            times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
-            run = min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)
-            mode, static, held, grads_before = run.mode, run.static_bytes, run.held_bytes, run.sharded_grads_bytes
-            ev_rows, res = run.events, run.result
-        fwd_end, bwd_end, end, peak, peak_parts = res.fwd_end, res.bwd_end, res.end, res.peak_bytes, res.peak_parts
-        comm_total = res.comm_s
-        ev = [TimelineEvent(steploop.LANES[int(r[0])], steploop.KINDS[int(r[1])], units[int(r[2])].name, float(r[3]),
-                            float(r[4]), int(r[5])) for r in ev_rows[:res.num_events]] if record else []
-        # Optimizer: read/write the local shard of the trainable parameters and its states
-        # (memory-bound), plus a fixed dispatch cost per trainable tensor (dominant for small
-        # models; frozen parameters have no gradient and are skipped). Both calibrated by the
-        # profiler's AdamW steps on fully_shard parameters, the per-tensor cost separately for
-        # 2-D meshes (HSDP, no-shard): see profile/compute.py::measure_optimizer.
+                return None
+            runs.append(_new(_Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in _Run's field order
+        return runs[0] if len(runs) == 1 else self._choose(runs)
+
+    def _static_bytes(self, per_set: _UnitSet, shard: int) -> tuple[float, float]:
+        """Sharded parameters and optimizer state: See [Note: memory]. (Sharded gradients
+        appear unit by unit as reduce-scatters land: zero_grad(set_to_none=True).)"""
+        return per_set.storage_bytes / shard, per_set.trainable_bytes * self._states / shard
+
+    def _choose(self, runs: list[_Run]) -> _Run:
+        """Of the runs in modes 'last' and 'every', the faster that fits the memory budget,
+        else the smaller peak: See [Note: accumulation sync]."""
+        opt, micro = self.options, self.options.grad_accumulation
+        limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
+        fit = [r for r in runs if r.result.peak_bytes <= limit]
+        last, every = runs
+        times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
+        return min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)
+
+    # -- event decoding, the optimizer, the result
+
+    @staticmethod
+    def _timeline(run: _Run, units: tuple[UnitSpec, ...]) -> list[TimelineEvent]:
+        """The step loop's recorded rows as events (codes: ``step.LANES``, ``step.KINDS``)."""
+        return [TimelineEvent(LANES[int(r[0])], KINDS[int(r[1])], units[int(r[2])].name, float(r[3]), float(r[4]),
+                              int(r[5])) for r in run.events[:run.result.num_events]]
+
+    def _optimizer_s(self, trainable: int, mesh: MeshSpec) -> float:
+        """The optimizer step: read/write the local shard of the trainable parameters and its
+        states (memory-bound), plus a fixed dispatch cost per trainable tensor (dominant for
+        small models; frozen parameters have no gradient and are skipped). Both calibrated by
+        the profiler's AdamW steps on fully_shard parameters, the per-tensor cost separately
+        for 2-D meshes (HSDP, no-shard): see profile/compute.py::measure_optimizer."""
         cp = self.compute
-        optim_s = (trainable / shard) * (2 + 2 * self._states) / (
+        optim_s = (trainable / mesh.shard_size) * (2 + 2 * self._states) / (
             cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
         if self._stepping:
             per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
             optim_s += self._num_tensors * per_tensor
-        step = end + optim_s
-        if record:
-            ev.append(TimelineEvent("compute", "optim", "<all>", end, step, int(static)))
+        return optim_s
 
-        if micro > 1:
-            if mode == "every":  # every micro-batch: forward, backward and its reduce-scatters
-                step += (micro - 1) * end
-                comm_total *= micro
-            else:
-                # Earlier micro-batches: the same forward and backward without the
-                # reduce-scatters (set_requires_gradient_sync(False)).
-                step += (micro - 1) * bwd_end
+    def _compute_s(self, per_set: _UnitSet, choices: _Choices) -> float:
+        """Compute of all micro-batches: forward and backward, recomputed forwards and their
+        overhead, and the loss."""
+        lay, ck, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
         compute_s = per_set.compute_s + (sum(lay.times[0][ck].tolist()) if any_ck else 0)  # sum([]) is 0
         ck_oh = self._constants.checkpoint_overhead_s
         if ck_oh and any_ck:
             compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
-        compute_s += self.compute.loss_s * opt.batch_scale
-        compute_s *= micro
-        exposed = max(0.0, step - compute_s - optim_s)
-        parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, held)
+        compute_s += self.compute.loss_s * self.options.batch_scale
+        return compute_s * self.options.grad_accumulation
+
+    def _estimate(self, plan: PlanSpec, per_set: _UnitSet, per_mesh: _MeshCosts, choices: _Choices, run: _Run,
+                  notes: set[str], record: bool) -> CostEstimate:
+        """The ``CostEstimate`` of ``run``: the step's time with the optimizer and the earlier
+        micro-batches (See [Note: accumulation sync]), and the peak's breakdown."""
+        res, micro, mode = run.result, self.options.grad_accumulation, run.mode
+        ev = self._timeline(run, plan.units) if record else []
+        optim_s = per_mesh.optim_s
+        step = res.end + optim_s
+        if record:
+            ev.append(TimelineEvent("compute", "optim", "<all>", res.end, step, int(run.static_bytes)))
+        comm_total = res.comm_s
+        if micro > 1:
+            if mode == "every":  # every micro-batch: forward, backward and its reduce-scatters
+                step += (micro - 1) * res.end
+                comm_total *= micro
+            else:
+                # Earlier micro-batches: the same forward and backward without the
+                # reduce-scatters (set_requires_gradient_sync(False)).
+                step += (micro - 1) * res.bwd_end
+        compute_s = self._compute_s(per_set, choices)
+        sharded_params, optim = per_mesh.sharded_params_bytes, per_mesh.optimizer_bytes
+        grads_before, peak_parts = run.sharded_grads_bytes, res.peak_parts
+        parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, run.held_bytes)
         return CostEstimate(
             step_s=step,
-            fwd_s=fwd_end,
-            bwd_s=bwd_end - fwd_end,
+            fwd_s=res.fwd_end,
+            bwd_s=res.bwd_end - res.fwd_end,
             compute_s=compute_s,
             comm_s=comm_total,
-            exposed_comm_s=exposed,
-            peak_bytes=int(peak),
+            exposed_comm_s=max(0.0, step - compute_s - optim_s),
+            peak_bytes=int(res.peak_bytes),
             peak_breakdown=tuple(zip(_PEAK_PARTS, map(int, parts + peak_parts[1:]))),
-            units=cached.units,
+            units=per_mesh.units,
             timeline=tuple(ev),
             notes=tuple(sorted(notes)),
             optim_s=optim_s,

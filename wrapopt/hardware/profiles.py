@@ -410,7 +410,7 @@ class ComputeProfile:
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
     # Whether the host runs ahead of the device, so that a unit's all-gather is issued
     # while the previous unit computes (a GPU stream); False on a CPU, where each
-    # op runs as the host issues it. See [Note: all-gather issue] in cost/simulate.py.
+    # op runs as the host issues it. See [Note: all-gather issue] in cost/step.py.
     runs_ahead: bool = True
     # (tensor-parallel degree, throughput of a projection split that many ways / unsplit):
     # measured on the model's largest projection; none: split matmuls are taken to run

@@ -15,7 +15,7 @@ time splits into windows that couple only neighbouring units:
   all-gather when W resharded to one node), and W cannot start before both land.
 
 Memory is checked in every backward window, following the simulator's
-accounting (``cost/simulate.py``, [Note: memory]). In V's window it is
+accounting (``cost/step.py``, [Note: memory]). In V's window it is
 
     static + A(<V) + P_V + regather_W + acts_V + G_V + G_X + SG(after X) + 2 * work
 
