@@ -199,12 +199,6 @@ class Simulator:
             collective_copy=float(fabric.collective_copies))  # See [Note: collective copies]
         self._cols: dict[tuple[Any, bool], tuple[Segments, UnitLayout]] = {}  # per layout
 
-    # -- collectives ----------------------------------------------------------------------
-
-    def _coll(self, name: str, group: int, rpn_in_group: int, nbytes: float, notes: set[str]) -> float:
-        """One collective's seconds (``CollectiveTimes.time``), as the chain DP reads them."""
-        return self.collectives.time(name, group, rpn_in_group, nbytes, notes)
-
     def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[Segments, UnitLayout]:
         """``lay.seg_cols`` and ``lay.unit_cols``: numpy arrays for the compiled loop, tuples
         for the Python one. Converted (and cached per set of units) when the layout holds the other kind."""

@@ -127,11 +127,11 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
     for i in range(n):
         for s in range(1, min(max_group, n - i) + 1):
             p, g = sum(P[i:i + s]), sum(G[i:i + s])
-            ag[(i, s)] = sim._coll("all_gather", shard, rpn, p, notes)
-            rs[(i, s)] = (sim._coll("reduce_scatter", shard, rpn, g, notes)
-                          + sim._coll("all_reduce", rep, rpn_rep, g / shard, notes))
+            ag[(i, s)] = sim.collectives.time("all_gather", shard, rpn, p, notes)
+            rs[(i, s)] = (sim.collectives.time("reduce_scatter", shard, rpn, g, notes)
+                          + sim.collectives.time("all_reduce", rep, rpn_rep, g / shard, notes))
             for r in node_rafs:
-                rag[(i, s, r)] = sim._coll("all_gather", r, min(r, mesh.ranks_per_node), p, notes)
+                rag[(i, s, r)] = sim.collectives.time("all_gather", r, min(r, mesh.ranks_per_node), p, notes)
     runs_ahead = sim.compute.runs_ahead or forward_prefetch > 0  # See [Note: all-gather issue]
     return ChainCosts(
         blocks=chain,
