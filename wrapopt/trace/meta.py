@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_map
 
 from wrapopt.errors import ModelError, TraceError
 from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
-from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
+from wrapopt.spec import ROOT, ModelGraph, ModuleInfo, TraceRecord
 from wrapopt.trace.fx import export_fx
 from wrapopt.tp import attention_heads
 from wrapopt.trace.ops import FusedAttention, Recorder, dtype_name, nbytes, storage_key, tensors_in
@@ -198,8 +198,7 @@ def trace_model(
         param_shapes=tuple(sorted(shapes)),
         input_bytes=nbytes(example_inputs) + nbytes(example_kwargs),
         estimates=tuple(estimates[:-1]),
-        fx_graph=fx_graph,
-        dataflow=dataflow,
+        trace=TraceRecord(fx_graph=fx_graph, dataflow=dataflow),
         loss_saved_bytes=rec.loss_saved,
         loss_peak_bytes=rec.loss_peak,
         param_users=_param_users(by_id, rec.param_reads),
