@@ -101,7 +101,7 @@ def planning_section() -> list[str]:
 
     lines = ["## Planning at scale (SIMULATED on analytical fabrics, not measured)", "",
              "Predicted per-rank step time and peak memory; budget 80 GiB x 0.9. Fabric numbers are stated, with "
-             "sources, in `wrapopt/fabric.py` and the main README.", ""]
+             "sources, in `wrapopt/hardware/presets.py` and the main README.", ""]
     for name in ("llama-7b", "llama-70b"):
         entry = zoo.get_entry(name)
         model = entry.build("meta")

@@ -5,7 +5,7 @@ order. Names are checked on every rank before any collective runs, so a typo
 fails everywhere instead of leaving some ranks waiting.
 
 Example:
-    >>> from wrapopt.inspect import full_tensor, memory_report
+    >>> from wrapopt.debug import full_tensor, memory_report
     >>> w = full_tensor(model, "layers.0.attn.q_proj.weight")  # doctest: +SKIP
     >>> print(memory_report(model, optimizer))  # doctest: +SKIP
 """

@@ -300,7 +300,7 @@ def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float
     big = nn.Sequential(*(nn.Linear(n, n, bias=False, device=device) for _ in range(4)))
     local_bytes = 4 * n * n * 4 / world
     t_big = step_time(big, mesh1) - 4 * per_tensor
-    counted = 2 + 2 * 2  # bytes per parameter byte as simulate.py counts AdamW (two states)
+    counted = 2 + 2 * 2  # bytes per parameter byte as cost/simulate.py counts AdamW (two states)
     bandwidth = local_bytes * counted / t_big if t_big > 0 else 0.0
     out = torch.tensor([per_tensor, per_tensor_2d, -bandwidth], dtype=torch.float64,
                        device=device if dist.get_backend() == "nccl" else "cpu")

@@ -293,7 +293,7 @@ class WrapPlan:
         module names only (the names must still exist). Every check runs
         before the first collective. A model on the meta device is sharded
         as it is; give it storage and values afterwards with
-        ``wrapopt.apply.materialize_sharded``.
+        ``wrapopt.plan.apply.materialize_sharded``.
 
         The mixed precision is the plan's (``train``). Passing ``train`` checks
         that the plan was scored for that step: a plan made for another one
@@ -327,7 +327,7 @@ class WrapPlan:
 
         Per unit it sets what FSDP1 can express (sharding strategy from
         ``reshard_after_forward`` and the mesh, mixed precision, forward
-        prefetch) and warns about the rest; see ``wrapopt.apply.fsdp1_policy``
+        prefetch) and warns about the rest; see ``wrapopt.plan.fsdp1.fsdp1_policy``
         and [Note: what FSDP1 can express]. A unit grouping several modules
         raises ``PlanError`` unless ``split_groups=True``.
 
