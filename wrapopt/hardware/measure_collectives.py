@@ -198,13 +198,10 @@ def measure_fabric(
     """
     world, rank, rpn = _check_arguments(collectives=collectives, warmup=warmup, repeats=repeats,
                                         ranks_per_node=ranks_per_node)
-    device_type = launch.device_type()
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device_type, device, sync, reduce_dev = _devices()
     sizes = sorted({int(s) for s in (sizes_bytes or default_sizes(device_type))})
     if not sizes or sizes[0] <= 0:
         raise ValueError(f"message sizes must be positive, got {sizes_bytes}")
-    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-    reduce_dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     t_start = time.perf_counter()
     axes = _build_axes(world, rank, rpn, tuple(tp_sizes))
@@ -221,11 +218,8 @@ def measure_fabric(
     built = _axis_profiles(axes, collectives, sizes, cells, times)
     backend = dist.get_backend()
     num_nodes = world // rpn
-    meta = _profile_meta(backend=backend, hosts=hosts, device=device, device_type=device_type, dtype=dtype,
-                         repeats=repeats, warmup=warmup, measure_overlap=measure_overlap, t_start=t_start)
-    if num_nodes > 1 and len(set(hosts)) == 1:
-        # Several "nodes" on one host (tests, demos): the inter axis is not a network.
-        meta["simulated_nodes"] = True
+    meta = _profile_meta(backend=backend, hosts=hosts, num_nodes=num_nodes, device=device, device_type=device_type,
+                         dtype=dtype, repeats=repeats, warmup=warmup, measure_overlap=measure_overlap, t_start=t_start)
     profile = FabricProfile(
         kind="measured",
         name=f"{backend}-{world}x" if num_nodes == 1 else f"{backend}-{num_nodes}x{rpn}",
@@ -262,6 +256,16 @@ def _check_arguments(*, collectives: tuple[str, ...], warmup: int, repeats: int,
     if rpn < 1 or rpn > world or world % rpn:
         raise ValueError(f"ranks_per_node={rpn} must divide the world size {world}")
     return world, rank, rpn
+
+
+def _devices() -> tuple[str, torch.device, Callable[[], None], torch.device]:
+    """The device type, the device the messages live on, its sync, and the device the
+    times are reduced on (the device under NCCL, else the CPU)."""
+    device_type = launch.device_type()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    reduce_dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    return device_type, device, sync, reduce_dev
 
 
 def _time_cells(axes: list[_Axis], collectives: tuple[str, ...], sizes: list[int], *, dtype: torch.dtype,
@@ -317,7 +321,7 @@ def _axis_profiles(axes: list[_Axis], collectives: tuple[str, ...], sizes: list[
     return tuple(built)
 
 
-def _profile_meta(*, backend: str, hosts: list[str | None], device: torch.device, device_type: str,
+def _profile_meta(*, backend: str, hosts: list[str | None], num_nodes: int, device: torch.device, device_type: str,
                   dtype: torch.dtype, repeats: int, warmup: int, measure_overlap: bool,
                   t_start: float) -> dict[str, Any]:
     """Where and how the profile was measured, for the profile's ``meta``."""
@@ -335,6 +339,9 @@ def _profile_meta(*, backend: str, hosts: list[str | None], device: torch.device
         "overlap_measured": measure_overlap,
         "measure_s": round(time.perf_counter() - t_start, 2),
     }
+    if num_nodes > 1 and len(set(hosts)) == 1:
+        # Several "nodes" on one host (tests, demos): the inter axis is not a network.
+        meta["simulated_nodes"] = True
     return meta
 
 
