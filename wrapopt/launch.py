@@ -38,8 +38,9 @@ from wrapopt.errors import DistributedError
 from wrapopt.progress import set_console
 from wrapopt.spec import MeshSpec
 
-__all__ = ["PROFILER_LOG", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port", "default_backend",
-           "device_type", "broadcast_json", "is_spawned_rank", "QUIET_ENV", "logs_line", "dp_rank_size"]
+__all__ = ["PROFILER_LOG", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port",
+           "default_backend", "device_type", "broadcast_json", "is_spawned_rank", "QUIET_ENV", "logs_line",
+           "dp_rank_size"]
 
 DEFAULT_TIMEOUT_S = 120.0
 

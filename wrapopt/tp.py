@@ -126,7 +126,8 @@ def builtin_tp_plan(graph: ModelGraph) -> TPSpec:
     """The Megatron-style ``TPSpec`` for every block class of ``graph``'s block chains;
     ``PlanError`` naming the block when one cannot be recognised. See [Note: tensor parallel]."""
     if not graph.block_chains:
-        raise PlanError(f"{graph.model_class} has no repeated blocks to tensor-parallelise; pass a TPSpec, or use --tp 1")
+        raise PlanError(f"{graph.model_class} has no repeated blocks to tensor-parallelise; "
+                        "pass a TPSpec, or use --tp 1")
     layers = []
     for chain_cls in graph.block_classes:
         first = next(b for b in graph.blocks if graph.info(b).cls == chain_cls)

@@ -107,7 +107,8 @@ def _build_axes(world: int, rank: int, ranks_per_node: int, tp_sizes: tuple[int,
     return axes
 
 
-def _collective_fn(name: str, nbytes: int, p: int, group: Any, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
+def _collective_fn(name: str, nbytes: int, p: int, group: Any, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Callable[[], Any], int]:
     """A closure running one collective of (about) ``nbytes`` unsharded bytes, and the exact bytes."""
     elem = torch.tensor([], dtype=dtype).element_size()
     numel = max(p, nbytes // elem // p * p)  # the unsharded tensor splits evenly over the group

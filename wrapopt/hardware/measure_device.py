@@ -231,7 +231,8 @@ def measure_checkpoint_overhead(model: nn.Module, example_inputs: tuple[Any, ...
     sync = sync_for(device)
 
     def fresh() -> tuple[Any, ...]:
-        return tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args)
+        return tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                     for a in args)
 
     plain, ckpt = copy.deepcopy(block), copy.deepcopy(block)
     checkpoint(ckpt)

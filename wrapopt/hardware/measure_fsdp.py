@@ -76,7 +76,8 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     n = num_layers
     per_unit_step = (t_many - t_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (n - 1)
     # Ranks must agree: the slowest rank's overhead is what every rank waits for.
-    out = torch.tensor([max(per_unit_step / 2, 0.0)], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    out = torch.tensor([max(per_unit_step / 2, 0.0)], dtype=torch.float64,
+                       device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return float(out[0])
 

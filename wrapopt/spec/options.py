@@ -70,4 +70,5 @@ class SimOptions:
         if self.batch_scale <= 0:
             raise ValueError(f"batch_scale must be positive, got {self.batch_scale}")
         if self.accumulation_sync is not None and self.accumulation_sync not in SYNC_MODES:
-            raise ValueError(f"accumulation_sync must be one of {', '.join(SYNC_MODES)} or None, got {self.accumulation_sync!r}")
+            raise ValueError(f"accumulation_sync must be one of {', '.join(SYNC_MODES)} or None, "
+                             f"got {self.accumulation_sync!r}")

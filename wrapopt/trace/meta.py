@@ -136,7 +136,8 @@ def trace_model(
         rec.saved[ROOT] -= rec.tail_saved
         rec.loss_saved, rec.loss_peak = rec.loss_saved + rec.tail_saved, max(rec.loss_peak, rec.tail_peak)
     graph = _build_graph(model, named_modules, by_id, params, rec)
-    infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"] for fqn in dict.fromkeys(f for f, _ in named_modules))
+    infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"]
+                                          for fqn in dict.fromkeys(f for f, _ in named_modules))
     chains = _block_chains(modules_by_name, infos, graph)
     shapes = tuple(
         (names[0], tuple(params[i].shape), dtype_name(params[i].dtype)) for i, names in by_id.items()

@@ -49,10 +49,10 @@ def record_step(
         if any(p.is_meta for p in params.values()):
             raise TraceError(
                 f"module {e.module!r} runs an op that needs real values ({e.cause}), also with the integer "
-                "inputs kept real; the model is on the meta device, so the tracer cannot fall back to a real run. Pass the "
-                "value it reads as an input (a real integer tensor, e.g. an attention mask of ones, which stays "
-                "real), build the model with real weights (small example inputs suffice), or remove the "
-                "data-dependent op from forward."
+                "inputs kept real; the model is on the meta device, so the tracer cannot fall back to a real run. "
+                "Pass the value it reads as an input (a real integer tensor, e.g. an attention mask of ones, "
+                "which stays real), build the model with real weights (small example inputs suffice), or remove "
+                "the data-dependent op from forward."
             ) from None
         rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=False)
         estimates.append(
@@ -157,7 +157,8 @@ def _step_tensors(
             for i, names in by_id.items()
         }
         replacement.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
-        keep = lambda x: real_ints and not x.is_floating_point()  # noqa: E731  [Note: integer inputs stay real] in trace/meta.py
+        # See [Note: integer inputs stay real] in trace/meta.py.
+        keep = lambda x: real_ints and not x.is_floating_point()  # noqa: E731
         to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not keep(x) else x  # noqa: E731
         inputs = tree_map(to_meta, inputs)
         kwargs = tree_map(to_meta, kwargs)
