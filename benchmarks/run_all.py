@@ -141,7 +141,7 @@ def main() -> int:
     ap.add_argument("--bench-world-sizes", default="2")
     ap.add_argument("--bench-plans", default="uniform", help="plan set of the bench set's models")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--confirm", type=int, default=4, help="contenders per budget re-measured (see wrapopt/evaluate.py)")
+    ap.add_argument("--confirm", type=int, default=4, help="contenders per budget re-measured (see wrapopt/evaluation/evaluate.py)")
     ap.add_argument("--confirm-repeats", type=int, default=15)
     ap.add_argument("--out", default="results")
     ap.add_argument("--skip-planning", action="store_true", help="leave out the simulated planning section")

@@ -84,6 +84,19 @@ def test_the_scan_finds_citations_and_definitions():
     assert sum(len(citations(p)) for p in _files()) > 20
 
 
+def test_a_pointer_or_a_citation_is_not_a_definition(tmp_path):
+    f = tmp_path / "a.py"
+    f.write_text("# [Note: alpha] The reasoning.\n# See [Note: beta] and [Note: gamma].\n"
+                 "# Also [Note: delta]" " in wrapopt/units.py.\n")  # split: this file is scanned too
+    assert defined_notes(f) == {"alpha"}
+
+
+def test_a_citation_may_wrap_across_comment_lines(tmp_path):
+    f = tmp_path / "a.py"
+    f.write_text("x = 1\n# See [Note: unit\n#   ownership] in\n# ``wrapopt/units.py``.\n")
+    assert citations(f) == [(2, "unit ownership", "wrapopt/units.py")]
+
+
 def test_every_note_citation_names_a_file_that_defines_the_note():
     problems = broken_citations()
     assert not problems, f"{len(problems)} broken note citation(s):\n  " + "\n  ".join(problems)
