@@ -152,7 +152,7 @@ def summarize(run: dict) -> dict:
         "median_spread": sorted(r["screen_spread"] for r in rows)[len(rows) // 2],
         "steal": run["machine"].get("steal"),
         "place_effect": place_effect(run),
-        # Measured / predicted per phase, median over plans (See [Note: phases] in evaluate.py).
+        # Measured / predicted per phase, median over plans (See [Note: phases] in wrapopt/evaluation/evaluate.py).
         "phase_ratio": {k: statistics.median(_phase_ratios(r)[k] for r in rows)
                         for k in PHASES} if all("meas_phase_s" in r for r in rows) else None,
     }

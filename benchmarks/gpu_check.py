@@ -30,8 +30,9 @@ import torch
 from wrapopt.cost import Simulator
 from wrapopt.evaluation.bench import measure_plans
 from wrapopt.fileio import atomic_write_text, fmt_bytes
-from wrapopt.hardware.measure_device import _sync_for, _time_reps, measure_compute
+from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.presets import analytical_fabric
+from wrapopt.hardware.timing import sync_for, time_reps
 from wrapopt.launch import spawn
 from wrapopt.models import zoo
 from wrapopt.search.baselines import baselines
@@ -54,13 +55,13 @@ def gemm_sweep(device: str, repeats: int = 5) -> list[dict]:
     times d x 3d, d x d, d x 4d; tokens x 4d times 4d x d), forward only: what the one fitted efficiency
     of ``benchmarks/published.py`` averages over (its 125m rows run 20% slower than it predicts)."""
     widths, tokens = GEMM_WIDTHS[device]
-    sync = _sync_for(torch.device(device))
+    sync = sync_for(torch.device(device))
     rows = []
     for d in widths:
         for name, k, n in (("qkv", d, 3 * d), ("out", d, d), ("up", d, 4 * d), ("down", 4 * d, d)):
             a = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-            t = _time_reps(lambda: torch.mm(a, b), repeats=repeats, warmup=2, sync=sync)  # noqa: B023 - called here
+            t = time_reps(lambda: torch.mm(a, b), repeats=repeats, warmup=2, sync=sync)  # noqa: B023 - called here
             rows.append({"width": d, "gemm": name, "m": tokens, "k": k, "n": n, "s": t,
                          "flops_per_s": 2 * tokens * k * n / t})
             del a, b

@@ -376,7 +376,8 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
                            f"| {p.attention_share:.0%} | {p.memory_bound_share:.0%} |")
     if rail:
         out += ["", "Multi-node rows with the rings' inter-node bandwidth modelled as before this benchmark (one NIC "
-                "per ring: the per-GPU bandwidth) and as now (See [Note: multi-rail rings] in `wrapopt/fabric.py`: "
+                "per ring: the per-GPU bandwidth) and as now (See [Note: multi-rail rings] in "
+                "`wrapopt/hardware/profiles.py`: "
                 "the ring's channels leave the node through all 8 NICs):", "",
                 "| GPU | model | seq | GPUs | micro-batch | AC | pred/pub, one NIC per ring | pred/pub, multi-rail "
                 "(used) |",

@@ -59,7 +59,7 @@ class GpuSpec:
     source: str
 
 
-_HBM_ACHIEVED = 0.8  # the analytical presets' convention (wrapopt/fabric.py)
+_HBM_ACHIEVED = 0.8  # the analytical presets' convention (wrapopt/hardware/presets.py)
 GPUS = {
     "a100_40gb": GpuSpec("A100 40GB", 312e12, 1.555e12, 40 * 2**30, "a100-nvlink-ib200",
                          "A100 SXM datasheet: 312 TFLOP/s dense bf16, HBM2 1,555 GB/s, 40 GiB"),

@@ -99,7 +99,7 @@ def planning_section() -> list[str]:
 
     lines = ["## Planning at scale (SIMULATED on analytical fabrics, not measured)", "",
              "Predicted per-rank step time and peak memory; budget 80 GiB x 0.9. Fabric numbers are stated, with "
-             "sources, in `wrapopt/fabric.py` and the main README.", ""]
+             "sources, in `wrapopt/hardware/presets.py` and the main README.", ""]
     for name in ("llama-7b", "llama-70b"):
         entry = zoo.get_entry(name)
         model = entry.build("meta")
@@ -141,7 +141,7 @@ def main() -> int:
     ap.add_argument("--bench-plans", default="uniform", help="plan set of the bench set's models")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--confirm", type=int, default=4,
-                    help="contenders per budget re-measured (see wrapopt/evaluate.py)")
+                    help="contenders per budget re-measured (see wrapopt/evaluation/evaluate.py)")
     ap.add_argument("--confirm-repeats", type=int, default=15)
     ap.add_argument("--out", default="results")
     ap.add_argument("--skip-planning", action="store_true", help="leave out the simulated planning section")

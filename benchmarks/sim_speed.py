@@ -156,7 +156,7 @@ def search_share(graph=None, trials: int = 200) -> dict:
 def cold_compile_s() -> float:
     """Seconds to compile the simulator from an empty numba cache, in a subprocess."""
     code = ("import time, sys; from benchmarks import sim_speed as s; g = s._setup(); "
-            "from wrapopt.search import baselines; from wrapopt.types import MeshSpec; "
+            "from wrapopt.search import baselines; from wrapopt.spec import MeshSpec; "
             "p = baselines(g, MeshSpec(**s.MESH))['per-block']; t = time.perf_counter(); s._new_sim(g).simulate(p); "
             "print(time.perf_counter() - t)")
     with tempfile.TemporaryDirectory() as cache:

@@ -161,8 +161,8 @@ def bench_small(name: str, factory: Callable[[], nn.Module], args: tuple[Any, ..
     eval_graph = trace_model(_build(factory, "meta").eval(), args, loss_fn=loss_fn, example_kwargs=kwargs, fx=False)
     row["saved_eval"] = sum(m.saved_bytes for m in eval_graph.modules) + eval_graph.loss_saved_bytes
     row["saved_ref_eval"] = measured_saved_bytes(_build(factory, "cpu").eval(), args, kwargs, loss_fn or default_loss)
-    row["fx_kept"] = graph.fx_graph is not None
-    row["dataflow_edges"] = graph.dataflow.number_of_edges() if graph.dataflow is not None else 0
+    row["fx_kept"] = graph.trace.fx_graph is not None
+    row["dataflow_edges"] = graph.trace.dataflow.number_of_edges() if graph.trace.dataflow is not None else 0
     row["notes"] = list(graph.estimates)
     # Real weights: the tracer must leave them alone (same objects, same values).
     before = {n: (id(p), p.detach().clone()) for n, p in real_model.named_parameters()}
@@ -197,8 +197,8 @@ def child(name: str, fx: str) -> None:
         "params_ref": sum(p.numel() for p in model.parameters()),
         "flops": sum(m.fwd_flops for m in g.modules),
         "saved": sum(m.saved_bytes for m in g.modules) + g.loss_saved_bytes,
-        "fx_kept": g.fx_graph is not None,
-        "dataflow_edges": g.dataflow.number_of_edges() if g.dataflow is not None else 0,
+        "fx_kept": g.trace.fx_graph is not None,
+        "dataflow_edges": g.trace.dataflow.number_of_edges() if g.trace.dataflow is not None else 0,
         "notes": list(g.estimates),
     }
     if fx == "auto":
@@ -302,7 +302,7 @@ def render(small: list[dict[str, Any]], big: list[dict[str, Any]], load: tuple[f
 _EXPLANATION = [
     "- `fx=auto` (the default, `fx=None`) exports the fx graph only for models of at most 200 modules; "
     "llama-7b (389) and llama-70b (965) skip it and take the module dataflow from the ops of the traced "
-    "forward instead (same definition, see `[Note: dataflow]` in `wrapopt/trace_fx.py`). `fx=on` forces "
+    "forward instead (same definition, see `[Note: dataflow]` in `wrapopt/trace/fx.py`). `fx=on` forces "
     "the export; it costs 1-2 ms per exported op on this machine, depending on load "
     "(llama-70b exports about 7,100 ops).",
     "- Forward FLOPs count matmuls, convolutions and attention (PyTorch's FLOP formulas), causal "
@@ -313,7 +313,7 @@ _EXPLANATION = [
     "- Attention dropout explains every saved-activation gap above 1%: Hugging Face GPT-2, BERT and T5 "
     "train with attention dropout 0.1, and on CPU `scaled_dot_product_attention` with `dropout_p > 0` "
     "takes the math path, which saves the seq x seq attention probabilities and the dropout mask. The "
-    "tracer models the fused kernels (`[Note: attention on meta]` in `wrapopt/trace.py`), which GPUs run "
+    "tracer models the fused kernels (`[Note: attention on meta]` in `wrapopt/trace/ops.py`), which GPUs run "
     "with dropout too (flash / memory-efficient attention save the output, the log-sum-exp and the RNG "
     "state), so it plans for what a GPU keeps. With dropout off on both sides (`.eval()`, the \"dropout "
     "off\" column) the CPU also runs the fused kernel and the figures agree. The zoo models have no "

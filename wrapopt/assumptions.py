@@ -88,8 +88,9 @@ class Assumptions:
             out.append(f"              ! the loss keeps {self.loss_share:.0%} of the predicted peak "
                        f"({fmt_bytes(self.peak_bytes)}); under the smallest plausible loss ({SMALLEST_LOSS}) "
                        f"this plan's peak is {fmt_bytes(self.smallest_loss_peak_bytes)}")
-        states = (f"{self.optimizer_states} state(s) x {self.optimizer_state_bytes / max(1, self.optimizer_states):g} B "
-                  f"= {self.optimizer_state_bytes:g} B per trainable parameter, sharded") if self.optimizer_states else "no state"
+        per_state = self.optimizer_state_bytes / max(1, self.optimizer_states)
+        states = (f"{self.optimizer_states} state(s) x {per_state:g} B = {self.optimizer_state_bytes:g} B "
+                  "per trainable parameter, sharded") if self.optimizer_states else "no state"
         out.append(f"  optimizer:  {self.optimizer}, {states}")
         out.append(f"  precision:  parameters {self.param_dtype}; all-gathered in {_dtype(self.gather_bytes)}, "
                    f"gradients reduced in {_dtype(self.reduce_bytes)}")

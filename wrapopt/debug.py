@@ -5,7 +5,7 @@ order. Names are checked on every rank before any collective runs, so a typo
 fails everywhere instead of leaving some ranks waiting.
 
 Example:
-    >>> from wrapopt.inspect import full_tensor, memory_report
+    >>> from wrapopt.debug import full_tensor, memory_report
     >>> w = full_tensor(model, "layers.0.attn.q_proj.weight")  # doctest: +SKIP
     >>> print(memory_report(model, optimizer))  # doctest: +SKIP
 """
@@ -125,7 +125,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if dist.is_initialized():
         # NCCL moves CUDA tensors only; gloo CPU tensors. The categories are the same on every rank
         # (the same code on the same kind of device), so one all_gather of numbers suffices.
-        comm_dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        comm_dev = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                    else torch.device("cpu"))
         values = values.to(comm_dev)
         gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, values)
@@ -133,7 +134,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     else:
         table = values.unsqueeze(0)
     per_rank = {c: tuple(float(x) for x in table[:, i]) for i, c in enumerate(categories)}
-    rows = {c: {"min": min(v), "median": statistics.median(v), "max": max(v), "total": sum(v)} for c, v in per_rank.items()}
+    rows = {c: {"min": min(v), "median": statistics.median(v), "max": max(v), "total": sum(v)}
+            for c, v in per_rank.items()}
     dev = device or _model_device(model)
     return MemoryReport(device=dev, world_size=table.shape[0], categories=categories, per_rank=per_rank, rows=rows)
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from wrapopt.errors import WrapoptError
 
-__all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "fmt_bytes", "parse_bytes"]
+__all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "fmt_bytes",
+           "parse_bytes"]
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -38,8 +38,9 @@ from wrapopt.errors import DistributedError
 from wrapopt.progress import set_console
 from wrapopt.spec import MeshSpec
 
-__all__ = ["PROFILER_LOG", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port", "default_backend", "device_type", "broadcast_json",
-           "is_spawned_rank", "QUIET_ENV", "logs_line", "dp_rank_size"]
+__all__ = ["PROFILER_LOG", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port",
+           "default_backend", "device_type", "broadcast_json", "is_spawned_rank", "QUIET_ENV", "logs_line",
+           "dp_rank_size"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -149,7 +150,8 @@ def dp_rank_size(mesh: MeshSpec, rank: int | None = None) -> tuple[int, int]:
     """
     if rank is None:
         if not dist.is_initialized():
-            raise DistributedError("dp_rank_size: no process group; pass rank=, or call wrapopt.launch.init_from_env() first")
+            raise DistributedError("dp_rank_size: no process group; pass rank=, or call "
+                                   "wrapopt.launch.init_from_env() first")
         rank = dist.get_rank()
         if dist.get_world_size() != mesh.world_size:
             raise DistributedError(f"dp_rank_size: the plan's mesh has {mesh.world_size} ranks but this job has "
@@ -231,8 +233,27 @@ def spawn(
     backend = backend or default_backend()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
     log = None if log_dir is None else os.path.abspath(os.fspath(log_dir))
+    procs = _start_ranks(ctx, queue, fn, world_size=world_size, args=args, timeout_s=timeout_s, backend=backend,
+                         env=env, log=log)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}  # rank -> "Type: message\ntraceback", in the order reported
+    failure: str | None = None
+    try:
+        failure = _wait_for_ranks(procs, queue, results, errors, timeout_s=timeout_s)
+    finally:
+        _stop_ranks(procs, failed=failure is not None)
+    if failure is not None:
+        where = f"\n(the ranks' own output is in {os.path.join(log, 'rank*.log')})" if log else ""
+        raise DistributedError(failure.rstrip() + where)
+    return [results[r] for r in range(world_size)]
+
+
+def _start_ranks(ctx: Any, queue: Any, fn: Callable[..., Any], *, world_size: int, args: tuple[Any, ...],
+                 timeout_s: float, backend: str, env: dict[str, str] | None, log: str | None) -> list[Any]:
+    """Start one process per rank on a free port, with its environment (quiet with ``log``:
+    See [Note: quiet ranks]); returns them by rank."""
+    port = free_port()
     quiet = {k: v for k, v in QUIET_ENV.items() if k not in os.environ} if log else {}  # the user's own settings win
     rank_env = {**quiet, **(env or {}), _STARTED_BY_SPAWN: "1"}
     procs = [
@@ -248,52 +269,72 @@ def spawn(
     with _environ({k: v for k, v in rank_env.items() if k == "TORCH_CPP_LOG_LEVEL"}):  # read as torch loads
         for p in procs:
             p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}  # rank -> "Type: message\ntraceback", in the order reported
+    return procs
+
+
+def _wait_for_ranks(procs: list[Any], queue: Any, results: dict[int, Any], errors: dict[int, str], *,
+                    timeout_s: float) -> str | None:
+    """Collect the ranks' reports into ``results`` and ``errors`` until all have finished or one
+    failed; returns the failure, explained (See [Note: naming the rank at fault]), or None."""
+    world_size = len(procs)
     limit_s = timeout_s + 30.0  # start-up slack on top of the collective timeout
     deadline = time.monotonic() + limit_s
     failure: str | None = None
-    try:
-        while len(results) < world_size and failure is None:
-            try:
-                rank, status, payload = queue.get(timeout=0.2)
-            except Empty:
-                exited = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
-                if exited:
-                    time.sleep(0.5)  # let a report sent just before exiting arrive first
-                    _drain(queue, results, errors)
-                    if errors or any(r not in results for r in exited):
-                        failure = _explain(procs, results, errors)
-                elif time.monotonic() > deadline:
-                    _drain(queue, results, errors)
-                    missing = [r for r in range(world_size) if r not in results and r not in errors]
-                    failure = f"{_ranks(missing)} did not report within {limit_s:.0f} s (hung?); all ranks were killed"
-                    if results:
-                        failure += f" ({_ranks(sorted(results))} had finished)"
-                    if errors:
-                        failure += "\n" + _explain(procs, results, errors)
-                continue
-            (results if status == "ok" else errors)[rank] = payload
-            if status == "error":
-                time.sleep(0.5)  # peers failing for the same reason report within moments
-                _drain(queue, results, errors)
-                if _is_symptom(payload):
-                    # Peers stuck in the same collective time out a little later; give them a moment
-                    # so that only the silent ranks are blamed.
-                    time.sleep(_SYMPTOM_GRACE_S)
-                    _drain(queue, results, errors)
-                failure = _explain(procs, results, errors)
-    finally:
-        for p in procs:
-            p.join(timeout=5.0 if failure is None else 0.1)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-    if failure is not None:
-        where = f"\n(the ranks' own output is in {os.path.join(log, 'rank*.log')})" if log else ""
-        raise DistributedError(failure.rstrip() + where)
-    return [results[r] for r in range(world_size)]
+    while len(results) < world_size and failure is None:
+        try:
+            rank, status, payload = queue.get(timeout=0.2)
+        except Empty:
+            failure = _after_silence(procs, queue, results, errors, deadline=deadline, limit_s=limit_s)
+            continue
+        (results if status == "ok" else errors)[rank] = payload
+        if status == "error":
+            failure = _after_error(procs, queue, results, errors, payload)
+    return failure
+
+
+def _after_silence(procs: list[Any], queue: Any, results: dict[int, Any], errors: dict[int, str], *,
+                   deadline: float, limit_s: float) -> str | None:
+    """No report came: the failure when a rank exited without reporting or one failed, or when
+    the deadline passed (the ranks still silent are blamed); None to keep waiting."""
+    world_size = len(procs)
+    exited = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+    if exited:
+        time.sleep(0.5)  # let a report sent just before exiting arrive first
+        _drain(queue, results, errors)
+        if errors or any(r not in results for r in exited):
+            return _explain(procs, results, errors)
+    elif time.monotonic() > deadline:
+        _drain(queue, results, errors)
+        missing = [r for r in range(world_size) if r not in results and r not in errors]
+        failure = f"{_ranks(missing)} did not report within {limit_s:.0f} s (hung?); all ranks were killed"
+        if results:
+            failure += f" ({_ranks(sorted(results))} had finished)"
+        if errors:
+            failure += "\n" + _explain(procs, results, errors)
+        return failure
+    return None
+
+
+def _after_error(procs: list[Any], queue: Any, results: dict[int, Any], errors: dict[int, str], payload: str) -> str:
+    """A rank reported an error: wait for its peers' reports, then explain the failure."""
+    time.sleep(0.5)  # peers failing for the same reason report within moments
+    _drain(queue, results, errors)
+    if _is_symptom(payload):
+        # Peers stuck in the same collective time out a little later; give them a moment
+        # so that only the silent ranks are blamed.
+        time.sleep(_SYMPTOM_GRACE_S)
+        _drain(queue, results, errors)
+    return _explain(procs, results, errors)
+
+
+def _stop_ranks(procs: list[Any], *, failed: bool) -> None:
+    """Join every rank (briefly after a failure), then kill the ones still alive."""
+    for p in procs:
+        p.join(timeout=5.0 if not failed else 0.1)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
 
 
 # [Note: naming the rank at fault]

@@ -34,47 +34,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from dataclasses import dataclass
-from typing import Any
-
 from wrapopt.errors import PlanError
-from wrapopt.spec import ROOT, ModelGraph
+# TPSpec is data passed between stages, so it lives in spec; re-exported here beside the code that makes it.
+from wrapopt.spec import ROOT, TP_STYLES, ModelGraph, TPSpec
 
 __all__ = ["TPSpec", "TP_STYLES", "attention_heads", "builtin_tp_plan", "check_tp", "tp_blocks", "tp_degrees"]
-
-TP_STYLES = ("colwise", "rowwise")
-
-
-@dataclass(frozen=True, slots=True)
-class TPSpec:
-    """How tensor parallelism cuts each block: ``layers`` maps a block class to
-    ``(submodule path relative to the block, style)`` pairs, style ``"colwise"``
-    (``ColwiseParallel``: output features split, input replicated) or ``"rowwise"``
-    (``RowwiseParallel``: input features split, output all-reduced). Every module of
-    a listed class is parallelised; other modules (embeddings, the head, norms)
-    are replicated over the tensor-parallel ranks. ``source``: "builtin" (recognised
-    by wrapopt) or "user". See [Note: tensor parallel] in tp.py.
-    """
-
-    layers: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
-    source: str = "builtin"
-
-    def __post_init__(self) -> None:
-        for cls, pairs in self.layers:
-            bad = [f"{path}={style!r}" for path, style in pairs if style not in TP_STYLES]
-            if bad:
-                raise ValueError(f"TP plan for {cls}: unknown style(s) {', '.join(bad)}; use one of {', '.join(TP_STYLES)}")
-            if not pairs:
-                raise ValueError(f"TP plan for {cls} lists no submodules")
-
-    def styles(self, cls: str) -> dict[str, str]:
-        """The plan of one block class (empty when the class is not listed)."""
-        return dict(next((p for c, p in self.layers if c == cls), ()))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "layers": {cls: dict(pairs) for cls, pairs in self.layers}}
-
-
 
 _HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
 _KV_HEADS = ("n_kv", "n_kv_heads", "num_key_value_heads", "num_kv_heads")
@@ -177,7 +141,8 @@ def builtin_tp_plan(graph: ModelGraph) -> TPSpec:
     """The Megatron-style ``TPSpec`` for every block class of ``graph``'s block chains;
     ``PlanError`` naming the block when one cannot be recognised. See [Note: tensor parallel]."""
     if not graph.block_chains:
-        raise PlanError(f"{graph.model_class} has no repeated blocks to tensor-parallelise; pass a TPSpec, or use --tp 1")
+        raise PlanError(f"{graph.model_class} has no repeated blocks to tensor-parallelise; "
+                        "pass a TPSpec, or use --tp 1")
     layers = []
     for chain_cls in graph.block_classes:
         first = next(b for b in graph.blocks if graph.info(b).cls == chain_cls)

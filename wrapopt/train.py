@@ -38,7 +38,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # one (``TrainConfig()``, ``--precision none``) no policy is applied: the model's own dtype.
 PRECISIONS: dict[str, tuple[str | None, str | None, str | None]] = {
     "fp32": ("float32", "float32", None),  # float32 compute and reduction, whatever the model is stored in
-    "bf16": ("bfloat16", "float32", None),  # bf16 compute and all-gathers, fp32 gradient reduction (TorchTitan's default)
+    # bf16 compute and all-gathers, fp32 gradient reduction (TorchTitan's default)
+    "bf16": ("bfloat16", "float32", None),
     "bf16-pure": ("bfloat16", "bfloat16", None),  # bf16 reduction too: half the reduce-scatter bytes
     "fp16": ("float16", "float32", None),  # fp16 compute; needs loss scaling (a GradScaler) to train
 }
@@ -111,7 +112,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in ("param_dtype", "reduce_dtype", "output_dtype"):
             object.__setattr__(self, f, dtype_name(getattr(self, f), what=f))
-        if isinstance(self.grad_accumulation, bool) or not isinstance(self.grad_accumulation, int) or self.grad_accumulation < 1:
+        if (isinstance(self.grad_accumulation, bool) or not isinstance(self.grad_accumulation, int)
+                or self.grad_accumulation < 1):
             raise ValueError(f"gradient accumulation must be an integer >= 1, got {self.grad_accumulation!r}")
         name = str(self.optimizer).strip().lower()
         if name not in OPTIMIZERS:

@@ -100,12 +100,14 @@ def check_units(plan: PlanSpec, modules: Container[str], tied_groups: Iterable[I
         for m in u.modules:
             nested = [o for o in u.modules if o != m and o.startswith(m + ".")]
             if nested and not u.is_root:
-                raise PlanError(f"unit {u.name!r} lists {m!r} and its descendant {nested[0]!r}; list only the outer one")
+                raise PlanError(f"unit {u.name!r} lists {m!r} and its descendant {nested[0]!r}; "
+                                "list only the outer one")
         if isinstance(u.reshard_after_forward, int) and not isinstance(u.reshard_after_forward, bool):
             n = u.reshard_after_forward
             if n < 1 or plan.mesh.shard_size % n:
                 raise PlanError(
-                    f"unit {u.name!r}: reshard_after_forward={n} must divide the shard group of {plan.mesh.shard_size} ranks"
+                    f"unit {u.name!r}: reshard_after_forward={n} must divide the shard group of "
+                    f"{plan.mesh.shard_size} ranks"
                 )
     if unknown:
         raise PlanError(f"the plan names modules the model does not have: {', '.join(sorted(unknown)[:8])}")
@@ -120,11 +122,13 @@ def check_units(plan: PlanSpec, modules: Container[str], tied_groups: Iterable[I
             where = ", ".join(f"{p} -> {units[i].name}" for p, i in owners.items())
             raise PlanError(
                 f"tied parameters {', '.join(group)} would land in different units ({where}); "
-                "put their modules in one unit, e.g. fully_shard([module_a, module_b]), or leave them to a common parent"
+                "put their modules in one unit, e.g. fully_shard([module_a, module_b]), or leave them to a "
+                "common parent"
             )
 
 
-def user_conflicts(param_users: Iterable[tuple[str, str]], units: tuple[UnitSpec, ...]) -> list[tuple[str, str, int, int]]:
+def user_conflicts(param_users: Iterable[tuple[str, str]],
+                   units: tuple[UnitSpec, ...]) -> list[tuple[str, str, int, int]]:
     """(module, user, module's unit, user's unit) for every pair of ``param_users``
     the units put apart; see [Note: parameter users]."""
     index = owner_index(units)

@@ -1,6 +1,6 @@
 """The cost-model terms the published GPU runs checked: memory-bound ops
 ([Note: memory-bound ops] in trace/op_bytes.py), per-call overhead under
-batch_scale, and multi-rail rings ([Note: multi-rail rings] in fabric.py)."""
+batch_scale, and multi-rail rings ([Note: multi-rail rings] in hardware/profiles.py)."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_predicted_peak_within_5_percent_of_real_steps(measured, model):
 @pytest.mark.multiprocess
 def test_checkpointing_is_predicted_to_save_what_it_saves(measured):
     """The saving is a difference of two measured peaks, each read to within ~5% of the peak
-    (a free on gloo's worker thread can go unrecorded: [Note: missed frees] in memtrack.py), so
+    (a free on gloo's worker thread can go unrecorded: [Note: missed frees] in evaluation/memtrack.py), so
     it is judged against 5% of the per-block peak, not 5% of the saving itself (t5-tiny missed
     that by 7% once in a clean-clone run: predicted 4.21 MB saved, measured 4.51 MB)."""
     for model in MODELS:

@@ -60,7 +60,7 @@ def test_judge_after_confirmation_compares_only_the_rows_of_that_round():
     assert v["optimum"] == "size-1e8" and v["vs_optimum"] == pytest.approx(10 / 9.5)
 
 
-# --- the diagnosis: See [Note: diagnosis] in evidence.py -------------------------------------------------
+# --- the diagnosis: See [Note: diagnosis] in wrapopt/evaluation/evidence.py -------------------------
 
 TIGHT = 10 * 2**20
 

@@ -1,5 +1,5 @@
 """A study shared through a real PostgreSQL server (See [Note: shared studies on
-a server] in wrapopt/search/db.py).
+a server] in wrapopt/search/study/db.py).
 
 The module starts a throw-away cluster itself: Debian's ``postgresql`` package
 (``initdb``, ``pg_ctl`` under /usr/lib/postgresql/*/bin), a data directory in a

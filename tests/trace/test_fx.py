@@ -1,4 +1,4 @@
-"""The fx graph and the module dataflow: export on fake tensors (trace_fx), kept by
+"""The fx graph and the module dataflow: export on fake tensors (trace/fx.py), kept by
 trace_model when cheap, failures recorded rather than raised, weights untouched."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def gpt():
 
 def test_fx_graph_kept_with_every_op_attributed_to_a_module(gpt):
     model, _, graph = gpt
-    assert graph.fx_graph is not None
+    assert graph.trace.fx_graph is not None
     names = {n for n, _ in model.named_modules()}
-    ops = [n for n in graph.fx_graph.graph.nodes if n.op == "call_function"]
+    ops = [n for n in graph.trace.fx_graph.graph.nodes if n.op == "call_function"]
     assert ops and all(n.meta["module_fqn"] in names for n in ops)
     # Parameterised ops land in their own leaf module, not in a parent.
     linear_owners = {n.meta["module_fqn"] for n in ops if n.target == torch.ops.aten.linear.default}
@@ -36,7 +36,7 @@ def test_fx_graph_kept_with_every_op_attributed_to_a_module(gpt):
 
 def test_dataflow_follows_the_block_chain(gpt):
     _, _, graph = gpt
-    flow = graph.dataflow
+    flow = graph.trace.dataflow
     act = BATCH * SEQ * DIM * 4  # one fp32 hidden state
     for i in range(3):
         # The block's output (its residual add) feeds the next block's norm and residual.
@@ -51,8 +51,8 @@ def test_dataflow_follows_the_block_chain(gpt):
 def test_fx_and_op_dataflow_agree(gpt):
     model, inputs, graph = gpt
     from_ops = trace_model(model, inputs, loss_fn=zoo.ZOO["gpt-tiny"].loss, fx=False)
-    assert from_ops.fx_graph is None
-    a, b = graph.dataflow, from_ops.dataflow
+    assert from_ops.trace.fx_graph is None
+    a, b = graph.trace.dataflow, from_ops.trace.dataflow
     assert set(a.edges) == set(b.edges)
     assert all(a.edges[e]["bytes"] == b.edges[e]["bytes"] for e in a.edges)
 
@@ -65,7 +65,7 @@ def test_real_weights_allocate_nothing_and_stay_untouched():
         graph = trace_model(model, inputs, fx=True)
     allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
     assert allocated < 4096  # a real forward of this model allocates ~16 MB
-    assert graph.fx_graph is not None
+    assert graph.trace.fx_graph is not None
     after = dict(model.named_parameters(remove_duplicate=False))
     assert after.keys() == before.keys()
     for name, (p, ptr, value) in before.items():
@@ -74,7 +74,7 @@ def test_real_weights_allocate_nothing_and_stay_untouched():
         assert isinstance(q, nn.Parameter) and q.grad is None
     assert model.lm_head.weight is model.wte.weight  # still tied
     # The kept graph holds fake tensors only, never the model's storage.
-    vals = [n.meta.get("val") for n in graph.fx_graph.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in graph.trace.fx_graph.graph.nodes if n.op == "placeholder"]
     assert vals and all(type(v).__name__ == "FakeTensor" for v in vals if isinstance(v, torch.Tensor))
 
 
@@ -94,9 +94,9 @@ class ValueBranch(nn.Module):
 def test_export_failure_is_recorded_not_raised():
     torch.manual_seed(0)
     graph = trace_model(ValueBranch(), torch.randn(2, 8), fx=True)  # real-tensor fallback for the figures
-    assert graph.fx_graph is None
+    assert graph.trace.fx_graph is None
     assert any("fx export failed" in e for e in graph.estimates)
-    assert graph.dataflow.has_edge("a", "b")  # from the traced ops instead
+    assert graph.trace.dataflow.has_edge("a", "b")  # from the traced ops instead
 
 
 def test_export_raising_anything_is_recorded(monkeypatch):
@@ -108,7 +108,7 @@ def test_export_raising_anything_is_recorded(monkeypatch):
     gm, flow, failure = export_fx(model, inputs)
     assert gm is None and flow.number_of_edges() == 0 and "export is broken today" in failure
     graph = trace_model(model, inputs)
-    assert graph.fx_graph is None and graph.dataflow.has_edge("layers.0", "layers.1.ln_1")
+    assert graph.trace.fx_graph is None and graph.trace.dataflow.has_edge("layers.0", "layers.1.ln_1")
     assert any("RuntimeError: export is broken today" in e for e in graph.estimates)
 
 
@@ -116,11 +116,11 @@ def test_large_models_skip_export_unless_asked():
     n = _FX_AUTO_MAX_MODULES + 1
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(n)))
     graph = trace_model(model, torch.randn(2, 4))
-    assert graph.fx_graph is None
+    assert graph.trace.fx_graph is None
     assert any("fx graph not kept" in e and "fx=True" in e for e in graph.estimates)
-    assert all(graph.dataflow.has_edge(str(i), str(i + 1)) for i in range(n - 1))
-    assert trace_model(model, torch.randn(2, 4), fx=True).fx_graph is not None
-    assert trace_model(zoo.build("gpt-tiny", "meta")[0], zoo.ZOO["gpt-tiny"].inputs(), fx=False).fx_graph is None
+    assert all(graph.trace.dataflow.has_edge(str(i), str(i + 1)) for i in range(n - 1))
+    assert trace_model(model, torch.randn(2, 4), fx=True).trace.fx_graph is not None
+    assert trace_model(zoo.build("gpt-tiny", "meta")[0], zoo.ZOO["gpt-tiny"].inputs(), fx=False).trace.fx_graph is None
 
 
 def test_hugging_face_model_exports_despite_its_cache_output():
@@ -129,8 +129,8 @@ def test_hugging_face_model_exports_despite_its_cache_output():
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config)
     graph = trace_model(model, torch.randint(0, 100, (1, 16)))  # returns a DynamicCache too
-    assert graph.fx_graph is not None, graph.estimates
-    assert graph.dataflow.has_edge("transformer.h.0", "transformer.h.1.ln_1")
+    assert graph.trace.fx_graph is not None, graph.estimates
+    assert graph.trace.dataflow.has_edge("transformer.h.0", "transformer.h.1.ln_1")
 
 
 def test_called_twice_and_never_called():

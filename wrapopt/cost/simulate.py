@@ -466,7 +466,7 @@ def simulate(
         >>> from wrapopt.search.baselines import baselines
         >>> model, x = zoo.build("gpt-tiny", "meta")
         >>> g = trace_model(model, x)
-        >>> from wrapopt.types import MeshSpec
+        >>> from wrapopt.spec import MeshSpec
         >>> mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
         >>> plan = baselines(g, mesh)["per-block"]
         >>> est = simulate(g, plan, analytical_fabric(world_size=8), analytical_compute())

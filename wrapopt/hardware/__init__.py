@@ -1,8 +1,9 @@
 """hardware: what the cost model knows of the cluster, measured or stated.
 
 ``profiles`` holds the data (``FabricProfile``, ``ComputeProfile``), ``presets``
-the analytical fabrics built from stated numbers, ``measure_collectives`` and
-``measure_device`` measure them under a live process group.
+the analytical fabrics built from stated numbers, ``measure_collectives``,
+``measure_device`` and ``measure_fsdp`` measure them under a live process group
+(``timing`` holds their shared timing helpers).
 """
 
 from wrapopt.hardware.presets import (

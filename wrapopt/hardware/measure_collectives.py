@@ -107,7 +107,8 @@ def _build_axes(world: int, rank: int, ranks_per_node: int, tp_sizes: tuple[int,
     return axes
 
 
-def _collective_fn(name: str, nbytes: int, p: int, group: Any, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
+def _collective_fn(name: str, nbytes: int, p: int, group: Any, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Callable[[], Any], int]:
     """A closure running one collective of (about) ``nbytes`` unsharded bytes, and the exact bytes."""
     elem = torch.tensor([], dtype=dtype).element_size()
     numel = max(p, nbytes // elem // p * p)  # the unsharded tensor splits evenly over the group
@@ -196,6 +197,52 @@ def measure_fabric(
         >>> launch.init_from_env()  # doctest: +SKIP
         >>> fabric = measure_fabric(sizes_bytes=[2**20, 2**24])  # doctest: +SKIP
     """
+    world, rank, rpn = _check_arguments(collectives=collectives, warmup=warmup, repeats=repeats,
+                                        ranks_per_node=ranks_per_node)
+    device_type, device, sync, reduce_dev = _devices()
+    sizes = sorted({int(s) for s in (sizes_bytes or default_sizes(device_type))})
+    if not sizes or sizes[0] <= 0:
+        raise ValueError(f"message sizes must be positive, got {sizes_bytes}")
+
+    t_start = time.perf_counter()
+    axes = _build_axes(world, rank, rpn, tuple(tp_sizes))
+    bar = Progress(len(axes) * len(collectives) * len(sizes), desc="profile fabric", unit="message size",
+                   enabled=progress and rank == 0)
+    cells, times = _time_cells(axes, collectives, sizes, dtype=dtype, device=device, sync=sync, reduce_dev=reduce_dev,
+                               warmup=warmup, repeats=repeats, bar=bar)
+
+    overlap = _measure_overlap(device=device, sync=sync, reduce_device=reduce_dev) if measure_overlap else (0.0, 0.0)
+    copies = _collective_copies(device, world)
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+
+    built = _axis_profiles(axes, collectives, sizes, cells, times)
+    backend = dist.get_backend()
+    num_nodes = world // rpn
+    meta = _profile_meta(backend=backend, hosts=hosts, num_nodes=num_nodes, device=device, device_type=device_type,
+                         dtype=dtype, repeats=repeats, warmup=warmup, measure_overlap=measure_overlap, t_start=t_start)
+    profile = FabricProfile(
+        kind="measured",
+        name=f"{backend}-{world}x" if num_nodes == 1 else f"{backend}-{num_nodes}x{rpn}",
+        backend=backend,
+        world_size=world,
+        ranks_per_node=rpn,
+        axes=built,
+        overlap_compute_slowdown=overlap[0],
+        overlap_comm_slowdown=overlap[1],
+        collective_copies=copies,
+        meta=meta,
+    )
+    # Rank 0's profile everywhere: the latencies already agree (all-reduced), the date and timings may not.
+    box = [profile.to_json() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return FabricProfile.from_json(box[0], source="rank 0")
+
+
+def _check_arguments(*, collectives: tuple[str, ...], warmup: int, repeats: int,
+                     ranks_per_node: int | None) -> tuple[int, int, int]:
+    """The world size, this rank and the ranks per node, once the arguments and the process
+    group are checked."""
     if not dist.is_initialized():
         raise ProfileError("measure_fabric needs a process group; call it under torchrun or use profile_fabric_main()")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -209,21 +256,27 @@ def measure_fabric(
     rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if rpn < 1 or rpn > world or world % rpn:
         raise ValueError(f"ranks_per_node={rpn} must divide the world size {world}")
+    return world, rank, rpn
+
+
+def _devices() -> tuple[str, torch.device, Callable[[], None], torch.device]:
+    """The device type, the device the messages live on, its sync, and the device the
+    times are reduced on (the device under NCCL, else the CPU)."""
     device_type = launch.device_type()
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    sizes = sorted({int(s) for s in (sizes_bytes or default_sizes(device_type))})
-    if not sizes or sizes[0] <= 0:
-        raise ValueError(f"message sizes must be positive, got {sizes_bytes}")
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     reduce_dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    return device_type, device, sync, reduce_dev
 
-    t_start = time.perf_counter()
-    axes = _build_axes(world, rank, rpn, tuple(tp_sizes))
-    bar = Progress(len(axes) * len(collectives) * len(sizes), desc="profile fabric", unit="message size",
-                   enabled=progress and rank == 0)
+
+def _time_cells(axes: list[_Axis], collectives: tuple[str, ...], sizes: list[int], *, dtype: torch.dtype,
+                device: torch.device, sync: Callable[[], None], reduce_dev: torch.device, warmup: int, repeats: int,
+                bar: Progress) -> tuple[list[tuple[str, str, int, int]], torch.Tensor]:
+    """Time every (axis, collective, size) cell: the cells, and their times as the max over ranks."""
     # times[k] holds one (axis, collective, size) cell's repeats; see [Note: fabric timing protocol].
     cells: list[tuple[str, str, int, int]] = []  # (axis, collective, bytes, samples)
-    times = torch.zeros(len(axes) * len(collectives) * len(sizes), repeats * _MAX_SAMPLES_PER_REPEAT, dtype=torch.float64)
+    times = torch.zeros(len(axes) * len(collectives) * len(sizes), repeats * _MAX_SAMPLES_PER_REPEAT,
+                        dtype=torch.float64)
     for axis in axes:
         for coll in collectives:
             for nbytes in sizes:
@@ -245,12 +298,12 @@ def measure_fabric(
     t_max = times.to(reduce_dev)
     dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
     times = t_max.cpu()
+    return cells, times
 
-    overlap = _measure_overlap(device=device, sync=sync, reduce_device=reduce_dev) if measure_overlap else (0.0, 0.0)
-    copies = _collective_copies(device, world)
-    hosts: list[str | None] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
 
+def _axis_profiles(axes: list[_Axis], collectives: tuple[str, ...], sizes: list[int],
+                   cells: list[tuple[str, str, int, int]], times: torch.Tensor) -> tuple[AxisProfile, ...]:
+    """One ``AxisProfile`` per axis: per collective, the median latency and spread per size."""
     built: list[AxisProfile] = []
     k = 0
     for axis in axes:
@@ -266,8 +319,13 @@ def measure_fabric(
             curves.append((coll, CollectiveCurve(tuple(sz), tuple(lat), tuple(spr))))
         built.append(AxisProfile(axis.name, axis.group_size, axis.ranks_per_node_in_group, tuple(curves)))
 
-    backend = dist.get_backend()
-    num_nodes = world // rpn
+    return tuple(built)
+
+
+def _profile_meta(*, backend: str, hosts: list[str | None], num_nodes: int, device: torch.device, device_type: str,
+                  dtype: torch.dtype, repeats: int, warmup: int, measure_overlap: bool,
+                  t_start: float) -> dict[str, Any]:
+    """Where and how the profile was measured, for the profile's ``meta``."""
     meta: dict[str, Any] = {
         "backend": backend,
         "hosts": hosts,
@@ -285,22 +343,7 @@ def measure_fabric(
     if num_nodes > 1 and len(set(hosts)) == 1:
         # Several "nodes" on one host (tests, demos): the inter axis is not a network.
         meta["simulated_nodes"] = True
-    profile = FabricProfile(
-        kind="measured",
-        name=f"{backend}-{world}x" if num_nodes == 1 else f"{backend}-{num_nodes}x{rpn}",
-        backend=backend,
-        world_size=world,
-        ranks_per_node=rpn,
-        axes=tuple(built),
-        overlap_compute_slowdown=overlap[0],
-        overlap_comm_slowdown=overlap[1],
-        collective_copies=copies,
-        meta=meta,
-    )
-    # Rank 0's profile everywhere: the latencies already agree (all-reduced), the date and timings may not.
-    box = [profile.to_json() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return FabricProfile.from_json(box[0], source="rank 0")
+    return meta
 
 
 def _collective_copies(device: torch.device, world: int) -> float:

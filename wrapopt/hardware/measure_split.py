@@ -61,8 +61,9 @@ def _time(rows: int, fin: int, fout: int, device: torch.device, dtype: torch.dty
     return statistics.median(once() for _ in range(repeats))
 
 
-def measure_split_efficiency(graph: ModelGraph, spec: TPSpec, degrees: Sequence[int], *, device: str | torch.device = "cpu",
-                             dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[tuple[int, float], ...]:
+def measure_split_efficiency(graph: ModelGraph, spec: TPSpec, degrees: Sequence[int], *,
+                             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                             repeats: int = 5) -> tuple[tuple[int, float], ...]:
     """(degree, whole time / split time) for each degree above 1 that divides every split feature."""
     device = torch.device(device)
     # rows from the traced input bytes, in the traced dtype

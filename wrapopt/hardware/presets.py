@@ -12,8 +12,8 @@ from wrapopt.errors import ProfileError
 from wrapopt.fileio import JsonReader, read_json
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 
-__all__ = ["ANALYTICAL_FABRICS", "DEFAULT_ANALYTICAL", "ANALYTICAL_FORMAT", "TEMPLATE", "analytical_fabric", "analytical_compute",
-           "fabric_compute", "load_analytical", "analytical_from_json"]
+__all__ = ["ANALYTICAL_FABRICS", "DEFAULT_ANALYTICAL", "ANALYTICAL_FORMAT", "TEMPLATE", "analytical_fabric",
+           "analytical_compute", "fabric_compute", "load_analytical", "analytical_from_json"]
 
 # Dense peak FLOP/s per compute dtype (datasheets). float32 is the TF32 tensor-core rate, which
 # needs torch.set_float32_matmul_precision("high"); PyTorch's default full-fp32 matmul runs at
@@ -30,39 +30,45 @@ ANALYTICAL_FABRICS: dict[str, dict[str, Any]] = {
         "intra": AnalyticalLink(
             latency_s=5e-6,
             bandwidth_bytes_per_s=360e9,
-            source="NVLink 4: 450 GB/s per direction per GPU (NVIDIA H100 datasheet); ~80% achieved busbw; ~5 us per ring step (nccl-tests small-message latency)",
+            source="NVLink 4: 450 GB/s per direction per GPU (NVIDIA H100 datasheet); ~80% achieved busbw; "
+                   "~5 us per ring step (nccl-tests small-message latency)",
         ),
         "inter": AnalyticalLink(
             latency_s=10e-6,
             bandwidth_bytes_per_s=40e9,
-            source="one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s (DGX H100 datasheet); ~80% achieved; ~10 us per inter-node ring step",
+            source="one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s (DGX H100 datasheet); ~80% achieved; "
+                   "~10 us per inter-node ring step",
         ),
-        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8, "memory_capacity_bytes": 80 * 2**30,
-                    "peak_flops_per_s": _H100, "achievable_fraction": 0.45,
+        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8,
+                    "memory_capacity_bytes": 80 * 2**30, "peak_flops_per_s": _H100, "achievable_fraction": 0.45,
                     "source": "H100 SXM dense BF16 989 TFLOP/s at 45% MFU; HBM3 3.35 TB/s at 80%; 80 GiB"},
     },
     "a100-nvlink-ib200": {
         "description": "8x A100 80GB per node, NVLink 3 inside, 200 Gb/s HDR InfiniBand per GPU between nodes",
         "ranks_per_node": 8,
-        "intra": AnalyticalLink(5e-6, 240e9, "NVLink 3: 300 GB/s per direction per GPU (A100 datasheet); ~80% achieved"),
+        "intra": AnalyticalLink(5e-6, 240e9,
+                                "NVLink 3: 300 GB/s per direction per GPU (A100 datasheet); ~80% achieved"),
         "inter": AnalyticalLink(12e-6, 20e9, "200 Gb/s HDR = 25 GB/s per GPU (DGX A100 datasheet); ~80% achieved"),
-        "compute": {"flops_per_s": 312e12 * 0.45, "memory_bandwidth_bytes_per_s": 2.0e12 * 0.8, "memory_capacity_bytes": 80 * 2**30,
-                    "peak_flops_per_s": _A100, "achievable_fraction": 0.45,
+        "compute": {"flops_per_s": 312e12 * 0.45, "memory_bandwidth_bytes_per_s": 2.0e12 * 0.8,
+                    "memory_capacity_bytes": 80 * 2**30, "peak_flops_per_s": _A100, "achievable_fraction": 0.45,
                     "source": "A100 dense BF16 312 TFLOP/s at 45% MFU; HBM2e 2.0 TB/s at 80%; 80 GiB"},
     },
     "h100-nvlink-eth100": {
         "description": "8x H100 per node, NVLink 4 inside, 100 Gb/s Ethernet (one NIC per node) between nodes",
         "ranks_per_node": 8,
         "intra": AnalyticalLink(5e-6, 360e9, "NVLink 4 as in h100-nvlink-ib400"),
-        "inter": AnalyticalLink(30e-6, 12.5e9 * 0.8 / 8, "one 100 Gb/s NIC = 12.5 GB/s shared by 8 GPUs; ~80% achieved; TCP ~30 us per step"),
-        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8, "memory_capacity_bytes": 80 * 2**30,
-                    "peak_flops_per_s": _H100, "achievable_fraction": 0.45, "source": "as in h100-nvlink-ib400"},
+        "inter": AnalyticalLink(30e-6, 12.5e9 * 0.8 / 8,
+                                "one 100 Gb/s NIC = 12.5 GB/s shared by 8 GPUs; ~80% achieved; TCP ~30 us per step"),
+        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8,
+                    "memory_capacity_bytes": 80 * 2**30, "peak_flops_per_s": _H100, "achievable_fraction": 0.45,
+                    "source": "as in h100-nvlink-ib400"},
     },
 }
 DEFAULT_ANALYTICAL = "h100-nvlink-ib400"
 
 
-def analytical_fabric(name: str = DEFAULT_ANALYTICAL, *, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
+def analytical_fabric(name: str = DEFAULT_ANALYTICAL, *, world_size: int,
+                      ranks_per_node: int | None = None) -> FabricProfile:
     """A labelled analytical profile for a cluster that is not measured here.
 
     Example:
@@ -183,11 +189,13 @@ def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node
         links[key] = AnalyticalLink(lat, bw, str(lr.d.get("source", "stated in " + source)))
     pr = r.sub("peak_flops_per_s")
     if not pr.d:
-        raise ProfileError(f"{source}: field 'peak_flops_per_s' must name at least one dtype (bfloat16, float16, float32)")
+        raise ProfileError(f"{source}: field 'peak_flops_per_s' must name at least one dtype "
+                           "(bfloat16, float16, float32)")
     peaks = {}
     for k in pr.d:
         if k not in ("bfloat16", "float16", "float32"):
-            raise ProfileError(f"{source}: field 'peak_flops_per_s.{k}' is not a dtype; use bfloat16, float16 or float32")
+            raise ProfileError(f"{source}: field 'peak_flops_per_s.{k}' is not a dtype; "
+                               "use bfloat16, float16 or float32")
         peaks[k] = pr.num(k)
     frac = r.num("achievable_fraction")
     if not 0 < frac <= 1:

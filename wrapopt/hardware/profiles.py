@@ -236,7 +236,8 @@ class FabricProfile:
         if exact:
             t, extrapolated = exact[0].curve(collective).time_s(nbytes)
             caveat = (
-                f"{collective} of {nbytes / 2**20:.1f} MiB extrapolated past the largest size measured on axis {exact[0].name}"
+                f"{collective} of {nbytes / 2**20:.1f} MiB extrapolated past the largest size measured on axis "
+                f"{exact[0].name}"
                 if extrapolated
                 else None
             )
@@ -313,7 +314,8 @@ class FabricProfile:
                     )
                 except (ProfileError, TypeError, ValueError) as e:
                     raise ProfileError(f"{cr.where}: {e}") from None
-            axes.append(AxisProfile(ar.get("name", str), int(ar.num("group_size")), int(ar.num("ranks_per_node_in_group")), tuple(curves)))
+            axes.append(AxisProfile(ar.get("name", str), int(ar.num("group_size")),
+                                    int(ar.num("ranks_per_node_in_group")), tuple(curves)))
         return cls(
             kind=r.get("kind", str),
             name=r.get("name", str),

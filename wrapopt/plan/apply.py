@@ -47,7 +47,8 @@ def build_mesh(spec: PlanSpec, device_type: str | None = None):
 
     mesh = spec.mesh
     if not dist.is_initialized():
-        raise PlanError("applying a plan needs a process group: start under torchrun or call wrapopt.launch.init_from_env()")
+        raise PlanError("applying a plan needs a process group: start under torchrun or call "
+                        "wrapopt.launch.init_from_env()")
     world = dist.get_world_size()
     if world != mesh.world_size:
         raise PlanError(
@@ -138,7 +139,8 @@ def apply_plan(
         parallelize_blocks(model, spec.tp, mesh["tp"])
     dp_mesh = data_parallel_mesh(mesh, spec.mesh)
     mp = mixed_precision or {}
-    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")],
+    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")],
+                                    reduce_dtype=DTYPES[mp.get("reduce_dtype")],
                                     output_dtype=DTYPES[mp.get("output_dtype")])
     for unit in spec.units:
         if unit.checkpoint and not unit.is_root:
@@ -245,7 +247,8 @@ def _init_one(module: nn.Module, init_fn: Callable[[nn.Module], None]) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     sharded = {k: p for k, p in module._parameters.items() if isinstance(p, DTensor)}
-    full = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device), requires_grad=p.requires_grad)
+    full = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device),
+                            requires_grad=p.requires_grad)
             for k, p in sharded.items()}
     module._parameters.update(full)  # the initialiser sees plain, full-size tensors
     try:

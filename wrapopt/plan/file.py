@@ -27,7 +27,7 @@ from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
 from wrapopt.plan.schema import plan_schema, schema_errors, short_json
 from wrapopt.plan.tp import tp_from_json
-from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PlanSpec, TPSpec, UnitSpec
 from wrapopt.train import TrainConfig
 from wrapopt.version import __version__
 
@@ -121,7 +121,8 @@ class WrapPlan:
             "mesh": self.spec.mesh.to_json(),
             **({"tp": self.spec.tp.to_json()} if self.spec.tp is not None else {}),
             "units": [
-                {"modules": list(u.modules), "reshard_after_forward": u.reshard_after_forward, "checkpoint": u.checkpoint}
+                {"modules": list(u.modules), "reshard_after_forward": u.reshard_after_forward,
+                 "checkpoint": u.checkpoint}
                 for u in self.spec.units
             ],
             "forward_prefetch": self.spec.forward_prefetch,
@@ -150,68 +151,26 @@ class WrapPlan:
     @classmethod
     def from_json(cls, data: Any, *, source: str = "<plan>") -> "WrapPlan":
         def fail(fld: str, msg: str) -> PlanError:
-            return PlanError(f"{source}: field {fld!r} {msg}")
+            return _field_error(source, fld, msg)
 
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan file is a JSON object, got {type(data).__name__}")
-        fmt = data.get("format")
-        if not isinstance(fmt, str) or not fmt.startswith("wrapopt.plan/"):
-            raise fail("format", f"is {fmt!r}; expected {PLAN_FORMAT!r} (is this a wrapopt plan file?)")
-        try:
-            version = int(fmt.split("/", 1)[1])
-        except ValueError:
-            raise fail("format", f"has an unreadable version: {fmt!r}") from None
-        if version > _FORMAT_VERSION:
-            raise fail("format", f"is {fmt!r}, newer than this wrapopt ({_version()}) reads ({PLAN_FORMAT}); upgrade wrapopt")
+        _check_format(data, source)
         model = data.get("model")
-        if not isinstance(model, dict) or not isinstance(model.get("params"), dict) or not isinstance(model.get("class"), str):
+        if (not isinstance(model, dict) or not isinstance(model.get("params"), dict)
+                or not isinstance(model.get("class"), str)):
             raise fail("model", "must be an object with 'class' and 'params' (the model fingerprint)")
         mesh = data.get("mesh")
-        if not isinstance(mesh, dict):
-            raise fail("mesh", "must be an object with world_size, ranks_per_node, shard_size")
-        try:
-            mesh_spec = MeshSpec(
-                world_size=_int(mesh, "world_size", source, "mesh."),
-                ranks_per_node=_int(mesh, "ranks_per_node", source, "mesh."),
-                shard_size=_int(mesh, "shard_size", source, "mesh."),
-                tp_size=_int(mesh, "tp_size", source, "mesh.") if "tp_size" in mesh else 1,
-            )
-        except ValueError as e:
-            if isinstance(e, PlanError):
-                raise
-            raise fail("mesh", str(e)) from None
-        if mesh_spec.tp_size > 1 and data.get("tp") is None:
-            raise fail("tp", f"is missing: a plan with mesh.tp_size {mesh_spec.tp_size} needs its tensor-parallel "
-                             "plan ({\"layers\": {block class: {submodule path: \"colwise\" | \"rowwise\"}}})")
-        if mesh_spec.tp_size == 1 and data.get("tp") is not None:
-            raise fail("tp", "is set but mesh.tp_size is 1; set mesh.tp_size to the tensor-parallel degree, or drop tp")
-        tp = tp_from_json(data["tp"], source=source) if mesh_spec.tp_size > 1 else None
-        units_raw = data.get("units")
-        if not isinstance(units_raw, list) or not units_raw:
-            raise fail("units", "must be a non-empty list of {modules, reshard_after_forward, checkpoint}")
-        units = []
-        for i, u in enumerate(units_raw):
-            where = f"units[{i}]"
-            if not isinstance(u, dict):
-                raise fail(where, "must be an object")
-            mods = u.get("modules")
-            if not isinstance(mods, list) or not mods or not all(isinstance(m, str) for m in mods):
-                raise fail(f"{where}.modules", "must be a non-empty list of module names")
-            raf = u.get("reshard_after_forward", True)
-            if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
-                raise fail(f"{where}.reshard_after_forward", f"must be true, false or a positive int, got {raf!r}")
-            ck = u.get("checkpoint", False)
-            if not isinstance(ck, bool):
-                raise fail(f"{where}.checkpoint", f"must be true or false, got {ck!r}")
-            units.append(UnitSpec(tuple(mods), raf, ck))
-        if units[-1].modules != (ROOT,):
-            raise fail("units", "must end with the root unit (modules [\"\"])")
+        mesh_spec = _mesh_from_json(mesh, source)
+        tp = _tp_from_json(data.get("tp"), mesh_spec, source)
+        units = _units_from_json(data.get("units"), source)
         prefetch = data.get("forward_prefetch", 0)
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise fail("forward_prefetch", f"must be a non-negative int, got {prefetch!r}")
         mp = data.get("mixed_precision") or {"param_dtype": None, "reduce_dtype": None}
         if not isinstance(mp, dict) or any(v not in (None, "float32", "bfloat16", "float16") for v in mp.values()):
-            raise fail("mixed_precision", "must map param_dtype/reduce_dtype to null, 'float32', 'bfloat16' or 'float16'")
+            raise fail("mixed_precision",
+                       "must map param_dtype/reduce_dtype to null, 'float32', 'bfloat16' or 'float16'")
         train = TrainConfig.from_json(data["train"], source=source) if data.get("train") is not None else None
         for fld in ("prediction", "fabric", "baselines"):
             v = data.get(fld)
@@ -227,8 +186,8 @@ class WrapPlan:
             if fld in mesh and mesh[fld] != want:
                 raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size and tp_size give "
                                           f"{short_json(want)}; fix the sizes or drop mesh.{fld}")
-        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch, label=str(data.get("label") or ""),
-                        tp=tp)
+        spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch,
+                        label=str(data.get("label") or ""), tp=tp)
         return cls(
             spec=spec,
             model=model,
@@ -294,7 +253,7 @@ class WrapPlan:
         module names only (the names must still exist). Every check runs
         before the first collective. A model on the meta device is sharded
         as it is; give it storage and values afterwards with
-        ``wrapopt.apply.materialize_sharded``.
+        ``wrapopt.plan.apply.materialize_sharded``.
 
         The mixed precision is the plan's (``train``). Passing ``train`` checks
         that the plan was scored for that step: a plan made for another one
@@ -317,7 +276,8 @@ class WrapPlan:
                         + ". Re-run the search with these settings, or pass override_train=True to apply anyway"
                     )
                 mp = train.mixed_precision()
-        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=self.model.get("param_users") or ())
+        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp,
+                          param_users=self.model.get("param_users") or ())
 
     @property
     def train_config(self) -> TrainConfig:
@@ -329,7 +289,7 @@ class WrapPlan:
 
         Per unit it sets what FSDP1 can express (sharding strategy from
         ``reshard_after_forward`` and the mesh, mixed precision, forward
-        prefetch) and warns about the rest; see ``wrapopt.apply.fsdp1_policy``
+        prefetch) and warns about the rest; see ``wrapopt.plan.fsdp1.fsdp1_policy``
         and [Note: what FSDP1 can express]. A unit grouping several modules
         raises ``PlanError`` unless ``split_groups=True``.
 
@@ -374,3 +334,77 @@ def _int(d: dict, key: str, source: str, prefix: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise PlanError(f"{source}: field {prefix + key!r} must be a positive int, got {v!r}")
     return v
+
+
+def _field_error(source: str, fld: str, msg: str) -> PlanError:
+    """The error for a bad field of the plan file ``source``."""
+    return PlanError(f"{source}: field {fld!r} {msg}")
+
+
+def _check_format(data: dict[str, Any], source: str) -> None:
+    """The ``format`` field names a plan file this wrapopt reads."""
+    fmt = data.get("format")
+    if not isinstance(fmt, str) or not fmt.startswith("wrapopt.plan/"):
+        raise _field_error(source, "format", f"is {fmt!r}; expected {PLAN_FORMAT!r} (is this a wrapopt plan file?)")
+    try:
+        version = int(fmt.split("/", 1)[1])
+    except ValueError:
+        raise _field_error(source, "format", f"has an unreadable version: {fmt!r}") from None
+    if version > _FORMAT_VERSION:
+        raise _field_error(source, "format", f"is {fmt!r}, newer than this wrapopt ({_version()}) reads "
+                                             f"({PLAN_FORMAT}); upgrade wrapopt")
+
+
+def _mesh_from_json(mesh: Any, source: str) -> MeshSpec:
+    """The plan's ``mesh`` object as a ``MeshSpec``."""
+    if not isinstance(mesh, dict):
+        raise _field_error(source, "mesh", "must be an object with world_size, ranks_per_node, shard_size")
+    try:
+        mesh_spec = MeshSpec(
+            world_size=_int(mesh, "world_size", source, "mesh."),
+            ranks_per_node=_int(mesh, "ranks_per_node", source, "mesh."),
+            shard_size=_int(mesh, "shard_size", source, "mesh."),
+            tp_size=_int(mesh, "tp_size", source, "mesh.") if "tp_size" in mesh else 1,
+        )
+    except ValueError as e:
+        if isinstance(e, PlanError):
+            raise
+        raise _field_error(source, "mesh", str(e)) from None
+    return mesh_spec
+
+
+def _tp_from_json(tp: Any, mesh_spec: MeshSpec, source: str) -> TPSpec | None:
+    """The plan's tensor-parallel plan: present exactly when ``mesh.tp_size > 1``."""
+    if mesh_spec.tp_size > 1 and tp is None:
+        raise _field_error(source, "tp", f"is missing: a plan with mesh.tp_size {mesh_spec.tp_size} needs its "
+                                         "tensor-parallel plan ({\"layers\": {block class: {submodule path: "
+                                         "\"colwise\" | \"rowwise\"}}})")
+    if mesh_spec.tp_size == 1 and tp is not None:
+        raise _field_error(source, "tp", "is set but mesh.tp_size is 1; set mesh.tp_size to the tensor-parallel "
+                                         "degree, or drop tp")
+    return tp_from_json(tp, source=source) if mesh_spec.tp_size > 1 else None
+
+
+def _units_from_json(units_raw: Any, source: str) -> list[UnitSpec]:
+    """The plan's ``units``, root last."""
+    if not isinstance(units_raw, list) or not units_raw:
+        raise _field_error(source, "units", "must be a non-empty list of {modules, reshard_after_forward, checkpoint}")
+    units = []
+    for i, u in enumerate(units_raw):
+        where = f"units[{i}]"
+        if not isinstance(u, dict):
+            raise _field_error(source, where, "must be an object")
+        mods = u.get("modules")
+        if not isinstance(mods, list) or not mods or not all(isinstance(m, str) for m in mods):
+            raise _field_error(source, f"{where}.modules", "must be a non-empty list of module names")
+        raf = u.get("reshard_after_forward", True)
+        if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
+            raise _field_error(source, f"{where}.reshard_after_forward",
+                               f"must be true, false or a positive int, got {raf!r}")
+        ck = u.get("checkpoint", False)
+        if not isinstance(ck, bool):
+            raise _field_error(source, f"{where}.checkpoint", f"must be true or false, got {ck!r}")
+        units.append(UnitSpec(tuple(mods), raf, ck))
+    if units[-1].modules != (ROOT,):
+        raise _field_error(source, "units", "must end with the root unit (modules [\"\"])")
+    return units

@@ -101,7 +101,8 @@ def fsdp1_policy(
         notes.append("reshard_after_forward=N (reshard to groups of N ranks) has no FSDP1 equivalent; "
                      f"these units use FULL_SHARD instead: {', '.join(hpz[:4])}")
     if spec.forward_prefetch > 1:
-        notes.append(f"FSDP1 prefetches one unit ahead at most: forward prefetch depth {spec.forward_prefetch} becomes 1")
+        notes.append(f"FSDP1 prefetches one unit ahead at most: forward prefetch depth {spec.forward_prefetch} "
+                     "becomes 1")
     ckpt = [n for u in spec.units if u.checkpoint and not u.is_root for n in u.modules]
     if ckpt:
         notes.append("activation checkpointing is not part of an FSDP1 wrap policy: after FSDP(...), call "
@@ -111,7 +112,8 @@ def fsdp1_policy(
     if mesh.is_hsdp and mesh.shard_size > 1:
         notes.append(f"HSDP: pass device_mesh=init_device_mesh(device, ({mesh.replicate_size}, {mesh.shard_size}), "
                      "mesh_dim_names=('replicate', 'shard')) to FullyShardedDataParallel")
-    root_kwargs = {"sharding_strategy": _fsdp1_strategy(True, mesh), "use_orig_params": True, **mp_kwargs, **prefetch_kwargs}
+    root_kwargs = {"sharding_strategy": _fsdp1_strategy(True, mesh), "use_orig_params": True, **mp_kwargs,
+                   **prefetch_kwargs}
     policy = PlanPolicy(singles, groups, root_kwargs=root_kwargs, notes=tuple(notes), world_size=mesh.world_size)
     if notes:
         warnings.warn("FSDP1 cannot express all of this plan: " + "; ".join(notes), stacklevel=3)

@@ -71,7 +71,8 @@ def check_tp_model(model: nn.Module, spec: TPSpec, size: int) -> None:
             try:
                 sub = block.get_submodule(path)
             except AttributeError:
-                raise PlanError(f"the TP plan for {cls} names {path}, but {name} has no submodule {path}; {hint}") from None
+                raise PlanError(f"the TP plan for {cls} names {path}, but {name} has no submodule {path}; "
+                                f"{hint}") from None
             if not isinstance(sub, nn.Linear):
                 raise PlanError(f"the TP plan for {cls} names {path}, but {name}.{path} is a {type(sub).__name__}, "
                                 f"not an nn.Linear; {hint}")
@@ -118,7 +119,8 @@ def tp_from_json(raw: Any, *, source: str) -> TPSpec:
         raise fail("tp.source", f"must be one of {', '.join(TP_SOURCES)}, got {src!r}")
     layers = raw.get("layers")
     if not isinstance(layers, dict) or not layers:
-        raise fail("tp.layers", "must be a non-empty object: block class -> {submodule path: \"colwise\" | \"rowwise\"}")
+        raise fail("tp.layers",
+                   "must be a non-empty object: block class -> {submodule path: \"colwise\" | \"rowwise\"}")
     out = []
     for cls, pairs in layers.items():
         if not isinstance(pairs, dict) or not pairs:

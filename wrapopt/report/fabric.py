@@ -28,7 +28,7 @@ def format_fabric(profile: FabricProfile) -> str:
     Used by ``wrapopt profile-fabric`` and ``wrapopt show fabric.json``.
 
     Example:
-        >>> from wrapopt.fabric import analytical_fabric
+        >>> from wrapopt.hardware import analytical_fabric
         >>> print(format_fabric(analytical_fabric(world_size=16)).splitlines()[0])
         fabric h100-nvlink-ib400: ANALYTICAL (stated numbers, not measured)
     """

@@ -70,12 +70,12 @@ def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
 
 
 def _format_dataflow(graph: ModelGraph, depth: int) -> list[str]:
-    flow = graph.dataflow
-    fx_note = (f"fx graph kept ({len(graph.fx_graph.graph.nodes)} nodes)" if graph.fx_graph is not None
+    flow = graph.trace.dataflow
+    fx_note = (f"fx graph kept ({len(graph.trace.fx_graph.graph.nodes)} nodes)" if graph.trace.fx_graph is not None
                else "no fx graph kept")
     if flow is None:
         return [f"dataflow: not traced; {fx_note}"]
-    source = "the fx graph" if graph.fx_graph is not None else "the traced ops"
+    source = "the fx graph" if graph.trace.fx_graph is not None else "the traced ops"
     lines = [f"dataflow: {flow.number_of_edges()} edges between {flow.number_of_nodes()} modules "
              f"({fmt_bytes(sum(d['bytes'] for *_, d in flow.edges(data=True)))} passed, from {source}); {fx_note}"]
     # Folded like the table (each module stands for its subtree below ``depth``), except
@@ -106,7 +106,7 @@ def _format_dataflow(graph: ModelGraph, depth: int) -> list[str]:
 
 
 def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
-    flow = graph.dataflow
+    flow = graph.trace.dataflow
     return {
         "format": "wrapopt.graph/1",
         "model_class": graph.model_class,
@@ -118,8 +118,8 @@ def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
         "multi_called": list(graph.multi_called),
         "never_called": list(graph.never_called),
         "param_users": [list(p) for p in graph.param_users],  # [module, the module whose forward reads its parameters]
-        "fx_graph": {"kept": graph.fx_graph is not None,
-                     "num_nodes": len(graph.fx_graph.graph.nodes) if graph.fx_graph is not None else 0},
+        "fx_graph": {"kept": graph.trace.fx_graph is not None,
+                     "num_nodes": len(graph.trace.fx_graph.graph.nodes) if graph.trace.fx_graph is not None else 0},
         # [src, dst, bytes, num_values]: a value produced by src's ops is read by dst's ops.
         "dataflow": None if flow is None else [
             [a, b, d["bytes"], d["num_values"]] for a, b, d in flow.edges(data=True)],

@@ -80,7 +80,8 @@ def make_case(name: str, world_size: int, ranks_per_node: int) -> Case:
     model, inputs = zoo.build(name, "meta")
     graph = trace_model(model, inputs, loss_fn=zoo.ZOO[name].loss)
     mesh = MeshSpec(world_size=world_size, ranks_per_node=ranks_per_node, shard_size=world_size)
-    sim = Simulator(graph, analytical_fabric(world_size=world_size, ranks_per_node=ranks_per_node), analytical_compute())
+    sim = Simulator(graph, analytical_fabric(world_size=world_size, ranks_per_node=ranks_per_node),
+                    analytical_compute())
     return Case(f"{name}-w{world_size}", graph, mesh, sim)
 
 

@@ -32,12 +32,12 @@ an op that also takes a meta tensor runs on meta with its real operands
 moved there (``Recorder.meta_wins``). FLOPs and saved bytes are the same as
 on meta: they depend on shapes only.
 
-[Note: fx graph and dataflow] ``trace_fx.export_fx`` keeps the model's fx
+[Note: fx graph and dataflow] ``trace.fx.export_fx`` keeps the model's fx
 graph (``torch.export`` on fake tensors) when it is cheap: export costs 1-2 ms
 per op on a 2-core CPU (llama-7b: 2.8 k ops, 4-7 s; llama-70b: 7 k ops, 7-14 s), so by
 default (``fx=None``) only models of at most ``_FX_AUTO_MAX_MODULES`` modules
 are exported, and ``estimates`` says when it was skipped or failed. The
-module dataflow (who feeds whom, see [Note: dataflow] in ``trace_fx``) comes
+module dataflow (who feeds whom, see [Note: dataflow] in trace/fx.py) comes
 from the fx graph when there is one, else from the ops the tracer's own
 forward ran, which is free and follows the same definition.
 
@@ -62,7 +62,6 @@ the report and the simulator see the model's loss as they see a user's.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -70,15 +69,15 @@ from typing import Any, Callable
 import networkx as nx
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
-from wrapopt.errors import ModelError, TraceError
-from wrapopt.losses import DefaultLoss, labels_for, scalar_loss, user_loss_choice
-from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
+from wrapopt.errors import ModelError
+from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
+from wrapopt.spec import ROOT, ModelGraph, ModuleInfo, TraceRecord
 from wrapopt.trace.fx import export_fx
 from wrapopt.tp import attention_heads
 from wrapopt.wrapped import check_unwrapped
-from wrapopt.trace.ops import FusedAttention, Recorder, dtype_name, nbytes, storage_key, tensors_in
+from wrapopt.trace.ops import dtype_name, nbytes, tensors_in
+from wrapopt.trace.record import StepRecord, record_step
 
 __all__ = ["trace_model"]
 
@@ -125,71 +124,28 @@ def trace_model(
         loss_fn = DefaultLoss.for_model(model, labelled=run_kwargs is not example_kwargs)
     t0 = time.perf_counter()
 
-    # Parameters: every FQN, grouped by identity (tied parameters share one object).
-    by_id: dict[int, list[str]] = defaultdict(list)
-    params: dict[int, nn.Parameter] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        by_id[id(p)].append(fqn)
-        params[id(p)] = p
-    if not params:
-        raise ModelError(f"{type(model).__name__} has no parameters: there is nothing for FSDP to shard")
+    by_id, params = _parameters_by_identity(model)
     tied_groups = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
-
     named_modules = list(model.named_modules(remove_duplicate=False))
     modules_by_name: dict[str, nn.Module] = {}
     for fqn, m in named_modules:
         modules_by_name.setdefault(fqn, m)
 
     estimates: list[str] = []
-    rec: _StepRecord | None = None
-    try:
-        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True)
-    except _DataDependent as first:  # See [Note: tracer fallback]
-        e = first
-    if rec is None and any(not t.is_floating_point() for t in tensors_in((example_inputs, run_kwargs))):
-        try:
-            rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True, real_ints=True)
-            estimates.append(f"traced with the integer inputs kept real because module {e.module!r} reads their "
-                             f"values ({e.cause}); weights stayed on meta")
-        except _DataDependent as again:
-            e = again
-    if rec is None:
-        if any(p.is_meta for p in params.values()):
-            raise TraceError(
-                f"module {e.module!r} runs an op that needs real values ({e.cause}), also with the integer "
-                "inputs kept real; the model is on the meta device, so the tracer cannot fall back to a real run. Pass the "
-                "value it reads as an input (a real integer tensor, e.g. an attention mask of ones, which stays "
-                "real), build the model with real weights (small example inputs suffice), or remove the "
-                "data-dependent op from forward."
-            ) from None
-        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=False)
-        estimates.append(
-            f"traced with real tensors because module {e.module!r} needs real values ({e.cause}); "
-            "figures are exact for the example inputs but the tracer allocated real activations"
-        )
-
+    rec = record_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, estimates)
     choice = choice or loss_fn.choice  # type: ignore[attr-defined]
     if choice.kind == "model":  # See [Note: loss inside forward]
         rec.saved[ROOT] -= rec.tail_saved
         rec.loss_saved, rec.loss_peak = rec.loss_saved + rec.tail_saved, max(rec.loss_peak, rec.tail_peak)
     graph = _build_graph(model, named_modules, by_id, params, rec)
-    infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"] for fqn in dict.fromkeys(f for f, _ in named_modules))
+    infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"]
+                                          for fqn in dict.fromkeys(f for f, _ in named_modules))
     chains = _block_chains(modules_by_name, infos, graph)
     shapes = tuple(
         (names[0], tuple(params[i].shape), dtype_name(params[i].dtype)) for i, names in by_id.items()
     )
-    fx_graph, dataflow = None, rec.flow
-    if fx is None and len(modules_by_name) > _FX_AUTO_MAX_MODULES:
-        estimates.append(
-            f"fx graph not kept: {len(modules_by_name)} modules > {_FX_AUTO_MAX_MODULES} (export takes seconds "
-            "at this size; pass fx=True to keep it); dataflow from the traced forward's ops"
-        )
-    elif fx or fx is None:
-        fx_graph, fx_flow, failure = export_fx(model, example_inputs, example_kwargs)
-        if fx_graph is None:
-            estimates.append(f"fx graph not kept: {failure}; dataflow from the traced forward's ops")
-        else:
-            dataflow = fx_flow
+    fx_graph, dataflow = _fx_and_dataflow(model, example_inputs, example_kwargs, rec.flow, len(modules_by_name),
+                                          fx=fx, estimates=estimates)
     estimates.append(f"traced in {time.perf_counter() - t0:.2f} s")
     return ModelGraph(
         model_class=type(model).__name__,
@@ -200,8 +156,7 @@ def trace_model(
         param_shapes=tuple(sorted(shapes)),
         input_bytes=nbytes(example_inputs) + nbytes(example_kwargs),
         estimates=tuple(estimates[:-1]),
-        fx_graph=fx_graph,
-        dataflow=dataflow,
+        trace=TraceRecord(fx_graph=fx_graph, dataflow=dataflow),
         loss_saved_bytes=rec.loss_saved,
         loss_peak_bytes=rec.loss_peak,
         param_users=_param_users(by_id, rec.param_reads),
@@ -210,6 +165,46 @@ def trace_model(
         **_batch_and_seq(example_inputs, example_kwargs),
         attention_heads=attention_heads(model),
     )
+
+
+def _parameters_by_identity(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, nn.Parameter]]:
+    """Every parameter FQN grouped by identity (tied parameters share one object), and the
+    parameter of each group; raises ``ModelError`` for a model with none."""
+    by_id: dict[int, list[str]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(fqn)
+        params[id(p)] = p
+    if not params:
+        raise ModelError(f"{type(model).__name__} has no parameters: there is nothing for FSDP to shard")
+    return by_id, params
+
+
+def _fx_and_dataflow(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+    flow: nx.DiGraph,
+    num_modules: int,
+    *,
+    fx: bool | None,
+    estimates: list[str],
+) -> tuple[Any, nx.DiGraph]:
+    """The fx graph, when kept, and the dataflow: the fx graph's, else ``flow`` (the traced
+    forward's). See [Note: fx graph and dataflow]."""
+    fx_graph, dataflow = None, flow
+    if fx is None and num_modules > _FX_AUTO_MAX_MODULES:
+        estimates.append(
+            f"fx graph not kept: {num_modules} modules > {_FX_AUTO_MAX_MODULES} (export takes seconds "
+            "at this size; pass fx=True to keep it); dataflow from the traced forward's ops"
+        )
+    elif fx or fx is None:
+        fx_graph, fx_flow, failure = export_fx(model, example_inputs, example_kwargs)
+        if fx_graph is None:
+            estimates.append(f"fx graph not kept: {failure}; dataflow from the traced forward's ops")
+        else:
+            dataflow = fx_flow
+    return fx_graph, dataflow
 
 
 def _batch_and_seq(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
@@ -232,174 +227,12 @@ def _param_users(by_id: dict[int, list[str]], reads: dict[tuple[int, str], None]
     return tuple(out)
 
 
-class _DataDependent(Exception):
-    def __init__(self, module: str, cause: str):
-        super().__init__(cause)
-        self.module, self.cause = module, cause
-
-
-class _StepRecord:
-    def __init__(self) -> None:
-        self.order: dict[str, int] = {}
-        self.calls: dict[str, int] = defaultdict(int)
-        self.out_bytes: dict[str, int] = {}
-        self.in_bytes: dict[str, int] = {}
-        self.saved: dict[str, int] = defaultdict(int)
-        self.fwd: dict[str, float] = {}
-        self.bwd_total = 0.0
-        self.fwd_bytes: dict[str, int] = {}
-        self.bwd_bytes_total = 0
-        self.flow: nx.DiGraph = nx.DiGraph()
-        self.loss_saved = 0  # saved for backward by the loss (outside every module)
-        self.loss_peak = 0  # most bytes of tensors the loss created alive at once
-        self.tail_saved = 0  # saved by root's own ops after its last child returned
-        self.tail_peak = 0  # most bytes those ops created alive at once
-        self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
-        self.experts: dict[str, int] = {}  # See [Note: experts on meta] in ops.py
-
-
-def _run_step(
-    model: nn.Module,
-    inputs: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    loss_fn: Callable[..., torch.Tensor],
-    by_id: dict[int, list[str]],
-    params: dict[int, nn.Parameter],
-    *,
-    meta: bool,
-    real_ints: bool = False,
-) -> _StepRecord:
-    rec = _StepRecord()
-    stack: list[str] = [ROOT]
-    # One replacement tensor per parameter object; tied FQNs follow (functional_call ties).
-    if meta:
-        replacement = {
-            names[0]: torch.empty_like(params[i], device="meta").requires_grad_(params[i].requires_grad)
-            for i, names in by_id.items()
-        }
-        replacement.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
-        keep = lambda x: real_ints and not x.is_floating_point()  # noqa: E731  See [Note: integer inputs stay real]
-        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not keep(x) else x  # noqa: E731
-        inputs = tree_map(to_meta, inputs)
-        kwargs = tree_map(to_meta, kwargs)
-        param_tensors = [replacement[names[0]] for names in by_id.values()]
-    else:
-        replacement = {}
-        param_tensors = list(params.values())
-    param_storages = {storage_key(t) for t in param_tensors}
-    seen_saved: set[Any] = set()
-
-    def pre_hook(name: str) -> Callable:
-        def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
-            if name not in rec.order:
-                rec.order[name] = len(rec.order)
-                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs))
-                                         if t.is_floating_point())
-            rec.calls[name] += 1
-            stack.append(name)
-            if recorder.in_tail:  # root's ops before this module were not the trailing ones
-                recorder.end_tail()
-                rec.tail_saved = 0
-
-        return hook
-
-    def post_hook(name: str) -> Callable:
-        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
-            if stack and stack[-1] == name:
-                stack.pop()
-            rec.out_bytes.setdefault(name, nbytes(out))
-            if stack == [ROOT] and not recorder.backward:  # See [Note: loss inside forward]
-                recorder.start_tail({storage_key(t) for t in tensors_in((out, inputs))})
-                rec.tail_saved = 0
-
-        return hook
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in param_storages and key not in seen_saved:
-            seen_saved.add(key)
-            try:
-                nbytes = t.untyped_storage().nbytes()
-            except (NotImplementedError, RuntimeError):
-                nbytes = t.numel() * t.element_size()
-            if recorder.in_loss:
-                rec.loss_saved += nbytes
-            else:
-                rec.saved[stack[-1]] += nbytes
-                rec.tail_saved += nbytes if recorder.in_tail else 0
-        return t
-
-    handles = []
-    for name, m in model.named_modules():
-        if name == ROOT:
-            continue  # the root's calls are the step itself
-        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True, prepend=True))
-        handles.append(m.register_forward_hook(post_hook(name)))
-    recorder = Recorder(stack)
-    recorder.meta_wins = real_ints
-    recorder.param_key = {id(t): key for key, t in zip(by_id, param_tensors)}
-    rec.order[ROOT] = 0
-    rec.calls[ROOT] = 1
-    try:
-        fused = FusedAttention() if meta else contextlib.nullcontext()
-        with fused, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            try:
-                if meta:
-                    out = torch.func.functional_call(model, replacement, inputs, kwargs, tie_weights=True, strict=False)
-                else:
-                    out = model(*inputs, **kwargs)
-            except Exception as e:  # the model's own error, with the module it came from
-                where = stack[-1]
-                if _is_data_dependent(e):
-                    raise _DataDependent(where or "<root>", f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
-                cls = type(model.get_submodule(where)).__name__
-                raise TraceError(
-                    f"forward of module {where or '<root>'!r} ({cls}) failed on the example inputs: "
-                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
-                    "Check that the example inputs match what the model expects."
-                ) from e
-            rec.out_bytes[ROOT] = nbytes(out)
-            rec.tail_peak = recorder.end_tail()
-            stack[:] = [ROOT]
-            recorder.record_flow = False
-            recorder.loss_before = {storage_key(t) for t in tensors_in((out, inputs))}
-            recorder.in_loss = True
-            loss = scalar_loss(loss_fn(out, inputs), loss_fn)
-            recorder.in_loss = False
-        recorder.backward = True
-        trainable = [t for t in param_tensors if t.requires_grad]
-        with recorder:
-            if loss.requires_grad and trainable:
-                torch.autograd.grad(loss, trainable, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    rec.fwd = dict(recorder.fwd)
-    rec.bwd_total = recorder.bwd_total
-    rec.fwd_bytes = dict(recorder.fwd_bytes)
-    rec.bwd_bytes_total = recorder.bwd_bytes_total
-    rec.flow = recorder.flow.graph
-    rec.loss_peak = recorder.loss_peak
-    rec.param_reads = recorder.param_reads
-    rec.experts = dict(recorder.experts)
-    return rec
-
-
-def _is_data_dependent(e: Exception) -> bool:
-    text = str(e)
-    return any(
-        s in text
-        for s in ("cannot be called on meta tensors", "data-dependent", "Cannot copy out of meta tensor", "meta tensor",
-                  "data-independent implementation", "torch.nonzero()")
-    ) and "shape" not in text.split("meta")[0][-20:]
-
-
 def _build_graph(
     model: nn.Module,
     named_modules: list[tuple[str, nn.Module]],
     by_id: dict[int, list[str]],
     params: dict[int, nn.Parameter],
-    rec: _StepRecord,
+    rec: StepRecord,
 ) -> nx.DiGraph:
     # Own parameters: each parameter object is counted once, at its first FQN's module.
     own: dict[str, list[nn.Parameter]] = defaultdict(list)

@@ -8,7 +8,7 @@ writes its outputs once. The tracer sums those bytes per module
 allocations touch nothing, and an indexed read (``embedding``) moves the rows
 it reads, not the whole table. Backward bytes are counted in total and
 attributed to modules in proportion to their forward bytes, as backward FLOPs
-are ([Note: self figures] in ``trace.py``). The cost model turns bytes into
+are ([Note: self figures] in ``trace/meta.py``). The cost model turns bytes into
 time with the compute profile's ``op_bandwidth_bytes_per_s``; 0 (measured
 profiles, whose per-module times already include these ops) keeps them free.
 Ops with a FLOP formula (matmuls, fused attention) are taken as compute-bound.

@@ -24,7 +24,8 @@ from wrapopt.trace.op_bytes import op_bytes
 
 __all__ = ["Recorder", "FusedAttention", "dtype_name", "storage_key", "tensors_in", "nbytes"]
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float64: "float64"}
 
 
 def dtype_name(dt: torch.dtype) -> str:

@@ -1,0 +1,139 @@
+"""Measure what FSDP2 itself costs on this process group: the fixed overhead per unit, and the
+optimizer step on sharded parameters. Both are collective: every rank calls them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from wrapopt.errors import ProfileError
+from wrapopt.hardware.timing import median, sync_for, time_reps
+
+__all__ = ["measure_unit_overhead", "measure_optimizer"]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int = 2) -> float:
+    """Fixed seconds FSDP2 adds per unit per all-gather, collectives excluded; collective: every rank calls it.
+
+    Times a forward+backward step of ``num_layers`` tiny ``nn.Linear(8, 8)``
+    layers with ``fully_shard`` on every layer and the root ("many": the
+    root owns no parameters, so N units with 2 all-gathers and 1
+    reduce-scatter each) and on the root only ("one": one unit, one
+    all-gather, one reduce-scatter, as the root is not resharded after
+    forward). The same modules run in both, so the difference is FSDP's own
+    work per unit (hooks, copy-in/copy-out, stream and state bookkeeping)
+    plus the extra collectives, whose latency is measured directly and
+    taken out::
+        per_unit_step = (t_many - t_one - (2N - 1) * t_all_gather - (N - 1) * t_reduce_scatter) / (N - 1)
+
+    ``per_unit_step`` is what one resharding unit adds to a training step
+    (its pre/post-forward and pre/post-backward work, the reduce-scatter's
+    bookkeeping included). The result is ``per_unit_step / 2``, floored at
+    0 and the max over ranks: the ``unit_overhead_s`` the cost model adds
+    once per all-gather, so twice per step for a unit resharded after
+    forward, which reproduces the measured step.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise ProfileError("measure_unit_overhead needs a process group; call it on every rank under torchrun or spawn")
+    if num_layers < 2:
+        raise ValueError(f"num_layers must be at least 2, got {num_layers}")
+    world = dist.get_world_size()
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    sync = sync_for(device)
+    mesh = init_device_mesh(dev_type, (world,))
+    x = torch.randn(4, 8, device=device)
+
+    def build(per_layer: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(8, 8, device=device) for _ in range(num_layers)))
+        if per_layer:
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def step_of(model: nn.Module) -> Callable[[], None]:
+        # No barrier between steps: the first all-gather of each step lines the ranks up.
+        return lambda: model(x).sum().backward()
+
+    # The tiny collectives FSDP issues per unit: one layer's parameters (72 fp32) unsharded.
+    numel = 72 // world * world or world
+    full, shard = torch.zeros(numel, device=device), torch.zeros(numel // world, device=device)
+    t_ag = time_reps(lambda: _all_gather(full, shard), repeats=repeats * 4, warmup=warmup, sync=sync)
+    t_rs = time_reps(lambda: _reduce_scatter(shard, full), repeats=repeats * 4, warmup=warmup, sync=sync)
+    t_many = time_reps(step_of(build(True)), repeats=repeats, warmup=warmup, sync=sync)
+    t_one = time_reps(step_of(build(False)), repeats=repeats, warmup=warmup, sync=sync)
+    n = num_layers
+    per_unit_step = (t_many - t_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (n - 1)
+    # Ranks must agree: the slowest rank's overhead is what every rank waits for.
+    out = torch.tensor([max(per_unit_step / 2, 0.0)], dtype=torch.float64,
+                       device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out[0])
+
+
+def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float, float, float]:
+    """AdamW steps on FSDP2-sharded (DTensor) parameters; collective.
+
+    Returns ``(per_tensor_s, per_tensor_2d_s, bandwidth_bytes_per_s)``: seconds
+    per parameter tensor (``num_tensors`` tiny tensors, dispatch-bound) on a 1-D
+    mesh and on a 2-D (world, 1) mesh as HSDP and no-shard plans use (0.0 on
+    one rank), and the step's effective bandwidth from four large tensors,
+    counted as the simulator counts it: (2 + 2 * 2 states) bytes per parameter
+    byte of the local shard. Medians, max over ranks.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise ProfileError("measure_optimizer needs a process group")
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    world = dist.get_world_size()
+    sync = sync_for(device)
+
+    def stepper(model: nn.Module, mesh: Any) -> Callable[[], Any]:
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        return opt.step
+
+    def step_time(model: nn.Module, mesh: Any) -> float:
+        return time_reps(stepper(model, mesh), repeats=repeats, warmup=2, sync=sync)
+
+    def tiny() -> nn.Module:
+        return nn.Sequential(*(nn.Linear(8, 8, device=device) for _ in range(num_tensors // 2)))
+
+    mesh1 = init_device_mesh(dev_type, (world,))
+    per_tensor_2d = 0.0
+    if world > 1:  # the 2-D extra decides no-shard against one unit: timed interleaved with the 1-D
+        # step and taken as the median paired ratio (sequential medians moved it 2x between runs here)
+        mesh2 = init_device_mesh(dev_type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        one, two = stepper(tiny(), mesh1), stepper(tiny(), mesh2)
+        pairs = [(time_reps(one, repeats=1, warmup=0, sync=sync), time_reps(two, repeats=1, warmup=0, sync=sync))
+                 for _ in range(2 + max(repeats, 9))][2:]
+        per_tensor = median([a for a, _b in pairs]) / num_tensors
+        per_tensor_2d = per_tensor * median([b / a for a, b in pairs])
+    else:
+        per_tensor = step_time(tiny(), mesh1) / num_tensors
+    n = 4096 if dev_type == "cuda" else 1024
+    big = nn.Sequential(*(nn.Linear(n, n, bias=False, device=device) for _ in range(4)))
+    local_bytes = 4 * n * n * 4 / world
+    t_big = step_time(big, mesh1) - 4 * per_tensor
+    counted = 2 + 2 * 2  # bytes per parameter byte as cost/simulate.py counts AdamW (two states)
+    bandwidth = local_bytes * counted / t_big if t_big > 0 else 0.0
+    out = torch.tensor([per_tensor, per_tensor_2d, -bandwidth], dtype=torch.float64,
+                       device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # slowest rank: max time, min bandwidth
+    return float(out[0]), float(out[1]), -float(out[2])

@@ -1,0 +1,38 @@
+"""What passes between the pipeline stages: frozen dataclasses, and the named
+tuples the simulator makes by the thousand.
+
+A shared package (the layering table in ``docs/design.md``): it imports no other
+wrapopt module, and every stage imports it, by the names this ``__init__``
+re-exports. One module per concern: the tracer makes a ``ModelGraph``
+(``graph.py``; what it kept beside the figures goes in ``TraceRecord``); the
+search makes ``PlanSpec``s of ``UnitSpec``s on a ``MeshSpec``, with a ``TPSpec``
+on a tensor-parallel mesh (``plan.py``); the simulator turns a plan and
+``SimOptions`` (``options.py``) into a ``CostEstimate`` (``estimate.py``).
+"""
+
+from __future__ import annotations
+
+from wrapopt.spec.estimate import CostEstimate, TimelineEvent, UnitCost, UnitCosts
+from wrapopt.spec.graph import ROOT, ModelGraph, ModuleInfo, TraceRecord
+from wrapopt.spec.options import SYNC_MODES, OptimizerKind, SimOptions, factored_state_numel
+from wrapopt.spec.plan import TP_STYLES, MeshSpec, PlanSpec, TPSpec, UnitSpec
+
+__all__ = [
+    "ModuleInfo",
+    "ModelGraph",
+    "TraceRecord",
+    "MeshSpec",
+    "UnitSpec",
+    "PlanSpec",
+    "TPSpec",
+    "TP_STYLES",
+    "OptimizerKind",
+    "SYNC_MODES",
+    "factored_state_numel",
+    "SimOptions",
+    "UnitCost",
+    "UnitCosts",
+    "TimelineEvent",
+    "CostEstimate",
+    "ROOT",
+]

@@ -1,0 +1,189 @@
+"""A plan: its units (``UnitSpec``), its mesh (``MeshSpec``) and, on a tensor-parallel
+mesh, how tensor parallelism cuts each block (``TPSpec``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from wrapopt.spec.graph import ROOT
+
+__all__ = ["MeshSpec", "UnitSpec", "TP_STYLES", "TPSpec", "PlanSpec"]
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """The mesh a plan runs on.
+
+    ``shard_size`` ranks share one copy of the parameters (FSDP's shard group);
+    ``replicate_size`` such groups replicate it (HSDP). ``shard_size ==
+    world_size`` is plain FSDP; ``shard_size == 1`` is no sharding at all
+    (every rank holds everything, gradients are all-reduced: DDP-like).
+    ``tp_size > 1`` adds a tensor-parallel axis, innermost (consecutive ranks,
+    inside a node), so the mesh is ``replicate x shard x tp`` as TorchTitan builds
+    it; FSDP runs on the data-parallel ranks ``world_size / tp_size``. See
+    [Note: tensor parallel] in tp.py.
+    """
+
+    world_size: int
+    ranks_per_node: int
+    shard_size: int
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.ranks_per_node < 1 or self.shard_size < 1 or self.tp_size < 1:
+            raise ValueError(f"mesh sizes must be positive, got {self}")
+        if self.world_size % self.ranks_per_node and self.world_size > self.ranks_per_node:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of {self.ranks_per_node} "
+                "ranks per node; pass --gpus-per-node that divides the world size"
+            )
+        if self.tp_size > 1 and (self.ranks_per_node % self.tp_size or self.world_size % self.tp_size):
+            raise ValueError(
+                f"tensor-parallel degree {self.tp_size} does not divide the {self.ranks_per_node} ranks per node "
+                f"(and the world of {self.world_size}); tensor parallelism runs inside a node: pass --tp 1, 2, 4 or 8 "
+                "dividing --gpus-per-node"
+            )
+        dp = self.world_size // self.tp_size
+        if self.shard_size > dp or dp % self.shard_size:
+            raise ValueError(
+                f"shard group of {self.shard_size} ranks does not divide the {dp} data-parallel ranks "
+                f"(world {self.world_size} / tensor-parallel degree {self.tp_size}); use a divisor of {dp}"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world over the tensor-parallel degree."""
+        return self.world_size // self.tp_size
+
+    @property
+    def replicate_size(self) -> int:
+        return self.world_size // (self.shard_size * self.tp_size)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.ranks_per_node)
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_size > 1
+
+    def data_parallel(self) -> "MeshSpec":
+        """The FSDP part alone: one rank of each tensor-parallel group, ``ranks_per_node /
+        tp_size`` of them per node. The simulator scores FSDP's collectives on it."""
+        if self.tp_size == 1:
+            return self
+        return MeshSpec(world_size=self.dp_size, ranks_per_node=max(1, self.ranks_per_node // self.tp_size),
+                        shard_size=self.shard_size)
+
+    def with_tp(self, tp_size: int) -> "MeshSpec":
+        """This data-parallel mesh with a tensor-parallel axis of ``tp_size`` under it
+        (``world_size`` and ``ranks_per_node`` multiplied by it)."""
+        return MeshSpec(world_size=self.world_size * tp_size, ranks_per_node=self.ranks_per_node * tp_size,
+                        shard_size=self.shard_size, tp_size=self.tp_size * tp_size)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The ``DeviceMesh`` shape, outermost first, matching ``axis_names``."""
+        return tuple(n for n, keep in ((self.replicate_size, self.is_hsdp), (self.shard_size, True),
+                                       (self.tp_size, self.tp_size > 1)) if keep)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(n for n, keep in (("replicate", self.is_hsdp), ("shard", True), ("tp", self.tp_size > 1)) if keep)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "world_size": self.world_size,
+            "ranks_per_node": self.ranks_per_node,
+            "shard_size": self.shard_size,
+        }
+        if self.tp_size > 1:
+            out["tp_size"] = self.tp_size
+        out["shape"], out["axis_names"] = list(self.shape), list(self.axis_names)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSpec:
+    """One FSDP unit: ``fully_shard(modules)`` with its per-unit choices.
+
+    ``modules == (ROOT,)`` is the root unit. Several modules form one unit
+    through ``fully_shard([m1, m2, ...])`` (contiguous blocks, tied groups).
+    """
+
+    modules: tuple[str, ...]
+    # True: free after forward, re-gather in backward. False: keep until
+    # backward. An int N: reshard to groups of N ranks (hpZ-style re-gather).
+    # Plans give the root False, FSDP2's own default for the root.
+    reshard_after_forward: bool | int = True
+    checkpoint: bool = False  # activation checkpointing of the unit's modules
+
+    @property
+    def is_root(self) -> bool:
+        return self.modules == (ROOT,)
+
+    @property
+    def name(self) -> str:
+        if self.is_root:
+            return "<root>"
+        if len(self.modules) == 1:
+            return self.modules[0]
+        return f"{self.modules[0]}..{self.modules[-1].rsplit('.', 1)[-1]}"
+
+
+TP_STYLES = ("colwise", "rowwise")
+
+
+@dataclass(frozen=True, slots=True)
+class TPSpec:
+    """How tensor parallelism cuts each block: ``layers`` maps a block class to
+    ``(submodule path relative to the block, style)`` pairs, style ``"colwise"``
+    (``ColwiseParallel``: output features split, input replicated) or ``"rowwise"``
+    (``RowwiseParallel``: input features split, output all-reduced). Every module of
+    a listed class is parallelised; other modules (embeddings, the head, norms)
+    are replicated over the tensor-parallel ranks. ``source``: "builtin" (recognised
+    by wrapopt) or "user". See [Note: tensor parallel] in tp.py (which recognises
+    and checks these plans).
+    """
+
+    layers: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+    source: str = "builtin"
+
+    def __post_init__(self) -> None:
+        for cls, pairs in self.layers:
+            bad = [f"{path}={style!r}" for path, style in pairs if style not in TP_STYLES]
+            if bad:
+                raise ValueError(f"TP plan for {cls}: unknown style(s) {', '.join(bad)}; "
+                                 f"use one of {', '.join(TP_STYLES)}")
+            if not pairs:
+                raise ValueError(f"TP plan for {cls} lists no submodules")
+
+    def styles(self, cls: str) -> dict[str, str]:
+        """The plan of one block class (empty when the class is not listed)."""
+        return dict(next((p for c, p in self.layers if c == cls), ()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "layers": {cls: dict(pairs) for cls, pairs in self.layers}}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSpec:
+    """A complete wrapping decision: the units (root last) and the mesh."""
+
+    units: tuple[UnitSpec, ...]
+    mesh: MeshSpec
+    # Explicit forward prefetch depth (``set_modules_to_forward_prefetch``);
+    # 0 leaves FSDP2's implicit behaviour.
+    forward_prefetch: int = 0
+    label: str = ""
+    # Tensor parallelism inside blocks; set exactly when ``mesh.tp_size > 1``.
+    tp: TPSpec | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tp is not None) != (self.mesh.tp_size > 1):
+            raise ValueError(f"a plan on a mesh with tp_size {self.mesh.tp_size} needs "
+                             f"{'a' if self.mesh.tp_size > 1 else 'no'} TPSpec (PlanSpec.tp)")
+
+    @property
+    def root(self) -> UnitSpec:
+        return self.units[-1]

@@ -1,0 +1,275 @@
+"""One recorded training step of the tracer: forward, loss and backward under the
+``Recorder`` (``trace/ops.py``), with module hooks and a saved-tensor hook, on meta
+stand-ins for the model's tensors (and the fallbacks of [Note: tracer fallback] in
+trace/meta.py). ``trace_model`` turns the ``StepRecord`` into a ``ModelGraph``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Callable
+
+import networkx as nx
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from wrapopt.errors import TraceError
+from wrapopt.losses import scalar_loss
+from wrapopt.spec import ROOT
+from wrapopt.trace.ops import FusedAttention, Recorder, nbytes, storage_key, tensors_in
+
+__all__ = ["StepRecord", "record_step"]
+
+
+def record_step(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    run_kwargs: dict[str, Any],
+    loss_fn: Callable[..., torch.Tensor],
+    by_id: dict[int, list[str]],
+    params: dict[int, nn.Parameter],
+    estimates: list[str],
+) -> StepRecord:
+    """One recorded step: on meta, else on meta with the integer inputs real, else for real;
+    each fallback says so in ``estimates``. See [Note: tracer fallback] in trace/meta.py."""
+    rec: StepRecord | None = None
+    try:
+        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True)
+    except _DataDependent as first:  # See [Note: tracer fallback] in trace/meta.py
+        e = first
+    if rec is None and any(not t.is_floating_point() for t in tensors_in((example_inputs, run_kwargs))):
+        try:
+            rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True, real_ints=True)
+            estimates.append(f"traced with the integer inputs kept real because module {e.module!r} reads their "
+                             f"values ({e.cause}); weights stayed on meta")
+        except _DataDependent as again:
+            e = again
+    if rec is None:
+        if any(p.is_meta for p in params.values()):
+            raise TraceError(
+                f"module {e.module!r} runs an op that needs real values ({e.cause}), also with the integer "
+                "inputs kept real; the model is on the meta device, so the tracer cannot fall back to a real run. "
+                "Pass the value it reads as an input (a real integer tensor, e.g. an attention mask of ones, "
+                "which stays real), build the model with real weights (small example inputs suffice), or remove "
+                "the data-dependent op from forward."
+            ) from None
+        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=False)
+        estimates.append(
+            f"traced with real tensors because module {e.module!r} needs real values ({e.cause}); "
+            "figures are exact for the example inputs but the tracer allocated real activations"
+        )
+    return rec
+
+
+class _DataDependent(Exception):
+    def __init__(self, module: str, cause: str):
+        super().__init__(cause)
+        self.module, self.cause = module, cause
+
+
+class StepRecord:
+    """What one recorded step counted, per module FQN."""
+
+    def __init__(self) -> None:
+        self.order: dict[str, int] = {}
+        self.calls: dict[str, int] = defaultdict(int)
+        self.out_bytes: dict[str, int] = {}
+        self.in_bytes: dict[str, int] = {}
+        self.saved: dict[str, int] = defaultdict(int)
+        self.fwd: dict[str, float] = {}
+        self.bwd_total = 0.0
+        self.fwd_bytes: dict[str, int] = {}
+        self.bwd_bytes_total = 0
+        self.flow: nx.DiGraph = nx.DiGraph()
+        self.loss_saved = 0  # saved for backward by the loss (outside every module)
+        self.loss_peak = 0  # most bytes of tensors the loss created alive at once
+        self.tail_saved = 0  # saved by root's own ops after its last child returned
+        self.tail_peak = 0  # most bytes those ops created alive at once
+        self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
+        self.experts: dict[str, int] = {}  # See [Note: experts on meta] in ops.py
+
+
+def _run_step(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[..., torch.Tensor],
+    by_id: dict[int, list[str]],
+    params: dict[int, nn.Parameter],
+    *,
+    meta: bool,
+    real_ints: bool = False,
+) -> StepRecord:
+    """One forward, loss and backward of ``model`` under the recorder, on meta stand-ins for
+    its tensors (``meta``) or on the real ones."""
+    rec = StepRecord()
+    stack: list[str] = [ROOT]
+    replacement, inputs, kwargs, param_tensors = _step_tensors(model, inputs, kwargs, by_id, params, meta=meta,
+                                                               real_ints=real_ints)
+    recorder = Recorder(stack)
+    handles = _hook_modules(model, rec, stack, recorder, inputs)
+    pack = _saved_bytes_counter(rec, stack, recorder, param_tensors)
+    recorder.meta_wins = real_ints
+    recorder.param_key = {id(t): key for key, t in zip(by_id, param_tensors)}
+    rec.order[ROOT] = 0
+    rec.calls[ROOT] = 1
+    try:
+        fused = FusedAttention() if meta else contextlib.nullcontext()
+        with fused, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = _forward(model, replacement, inputs, kwargs, stack, meta=meta)
+            rec.out_bytes[ROOT] = nbytes(out)
+            rec.tail_peak = recorder.end_tail()
+            stack[:] = [ROOT]
+            recorder.record_flow = False
+            recorder.loss_before = {storage_key(t) for t in tensors_in((out, inputs))}
+            recorder.in_loss = True
+            loss = scalar_loss(loss_fn(out, inputs), loss_fn)
+            recorder.in_loss = False
+        recorder.backward = True
+        trainable = [t for t in param_tensors if t.requires_grad]
+        with recorder:
+            if loss.requires_grad and trainable:
+                torch.autograd.grad(loss, trainable, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    _keep_recorded(rec, recorder)
+    return rec
+
+
+def _step_tensors(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    by_id: dict[int, list[str]],
+    params: dict[int, nn.Parameter],
+    *,
+    meta: bool,
+    real_ints: bool,
+) -> tuple[dict[str, torch.Tensor], tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+    """What the step runs on: the replacement tensors by FQN (for ``functional_call``), the
+    inputs, the keyword inputs and one tensor per parameter object."""
+    # One replacement tensor per parameter object; tied FQNs follow (functional_call ties).
+    if meta:
+        replacement = {
+            names[0]: torch.empty_like(params[i], device="meta").requires_grad_(params[i].requires_grad)
+            for i, names in by_id.items()
+        }
+        replacement.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
+        # See [Note: integer inputs stay real] in trace/meta.py.
+        keep = lambda x: real_ints and not x.is_floating_point()  # noqa: E731
+        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not keep(x) else x  # noqa: E731
+        inputs = tree_map(to_meta, inputs)
+        kwargs = tree_map(to_meta, kwargs)
+        param_tensors = [replacement[names[0]] for names in by_id.values()]
+    else:
+        replacement = {}
+        param_tensors = list(params.values())
+    return replacement, inputs, kwargs, param_tensors
+
+
+def _hook_modules(model: nn.Module, rec: StepRecord, stack: list[str], recorder: Recorder,
+                  inputs: tuple[Any, ...]) -> list[Any]:
+    """Forward pre/post hooks on every module but the root: first-call order, calls, input and
+    output bytes, and the module stack the recorder attributes ops to. Returns the handles."""
+
+    def pre_hook(name: str) -> Callable:
+        def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
+            if name not in rec.order:
+                rec.order[name] = len(rec.order)
+                rec.in_bytes[name] = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs))
+                                         if t.is_floating_point())
+            rec.calls[name] += 1
+            stack.append(name)
+            if recorder.in_tail:  # root's ops before this module were not the trailing ones
+                recorder.end_tail()
+                rec.tail_saved = 0
+
+        return hook
+
+    def post_hook(name: str) -> Callable:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            if stack and stack[-1] == name:
+                stack.pop()
+            rec.out_bytes.setdefault(name, nbytes(out))
+            if stack == [ROOT] and not recorder.backward:  # See [Note: loss inside forward] in trace/meta.py
+                recorder.start_tail({storage_key(t) for t in tensors_in((out, inputs))})
+                rec.tail_saved = 0
+
+        return hook
+
+    handles = []
+    for name, m in model.named_modules():
+        if name == ROOT:
+            continue  # the root's calls are the step itself
+        handles.append(m.register_forward_pre_hook(pre_hook(name), with_kwargs=True, prepend=True))
+        handles.append(m.register_forward_hook(post_hook(name)))
+    return handles
+
+
+def _saved_bytes_counter(rec: StepRecord, stack: list[str], recorder: Recorder,
+                         param_tensors: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The pack hook of ``saved_tensors_hooks``: each storage saved for backward counted once,
+    parameters excluded, to the running module (or the loss, or the root's tail)."""
+    param_storages = {storage_key(t) for t in param_tensors}
+    seen_saved: set[Any] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in param_storages and key not in seen_saved:
+            seen_saved.add(key)
+            try:
+                nbytes = t.untyped_storage().nbytes()
+            except (NotImplementedError, RuntimeError):
+                nbytes = t.numel() * t.element_size()
+            if recorder.in_loss:
+                rec.loss_saved += nbytes
+            else:
+                rec.saved[stack[-1]] += nbytes
+                rec.tail_saved += nbytes if recorder.in_tail else 0
+        return t
+
+    return pack
+
+
+def _forward(model: nn.Module, replacement: dict[str, torch.Tensor], inputs: tuple[Any, ...],
+             kwargs: dict[str, Any], stack: list[str], *, meta: bool) -> Any:
+    """The model's forward; its error is re-raised naming the module it came from
+    (``_DataDependent`` for an op that needs real values)."""
+    try:
+        if meta:
+            return torch.func.functional_call(model, replacement, inputs, kwargs, tie_weights=True, strict=False)
+        return model(*inputs, **kwargs)
+    except Exception as e:  # the model's own error, with the module it came from
+        where = stack[-1]
+        if _is_data_dependent(e):
+            raise _DataDependent(where or "<root>", f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+        cls = type(model.get_submodule(where)).__name__
+        raise TraceError(
+            f"forward of module {where or '<root>'!r} ({cls}) failed on the example inputs: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            "Check that the example inputs match what the model expects."
+        ) from e
+
+
+def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
+    """Copy what the recorder counted during the step into ``rec``."""
+    rec.fwd = dict(recorder.fwd)
+    rec.bwd_total = recorder.bwd_total
+    rec.fwd_bytes = dict(recorder.fwd_bytes)
+    rec.bwd_bytes_total = recorder.bwd_bytes_total
+    rec.flow = recorder.flow.graph
+    rec.loss_peak = recorder.loss_peak
+    rec.param_reads = recorder.param_reads
+    rec.experts = dict(recorder.experts)
+
+
+def _is_data_dependent(e: Exception) -> bool:
+    text = str(e)
+    return any(
+        s in text
+        for s in ("cannot be called on meta tensors", "data-dependent", "Cannot copy out of meta tensor", "meta tensor",
+                  "data-independent implementation", "torch.nonzero()")
+    ) and "shape" not in text.split("meta")[0][-20:]
