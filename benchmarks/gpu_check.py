@@ -61,7 +61,7 @@ def gemm_sweep(device: str, repeats: int = 5) -> list[dict]:
         for name, k, n in (("qkv", d, 3 * d), ("out", d, d), ("up", d, 4 * d), ("down", 4 * d, d)):
             a = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-            t = time_reps(lambda: torch.mm(a, b), repeats=repeats, warmup=2, sync=sync)  # noqa: B023 - called here
+            t = time_reps(lambda a=a, b=b: torch.mm(a, b), repeats=repeats, warmup=2, sync=sync)
             rows.append({"width": d, "gemm": name, "m": tokens, "k": k, "n": n, "s": t,
                          "flops_per_s": 2 * tokens * k * n / t})
             del a, b

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import gc
 import hashlib
-import json
 import os
 import random
 import statistics

@@ -26,21 +26,15 @@ from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
-from wrapopt.fileio import check_writable, read_json
+from wrapopt.fileio import check_writable
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import with_tp_measurements
-from wrapopt.hardware.presets import (
-    ANALYTICAL_FABRICS,
-    ANALYTICAL_FORMAT,
-    DEFAULT_ANALYTICAL,
-    analytical_fabric,
-    analytical_from_json,
-    fabric_compute,
-)
+from wrapopt.hardware.presets import analytical_fabric
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
@@ -88,56 +82,6 @@ def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSp
     world = world_size or gpn
     return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
 
-
-def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_size: int,
-                   ranks_per_node: int) -> FabricProfile:
-    """A profile object from a profile, a file path, or the name of an analytical fabric."""
-    if isinstance(fabric, FabricProfile):
-        return fabric
-    if fabric is None:
-        return analytical_fabric(DEFAULT_ANALYTICAL, world_size=world_size, ranks_per_node=ranks_per_node)
-    text = os.fspath(fabric)
-    if text in ANALYTICAL_FABRICS:
-        return analytical_fabric(text, world_size=world_size, ranks_per_node=ranks_per_node)
-    if not os.path.exists(text):
-        raise ProfileError(
-            f"--fabric {text!r} is neither a profile file nor a named analytical fabric "
-            f"({', '.join(ANALYTICAL_FABRICS)}); measure one with `wrapopt profile-fabric --out fabric.json`, "
-            "or state one (`wrapopt fabric --template`)"
-        )
-    data = read_json(text, error=ProfileError)
-    if isinstance(data, dict) and data.get("format") == ANALYTICAL_FORMAT:
-        # stated numbers: See [Note: stated fabric file]
-        return analytical_from_json(data, source=text, world_size=world_size, ranks_per_node=ranks_per_node)
-    return FabricProfile.from_json(data, source=text)
-
-
-def compute_for(fabric: FabricProfile | None, compute: ComputeProfile | str | None, train: TrainConfig,
-                model_dtype: str = "float32") -> ComputeProfile:
-    """The compute profile: the one given (or its file), else the analytical fabric's
-    device computing in the step's dtype (``param_dtype``, else ``model_dtype``, the
-    dtype the model is stored in), else this device measured."""
-    if isinstance(compute, ComputeProfile):
-        return compute
-    if isinstance(compute, str):
-        return ComputeProfile.load(compute)
-    if fabric is None or fabric.kind == "analytical":
-        return fabric_compute(fabric or analytical_fabric(world_size=1), dtype=train.compute_dtype(model_dtype))
-    return measure_compute()
-
-
-def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -> list[str]:
-    """A measured profile from another world size or node shape: error, or a stated rescaling."""
-    if fabric.kind != "measured":
-        return []
-    if fabric.world_size == mesh.world_size and fabric.ranks_per_node == mesh.ranks_per_node:
-        return []
-    msg = (f"the fabric profile was measured on {fabric.world_size} ranks ({fabric.ranks_per_node} per node), "
-           f"the plan is for {mesh.world_size} ({mesh.ranks_per_node} per node)")
-    if not rescale:
-        raise ProfileError(msg + "; measure the target mesh, or pass rescale=True / --rescale-fabric to rescale "
-                                 "by the ring model")
-    return [msg + "; collective times rescaled by the ring model"]
 
 def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
                     memory_budget: float | None, source: str) -> Assumptions:
@@ -263,16 +207,8 @@ def optimize_wrap(
         >>> print(res.report())  # doctest: +SKIP
     """
     in_group = dist.is_initialized()
-    # Local work first; a failure on any rank is raised on every rank before any collective, and the
-    # ranks compare what they were given. See [Note: every rank explains] in wrapopt/consensus.py.
-    with every_rank("tracing the model and reading the plan"):
-        mesh = _job_mesh(world_size, gpus_per_node)
-        graph = trace_model(model, example_inputs, loss_fn=loss_fn)
-        given_plan = _load_given_plan(plan, model, graph)
-    agree("starting optimize_wrap", {
-        "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
-        "plan": None if given_plan is None else plan_digest(given_plan.spec),
-        "options": repr((memory_budget, seed, tp, train))})
+    mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
+                                     loss_fn=loss_fn, plan=plan, options=(memory_budget, seed, tp, train))
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
                              measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
@@ -319,6 +255,22 @@ def _job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
         raise ModelError(f"world_size={world_size} but the process group has {world} ranks")
     per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return default_mesh(world_size=world, gpus_per_node=per_node)
+
+
+def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpus_per_node: int | None,
+           loss_fn: Callable[..., torch.Tensor] | None, plan: WrapPlan | str | os.PathLike | None,
+           options: tuple[Any, ...]) -> tuple[MeshSpec, ModelGraph, WrapPlan | None]:
+    """The local work of optimize_wrap (mesh, trace, a given plan), then the ranks compare what they were
+    given: a failure or a difference is raised on every rank before any collective (See [Note: every rank
+    explains] in wrapopt/consensus.py)."""
+    with every_rank("tracing the model and reading the plan"):
+        mesh = _job_mesh(world_size, gpus_per_node)
+        graph = trace_model(model, example_inputs, loss_fn=loss_fn)
+        given_plan = _load_given_plan(plan, model, graph)
+    agree("starting optimize_wrap", {
+        "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
+        "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr(options)})
+    return mesh, graph, given_plan
 
 
 def _load_given_plan(plan: WrapPlan | str | os.PathLike | None, model: nn.Module,

@@ -111,7 +111,7 @@ def every_rank(what: str) -> Iterator[None]:
     failure: BaseException | None = None
     try:
         yield
-    except Exception as e:  # noqa: BLE001: every kind must reach the peers, or they hang
+    except Exception as e:  # noqa: BLE001 (every kind must reach the peers, or they hang)
         failure = e
     status = "" if failure is None else f"{type(failure).__name__}: {failure}"
     outcomes = _gather_text(status)

@@ -32,6 +32,7 @@ named: pass a ``TPSpec`` for them.
 from __future__ import annotations
 
 import math
+from typing import Any
 from collections.abc import Iterable
 
 from wrapopt.errors import PlanError

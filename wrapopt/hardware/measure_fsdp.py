@@ -3,7 +3,6 @@ optimizer step on sharded parameters. Both are collective: every rank calls them
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import torch

@@ -118,10 +118,7 @@ def trace_model(
         example_inputs = (example_inputs,)
     example_kwargs = example_kwargs or {}
     check_unwrapped(model, "trace")  # See wrapopt/wrapped.py
-    run_kwargs, choice = example_kwargs, user_loss_choice(loss_fn) if loss_fn is not None else None
-    if loss_fn is None:  # See [Note: the assumed loss] in losses.py
-        run_kwargs = labels_for(model, example_inputs, example_kwargs) or example_kwargs
-        loss_fn = DefaultLoss.for_model(model, labelled=run_kwargs is not example_kwargs)
+    run_kwargs, loss_fn, choice = _loss_to_run(model, example_inputs, example_kwargs, loss_fn)
     t0 = time.perf_counter()
 
     by_id, params = _parameters_by_identity(model)
@@ -165,6 +162,16 @@ def trace_model(
         **_batch_and_seq(example_inputs, example_kwargs),
         attention_heads=attention_heads(model),
     )
+
+
+def _loss_to_run(model: nn.Module, example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any],
+                 loss_fn: Callable[..., torch.Tensor] | None) -> tuple[dict[str, Any], Callable[..., Any], Any]:
+    """The keyword inputs to run with, the loss to run and the user's loss choice (None: assumed)."""
+    run_kwargs, choice = example_kwargs, user_loss_choice(loss_fn) if loss_fn is not None else None
+    if loss_fn is None:  # See [Note: the assumed loss] in losses.py
+        run_kwargs = labels_for(model, example_inputs, example_kwargs) or example_kwargs
+        loss_fn = DefaultLoss.for_model(model, labelled=run_kwargs is not example_kwargs)
+    return run_kwargs, loss_fn, choice
 
 
 def _parameters_by_identity(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, nn.Parameter]]:

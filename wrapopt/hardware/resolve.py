@@ -1,0 +1,75 @@
+"""Profiles from what a user names: a fabric given as a profile, a file or an analytical
+fabric's name; the compute profile that goes with it; and whether a measured fabric fits
+the mesh being planned. Re-exported by ``wrapopt.api``, which wires them."""
+
+from __future__ import annotations
+
+import os
+
+from wrapopt.errors import ProfileError
+from wrapopt.fileio import read_json
+from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.presets import (
+    ANALYTICAL_FABRICS,
+    ANALYTICAL_FORMAT,
+    DEFAULT_ANALYTICAL,
+    analytical_fabric,
+    analytical_from_json,
+    fabric_compute,
+)
+from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.spec import MeshSpec
+from wrapopt.train import TrainConfig
+
+__all__ = ["resolve_fabric", "compute_for", "check_fabric_fits"]
+
+
+def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_size: int,
+                   ranks_per_node: int) -> FabricProfile:
+    """A profile object from a profile, a file path, or the name of an analytical fabric."""
+    if isinstance(fabric, FabricProfile):
+        return fabric
+    if fabric is None:
+        return analytical_fabric(DEFAULT_ANALYTICAL, world_size=world_size, ranks_per_node=ranks_per_node)
+    text = os.fspath(fabric)
+    if text in ANALYTICAL_FABRICS:
+        return analytical_fabric(text, world_size=world_size, ranks_per_node=ranks_per_node)
+    if not os.path.exists(text):
+        raise ProfileError(
+            f"--fabric {text!r} is neither a profile file nor a named analytical fabric "
+            f"({', '.join(ANALYTICAL_FABRICS)}); measure one with `wrapopt profile-fabric --out fabric.json`, "
+            "or state one (`wrapopt fabric --template`)"
+        )
+    data = read_json(text, error=ProfileError)
+    if isinstance(data, dict) and data.get("format") == ANALYTICAL_FORMAT:
+        # stated numbers: See [Note: stated fabric file]
+        return analytical_from_json(data, source=text, world_size=world_size, ranks_per_node=ranks_per_node)
+    return FabricProfile.from_json(data, source=text)
+
+
+def compute_for(fabric: FabricProfile | None, compute: ComputeProfile | str | None, train: TrainConfig,
+                model_dtype: str = "float32") -> ComputeProfile:
+    """The compute profile: the one given (or its file), else the analytical fabric's
+    device computing in the step's dtype (``param_dtype``, else ``model_dtype``, the
+    dtype the model is stored in), else this device measured."""
+    if isinstance(compute, ComputeProfile):
+        return compute
+    if isinstance(compute, str):
+        return ComputeProfile.load(compute)
+    if fabric is None or fabric.kind == "analytical":
+        return fabric_compute(fabric or analytical_fabric(world_size=1), dtype=train.compute_dtype(model_dtype))
+    return measure_compute()
+
+
+def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -> list[str]:
+    """A measured profile from another world size or node shape: error, or a stated rescaling."""
+    if fabric.kind != "measured":
+        return []
+    if fabric.world_size == mesh.world_size and fabric.ranks_per_node == mesh.ranks_per_node:
+        return []
+    msg = (f"the fabric profile was measured on {fabric.world_size} ranks ({fabric.ranks_per_node} per node), "
+           f"the plan is for {mesh.world_size} ({mesh.ranks_per_node} per node)")
+    if not rescale:
+        raise ProfileError(msg + "; measure the target mesh, or pass rescale=True / --rescale-fabric to rescale "
+                                 "by the ring model")
+    return [msg + "; collective times rescaled by the ring model"]
