@@ -336,7 +336,8 @@ def _lightning_code(kwargs: dict[str, Any], source: str) -> str:
         elif k == "mixed_precision":
             imports[:0] = ["import torch", "from torch.distributed.fsdp import MixedPrecision"]
             if any(val not in _ACCEL_MP for val in v.values()):
-                raise PlanError(f"the plan's mixed_precision is {v!r}; dtypes must be null, float32, bfloat16 or float16")
+                raise PlanError(f"the plan's mixed_precision is {v!r}; its dtypes must be null, float32, bfloat16 "
+                                "or float16")
             dt = {key: f"torch.{val}" if val else "None" for key, val in v.items()}
             args.append(f"mixed_precision=MixedPrecision(param_dtype={dt['param_dtype']}, reduce_dtype={dt['reduce_dtype']})")
         elif k == "device_mesh":
