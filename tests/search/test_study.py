@@ -64,9 +64,9 @@ def test_same_seed_same_study_other_seed_other_study():
         out = run_study(g, sim, space, memory_budget=budget, seeds=[], trials=40, seed=seed)
         return out, [(t.number, t.estimate.step_s, t.estimate.peak_bytes) for t in out.pareto]
 
-    a, fa = trials(7)
-    b, fb = trials(7)
-    c, fc = trials(8)
+    a, fa = trials(9)  # seeds whose 40 trials find plans that fit (7 and 8 find none since per-trial seeds)
+    b, fb = trials(9)
+    c, fc = trials(10)
     assert fa == fb and a.best.plan.units == b.best.plan.units
     assert fa != fc
 
