@@ -173,6 +173,15 @@ def test_two_workers_finish_the_budget_together(tmp_path, repo_root):
     assert budget <= len(done) <= budget + 1
     workers = {t.user_attrs.get("worker") for t in done}
     assert len(workers) == 2
+    # one seed, two workers: each trial drew its own stream (See [Note: per-trial seeds] in search/study/seeding.py)
+    sampled = [t for t in done if "seed" not in t.user_attrs]  # the enqueued seeds are shared on purpose
+    assert len({t.system_attrs["sampler_seed"] for t in sampled}) == len(sampled)
+    proposed: dict[str, set] = {}
+    for t in sampled:
+        proposed.setdefault(json.dumps(t.params, sort_keys=True), set()).add(t.user_attrs.get("worker"))
+    repeats = sum(len(w) > 1 for w in proposed.values())
+    print(f"plans proposed by both workers: {repeats} of {len(sampled)}")
+    assert repeats < 20  # 36 of 100 with one stream for both; NSGA-II children may still meet by chance
 
 
 # --- the search flags --------------------------------------------------------------------------------
