@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import re
@@ -38,7 +39,7 @@ from wrapopt.errors import DistributedError
 from wrapopt.progress import set_console
 from wrapopt.spec import MeshSpec
 
-__all__ = ["PROFILER_LOG", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port",
+__all__ = ["profiler_log_path", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port",
            "default_backend", "device_type", "broadcast_json", "is_spawned_rank", "QUIET_ENV", "logs_line",
            "dp_rank_size"]
 
@@ -422,16 +423,20 @@ def broadcast_json(obj: Any, parse: Callable[..., Any]) -> Any:
     return parse(json.loads(box[0]))  # type: ignore[arg-type]
 
 
-PROFILER_LOG = os.path.join(tempfile.gettempdir(), "wrapopt-profiler.log")
+@functools.cache
+def profiler_log_path() -> str:
+    """This process's profiler log: ``profiler.log`` in a directory made for it by ``tempfile.mkdtemp``
+    (mode 0700, a fresh name), so no other user can plant a file or symlink there. Made on first use."""
+    return os.path.join(tempfile.mkdtemp(prefix="wrapopt-profiler-"), "profiler.log")
 
 
 @contextlib.contextmanager
 def profiler_lines_to_log() -> Iterator[None]:
-    """fd 2 to ``PROFILER_LOG`` for the duration, outside spawned ranks: See [Note: profiler lines]."""
+    """fd 2 to ``profiler_log_path()`` for the duration, outside spawned ranks: See [Note: profiler lines]."""
     fd = None
     if not is_spawned_rank():
         try:
-            fd = os.open(PROFILER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(profiler_log_path(), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         except OSError:
             fd = None  # nowhere to put them: leave them on the terminal
     if fd is None:

@@ -34,7 +34,8 @@ step) on its own, from the live bytes at its start, so they do not add up.
 profiler_stop" from C++ each time the profiler starts and stops: two lines a
 step. In a rank started by ``launch.spawn`` they are handled there (See
 [Note: quiet ranks] in launch.py). In any other process (the user's own,
-under torchrun) fd 2 points at ``PROFILER_LOG`` only while the profiler
+under torchrun) fd 2 points at ``profiler_log_path()`` (a file in a private
+per-process directory, never a shared fixed name) only while the profiler
 starts and stops, and back at once: the user's own output is not touched.
 """
 
@@ -45,9 +46,9 @@ from typing import Any, Callable
 
 import torch
 
-from wrapopt.launch import PROFILER_LOG, max_over_ranks, profiler_lines_to_log
+from wrapopt.launch import max_over_ranks, profiler_lines_to_log, profiler_log_path
 
-__all__ = ["LiveBytesTracker", "steady_step_peak", "steady_phases_peak", "PROFILER_LOG"]
+__all__ = ["LiveBytesTracker", "steady_step_peak", "steady_phases_peak", "profiler_log_path"]
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
     if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):

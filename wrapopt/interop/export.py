@@ -19,6 +19,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import json
+import keyword
+
 import torch.nn as nn
 
 from wrapopt.errors import PlanError
@@ -67,6 +70,32 @@ class Export:
         return not self.losses
 
 
+# [Note: plan strings in generated text]
+# A plan file is data from anywhere, and the export writes its strings into Python (Lightning) and
+# YAML (Accelerate) that a user runs. No such string may become code or structure: class paths that
+# the Python imports must be dotted identifiers (checked, else PlanError naming the field); any other
+# string reaches Python through repr, YAML through a JSON (double-quoted YAML) scalar unless it is a
+# plain word, and a comment through _comment, which escapes every character that could end the line.
+
+
+def _comment(text: object) -> str:
+    """``text`` safe inside a ``#`` comment: non-printable characters (line breaks included) escaped."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
+
+
+def _is_dotted_identifier(path: str) -> bool:
+    return all(p.isidentifier() and not keyword.iskeyword(p) for p in path.split("."))
+
+
+def _check_classes(classes: dict[str, list[str]]) -> None:
+    """Every class path the plan records is ``package.module.Class`` (``<locals>`` allowed)."""
+    for c in classes:
+        if not _is_dotted_identifier(c.replace(".<locals>.", ".")):
+            raise PlanError(f"the plan file's model.module_classes names the class {c[:80]!r}, which is "
+                            "not a Python class path (package.module.Class); the file was edited or corrupted: "
+                            "make the plan again with `wrapopt search`, or give the model with --model zoo:NAME")
+
+
 def _bare(qualname: str) -> str:
     return qualname.rsplit(".", 1)[-1]
 
@@ -88,7 +117,7 @@ def class_policy(plan: WrapPlan, classes: dict[str, list[str]], *, match_by_name
     unit_mods = {m for u in units for m in u.modules}
     unknown = sorted(unit_mods - set(cls_of))
     if unknown:
-        raise PlanError(f"the plan's units name modules its model does not have: {', '.join(unknown[:6])}")
+        raise PlanError(f"the plan's units name modules its model does not have: {_comment(', '.join(unknown[:6]))}")
     losses: list[str] = []
     mixed_groups = [u for u in units if len(u.modules) > 1 and len({key(cls_of[m]) for m in u.modules}) > 1]
     banned = {key(cls_of[m]) for u in mixed_groups for m in u.modules}
@@ -149,11 +178,13 @@ def _few(items: list[str], k: int = 4) -> str:
 def _classes_for(plan: WrapPlan, model: nn.Module | None) -> dict[str, list[str]]:
     if model is not None:
         plan.check_model(model)
-        return module_classes(model)
-    recorded = plan.model.get("module_classes")
-    if not isinstance(recorded, dict) or not recorded:
-        raise PlanError("this plan file does not record its model's module classes (it was written by an older "
-                        "wrapopt); give the model: `wrapopt export PLAN --to ... --model zoo:NAME`")
+        recorded = module_classes(model)
+    else:
+        recorded = plan.model.get("module_classes")
+        if not isinstance(recorded, dict) or not recorded:
+            raise PlanError("this plan file does not record its model's module classes (it was written by an older "
+                            "wrapopt); give the model: `wrapopt export PLAN --to ... --model zoo:NAME`")
+    _check_classes(recorded)
     return recorded
 
 
@@ -242,9 +273,14 @@ def _yaml_scalar(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     text = str(v)
-    plain = text and all(ch.isalnum() or ch in "_-.,/" for ch in text) and not text[0].isdigit()
+    # A plain word (a letter first, then letters, digits and _-.,/) cannot start YAML structure;
+    # anything else is a double-quoted scalar, which JSON's escaping writes exactly.
+    plain = text and (text[0].isascii() and text[0].isalpha() or text[0] == "_") and all(
+        ch.isascii() and (ch.isalnum() or ch in "_-.,/") for ch in text)
     reserved = text.lower() in ("yes", "no", "on", "off", "true", "false", "null", "y", "n", "~")
-    return text if plain and not reserved else "'" + text.replace("'", "''") + "'"
+    if not plain:
+        return json.dumps(text)
+    return text if not reserved else f"'{text}'"
 
 # -- Lightning ----------------------------------------------------------------------------------
 
@@ -299,6 +335,9 @@ def _lightning_code(kwargs: dict[str, Any], source: str) -> str:
                 args.append(f"{k}={{{', '.join(_bare(c) for c in v)}}}")
         elif k == "mixed_precision":
             imports[:0] = ["import torch", "from torch.distributed.fsdp import MixedPrecision"]
+            if any(val not in _ACCEL_MP for val in v.values()):
+                raise PlanError(f"the plan's mixed_precision is {v!r}; its dtypes must be null, float32, bfloat16 "
+                                "or float16")
             dt = {key: f"torch.{val}" if val else "None" for key, val in v.items()}
             args.append(f"mixed_precision=MixedPrecision(param_dtype={dt['param_dtype']}, reduce_dtype={dt['reduce_dtype']})")
         elif k == "device_mesh":
@@ -328,4 +367,4 @@ def _header(plan: WrapPlan, source: str, what: str, losses: list[str], c: str) -
         lines += [f"  - {x}" for x in losses]
     else:
         lines += ["The plan is reproduced exactly."]
-    return "".join(f"{c} {ln}".rstrip() + "\n" for ln in lines) + "\n"
+    return "".join(f"{c} {_comment(ln)}".rstrip() + "\n" for ln in lines) + "\n"

@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -41,7 +40,7 @@ from typing import Any
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError, WrapoptError
 from wrapopt.progress import Progress
-from wrapopt.search.study import db
+from wrapopt.search.study import db, files, seeding
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec
 from wrapopt.units import validate_plan
@@ -95,36 +94,12 @@ def storage_url(storage: str | None) -> str | None:
 
 
 def open_storage(url: str | None, *, heartbeat_s: int = db.HEARTBEAT_S, grace_s: int = db.GRACE_S):
-    import optuna
-
     if url is None:
         return None
     if url.startswith("journal:///"):
-        path = url[len("journal:///"):]
-        lock = optuna.storages.journal.JournalFileOpenLock(path)
-        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path, lock_obj=lock))
+        return files.journal_storage(url[len("journal:///"):])
     if url.startswith("sqlite:///") and ":memory:" not in url:
-        import sqlite3
-
-        path = url[len("sqlite:///"):]
-
-        def connect():
-            # Several workers on one file wait for its lock instead of failing.
-            conn = sqlite3.connect(path, timeout=120, check_same_thread=False, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            return conn
-
-        storage = optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
-        from sqlalchemy import event
-
-        @event.listens_for(storage.engine, "begin")
-        def _begin(conn) -> None:
-            # SQLite's default deferred transactions let two workers both read a
-            # waiting trial and both claim it; taking the write lock up front
-            # makes Optuna's read-check-update atomic.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-        return storage
+        return files.sqlite_storage(url, url[len("sqlite:///"):])
     if url.startswith("sqlite:"):  # in memory: one process, nothing to share
         return url
     return db.server_storage(url, heartbeat_s=heartbeat_s, grace_s=grace_s)
@@ -278,12 +253,14 @@ def run_study(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # experimental / deprecation notices about Optuna itself
-            study = _open_study(url, name, identity, _sampler(sampler, seed, pop),
-                                {"heartbeat_s": heartbeat_s, "grace_s": grace_s})
+            sampler_obj = seeding.per_trial_seed_sampler(_sampler(sampler, seed, pop), seed)
+            study = _open_study(url, name, identity, sampler_obj, {"heartbeat_s": heartbeat_s, "grace_s": grace_s})
+            if url is not None and url.startswith(("journal:///", "sqlite:///")):
+                seeding.fail_dead_workers(study)  # See [Note: per-trial seeds]
             done = _count_finished(study)
             num_seeds = _enqueue_seeds(study, space, seeds, shared=url is not None) if done < trials else 0
             ran = 0
-            worker = f"{socket.gethostname()}:{os.getpid()}"
+            worker = seeding.worker_name()
 
             def objective(trial) -> tuple[float, float]:
                 nonlocal ran

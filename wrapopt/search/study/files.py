@@ -1,0 +1,127 @@
+"""Study storages in one file on this host: Optuna's journal (``.journal``) and SQLite (``.db``).
+
+[Note: journal lock after kill -9] Optuna's journal locks are lock *files*, created on
+acquire and deleted on release; a worker killed with ``kill -9`` while appending leaves its
+lock file behind, and the next worker waits out a 30 s grace period before it dares remove
+it. A resumed study paid that wait (measured: 2.4 trials/s over the 200 trials after a
+resume, against 5-9 uninterrupted). Here the lock is ``flock`` on ``PATH.flock``: the kernel
+drops it when its process dies, so a dead worker holds nothing. Holding the lock also makes
+it safe to cut a half-written last line (a worker killed in the middle of its append), which
+Optuna would otherwise glue to the next append and then refuse to read.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+
+from wrapopt.errors import WrapoptError
+
+try:
+    import fcntl
+except ImportError:  # Windows: Optuna's own lock files
+    fcntl = None
+
+__all__ = ["journal_storage", "sqlite_storage", "corrupt_storage_error"]
+
+
+def _flock_lock_class():
+    from optuna.storages.journal._file import BaseJournalFileLock  # not re-exported (Optuna 4-5)
+
+    class FlockLock(BaseJournalFileLock):
+        """The journal's append lock as ``flock``: See [Note: journal lock after kill -9]."""
+
+        def __init__(self, path: str) -> None:
+            self._path = path + ".flock"
+            self._fd: int | None = None
+
+        def acquire(self) -> bool:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._fd = fd
+            return True
+
+        def release(self) -> None:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+    return FlockLock
+
+
+def _cut_torn_tail(path: str, lock) -> None:
+    """Drop a half-written last line (its writer died mid-append), under the append lock."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    lock.acquire()
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 1))
+            if f.read(1) == b"\n":
+                return
+            keep = 0
+            step = 1 << 16
+            end = size
+            while end > 0 and not keep:
+                start = max(0, end - step)
+                f.seek(start)
+                chunk = f.read(end - start)
+                i = chunk.rfind(b"\n")
+                if i >= 0:
+                    keep = start + i + 1
+                end = start
+            f.truncate(keep)
+    finally:
+        lock.release()
+
+
+def journal_storage(path: str):
+    """Optuna's journal file storage at ``path``, locked with ``flock`` where the OS has it."""
+    import optuna
+
+    journal = optuna.storages.journal
+    lock = _flock_lock_class()(path) if fcntl is not None else journal.JournalFileOpenLock(path)
+    _cut_torn_tail(path, lock)
+    try:
+        return optuna.storages.JournalStorage(journal.JournalFileBackend(path, lock_obj=lock))
+    except (ValueError, KeyError, TypeError, IndexError) as e:  # a line not JSON, or JSON Optuna cannot replay
+        raise corrupt_storage_error(path, e) from None
+
+
+def sqlite_storage(url: str, path: str):
+    """An ``RDBStorage`` on the SQLite file ``path`` that several workers of one host share."""
+    import optuna
+
+    def connect():
+        # Several workers on one file wait for its lock instead of failing.
+        conn = sqlite3.connect(path, timeout=120, check_same_thread=False, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        return conn
+
+    try:
+        storage = optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
+    except Exception as e:
+        causes = (e, getattr(e, "orig", None), e.__cause__, e.__context__)
+        if any(isinstance(c, sqlite3.DatabaseError) and not isinstance(c, sqlite3.OperationalError) for c in causes):
+            raise corrupt_storage_error(path, e) from None  # "file is not a database", a torn page
+        raise
+    from sqlalchemy import event
+
+    @event.listens_for(storage.engine, "begin")
+    def _begin(conn) -> None:
+        # SQLite's default deferred transactions let two workers both read a
+        # waiting trial and both claim it; taking the write lock up front
+        # makes Optuna's read-check-update atomic.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return storage
+
+
+def corrupt_storage_error(path: str, err: BaseException) -> WrapoptError:
+    """One line naming the storage file, what is wrong and what to do."""
+    why = (str(err).splitlines() or [type(err).__name__])[0][:200]
+    return WrapoptError(f"--storage {path}: the study file is damaged and cannot be read ({why}); its trials are "
+                        f"lost to wrapopt: move it aside (mv {path} {path}.bad) and run the search again, or pass "
+                        "another --storage")
