@@ -49,7 +49,9 @@ __all__ = ["agree", "every_rank", "input_facts"]
 
 
 def _in_group() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """A real process group: on the ``fake`` backend (FSDPMemTracker's one-process runs of a
+    world) there are no other ranks to hear from."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
 
 
 def _gather_text(text: str) -> list[str]:

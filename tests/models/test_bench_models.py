@@ -36,7 +36,7 @@ def _trace(name: str):
 
 
 def test_bench_set_is_registered_in_the_zoo_as_trainable():
-    assert BENCH_NAMES == ["tx-encoder", "tx-decoder", "wide-shallow", "deep-narrow", "big-vocab", "moe-tiny", "lora-tiny"]
+    assert BENCH_NAMES == ["tx-encoder", "tx-tied", "tx-decoder", "wide-shallow", "deep-narrow", "big-vocab", "moe-tiny", "lora-tiny"]
     for name in BENCH_NAMES:
         e = zoo.get_entry(name)
         assert e.suite == "bench" and e.trainable and e.description
