@@ -70,7 +70,8 @@ def plan_specs(graph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     root = UnitSpec((ROOT,), False)
     return {
         "per-block": b["per-block"],
-        "groups-of-2": PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh, label="g2"),
+        "groups-of-2": PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh,
+                                label="g2"),
         "keep+ckpt": PlanSpec(tuple(UnitSpec((blk,), False, True) for blk in blocks) + (root,), mesh, label="kc"),
     }
 
@@ -84,7 +85,8 @@ def tp_plan_specs(graph, mesh: MeshSpec = MESH_2X2) -> dict[str, PlanSpec]:
     return {
         "groups-of-2": PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh,
                                 label="tp-g2", tp=tp),
-        "some-ckpt": PlanSpec(tuple(UnitSpec((b,), i % 2 == 0, i % 2 == 0) for i, b in enumerate(blocks)) + (root,), mesh,
+        "some-ckpt": PlanSpec(tuple(UnitSpec((b,), i % 2 == 0, i % 2 == 0)
+                                    for i, b in enumerate(blocks)) + (root,), mesh,
                               label="tp-ckpt", tp=tp),
     }
 

@@ -125,7 +125,8 @@ def test_fabric_stated_is_the_one_scored(gpt):
     analytical, est_a = _stated(graph)
     curve = CollectiveCurve((4096, 2**24), (1e-3, 5e-2))
     axis = AxisProfile("world", 2, 2, tuple((c, curve) for c in ("all_gather", "reduce_scatter", "all_reduce")))
-    slow = FabricProfile(kind="measured", name="slow-table", backend="gloo", world_size=2, ranks_per_node=2, axes=(axis,))
+    slow = FabricProfile(kind="measured", name="slow-table", backend="gloo", world_size=2, ranks_per_node=2,
+                         axes=(axis,))
     measured, est_m = _stated(graph, fabric=slow)
     assert est_m.comm_s > est_a.comm_s  # the simulator did use the other fabric
     assert "slow-table, measured" in _line(measured, "fabric")

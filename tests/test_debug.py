@@ -25,7 +25,8 @@ def inspect_cases(rank: int, world: int, tmp: str, out: dict) -> None:
     ref = e.build("cpu", seed=0)
     model = copy.deepcopy(ref)
     WrapPlan(spec=plan_specs(zoo_graph("gpt-tiny"), MESH2)["per-block"], model=model_fingerprint(ref)).apply(model)
-    out["inspect/q_proj"] = torch.equal(full_tensor(model, "layers.0.attn.q_proj.weight"), ref.layers[0].attn.q_proj.weight)
+    out["inspect/q_proj"] = torch.equal(full_tensor(model, "layers.0.attn.q_proj.weight"),
+                                        ref.layers[0].attn.q_proj.weight)
     out["inspect/tied"] = torch.equal(full_tensor(model, "lm_head.weight"), ref.wte.weight)
     out["inspect/typo"] = catch(lambda: full_tensor(model, "layers.0.attn.q_prj.weight"), WrapoptError)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -16,7 +16,8 @@ def test_gpu_check_on_cpu(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| per-block") or line.startswith("| root-only")
             or line.startswith("| size-1e8")]
     assert len(rows) >= 6
-    assert sum("bf16" in r for r in rows) >= 6 and any("ckpt" in r for r in rows) and any("4 micro-batches" in r for r in rows)
+    assert (sum("bf16" in r for r in rows) >= 6 and any("ckpt" in r for r in rows)
+            and any("4 micro-batches" in r for r in rows))
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         pred_ms, meas_ms = float(cells[3]), float(cells[4])

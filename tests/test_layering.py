@@ -33,7 +33,8 @@ PACKAGE = "wrapopt"
 MAX_LINES = 500
 
 # The bottom layer: imported by every layer, importing only each other.
-SHARED = {"spec", "errors", "tp", "fileio", "units", "fingerprint", "losses", "launch", "version", "assumptions", "train",
+SHARED = {"spec", "errors", "tp", "fileio", "units", "fingerprint", "losses",
+          "launch", "version", "assumptions", "train",
           "progress", "consensus", "wrapped"}
 
 # The stages: each may import the shared modules, its own package, and the modules named
@@ -181,13 +182,15 @@ def _layer_rule(imp: Import) -> str | None:
             f"{src} is a shared module; it imports only the shared modules ({', '.join(sorted(SHARED))})")
     if src in STAGES:
         lower = STAGES[src]
-        if dst in SHARED or any(imp.target == f"{PACKAGE}.{m}" or imp.target.startswith(f"{PACKAGE}.{m}.") for m in lower):
+        if dst in SHARED or any(imp.target == f"{PACKAGE}.{m}" or imp.target.startswith(f"{PACKAGE}.{m}.")
+                                for m in lower):
             return None
         allowed = f"and {', '.join(lower)}" if lower else "only"
         return (f"{src} is a stage; it imports the shared modules {allowed}, not {imp.target}"
                 " (move the code down, or widen STAGES in tests/test_layering.py and say why in docs/design.md)")
     if src in WIRING:
-        return f"{src} must not import {dst}: the wiring points down (cli -> evaluation -> api)" if dst in WIRING[src] else None
+        return (f"{src} must not import {dst}: the wiring points down (cli -> evaluation -> api)"
+                if dst in WIRING[src] else None)
     return None  # an unknown package: test_every_module_has_a_layer names it
 
 
@@ -280,7 +283,8 @@ def test_no_module_named_like_the_standard_library():
             problems.append(f"{path}: {module} is named like the standard-library module {last!r}; rename it")
         if not clash and module in PENDING["stdlib"]:
             problems.append(f"{path}: {module} no longer clashes; remove it from PENDING['stdlib']")
-    problems += [f"PENDING['stdlib'] lists {m}, which does not exist; remove the entry" for m in PENDING["stdlib"] - set(MODULES)]
+    problems += [f"PENDING['stdlib'] lists {m}, which does not exist; remove the entry"
+                 for m in PENDING["stdlib"] - set(MODULES)]
     _fail(problems, "no module named like a standard-library module")
 
 

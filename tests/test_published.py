@@ -14,7 +14,8 @@ from benchmarks.published_rows import (
 )
 
 pytestmark = pytest.mark.skipif(not os.path.exists(DEFAULT_SOURCE),
-                                reason=f"shared file {DEFAULT_SOURCE} is absent (the note lives outside the repository)")
+                                reason=f"shared file {DEFAULT_SOURCE} is absent "
+                                       "(the note lives outside the repository)")
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,8 @@ def test_blocks_it_cannot_split_are_named(make, match):
     import torch
     with torch.device("meta"):
         model = _Stack(make)
-    g = trace_model(model, (torch.empty(2, 8, 32, device="meta"),), loss_fn=lambda out, inputs: out.float().pow(2).mean())
+    g = trace_model(model, (torch.empty(2, 8, 32, device="meta"),),
+                    loss_fn=lambda out, inputs: out.float().pow(2).mean())
     with pytest.raises(PlanError, match=match):
         builtin_tp_plan(g)
 

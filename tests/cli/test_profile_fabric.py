@@ -29,7 +29,8 @@ def _dying_worker(rank: int, world: int, kwargs: dict) -> dict | None:
 def test_cli_profiles_with_spawned_ranks_and_prints_a_summary(tmp_path, capsys) -> None:
     parser = profile_fabric.add_parser(argparse.ArgumentParser().add_subparsers())
     out = tmp_path / "sub" / "fabric.json"
-    args = parser.parse_args(["--out", str(out), "--sizes", "4KiB,64KiB", "--repeats", "3", "--no-overlap", "--timeout", "60"])
+    args = parser.parse_args(["--out", str(out), "--sizes", "4KiB,64KiB", "--repeats", "3", "--no-overlap",
+                              "--timeout", "60"])
     assert run(args) == 0
     fabric = FabricProfile.load(str(out))
     assert fabric.kind == "measured" and fabric.world_size == 2

@@ -77,7 +77,8 @@ def test_a_shard_group_of_one_holds_no_buffer_nor_copy_with_accumulation(sync):
     fabric, compute = analytical_fabric(world_size=2), replace(analytical_compute(), runs_ahead=False)
     options = SimOptions(grad_accumulation=2, accumulation_sync=sync)
     plan = baselines(graph, MESH)["no-shard"]
-    plain, copying = (Simulator(graph, f, compute, options).simulate(plan) for f in (fabric, replace(fabric, collective_copies=1.0)))
+    plain, copying = (Simulator(graph, f, compute, options).simulate(plan)
+                      for f in (fabric, replace(fabric, collective_copies=1.0)))
     assert dict(plain.peak_breakdown)["all_gather_buffer"] == 0
     assert copying.peak_bytes == plain.peak_bytes
     sharded = Simulator(graph, fabric, compute, options).simulate(baselines(graph, MESH)["root-only"])

@@ -53,8 +53,10 @@ def test_op_bandwidth_adds_time_and_zero_keeps_the_old_model():
     g = _graph()
     base = dataclasses.replace(analytical_compute(), op_bandwidth_bytes_per_s=0.0)
     slow = dataclasses.replace(base, op_bandwidth_bytes_per_s=1e9)
-    t0 = Layouts(g, base, SimOptions()).build(baselines(g, MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))["root-only"].units)
-    t1 = Layouts(g, slow, SimOptions()).build(baselines(g, MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))["root-only"].units)
+    t0 = Layouts(g, base, SimOptions()).build(
+        baselines(g, MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))["root-only"].units)
+    t1 = Layouts(g, slow, SimOptions()).build(
+        baselines(g, MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))["root-only"].units)
     total = sum(m.fwd_bytes for m in g.modules)
     assert sum(t1.fwd_s) - sum(t0.fwd_s) == pytest.approx(total / 1e9)
     assert ComputeProfile.from_json(slow.to_json()).op_bandwidth_bytes_per_s == 1e9
@@ -78,7 +80,8 @@ def test_multi_rail_rings_use_every_nic_of_the_node():
     full, _ = fab.collective_s("all_gather", 64, 8, nbytes)  # FSDP over 8 nodes: 8 NICs per node
     intra, _ = fab.collective_s("all_gather", 8, 8, nbytes)
     assert one_per_node == pytest.approx(7 * fab.inter.latency_s + 7 / 8 * nbytes / per_nic)
-    assert full == pytest.approx(63 * fab.inter.latency_s + 63 / 64 * nbytes / min(8 * per_nic, fab.intra.bandwidth_bytes_per_s))
+    assert full == pytest.approx(63 * fab.inter.latency_s
+                                 + 63 / 64 * nbytes / min(8 * per_nic, fab.intra.bandwidth_bytes_per_s))
     assert intra < full < one_per_node
     # a node with one shared NIC (per-GPU share x 8 = the NIC) stays far slower than NVLink
     eth = analytical_fabric("h100-nvlink-eth100", world_size=64)
@@ -88,5 +91,6 @@ def test_multi_rail_rings_use_every_nic_of_the_node():
 def test_simulator_runs_with_the_new_terms():
     g = _graph()
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
-    est = Simulator(g, analytical_fabric(world_size=16), analytical_compute()).simulate(baselines(g, mesh)["every-leaf"])
+    est = Simulator(g, analytical_fabric(world_size=16), analytical_compute()).simulate(
+        baselines(g, mesh)["every-leaf"])
     assert est.step_s > 0 and est.compute_s > 0

@@ -52,7 +52,8 @@ def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
         e = zoo.get_entry(name)
         x = e.inputs()
         graph = trace_model(e.build("meta"), x, loss_fn=e.loss, fx=False)
-        sim = Simulator(graph, analytical_fabric(world_size=world), replace(analytical_compute(), device="cpu", runs_ahead=False))
+        sim = Simulator(graph, analytical_fabric(world_size=world),
+                        replace(analytical_compute(), device="cpu", runs_ahead=False))
         for plan in _plans(graph, MESH2):
             model = e.build("cpu", seed=0)
             apply_plan(model, plan)

@@ -94,7 +94,8 @@ def test_mixed_precision_halves_gathered_bytes(llama):
     mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
     plan = baselines(g, mesh)["per-block"]
     fp32 = simulate(g, plan, analytical_fabric(world_size=8), GPU)
-    bf16 = simulate(g, plan, analytical_fabric(world_size=8), GPU, SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=2))
+    bf16 = simulate(g, plan, analytical_fabric(world_size=8), GPU,
+                    SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=2))
     assert bf16.units[0].param_bytes * 2 == fp32.units[0].param_bytes
     assert bf16.comm_s < fp32.comm_s
 
@@ -110,7 +111,8 @@ def test_cpu_without_prefetch_exposes_all_gathers():
     e = zoo.get_entry("gpt-tiny")
     g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
     mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
-    cpu = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10)
+    cpu = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10,
+                         memory_bandwidth_bytes_per_s=1e10)
     fab = analytical_fabric(world_size=2)
     plan = baselines(g, mesh)["per-block"]
     implicit = simulate(g, plan, fab, cpu)
@@ -134,7 +136,8 @@ def test_illegal_plans_are_rejected_with_names():
 def test_extrapolation_is_reported_not_fatal(llama):
     curve = CollectiveCurve((4096, 65536), (1e-4, 3e-4))
     axis = AxisProfile("world", 64, 8, tuple((c, curve) for c in ("all_gather", "reduce_scatter", "all_reduce")))
-    fab = FabricProfile(kind="measured", name="tiny-table", backend="gloo", world_size=64, ranks_per_node=8, axes=(axis,))
+    fab = FabricProfile(kind="measured", name="tiny-table", backend="gloo", world_size=64, ranks_per_node=8,
+                        axes=(axis,))
     est = Simulator(llama, fab, GPU).simulate(_per_block(llama))
     assert est.step_s > 0
     assert any("extrapolated" in n for n in est.notes)
@@ -154,7 +157,8 @@ def test_optimizer_step_uses_its_calibrated_bandwidth_and_2d_mesh_dispatch():
     g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss, fx=False)
     fsdp = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
     noshard = MeshSpec(world_size=2, ranks_per_node=2, shard_size=1)
-    base = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
+    base = ComputeProfile(kind="measured", device="cpu", runs_ahead=False,
+                          flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
                           optimizer_tensor_s=1e-4)
     fab = analytical_fabric(world_size=2)
 

@@ -52,7 +52,8 @@ def test_compiled_and_python_paths_agree_exactly():
 
     real = compile_kernels()
     for field in dataclasses.fields(Kernels):  # the step loop, the layout kernel, the table lookup and merge
-        sim = Simulator(g, fab, GPU, opts, backend=Backend("compiled", kernels=dataclasses.replace(real, **{field.name: broken})))
+        sim = Simulator(g, fab, GPU, opts,
+                        backend=Backend("compiled", kernels=dataclasses.replace(real, **{field.name: broken})))
         with pytest.warns(UserWarning, match="compiled code failed"):
             again = sim.simulate(plans[0], record=True)
         assert sim.backend.name == "python" and sim.layout.backend is sim.backend, field.name  # Python from now on
@@ -77,7 +78,8 @@ def test_backend_choice(monkeypatch):
     sim = Simulator(g, fab, GPU)
     assert sim.backend.name == "python" and sim.backend.kernels is None and sim.layout.backend is sim.backend
     if has_numba:
-        assert Simulator(g, fab, GPU, backend="compiled").backend.name == "compiled"  # asked for: the environment yields
+        # asked for: the environment yields
+        assert Simulator(g, fab, GPU, backend="compiled").backend.name == "compiled"
     mine = Backend("python")
     assert Simulator(g, fab, GPU, backend=mine).backend is mine
     with pytest.raises(ValueError, match="'compiled' .*or 'python'"):
@@ -130,7 +132,8 @@ def test_layout_kernel_matches_the_fragment_path():
     from wrapopt.search.study.space import SearchSpace
 
     graphs = [trace_model(*zoo.build(name, "meta")) for name in ("t5-tiny", "gpt-tiny")]
-    graphs += [trace_model(AlbertLike(num_repeats=3), torch.randn(4, DIM)), trace_model(LoRAModel(), torch.randn(4, DIM)),
+    graphs += [trace_model(AlbertLike(num_repeats=3), torch.randn(4, DIM)),
+               trace_model(LoRAModel(), torch.randn(4, DIM)),
                trace_model(MoEModel(dense=True), moe_inputs()), trace_model(WithUnused(), torch.randn(4, DIM))]
     rng = random.Random(0)
     checked = 0
@@ -175,7 +178,8 @@ def test_import_does_not_load_numba():
             "from wrapopt.hardware.presets import analytical_compute, analytical_fabric\n"
             "from wrapopt.models import zoo\n"
             "from wrapopt.trace.meta import trace_model\n"
-            "Simulator(trace_model(*zoo.build('gpt-tiny', 'meta')), analytical_fabric(world_size=2), analytical_compute())\n"
+            "Simulator(trace_model(*zoo.build('gpt-tiny', 'meta')), analytical_fabric(world_size=2), "
+            "analytical_compute())\n"
             "print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

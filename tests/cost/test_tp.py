@@ -50,9 +50,11 @@ def test_view_splits_what_tp_splits(llama):
     # Time: the split modules take half, plus the block's all-reduces on the critical path.
     times = {f: (a, b) for f, a, b in comp.module_times}
     ar = fabric.collective_s("all_reduce", 2, 2, o0.output_bytes)[0]
-    f0 = o0.fwd_flops / compute.flops_per_s + o0.fwd_bytes / compute.op_bandwidth_bytes_per_s + compute.module_overhead_s
+    f0 = (o0.fwd_flops / compute.flops_per_s + o0.fwd_bytes / compute.op_bandwidth_bytes_per_s
+          + compute.module_overhead_s)
     assert times["layers.0.self_attn.o_proj"][0] == pytest.approx(f0 / 2 + ar, rel=1e-9)
-    b0 = q0.bwd_flops / compute.flops_per_s + q0.bwd_bytes / compute.op_bandwidth_bytes_per_s + compute.module_overhead_s
+    b0 = (q0.bwd_flops / compute.flops_per_s + q0.bwd_bytes / compute.op_bandwidth_bytes_per_s
+          + compute.module_overhead_s)
     ar_in = fabric.collective_s("all_reduce", 2, 2, q0.input_bytes)[0]
     assert times["layers.0.self_attn.q_proj"][1] == pytest.approx(b0 / 2 + ar_in, rel=1e-9)
 
@@ -108,7 +110,8 @@ def test_tp_overhead_is_charged_per_split_projection_call(llama):
     spec = builtin_tp_plan(llama)
     fabric, compute = analytical_fabric(world_size=8), analytical_compute()
     plain = {f: (a, b) for f, a, b in tp_view(llama, compute, fabric, spec, 2)[1].module_times}
-    slow = {f: (a, b) for f, a, b in tp_view(llama, replace(compute, tp_overhead_s=(1e-3, 2e-3)), fabric, spec, 2)[1].module_times}
+    slow = {f: (a, b) for f, a, b in tp_view(llama, replace(compute, tp_overhead_s=(1e-3, 2e-3)),
+                                             fabric, spec, 2)[1].module_times}
     for f in plain:
         extra = (slow[f][0] - plain[f][0], slow[f][1] - plain[f][1])
         split = f.endswith("_proj")

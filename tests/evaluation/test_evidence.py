@@ -35,11 +35,13 @@ def _row(plan, step_ms, peak_mib, *, chosen_for=(), confirmed=False, pred_ms=Non
     return {"plan": plan, "meas_step_s": step_ms / 1e3, "meas_peak_bytes": peak_mib * 2**20, "meas_spread": 0.2,
             "chosen_for": list(chosen_for), "confirmed": confirmed,
             "pred_step_s": (step_ms if pred_ms is None else pred_ms) / 1e3,
-            "pred_peak_bytes": (peak_mib if pred_peak_mib is None else pred_peak_mib) * 2**20, "scored_for": list(scored_for)}
+            "pred_peak_bytes": (peak_mib if pred_peak_mib is None else pred_peak_mib) * 2**20,
+            "scored_for": list(scored_for)}
 
 
 def test_judge_compares_fitting_plans_by_measured_peak():
-    res = {"budgets": [{"name": "tight", "bytes": 10 * 2**20, "why": ""}, {"name": "loose", "bytes": float("inf"), "why": ""}],
+    res = {"budgets": [{"name": "tight", "bytes": 10 * 2**20, "why": ""},
+                       {"name": "loose", "bytes": float("inf"), "why": ""}],
            "rows": [_row("wrapopt:a", 11, 9, chosen_for=["tight"]), _row("per-block", 13, 9), _row("[2+2]", 10, 9.5),
                     _row("size-1e8", 8, 11), _row("wrapopt:b", 8.8, 12, chosen_for=["loose"])]}
     tight, loose = judge(res)
@@ -114,7 +116,8 @@ def test_diagnose_nothing_when_not_measurably_slower():
 
 
 def test_judge_carries_the_diagnosis_per_budget():
-    res = {"budgets": [{"name": "tight", "bytes": TIGHT, "why": ""}, {"name": "loose", "bytes": float("inf"), "why": ""}],
+    res = {"budgets": [{"name": "tight", "bytes": TIGHT, "why": ""},
+                       {"name": "loose", "bytes": float("inf"), "why": ""}],
            "rows": [_row("wrapopt:a", 11, 9, chosen_for=["tight", "loose"]),
                     _row("[2+2]", 10, 9.5, pred_peak_mib=10.5, pred_ms=9)]}
     tight, loose = judge(res, noise=(1.0, 0.98, 1.02))

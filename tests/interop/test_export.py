@@ -43,7 +43,8 @@ def test_export_checkpointed_keep_units_is_exact(gpt_tiny):
     lit = export_plan(plan, to="lightning")
     assert lit.exact
     assert lit.settings["sharding_strategy"] == "SHARD_GRAD_OP"
-    assert lit.settings["auto_wrap_policy"] == lit.settings["activation_checkpointing_policy"] == ["wrapopt.models.zoo.GPTBlock"]
+    assert (lit.settings["auto_wrap_policy"] == lit.settings["activation_checkpointing_policy"]
+            == ["wrapopt.models.zoo.GPTBlock"])
     assert "from wrapopt.models.zoo import GPTBlock" in lit.text and "auto_wrap_policy={GPTBlock}" in lit.text
     compile(lit.text, "lightning_export.py", "exec")  # valid Python
 

@@ -36,7 +36,8 @@ def _trace(name: str):
 
 
 def test_bench_set_is_registered_in_the_zoo_as_trainable():
-    assert BENCH_NAMES == ["tx-encoder", "tx-tied", "tx-decoder", "wide-shallow", "deep-narrow", "big-vocab", "moe-tiny", "lora-tiny"]
+    assert BENCH_NAMES == ["tx-encoder", "tx-tied", "tx-decoder", "wide-shallow", "deep-narrow", "big-vocab",
+                           "moe-tiny", "lora-tiny"]
     for name in BENCH_NAMES:
         e = zoo.get_entry(name)
         assert e.suite == "bench" and e.trainable and e.description
@@ -44,7 +45,8 @@ def test_bench_set_is_registered_in_the_zoo_as_trainable():
 
 
 @pytest.mark.parametrize("name,chains", [("tx-encoder", [4]), ("tx-decoder", [2, 3]), ("wide-shallow", [2]),
-                                         ("deep-narrow", [20]), ("big-vocab", [2]), ("moe-tiny", [4]), ("lora-tiny", [4])])
+                                         ("deep-narrow", [20]), ("big-vocab", [2]), ("moe-tiny", [4]),
+                                         ("lora-tiny", [4])])
 def test_block_chains(name, chains):
     assert [len(c) for c in _trace(name).block_chains] == chains
 
@@ -53,7 +55,8 @@ def test_transformer_layers_record_out_proj_as_read_by_its_attention():
     users = dict(_trace("tx-encoder").param_users)
     assert users["encoder.layers.0.self_attn.out_proj"] == "encoder.layers.0.self_attn"
     users = dict(_trace("tx-decoder").param_users)
-    assert users["transformer.decoder.layers.1.multihead_attn.out_proj"] == "transformer.decoder.layers.1.multihead_attn"
+    assert (users["transformer.decoder.layers.1.multihead_attn.out_proj"]
+            == "transformer.decoder.layers.1.multihead_attn")
 
 
 def test_big_vocab_parameters_are_mostly_embedding_and_head():
@@ -145,7 +148,8 @@ def searched_plans_run_case(rank: int, world: int, tmp: str, out: dict) -> None:
                     opt.zero_grad()
                     losses.append(float(loss))
 
-            rows.append({"plan": spec.label, "units": len(spec.units), "error": catch(run, Exception), "losses": losses})
+            rows.append({"plan": spec.label, "units": len(spec.units), "error": catch(run, Exception),
+                         "losses": losses})
         out[f"bench/{name}"] = {"ref_loss": ref_loss, "rows": rows}
 
 

@@ -95,7 +95,8 @@ def test_encoder_decoders_get_decoder_inputs_and_labels(name, config_dir):
 
 @pytest.mark.parametrize("fields, words", [
     ({"model_type": "llama", "auto_map": {"AutoModelForCausalLM": "x.Y"}}, "field `auto_map`"),
-    ({"model_type": "llama", "architectures": ["LlamaForTimeTravel"]}, "field `architectures` names 'LlamaForTimeTravel'"),
+    ({"model_type": "llama", "architectures": ["LlamaForTimeTravel"]},
+     "field `architectures` names 'LlamaForTimeTravel'"),
     ({"model_type": "no-such-model"}, "field `model_type` = 'no-such-model'"),
     ({"hidden_size": 8}, "no `model_type` field"),
     ({"model_type": "patchtst"}, "PatchTSTModel takes (past_values"),

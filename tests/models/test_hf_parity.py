@@ -70,7 +70,8 @@ def hf_parity(rank: int, world: int, tmp: str, out: dict) -> None:
             model = apply_plan(src.build("cpu").eval(), plan)
             out[f"hf/{name}/{label}"] = {
                 "losses": mean_over_ranks(_train(model, mine), world), "ref": ref_losses,
-                "plan": f"{plan.label}: {len(plan.units)} units, shard {plan.mesh.shard_size}", "units": len(plan.units)}
+                "plan": f"{plan.label}: {len(plan.units)} units, shard {plan.mesh.shard_size}",
+                "units": len(plan.units)}
 
 
 @pytest.mark.multiprocess

@@ -31,7 +31,8 @@ def _plans(g, world):
     plans = dict(b)
     blocks = g.blocks
     root = b["root-only"].units[-1]
-    plans["groups-of-2"] = PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh, label="g2")
+    plans["groups-of-2"] = PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh,
+                                    label="g2")
     plans["keep+ckpt"] = PlanSpec(tuple(UnitSpec((blk,), False, True) for blk in blocks) + (root,), mesh, label="kc")
     plans["prefetch"] = PlanSpec(b["per-block"].units, mesh, forward_prefetch=1, label="pf")
     return plans
@@ -81,7 +82,8 @@ def _errors_worker(rank: int, world: int) -> dict:
         apply_plan(e.build("cpu"), wrong)
     except PlanError as err:
         out["world"] = str(err)
-    missing = PlanSpec((UnitSpec(("layers.9",)), UnitSpec(("",), False)), MeshSpec(world_size=world, ranks_per_node=world, shard_size=world))
+    missing = PlanSpec((UnitSpec(("layers.9",)), UnitSpec(("",), False)),
+                       MeshSpec(world_size=world, ranks_per_node=world, shard_size=world))
     try:
         apply_plan(e.build("cpu"), missing)
     except PlanError as err:

@@ -31,7 +31,8 @@ def meta_cases(rank: int, world: int, tmp: str, out: dict) -> None:
     from wrapopt.debug import full_tensor
     from wrapopt.plan.apply import materialize_sharded
 
-    for name, labels in (("gpt-tiny", ("per-block", "groups-of-2", "keep+ckpt")), ("llama-tiny", ("per-block", "groups-of-2"))):
+    for name, labels in (("gpt-tiny", ("per-block", "groups-of-2", "keep+ckpt")),
+                         ("llama-tiny", ("per-block", "groups-of-2"))):
         e = zoo.get_entry(name)
         specs = plan_specs(zoo_graph(name), MeshSpec(world_size=world, ranks_per_node=world, shard_size=world))
         ref = reference(name)

@@ -107,7 +107,8 @@ def fsdp1_cases(rank: int, world: int, tmp: str, out: dict) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             policy = plan.to_fsdp1_policy(split_groups=grouped)
-            model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, device_id=torch.device("cpu"), **policy.root_kwargs)
+            model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                         **policy.root_kwargs)
         case["warnings"] = [str(w.message) for w in caught if str(w.message).startswith(("FSDP1 cannot", "FSDP1: "))]
         if any(u.checkpoint for u in spec.units):
             apply_activation_checkpointing(model, check_fn=plan.fsdp1_checkpoint_fn(model))

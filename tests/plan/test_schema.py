@@ -36,7 +36,8 @@ def written_plans():
         out[f"{name}/searched"] = plan
     gpt = zoo.get_entry("gpt-tiny").build("meta")
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=8)
-    units = (UnitSpec(("layers.0", "layers.1"), 2, True), UnitSpec(("layers.2",), False), UnitSpec(("layers.3",), True, True),
+    units = (UnitSpec(("layers.0", "layers.1"), 2, True), UnitSpec(("layers.2",), False),
+             UnitSpec(("layers.3",), True, True),
              UnitSpec((ROOT,), False))
     out["rich"] = WrapPlan(spec=PlanSpec(units, mesh, forward_prefetch=1, label="rich"), model=model_fingerprint(gpt),
                            mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
@@ -75,7 +76,8 @@ def test_every_plan_the_code_writes_validates(written_plans, tmp_path):
     [
         (lambda d: d["units"][0].update(reshard_after_foward=False), "units[0].reshard_after_foward"),
         (lambda d: d.update(unit=[]), "unit"),
-        (lambda d: d["model"]["params"]["wte.weight"].update(shape=[2048, "64"]), "model.params['wte.weight'].shape[1]"),
+        (lambda d: d["model"]["params"]["wte.weight"].update(shape=[2048, "64"]),
+         "model.params['wte.weight'].shape[1]"),
         (lambda d: d["mesh"].update(axis_names=["data"]), "mesh.axis_names[0]"),
         (lambda d: d["prediction"].update(step_s="fast"), "prediction.step_s"),
         (lambda d: d["baselines"]["per-block"].update(fits="yes"), "baselines['per-block'].fits"),

@@ -40,7 +40,8 @@ def test_a_tp_plan_round_trips_through_the_file(llama_plan, tmp_path):
     path = tmp_path / "tp.json"
     llama_plan.save(path)
     raw = json.loads(path.read_text())
-    assert raw["mesh"]["tp_size"] == 2 and raw["mesh"]["axis_names"] == ["shard", "tp"] and raw["mesh"]["shape"] == [2, 2]
+    assert (raw["mesh"]["tp_size"] == 2 and raw["mesh"]["axis_names"] == ["shard", "tp"]
+            and raw["mesh"]["shape"] == [2, 2])
     assert raw["tp"]["source"] == "builtin" and raw["tp"]["layers"]["LlamaBlock"]["self_attn.o_proj"] == "rowwise"
     back = WrapPlan.load(path)
     assert back.spec == llama_plan.spec  # units, mesh (tp_size included) and the TPSpec, in order
@@ -50,7 +51,8 @@ def test_a_tp_plan_round_trips_through_the_file(llama_plan, tmp_path):
 
 def test_a_plan_without_tp_loads_as_before(gpt_tiny, tmp_path):
     model, _inputs, graph = gpt_tiny
-    spec = PlanSpec((UnitSpec(graph.blocks), UnitSpec((ROOT,), False)), MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))
+    spec = PlanSpec((UnitSpec(graph.blocks), UnitSpec((ROOT,), False)),
+                    MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))
     data = WrapPlan(spec=spec, model=model_fingerprint(model)).to_json()
     assert "tp" not in data and "tp_size" not in data["mesh"]
     back = _load(tmp_path, data)
@@ -110,7 +112,8 @@ def test_a_degree_not_dividing_the_features_is_refused(llama_plan):
 
 def test_a_missing_path_and_a_non_linear_path_are_refused():
     msg = _apply("llama-tiny", MESH_2X2, _tp("LlamaBlock", ("self_attn.qq_proj", "colwise")))
-    assert "LlamaBlock names self_attn.qq_proj" in msg and "layers.0 has no submodule" in msg and "self_attn.q_proj" in msg
+    assert ("LlamaBlock names self_attn.qq_proj" in msg and "layers.0 has no submodule" in msg
+            and "self_attn.q_proj" in msg)
     msg = _apply("llama-tiny", MESH_2X2, _tp("LlamaBlock", ("input_layernorm", "colwise")))
     assert "layers.0.input_layernorm is a RMSNorm, not an nn.Linear" in msg
 

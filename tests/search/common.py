@@ -71,6 +71,7 @@ def _choices_of(space: SearchSpace, name: str) -> tuple:
 def make_sim(g, world: int, *, cpu: bool = False):
     compute = analytical_compute()
     if cpu:
-        compute = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
+        compute = ComputeProfile(kind="measured", device="cpu", runs_ahead=False,
+                                 flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
                                  unit_overhead_s=1e-3)
     return Simulator(g, analytical_fabric(world_size=world), compute)

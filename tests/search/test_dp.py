@@ -27,7 +27,8 @@ def test_dp_equals_brute_force(runs_ahead, reshard, ckpt):
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
     compute = analytical_compute()
     if not runs_ahead:
-        compute = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
+        compute = ComputeProfile(kind="measured", device="cpu", runs_ahead=False,
+                                 flops_per_s=5e10, memory_bandwidth_bytes_per_s=1e10,
                                  unit_overhead_s=1e-3)
     sim = Simulator(g, analytical_fabric(world_size=16), compute)
     cc = chain_costs(sim, mesh, g.block_chains[0], max_group=6)

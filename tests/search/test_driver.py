@@ -20,7 +20,8 @@ from wrapopt.spec import MeshSpec
 # A conformance suite (optuna's pattern): each strategy yields plans through one function.
 STRATEGIES = {
     "baselines": lambda g, mesh, sim, budget: list(baselines(g, mesh).values()),
-    "dp": lambda g, mesh, sim, budget: [p for _, p, _ in dp_plans(sim, mesh, g.block_chains, memory_budget=budget or float("inf"), static_bytes=0.0)],
+    "dp": lambda g, mesh, sim, budget: [p for _, p, _ in dp_plans(
+        sim, mesh, g.block_chains, memory_budget=budget or float("inf"), static_bytes=0.0)],
     "search": lambda g, mesh, sim, budget: [search_plan(g, sim, mesh, memory_budget=budget).best.plan],
     "dp-per-unit-hsdp": lambda g, mesh, sim, budget: [
         p for s in dp_shard_sizes(mesh) for _, p, _ in

@@ -23,7 +23,8 @@ def test_space_expresses_every_baseline_and_dp_answer(name):
     space = SearchSpace(g, mesh)
     plans = list(baselines(g, mesh).values())
     plans += [p for s in (16, 8) for _, p, _ in dp_plans(
-        make_sim(g, 16), MeshSpec(world_size=16, ranks_per_node=8, shard_size=s), g.block_chains, memory_budget=math.inf)]
+        make_sim(g, 16), MeshSpec(world_size=16, ranks_per_node=8, shard_size=s), g.block_chains,
+        memory_budget=math.inf)]
     for plan in plans:
         params = space.encode(plan)
         assert params is not None, plan.label

@@ -389,7 +389,8 @@ def test_seeds_enqueued_twice_are_dropped_never_lost():
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     assert sorted((t.number, t.system_attrs["fixed_params"]["x"]) for t in waiting) == [(i, i) for i in range(1, 5)]
     failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-    assert sorted(t.number for t in failed) == list(range(5, 10)) and all(t.user_attrs["duplicate_seed"] for t in failed)
+    assert (sorted(t.number for t in failed) == list(range(5, 10))
+            and all(t.user_attrs["duplicate_seed"] for t in failed))
     assert drop_duplicate_seeds(study) == 0
 
 

@@ -164,7 +164,8 @@ def test_kill_9_then_restart_loses_no_finished_trial(tmp_path, repo_root):
 def test_two_workers_finish_the_budget_together(tmp_path, repo_root):
     path = str(tmp_path / "study.db")
     budget = 100
-    procs = [subprocess.Popen(_cmd(path, budget), env=_env(repo_root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs = [subprocess.Popen(_cmd(path, budget), env=_env(repo_root), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
              for _ in range(2)]
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()

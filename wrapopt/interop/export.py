@@ -339,7 +339,8 @@ def _lightning_code(kwargs: dict[str, Any], source: str) -> str:
                 raise PlanError(f"the plan's mixed_precision is {v!r}; its dtypes must be null, float32, bfloat16 "
                                 "or float16")
             dt = {key: f"torch.{val}" if val else "None" for key, val in v.items()}
-            args.append(f"mixed_precision=MixedPrecision(param_dtype={dt['param_dtype']}, reduce_dtype={dt['reduce_dtype']})")
+            args.append(f"mixed_precision=MixedPrecision(param_dtype={dt['param_dtype']}, "
+                        f"reduce_dtype={dt['reduce_dtype']})")
         elif k == "device_mesh":
             args.append(f"device_mesh={tuple(v)!r}")
         else:

@@ -153,7 +153,8 @@ class MoEFFN(nn.Module):
         onehot = F.one_hot(chosen.t().reshape(-1), e).to(t.dtype)
         slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1).long()  # place in its expert's queue
         kept = (slot < capacity).to(t.dtype)
-        dispatch = (onehot * kept[:, None])[:, :, None] * F.one_hot(slot.clamp(max=capacity - 1), capacity).to(t.dtype)[:, None, :]
+        dispatch = ((onehot * kept[:, None])[:, :, None]
+                    * F.one_hot(slot.clamp(max=capacity - 1), capacity).to(t.dtype)[:, None, :])
         dispatch = dispatch.view(k, n, e, capacity)
         combine = (dispatch * weights.t().reshape(k, n, 1, 1)).sum(0)  # (n, e, capacity)
         expert_in = torch.einsum("nec,nd->ecd", dispatch.sum(0), t)
@@ -266,13 +267,15 @@ def _bench(name: str, description: str, factory, make_inputs, batch: int) -> Zoo
 
 
 BENCH: tuple[ZooEntry, ...] = (
-    _bench("tx-encoder", "nn.TransformerEncoder of 4 nn.TransformerEncoderLayer (batch first, pre-norm), d=64, FFN 256, "
+    _bench("tx-encoder", "nn.TransformerEncoder of 4 nn.TransformerEncoderLayer (batch first, pre-norm), "
+           "d=64, FFN 256, "
            "nn.MultiheadAttention", lambda: TxEncoderLM(vocab=2048, dim=64, n_layers=4, n_heads=4, ffn=256, max_seq=64),
            tokens(2048, 64), 4),
     _bench("tx-tied", "GPT of 6 causal nn.TransformerEncoderLayer blocks (nn.MultiheadAttention, pre-norm) in an "
            "nn.ModuleList, d=96, FFN 384, head tied to the embedding",
            lambda: TxCausalLM(vocab=2048, dim=96, n_layers=6, n_heads=4, ffn=384, max_seq=64), tokens(2048, 64), 4),
-    _bench("tx-decoder", "nn.Transformer, 2 encoder + 3 decoder layers (cross-attention to the memory, post-norm), d=64, "
+    _bench("tx-decoder", "nn.Transformer, 2 encoder + 3 decoder layers (cross-attention to the memory, "
+           "post-norm), d=64, "
            "FFN 256, untied embeddings", lambda: TxSeq2Seq(vocab=2048, dim=64, n_enc=2, n_dec=3, n_heads=4, ffn=256),
            src_tgt(2048, 32), 4),
     _bench("wide-shallow", "decoder, 2 wide blocks (d=256, FFN 1024, fused qkv) in an nn.Sequential, untied head",
@@ -282,8 +285,10 @@ BENCH: tuple[ZooEntry, ...] = (
     _bench("big-vocab", "decoder, vocabulary 32000, untied embedding and head (~98% of the parameters), 2 blocks, d=64",
            lambda: FusedDecoder(vocab=32000, dim=64, n_layers=2, n_heads=4, ffn=256, max_seq=32), tokens(32000, 32), 4),
     _bench("moe-tiny", "decoder, 4 blocks whose FFN is a mixture of 4 experts, data-dependent top-2 routing into "
-           "fixed-capacity buffers, d=64", lambda: FusedDecoder(vocab=2048, dim=64, n_layers=4, n_heads=4, ffn=128, max_seq=32,
-                                                                moe={"num_experts": 4, "top_k": 2}), tokens(2048, 32), 4),
+           "fixed-capacity buffers, d=64",
+           lambda: FusedDecoder(vocab=2048, dim=64, n_layers=4, n_heads=4, ffn=128, max_seq=32,
+                                moe={"num_experts": 4, "top_k": 2}),
+           tokens(2048, 32), 4),
     _bench("lora-tiny", "Llama-style decoder, 4 blocks, d=64, frozen base, trainable LoRA (rank 8) on q and v",
            lambda: LoRALlama(vocab=2048, dim=64, n_layers=4, n_heads=4, ffn=176, rank=8), tokens(2048, 64), 4),
 )

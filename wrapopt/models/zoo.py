@@ -47,7 +47,8 @@ def _rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool, causal: bool, rotary: bool):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool, causal: bool,
+                 rotary: bool):
         super().__init__()
         self.n_heads, self.n_kv = n_heads, n_kv_heads or n_heads
         self.head_dim = dim // n_heads
@@ -253,17 +254,23 @@ ZOO: dict[str, ZooEntry] = {
     e.name: e
     for e in (
         ZooEntry("gpt-tiny", "GPT-2 style, 4 blocks, d=64, tied input/output embeddings",
-                 lambda: GPT(vocab=2048, dim=64, n_layers=4, n_heads=4, max_seq=64), tokens(2048, 64), lm_loss, 4, True),
+                 lambda: GPT(vocab=2048, dim=64, n_layers=4, n_heads=4, max_seq=64),
+                 tokens(2048, 64), lm_loss, 4, True),
         ZooEntry("llama-tiny", "Llama style, 6 blocks, d=64, GQA (4 heads, 2 KV), SwiGLU, RMSNorm",
-                 lambda: Llama(vocab=2048, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn=176), tokens(2048, 64), lm_loss, 4, True),
+                 lambda: Llama(vocab=2048, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn=176),
+                 tokens(2048, 64), lm_loss, 4, True),
         ZooEntry("vit-tiny", "ViT, 32x32 images, 4x4 patches, 4 blocks, d=64",
-                 lambda: ViT(image=32, patch=4, dim=64, n_layers=4, n_heads=4, classes=10), images(32), cls_loss, 8, True),
+                 lambda: ViT(image=32, patch=4, dim=64, n_layers=4, n_heads=4, classes=10),
+                 images(32), cls_loss, 8, True),
         ZooEntry("t5-tiny", "T5 style encoder-decoder, 3+3 blocks, d=64, shared embeddings tied to the head",
                  lambda: T5(vocab=2048, dim=64, n_layers=3, n_heads=4, ffn=256), src_tgt(2048, 32), lm_loss, 4, True),
         ZooEntry("llama-7b", "Llama-2 7B shapes: 32 blocks, d=4096, FFN 11008, vocab 32000 (planning only, meta)",
-                 lambda: Llama(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn=11008), tokens(32000, 4096), lm_loss, 1, False),
-        ZooEntry("llama-70b", "Llama-2 70B shapes: 80 blocks, d=8192, FFN 28672, 64 heads, 8 KV heads (planning only, meta)",
-                 lambda: Llama(vocab=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn=28672), tokens(32000, 4096), lm_loss, 1, False),
+                 lambda: Llama(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn=11008),
+                 tokens(32000, 4096), lm_loss, 1, False),
+        ZooEntry("llama-70b", "Llama-2 70B shapes: 80 blocks, d=8192, FFN 28672, 64 heads, 8 KV heads "
+                 "(planning only, meta)",
+                 lambda: Llama(vocab=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn=28672),
+                 tokens(32000, 4096), lm_loss, 1, False),
     )
 } | {e.name: e for e in BENCH}
 
