@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test lint bench clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -14,7 +14,12 @@ demo: setup
 # Two parts, each under its heading: the single-process tests, then the tests that start
 # several processes (gloo ranks, torchrun; marked `multiprocess`, see pyproject.toml).
 # A failure in either fails `make test` (a failure in the first stops it there).
-test: setup
+# The house lint first (ruff, settings in pyproject.toml: lines of at most 120 characters and
+# pyflakes' real-mistake rules), then the two parts of the suite.
+lint: setup
+	$(VENV)/bin/ruff check wrapopt tests benchmarks scripts examples
+
+test: setup lint
 	@echo "== make test 1/2: single-process tests (pytest -m 'not multiprocess') =="
 	$(PY) -m pytest -q -m "not multiprocess" tests
 	@echo "== make test 2/2: multi-process tests: gloo ranks, torchrun (pytest -m multiprocess) =="
