@@ -102,6 +102,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    notes = [*src.notes, *notes]
     model = src.build("meta")
     compute = compute_for(fabric, args.compute, train, model_dtype(model))
     budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
@@ -125,7 +126,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(budget_note)
-        print(f"training: {plan.train_config.describe()}")
+        print(f"training: {plan.train_config.describe(model_dtype(model))}")
         print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(_format_search(result))
         print(format_sync(result, graph, fabric, compute, train, budget))

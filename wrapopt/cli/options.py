@@ -34,9 +34,10 @@ def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = Tru
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=None, metavar="{none," + ",".join(PRECISIONS) + "}",
-                   help="mixed precision: bf16 = bf16 parameters and compute, fp32 gradient reduction; bf16-pure "
-                        "reduces in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the "
-                        "model's own dtype")
+                   help="mixed precision: bf16 = bf16 gathered parameters and compute, fp32 gradient reduction, "
+                        "fp32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy); bf16-pure reduces "
+                        "in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the model's own "
+                        "dtype (hf: models are built in float32 whatever their config's torch_dtype)")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="the optimizer, for its state and step time (default adamw)")

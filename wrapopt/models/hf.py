@@ -22,6 +22,16 @@ plain ``model(*inputs)`` runs them. Encoder-decoders also get a
 on the model's (meta) device and read it with ``.item()``; given as an
 integer input, the tracer keeps it real (See [Note: integer inputs stay
 real] in trace/meta.py).
+
+[Note: stored dtype is not the training dtype] A config's ``torch_dtype``
+(``dtype`` in transformers 5), "bfloat16" in nearly every released config,
+says how the checkpoint's weights were saved. ``from_pretrained`` and
+``_from_config`` build the model in it, but training under FSDP2 keeps fp32
+master weights: the model is built in float32 and a bf16
+``MixedPrecisionPolicy`` (``--precision bf16``) casts the gathered copies and
+the compute, while the sharded parameters, their gradients and the optimizer
+state stay float32 (as TorchTitan and Accelerate train). The model is
+therefore always built in float32 here, and the source's notes say so.
 """
 
 from __future__ import annotations
@@ -87,7 +97,7 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
 
     def build(device: str) -> nn.Module:
         torch.manual_seed(0)
-        kwargs = {}
+        kwargs: dict[str, Any] = {"dtype": torch.float32}  # See [Note: stored dtype is not the training dtype]
         if torch.device(device).type == "cpu" and _has_grouped_experts(cls):
             # The CPU grouped-matmul kernel has no float32 backward; on meta the tracer runs it
             # (See [Note: experts on meta] in trace/ops.py), as GPUs do.
@@ -102,7 +112,18 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
                          f"{_last_line(e)}); fix the config's fields, or pass MODEL as package.module:callable") from e
     inputs = _example_inputs(cls, config, batch, seq, path)
     small = sum(p.numel() for p in model.parameters()) <= _TRAINABLE_MAX_PARAMS
-    return ModelSource(f"hf:{path}", build, inputs, None, small)
+    return ModelSource(f"hf:{path}", build, inputs, None, small, notes=_dtype_notes(cfg_dict))
+
+
+def _dtype_notes(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Say that the config's stored dtype was not taken as the training dtype.
+    See [Note: stored dtype is not the training dtype]."""
+    stored = cfg.get("dtype") or cfg.get("torch_dtype")
+    if not isinstance(stored, str) or stored in ("float32", "auto"):
+        return ()
+    return (f"the config's stored dtype ({stored}) is how its weights were saved, not the training dtype: the model "
+            "is built in float32 (master weights, gradients and optimizer state); --precision bf16 computes in "
+            "bfloat16",)
 
 
 # Fields that, when a config has them, count something: positive integers.
