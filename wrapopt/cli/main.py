@@ -24,7 +24,7 @@ from wrapopt.cli.logs import VERBOSE_HELP
 from wrapopt.cli.profile_fabric import add_cli_arguments, run_cli
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError, WrapoptError
-from wrapopt.evaluation.demo import run_demo
+from wrapopt.evaluation.demo import DEMO_OUT_DIR, run_demo
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
 from wrapopt.fileio import check_writable, fmt_bytes, read_json
 from wrapopt.hardware.profiles import FabricProfile
@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser("demo", help="the whole job end to end on 2 local gloo ranks")
-    p.add_argument("--out", default="results/demo")
+    p.add_argument("--out", default=DEMO_OUT_DIR,
+                   help=f"the folder to write (default {DEMO_OUT_DIR}, ignored by git; results/demo/ is the recorded run)")
     p.add_argument("--model", default="gpt-tiny", help="a trainable zoo model")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
