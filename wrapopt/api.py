@@ -492,5 +492,5 @@ def estimate(
     return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan", num_units=len(spec.units),
                           mesh=spec.mesh, train=train, fabric=fab.label, compute=f"{comp.device} ({comp.kind})",
                           estimate=est, flops=flops, peak_flops_per_s=float(peak), peak_source=source,
-                          memory_budget=budget, notes=tuple(notes), budget_note=budget_line(memory_budget, comp, budget),
-                          model_dtype=model_dtype(model))
+                          memory_budget=budget, notes=tuple(notes), model_dtype=model_dtype(model),
+                          budget_note=budget_line(memory_budget, comp, budget))

@@ -52,7 +52,8 @@ def dcp_across_plans(rank: int, world: int, tmp: str, out: dict) -> None:
     graph = zoo_graph(NAME)
     specs = {**plan_specs(graph, mesh), "no-shard": baselines(graph, mesh)["no-shard"]}
     ref = zoo.get_entry(NAME).build("cpu", seed=0)
-    sharded = lambda label: WrapPlan(spec=specs[label], model=model_fingerprint(ref)).apply(copy.deepcopy(ref))  # noqa: E731
+    fingerprint = model_fingerprint(ref)
+    sharded = lambda label: WrapPlan(spec=specs[label], model=fingerprint).apply(copy.deepcopy(ref))  # noqa: E731
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)  # noqa: E731
     mine = _mine(world, rank)
     model = sharded("per-block")

@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the whole job end to end on 2 local gloo ranks")
     p.add_argument("--out", default=DEMO_OUT_DIR,
-                   help=f"the folder to write (default {DEMO_OUT_DIR}, ignored by git; results/demo/ is the recorded run)")
+                   help=f"the folder to write (default {DEMO_OUT_DIR}, ignored by git; results/demo/ is the "
+                        "recorded run)")
     p.add_argument("--model", default="gpt-tiny", help="a trainable zoo model")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)

@@ -15,7 +15,19 @@ __all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo:NAME, package.module:callable, or hf:path/to/config.json")
     p.add_argument("--batch", type=int, default=None, help="per-rank batch of one micro-batch, for the example inputs")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (token models)")
+    p.add_argument("--seq", type=_seq, default=None,
+                   help="sequence length (token models; audio models: encoder frames), at most the model's positions; "
+                        "context: the hf: config's own context length")
+
+
+def _seq(text: str) -> int | str:
+    """``--seq``: a number, or ``context`` (the model's own positions)."""
+    if text.strip().lower() == "context":
+        return "context"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or `context`") from None
 
 
 def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = True) -> None:
@@ -58,7 +70,7 @@ def train_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_batch(args: argparse.Namespace) -> None:
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch must be at least 1, got {args.batch}")
-    if args.seq is not None and args.seq < 1:
+    if isinstance(args.seq, int) and args.seq < 1:
         raise ValueError(f"--seq must be at least 1, got {args.seq}")
 
 

@@ -99,7 +99,8 @@ def run_demo(*, out_dir: str = DEMO_OUT_DIR, model: str = "gpt-tiny", world_size
     pictures, section = _pictures(out_dir, res)
     wall = time.perf_counter() - t0
     atomic_write_text(os.path.join(out_dir, "report.md"), f"# wrapopt demo ({res['date']})\n\n```\n{text}\n```\n\n"
-                      f"{section}\nWall time {wall:.0f} s. Regenerate with `python -m wrapopt.cli demo --out {out_dir}`.\n")
+                      f"{section}\nWall time {wall:.0f} s. Regenerate with "
+                      f"`python -m wrapopt.cli demo --out {out_dir}`.\n")
     print(f"wrapopt demo\n{text}")
     print(f"\nwrote {out_dir}/plan.json, report.md, report.json, fabric.json{''.join(', ' + p for p in pictures)}  "
           f"({wall:.0f} s)")
