@@ -77,3 +77,13 @@ def test_llama_3_1_8b_as_released_on_8_gpus_keeps_4_bytes_per_element(tmp_path, 
     numel = 8_030_261_248  # Llama 3.1 8B's parameter count
     assert d["peak_breakdown"]["sharded_params"] * 8 / numel == pytest.approx(4, rel=0.01)
     assert d["peak_breakdown"]["optimizer_state"] * 8 / numel == pytest.approx(8, rel=0.01)  # AdamW: 2 fp32 states
+
+
+def test_show_names_the_stored_dtype_of_the_planned_model(tmp_path, capsys):
+    plan = str(tmp_path / "plan.json")
+    assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--trials", "4", "--precision", "bf16",
+                 "--out", plan]) == 0
+    capsys.readouterr()
+    assert main(["show", plan]) == 0
+    training = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("training:"))
+    assert "parameters float32 (master), compute bfloat16, reduction float32, optimizer state float32" in training
