@@ -65,6 +65,9 @@ def test_the_training_line_names_the_four_dtypes(tmp_path, capsys):
     assert "stored dtype (bfloat16)" in out
     assert main(["estimate", f"hf:{path}", "--world-size", "2", "--precision", "bf16-pure", "--seq", "16"]) == 0
     assert "compute bfloat16, reduction bfloat16, optimizer state float32" in capsys.readouterr().out
+    assert main(["search", f"hf:{path}", "--world-size", "2", "--precision", "bf16", "--seq", "16", "--trials", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters float32 (master), compute bfloat16" in out and "note: the config's stored dtype (bfloat16)" in out
 
 
 def test_llama_3_1_8b_as_released_on_8_gpus_keeps_4_bytes_per_element(tmp_path, capsys):

@@ -127,6 +127,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     else:
         print(budget_note)
         print(f"training: {plan.train_config.describe(model_dtype(model))}")
+        print("".join(f"note: {n}\n" for n in src.notes), end="")
         print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(_format_search(result))
         print(format_sync(result, graph, fabric, compute, train, budget))
