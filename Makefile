@@ -8,8 +8,9 @@ PY := $(VENV)/bin/python
 setup:
 	@bash scripts/setup_env.sh
 
+# Writes results/demo-latest/ (ignored by git: the tree stays clean); results/demo/ is the recorded run.
 demo: setup
-	$(PY) -m wrapopt.cli demo --out results/demo
+	$(PY) -m wrapopt.cli demo --out results/demo-latest
 
 # Two parts, each under its heading: the single-process tests, then the tests that start
 # several processes (gloo ranks, torchrun; marked `multiprocess`, see pyproject.toml).

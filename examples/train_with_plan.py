@@ -2,7 +2,7 @@
 
 Make a plan once, then train with it on 2 CPU ranks (gloo) or GPUs (NCCL):
 
-    wrapopt search zoo:gpt-tiny --world-size 2 --out plan.json     # or `make demo`: results/demo/plan.json
+    wrapopt search zoo:gpt-tiny --world-size 2 --out plan.json     # or `make demo`: results/demo-latest/plan.json
     torchrun --nproc_per_node 2 examples/train_with_plan.py --plan plan.json
     torchrun --nproc_per_node 2 examples/train_with_plan.py --plan plan.json --meta-init
 

@@ -412,7 +412,7 @@ def estimate(
                           compute=f"{comp.device} ({comp.kind})",
                           estimate=est, flops=infer_model_flops(model, example_inputs, graph), peak_flops_per_s=peak,
                           peak_source=source, memory_budget=budget, notes=tuple(notes),
-                          budget_note=budget_line(memory_budget, comp, budget))
+                          model_dtype=model_dtype(model), budget_note=budget_line(memory_budget, comp, budget))
 
 
 def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, world_size: int | None,

@@ -36,11 +36,17 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 # Presets: (param_dtype, reduce_dtype, output_dtype); None keeps the model's own dtype. Without
 # one (``TrainConfig()``, ``--precision none``) no policy is applied: the model's own dtype.
+# A policy casts the gathered copies, the compute and the reduction only: the sharded parameters
+# (master weights), their gradients and the optimizer state stay in the model's dtype (float32 for
+# hf: and zoo: models), as FSDP2's MixedPrecisionPolicy keeps them. Pure bf16 training (bf16 master
+# weights and optimizer state too) is a model stored in bf16 (``model.to(torch.bfloat16)``) under
+# ``--precision none`` or ``bf16-pure``. See [Note: stored dtype is not the training dtype] in models/hf.py.
 PRECISIONS: dict[str, tuple[str | None, str | None, str | None]] = {
     "fp32": ("float32", "float32", None),  # float32 compute and reduction, whatever the model is stored in
     # bf16 compute and all-gathers, fp32 gradient reduction (TorchTitan's default)
     "bf16": ("bfloat16", "float32", None),
-    "bf16-pure": ("bfloat16", "bfloat16", None),  # bf16 reduction too: half the reduce-scatter bytes
+    # bf16 reduction too (half the reduce-scatter bytes); master weights still the model's dtype
+    "bf16-pure": ("bfloat16", "bfloat16", None),
     "fp16": ("float16", "float32", None),  # fp16 compute; needs loss scaling (a GradScaler) to train
 }
 
@@ -198,12 +204,15 @@ class TrainConfig:
         _kind, cls_name, extra = OPTIMIZERS[self.optimizer]
         return getattr(torch.optim, cls_name)(params, lr=lr, **{**extra, **kw})
 
-    def describe(self) -> str:
-        """One line for reports."""
-        prec = ("none (no mixed precision: the model's own dtype)" if self.precision == "none" else
-                f"{self.precision} (params {self.param_dtype or 'model'}, reduce "
-                f"{self.reduce_dtype or self.param_dtype or 'model'}"
-                + (f", output {self.output_dtype}" if self.output_dtype else "") + ")")
+    def describe(self, model_dtype: str = "float32") -> str:
+        """One line for reports, naming the four dtypes of the step: the parameters as
+        stored and sharded (the master weights, ``model_dtype``: a policy never changes
+        them), the compute (and all-gathers), the gradient reduction and the optimizer state."""
+        compute = self.compute_dtype(model_dtype)
+        dtypes = (f"parameters {model_dtype} (master), compute {compute}, reduction {self.reduce_dtype or compute}, "
+                  f"optimizer state {model_dtype}" + (f", output {self.output_dtype}" if self.output_dtype else ""))
+        prec = ("none (no mixed precision: the model's own dtype; " if self.precision == "none" else
+                f"{self.precision} (") + dtypes + ")"
         sync = ("" if self.grad_accumulation == 1 else
                 f", sync {self.accumulation_sync}" if self.accumulation_sync else ", sync searched per plan")
         return (f"precision {prec}, {self.grad_accumulation} micro-batch"

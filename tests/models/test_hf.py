@@ -99,7 +99,7 @@ def test_encoder_decoders_get_decoder_inputs_and_labels(name, config_dir):
      "field `architectures` names 'LlamaForTimeTravel'"),
     ({"model_type": "no-such-model"}, "field `model_type` = 'no-such-model'"),
     ({"hidden_size": 8}, "no `model_type` field"),
-    ({"model_type": "patchtst"}, "PatchTSTModel takes (past_values"),
+    ({"model_type": "patchtst"}, "PatchTSTModel.forward needs `past_values`"),
 ])
 def test_a_config_transformers_cannot_build_is_one_line_naming_the_field(fields, words, tmp_path):
     path = tmp_path / "config.json"

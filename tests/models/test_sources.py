@@ -92,3 +92,10 @@ def test_a_module_that_raises_on_import_is_one_line(user_module):
         resolve_model("rel2_bad_import:anything")
     assert "importing 'rel2_bad_import' raised ValueError: no config here" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_zoo_seq_beyond_the_positions_is_an_error_naming_the_limit():
+    with pytest.raises(ModelError, match=r"zoo:llama-7b: --seq 8192 is beyond the model's 4096 positions"):
+        resolve_model("zoo:llama-7b", batch=1, seq=8192)
+    assert resolve_model("zoo:gpt-tiny", batch=1, seq="context").inputs[0].shape == (1, 64)
+    assert resolve_model("zoo:gpt-tiny", batch=1, seq=16).inputs[0].shape == (1, 16)

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from wrapopt.cli.options import add_train_arguments, train_from_args
-from wrapopt.evaluation.demo import run_demo
+from wrapopt.evaluation.demo import DEMO_OUT_DIR, run_demo
 
 __all__ = ["add_parser", "run"]
 
@@ -14,7 +14,9 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt demo`` to the CLI's sub-commands; it runs ``run``."""
     p = subparsers.add_parser("demo", help="the whole job end to end on 2 local gloo ranks")
-    p.add_argument("--out", default="results/demo")
+    p.add_argument("--out", default=DEMO_OUT_DIR,
+                   help=f"the folder to write (default {DEMO_OUT_DIR}, ignored by git; results/demo/ is the "
+                        "recorded run)")
     p.add_argument("--model", default="gpt-tiny", help="a trainable zoo model")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)

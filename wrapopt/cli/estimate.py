@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from typing import Any
 
 from wrapopt.api import estimate
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
                       gpus_per_node=args.gpus_per_node, fabric=args.fabric, compute=args.compute, train=train,
                       checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
                       rescale_fabric=args.rescale_fabric, name=args.model)
+    report = replace(report, notes=(*src.notes, *report.notes))
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:

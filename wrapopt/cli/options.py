@@ -16,7 +16,19 @@ __all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo:NAME, package.module:callable, or hf:path/to/config.json")
     p.add_argument("--batch", type=int, default=None, help="per-rank batch of one micro-batch, for the example inputs")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (token models)")
+    p.add_argument("--seq", type=_seq, default=None,
+                   help="sequence length (token models; audio models: encoder frames), at most the model's positions; "
+                        "context: the hf: config's own context length")
+
+
+def _seq(text: str) -> int | str:
+    """``--seq``: a number, or ``context`` (the model's own positions)."""
+    if text.strip().lower() == "context":
+        return "context"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or `context`") from None
 
 
 def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = True) -> None:
@@ -35,9 +47,10 @@ def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = Tru
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=None, metavar="{none," + ",".join(PRECISIONS) + "}",
-                   help="mixed precision: bf16 = bf16 parameters and compute, fp32 gradient reduction; bf16-pure "
-                        "reduces in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the "
-                        "model's own dtype")
+                   help="mixed precision: bf16 = bf16 gathered parameters and compute, fp32 gradient reduction, "
+                        "fp32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy); bf16-pure reduces "
+                        "in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the model's own "
+                        "dtype (hf: models are built in float32 whatever their config's torch_dtype)")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="the optimizer, for its state and step time (default adamw)")
@@ -58,7 +71,7 @@ def train_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_batch(args: argparse.Namespace) -> None:
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch must be at least 1, got {args.batch}")
-    if args.seq is not None and args.seq < 1:
+    if isinstance(args.seq, int) and args.seq < 1:
         raise ValueError(f"--seq must be at least 1, got {args.seq}")
 
 

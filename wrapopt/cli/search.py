@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    notes = [*src.notes, *notes]
     model = src.build("meta")
     compute = compute_for(fabric, args.compute, train, model_dtype(model))
     budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_plan_json(plan, result, budget_note, syncs), indent=1))
     else:
         print(budget_note)
-        print(f"training: {plan.train_config.describe()}")
+        print(f"training: {plan.train_config.describe(model_dtype(model))}")
+        print("".join(f"note: {n}\n" for n in src.notes), end="")
         print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(format_search(result))
         print(format_sync(result, train, budget, syncs))

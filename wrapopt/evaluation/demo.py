@@ -26,7 +26,11 @@ from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
 from wrapopt.train import TrainConfig
 from wrapopt.launch import logs_line
 
-__all__ = ["run_demo", "format_rows"]
+__all__ = ["run_demo", "format_rows", "DEMO_OUT_DIR"]
+
+# Where ``make demo`` and ``wrapopt demo`` write: a folder .gitignore lists, so a run leaves
+# the tree clean. ``results/demo/`` is the recorded run, committed (results/README.md).
+DEMO_OUT_DIR = "results/demo-latest"
 
 
 def format_rows(res: dict[str, Any]) -> str:
@@ -80,7 +84,7 @@ def _pictures(out_dir: str, res: dict[str, Any]) -> tuple[list[str], str]:
         "against memory](pareto.png)\n")
 
 
-def run_demo(*, out_dir: str = "results/demo", model: str = "gpt-tiny", world_size: int = 2, repeats: int = 5,
+def run_demo(*, out_dir: str = DEMO_OUT_DIR, model: str = "gpt-tiny", world_size: int = 2, repeats: int = 5,
              memory_budget: str | None = None, train: TrainConfig | None = None, verbose: bool = False) -> int:
     """``train``: run every plan in that mixed precision and accumulation (default fp32, one batch);
     ``verbose``: the ranks' own output on the terminal instead of in the log folder."""
@@ -98,7 +102,8 @@ def run_demo(*, out_dir: str = "results/demo", model: str = "gpt-tiny", world_si
     pictures, section = _pictures(out_dir, res)
     wall = time.perf_counter() - t0
     atomic_write_text(os.path.join(out_dir, "report.md"), f"# wrapopt demo ({res['date']})\n\n```\n{text}\n```\n\n"
-                      f"{section}\nWall time {wall:.0f} s. Regenerate with `make demo`.\n")
+                      f"{section}\nWall time {wall:.0f} s. Regenerate with "
+                      f"`python -m wrapopt.cli demo --out {out_dir}`.\n")
     print(f"wrapopt demo\n{text}")
     print(f"\nwrote {out_dir}/plan.json, report.md, report.json, fabric.json{''.join(', ' + p for p in pictures)}  "
           f"({wall:.0f} s)")

@@ -18,3 +18,4 @@ class ModelSource:
     inputs: tuple[Any, ...]
     loss: Callable[[Any, tuple], torch.Tensor] | None
     trainable_here: bool  # small enough to run real steps on this machine
+    notes: tuple[str, ...] = ()  # what the source decided for the user (e.g. the dtype it built in), for reports

@@ -11,17 +11,37 @@ resort. A config that needs remote code (``auto_map``) or names a class this
 transformers lacks is refused in one line naming the field.
 
 [Note: Hugging Face example inputs] The example inputs are one per-rank batch
-of the modality the class's ``forward`` takes: token ids (``input_ids``),
-images (``pixel_values``) or log-mel features (``input_features``, Whisper's
-fixed 30 s window), plus decoder token ids for encoder-decoders and
-``labels`` wherever ``forward`` takes them, so the model computes the loss it
-trains with. ``use_cache`` keeps the config's value, as in a training loop
+of the modality the class's ``forward`` takes, sized from the config: token ids
+(``input_ids``: ``--seq`` tokens, an error past the model's positions, 128 or
+fewer without it, ``--seq context`` for all of them), images (``pixel_values``
+of the config's ``image_size`` and ``num_channels``, read from
+``vision_config`` when nested, as CLIP's are; CLIP gets its text beside them
+and ``return_loss``), raw audio (``input_values``: ``--seq`` encoder frames of
+the product of ``conv_stride`` samples each, for Wav2Vec2-like encoders, with
+a CTC transcript a quarter of the frames long as ``labels``) or log-mel
+features (``input_features``, Whisper's fixed 30 s window), plus decoder token
+ids for encoder-decoders and ``labels`` wherever ``forward`` takes them, so
+the model computes the loss it trains with. A ``forward`` needing anything
+else is refused naming the input and the way to supply it. SpecAugment (the
+random time masks of Wav2Vec2-like encoders) is off on meta: it indexes with a
+boolean mask, whose size meta tensors cannot know; it costs one elementwise
+write, and real steps keep it. ``use_cache`` keeps the config's value, as in a training loop
 that does not set it. They are passed by position in ``forward``'s order (its defaults in between), so a
 plain ``model(*inputs)`` runs them. Encoder-decoders also get a
 ``decoder_attention_mask`` of ones: BART's decoder would otherwise build one
 on the model's (meta) device and read it with ``.item()``; given as an
 integer input, the tracer keeps it real (See [Note: integer inputs stay
 real] in trace/meta.py).
+
+[Note: stored dtype is not the training dtype] A config's ``torch_dtype``
+(``dtype`` in transformers 5), "bfloat16" in nearly every released config,
+says how the checkpoint's weights were saved. ``from_pretrained`` and
+``_from_config`` build the model in it, but training under FSDP2 keeps fp32
+master weights: the model is built in float32 and a bf16
+``MixedPrecisionPolicy`` (``--precision bf16``) casts the gathered copies and
+the compute, while the sharded parameters, their gradients and the optimizer
+state stay float32 (as TorchTitan and Accelerate train). The model is
+therefore always built in float32 here, and the source's notes say so.
 """
 
 from __future__ import annotations
@@ -53,9 +73,9 @@ TASKS = (
 _TRAINABLE_MAX_PARAMS = 50_000_000
 
 
-def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
+def hf_source(path: str, batch: int | None, seq: int | str | None) -> ModelSource:
     """``hf:path/to/config.json``: a Hugging Face model built from its config (no weights)."""
-    batch, seq = batch or 1, seq or 128
+    batch = batch or 1  # seq: tokens (or audio frames); None: 128, within the model's positions; "context": all
     if not os.path.isfile(path):
         raise ModelError(f"hf:{path}: no such config file (give the path to a config.json)")
     try:
@@ -87,13 +107,16 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
 
     def build(device: str) -> nn.Module:
         torch.manual_seed(0)
-        kwargs = {}
+        kwargs: dict[str, Any] = {"dtype": torch.float32}  # See [Note: stored dtype is not the training dtype]
         if torch.device(device).type == "cpu" and _has_grouped_experts(cls):
             # The CPU grouped-matmul kernel has no float32 backward; on meta the tracer runs it
             # (See [Note: experts on meta] in trace/ops.py), as GPUs do.
             kwargs["experts_implementation"] = "eager"
-        with torch.device(device):  # a copy: transformers writes the experts implementation into the config
-            return cls._from_config(copy.deepcopy(config), **kwargs)
+        cfg = copy.deepcopy(config)  # a copy: transformers writes the experts implementation into the config
+        if torch.device(device).type == "meta" and getattr(cfg, "apply_spec_augment", False):
+            cfg.apply_spec_augment = False  # See [Note: Hugging Face example inputs]: SpecAugment on meta
+        with torch.device(device):
+            return cls._from_config(cfg, **kwargs)
 
     try:
         model = build("meta")
@@ -102,7 +125,18 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
                          f"{_last_line(e)}); fix the config's fields, or pass MODEL as package.module:callable") from e
     inputs = _example_inputs(cls, config, batch, seq, path)
     small = sum(p.numel() for p in model.parameters()) <= _TRAINABLE_MAX_PARAMS
-    return ModelSource(f"hf:{path}", build, inputs, None, small)
+    return ModelSource(f"hf:{path}", build, inputs, None, small, notes=_dtype_notes(cfg_dict))
+
+
+def _dtype_notes(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Say that the config's stored dtype was not taken as the training dtype.
+    See [Note: stored dtype is not the training dtype]."""
+    stored = cfg.get("dtype") or cfg.get("torch_dtype")
+    if not isinstance(stored, str) or stored in ("float32", "auto"):
+        return ()
+    return (f"the config's stored dtype ({stored}) is how its weights were saved, not the training dtype: the model "
+            "is built in float32 (master weights, gradients and optimizer state); --precision bf16 computes in "
+            "bfloat16",)
 
 
 # Fields that, when a config has them, count something: positive integers.
@@ -121,14 +155,15 @@ def check_config_fields(cfg: dict[str, Any], where: str) -> None:
     """``ModelError`` naming ``where`` (the config file), the field and the fix when a size is not a
     positive integer, the attention heads do not split the width (or the key-value heads the
     heads), or a token id lies outside the vocabulary: checked before transformers builds anything."""
+    positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
     for name in _SIZES:
-        v = cfg.get(name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        v = cfg.get(name)  # a list: one per stage (Swin's num_heads)
+        if v is not None and not (positive(v) or (isinstance(v, list) and v and all(map(positive, v)))):
             raise ModelError(f"{where}: field `{name}` must be a positive integer, got {v!r}; "
                              f"write a number without quotes, e.g. \"{name}\": 64")
     for width, heads in _WIDTH_HEADS:
         w, h = cfg.get(width), cfg.get(heads)
-        if w and h and cfg.get("head_dim") is None and w % h:
+        if positive(w) and positive(h) and cfg.get("head_dim") is None and w % h:
             raise ModelError(f"{where}: field `{heads}` = {h} does not divide `{width}` = {w} (each head gets "
                              f"{width} / {heads} features); give a number of heads that divides {w}")
     h, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
@@ -191,39 +226,114 @@ def _has_grouped_experts(cls: type) -> bool:
         return False
 
 
-def _example_inputs(cls: type, config: Any, batch: int, seq: int, path: str) -> tuple[Any, ...]:
+# What ``_example_inputs`` can make, by the name ``forward`` gives it.
+_MADE = ("input_ids", "pixel_values", "input_values", "input_features")
+
+
+def _sub(config: Any, field: str, *subs: str) -> Any:
+    """``config.field``, else the first nested config's (``vision_config``, ``text_config``) that has it."""
+    value = getattr(config, field, None)
+    for sub in subs:
+        if value is not None:
+            break
+        value = getattr(getattr(config, sub, None), field, None)
+    return value
+
+
+def _example_inputs(cls: type, config: Any, batch: int, seq: int | str | None, path: str) -> tuple[Any, ...]:
     """One per-rank batch, by position in ``cls.forward``. See [Note: Hugging Face example inputs]."""
     params = inspect.signature(cls.forward).parameters
     g = torch.Generator().manual_seed(0)
-    vocab = int(getattr(config, "vocab_size", None) or 1000)
+    vocab = int(_sub(config, "vocab_size", "text_config") or 1000)
     tokens = lambda n: torch.randint(0, vocab, (batch, n), generator=g)  # noqa: E731
     given: dict[str, Any] = {}
     if "input_features" in params:
         given["input_features"] = _speech_features(config, batch, g, path)
+    elif "input_values" in params:
+        given["input_values"] = _audio(config, batch, seq, g)
     elif "pixel_values" in params:
-        size = getattr(config, "image_size", 224)
+        size = _sub(config, "image_size", "vision_config") or 224
         h, w = (size, size) if isinstance(size, int) else tuple(size)
-        given["pixel_values"] = torch.randn(batch, getattr(config, "num_channels", 3), h, w, generator=g)
-    elif "input_ids" in params:
-        given["input_ids"] = tokens(seq)
-    else:
-        wanted = ", ".join(n for n in list(params)[1:4])
-        raise ModelError(f"hf:{path}: {cls.__name__} takes ({wanted}, ...); wrapopt makes example inputs of token ids, "
-                         "pixel values and input features only: pass MODEL as package.module:callable returning "
-                         "(model, example_inputs)")
+        channels = int(_sub(config, "num_channels", "vision_config") or 3)
+        given["pixel_values"] = torch.randn(batch, channels, h, w, generator=g)
+    if "input_ids" in params and (not given or getattr(config, "text_config", None) is not None):
+        given["input_ids"] = tokens(_text_length(config, seq, path))  # a token model, or text beside images (CLIP)
+    if not given:
+        raise ModelError(_cannot_make(cls, params, path))
     targets = given.get("input_ids")
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        dec_len = min(seq, int(getattr(config, "max_target_positions", None) or seq))
+        dec_len = min(_text_length(config, seq, path), int(getattr(config, "max_target_positions", None) or 1 << 30))
         targets = given["decoder_input_ids"] = tokens(dec_len)
         if "decoder_attention_mask" in params:
             given["decoder_attention_mask"] = torch.ones(batch, dec_len, dtype=torch.long)
-    if "labels" in params:
-        if "pixel_values" in given:
+    if "return_loss" in params:
+        given["return_loss"] = True  # CLIP's contrastive loss
+    elif "labels" in params:
+        if "input_values" in given:  # CTC: a transcript shorter than the encoder's frames, no blank (pad) token
+            pad = int(getattr(config, "pad_token_id", 0) or 0)
+            frames = _audio_frames(config, seq)
+            ids = torch.randint(0, vocab - 1, (batch, max(1, frames // 4)), generator=g)
+            given["labels"] = ids + (ids >= pad).long()
+        elif "pixel_values" in given:
             num_labels = int(getattr(config, "num_labels", 2))
             given["labels"] = torch.randint(0, num_labels, (batch,), generator=g)
         elif targets is not None:
             given["labels"] = targets
     return _positional(params, given)
+
+
+def _text_length(config: Any, seq: int | str | None, path: str) -> int:
+    """``seq`` tokens, within the model's positions; ``"context"``: all of them; None: 128 or fewer."""
+    field = next((f for f in _POSITIONS if _sub(config, f, "text_config")), None)
+    limit = int(_sub(config, field, "text_config")) if field else None
+    if seq == "context":
+        if limit is None:
+            raise ModelError(f"hf:{path}: the config states no context length ({', '.join(_POSITIONS)}); "
+                             "give --seq N")
+        return limit
+    if seq is None:
+        return min(_DEFAULT_SEQ, limit or _DEFAULT_SEQ)
+    if limit is not None and int(seq) > limit:
+        raise ModelError(f"hf:{path}: --seq {seq} is beyond the model's positions (`{field}` = {limit}); "
+                         f"give --seq {limit} or less (--seq context uses all {limit})")
+    return int(seq)
+
+
+_DEFAULT_SEQ = 128  # tokens (or audio frames) when --seq is not given
+# Fields that state how many positions a token model has, in the order they are read.
+_POSITIONS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def _audio_stride(config: Any) -> int:
+    """Raw samples per encoder frame: the product of the feature extractor's conv strides."""
+    stride = 1
+    for s in getattr(config, "conv_stride", None) or (320,):
+        stride *= int(s)
+    return stride
+
+
+def _audio_frames(config: Any, seq: int | str | None) -> int:
+    """Encoder frames: ``seq``, 128 without it, ``"context"``: one second at the config's
+    ``sampling_rate`` (16 kHz when it states none)."""
+    if seq == "context":
+        return max(1, int(getattr(config, "sampling_rate", None) or 16000) // _audio_stride(config))
+    return int(seq or _DEFAULT_SEQ)
+
+
+def _audio(config: Any, batch: int, seq: int | str | None, g: torch.Generator) -> torch.Tensor:
+    """Raw audio (``input_values``) giving ``_audio_frames`` encoder frames."""
+    stride = _audio_stride(config)
+    samples = _audio_frames(config, seq) * stride
+    receptive = sum(int(k) - 1 for k in getattr(config, "conv_kernel", None) or ()) * stride // 2
+    return torch.randn(batch, samples + receptive, generator=g)
+
+
+def _cannot_make(cls: type, params: Any, path: str) -> str:
+    needed = [n for n, p in list(params.items())[1:] if p.default is p.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] or [n for n in list(params)[1:2]]
+    return (f"hf:{path}: {cls.__name__}.forward needs `{needed[0]}`, which wrapopt cannot make from a config (it makes "
+            f"{', '.join(_MADE)}); pass MODEL as package.module:callable returning (model, example_inputs), e.g. "
+            f"mypkg.models:build returning ({cls.__name__}._from_config(config), ({needed[0]}, ...))")
 
 
 def _speech_features(config: Any, batch: int, g: torch.Generator, path: str) -> torch.Tensor:

@@ -35,7 +35,7 @@ def register_source(prefix: str, fn: SourceFn) -> None:
     SOURCES[prefix] = fn
 
 
-def resolve_model(spec: str, *, batch: int | None = None, seq: int | None = None) -> ModelSource:
+def resolve_model(spec: str, *, batch: int | None = None, seq: int | str | None = None) -> ModelSource:
     """Turn a CLI ``MODEL`` string into a ``ModelSource``; errors say what is accepted."""
     prefix, colon, rest = spec.partition(":")
     if prefix in SOURCES:
@@ -48,10 +48,14 @@ def resolve_model(spec: str, *, batch: int | None = None, seq: int | None = None
     )
 
 
-def _zoo(name: str, batch: int | None, seq: int | None) -> ModelSource:
+def _zoo(name: str, batch: int | None, seq: int | str | None) -> ModelSource:
     entry = zoo.get_entry(name)
     inputs = entry.inputs(batch)
-    if seq is not None:
+    length = max((x.shape[1] for x in inputs if x.dim() == 2 and not x.is_floating_point()), default=None)
+    if isinstance(seq, int) and length is not None and seq > length:  # the entry's inputs span its positions
+        raise ModelError(f"zoo:{name}: --seq {seq} is beyond the model's {length} positions; give --seq {length} "
+                         "or less (--seq context uses all of them)")
+    if isinstance(seq, int):  # "context": the zoo entry's own length
         inputs = tuple(x[:, :seq] if x.dim() == 2 else x for x in inputs)
     return ModelSource(f"zoo:{name}", lambda device: entry.build(device if entry.trainable else "meta"), inputs,
                        entry.loss, entry.trainable)

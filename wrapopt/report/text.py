@@ -133,6 +133,11 @@ def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
     }
 
 
+def _stored_dtype(model: dict) -> str:
+    """The dtype the fingerprinted model's parameters are stored in (the master weights)."""
+    return next((p.get("dtype", "float32") for p in (model.get("params") or {}).values()), "float32")
+
+
 def format_plan(plan) -> str:
     p = plan.prediction
     fab = plan.fabric
@@ -143,8 +148,9 @@ def format_plan(plan) -> str:
         + (f", tensor parallel {plan.mesh.tp_size} inside the node" if plan.mesh.tp_size > 1 else "")
         + (" (HSDP)" if plan.mesh.is_hsdp else ""),
         f"scored on fabric {fab.get('name')} ({str(fab.get('kind', '?')).upper()}), compute {fab.get('compute')}",
-        "training: " + (plan.train.describe() if plan.train is not None else "not recorded (a plan file written before "
-                        "it was: no mixed precision, one micro-batch, AdamW)"),
+        "training: " + (plan.train.describe(_stored_dtype(plan.model)) if plan.train is not None
+                        else "not recorded (a plan file written before it was: no mixed precision, one micro-batch, "
+                             "AdamW)"),
     ]
     for cls, pairs in (plan.spec.tp.layers if plan.spec.tp is not None else ()):
         split = {style: [path for path, st in pairs if st == style] for style in ("colwise", "rowwise")}

@@ -44,6 +44,7 @@ def _flash_bwd_flops(grad_out, q, k, v, *args, out_val=None, **kwargs):
 
 
 _GROUPED_MM = torch.ops.aten._grouped_mm
+_CTC = (torch.ops.aten._ctc_loss, torch.ops.aten._ctc_loss_backward)  # no meta kernel: See _ctc_on_meta
 _PER_EXPERT = (_GROUPED_MM, torch.ops.aten.bmm)  # matmuls that give each slice of a 3-D weight its own tokens
 _TO_COPY = torch.ops.aten._to_copy.default
 _META = torch.device("meta")
@@ -166,6 +167,8 @@ class Recorder(TorchDispatchMode):
             args, kwargs = _onto_meta(func, args, kwargs)
         if func._overloadpacket is _GROUPED_MM:
             out = _grouped_mm_on_meta(func, args, kwargs)
+        elif func._overloadpacket in _CTC and args[0].is_meta:
+            out = _ctc_on_meta(func, args)
         else:
             out = func(*args, **kwargs)
         if self.in_loss or self.in_tail:
@@ -240,6 +243,20 @@ def _grouped_mm_on_meta(func, args: Any, kwargs: dict) -> Any:
     bf16 = lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
     kwargs = {k: v for k, v in kwargs.items() if k != "out_dtype"}
     return func(*tree_map(bf16, args), **tree_map(bf16, kwargs)).to(dtype)
+
+
+def _ctc_on_meta(func, args: Any) -> Any:
+    """The CTC loss (Wav2Vec2ForCTC's) and its gradient by shape: torch has no meta kernel for
+    them. Forward: the per-sample loss (N,) and the alignment table (N, T, 2 S + 1) it keeps for
+    backward; backward: a gradient shaped as the log-probabilities (T, N, C). Their FLOPs are
+    negligible beside the encoder's."""
+    log_probs = args[0] if func._overloadpacket is torch.ops.aten._ctc_loss else args[1]
+    steps, batch = log_probs.shape[0], log_probs.shape[1] if log_probs.dim() == 3 else 1
+    if func._overloadpacket is torch.ops.aten._ctc_loss_backward:
+        return torch.empty_like(log_probs)
+    targets = args[1]
+    width = 2 * (targets.shape[-1] if targets.dim() == 2 else targets.numel()) + 1
+    return (log_probs.new_empty((batch,)), log_probs.new_empty((batch, steps, width)))
 
 
 def storage_key(t: torch.Tensor) -> Any:
