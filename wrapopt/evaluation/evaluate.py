@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from wrapopt.checks import check_count
 from wrapopt.cost import Simulator
 from wrapopt.evaluation.bench import PHASES, measure_plans, round_order
 from wrapopt.evaluation.evidence import BASELINES
@@ -334,7 +335,11 @@ def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = No
 
     if plan_set not in PLAN_SETS:
         raise ValueError(f"plan_set must be one of {sorted(PLAN_SETS)}, got {plan_set!r}")
-    rpn = ranks_per_node or world_size
+    check_count(world_size, "world_size (--world-size: local ranks; a group of one has no collective)", minimum=2)
+    check_count(repeats, "repeats")
+    check_count(confirm, "confirm", minimum=0)
+    check_count(confirm_repeats, "confirm_repeats")
+    rpn = world_size if ranks_per_node is None else check_count(ranks_per_node, "ranks_per_node")
     cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budgets": budgets or [memory_budget],
            "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "tp": tp, "confirm_repeats": confirm_repeats,
            "train": None if train is None else (train if train.sync_chosen else train.with_sync("last")).to_json()}
