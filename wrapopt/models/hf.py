@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from wrapopt.errors import ModelError
+from wrapopt.checks import check_count
+from wrapopt.errors import ModelError, OptionError
 from wrapopt.fileio import read_json
 from wrapopt.models.base import ModelSource
 
@@ -55,7 +56,9 @@ _TRAINABLE_MAX_PARAMS = 50_000_000
 
 def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
     """``hf:path/to/config.json``: a Hugging Face model built from its config (no weights)."""
-    batch, seq = batch or 1, seq or 128
+    # absent: the defaults; given: checked, never replaced (See [Note: numbers where they enter] in checks.py)
+    batch = 1 if batch is None else check_count(batch, f"the batch of hf:{path} (--batch)")
+    seq_given, seq = seq is not None, 128 if seq is None else check_count(seq, "--seq")
     if not os.path.isfile(path):
         raise ModelError(f"hf:{path}: no such config file (give the path to a config.json)")
     try:
@@ -73,6 +76,8 @@ def hf_source(path: str, batch: int | None, seq: int | None) -> ModelSource:
         raise ModelError(f"hf:{path}: no `model_type` field; add the one the model's Hugging Face config.json "
                          "names (e.g. \"model_type\": \"llama\")")
     check_config_fields(cfg_dict, f"hf:{path}")
+    if seq_given:
+        _check_seq(cfg_dict, seq, f"hf:{path}")
     try:
         config = transformers.AutoConfig.for_model(**cfg_dict)
     except Exception as e:  # noqa: BLE001 (ValueError, KeyError, huggingface_hub's strict-dataclass errors)
@@ -144,6 +149,19 @@ def check_config_fields(cfg: dict[str, Any], where: str) -> None:
             within = f"0 to {vocab - 1}" if vocab else "0 or more"
             raise ModelError(f"{where}: field `{name}` = {i!r} is outside the vocabulary (`vocab_size` = {vocab}); "
                              f"give a token id from {within}, or null")
+
+
+# Fields that bound a token sequence: learned positions, or the decoder's length.
+_POSITIONS = ("max_position_embeddings", "n_positions", "max_target_positions")
+
+
+def _check_seq(cfg: dict[str, Any], seq: int, where: str) -> None:
+    """``--seq`` past the config's positions is an error naming the field, not a sequence cut short."""
+    for name in _POSITIONS:
+        limit = cfg.get(name)
+        if isinstance(limit, int) and seq > limit:
+            raise OptionError(f"--seq {seq} is past the limit of {where}: field `{name}` = {limit}; "
+                              f"give --seq {limit} or less")
 
 
 def _last_line(e: BaseException) -> str:
