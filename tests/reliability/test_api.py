@@ -15,6 +15,7 @@ import torch.nn as nn
 from tests.reliability.common import assert_api_refuses, case
 from wrapopt.api import default_mesh, estimate, optimize_wrap
 from wrapopt.errors import ModelError, OptionError, PlanError
+from wrapopt.hardware.presets import analytical_fabric
 from wrapopt.models import zoo
 from wrapopt.models.sources import resolve_model
 from wrapopt.spec import MeshSpec
@@ -71,6 +72,8 @@ CALLS = [
          "got 8.0", id="mesh-world-float"),
     case(lambda: MeshSpec(world_size=8, ranks_per_node=3, shard_size=8), OptionError, "ranks per node",
          id="mesh-not-whole-nodes"),
+    case(lambda: analytical_fabric(world_size=8, ranks_per_node=0), OptionError, "ranks_per_node",
+         id="analytical-fabric-ranks-0"),
     case(lambda: TrainConfig(grad_accumulation=0), OptionError, "grad_accumulation", id="train-accumulation-0"),
     case(lambda: TrainConfig(optimizer="adamx"), OptionError, "adamx", "adamw", id="train-unknown-optimizer"),
     case(lambda: TrainConfig.parse(precision="bf32"), OptionError, "bf32", id="train-unknown-precision"),

@@ -49,6 +49,7 @@ NUMBERS = [
     case([*PROFILE, "--warmup", "-1"], USAGE, "--warmup", id="profile-warmup-negative"),
     case([*PROFILE, "--timeout", "-5"], USAGE, "--timeout", id="profile-timeout-negative"),
     case([*PROFILE, "--sizes", "4 parsecs"], USAGE, "--sizes", id="profile-sizes-unit"),
+    case([*PROFILE, "--sizes", ","], USAGE, "--sizes", id="profile-sizes-empty"),
     case([*PROFILE, "--tp", "1"], USAGE, "--tp", id="profile-tp-1"),
     case(["search", *GPT], USAGE, "--world-size", id="search-no-world"),
     # past a model's limit: an error naming the limit, not a value cut back

@@ -131,9 +131,12 @@ def profile_fabric_main(
 
 def _sizes_arg(text: str) -> tuple[int, ...]:
     try:
-        return tuple(parse_bytes(s) for s in text.split(",") if s.strip())
+        sizes = tuple(parse_bytes(s) for s in text.split(",") if s.strip())
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--sizes: {e} (example: 4KiB,64KiB,1MiB)") from None
+    if not sizes:  # an empty list is not the default sizes
+        raise argparse.ArgumentTypeError(f"expected message sizes like 4KiB,64KiB,1MiB, got {text!r}")
+    return sizes
 
 
 def _size_arg(text: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from wrapopt.checks import check_count
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import JsonReader, read_json
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
@@ -73,7 +74,7 @@ def analytical_fabric(name: str = DEFAULT_ANALYTICAL, *, world_size: int, ranks_
     if name not in ANALYTICAL_FABRICS:
         raise ProfileError(f"unknown analytical fabric {name!r}; choose one of {sorted(ANALYTICAL_FABRICS)}")
     spec = ANALYTICAL_FABRICS[name]
-    rpn = ranks_per_node or spec["ranks_per_node"]
+    rpn = spec["ranks_per_node"] if ranks_per_node is None else check_count(ranks_per_node, "ranks_per_node")
     return FabricProfile(
         kind="analytical",
         name=name,
@@ -201,7 +202,7 @@ def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node
                "achievable_fraction": frac, "source": str(d.get("source", "stated in " + source))}
     name = r.get("name", str) if "name" in d else source
     return FabricProfile(kind="analytical", name=name, backend="nccl (assumed)", world_size=world_size,
-                         ranks_per_node=ranks_per_node or gpn, axes=(),
+                         ranks_per_node=gpn if ranks_per_node is None else ranks_per_node, axes=(),
                          meta={"description": str(d.get("description", "")), "compute": compute, "source_file": source,
                                "gpus_per_node": gpn},
                          intra=links["intra_node"], inter=links["inter_node"])
