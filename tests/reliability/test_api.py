@@ -55,6 +55,7 @@ CALLS = [
     case(_plan(world_size=8, memory_budget=0), OptionError, "memory_budget", id="optimize-budget-0"),
     case(_plan(world_size=8, memory_budget="80XB"), OptionError, "memory_budget", "80GiB", id="optimize-budget-unit"),
     case(_plan(world_size=8, tp=0), PlanError, "--tp", "positive integer", id="optimize-tp-0"),
+    case(_plan(world_size=8, tp=2.5), PlanError, "--tp", "2.5", id="optimize-tp-fraction"),
     case(_plan(world_size=8, tp=3), PlanError, "--tp 3", id="optimize-tp-not-divisor"),
     case(lambda: optimize_wrap(_mlp(), (torch.randn(3, 4),), world_size=2, loss_fn=per_example_loss), ModelError,
          "per_example_loss", "(3,)", id="optimize-loss-not-scalar"),
