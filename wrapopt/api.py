@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.assumptions import Assumptions, state_assumptions
+from wrapopt.checks import check_count, check_seed
 from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.cost import Simulator
-from wrapopt.errors import InfeasibleError, ModelError, PlanError, ProfileError, WrapoptError
+from wrapopt.errors import InfeasibleError, ModelError, OptionError, PlanError, ProfileError, WrapoptError
 from wrapopt.fileio import check_writable
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
@@ -77,9 +78,14 @@ class OptimizeResult:
 
 def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
     """The mesh asked for, FSDP over the world: ``gpus_per_node`` defaults to ``world_size``
-    up to 8, ``world_size`` to ``gpus_per_node`` (8 ranks on one node when neither is given)."""
-    gpn = gpus_per_node or min(world_size or 8, 8)
-    world = world_size or gpn
+    up to 8, ``world_size`` to ``gpus_per_node`` (8 ranks on one node when neither is given).
+    A size given is checked, never replaced: 0 is an ``OptionError`` naming the argument."""
+    if world_size is not None:
+        check_count(world_size, "world_size (--world-size)")
+    if gpus_per_node is not None:
+        check_count(gpus_per_node, "gpus_per_node (--gpus-per-node)")
+    gpn = min(8 if world_size is None else world_size, 8) if gpus_per_node is None else gpus_per_node
+    world = gpn if world_size is None else world_size
     return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
 
 
@@ -207,6 +213,7 @@ def optimize_wrap(
         >>> print(res.report())  # doctest: +SKIP
     """
     in_group = dist.is_initialized()
+    check_seed(seed)
     mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
                                      loss_fn=loss_fn, plan=plan, options=(memory_budget, seed, tp, train))
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
@@ -250,10 +257,12 @@ def _job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
     ranks per node unless ``gpus_per_node`` says otherwise."""
     if not dist.is_initialized():
         return default_mesh(world_size=world_size, gpus_per_node=gpus_per_node)
+    if world_size is not None:
+        check_count(world_size, "world_size")
     world = dist.get_world_size()
     if world_size is not None and world_size != world:
         raise ModelError(f"world_size={world_size} but the process group has {world} ranks")
-    per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if gpus_per_node is None else gpus_per_node
     return default_mesh(world_size=world, gpus_per_node=per_node)
 
 
@@ -396,7 +405,7 @@ def estimate(
                                                   train=train)
     train = train or TrainConfig()
     if checkpoint not in (None, "none", "blocks"):
-        raise ValueError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
+        raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
     fab = resolve_fabric(fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes += check_fabric_fits(fab, mesh, rescale=rescale_fabric)
     comp = compute_for(fab, compute, train, model_dtype(model))
@@ -441,7 +450,7 @@ def _spec_of(given: WrapPlan | Any, graph: ModelGraph, mesh: MeshSpec, checkpoin
     else:
         base = baselines(graph, mesh)
         if given not in base:
-            raise ValueError(f"unknown --plan {given!r}; accepted: {', '.join(base)}, or a plan file (plan.json)")
+            raise OptionError(f"unknown --plan {given!r}; accepted: {', '.join(base)}, or a plan file (plan.json)")
         spec = base[given]
     if checkpoint is not None:
         units = tuple(u if u.is_root else replace(u, checkpoint=checkpoint == "blocks") for u in spec.units)

@@ -11,7 +11,8 @@ from typing import Any
 
 from wrapopt.errors import WrapoptError
 
-__all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "fmt_bytes",
+__all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "field_unit",
+           "fmt_bytes",
            "parse_bytes"]
 
 
@@ -69,6 +70,17 @@ def read_json(path: str | os.PathLike, *, error: type[WrapoptError] = WrapoptErr
         raise error(f"{where}: not valid JSON ({e})") from None
 
 
+# A numeric field's unit, read from its name's suffix (the house names carry units: ``latency_s``).
+_UNIT_SUFFIXES = (("_bytes_per_s", "bytes per second"), ("flops_per_s", "FLOP per second"), ("_bytes", "bytes"),
+                  ("_s", "seconds"), ("_fraction", "a fraction of 1"), ("world_size", "ranks"),
+                  ("ranks_per_node", "ranks"), ("gpus_per_node", "GPUs"))
+
+
+def field_unit(key: str) -> str:
+    """`` (seconds)`` for ``latency_s``: the unit a numeric field is written in, or ``""``."""
+    return next((f" ({unit})" for suffix, unit in _UNIT_SUFFIXES if key.endswith(suffix)), "")
+
+
 class JsonReader:
     """Field access on a parsed JSON object with errors that name the file and the field."""
 
@@ -79,18 +91,30 @@ class JsonReader:
 
     def get(self, key: str, typ: type | tuple[type, ...]) -> Any:
         if key not in self.d:
-            raise self.error(f"{self.where}: missing field {key!r}")
+            raise self.error(f"{self.where}: missing field {key!r}{field_unit(key)}")
         v = self.d[key]
         if not isinstance(v, typ):
             name = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
-            raise self.error(f"{self.where}: field {key!r} must be {name}, got {type(v).__name__}")
+            raise self.error(f"{self.where}: field {key!r}{field_unit(key)} must be {name}, got {type(v).__name__}")
         return v
 
-    def num(self, key: str) -> float:
+    def num(self, key: str, default: float | None = None, *, positive: bool = False) -> float:
+        """A finite number of at least 0 (above 0 with ``positive``); ``default`` when the field is
+        absent (None: the field is required)."""
+        if default is not None and key not in self.d:
+            return default
         v = self.get(key, (int, float))
-        if isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise self.error(f"{self.where}: field {key!r} must be a non-negative number, got {v!r}")
+        if isinstance(v, bool) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+            what = "a positive number" if positive else "a non-negative number"
+            raise self.error(f"{self.where}: field {key!r}{field_unit(key)} must be {what}, got {v!r}")
         return float(v)
+
+    def count(self, key: str) -> int:
+        """A positive integer (ranks, sizes)."""
+        v = self.get(key, int)
+        if isinstance(v, bool) or v < 1:
+            raise self.error(f"{self.where}: field {key!r}{field_unit(key)} must be a positive integer, got {v!r}")
+        return v
 
     def sub(self, dotted: str) -> "JsonReader":
         cur: Any = self.d

@@ -21,7 +21,8 @@ from typing import Any, Iterable
 
 import torch
 
-from wrapopt.errors import PlanError
+from wrapopt.checks import check_count
+from wrapopt.errors import OptionError, PlanError
 from wrapopt.fileio import JsonReader
 from wrapopt.spec import SYNC_MODES, OptimizerKind, SimOptions
 
@@ -62,17 +63,17 @@ OPTIMIZERS: dict[str, tuple[OptimizerKind, str, dict[str, Any]]] = {
 
 def dtype_name(value: Any, *, what: str = "dtype") -> str | None:
     """The canonical name of a dtype given as a name or a ``torch.dtype``; None stays None.
-    Raises ValueError with one line listing the accepted names."""
+    Raises OptionError (a ValueError) with one line listing the accepted names."""
     if value is None:
         return None
     if isinstance(value, torch.dtype):
         for name, dt in TORCH_DTYPES.items():
             if dt == value:
                 return name
-        raise ValueError(f"unknown {what} {value}; accepted: {', '.join(TORCH_DTYPES)}")
+        raise OptionError(f"unknown {what} {value}; accepted: {', '.join(TORCH_DTYPES)}")
     name = DTYPE_NAMES.get(str(value).strip().lower())
     if name is None:
-        raise ValueError(f"unknown {what} {value!r}; accepted: {', '.join(DTYPE_NAMES)}")
+        raise OptionError(f"unknown {what} {value!r}; accepted: {', '.join(DTYPE_NAMES)}")
     return name
 
 
@@ -118,16 +119,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in ("param_dtype", "reduce_dtype", "output_dtype"):
             object.__setattr__(self, f, dtype_name(getattr(self, f), what=f))
-        if (isinstance(self.grad_accumulation, bool) or not isinstance(self.grad_accumulation, int)
-                or self.grad_accumulation < 1):
-            raise ValueError(f"gradient accumulation must be an integer >= 1, got {self.grad_accumulation!r}")
+        check_count(self.grad_accumulation, "gradient accumulation (grad_accumulation, --accumulation)")
         name = str(self.optimizer).strip().lower()
         if name not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+            raise OptionError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
         object.__setattr__(self, "optimizer", name)
         if self.accumulation_sync is not None and self.accumulation_sync not in SYNC_MODES:
-            raise ValueError(f"unknown accumulation sync {self.accumulation_sync!r}; accepted: {', '.join(SYNC_MODES)} "
-                             "(or auto: searched per plan)")
+            raise OptionError(f"unknown accumulation sync {self.accumulation_sync!r}; "
+                              f"accepted: {', '.join(SYNC_MODES)} (or auto: searched per plan)")
 
     # -- making one ---------------------------------------------------------------------------
 
@@ -138,7 +137,7 @@ class TrainConfig:
         if key == "none":
             return cls(**kw)
         if key not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; accepted: none, {', '.join(PRECISIONS)}")
+            raise OptionError(f"unknown precision {precision!r}; accepted: none, {', '.join(PRECISIONS)}")
         p, r, o = PRECISIONS[key]
         return cls(param_dtype=p, reduce_dtype=r, output_dtype=o, **kw)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from wrapopt.errors import ModelError
+from wrapopt.errors import OptionError, ModelError
 from wrapopt.models.base import ModelSource
 from wrapopt.models.sources import SOURCES, register_source, resolve_model
 
@@ -95,7 +95,7 @@ def test_a_module_that_raises_on_import_is_one_line(user_module):
 
 
 def test_zoo_seq_beyond_the_positions_is_an_error_naming_the_limit():
-    with pytest.raises(ModelError, match=r"zoo:llama-7b: --seq 8192 is beyond the model's 4096 positions"):
+    with pytest.raises(OptionError, match=r"--seq 8192 is past zoo:llama-7b's limit of 4096 tokens"):
         resolve_model("zoo:llama-7b", batch=1, seq=8192)
     assert resolve_model("zoo:gpt-tiny", batch=1, seq="context").inputs[0].shape == (1, 64)
     assert resolve_model("zoo:gpt-tiny", batch=1, seq=16).inputs[0].shape == (1, 16)

@@ -8,6 +8,7 @@ import tempfile
 from typing import Any
 
 from wrapopt.cli.logs import logs_line, rank_log_dir
+from wrapopt.cli.options import count_int, local_ranks, positive_int
 from wrapopt.errors import ModelError
 from wrapopt.evaluation.evaluate import PLAN_SETS, evaluate, noise_floor
 from wrapopt.evaluation.evidence import format_judgement, judge
@@ -20,14 +21,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt bench`` to the CLI's sub-commands; it runs ``run``."""
     p = subparsers.add_parser("bench", help="measure wrapopt's plan against baselines and an exhaustive plan set")
     p.add_argument("model", help="a trainable zoo model, e.g. zoo:gpt-tiny")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--world-size", type=local_ranks, default=2)
+    p.add_argument("--ranks-per-node", type=positive_int, default=None)
     p.add_argument("--plans", default="exhaustive", choices=sorted(PLAN_SETS))
     p.add_argument("--budgets", default="tight,loose", help="comma list: tight, loose, midway or sizes like 12MiB")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--confirm", type=int, default=4, metavar="K",
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--confirm", type=count_int, default=4, metavar="K",
                    help="re-measure the K fastest fitting plans per budget, wrapopt's and the best baseline (0: off)")
-    p.add_argument("--confirm-repeats", type=int, default=15)
+    p.add_argument("--confirm-repeats", type=positive_int, default=15)
     p.add_argument("--out", default=None, help="write the raw results (JSON) here")
     return p
 
@@ -35,7 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt bench``."""
     if not args.model.startswith("zoo:"):
-        raise ModelError("wrapopt bench runs real steps of zoo models: give zoo:NAME (see `wrapopt trace --help`)")
+        raise ModelError("wrapopt bench runs real steps of zoo models: give zoo:NAME (see `wrapopt trace --list`)")
     # The ranks' own output goes beside --out, else to a folder in the temporary directory.
     log_dir = rank_log_dir(args, os.path.dirname(os.path.abspath(args.out)) if args.out else
                            os.path.join(tempfile.gettempdir(), "wrapopt-bench"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from wrapopt.cli.options import add_train_arguments, train_from_args
+from wrapopt.cli.options import add_train_arguments, local_ranks, positive_int, train_from_args
 from wrapopt.evaluation.demo import DEMO_OUT_DIR, run_demo
 
 __all__ = ["add_parser", "run"]
@@ -18,8 +18,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"the folder to write (default {DEMO_OUT_DIR}, ignored by git; results/demo/ is the "
                         "recorded run)")
     p.add_argument("--model", default="gpt-tiny", help="a trainable zoo model")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--world-size", type=local_ranks, default=2)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--memory", default=None, help="budget (default: midway between the baselines' peaks)")
     add_train_arguments(p)
     p.set_defaults(batch=None, seq=None)

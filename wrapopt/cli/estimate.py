@@ -10,6 +10,7 @@ from typing import Any
 
 from wrapopt.api import estimate
 from wrapopt.cli.options import add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args
+from wrapopt.errors import OptionError
 from wrapopt.models.sources import resolve_model
 from wrapopt.report.estimate import format_estimate
 from wrapopt.search.baselines import BASELINE_NAMES
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     train = train_from_args(args)
     is_file = os.path.exists(args.plan)
     if not is_file and args.plan not in BASELINE_NAMES:
-        raise ValueError(f"unknown --plan {args.plan!r}; accepted: {', '.join(BASELINE_NAMES)}, or a plan file "
+        raise OptionError(f"unknown --plan {args.plan!r}; accepted: {', '.join(BASELINE_NAMES)}, or a plan file "
                          "(no such file)")
     # A plan file brings its own training step unless a training flag is given.
     if is_file and not any(given_flags.values()):

@@ -6,13 +6,16 @@ Every sub-command is a module of this package with two functions:
 ``wrapopt --help`` shows them; ``build_parser`` registers each the same way.
 
 Library errors (``WrapoptError``) become exit code 1 and one line on stderr;
-argument errors exit 2 (argparse's convention).
+argument errors (a value a flag's ``type=`` refuses, a missing argument) exit 2,
+argparse's convention, also with one line, naming the argument and pointing to
+``--help`` (the usage of a sub-command is many lines, and would bury the error).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from wrapopt.cli import bench, demo, estimate, export, fabric, profile_fabric, search, show, trace_graph
 from wrapopt.cli.logs import VERBOSE_HELP
@@ -35,8 +38,15 @@ COMMANDS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors (sub-command parsers are made of the same class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wrapopt", description="Find and apply the best FSDP wrapping plan.")
+    parser = _Parser(prog="wrapopt", description="Find and apply the best FSDP wrapping plan.")
     parser.add_argument("--version", action="version", version=f"wrapopt {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -4,36 +4,99 @@ and the training step (``--precision``, ``--accumulation``, ``--optimizer``, ``-
 from __future__ import annotations
 
 import argparse
+import math
 
 from wrapopt.api import default_mesh
+from wrapopt.checks import MAX_SEED
 from wrapopt.spec import MeshSpec
 from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 
 __all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args",
-           "add_model_arguments", "check_batch"]
+           "add_model_arguments", "positive_int", "count_int", "positive_float", "tp_degree", "seed_int",
+           "local_ranks"]
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="zoo:NAME, package.module:callable, or hf:path/to/config.json")
-    p.add_argument("--batch", type=int, default=None, help="per-rank batch of one micro-batch, for the example inputs")
+# argparse ``type=`` functions: argparse prefixes their message with "argument --name: ", so every
+# refusal names the option (See [Note: numbers where they enter] in wrapopt/checks.py).
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (ranks, batch, sequence length, repeats, ...)."""
+    return _int(text, minimum=1)
+
+
+def local_ranks(text: str) -> int:
+    """Local ranks to spawn: an integer of at least 2 (a group of one has no collective to time)."""
+    return _int(text, minimum=2)
+
+
+def count_int(text: str) -> int:
+    """An integer of at least 0, where 0 means none (trials, warm-up calls, confirmations)."""
+    return _int(text, minimum=0)
+
+
+def _int(text: str, *, minimum: int) -> int:
+    what = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """A sampler seed: an integer from 0 to 2**32 - 1 (numpy's range, which Optuna seeds)."""
+    value = count_int(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to {MAX_SEED}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+    return value
+
+
+def tp_degree(text: str) -> str:
+    """``auto`` or a positive integer (the tensor-parallel degree)."""
+    if text == "auto":
+        return text
+    try:
+        return str(positive_int(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {text!r}") from None
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    """MODEL, ``--batch`` and ``--seq``; ``optional``: MODEL may be left out (``wrapopt trace --list``)."""
+    p.add_argument("model", nargs="?" if optional else None,
+                   help="zoo:NAME (`wrapopt trace --list`), package.module:callable, or hf:path/to/config.json")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="per-rank batch of one micro-batch, for the example inputs")
     p.add_argument("--seq", type=_seq, default=None,
-                   help="sequence length (token models; audio models: encoder frames), at most the model's positions; "
-                        "context: the hf: config's own context length")
+                   help="sequence length (token models; audio models: encoder frames), at most the model's positions "
+                        "(`wrapopt trace` shows them); context: the hf: config's own context length")
 
 
 def _seq(text: str) -> int | str:
-    """``--seq``: a number, or ``context`` (the model's own positions)."""
+    """``--seq``: a positive integer, or ``context`` (the model's own positions)."""
     if text.strip().lower() == "context":
         return "context"
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or `context`") from None
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or `context`, got {text!r}") from None
 
 
 def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = True) -> None:
-    p.add_argument("--world-size", type=int, required=world_required, default=None)
-    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: min(world, 8))")
+    p.add_argument("--world-size", type=positive_int, required=world_required, default=None)
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, help="ranks per node (default: min(world, 8))")
     p.add_argument("--fabric", default=None,
                    help="a measured fabric profile (JSON), a file of stated numbers (`wrapopt fabric --template`), "
                         "or a built-in analytical fabric (`wrapopt fabric --list`; default h100-nvlink-ib400)")
@@ -51,7 +114,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "fp32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy); bf16-pure reduces "
                         "in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the model's own "
                         "dtype (hf: models are built in float32 whatever their config's torch_dtype)")
-    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--accumulation", type=positive_int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="the optimizer, for its state and step time (default adamw)")
     p.add_argument("--sync", default="auto", metavar="{auto," + ",".join(SYNC_MODES) + "}",
@@ -61,28 +124,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def train_from_args(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` of the flags; a bad value raises ValueError naming what is accepted."""
-    if args.accumulation < 1:
-        raise ValueError(f"--accumulation must be at least 1, got {args.accumulation}")
-    check_batch(args)
     return TrainConfig.parse(precision=args.precision, accumulation=args.accumulation, optimizer=args.optimizer,
                              sync=args.sync)
 
 
-def check_batch(args: argparse.Namespace) -> None:
-    if args.batch is not None and args.batch < 1:
-        raise ValueError(f"--batch must be at least 1, got {args.batch}")
-    if isinstance(args.seq, int) and args.seq < 1:
-        raise ValueError(f"--seq must be at least 1, got {args.seq}")
-
-
 def mesh_from_args(args: argparse.Namespace) -> MeshSpec:
     """The mesh of ``--world-size`` and ``--gpus-per-node`` (defaults: ``api.default_mesh``);
-    a world that is not positive, or not whole nodes, raises ValueError."""
+    a world that is not whole nodes raises ValueError (``positive_int`` refused sizes below 1)."""
     world = args.world_size
     if world is not None:
-        if world < 1:
-            raise ValueError(f"--world-size must be positive, got {world}")
-        per_node = args.gpus_per_node or min(world, 8)
+        per_node = min(world, 8) if args.gpus_per_node is None else args.gpus_per_node
         if world > per_node and world % per_node:
             raise ValueError(f"--world-size {world} is not a multiple of --gpus-per-node {per_node}")
     return default_mesh(world_size=world, gpus_per_node=args.gpus_per_node)

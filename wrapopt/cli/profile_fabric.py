@@ -20,7 +20,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from wrapopt import launch
+from wrapopt.checks import check_count
 from wrapopt.cli.logs import logs_line, rank_log_dir
+from wrapopt.cli.options import count_int, local_ranks, positive_float, positive_int
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
 from wrapopt.hardware.measure_collectives import DEFAULT_TIMEOUT_S, barrier, default_sizes, measure_fabric
@@ -99,8 +101,7 @@ def profile_fabric_main(
     kwargs = dict(sizes_bytes=sizes_bytes, repeats=repeats, warmup=warmup, ranks_per_node=ranks_per_node,
                   measure_overlap=measure_overlap, progress=progress, tp_sizes=tuple(tp_sizes))
     if not _under_torchrun():
-        if world_size < 2:
-            raise ValueError(f"world_size must be at least 2, got {world_size}")
+        check_count(world_size, "world_size (--world-size: local ranks to spawn)", minimum=2)
         _check_out(out_path)
         return _measure_spawned(out_path, worker=_profile_worker, world_size=world_size, timeout_s=timeout_s,
                                 kwargs=kwargs, log_dir=log_dir)
@@ -130,9 +131,12 @@ def profile_fabric_main(
 
 def _sizes_arg(text: str) -> tuple[int, ...]:
     try:
-        return tuple(parse_bytes(s) for s in text.split(",") if s.strip())
+        sizes = tuple(parse_bytes(s) for s in text.split(",") if s.strip())
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--sizes: {e} (example: 4KiB,64KiB,1MiB)") from None
+    if not sizes:  # an empty list is not the default sizes
+        raise argparse.ArgumentTypeError(f"expected message sizes like 4KiB,64KiB,1MiB, got {text!r}")
+    return sizes
 
 
 def _size_arg(text: str) -> int:
@@ -156,16 +160,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt profile-fabric`` to the CLI's sub-commands; it runs ``run``."""
     parser = subparsers.add_parser("profile-fabric", help="measure collective latency per size on each mesh axis")
     parser.add_argument("--out", required=True, help="fabric profile JSON to write")
-    parser.add_argument("--world-size", type=int, default=2,
+    parser.add_argument("--world-size", type=local_ranks, default=2,
                         help="local ranks to spawn when not under torchrun (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
+    parser.add_argument("--ranks-per-node", type=positive_int, default=None,
                         help="ranks per node (default LOCAL_WORLD_SIZE or the world size); fewer simulates nodes "
                              "locally")
     parser.add_argument("--sizes", type=_sizes_arg, default=None, help="message sizes, e.g. 4KiB,64KiB,1MiB")
     parser.add_argument("--max-size", type=_size_arg, default=None, help="drop default sizes above this, e.g. 4MiB")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per size (median kept; default 7)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default 2)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    parser.add_argument("--repeats", type=positive_int, default=7, help="timed calls per size (median kept; default 7)")
+    parser.add_argument("--warmup", type=count_int, default=2, help="untimed calls per size (default 2)")
+    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
                         help="seconds before a stuck rank is reported")
     parser.add_argument("--no-overlap", action="store_true", help="skip the compute/communication overlap measurement")
     parser.add_argument("--quiet", action="store_true", help="no progress line and no summary table")

@@ -12,7 +12,8 @@ from typing import Any
 
 from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
                          resolve_fabric)
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, mesh_from_args,
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, count_int,
+                                 mesh_from_args, positive_float, positive_int, seed_int, tp_degree,
                                  train_from_args)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
@@ -43,10 +44,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the plan here (JSON)")
     p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
 
-    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+    p.add_argument("--trials", type=count_int, default=DEFAULT_TRIALS,
                    help=f"Optuna trials in total, seeds included (default {DEFAULT_TRIALS}; "
                         "0: baselines and exact DP only)")
-    p.add_argument("--seed", type=int, default=0, help="sampler seed: the same seed gives the same search (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help="sampler seed: the same seed gives the same search (default 0)")
     p.add_argument("--storage", default=None,
                    help="make the study resumable and shareable by several workers: a file path (SQLite; a path "
                         "ending in .journal is an Optuna journal file, faster per trial) or any Optuna storage URL")
@@ -54,17 +56,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="study name in --storage (default: from model, mesh, budget, fabric)")
     p.add_argument("--sampler", choices=("auto", "tpe", "nsga2"), default="auto",
                    help="Optuna sampler (default auto: TPE on small spaces, NSGA-II past 64 parameters)")
-    p.add_argument("--shard-size", type=int, default=None,
+    p.add_argument("--shard-size", type=positive_int, default=None,
                    help="fix the shard group (default: search FSDP over the world and HSDP per node / nodes)")
-    p.add_argument("--max-group", type=int, default=8, help="the DP's largest number of blocks in one unit (default 8)")
-    p.add_argument("--tp", default="1", metavar="auto|1|2|4|8",
+    p.add_argument("--max-group", type=positive_int, default=8,
+                   help="the DP's largest number of blocks in one unit (default 8)")
+    p.add_argument("--tp", type=tp_degree, default="1", metavar="auto|1|2|4|8",
                    help="tensor-parallel degree inside each node, FSDP across the data-parallel ranks (2-D, as "
                         "TorchTitan); auto: every degree dividing --gpus-per-node and the heads, chosen with the "
                         "units (default 1: FSDP alone)")
     p.add_argument("--tp-plan", default=None, metavar="FILE",
                    help='how blocks split for --tp, instead of the recognised one: a JSON file '
                         '{"layers": {"MyBlock": {"attn.q": "colwise", ..., "mlp.out": "rowwise"}}}')
-    p.add_argument("--timeout", type=float, default=None, help="stop the study after this many seconds")
+    p.add_argument("--timeout", type=positive_float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
     p.add_argument("--plot", default=None, metavar="DIR",
@@ -84,10 +87,6 @@ def _search_options(args: argparse.Namespace, mesh: MeshSpec) -> SearchOptions:
                 f"node or whole nodes of {mesh.ranks_per_node}; choose one of {', '.join(map(str, legal))}"
             )
         shard = (args.shard_size,)
-    if args.trials < 0:
-        raise ValueError(f"--trials must be >= 0, got {args.trials}")
-    if args.timeout is not None and args.timeout <= 0:
-        raise ValueError(f"--timeout must be positive, got {args.timeout}")
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     return SearchOptions(trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study_name,
                          sampler=args.sampler, shard_sizes=shard, max_group=args.max_group, timeout_s=args.timeout,

@@ -7,9 +7,10 @@ import json
 from typing import Any
 
 from wrapopt.fileio import read_json
+from wrapopt.hardware.presets import analytical_from_json
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.plan.file import WrapPlan
-from wrapopt.report.fabric import format_fabric
+from wrapopt.report.fabric import format_fabric, format_stated
 from wrapopt.report.plots import draw_timeline
 from wrapopt.report.text import format_plan
 
@@ -26,9 +27,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Body of ``wrapopt show``: a fabric profile by its format, else a plan."""
+    """Body of ``wrapopt show``: a fabric profile or a file of stated numbers by its format, else a plan."""
     data: Any = read_json(args.file)
     fmt = data.get("format") if isinstance(data, dict) else None
+    if isinstance(fmt, str) and fmt.startswith("wrapopt.analytical/"):  # the reader names the version it reads
+        print(format_stated(analytical_from_json(data, source=args.file, world_size=1)))
+        return 0
     if isinstance(fmt, str) and fmt.startswith("wrapopt.fabric/"):
         prof = FabricProfile.from_json(data, source=args.file)
         if args.json:

@@ -6,7 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from wrapopt.cli.options import add_model_arguments
+from wrapopt.cli.options import add_model_arguments, count_int
+from wrapopt.errors import OptionError
+from wrapopt.models import zoo
 from wrapopt.models.sources import resolve_model
 from wrapopt.report.text import format_graph, graph_to_json
 from wrapopt.trace.meta import trace_model
@@ -17,14 +19,22 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt trace`` to the CLI's sub-commands; it runs ``run``."""
     p = subparsers.add_parser("trace", help="print the module tree with parameters, FLOPs and activations")
-    add_model_arguments(p)
-    p.add_argument("--depth", type=int, default=2, help="fold the tree below this depth (default 2)")
+    add_model_arguments(p, optional=True)
+    p.add_argument("--list", action="store_true", help="list the zoo models (zoo:NAME) and stop")
+    p.add_argument("--depth", type=count_int, default=2, help="fold the tree below this depth (default 2)")
     p.add_argument("--json", action="store_true", help="print the graph as JSON")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    """Body of ``wrapopt trace``."""
+    """Body of ``wrapopt trace``: the zoo with ``--list``, else MODEL's tree."""
+    if args.list:
+        width = max(map(len, zoo.ZOO))
+        for name, entry in zoo.ZOO.items():
+            print(f"zoo:{name:<{width}}  {entry.description}")
+        return 0
+    if args.model is None:
+        raise OptionError("give MODEL (zoo:NAME, package.module:callable or hf:config.json), or --list for the zoo")
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     graph = trace_model(src.build("meta"), src.inputs, loss_fn=src.loss)
     if args.json:

@@ -47,7 +47,9 @@ from typing import Any
 
 import torch
 
+from wrapopt.checks import check_count
 from wrapopt.cost import Simulator
+from wrapopt.errors import OptionError
 from wrapopt.evaluation.bench import PHASES, measure_plans, round_order
 from wrapopt.evaluation.evidence import BASELINES
 from wrapopt.evaluation.pictures import pictures_json
@@ -102,6 +104,18 @@ def _view_note(plans: list[PlanSpec], measured: list[Any]) -> str | None:
             "this on the terminal.")
 
 
+_BUDGET_WORDS = (None, "none", "loose", "midway", "tight")
+
+
+def _given_bytes(spec: Any) -> float:
+    """A budget given as a size; ``OptionError`` naming the flags and the accepted forms."""
+    try:
+        return float(parse_bytes(spec))
+    except (ValueError, TypeError, OverflowError):
+        raise OptionError(f"budget {spec!r} (--budgets, --memory): give tight, loose, midway, none, or a size such as "
+                          "12MiB") from None
+
+
 def _resolve_budget(spec: Any, graph: ModelGraph, sim: Any, mesh: MeshSpec) -> tuple[float, str]:
     if spec in (None, "none", "loose"):
         return float("inf"), "loose: none, every plan fits"
@@ -113,7 +127,7 @@ def _resolve_budget(spec: Any, graph: ModelGraph, sim: Any, mesh: MeshSpec) -> t
                     "midway between the smallest and largest predicted baseline peak")
         ref = peaks.get("per-block", min(peaks.values()))
         return ref * 1.02, "tight: 2% above the per-block baseline's predicted peak, so only fine-grained plans fit"
-    return float(parse_bytes(spec)), "given"
+    return _given_bytes(spec), "given"
 
 
 SCREEN_WARMUP = 2  # warm-up rounds of the screening round
@@ -334,7 +348,14 @@ def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = No
 
     if plan_set not in PLAN_SETS:
         raise ValueError(f"plan_set must be one of {sorted(PLAN_SETS)}, got {plan_set!r}")
-    rpn = ranks_per_node or world_size
+    check_count(world_size, "world_size (--world-size: local ranks; a group of one has no collective)", minimum=2)
+    check_count(repeats, "repeats")
+    check_count(confirm, "confirm", minimum=0)
+    check_count(confirm_repeats, "confirm_repeats")
+    rpn = world_size if ranks_per_node is None else check_count(ranks_per_node, "ranks_per_node")
+    for spec in budgets or [memory_budget]:  # read here, not on the ranks after they start
+        if spec not in _BUDGET_WORDS:
+            _given_bytes(spec)
     cfg = {"model": model, "plan_set": plan_set, "repeats": repeats, "budgets": budgets or [memory_budget],
            "quiet": quiet, "ranks_per_node": rpn, "confirm": confirm, "tp": tp, "confirm_repeats": confirm_repeats,
            "train": None if train is None else (train if train.sync_chosen else train.with_sync("last")).to_json()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from wrapopt.checks import check_count
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import JsonReader, read_json
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
@@ -79,7 +80,7 @@ def analytical_fabric(name: str = DEFAULT_ANALYTICAL, *, world_size: int,
     if name not in ANALYTICAL_FABRICS:
         raise ProfileError(f"unknown analytical fabric {name!r}; choose one of {sorted(ANALYTICAL_FABRICS)}")
     spec = ANALYTICAL_FABRICS[name]
-    rpn = ranks_per_node or spec["ranks_per_node"]
+    rpn = spec["ranks_per_node"] if ranks_per_node is None else check_count(ranks_per_node, "ranks_per_node")
     return FabricProfile(
         kind="analytical",
         name=name,
@@ -176,16 +177,18 @@ def load_analytical(path: str, *, world_size: int, ranks_per_node: int | None = 
 def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
     r = JsonReader(d, source, error=ProfileError)
     if r.get("format", str) != ANALYTICAL_FORMAT:
-        raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}, expected {ANALYTICAL_FORMAT!r}")
-    gpn = r.get("gpus_per_node", int)
-    if gpn < 1:
-        raise ProfileError(f"{source}: field 'gpus_per_node' must be at least 1, got {gpn}")
+        raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}; this version of wrapopt reads stated "
+                           f"numbers in format {ANALYTICAL_FORMAT!r} (`wrapopt fabric --template` prints one)")
+    gpn = r.count("gpus_per_node")
+    if ranks_per_node is not None and ranks_per_node > gpn:
+        # one rank per GPU: a node of the mesh cannot hold more ranks than the file's node has GPUs
+        raise ProfileError(f"{source}: field 'gpus_per_node' is {gpn}, but the mesh puts {ranks_per_node} ranks on a "
+                           f"node (--gpus-per-node; default: the world size up to 8); pass --gpus-per-node {gpn} "
+                           "or fewer, or correct the file")
     links = {}
     for key in ("intra_node", "inter_node"):
         lr = r.sub(key)
-        bw, lat = lr.num("bandwidth_bytes_per_s"), lr.num("latency_s")
-        if bw <= 0:
-            raise ProfileError(f"{lr.where}: field 'bandwidth_bytes_per_s' must be positive, got {bw}")
+        bw, lat = lr.num("bandwidth_bytes_per_s", positive=True), lr.num("latency_s")
         links[key] = AnalyticalLink(lat, bw, str(lr.d.get("source", "stated in " + source)))
     pr = r.sub("peak_flops_per_s")
     if not pr.d:
@@ -196,17 +199,18 @@ def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node
         if k not in ("bfloat16", "float16", "float32"):
             raise ProfileError(f"{source}: field 'peak_flops_per_s.{k}' is not a dtype; "
                                "use bfloat16, float16 or float32")
-        peaks[k] = pr.num(k)
+        peaks[k] = pr.num(k, positive=True)
     frac = r.num("achievable_fraction")
     if not 0 < frac <= 1:
         raise ProfileError(f"{source}: field 'achievable_fraction' must be in (0, 1], got {frac}")
     head = peaks.get("bfloat16") or next(iter(peaks.values()))
-    compute = {"flops_per_s": head * frac, "memory_bandwidth_bytes_per_s": r.num("memory_bandwidth_bytes_per_s"),
-               "memory_capacity_bytes": int(r.num("memory_capacity_bytes")), "peak_flops_per_s": peaks,
+    compute = {"flops_per_s": head * frac,
+               "memory_bandwidth_bytes_per_s": r.num("memory_bandwidth_bytes_per_s", positive=True),
+               "memory_capacity_bytes": int(r.num("memory_capacity_bytes", positive=True)), "peak_flops_per_s": peaks,
                "achievable_fraction": frac, "source": str(d.get("source", "stated in " + source))}
     name = r.get("name", str) if "name" in d else source
     return FabricProfile(kind="analytical", name=name, backend="nccl (assumed)", world_size=world_size,
-                         ranks_per_node=ranks_per_node or gpn, axes=(),
+                         ranks_per_node=gpn if ranks_per_node is None else ranks_per_node, axes=(),
                          meta={"description": str(d.get("description", "")), "compute": compute, "source_file": source,
                                "gpus_per_node": gpn},
                          intra=links["intra_node"], inter=links["inter_node"])

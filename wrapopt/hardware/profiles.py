@@ -293,7 +293,7 @@ class FabricProfile:
             for lvl in ("intra", "inter"):
                 lr = r.sub(f"links.{lvl}")
                 links[lvl] = AnalyticalLink(
-                    lr.num("latency_s"), lr.num("bandwidth_bytes_per_s"), str(lr.d.get("source", ""))
+                    lr.num("latency_s"), lr.num("bandwidth_bytes_per_s", positive=True), str(lr.d.get("source", ""))
                 )
         axes = []
         for i, ad in enumerate(r.get("axes", list)):
@@ -314,18 +314,18 @@ class FabricProfile:
                     )
                 except (ProfileError, TypeError, ValueError) as e:
                     raise ProfileError(f"{cr.where}: {e}") from None
-            axes.append(AxisProfile(ar.get("name", str), int(ar.num("group_size")),
-                                    int(ar.num("ranks_per_node_in_group")), tuple(curves)))
+            axes.append(AxisProfile(ar.get("name", str), ar.count("group_size"), ar.count("ranks_per_node_in_group"),
+                                    tuple(curves)))
         return cls(
             kind=r.get("kind", str),
             name=r.get("name", str),
             backend=r.get("backend", str),
-            world_size=int(r.num("world_size")),
-            ranks_per_node=int(r.num("ranks_per_node")),
+            world_size=r.count("world_size"),
+            ranks_per_node=r.count("ranks_per_node"),
             axes=tuple(axes),
-            overlap_compute_slowdown=float(d.get("overlap_compute_slowdown", 0.0)),
-            overlap_comm_slowdown=float(d.get("overlap_comm_slowdown", 0.0)),
-            collective_copies=float(d.get("collective_copies", 0.0)),
+            overlap_compute_slowdown=r.num("overlap_compute_slowdown", 0.0),
+            overlap_comm_slowdown=r.num("overlap_comm_slowdown", 0.0),
+            collective_copies=r.num("collective_copies", 0.0),
             meta=dict(d.get("meta", {})),
             intra=links.get("intra"),
             inter=links.get("inter"),
@@ -451,21 +451,21 @@ class ComputeProfile:
         r = JsonReader(d, source, error=ProfileError)
         if r.get("format", str) != COMPUTE_FORMAT:
             raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}, expected {COMPUTE_FORMAT!r}")
-        cap = d.get("memory_capacity_bytes")
+        cap = None if d.get("memory_capacity_bytes") is None else int(r.num("memory_capacity_bytes", positive=True))
         return cls(
             kind=r.get("kind", str),
             device=r.get("device", str),
-            flops_per_s=r.num("flops_per_s"),
-            memory_bandwidth_bytes_per_s=r.num("memory_bandwidth_bytes_per_s"),
-            memory_capacity_bytes=int(cap) if cap is not None else None,
-            unit_overhead_s=float(d.get("unit_overhead_s", 0.0)),
-            module_overhead_s=float(d.get("module_overhead_s", 0.0)),
-            optimizer_tensor_s=float(d.get("optimizer_tensor_s", 0.0)),
-            optimizer_tensor_2d_s=float(d.get("optimizer_tensor_2d_s", 0.0)),
-            optimizer_bandwidth_bytes_per_s=float(d.get("optimizer_bandwidth_bytes_per_s", 0.0)),
-            op_bandwidth_bytes_per_s=float(d.get("op_bandwidth_bytes_per_s", 0.0)),
-            loss_s=float(d.get("loss_s", 0.0)),
-            checkpoint_overhead_s=float(d.get("checkpoint_overhead_s", 0.0)),
+            flops_per_s=r.num("flops_per_s", positive=True),
+            memory_bandwidth_bytes_per_s=r.num("memory_bandwidth_bytes_per_s", positive=True),
+            memory_capacity_bytes=cap,
+            unit_overhead_s=r.num("unit_overhead_s", 0.0),
+            module_overhead_s=r.num("module_overhead_s", 0.0),
+            optimizer_tensor_s=r.num("optimizer_tensor_s", 0.0),
+            optimizer_tensor_2d_s=r.num("optimizer_tensor_2d_s", 0.0),
+            optimizer_bandwidth_bytes_per_s=r.num("optimizer_bandwidth_bytes_per_s", 0.0),
+            op_bandwidth_bytes_per_s=r.num("op_bandwidth_bytes_per_s", 0.0),
+            loss_s=r.num("loss_s", 0.0),
+            checkpoint_overhead_s=r.num("checkpoint_overhead_s", 0.0),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
             # files written before the field existed: a CPU device was the one that does not run ahead
             runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),

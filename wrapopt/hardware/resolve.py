@@ -41,7 +41,8 @@ def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_si
             "or state one (`wrapopt fabric --template`)"
         )
     data = read_json(text, error=ProfileError)
-    if isinstance(data, dict) and data.get("format") == ANALYTICAL_FORMAT:
+    stated_family = ANALYTICAL_FORMAT.rsplit("/", 1)[0] + "/"  # any version: the reader names the one it reads
+    if isinstance(data, dict) and str(data.get("format", "")).startswith(stated_family):
         # stated numbers: See [Note: stated fabric file]
         return analytical_from_json(data, source=text, world_size=world_size, ranks_per_node=ranks_per_node)
     return FabricProfile.from_json(data, source=text)

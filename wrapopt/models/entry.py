@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from wrapopt.checks import check_count
+
 __all__ = ["ZooEntry", "lm_loss", "cls_loss", "tokens", "images", "src_tgt"]
 
 
@@ -82,4 +84,7 @@ class ZooEntry:
         return model
 
     def inputs(self, batch: int | None = None, device: str | torch.device = "cpu") -> tuple[Any, ...]:
-        return self.make_inputs(batch or self.batch, torch.device(device))
+        """One per-rank batch of example inputs: ``batch`` rows (default ``self.batch``; 0 is refused,
+        not replaced by the default)."""
+        batch = self.batch if batch is None else check_count(batch, f"the batch of zoo:{self.name} (--batch)")
+        return self.make_inputs(batch, torch.device(device))

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from wrapopt.checks import check_count
 from wrapopt.errors import ModelError
 from wrapopt.fileio import read_json
 from wrapopt.models.base import ModelSource
@@ -75,7 +76,11 @@ _TRAINABLE_MAX_PARAMS = 50_000_000
 
 def hf_source(path: str, batch: int | None, seq: int | str | None) -> ModelSource:
     """``hf:path/to/config.json``: a Hugging Face model built from its config (no weights)."""
-    batch = batch or 1  # seq: tokens (or audio frames); None: 128, within the model's positions; "context": all
+    # seq: tokens (or audio frames); None: 128, within the model's positions; "context": all.
+    # A given batch or seq is checked, never replaced (See [Note: numbers where they enter] in checks.py).
+    batch = 1 if batch is None else check_count(batch, f"the batch of hf:{path} (--batch)")
+    if isinstance(seq, int):
+        check_count(seq, "--seq")
     if not os.path.isfile(path):
         raise ModelError(f"hf:{path}: no such config file (give the path to a config.json)")
     try:

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from wrapopt.errors import ModelError
+from wrapopt.checks import check_count
+from wrapopt.errors import ModelError, OptionError
 from wrapopt.models import zoo
 from wrapopt.models.base import ModelSource
 from wrapopt.models.hf import hf_source
@@ -51,14 +52,22 @@ def resolve_model(spec: str, *, batch: int | None = None, seq: int | str | None 
 def _zoo(name: str, batch: int | None, seq: int | str | None) -> ModelSource:
     entry = zoo.get_entry(name)
     inputs = entry.inputs(batch)
-    length = max((x.shape[1] for x in inputs if x.dim() == 2 and not x.is_floating_point()), default=None)
-    if isinstance(seq, int) and length is not None and seq > length:  # the entry's inputs span its positions
-        raise ModelError(f"zoo:{name}: --seq {seq} is beyond the model's {length} positions; give --seq {length} "
-                         "or less (--seq context uses all of them)")
     if isinstance(seq, int):  # "context": the zoo entry's own length
-        inputs = tuple(x[:, :seq] if x.dim() == 2 else x for x in inputs)
+        inputs = _cut_to_seq(f"zoo:{name}", inputs, check_count(seq, "--seq"))
     return ModelSource(f"zoo:{name}", lambda device: entry.build(device if entry.trainable else "meta"), inputs,
                        entry.loss, entry.trainable)
+
+
+def _cut_to_seq(name: str, inputs: tuple, seq: int) -> tuple:
+    """A zoo model's token inputs cut to ``seq``; its own length is its limit: ``--seq`` past it, or
+    for a model that takes no token sequence, is an error, not a value quietly cut or dropped."""
+    lengths = {x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 2}
+    if not lengths:
+        raise OptionError(f"--seq does not apply to {name}: it takes no token sequence; drop --seq")
+    limit = min(lengths)
+    if seq > limit:
+        raise OptionError(f"--seq {seq} is past {name}'s limit of {limit} tokens; give --seq {limit} or less")
+    return tuple(x[:, :seq] if isinstance(x, torch.Tensor) and x.dim() == 2 else x for x in inputs)
 
 
 def _callable(spec: str) -> ModelSource:

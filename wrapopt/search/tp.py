@@ -151,7 +151,7 @@ def resolve_tp(graph: ModelGraph, mesh: MeshSpec, tp: Any, tp_plan: TPSpec | Non
         d = int(tp)
     except (TypeError, ValueError):
         raise PlanError(f"--tp must be auto or a positive integer, got {tp!r}") from None
-    if d < 1:
+    if d < 1 or str(d) != str(tp).strip():  # 2.5 is not cut to 2, nor True read as 1
         raise PlanError(f"--tp must be auto or a positive integer, got {tp!r}")
     if d == 1:
         return (1,), None, []

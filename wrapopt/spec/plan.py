@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from wrapopt.checks import check_count
+from wrapopt.errors import OptionError
 from wrapopt.spec.graph import ROOT
 
 __all__ = ["MeshSpec", "UnitSpec", "TP_STYLES", "TPSpec", "PlanSpec"]
@@ -30,22 +32,22 @@ class MeshSpec:
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.ranks_per_node < 1 or self.shard_size < 1 or self.tp_size < 1:
-            raise ValueError(f"mesh sizes must be positive, got {self}")
+        for name in ("world_size", "ranks_per_node", "shard_size", "tp_size"):
+            check_count(getattr(self, name), f"MeshSpec.{name}")
         if self.world_size % self.ranks_per_node and self.world_size > self.ranks_per_node:
-            raise ValueError(
+            raise OptionError(
                 f"world size {self.world_size} is not a multiple of {self.ranks_per_node} "
                 "ranks per node; pass --gpus-per-node that divides the world size"
             )
         if self.tp_size > 1 and (self.ranks_per_node % self.tp_size or self.world_size % self.tp_size):
-            raise ValueError(
+            raise OptionError(
                 f"tensor-parallel degree {self.tp_size} does not divide the {self.ranks_per_node} ranks per node "
                 f"(and the world of {self.world_size}); tensor parallelism runs inside a node: pass --tp 1, 2, 4 or 8 "
                 "dividing --gpus-per-node"
             )
         dp = self.world_size // self.tp_size
         if self.shard_size > dp or dp % self.shard_size:
-            raise ValueError(
+            raise OptionError(
                 f"shard group of {self.shard_size} ranks does not divide the {dp} data-parallel ranks "
                 f"(world {self.world_size} / tensor-parallel degree {self.tp_size}); use a divisor of {dp}"
             )
