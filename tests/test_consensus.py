@@ -43,6 +43,7 @@ def consensus_cases(rank: int, world: int, tmp: str, out: dict) -> None:
 
     out["every/all"] = catch(fails_everywhere, KeyError)
     _apply_cases(rank, out)
+    _profile_case(rank, out)
     # The group still works after a reported failure: the exchange consumed it cleanly.
     out["after"] = catch(lambda: agree("after a failure", same), RanksDisagreeError)
 
@@ -64,6 +65,27 @@ def _apply_cases(rank: int, out: dict) -> None:
     plan = WrapPlan(spec=spec, model=model_fingerprint(_mlp(2)))
     out["apply/strict"] = catch(lambda: plan.apply(_mlp(2 + rank)), WrapoptError)
     out["apply/names-only"] = catch(lambda: plan.apply(_mlp(2 + rank), strict=False), WrapoptError)
+
+
+class _FailsOnRank1(nn.Module):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank, self.lin = rank, nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1:
+            raise RuntimeError("CUDA error: an illegal memory access (rank 1's forward)")
+        return self.lin(x)
+
+
+def _profile_case(rank: int, out: dict) -> None:
+    """Rank 1's model raises in forward while the compute profile times it."""
+    from wrapopt.errors import WrapoptError
+    from wrapopt.hardware.measure_device import measure_compute
+
+    model, inputs = _FailsOnRank1(rank), (torch.ones(2, 4),)
+    out["profile/forward"] = catch(lambda: measure_compute(model=model, example_inputs=inputs, repeats=1),
+                                   WrapoptError)
 
 
 pytestmark_mp = pytest.mark.multiprocess
@@ -112,3 +134,11 @@ def test_apply_on_ranks_given_different_models_fails_on_every_rank_naming_it(two
     # Without the fingerprint check each rank's names exist: the ranks compare what they hold.
     assert a["apply/names-only"] == b["apply/names-only"]
     assert a["apply/names-only"].startswith("RanksDisagreeError: the ranks disagree while applying the plan: model:")
+
+
+@pytestmark_mp
+def test_a_forward_that_fails_on_one_rank_while_profiling_is_named_on_every_rank(two_rank_cases):
+    a, b = two_rank_cases
+    assert a["profile/forward"] == b["profile/forward"]
+    assert a["profile/forward"].startswith("RankFailedError: rank 1 failed while running the model to time its "
+                                           "modules: RuntimeError: CUDA error")

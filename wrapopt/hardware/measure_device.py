@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from wrapopt.consensus import every_rank
 from wrapopt.errors import ModelError
 from wrapopt.hardware.measure_fsdp import measure_optimizer, measure_unit_overhead
 from wrapopt.hardware.profiles import ComputeProfile
@@ -311,7 +312,10 @@ def measure_compute(
         "threads": torch.get_num_threads(),
         "matmul": "bf16 8192^2" if device.type == "cuda" else "fp32 512^2",
     }
-    module_times, loss_s, checkpoint_overhead_s = _model_figures(model, example_inputs, loss_fn, repeats, meta)
+    # The model's own runs are local: a rank whose forward fails tells the others before they wait for it in
+    # the collectives below (See [Note: every rank explains] in wrapopt/consensus.py).
+    with every_rank("running the model to time its modules"):
+        module_times, loss_s, checkpoint_overhead_s = _model_figures(model, example_inputs, loss_fn, repeats, meta)
     optimizer_tensor_s = optimizer_tensor_2d_s = optimizer_bandwidth = 0.0
     if dist.is_initialized():
         optimizer_tensor_s, optimizer_tensor_2d_s, optimizer_bandwidth = measure_optimizer(repeats=repeats)
