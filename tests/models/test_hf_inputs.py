@@ -87,3 +87,15 @@ def test_an_input_wrapopt_cannot_make_is_named_with_the_way_to_supply_it(tmp_pat
     with pytest.raises(ModelError, match=r"forward needs `past_values`.*package\.module:callable returning \(model, "
                                          r"example_inputs\)"):
         resolve_model(f"hf:{_write(tmp_path, 'ts', cfg)}", batch=1, seq=8)
+
+
+def test_estimate_counts_tokens_of_an_hf_language_model_beside_its_labels(tmp_path, capsys):
+    """An hf: causal LM's inputs are input_ids and labels (both integer): it is a token model,
+    so tokens/s/GPU and MFU are printed (they were null: "exactly one integer input")."""
+    import json
+
+    path = write_config("llama", str(tmp_path))
+    assert main(["estimate", f"hf:{path}", "--world-size", "2", "--seq", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_per_s_per_gpu"] is not None and out["tokens_per_s_per_gpu"] > 0
+    assert out["mfu"] is not None and "T = 16" in out["flops_formula"]

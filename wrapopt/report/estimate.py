@@ -15,6 +15,8 @@ what this device achieves, not a datasheet).
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,12 +68,14 @@ def model_flops(graph: ModelGraph, *, non_embedding_params: int, tokens: int, se
 
 def infer_model_flops(model: nn.Module, example_inputs: tuple[Any, ...] | Any, graph: ModelGraph) -> ModelFlops:
     """``model_flops`` with its figures read from the model and one micro-batch of inputs: a
-    token model has exactly one integer input, of shape batch x sequence; its width is the
+    token model has a first integer input of shape batch x sequence and no other integer input but
+    its labels and masks (``_BESIDE_TOKENS``); its width is the
     widest ``nn.Embedding``, whose weights are left out of N (See [Note: model FLOPs])."""
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
     token_model = (first is not None and first.dim() == 2 and not first.is_floating_point()
-                   and sum(isinstance(x, torch.Tensor) and not x.is_floating_point() for x in inputs) == 1)
+                   and all(name in _BESIDE_TOKENS for name, x in _named_inputs(model, inputs)[1:]
+                           if isinstance(x, torch.Tensor) and not x.is_floating_point()))
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     params = {id(p): p.numel() for p in model.parameters()}
     emb_ids = {id(m.weight) for m in embeds}
@@ -79,6 +83,21 @@ def infer_model_flops(model: nn.Module, example_inputs: tuple[Any, ...] | Any, g
     return model_flops(graph, non_embedding_params=sum(n for i, n in params.items() if i not in emb_ids),
                        tokens=first.numel() if token_model else 0, seq_len=first.shape[1] if token_model else 0,
                        samples=first.shape[0] if first is not None and first.dim() else 1, width=width)
+
+
+# Integer inputs that come with a token sequence without being another one (a Hugging Face causal or
+# masked LM's labels and masks): beside them the model is still a token model of its first input.
+_BESIDE_TOKENS = frozenset({"labels", "attention_mask", "token_type_ids", "position_ids"})
+
+
+def _named_inputs(model: nn.Module, inputs: tuple[Any, ...]) -> list[tuple[str, Any]]:
+    """The positional inputs with the names ``forward`` gives them (``?`` where it has none)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [(names[i] if i < len(names) else "?", x) for i, x in enumerate(inputs)]
 
 
 def peak_rate(compute: ComputeProfile, dtype: str) -> tuple[float, str]:
