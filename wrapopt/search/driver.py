@@ -13,8 +13,10 @@
 4. with ``options.trials > 0``, an Optuna study over the general space
    (``study/``) seeded with all of the above.
 
-It scores every plan they propose with the simulator; the fastest plan whose
-predicted peak fits the budget wins. The simulator has the last word over the
+It scores every plan they propose with the simulator and, among the plans whose
+predicted peak fits the budget, hands back the simplest within the simulator's
+measured error of the fastest (``choose.py``, [Note: plans within the error]):
+one unit per block unless another cut beats it by more than that error. The simulator has the last word over the
 DP's chain model (see [Note: chain model] in ``dp/chain.py``).
 """
 
@@ -27,6 +29,7 @@ from typing import Sequence
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.fileio import fmt_bytes
+from wrapopt.search.choose import choose
 from wrapopt.search.dp.strategy import ExactDP
 from wrapopt.search.registry import STRATEGIES
 from wrapopt.search.strategy import (
@@ -37,7 +40,6 @@ from wrapopt.search.strategy import (
     SearchOptions,
     Strategy,
     dp_shard_sizes,
-    fastest,
     make_problem,
 )
 from wrapopt.search.study.strategy import OptunaStudy
@@ -61,6 +63,13 @@ class SearchResult:
     # (best 1-D, best per degree, TorchTitan's default) as (label, scored).
     tp_chosen: int = 1
     tp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
+    # The fastest fitting plan (``best`` is the simplest within the simulator's error of it:
+    # See [Note: plans within the error] in choose.py), and one line saying why ``best`` won.
+    fastest: Scored | None = field(default=None, repr=False)
+    why: str = ""
+    # Per tensor-parallel degree tried (``--tp auto``): (degree, what became of it), in order.
+    tp_tried: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+    blocks: tuple[str, ...] = ()  # the searched model's blocks (``ModelGraph.blocks``), to describe units by kind
 
     @property
     def best_baseline(self) -> Scored | None:
@@ -103,7 +112,9 @@ def search_plan(
     options: SearchOptions | None = None,
     strategies: Sequence[Strategy] | None = None,
 ) -> SearchResult:
-    """Score the candidates and return the fastest plan that fits ``memory_budget`` bytes.
+    """Score the candidates and return the plan to use under ``memory_budget`` bytes: the
+    simplest within the simulator's measured error of the fastest that fits (See [Note: plans
+    within the error] in choose.py; ``SearchResult.fastest`` is the fastest, ``why`` says why).
 
     Without ``options`` (or with ``options.trials == 0``) no Optuna study runs:
     the answer is the best of the baselines, the DP answers and uniform
@@ -120,7 +131,8 @@ def search_plan(
         >>> mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
         >>> sim = Simulator(g, analytical_fabric(world_size=16), analytical_compute())
         >>> res = search_plan(g, sim, mesh, options=SearchOptions(trials=50, seed=0))
-        >>> res.best.estimate.step_s <= res.best_baseline.estimate.step_s
+        >>> from wrapopt.search.choose import STEP_ERROR
+        >>> res.best.estimate.step_s <= res.fastest.estimate.step_s * (1 + STEP_ERROR)
         True
     """
     problem = make_problem(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group, options=options)
@@ -162,14 +174,14 @@ def search_plan(
                               f"(strategies run: {names}); run the registered ones (strategies=None)")
     if not fitting:
         raise InfeasibleError(_infeasible_message(sim, mesh, budget, scored))
-    best = fastest(fitting)
-    assert best is not None
+    choice = choose(graph, fitting, budget)
     notes = tuple(sorted({n for s in scored for n in s.estimate.notes}))
     notes += tuple(f"{n} illegal plan(s) proposed by {name} skipped (validate_plan refused them)"
                    for name, n in pruned.items())
     base = {s.plan.label: s for r in rounds if r.strategy.reference for s in r.scored}
-    return SearchResult(best=best, baselines=base, candidates=tuple(scored), memory_budget=budget, notes=notes,
-                        pareto=_pareto(fitting), rounds=tuple(rounds))
+    return SearchResult(best=choice.best, baselines=base, candidates=tuple(scored), memory_budget=budget, notes=notes,
+                        pareto=_pareto(fitting), rounds=tuple(rounds), fastest=choice.fastest, why=choice.why,
+                        blocks=tuple(graph.blocks))
 
 
 def _key(plan: PlanSpec) -> tuple:
