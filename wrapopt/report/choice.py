@@ -155,7 +155,8 @@ def _pareto_lines(result: SearchResult) -> list[str]:
 def format_search(result: SearchResult) -> str:
     """The search behind the choice, as ``wrapopt search`` prints it under the table."""
     best = result.best.plan
-    lines = [f"wrapopt's choice: {len(best.units)} units: {units_summary(best, result.blocks)}; "
+    n = len(best.units)
+    lines = [f"wrapopt's choice: {n} unit{'s' if n > 1 else ''}: {units_summary(best, result.blocks)}; "
              f"{_sharding_kind(result)}, forward prefetch {best.forward_prefetch}"]
     if result.why:
         lines.append(f"why: {result.why}")
