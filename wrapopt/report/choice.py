@@ -76,6 +76,7 @@ def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]
         "optuna_best": pick(result.optuna_best),
         "pareto": [pick(s) for s in result.pareto],
         "tp_chosen": result.tp_chosen,
+        "tp_tried": [{"tp": d, "outcome": what} for d, what in result.tp_tried],
         "tp_rows": [{"row": label, **pick(s)} for label, s in result.tp_rows],
         "study": None if study is None else {"name": study.study_name, "storage": study.storage,
                                              "sampler": study.sampler,
@@ -142,6 +143,14 @@ def _tp_lines(result: SearchResult) -> list[str]:
     return lines
 
 
+def _tp_tried_line(tried: Sequence[tuple[int, str]]) -> str:
+    """What ``--tp auto`` tried, the degrees with the same outcome together ("tp 2, 4: dropped: ...")."""
+    groups: dict[str, list[int]] = {}
+    for d, what in tried:
+        groups.setdefault(what, []).append(d)
+    return "--tp auto: " + "; ".join(f"tp {', '.join(map(str, ds))}: {what}" for what, ds in groups.items())
+
+
 def _pareto_lines(result: SearchResult) -> list[str]:
     lines = ["time-memory Pareto front (plans that fit; none is both faster and smaller than another):"]
     for s in result.pareto[:10]:
@@ -166,6 +175,8 @@ def format_search(result: SearchResult) -> str:
             lines.append(f"fastest fitting plan: {fast.plan.label} {e.step_s * 1e3:.2f}ms {fmt_bytes(e.peak_bytes)}, "
                          f"{len(fast.plan.units)} units: {units_summary(fast.plan, result.blocks)}")
         lines.append(f"  ({ERROR_SOURCE}; See [Note: plans within the error])")
+    if result.tp_tried:
+        lines.append(_tp_tried_line(result.tp_tried))
     if result.tp_rows:
         lines += _tp_lines(result)
     if result.dp_best is not None:
