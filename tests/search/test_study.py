@@ -76,8 +76,11 @@ def test_study_is_never_worse_than_the_dp_and_fits(name):
     g, mesh, sim = _setup(name)
     budget = _budget(g, mesh, sim)
     res = search_plan(g, sim, mesh, memory_budget=budget, options=SearchOptions(trials=60, seed=0))
-    assert res.optuna_best is not None and res.dp_best is not None
-    assert res.optuna_best.estimate.step_s <= res.dp_best.estimate.step_s * (1 + 1e-12)
+    assert res.optuna_best is not None
+    # The DP aims at the budget less the memory margin (See [Note: plans within the error]): on
+    # a tight budget it may find nothing there; when it does, the study (seeded with it) is as fast.
+    if res.dp_best is not None:
+        assert res.optuna_best.estimate.step_s <= res.dp_best.estimate.step_s * (1 + 1e-12)
     assert res.fastest.estimate.step_s <= res.optuna_best.estimate.step_s * (1 + 1e-12)
     assert res.study.num_seeds >= 5  # the baselines at least
     # The Pareto front: every point fits, faster points use more memory.

@@ -7,7 +7,8 @@ So ``choose`` does not return the fastest fitting plan. It returns:
 
 1. among the plans that fit the budget less ``MEMORY_ERROR`` (the memory
    model's measured error: a plan that fits only without that margin may not
-   fit at all), or, when none does, among all the fitting plans;
+   fit at all; the strategies aim at that allowance, ``search_plan``), or,
+   when none does, among all the fitting plans;
 2. the conventional cut (``is_per_block``: one unit per block, any reshard
    and checkpointing, any shard group), unless some plan beats the fastest of
    those by more than ``STEP_ERROR`` (the step model's measured error

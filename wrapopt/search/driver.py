@@ -29,7 +29,7 @@ from typing import Sequence
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.fileio import fmt_bytes
-from wrapopt.search.choose import choose
+from wrapopt.search.choose import MEMORY_ERROR, choose
 from wrapopt.search.dp.strategy import ExactDP
 from wrapopt.search.registry import STRATEGIES
 from wrapopt.search.strategy import (
@@ -137,6 +137,9 @@ def search_plan(
     """
     problem = make_problem(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group, options=options)
     budget = problem.memory_budget
+    # The strategies aim at the budget less the memory model's error (the margin ``choose`` keeps);
+    # a plan fits, and is shown as fitting, against the budget itself.
+    problem = replace(problem, memory_budget=budget * (1 - MEMORY_ERROR))
     scored: list[Scored] = []
     by_key: dict[tuple, Scored] = {}
     rounds: list[Round] = []
