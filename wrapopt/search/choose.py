@@ -10,8 +10,9 @@ So ``choose`` does not return the fastest fitting plan. It returns:
    fit at all; the strategies aim at that allowance, ``search_plan``), or,
    when none does, among all the fitting plans;
 2. the conventional cut (``is_per_block``: one unit per block, any reshard
-   and checkpointing, any shard group), unless some plan beats the fastest of
-   those by more than ``STEP_ERROR`` (the step model's measured error
+   and checkpointing, any shard group; the simplest of those within
+   ``STEP_ERROR`` of their fastest), unless some plan beats it by more than
+   ``STEP_ERROR`` (the step model's measured error
    between plans);
 3. in the group that wins (the per-block cuts, or the plans that beat them by
    more than the error), the simplest of those within ``STEP_ERROR`` of the
@@ -108,7 +109,7 @@ def choose(graph: ModelGraph, fitting: Sequence[Scored], budget: float) -> Choic
                    + f": the simplest plan within {err} of the fastest")
         return Choice(best, top, None, why + margin)
     ref = _simplest(blocks)
-    ref_s = min(s.estimate.step_s for s in blocks)  # the fastest per-block cut: to beat by more than the error
+    ref_s = ref.estimate.step_s  # what another cut must beat by more than the error
     better = [s for s in pool if s.estimate.step_s * (1 + STEP_ERROR) < ref_s]
     if not better:
         gain = 1 - top.estimate.step_s / ref_s
