@@ -12,8 +12,7 @@ from wrapopt.assumptions import Assumptions
 from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.report.estimate import format_breakdown
-from wrapopt.search.choose import ERROR_SOURCE
-from wrapopt.search.driver import SearchResult
+from wrapopt.search.driver import ERROR_SOURCE, SearchResult
 from wrapopt.spec import CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
 

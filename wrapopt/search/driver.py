@@ -29,7 +29,7 @@ from typing import Sequence
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.fileio import fmt_bytes
-from wrapopt.search.choose import MEMORY_ERROR, choose
+from wrapopt.search.choose import ERROR_SOURCE, MEMORY_ERROR, choose
 from wrapopt.search.dp.strategy import ExactDP
 from wrapopt.search.registry import STRATEGIES
 from wrapopt.search.strategy import (
@@ -46,7 +46,8 @@ from wrapopt.search.study.strategy import OptunaStudy
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
 from wrapopt.units import validate_plan
 
-__all__ = ["SearchResult", "SearchOptions", "Scored", "search_plan", "dp_shard_sizes", "DEFAULT_TRIALS"]
+__all__ = ["SearchResult", "SearchOptions", "Scored", "search_plan", "dp_shard_sizes", "DEFAULT_TRIALS",
+           "ERROR_SOURCE"]  # ERROR_SOURCE: the report states it (report may read search.driver only)
 
 
 @dataclass(frozen=True)
