@@ -114,7 +114,7 @@ def choose(graph: ModelGraph, fitting: Sequence[Scored], budget: float) -> Choic
     if not better:
         gain = 1 - top.estimate.step_s / ref_s
         why = (f"per-block: nothing beats it by more than {err}"
-               + (f" (the fastest plan is {_pct(gain)} faster)" if gain > 0 else ""))
+               + (f" (the fastest plan is {_pct(gain)} faster)" if gain >= 0.0005 else ""))
         return Choice(ref, top, ref, why + margin)
     best = _simplest(better)
     why = f"beats per-block by {_pct(1 - best.estimate.step_s / ref_s)} (> {err})"
