@@ -44,7 +44,7 @@ from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate
 from wrapopt.search.baselines import baselines
 from wrapopt.search.diagnosis import knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
-from wrapopt.search.tp import resolve_tp, search_tp
+from wrapopt.search.tp import auto_degrees, resolve_tp, search_tp
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.trace.meta import trace_model
 from wrapopt.tp import TPSpec
@@ -140,11 +140,12 @@ def plan_model(
     sim = Simulator(graph, fabric, compute, options)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
     try:
-        if degrees == (1,):
+        if degrees == (1,) and str(tp) != "auto":
             result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
-        else:
+        else:  # --tp auto says what became of every degree, the dropped ones too
+            dropped = auto_degrees(graph, mesh, tp_plan)[2] if str(tp) == "auto" else ()
             result = search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget,
-                               options=search)
+                               options=search, dropped=dropped)
     except InfeasibleError as e:
         raise InfeasibleError(f"{e} {knobs_sentence(graph, sim, mesh, train, memory_budget)}") from None
     best = result.best

@@ -11,8 +11,13 @@ def test_baselines_are_the_named_policies():
     g = zoo_graph("gpt-tiny")
     mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
     b = baselines(g, mesh)
-    assert set(b) == {"per-block", "size-1e8", "every-leaf", "root-only", "no-shard"}
+    assert set(b) == {"per-block", "per-block,ckpt", "size-1e8", "every-leaf", "root-only", "no-shard"}
     assert [u.modules for u in b["per-block"].units[:-1]] == [(f"layers.{i}",) for i in range(4)]
+    # Full activation checkpointing: the same cut, every block resharded and checkpointed, the root kept.
+    ckpt = b["per-block,ckpt"].units
+    assert [u.modules for u in ckpt] == [u.modules for u in b["per-block"].units]
+    assert all(u.checkpoint and u.reshard_after_forward is True for u in ckpt[:-1])
+    assert ckpt[-1].is_root and not ckpt[-1].checkpoint and ckpt[-1].reshard_after_forward is False
     assert len(b["root-only"].units) == 1 and len(b["size-1e8"].units) == 1  # nothing reaches 1e8 in a tiny model
     assert b["no-shard"].mesh.shard_size == 1
     leaves = {m for u in b["every-leaf"].units for m in u.modules}

@@ -76,13 +76,16 @@ def test_study_is_never_worse_than_the_dp_and_fits(name):
     g, mesh, sim = _setup(name)
     budget = _budget(g, mesh, sim)
     res = search_plan(g, sim, mesh, memory_budget=budget, options=SearchOptions(trials=60, seed=0))
-    assert res.optuna_best is not None and res.dp_best is not None
-    assert res.optuna_best.estimate.step_s <= res.dp_best.estimate.step_s * (1 + 1e-12)
-    assert res.best.estimate.step_s <= res.optuna_best.estimate.step_s * (1 + 1e-12)
+    assert res.optuna_best is not None
+    # The DP aims at the budget less the memory margin (See [Note: plans within the error]): on
+    # a tight budget it may find nothing there; when it does, the study (seeded with it) is as fast.
+    if res.dp_best is not None:
+        assert res.optuna_best.estimate.step_s <= res.dp_best.estimate.step_s * (1 + 1e-12)
+    assert res.fastest.estimate.step_s <= res.optuna_best.estimate.step_s * (1 + 1e-12)
     assert res.study.num_seeds >= 5  # the baselines at least
     # The Pareto front: every point fits, faster points use more memory.
     front = res.pareto
-    assert front and front[0].estimate.step_s == pytest.approx(res.best.estimate.step_s)
+    assert front and front[0].estimate.step_s == pytest.approx(res.fastest.estimate.step_s)
     for a, b in zip(front, front[1:]):
         assert a.estimate.step_s <= b.estimate.step_s and a.estimate.peak_bytes > b.estimate.peak_bytes
     assert all(s.estimate.peak_bytes <= budget for s in front)

@@ -126,18 +126,20 @@ def run(args: argparse.Namespace) -> int:
     budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
     budget_note = budget_line(args.memory, compute, budget)
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
+    # One simulator's options for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
+    sim = Simulator(graph, fabric, compute, train.sim_options(memory_budget=budget))
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
-                              notes=notes, search=options, memory_budget_source=budget_source(args.memory, compute),
-                              train=train, tp=args.tp, tp_plan=tp_plan)
+                              options=sim.options, notes=notes, search=options, train=train, tp=args.tp,
+                              memory_budget_source=budget_source(args.memory, compute), tp_plan=tp_plan)
     if args.out:
         plan.save(args.out)
     if args.plot:
-        pics = pictures_json(Simulator(graph, fabric, compute), result, result.best.plan)
+        pics = pictures_json(sim, result, result.best.plan)
         write_pictures(args.plot, pics, title=f"{args.model} on {mesh.world_size} ranks ({mesh.ranks_per_node} per "
                                               f"node), {fabric.name} ({fabric.kind})")
     syncs = None  # under gradient accumulation, the choice scored with each sync mode
     if train.grad_accumulation > 1:
-        syncs = both_syncs(result, graph, Simulator(graph, fabric, compute), train, budget)
+        syncs = both_syncs(result, graph, sim, train, budget)
     if args.json:
         print(json.dumps(_plan_json(plan, result, budget_note, syncs), indent=1))
     else:

@@ -18,7 +18,7 @@ from wrapopt.report.plots import PlanPoint, TimelinePanel, draw_pareto, draw_tim
 from wrapopt.search.driver import SearchResult
 from wrapopt.spec import PlanSpec
 
-__all__ = ["pictures_json", "write_pictures", "PICTURES", "REFERENCE_BASELINE"]
+__all__ = ["pictures_json", "picture_parts", "write_pictures", "PICTURES", "REFERENCE_BASELINE"]
 
 PICTURES = ("timeline.png", "pareto.png")
 REFERENCE_BASELINE = "per-block"  # the hand-written plan the chosen one is drawn beside, when the model has blocks
@@ -28,11 +28,15 @@ def _prediction(sim: Simulator, plan: PlanSpec) -> dict[str, Any]:
     est = sim.simulate(plan, record=True)
     d = est.to_json()
     d.pop("units")
+    d["micro_batches"] = sim.options.grad_accumulation  # the timeline is one of them: See TimelinePanel
     return d
 
 
 def pictures_json(sim: Simulator, result: SearchResult, chosen: PlanSpec) -> dict[str, Any]:
-    """What ``write_pictures`` draws, as JSON (it travels from a rank to the parent)."""
+    """What ``write_pictures`` draws, as JSON (it travels from a rank to the parent).
+
+    ``sim`` must be the simulator the search scored with (its ``SimOptions``: precision,
+    gradient accumulation, sync mode), so that the pictures show the table's numbers."""
     key = (chosen.units, chosen.mesh, chosen.forward_prefetch)
     others = {name: s for name, s in result.baselines.items()
               if (s.plan.units, s.plan.mesh, s.plan.forward_prefetch) != key}
@@ -54,25 +58,17 @@ def _units(n: int) -> str:
     return f"{n} unit" + ("" if n == 1 else "s")
 
 
-def write_pictures(out_dir: str | os.PathLike, pics: dict[str, Any], *, measured: list[dict[str, Any]] | None = None,
-                   title: str = "") -> tuple[str, str]:
-    """Draw ``timeline.png`` and ``pareto.png`` into ``out_dir``; returns their paths.
-
-    ``measured``: rows of an ``evaluate`` result (``plan``, ``chosen``, predicted and
-    measured step and peak); their measured points join the Pareto picture.
-    """
-    os.makedirs(out_dir, exist_ok=True)
-    timeline, pareto = (os.path.join(os.fspath(out_dir), name) for name in PICTURES)
+def picture_parts(pics: dict[str, Any], *, measured: list[dict[str, Any]] | None = None,
+                  ) -> tuple[list[TimelinePanel], list[PlanPoint]]:
+    """What the two pictures draw: the timeline panels (the choice first, then the
+    reference) and the Pareto points (the choice last, role ``chosen``), from
+    ``pictures_json``'s data and the measured rows (see ``write_pictures``)."""
     chosen, ref = pics["chosen"], pics["reference"]
     panels = [TimelinePanel.from_prediction(f"wrapopt's choice ({chosen['label']}, {_units(chosen['num_units'])})",
                                             chosen["prediction"])]
     if ref is not None:
         panels.append(TimelinePanel.from_prediction(f"baseline {ref['label']} ({_units(ref['num_units'])})",
                                                     ref["prediction"]))
-    budget = pics["memory_budget"]
-    draw_timelines(panels, timeline, budget_bytes=budget,
-                   title=f"predicted step, {title}" if title else "predicted step")
-
     points = [PlanPoint(p["label"], p["step_s"], p["peak_bytes"],
                         "baseline" if p["strategy"] == "baselines" else "scored")
               for p in pics["scored"]]
@@ -89,7 +85,23 @@ def write_pictures(out_dir: str | os.PathLike, pics: dict[str, Any], *, measured
             points[i] = PlanPoint(points[i].label, row["pred_step_s"], row["pred_peak_bytes"], "baseline", **figures)
         else:
             points.append(PlanPoint(row["plan"], row["pred_step_s"], row["pred_peak_bytes"], "baseline", **figures))
+    return panels, points + [chosen_point]
+
+
+def write_pictures(out_dir: str | os.PathLike, pics: dict[str, Any], *, measured: list[dict[str, Any]] | None = None,
+                   title: str = "") -> tuple[str, str]:
+    """Draw ``timeline.png`` and ``pareto.png`` into ``out_dir``; returns their paths.
+
+    ``measured``: rows of an ``evaluate`` result (``plan``, ``chosen``, predicted and
+    measured step and peak); their measured points join the Pareto picture.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    timeline, pareto = (os.path.join(os.fspath(out_dir), name) for name in PICTURES)
+    panels, points = picture_parts(pics, measured=measured)
+    budget = pics["memory_budget"]
+    draw_timelines(panels, timeline, budget_bytes=budget,
+                   title=f"predicted step, {title}" if title else "predicted step")
     what = "every plan scored, predicted" + ("; the plans run here, measured" if measured else "")
-    draw_pareto(points + [chosen_point], pareto, budget_bytes=budget,
+    draw_pareto(points, pareto, budget_bytes=budget,
                 title=f"step time against peak memory: {what}" + (f"\n{title}" if title else ""))
     return timeline, pareto

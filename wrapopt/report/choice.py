@@ -6,17 +6,17 @@ simulates."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from wrapopt.assumptions import Assumptions
 from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.report.estimate import format_breakdown
-from wrapopt.search.driver import SearchResult
-from wrapopt.spec import CostEstimate, MeshSpec
+from wrapopt.search.driver import ERROR_SOURCE, SearchResult
+from wrapopt.spec import CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
 
-__all__ = ["format_report", "format_search", "search_json", "format_sync", "sync_json"]
+__all__ = ["format_report", "format_search", "search_json", "format_sync", "sync_json", "units_summary"]
 
 _SYNC_MODE = {"last": "last (no-sync until the last micro-batch)", "every": "every micro-batch"}
 
@@ -49,7 +49,7 @@ def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeP
             m = measured.get(s.plan.label)
             row += f" {m['step_s'] * 1e3:8.2f}ms {fmt_bytes(m['peak_bytes']):>11}" if m else f" {'-':>10} {'-':>11}"
         lines.append(row)
-    lines.append("* = wrapopt's choice")
+    lines.append("* = wrapopt's choice" + (f": {result.why}" if result.why else ""))
     if result.notes:
         lines.append("notes: " + "; ".join(result.notes[:3]))
     if assumptions is not None:
@@ -68,16 +68,59 @@ def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]
     return {
         "memory_budget": None if result.memory_budget == float("inf") else result.memory_budget,
         "memory_budget_note": budget_line,
+        "why": result.why,
+        "units_summary": units_summary(result.best.plan, result.blocks),
+        "fastest": pick(result.fastest),
         "dp_best": pick(result.dp_best),
         "optuna_best": pick(result.optuna_best),
         "pareto": [pick(s) for s in result.pareto],
         "tp_chosen": result.tp_chosen,
+        "tp_tried": [{"tp": d, "outcome": what} for d, what in result.tp_tried],
         "tp_rows": [{"row": label, **pick(s)} for label, s in result.tp_rows],
         "study": None if study is None else {"name": study.study_name, "storage": study.storage,
                                              "sampler": study.sampler,
                                              "finished_trials": study.num_trials, "run_here": study.num_run_here,
                                              "seeds": study.num_seeds},
     }
+
+
+def _unit_kind(u: UnitSpec, blocks: set[str]) -> str:
+    if u.is_root:
+        return "root"
+    if all(m in blocks for m in u.modules):
+        return "blocks" if len(u.modules) == 1 else "grouped blocks"
+    if all(any(m.startswith(b + ".") for b in blocks) for m in u.modules):
+        return "sub-block modules"
+    return "other modules"
+
+
+def _unit_how(u: UnitSpec) -> str:
+    r = u.reshard_after_forward
+    how = "keep" if r is False else "reshard" if r is True else f"reshard to {r}"
+    return how + (", checkpointed" if u.checkpoint else "")
+
+
+def units_summary(plan: PlanSpec, blocks: Sequence[str]) -> str:
+    """The plan's units by kind (blocks, grouped blocks, sub-block modules, other modules,
+    root), each with its reshard and checkpointing: "32 blocks (reshard, checkpointed), root (keep)"."""
+    block_set = set(blocks)
+    counts: dict[tuple[str, str], list[int]] = {}  # (kind, how) -> the number of modules of each unit
+    for u in plan.units:
+        counts.setdefault((_unit_kind(u, block_set), _unit_how(u)), []).append(len(u.modules))
+    order = ("blocks", "grouped blocks", "sub-block modules", "other modules", "root")
+    parts = []
+    for (kind, how), sizes in sorted(counts.items(), key=lambda kv: (order.index(kv[0][0]), -len(kv[1]))):
+        n = len(sizes)
+        if kind == "root":
+            parts.append(f"root ({how})")
+        elif kind == "grouped blocks":
+            span = f"{min(sizes)}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
+            parts.append(f"{n} group{'s' if n > 1 else ''} of {span} blocks ({how})")
+        elif kind == "blocks":
+            parts.append(f"{n} block{'s' if n > 1 else ''} ({how})")
+        else:
+            parts.append(f"{n} unit{'s' if n > 1 else ''} of {kind} ({how})")
+    return ", ".join(parts)
 
 
 def _sharding_kind(result: SearchResult) -> str:
@@ -99,6 +142,14 @@ def _tp_lines(result: SearchResult) -> list[str]:
     return lines
 
 
+def _tp_tried_line(tried: Sequence[tuple[int, str]]) -> str:
+    """What ``--tp auto`` tried, the degrees with the same outcome together ("tp 2, 4: dropped: ...")."""
+    groups: dict[str, list[int]] = {}
+    for d, what in tried:
+        groups.setdefault(what, []).append(d)
+    return "--tp auto: " + "; ".join(f"tp {', '.join(map(str, ds))}: {what}" for what, ds in groups.items())
+
+
 def _pareto_lines(result: SearchResult) -> list[str]:
     lines = ["time-memory Pareto front (plans that fit; none is both faster and smaller than another):"]
     for s in result.pareto[:10]:
@@ -112,8 +163,19 @@ def _pareto_lines(result: SearchResult) -> list[str]:
 def format_search(result: SearchResult) -> str:
     """The search behind the choice, as ``wrapopt search`` prints it under the table."""
     best = result.best.plan
-    lines = [f"wrapopt's choice: {len(best.units)} units, {_sharding_kind(result)}, "
-             f"forward prefetch {best.forward_prefetch}"]
+    n = len(best.units)
+    lines = [f"wrapopt's choice: {n} unit{'s' if n > 1 else ''}: {units_summary(best, result.blocks)}; "
+             f"{_sharding_kind(result)}, forward prefetch {best.forward_prefetch}"]
+    if result.why:
+        lines.append(f"why: {result.why}")
+        fast = result.fastest
+        if fast is not None and fast.plan != best:
+            e = fast.estimate
+            lines.append(f"fastest fitting plan: {fast.plan.label} {e.step_s * 1e3:.2f}ms {fmt_bytes(e.peak_bytes)}, "
+                         f"{len(fast.plan.units)} units: {units_summary(fast.plan, result.blocks)}")
+        lines.append(f"  ({ERROR_SOURCE}; See [Note: plans within the error])")
+    if result.tp_tried:
+        lines.append(_tp_tried_line(result.tp_tried))
     if result.tp_rows:
         lines += _tp_lines(result)
     if result.dp_best is not None:

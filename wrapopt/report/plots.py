@@ -40,14 +40,19 @@ class TimelinePanel:
     events: tuple[tuple[Any, ...], ...]  # (lane, kind, unit, start_s, end_s, memory_bytes)
     step_s: float
     peak_bytes: float
+    # Micro-batches per step: the simulator records one micro-batch (the others repeat it), and
+    # ``step_s`` is the whole step; the drawing says so rather than calling one micro-batch a step.
+    micro_batches: int = 1
 
     @classmethod
-    def from_prediction(cls, title: str, prediction: dict[str, Any]) -> TimelinePanel:
+    def from_prediction(cls, title: str, prediction: dict[str, Any], micro_batches: int | None = None,
+                        ) -> TimelinePanel:
         events = tuple(tuple(e) for e in prediction.get("timeline") or ())
         if not events:
             raise WrapoptError(f"{title}: the prediction has no timeline; simulate the plan with record=True "
                                "(or re-run `wrapopt search` to write a plan file with one)")
-        return cls(title, events, float(prediction["step_s"]), float(prediction["peak_bytes"]))
+        n = micro_batches if micro_batches is not None else int(prediction.get("micro_batches", 1))
+        return cls(title, events, float(prediction["step_s"]), float(prediction["peak_bytes"]), n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +124,16 @@ def draw_timelines(panels: Sequence[TimelinePanel], path: str | os.PathLike, *, 
             seen.setdefault(kind, h)
         lanes.set_yticks([0, 1], ["comm", "compute"])
         lanes.set_ylim(-0.6, 1.6)
-        lanes.set_title(f"{panel.title}: step {panel.step_s / t_div:.3g} {t_unit}, "
+        n = panel.micro_batches
+        drawn = f"micro-batch 1 of {n} drawn; " if n > 1 else ""
+        lanes.set_title(f"{panel.title}: {drawn}step {panel.step_s / t_div:.3g} {t_unit}, "
                         f"peak {panel.peak_bytes / b_div:.3g} {b_unit}", loc="left", fontsize=10)
         lanes.axvline(panel.step_s / t_div, color="black", linewidth=0.8)
+        if n > 1 and panel.events:
+            last = max(e[4] for e in panel.events)
+            lanes.axvspan(last / t_div, panel.step_s / t_div, color="#eeeeee", zorder=0)
+            lanes.text((last + panel.step_s) / 2 / t_div, 0.5, f"micro-batches 2-{n}\n(as the first)",
+                       ha="center", va="center", fontsize=8, color="#555555")
         compute = sorted((e[3], e[4], e[5]) for e in panel.events if e[0] == "compute" and e[5])
         if compute:
             xs = [s / t_div for s, _e, _m in compute] + [compute[-1][1] / t_div]
@@ -241,5 +253,6 @@ def _label_points(ax: Any, points: Sequence[PlanPoint], t_div: float, b_div: flo
 def draw_timeline(plan: Any, path: str | os.PathLike) -> None:
     """The predicted step of one plan file (a ``WrapPlan``), to a PNG."""
     fab = plan.fabric
-    panel = TimelinePanel.from_prediction(f"plan {plan.spec.label or 'wrapopt'}", plan.prediction)
+    micro = plan.train.grad_accumulation if plan.train is not None else 1
+    panel = TimelinePanel.from_prediction(f"plan {plan.spec.label or 'wrapopt'}", plan.prediction, micro)
     draw_timelines([panel], path, title=f"predicted step on {fab.get('name')} ({fab.get('kind')})")

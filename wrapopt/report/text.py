@@ -172,7 +172,7 @@ def format_plan(plan) -> str:
     if plan.baselines:
         lines.append("baselines on the same fabric:")
         for name, b in plan.baselines.items():
-            lines.append(f"  {name:12} {b.get('num_units', 0):4d} units  step {b.get('step_s', 0) * 1e3:9.2f} ms  "
+            lines.append(f"  {name:14} {b.get('num_units', 0):4d} units  step {b.get('step_s', 0) * 1e3:9.2f} ms  "
                          f"peak {fmt_bytes(b.get('peak_bytes', 0)):>11}  {'fits' if b.get('fits') else 'does not fit'}")
     if plan.assumptions is not None:
         lines += plan.assumptions.lines()

@@ -2,6 +2,9 @@
 
 - ``per-block``: one unit per transformer block (Accelerate's
   ``transformer_auto_wrap_policy``, TorchTitan's per-layer ``fully_shard``).
+- ``per-block,ckpt``: the same with every block checkpointed (full activation
+  checkpointing): what most people run on a large model (TorchTitan's Llama
+  configs, Accelerate's ``activation_checkpointing``).
 - ``size-1e8``: FSDP1's ``size_based_auto_wrap_policy`` at its 1e8 default,
   replayed exactly (``_recursive_wrap``): wrap a module when the parameters
   not already wrapped below it reach the threshold; ModuleList/ModuleDict are
@@ -35,7 +38,7 @@ from wrapopt.units import together_groups, validate_plan
 
 __all__ = ["baselines", "make_plan", "BASELINE_NAMES", "Baselines", "SmallestMemory", "BaselinesOnShardGroups"]
 
-BASELINE_NAMES = ("per-block", "size-1e8", "every-leaf", "root-only", "no-shard")
+BASELINE_NAMES = ("per-block", "per-block,ckpt", "size-1e8", "every-leaf", "root-only", "no-shard")
 _NEVER_WRAP = ("ModuleList", "ModuleDict")
 
 
@@ -98,7 +101,9 @@ def baselines(graph: ModelGraph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     the model has a block chain)."""
     out: dict[str, PlanSpec] = {}
     if graph.blocks:
-        out["per-block"] = _drop_tie_splits(graph, mesh, list(graph.blocks), "per-block")
+        per_block = _drop_tie_splits(graph, mesh, list(graph.blocks), "per-block")
+        out["per-block"] = per_block
+        out["per-block,ckpt"] = _checkpointed(per_block, "per-block,ckpt")
     out["size-1e8"] = _drop_tie_splits(graph, mesh, _size_based(graph, int(1e8)), "size-1e8")
     leaves = [m.fqn for m in graph.modules if not m.children and m.own_numel and m.fqn != ROOT]
     out["every-leaf"] = _drop_tie_splits(graph, mesh, leaves, "every-leaf")
@@ -107,6 +112,12 @@ def baselines(graph: ModelGraph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     replicate = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=1)
     out["no-shard"] = make_plan(graph, replicate, [], label="no-shard")
     return out
+
+
+def _checkpointed(plan: PlanSpec, label: str) -> PlanSpec:
+    """``plan`` with every unit but the root resharded after forward and checkpointed."""
+    units = tuple(u if u.is_root else UnitSpec(u.modules, True, True) for u in plan.units)
+    return replace(plan, units=units, label=label)
 
 
 class Baselines(Strategy):
@@ -131,8 +142,7 @@ class SmallestMemory(Strategy):
         for name in ("per-block", "every-leaf"):
             p = base.get(name)
             if p is not None:
-                units = tuple(UnitSpec(u.modules, True, True) if not u.is_root else u for u in p.units)
-                out.append(replace(p, units=units, label=f"{name},ckpt"))
+                out.append(_checkpointed(p, f"{name},ckpt"))
         return Proposal(plans=tuple(out))
 
 

@@ -13,8 +13,10 @@
 4. with ``options.trials > 0``, an Optuna study over the general space
    (``study/``) seeded with all of the above.
 
-It scores every plan they propose with the simulator; the fastest plan whose
-predicted peak fits the budget wins. The simulator has the last word over the
+It scores every plan they propose with the simulator and, among the plans whose
+predicted peak fits the budget, hands back the simplest within the simulator's
+measured error of the fastest (``choose.py``, [Note: plans within the error]):
+one unit per block unless another cut beats it by more than that error. The simulator has the last word over the
 DP's chain model (see [Note: chain model] in ``dp/chain.py``).
 """
 
@@ -27,6 +29,7 @@ from typing import Sequence
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.fileio import fmt_bytes
+from wrapopt.search.choose import ERROR_SOURCE, MEMORY_ERROR, choose
 from wrapopt.search.dp.strategy import ExactDP
 from wrapopt.search.registry import STRATEGIES
 from wrapopt.search.strategy import (
@@ -37,14 +40,14 @@ from wrapopt.search.strategy import (
     SearchOptions,
     Strategy,
     dp_shard_sizes,
-    fastest,
     make_problem,
 )
 from wrapopt.search.study.strategy import OptunaStudy
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
 from wrapopt.units import validate_plan
 
-__all__ = ["SearchResult", "SearchOptions", "Scored", "search_plan", "dp_shard_sizes", "DEFAULT_TRIALS"]
+__all__ = ["SearchResult", "SearchOptions", "Scored", "search_plan", "dp_shard_sizes", "DEFAULT_TRIALS",
+           "ERROR_SOURCE"]  # ERROR_SOURCE: the report states it (report may read search.driver only)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class SearchResult:
     # (best 1-D, best per degree, TorchTitan's default) as (label, scored).
     tp_chosen: int = 1
     tp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
+    # The fastest fitting plan (``best`` is the simplest within the simulator's error of it:
+    # See [Note: plans within the error] in choose.py), and one line saying why ``best`` won.
+    fastest: Scored | None = field(default=None, repr=False)
+    why: str = ""
+    # Per tensor-parallel degree tried (``--tp auto``): (degree, what became of it), in order.
+    tp_tried: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+    blocks: tuple[str, ...] = ()  # the searched model's blocks (``ModelGraph.blocks``), to describe units by kind
 
     @property
     def best_baseline(self) -> Scored | None:
@@ -103,7 +113,9 @@ def search_plan(
     options: SearchOptions | None = None,
     strategies: Sequence[Strategy] | None = None,
 ) -> SearchResult:
-    """Score the candidates and return the fastest plan that fits ``memory_budget`` bytes.
+    """Score the candidates and return the plan to use under ``memory_budget`` bytes: the
+    simplest within the simulator's measured error of the fastest that fits (See [Note: plans
+    within the error] in choose.py; ``SearchResult.fastest`` is the fastest, ``why`` says why).
 
     Without ``options`` (or with ``options.trials == 0``) no Optuna study runs:
     the answer is the best of the baselines, the DP answers and uniform
@@ -120,33 +132,22 @@ def search_plan(
         >>> mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
         >>> sim = Simulator(g, analytical_fabric(world_size=16), analytical_compute())
         >>> res = search_plan(g, sim, mesh, options=SearchOptions(trials=50, seed=0))
-        >>> res.best.estimate.step_s <= res.best_baseline.estimate.step_s
+        >>> from wrapopt.search.choose import STEP_ERROR
+        >>> res.best.estimate.step_s <= res.fastest.estimate.step_s * (1 + STEP_ERROR)
         True
     """
     problem = make_problem(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group, options=options)
     budget = problem.memory_budget
+    # The strategies aim at the budget less the memory model's error (the margin ``choose`` keeps);
+    # a plan fits, and is shown as fitting, against the budget itself.
+    problem = replace(problem, memory_budget=budget * (1 - MEMORY_ERROR))
     scored: list[Scored] = []
     by_key: dict[tuple, Scored] = {}
     rounds: list[Round] = []
     pruned: dict[str, int] = {}  # illegal proposals per strategy: skipped, counted, never fatal
     for strategy in STRATEGIES if strategies is None else strategies:
         proposal = strategy.propose(problem, History(tuple(rounds), tuple(scored)))
-        mine: list[Scored] = []
-        for plan in proposal.plans:
-            s = None if strategy.reference else by_key.get(_key(plan))
-            if s is None:
-                try:
-                    # e.g. a block grouping that parts a module from the module reading its
-                    # parameters ([Note: parameter users] in units.py), or a split tied group
-                    validate_plan(graph, plan)
-                except PlanError:
-                    pruned[strategy.name] = pruned.get(strategy.name, 0) + 1
-                    continue
-                est = sim.simulate(plan)
-                s = Scored(plan, est, est.peak_bytes <= budget, strategy=strategy.name)
-                scored.append(s)
-                by_key.setdefault(_key(plan), s)
-            mine.append(s)
+        mine = _score_proposal(graph, sim, strategy, proposal.plans, budget, scored, by_key, pruned)
         if proposal.num_illegal:  # ruled out by the strategy itself (the study's pruned trials)
             pruned[strategy.name] = pruned.get(strategy.name, 0) + proposal.num_illegal
         for s in proposal.evaluated:  # scored by the strategy itself: kept as they are
@@ -162,14 +163,37 @@ def search_plan(
                               f"(strategies run: {names}); run the registered ones (strategies=None)")
     if not fitting:
         raise InfeasibleError(_infeasible_message(sim, mesh, budget, scored))
-    best = fastest(fitting)
-    assert best is not None
+    choice = choose(graph, fitting, budget)
     notes = tuple(sorted({n for s in scored for n in s.estimate.notes}))
     notes += tuple(f"{n} illegal plan(s) proposed by {name} skipped (validate_plan refused them)"
                    for name, n in pruned.items())
     base = {s.plan.label: s for r in rounds if r.strategy.reference for s in r.scored}
-    return SearchResult(best=best, baselines=base, candidates=tuple(scored), memory_budget=budget, notes=notes,
-                        pareto=_pareto(fitting), rounds=tuple(rounds))
+    return SearchResult(best=choice.best, baselines=base, candidates=tuple(scored), memory_budget=budget, notes=notes,
+                        pareto=_pareto(fitting), rounds=tuple(rounds), fastest=choice.fastest, why=choice.why,
+                        blocks=tuple(graph.blocks))
+
+
+def _score_proposal(graph: ModelGraph, sim: Simulator, strategy: Strategy, plans: Sequence[PlanSpec], budget: float,
+                    scored: list[Scored], by_key: dict[tuple, Scored], pruned: dict[str, int]) -> list[Scored]:
+    """Score a strategy's plans (each plan once, unless the strategy is a reference), adding the new
+    ones to ``scored`` and ``by_key`` and counting the illegal ones in ``pruned``."""
+    mine: list[Scored] = []
+    for plan in plans:
+        s = None if strategy.reference else by_key.get(_key(plan))
+        if s is None:
+            try:
+                # e.g. a block grouping that parts a module from the module reading its
+                # parameters ([Note: parameter users] in units.py), or a split tied group
+                validate_plan(graph, plan)
+            except PlanError:
+                pruned[strategy.name] = pruned.get(strategy.name, 0) + 1
+                continue
+            est = sim.simulate(plan)
+            s = Scored(plan, est, est.peak_bytes <= budget, strategy=strategy.name)
+            scored.append(s)
+            by_key.setdefault(_key(plan), s)
+        mine.append(s)
+    return mine
 
 
 def _key(plan: PlanSpec) -> tuple:

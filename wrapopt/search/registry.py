@@ -10,7 +10,7 @@ before it (the Optuna study, last, is seeded from all of them).
 from __future__ import annotations
 
 from wrapopt.search.baselines import Baselines, BaselinesOnShardGroups, SmallestMemory
-from wrapopt.search.dp.strategy import ExactDP
+from wrapopt.search.dp.strategy import ExactDP, PerBlockDP
 from wrapopt.search.strategy import Strategy
 from wrapopt.search.study.strategy import OptunaStudy
 from wrapopt.search.uniform import UniformGroupings
@@ -20,6 +20,7 @@ __all__ = ["STRATEGIES", "get_strategy"]
 STRATEGIES: tuple[Strategy, ...] = (
     Baselines(),
     ExactDP(),
+    PerBlockDP(),
     UniformGroupings(),
     SmallestMemory(),
     BaselinesOnShardGroups(),

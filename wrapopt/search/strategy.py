@@ -4,7 +4,8 @@
 to propose plans: the named baselines, the exact DP, uniform groupings, an
 Optuna study. ``driver.search_plan`` runs the registered strategies
 (``registry.STRATEGIES``) in order, scores with the simulator every plan they
-propose, and picks the fastest plan that fits the memory budget. Adding a
+propose, and picks among the plans that fit the memory budget (the simplest
+within the simulator's error of the fastest: [Note: plans within the error]). Adding a
 strategy is adding a ``Strategy`` subclass and registering it; the driver is
 not edited, and nothing anywhere tells strategies apart by a plan's label:
 what the driver needs to know of a plan (which strategy proposed it) it keeps

@@ -25,12 +25,13 @@ from typing import Any, Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
+from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.driver import SearchResult, search_plan
 from wrapopt.search.strategy import Round, Scored, SearchOptions
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
-from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp, tp_degrees
+from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 
-__all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp"]
+__all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp", "auto_degrees"]
 
 TORCHTITAN_LABEL = "TorchTitan default"
 
@@ -80,10 +81,12 @@ def _per_degree(options: SearchOptions | None, size: int, count: int) -> SearchO
 
 def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec | None, degrees: Sequence[int],
               memory_budget: float | None = None, max_group: int | None = None,
-              options: SearchOptions | None = None) -> SearchResult:
-    """The fastest fitting plan over ``degrees`` (See [Note: 2-D search]); ``mesh`` is the
-    whole mesh without tensor parallelism (``tp_size == 1``), ``spec`` how blocks are split
-    (needed for any degree above 1). ``SearchResult.tp_rows`` holds the comparison rows."""
+              options: SearchOptions | None = None,
+              dropped: Sequence[tuple[int, str]] = ()) -> SearchResult:
+    """The plan over ``degrees`` (See [Note: 2-D search]); ``mesh`` is the whole mesh without
+    tensor parallelism (``tp_size == 1``), ``spec`` how blocks are split (needed for any degree
+    above 1). ``SearchResult.tp_rows`` holds the comparison rows, ``tp_tried`` what became of
+    every degree, the ``dropped`` ones (``auto_degrees``) with the reason."""
     if mesh.tp_size != 1:
         raise ValueError("search_tp takes the mesh without tensor parallelism and the degrees to try")
     results: dict[int, SearchResult] = {}
@@ -108,7 +111,9 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
             failed[d] = str(e)
     if not results:
         raise InfeasibleError(failed.get(1) or next(iter(failed.values())))
-    chosen = min(results, key=lambda d: results[d].best.estimate.step_s)
+    # The smallest degree within the simulator's error of the fastest: See [Note: plans within the error].
+    top = min(r.best.estimate.step_s for r in results.values())
+    chosen = min(d for d in results if results[d].best.estimate.step_s <= top * (1 + STEP_ERROR))
     out = results[chosen]
     rows: list[tuple[str, Scored]] = []
     if 1 in results:
@@ -128,7 +133,43 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
             rows.append((f"{TORCHTITAN_LABEL} (tp{top}, one unit per block, checkpointed)",
                          Scored(plan, est, est.peak_bytes <= limit, strategy="reference")))
     notes = out.notes + tuple(f"tp{d}: {msg}" for d, msg in sorted(failed.items()))
-    return replace(out, notes=notes, tp_rows=tuple(rows), tp_chosen=chosen)
+    return replace(out, notes=notes, tp_rows=tuple(rows), tp_chosen=chosen,
+                   tp_tried=_tried(results, chosen, failed, dropped))
+
+
+def _tried(results: dict[int, SearchResult], chosen: int, failed: dict[int, str],
+           dropped: Sequence[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    """Per degree, in order: chosen, how much slower it is, why nothing fitted, or why it was dropped."""
+    ref = results[chosen].best.estimate.step_s
+    out = dict(dropped)
+    for d, msg in failed.items():
+        out[d] = "nothing fits: " + msg.split(":")[0]
+    for d, r in results.items():
+        ratio = r.best.estimate.step_s / ref
+        out[d] = ("chosen" if d == chosen else
+                  f"fits, {ratio:.2f}x slower" if ratio >= 1 else
+                  f"fits, {1 / ratio:.3f}x faster, within the simulator's {STEP_ERROR * 100:.1f}% error")
+    return tuple(sorted(out.items()))
+
+
+def auto_degrees(graph: ModelGraph, mesh: MeshSpec, tp_plan: TPSpec | None = None,
+                 ) -> tuple[tuple[int, ...], TPSpec | None, tuple[tuple[int, str], ...]]:
+    """What ``--tp auto`` tries: (the degrees, the TPSpec, (degree, why dropped) for the others).
+    The candidates are 1 and every power of two dividing the ranks per node and the world."""
+    cands = [d for d in (2, 4, 8, 16) if mesh.ranks_per_node % d == 0 and mesh.world_size % d == 0]
+    try:
+        spec = tp_plan or builtin_tp_plan(graph)
+    except PlanError as e:
+        return (1,), None, tuple((d, f"dropped: no block wrapopt can split: {e}") for d in cands)
+    kept, dropped = [1], []
+    for d in cands:
+        try:
+            check_tp(graph, spec, d)
+            kept.append(d)
+        except PlanError as e:
+            why = str(e).split("; use --tp")[0].removeprefix(f"tensor-parallel degree {d} ")
+            dropped.append((d, "dropped: " + why))
+    return tuple(kept), spec, tuple(dropped)
 
 
 def resolve_tp(graph: ModelGraph, mesh: MeshSpec, tp: Any, tp_plan: TPSpec | None = None,
@@ -139,11 +180,12 @@ def resolve_tp(graph: ModelGraph, mesh: MeshSpec, tp: Any, tp_plan: TPSpec | Non
     if tp is None or str(tp) == "1":
         return (1,), None, []
     if str(tp) == "auto":
-        try:
-            spec = tp_plan or builtin_tp_plan(graph)
-        except PlanError as e:
-            return (1,), None, [f"--tp auto: tensor parallelism not tried: {e}"]
-        degrees = tp_degrees(graph, spec, mesh.ranks_per_node, mesh.world_size)
+        degrees, spec, _dropped = auto_degrees(graph, mesh, tp_plan)
+        if spec is None:
+            try:
+                builtin_tp_plan(graph)
+            except PlanError as e:
+                return (1,), None, [f"--tp auto: tensor parallelism not tried: {e}"]
         return degrees, spec, [] if len(degrees) > 1 else [
             f"--tp auto: no degree above 1 divides the {mesh.ranks_per_node} ranks per node "
             "and every attention's heads"]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from wrapopt.search.dp.plans import ChainDP
 from wrapopt.search.strategy import History, Proposal, SearchProblem, Strategy
 from wrapopt.spec import MeshSpec, PlanSpec
 
-__all__ = ["ExactDP"]
+__all__ = ["ExactDP", "PerBlockDP"]
 
 
 class ExactDP(Strategy):
@@ -25,6 +26,29 @@ class ExactDP(Strategy):
         if not problem.graph.block_chains:
             return Proposal()
         return Proposal(plans=tuple(_dp_candidates(problem)))
+
+
+class PerBlockDP(Strategy):
+    """The exact DP with one block per unit on the mesh asked for: the fastest conventional
+    cut under the budget, each block choosing its reshard and checkpointing (so no more
+    blocks are checkpointed than the budget needs). ``choose`` measures every other plan
+    against the per-block cuts: See [Note: plans within the error] in search/choose.py."""
+
+    name = "per-block-dp"
+
+    def propose(self, problem: SearchProblem, history: History) -> Proposal:
+        if not problem.graph.block_chains:
+            return Proposal()
+        sim, mesh, budget = problem.sim, problem.mesh, problem.memory_budget
+        prefetches = (0,) if sim.compute.runs_ahead else (0, 1)
+        plans = []
+        for pf in prefetches:
+            dp = ChainDP(sim, mesh, problem.graph.block_chains, max_group=1, forward_prefetch=pf)
+            if dp.static_bytes >= budget:
+                break
+            plans += [replace(a.plan, label=f"per-block,dp{',prefetch' if pf else ''}")
+                      for a in dp.answers(budget, uniform=False)]
+        return Proposal(plans=tuple(plans))
 
 
 def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
