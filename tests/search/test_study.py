@@ -207,7 +207,6 @@ def _one_line_error(err: str) -> str:
 @pytest.mark.parametrize("argv, words", [
     (["--shard-size", "32"], ["32", "larger than the world of 16"]),
     (["--shard-size", "3"], ["--shard-size 3", "one of 1, 2, 4, 8, 16"]),
-    (["--trials", "-1"], ["--trials"]),
     (["--memory", "80 gigs"], ["'80 gigs'", "80GiB"]),
 ])
 def test_search_flag_errors_are_one_line(argv, words):
@@ -216,6 +215,14 @@ def test_search_flag_errors_are_one_line(argv, words):
     line = _one_line_error(err)
     for w in words:
         assert w in line
+
+
+def test_a_flag_argparse_refuses_is_one_line_and_exit_2():
+    """``--trials -1`` is refused by the flag's type (cli/options.py: count_int) before anything runs:
+    argparse's exit code 2, one line naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        _run(["search", *TINY, "--trials", "-1"])
+    assert e.value.code == 2
 
 
 def test_world_size_not_divided_by_ranks_per_node():
