@@ -38,9 +38,11 @@ from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fab
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
+from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
-from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate
+from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
 from wrapopt.search.baselines import baselines
+from wrapopt.search.batch import global_batch_search, recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
 from wrapopt.search.tp import resolve_tp, search_tp
@@ -69,10 +71,22 @@ class OptimizeResult:
     # What the prediction rests on (loss, optimizer, precision, batch, budget, fabric).
     assumptions: Assumptions | None = field(default=None, repr=False)
 
+    @property
+    def micro_batch(self) -> int | None:
+        """Sequences per data-parallel rank per micro-batch the plan was scored at (None: the traced batch)."""
+        return self.plan.micro_batch
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step the plan was scored at."""
+        return self.plan.accumulation
+
     def report(self) -> str:
         """A text table: the chosen plan and every baseline, predicted time and memory,
-        then the assumptions the prediction rests on (``report.choice.format_report``)."""
-        return format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
+        then the assumptions the prediction rests on (``report.choice.format_report``); at a fixed
+        global batch, every micro-batch x accumulation split (``report.batch.format_batch``)."""
+        text = format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
+        return text + ("\n" + format_batch(self.search) if self.search.batch_rows else "")
 
 
 def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
@@ -113,6 +127,7 @@ def plan_model(
     train: TrainConfig | None = None,
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
+    global_batch: int | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
 
@@ -124,7 +139,9 @@ def plan_model(
     recorded in the plan with the sync mode the search chose. ``tp``: the tensor-parallel
     degree (1 or None: FSDP alone; an int; "auto": every degree ``tp_degrees`` accepts, chosen
     with the rest: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised,
-    ``builtin_tp_plan``).
+    ``builtin_tp_plan``). ``global_batch``: sequences per optimizer step, fixed; the micro-batch and
+    the accumulation are chosen with the plan and recorded in its ``train`` (See [Note: global
+    batch search] in search/batch.py).
     """
     train = train or TrainConfig()
     degrees, spec, tp_notes = resolve_tp(graph, mesh, tp, tp_plan)
@@ -134,7 +151,11 @@ def plan_model(
     sim = Simulator(graph, fabric, compute, options)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
     try:
-        if degrees == (1,):
+        if global_batch is not None:
+            found = global_batch_search(graph, sim, mesh, train=train, global_batch=global_batch, degrees=degrees,
+                                        spec=spec, memory_budget=memory_budget, options=search)
+            result, train, sim, notes = found.result, found.train, found.sim, [*notes, *found.notes]
+        elif degrees == (1,):
             result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
         else:
             result = search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget,
@@ -176,6 +197,7 @@ def optimize_wrap(
     train: TrainConfig | None = None,
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
+    global_batch: int | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -199,6 +221,9 @@ def optimize_wrap(
         save_plan: where to write the plan (rank 0 writes, atomically).
         tp: tensor-parallel degree: None or 1 (FSDP alone), an int, or "auto" (chosen with
             the units: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised).
+        global_batch: sequences per optimizer step over all data-parallel ranks, fixed: the search
+            chooses the micro-batch per rank and the accumulation with the plan (``.micro_batch``,
+            ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -208,7 +233,8 @@ def optimize_wrap(
     """
     in_group = dist.is_initialized()
     mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
-                                     loss_fn=loss_fn, plan=plan, options=(memory_budget, seed, tp, train))
+                                     loss_fn=loss_fn, plan=plan,
+                                     options=(memory_budget, seed, tp, train, global_batch))
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
                              measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
@@ -220,7 +246,9 @@ def optimize_wrap(
         wplan, result = _plan_on_rank_0(graph, model, mesh=mesh, fabric=fab, compute=compute,  # type: ignore[arg-type]
                                         budget=budget, memory_budget=memory_budget,
                                         search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed), train=train,
-                                        tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric)
+                                        tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric,
+                                        global_batch=global_batch)
+        train = wplan.train_config if global_batch is not None else train  # the micro-batch chosen
     if save_plan is not None and (not in_group or dist.get_rank() == 0):
         wplan.save(save_plan)
     sharded = wplan.apply(model, train=train) if in_group else None
@@ -320,8 +348,8 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
 def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabric: FabricProfile,
                     compute: ComputeProfile, budget: float | None, memory_budget: int | float | str | None,
                     search: SearchOptions, train: TrainConfig | None, tp: int | str | None, tp_plan: TPSpec | None,
-                    save_plan: str | os.PathLike | None,
-                    rescale_fabric: bool) -> tuple[WrapPlan, SearchResult | None]:
+                    save_plan: str | os.PathLike | None, rescale_fabric: bool,
+                    global_batch: int | None) -> tuple[WrapPlan, SearchResult | None]:
     """Rank 0 searches (``plan_model``) and the plan travels to every rank as JSON text; the
     search's result stays on rank 0 (None elsewhere). Outside a process group: just the search."""
     in_group = dist.is_initialized()
@@ -337,7 +365,8 @@ def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabr
                 check_writable(save_plan)
             wplan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                                        notes=notes, search=search, train=train, tp=tp, tp_plan=tp_plan,
-                                       memory_budget_source=budget_source(memory_budget, compute))
+                                       memory_budget_source=budget_source(memory_budget, compute),
+                                       global_batch=global_batch)
             text = {"plan": wplan.to_json()}
         except (WrapoptError, ValueError, OSError) as e:
             if not in_group:
@@ -371,6 +400,7 @@ def estimate(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     rescale_fabric: bool = False,
     name: str = "",
+    global_batch: int | None = None,
 ) -> EstimateReport:
     """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
 
@@ -383,6 +413,9 @@ def estimate(
         checkpoint: ``"blocks"`` checkpoints every unit but the root, ``"none"`` none;
             None keeps the plan's choice.
         memory_budget: as for ``optimize_wrap`` (default: 90% of the device when known).
+        global_batch: sequences per optimizer step: the plan is scored at every micro-batch x
+            accumulation split of it and the fastest that fits is reported (a plan file that
+            records its micro-batch is scored at it).
 
     Example:
         >>> from wrapopt import zoo
@@ -403,14 +436,21 @@ def estimate(
     budget = resolve_budget(memory_budget, comp)
     graph = trace_model(model, example_inputs, loss_fn=loss_fn)
     spec = _spec_of(given, graph, mesh, checkpoint)
-    est = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget)).simulate(spec)
+    sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget,
+                                                        batch_scale=recorded_scale(graph, train, spec.mesh.tp_size)))
+    if global_batch is not None:
+        split, sim, rows = score_splits(graph, sim, spec, train=train, global_batch=global_batch, memory_budget=budget)
+        train = train_for(train, split)
+        notes += batch_lines(rows, split)
+    est = sim.simulate(spec)
     if train.grad_accumulation > 1:
         train = train.with_sync(est.accumulation_sync)
     peak, source = peak_rate(comp, train.compute_dtype(model_dtype(model)))
     return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan",
                           num_units=len(spec.units), mesh=spec.mesh, train=train, fabric=fab.label,
                           compute=f"{comp.device} ({comp.kind})",
-                          estimate=est, flops=infer_model_flops(model, example_inputs, graph), peak_flops_per_s=peak,
+                          estimate=est, flops=scale_flops(infer_model_flops(model, example_inputs, graph),
+                                                          sim.options.batch_scale), peak_flops_per_s=peak,
                           peak_source=source, memory_budget=budget, notes=tuple(notes),
                           budget_note=budget_line(memory_budget, comp, budget))
 

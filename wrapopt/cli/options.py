@@ -4,13 +4,14 @@ and the training step (``--precision``, ``--accumulation``, ``--optimizer``, ``-
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from wrapopt.api import default_mesh
 from wrapopt.spec import MeshSpec
 from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 
 __all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args",
-           "add_model_arguments", "check_batch"]
+           "add_model_arguments", "check_batch", "with_global_batch"]
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "reduces in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the "
                         "model's own dtype")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--global-batch", type=int, default=None, metavar="N",
+                   help="sequences per optimizer step over all data-parallel ranks, fixed: the micro-batch per rank "
+                        "and the accumulation are chosen (with --batch: that micro-batch; with --accumulation K > 1: "
+                        "that accumulation); with --seq, N x seq tokens")
     p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="the optimizer, for its state and step time (default adamw)")
     p.add_argument("--sync", default="auto", metavar="{auto," + ",".join(SYNC_MODES) + "}",
@@ -73,3 +78,13 @@ def mesh_from_args(args: argparse.Namespace) -> MeshSpec:
         if world > per_node and world % per_node:
             raise ValueError(f"--world-size {world} is not a multiple of --gpus-per-node {per_node}")
     return default_mesh(world_size=world, gpus_per_node=args.gpus_per_node)
+
+
+def with_global_batch(args: argparse.Namespace, train: TrainConfig) -> TrainConfig:
+    """``train`` with ``--batch`` as its micro-batch when ``--global-batch`` fixes the global batch
+    (the search then chooses the accumulation alone); a global batch below 1 raises ValueError."""
+    if args.global_batch is None:
+        return train
+    if args.global_batch < 1:
+        raise ValueError(f"--global-batch must be at least 1 (sequences per optimizer step), got {args.global_batch}")
+    return replace(train, micro_batch=args.batch) if args.batch is not None else train

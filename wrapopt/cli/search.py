@@ -13,7 +13,7 @@ from typing import Any
 from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
                          resolve_fabric)
 from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, mesh_from_args,
-                                 train_from_args)
+                                 train_from_args, with_global_batch)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
@@ -22,7 +22,9 @@ from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
+from wrapopt.report.batch import batch_json, format_batch
 from wrapopt.report.plots import require_matplotlib
+from wrapopt.search.batch import recorded_scale
 from wrapopt.search.diagnosis import both_syncs
 from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions, SearchResult
 from wrapopt.search.study.space import shard_sizes
@@ -107,7 +109,7 @@ def _tp_plan(path: str | None) -> TPSpec | None:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt search``: flags are checked, and the output writable, before the search."""
-    train = train_from_args(args)  # bad training flags fail before anything runs
+    train = with_global_batch(args, train_from_args(args))  # bad training flags fail before anything runs
     tp_plan = _tp_plan(args.tp_plan)
     mesh = mesh_from_args(args)
     options = _search_options(args, mesh)
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                               notes=notes, search=options, memory_budget_source=budget_source(args.memory, compute),
-                              train=train, tp=args.tp, tp_plan=tp_plan)
+                              train=train, tp=args.tp, tp_plan=tp_plan, global_batch=args.global_batch)
+    train = plan.train_config if args.global_batch is not None else train  # the micro-batch and accumulation chosen
     if args.out:
         plan.save(args.out)
     if args.plot:
@@ -137,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
                                               f"node), {fabric.name} ({fabric.kind})")
     syncs = None  # under gradient accumulation, the choice scored with each sync mode
     if train.grad_accumulation > 1:
-        syncs = both_syncs(result, graph, Simulator(graph, fabric, compute), train, budget)
+        scale = recorded_scale(graph, train, plan.mesh.tp_size)
+        syncs = both_syncs(result, graph, Simulator(graph, fabric, compute, train.sim_options(batch_scale=scale)),
+                           train, budget)
     if args.json:
         print(json.dumps(_plan_json(plan, result, budget_note, syncs), indent=1))
     else:
@@ -146,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(format_search(result))
         print(format_sync(result, train, budget, syncs))
+        if result.batch_rows:
+            print(format_batch(result))
         if args.out:
             print(f"wrote {args.out}")
         if args.plot:
@@ -160,4 +167,5 @@ def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: An
     out["model"] = {k: v for k, v in plan.model.items() if k not in ("params", "module_classes")}
     out["search"] = search_json(result, budget_note)
     out["search"]["sync"] = sync_json(result, syncs)
+    out["search"]["batch"] = batch_json(result)
     return out

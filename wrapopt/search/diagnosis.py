@@ -88,10 +88,10 @@ def score_given(graph: ModelGraph, sim: Simulator, spec: PlanSpec, budget: float
 def both_syncs(result: SearchResult, graph: ModelGraph, sim: Simulator, train: TrainConfig,
                budget: float | None) -> dict[str, CostEstimate]:
     """The search's choice simulated under each gradient sync mode (``SYNC_MODES``), on
-    ``sim``'s fabric and compute."""
+    ``sim``'s fabric, compute and batch scale."""
     plan = result.best.plan
     out = {}
     for mode in SYNC_MODES:
-        options = train.with_sync(mode).sim_options(memory_budget=budget)
+        options = train.with_sync(mode).sim_options(memory_budget=budget, batch_scale=sim.options.batch_scale)
         out[mode] = Simulator(graph, sim.fabric, sim.compute, options).simulate(plan)
     return out

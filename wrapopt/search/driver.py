@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
@@ -61,6 +61,8 @@ class SearchResult:
     # (best 1-D, best per degree, TorchTitan's default) as (label, scored).
     tp_chosen: int = 1
     tp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
+    # At a fixed global batch (search/batch.py): every micro-batch x accumulation split's ``BatchRow``.
+    batch_rows: tuple[Any, ...] = field(default=(), repr=False)
 
     @property
     def best_baseline(self) -> Scored | None:
