@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                               notes=notes, search=options, memory_budget_source=budget_source(args.memory, compute),
                               train=train, tp=args.tp, tp_plan=tp_plan, global_batch=args.global_batch)
-    train = plan.train_config if args.global_batch is not None else train  # the micro-batch and accumulation chosen
+    if args.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
+        train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
     if args.out:
         plan.save(args.out)
     if args.plot:
