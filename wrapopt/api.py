@@ -266,7 +266,9 @@ def _score_plan(graph: ModelGraph, wplan: WrapPlan, *, fabric: FabricProfile, co
                 train: TrainConfig | None, budget: float | None,
                 memory_budget: int | float | str | None) -> tuple[SearchResult, Assumptions]:
     """A plan not searched here, scored beside the baselines, and the assumptions of its score."""
-    sim = Simulator(graph, fabric, compute, (train or wplan.train_config).sim_options(memory_budget=budget))
+    step = train or wplan.train_config  # a plan that records its micro-batch is scored at it
+    sim = Simulator(graph, fabric, compute, step.sim_options(
+        memory_budget=budget, batch_scale=recorded_scale(graph, step, wplan.mesh.tp_size)))
     result = score_given(graph, sim, wplan.spec, budget)
     stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
                              source=budget_source(memory_budget, compute))

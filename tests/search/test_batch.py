@@ -126,3 +126,15 @@ def test_search_and_estimate_cli_with_a_global_batch(tmp_path, capsys):
     assert main(["search", "zoo:gpt-tiny", "--world-size", "4", "--global-batch", "10", "--trials", "0"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "8 and 12" in err
+
+
+def test_each_split_searched_whole_gets_its_own_study_in_the_storage(tmp_path):
+    optuna = pytest.importorskip("optuna")
+    model, g, fab, mesh = _setup("gpt-tiny", 2, 2)
+    path = tmp_path / "s.journal"
+    plan_model(g, model, mesh=mesh, fabric=fab, compute=analytical_compute(), memory_budget=None, global_batch=8,
+               search=SearchOptions(trials=4, storage=str(path)))
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    names = sorted(s.study_name for s in optuna.get_all_study_summaries(JournalStorage(JournalFileBackend(str(path)))))
+    assert len(names) == 2 and all("-mb" in n and "-acc" in n for n in names), names

@@ -150,9 +150,9 @@ def _sim(graph: ModelGraph, sim: Simulator, train: TrainConfig, split: BatchSpli
 
 def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None,
             budget: float | None, options: SearchOptions) -> SearchResult:
-    if options.storage:  # one study per split in the storage
-        name = f"{options.study_name or 'wrapopt-batch'}-tp{split.tp_size}-mb{split.micro_batch}-acc{split.accumulation}"
-        options = replace(options, study_name=name)
+    if options.storage:  # one study per split in the storage (a study's identity does not hold the batch)
+        stem = options.study_name or f"wrapopt-{graph.model_class}-w{mesh.world_size}"
+        options = replace(options, study_name=f"{stem}-tp{split.tp_size}-mb{split.micro_batch}-acc{split.accumulation}")
     if split.tp_size == 1:
         return search_plan(graph, sim, mesh, memory_budget=budget, options=options)
     return search_tp(graph, sim, mesh, spec=spec, degrees=(split.tp_size,), memory_budget=budget, options=options)
@@ -169,8 +169,7 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
     sims: dict[BatchSplit, Simulator] = {}
     too_big: dict[int, int] = {}  # degree -> the smallest micro-batch nothing fits
     failed: list[str] = []
-    screen = replace(options, trials=0, progress=False, storage=None, study_name=None,
-                     shard_sizes=options.shard_sizes or (mesh.world_size,))
+    screen = replace(options, trials=0, progress=False, storage=None, study_name=None)
     for split in sorted(splits, key=lambda s: (s.tp_size, s.micro_batch)):
         if split.micro_batch >= too_big.get(split.tp_size, math.inf):
             rows[split] = BatchRow(split, None, "skipped: a smaller micro-batch did not fit")
@@ -181,10 +180,12 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
             rows[split] = BatchRow(split, None, "skipped: one unit per block, checkpointed, does not fit")
             continue
         try:
-            res = _search(graph, s, mesh, split, spec, memory_budget, screen)
+            fsdp = replace(screen, shard_sizes=options.shard_sizes or (split.dp_size,))  # FSDP over the dp ranks
+            res = _search(graph, s, mesh, split, spec, memory_budget, fsdp)
             rows[split] = BatchRow(split, res.best, "screen")
         except InfeasibleError as e:
             failed.append(f"{split.describe()}: {e}")
+            too_big[split.tp_size] = split.micro_batch
             rows[split] = BatchRow(split, None, "skipped: nothing fits")
     ranked = sorted((r for r in rows.values() if r.best is not None), key=lambda r: r.best.estimate.step_s)
     if not ranked:
@@ -202,7 +203,10 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
     chosen = min(results, key=lambda sp: results[sp].best.estimate.step_s)
     rows[chosen] = replace(rows[chosen], chosen=True)
     order = tuple(sorted(rows.values(), key=lambda r: (r.split.tp_size, r.split.micro_batch)))
-    return BatchSearch(result=replace(results[chosen], batch_rows=order), split=chosen, rows=order,
+    result = replace(results[chosen], batch_rows=order)
+    if len({s.tp_size for s in splits}) > 1:  # its rows compare one degree's plans; the splits compare degrees
+        result = replace(result, tp_rows=())
+    return BatchSearch(result=result, split=chosen, rows=order,
                        train=train_for(train, chosen), sim=sims[chosen], notes=tuple(failed[:3]))
 
 
