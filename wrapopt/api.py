@@ -416,8 +416,8 @@ def estimate(
             None keeps the plan's choice.
         memory_budget: as for ``optimize_wrap`` (default: 90% of the device when known).
         global_batch: sequences per optimizer step: the plan is scored at every micro-batch x
-            accumulation split of it and the fastest that fits is reported (a plan file that
-            records its micro-batch is scored at it).
+            accumulation split of it and the fastest that fits is reported (without it, a plan
+            file that records its micro-batch is scored at it).
 
     Example:
         >>> from wrapopt import zoo
@@ -427,8 +427,11 @@ def estimate(
         >>> r.step_s > 0 and 0 < r.mfu < 1
         True
     """
+    from_plan = train is None
     given, mesh, train, notes = _plan_to_estimate(plan, model, world_size=world_size, gpus_per_node=gpus_per_node,
                                                   train=train)
+    if global_batch is not None and from_plan and train is not None:  # the split is chosen again
+        train = replace(train, micro_batch=None, global_batch=None, grad_accumulation=1)
     train = train or TrainConfig()
     if checkpoint not in (None, "none", "blocks"):
         raise ValueError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")

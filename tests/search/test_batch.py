@@ -122,6 +122,10 @@ def test_search_and_estimate_cli_with_a_global_batch(tmp_path, capsys):
     assert main(["estimate", "zoo:gpt-tiny", "--plan", str(out), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["train"]["micro_batch"] == train["micro_batch"]
+    # ... and with --global-batch, its split is chosen again
+    assert main(["estimate", "zoo:gpt-tiny", "--plan", str(out), "--global-batch", "32", "--json"]) == 0
+    other = json.loads(capsys.readouterr().out)["train"]
+    assert other["micro_batch"] * other["grad_accumulation"] * 2 == 32 == other["global_batch"]
     # bad input: one line naming the nearest global batches
     assert main(["search", "zoo:gpt-tiny", "--world-size", "4", "--global-batch", "10", "--trials", "0"]) == 1
     err = capsys.readouterr().err.strip()
