@@ -13,7 +13,6 @@ knobs when nothing fits, a given plan scored beside the baselines)
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from wrapopt.assumptions import Assumptions, state_assumptions
+from wrapopt.assumptions import Assumptions
 from wrapopt.checks import check_count, check_seed
 from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.cost import Simulator
@@ -39,13 +38,15 @@ from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fab
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
+from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
-from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate
+from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
 from wrapopt.search.baselines import baselines
-from wrapopt.search.diagnosis import knobs_sentence, score_given
+from wrapopt.search.batch import global_batch_search, recorded_scale, score_splits, train_for
+from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
 from wrapopt.search.tp import auto_degrees, resolve_tp, search_tp
-from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions
+from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.trace.meta import trace_model
 from wrapopt.tp import TPSpec
 from wrapopt.train import TrainConfig, model_dtype
@@ -70,10 +71,22 @@ class OptimizeResult:
     # What the prediction rests on (loss, optimizer, precision, batch, budget, fabric).
     assumptions: Assumptions | None = field(default=None, repr=False)
 
+    @property
+    def micro_batch(self) -> int | None:
+        """Sequences per data-parallel rank per micro-batch the plan was scored at (None: the traced batch)."""
+        return self.plan.micro_batch
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step the plan was scored at."""
+        return self.plan.accumulation
+
     def report(self) -> str:
         """A text table: the chosen plan and every baseline, predicted time and memory,
-        then the assumptions the prediction rests on (``report.choice.format_report``)."""
-        return format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
+        then the assumptions the prediction rests on (``report.choice.format_report``); at a fixed
+        global batch, every micro-batch x accumulation split (``report.batch.format_batch``)."""
+        text = format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
+        return text + ("\n" + format_batch(self.search) if self.search.batch_rows else "")
 
 
 def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
@@ -87,21 +100,6 @@ def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSp
     gpn = min(8 if world_size is None else world_size, 8) if gpus_per_node is None else gpus_per_node
     world = gpn if world_size is None else world_size
     return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
-
-
-def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
-                    memory_budget: float | None, source: str) -> Assumptions:
-    """The assumptions of ``sim``'s prediction for ``plan``; when the loss keeps a large share
-    of the peak, the plan re-simulated under the smallest plausible loss beside it
-    (See [Note: smallest plausible loss] in assumptions.py)."""
-    fields_ = dict(memory_budget=memory_budget, memory_budget_source=source, fabric=sim.fabric.name,
-                   fabric_kind=sim.fabric.kind, compute=sim.compute.device, compute_kind=sim.compute.kind)
-    stated = state_assumptions(graph, sim.options, peak_bytes=estimate.peak_bytes, **fields_)
-    if not stated.loss_is_large:
-        return stated
-    lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0)
-    lean_peak = Simulator(lean, sim.fabric, sim.compute, sim.options).simulate(plan).peak_bytes
-    return dataclasses.replace(stated, smallest_loss_peak_bytes=lean_peak)
 
 
 def plan_model(
@@ -119,6 +117,7 @@ def plan_model(
     train: TrainConfig | None = None,
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
+    global_batch: int | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
 
@@ -130,7 +129,9 @@ def plan_model(
     recorded in the plan with the sync mode the search chose. ``tp``: the tensor-parallel
     degree (1 or None: FSDP alone; an int; "auto": every degree ``tp_degrees`` accepts, chosen
     with the rest: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised,
-    ``builtin_tp_plan``).
+    ``builtin_tp_plan``). ``global_batch``: sequences per optimizer step, fixed; the micro-batch and
+    the accumulation are chosen with the plan and recorded in its ``train`` (See [Note: global
+    batch search] in search/batch.py).
     """
     train = train or TrainConfig()
     degrees, spec, tp_notes = resolve_tp(graph, mesh, tp, tp_plan)
@@ -140,7 +141,11 @@ def plan_model(
     sim = Simulator(graph, fabric, compute, options)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
     try:
-        if degrees == (1,) and str(tp) != "auto":
+        if global_batch is not None:
+            found = global_batch_search(graph, sim, mesh, train=train, global_batch=global_batch, degrees=degrees,
+                                        spec=spec, memory_budget=memory_budget, options=search)
+            result, train, sim, notes = found.result, found.train, found.sim, [*notes, *found.notes]
+        elif degrees == (1,) and str(tp) != "auto":
             result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
         else:  # --tp auto says what became of every degree, the dropped ones too
             dropped = auto_degrees(graph, mesh, tp_plan)[2] if str(tp) == "auto" else ()
@@ -183,6 +188,7 @@ def optimize_wrap(
     train: TrainConfig | None = None,
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
+    global_batch: int | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -206,6 +212,9 @@ def optimize_wrap(
         save_plan: where to write the plan (rank 0 writes, atomically).
         tp: tensor-parallel degree: None or 1 (FSDP alone), an int, or "auto" (chosen with
             the units: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised).
+        global_batch: sequences per optimizer step over all data-parallel ranks, fixed: the search
+            chooses the micro-batch per rank and the accumulation with the plan (``.micro_batch``,
+            ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -214,9 +223,9 @@ def optimize_wrap(
         >>> print(res.report())  # doctest: +SKIP
     """
     in_group = dist.is_initialized()
-    check_seed(seed)
     mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
-                                     loss_fn=loss_fn, plan=plan, options=(memory_budget, seed, tp, train))
+                                     loss_fn=loss_fn, plan=plan, seed=seed,
+                                     options=(memory_budget, tp, train, global_batch))
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
                              measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
@@ -228,7 +237,9 @@ def optimize_wrap(
         wplan, result = _plan_on_rank_0(graph, model, mesh=mesh, fabric=fab, compute=compute,  # type: ignore[arg-type]
                                         budget=budget, memory_budget=memory_budget,
                                         search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed), train=train,
-                                        tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric)
+                                        tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric,
+                                        global_batch=global_batch)
+        train = wplan.train_config if global_batch is not None else train  # the micro-batch chosen
     if save_plan is not None and (not in_group or dist.get_rank() == 0):
         wplan.save(save_plan)
     sharded = wplan.apply(model, train=train) if in_group else None
@@ -246,7 +257,9 @@ def _score_plan(graph: ModelGraph, wplan: WrapPlan, *, fabric: FabricProfile, co
                 train: TrainConfig | None, budget: float | None,
                 memory_budget: int | float | str | None) -> tuple[SearchResult, Assumptions]:
     """A plan not searched here, scored beside the baselines, and the assumptions of its score."""
-    sim = Simulator(graph, fabric, compute, (train or wplan.train_config).sim_options(memory_budget=budget))
+    step = train or wplan.train_config  # a plan that records its micro-batch is scored at it
+    sim = Simulator(graph, fabric, compute, step.sim_options(
+        memory_budget=budget, batch_scale=recorded_scale(graph, step, wplan.mesh.tp_size)))
     result = score_given(graph, sim, wplan.spec, budget)
     stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
                              source=budget_source(memory_budget, compute))
@@ -268,18 +281,19 @@ def _job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
 
 
 def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpus_per_node: int | None,
-           loss_fn: Callable[..., torch.Tensor] | None, plan: WrapPlan | str | os.PathLike | None,
+           loss_fn: Callable[..., torch.Tensor] | None, plan: WrapPlan | str | os.PathLike | None, seed: int,
            options: tuple[Any, ...]) -> tuple[MeshSpec, ModelGraph, WrapPlan | None]:
     """The local work of optimize_wrap (mesh, trace, a given plan), then the ranks compare what they were
     given: a failure or a difference is raised on every rank before any collective (See [Note: every rank
     explains] in wrapopt/consensus.py)."""
     with every_rank("tracing the model and reading the plan"):
+        check_seed(seed)
         mesh = _job_mesh(world_size, gpus_per_node)
         graph = trace_model(model, example_inputs, loss_fn=loss_fn)
         given_plan = _load_given_plan(plan, model, graph)
     agree("starting optimize_wrap", {
         "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
-        "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr(options)})
+        "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr((seed, *options))})
     return mesh, graph, given_plan
 
 
@@ -330,8 +344,8 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
 def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabric: FabricProfile,
                     compute: ComputeProfile, budget: float | None, memory_budget: int | float | str | None,
                     search: SearchOptions, train: TrainConfig | None, tp: int | str | None, tp_plan: TPSpec | None,
-                    save_plan: str | os.PathLike | None,
-                    rescale_fabric: bool) -> tuple[WrapPlan, SearchResult | None]:
+                    save_plan: str | os.PathLike | None, rescale_fabric: bool,
+                    global_batch: int | None) -> tuple[WrapPlan, SearchResult | None]:
     """Rank 0 searches (``plan_model``) and the plan travels to every rank as JSON text; the
     search's result stays on rank 0 (None elsewhere). Outside a process group: just the search."""
     in_group = dist.is_initialized()
@@ -347,7 +361,8 @@ def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabr
                 check_writable(save_plan)
             wplan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                                        notes=notes, search=search, train=train, tp=tp, tp_plan=tp_plan,
-                                       memory_budget_source=budget_source(memory_budget, compute))
+                                       memory_budget_source=budget_source(memory_budget, compute),
+                                       global_batch=global_batch)
             text = {"plan": wplan.to_json()}
         except (WrapoptError, ValueError, OSError) as e:
             if not in_group:
@@ -381,6 +396,7 @@ def estimate(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     rescale_fabric: bool = False,
     name: str = "",
+    global_batch: int | None = None,
 ) -> EstimateReport:
     """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
 
@@ -393,6 +409,9 @@ def estimate(
         checkpoint: ``"blocks"`` checkpoints every unit but the root, ``"none"`` none;
             None keeps the plan's choice.
         memory_budget: as for ``optimize_wrap`` (default: 90% of the device when known).
+        global_batch: sequences per optimizer step: the plan is scored at every micro-batch x
+            accumulation split of it and the fastest that fits is reported (without it, a plan
+            file that records its micro-batch is scored at it).
 
     Example:
         >>> from wrapopt import zoo
@@ -402,8 +421,11 @@ def estimate(
         >>> r.step_s > 0 and 0 < r.mfu < 1
         True
     """
+    from_plan = train is None
     given, mesh, train, notes = _plan_to_estimate(plan, model, world_size=world_size, gpus_per_node=gpus_per_node,
                                                   train=train)
+    if global_batch is not None and from_plan and train is not None:  # the split is chosen again
+        train = replace(train, micro_batch=None, global_batch=None, grad_accumulation=1)
     train = train or TrainConfig()
     if checkpoint not in (None, "none", "blocks"):
         raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
@@ -413,14 +435,21 @@ def estimate(
     budget = resolve_budget(memory_budget, comp)
     graph = trace_model(model, example_inputs, loss_fn=loss_fn)
     spec = _spec_of(given, graph, mesh, checkpoint)
-    est = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget)).simulate(spec)
+    sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget,
+                                                        batch_scale=recorded_scale(graph, train, spec.mesh.tp_size)))
+    if global_batch is not None:
+        split, sim, rows = score_splits(graph, sim, spec, train=train, global_batch=global_batch, memory_budget=budget)
+        train = train_for(train, split)
+        notes += batch_lines(rows, split)
+    est = sim.simulate(spec)
     if train.grad_accumulation > 1:
         train = train.with_sync(est.accumulation_sync)
     peak, source = peak_rate(comp, train.compute_dtype(model_dtype(model)))
     return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan",
                           num_units=len(spec.units), mesh=spec.mesh, train=train, fabric=fab.label,
                           compute=f"{comp.device} ({comp.kind})",
-                          estimate=est, flops=infer_model_flops(model, example_inputs, graph), peak_flops_per_s=peak,
+                          estimate=est, flops=scale_flops(infer_model_flops(model, example_inputs, graph),
+                                                          sim.options.batch_scale), peak_flops_per_s=peak,
                           peak_source=source, memory_budget=budget, notes=tuple(notes),
                           model_dtype=model_dtype(model), budget_note=budget_line(memory_budget, comp, budget))
 

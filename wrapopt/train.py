@@ -107,6 +107,11 @@ class TrainConfig:
             gradients; ``"last"``: only the last does, the others run under
             ``set_requires_gradient_sync(False)`` and hold unsharded gradients;
             None: chosen per plan, the faster that fits the memory budget.
+        micro_batch: sequences (samples) per data-parallel rank in one micro-batch (with tensor
+            parallelism: per tensor-parallel group); None: the traced batch. Set by a search at a
+            fixed global batch, so that the data loader can follow the plan.
+        global_batch: sequences per optimizer step over all data-parallel ranks (``micro_batch x
+            grad_accumulation x data-parallel ranks``); None: not fixed.
     """
 
     param_dtype: str | None = None
@@ -115,11 +120,16 @@ class TrainConfig:
     grad_accumulation: int = 1
     optimizer: str = "adamw"
     accumulation_sync: str | None = None
+    micro_batch: int | None = None
+    global_batch: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("param_dtype", "reduce_dtype", "output_dtype"):
             object.__setattr__(self, f, dtype_name(getattr(self, f), what=f))
         check_count(self.grad_accumulation, "gradient accumulation (grad_accumulation, --accumulation)")
+        for f in ("micro_batch", "global_batch"):
+            if getattr(self, f) is not None:
+                check_count(getattr(self, f), f"{f} (--batch, --global-batch)")
         name = str(self.optimizer).strip().lower()
         if name not in OPTIMIZERS:
             raise OptionError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
@@ -214,16 +224,18 @@ class TrainConfig:
                 f"{self.precision} (") + dtypes + ")"
         sync = ("" if self.grad_accumulation == 1 else
                 f", sync {self.accumulation_sync}" if self.accumulation_sync else ", sync searched per plan")
+        batch = (f" of {self.micro_batch} per data-parallel rank" if self.micro_batch else "") + (
+            f" (global batch {self.global_batch})" if self.global_batch else "")
         return (f"precision {prec}, {self.grad_accumulation} micro-batch"
-                f"{'es' if self.grad_accumulation > 1 else ''} per step{sync}, optimizer {self.optimizer}")
+                f"{'es' if self.grad_accumulation > 1 else ''}{batch} per step{sync}, optimizer {self.optimizer}")
 
     def differences(self, other: "TrainConfig") -> list[str]:
-        """``field (this -> other)`` for every field that differs; an unset sync mode
-        on either side differs from nothing."""
+        """``field (this -> other)`` for every field that differs; an unset sync mode, micro-batch
+        or global batch on either side differs from nothing."""
         out = []
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "accumulation_sync" and (a is None or b is None):
+            if f.name in ("accumulation_sync", "micro_batch", "global_batch") and (a is None or b is None):
                 continue
             if a != b:
                 out.append(f"{f.name} ({a} in the plan, {b} given)")
@@ -237,14 +249,15 @@ class TrainConfig:
     def to_json(self) -> dict[str, Any]:
         return {"precision": self.precision, "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
                 "output_dtype": self.output_dtype, "grad_accumulation": self.grad_accumulation,
-                "optimizer": self.optimizer, "accumulation_sync": self.accumulation_sync}
+                "optimizer": self.optimizer, "accumulation_sync": self.accumulation_sync,
+                **{k: v for k, v in (("micro_batch", self.micro_batch), ("global_batch", self.global_batch)) if v}}
 
     @classmethod
     def from_json(cls, d: Any, *, source: str = "<plan>") -> "TrainConfig":
         """Read the plan file's ``train`` object; errors name the file and the field."""
         r = JsonReader(d, f"{source}: train", error=PlanError)
         kw: dict[str, Any] = {}
-        for key in ("param_dtype", "reduce_dtype", "output_dtype", "accumulation_sync"):
+        for key in ("param_dtype", "reduce_dtype", "output_dtype", "accumulation_sync", "micro_batch", "global_batch"):
             kw[key] = r.d.get(key)
         kw["grad_accumulation"] = r.d.get("grad_accumulation", 1)
         kw["optimizer"] = r.d.get("optimizer", "adamw")

@@ -9,7 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from wrapopt.api import estimate
-from wrapopt.cli.options import add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args,
+                                 with_global_batch)
 from wrapopt.errors import OptionError
 from wrapopt.models.sources import resolve_model
 from wrapopt.report.estimate import format_estimate
@@ -22,19 +23,19 @@ def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt estimate``: a plan file brings its own training step unless a flag is given."""
     given_flags = {"--precision": args.precision is not None, "--accumulation": args.accumulation != 1,
                    "--optimizer": args.optimizer != "adamw", "--sync": args.sync != "auto"}
-    train = train_from_args(args)
+    train = with_global_batch(args, train_from_args(args))
     is_file = os.path.exists(args.plan)
     if not is_file and args.plan not in BASELINE_NAMES:
         raise OptionError(f"unknown --plan {args.plan!r}; accepted: {', '.join(BASELINE_NAMES)}, or a plan file "
                          "(no such file)")
     # A plan file brings its own training step unless a training flag is given.
-    if is_file and not any(given_flags.values()):
+    if is_file and not any(given_flags.values()) and train.micro_batch is None:
         train = None
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     report = estimate(src.build("meta"), src.inputs, plan=args.plan, world_size=args.world_size,
                       gpus_per_node=args.gpus_per_node, fabric=args.fabric, compute=args.compute, train=train,
                       checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
-                      rescale_fabric=args.rescale_fabric, name=args.model)
+                      rescale_fabric=args.rescale_fabric, name=args.model, global_batch=args.global_batch)
     report = replace(report, notes=(*src.notes, *report.notes))
     if args.json:
         print(json.dumps(report.to_json(), indent=1))

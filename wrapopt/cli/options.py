@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 from wrapopt.api import default_mesh
 from wrapopt.checks import MAX_SEED
@@ -13,7 +14,7 @@ from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 
 __all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args",
            "add_model_arguments", "positive_int", "count_int", "positive_float", "tp_degree", "seed_int",
-           "local_ranks"]
+           "local_ranks", "with_global_batch"]
 
 
 # argparse ``type=`` functions: argparse prefixes their message with "argument --name: ", so every
@@ -115,6 +116,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "in bf16 too; fp16; fp32 computes in float32; none (default): no policy, the model's own "
                         "dtype (hf: models are built in float32 whatever their config's torch_dtype)")
     p.add_argument("--accumulation", type=positive_int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--global-batch", type=positive_int, default=None, metavar="N",
+                   help="sequences per optimizer step over all data-parallel ranks, fixed: the micro-batch per rank "
+                        "and the accumulation are chosen (with --batch: that micro-batch; with --accumulation K > 1: "
+                        "that accumulation); with --seq, N x seq tokens")
     p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="the optimizer, for its state and step time (default adamw)")
     p.add_argument("--sync", default="auto", metavar="{auto," + ",".join(SYNC_MODES) + "}",
@@ -137,3 +142,13 @@ def mesh_from_args(args: argparse.Namespace) -> MeshSpec:
         if world > per_node and world % per_node:
             raise ValueError(f"--world-size {world} is not a multiple of --gpus-per-node {per_node}")
     return default_mesh(world_size=world, gpus_per_node=args.gpus_per_node)
+
+
+def with_global_batch(args: argparse.Namespace, train: TrainConfig) -> TrainConfig:
+    """``train`` with ``--batch`` as its micro-batch when ``--global-batch`` fixes the global batch
+    (the search then chooses the accumulation alone); a global batch below 1 raises ValueError."""
+    if args.global_batch is None:
+        return train
+    if args.global_batch < 1:
+        raise ValueError(f"--global-batch must be at least 1 (sequences per optimizer step), got {args.global_batch}")
+    return replace(train, micro_batch=args.batch) if args.batch is not None else train

@@ -14,7 +14,7 @@ from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_
                          resolve_fabric)
 from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, count_int,
                                  mesh_from_args, positive_float, positive_int, seed_int, tp_degree,
-                                 train_from_args)
+                                 train_from_args, with_global_batch)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
@@ -23,7 +23,9 @@ from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
+from wrapopt.report.batch import batch_json, format_batch
 from wrapopt.report.plots import require_matplotlib
+from wrapopt.search.batch import recorded_scale
 from wrapopt.search.diagnosis import both_syncs
 from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions, SearchResult
 from wrapopt.search.study.space import shard_sizes
@@ -106,7 +108,7 @@ def _tp_plan(path: str | None) -> TPSpec | None:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt search``: flags are checked, and the output writable, before the search."""
-    train = train_from_args(args)  # bad training flags fail before anything runs
+    train = with_global_batch(args, train_from_args(args))  # bad training flags fail before anything runs
     tp_plan = _tp_plan(args.tp_plan)
     mesh = mesh_from_args(args)
     options = _search_options(args, mesh)
@@ -130,7 +132,12 @@ def run(args: argparse.Namespace) -> int:
     sim = Simulator(graph, fabric, compute, train.sim_options(memory_budget=budget))
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                               options=sim.options, notes=notes, search=options, train=train, tp=args.tp,
-                              memory_budget_source=budget_source(args.memory, compute), tp_plan=tp_plan)
+                              memory_budget_source=budget_source(args.memory, compute), tp_plan=tp_plan,
+                              global_batch=args.global_batch)
+    if args.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
+        train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
+        scale = recorded_scale(graph, train, plan.mesh.tp_size)
+        sim = Simulator(graph, fabric, compute, train.sim_options(memory_budget=budget, batch_scale=scale))
     if args.out:
         plan.save(args.out)
     if args.plot:
@@ -149,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(format_search(result))
         print(format_sync(result, train, budget, syncs))
+        if result.batch_rows:
+            print(format_batch(result))
         if args.out:
             print(f"wrote {args.out}")
         if args.plot:
@@ -163,4 +172,5 @@ def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: An
     out["model"] = {k: v for k, v in plan.model.items() if k not in ("params", "module_classes")}
     out["search"] = search_json(result, budget_note)
     out["search"]["sync"] = sync_json(result, syncs)
+    out["search"]["batch"] = batch_json(result)
     return out

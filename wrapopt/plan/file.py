@@ -280,6 +280,22 @@ class WrapPlan:
                           param_users=self.model.get("param_users") or ())
 
     @property
+    def micro_batch(self) -> int | None:
+        """Sequences per data-parallel rank per micro-batch the plan was scored at (a search at a
+        fixed global batch chose it); None: the traced batch. The data loader should follow it."""
+        return self.train.micro_batch if self.train is not None else None
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step the plan was scored at."""
+        return self.train_config.grad_accumulation
+
+    @property
+    def global_batch(self) -> int | None:
+        """Sequences per optimizer step, when the search fixed it."""
+        return self.train.global_batch if self.train is not None else None
+
+    @property
     def train_config(self) -> TrainConfig:
         """The training step the plan was scored for (files without one: from ``mixed_precision``)."""
         return self.train if self.train is not None else TrainConfig.from_mixed_precision(self.mixed_precision)

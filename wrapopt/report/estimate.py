@@ -16,8 +16,7 @@ what this device achieves, not a datasheet).
 from __future__ import annotations
 
 import inspect
-
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph
 
 __all__ = ["EstimateReport", "ModelFlops", "model_flops", "infer_model_flops", "peak_rate", "format_estimate",
-           "format_breakdown", "BREAKDOWN_NAMES"]
+           "format_breakdown", "BREAKDOWN_NAMES", "scale_flops"]
 
 BREAKDOWN_NAMES = {
     "sharded_params": "sharded parameters",
@@ -64,6 +63,14 @@ def model_flops(graph: ModelGraph, *, non_embedding_params: int, tokens: int, se
                           f"L = {layers} blocks, d = {width}, T = {seq_len}")
     fwd = sum(m.fwd_flops for m in graph.modules)
     return ModelFlops(3 * fwd, 0, samples, f"3 x the traced forward FLOPs ({fwd:.3g} per micro-batch)")
+
+
+def scale_flops(flops: ModelFlops, scale: float) -> ModelFlops:
+    """``flops`` for ``scale`` times the traced micro-batch (``SimOptions.batch_scale``)."""
+    if scale == 1.0:
+        return flops
+    return replace(flops, flops=flops.flops * scale, tokens=round(flops.tokens * scale),
+                   samples=max(1, round(flops.samples * scale)))
 
 
 def infer_model_flops(model: nn.Module, example_inputs: tuple[Any, ...] | Any, graph: ModelGraph) -> ModelFlops:

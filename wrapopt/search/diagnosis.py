@@ -6,6 +6,8 @@
   mesh, with no search.
 - ``both_syncs``: under gradient accumulation, the chosen plan scored with
   each sync mode.
+- ``assumptions_for``: what a prediction assumed, with the plan re-simulated
+  under the smallest plausible loss when the loss holds much of the peak.
 
 Each re-simulates with a ``Simulator`` of its own, on the fabric and compute of
 the one it is given; none searches.
@@ -13,8 +15,10 @@ the one it is given; none searches.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
+from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.cost.simulate import Simulator
 from wrapopt.fileio import fmt_bytes
 from wrapopt.search.baselines import baselines
@@ -23,7 +27,7 @@ from wrapopt.search.strategy import Scored
 from wrapopt.spec import SYNC_MODES, CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
 
-__all__ = ["knobs_sentence", "score_given", "both_syncs"]
+__all__ = ["knobs_sentence", "score_given", "both_syncs", "assumptions_for"]
 
 
 def _smallest_plan(graph: ModelGraph, mesh: MeshSpec) -> PlanSpec:
@@ -88,10 +92,25 @@ def score_given(graph: ModelGraph, sim: Simulator, spec: PlanSpec, budget: float
 def both_syncs(result: SearchResult, graph: ModelGraph, sim: Simulator, train: TrainConfig,
                budget: float | None) -> dict[str, CostEstimate]:
     """The search's choice simulated under each gradient sync mode (``SYNC_MODES``), on
-    ``sim``'s fabric and compute."""
+    ``sim``'s fabric, compute and batch scale."""
     plan = result.best.plan
     out = {}
     for mode in SYNC_MODES:
-        options = train.with_sync(mode).sim_options(memory_budget=budget)
+        options = train.with_sync(mode).sim_options(memory_budget=budget, batch_scale=sim.options.batch_scale)
         out[mode] = Simulator(graph, sim.fabric, sim.compute, options).simulate(plan)
     return out
+
+
+def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate: CostEstimate, *,
+                    memory_budget: float | None, source: str) -> Assumptions:
+    """The assumptions of ``sim``'s prediction for ``plan``; when the loss keeps a large share
+    of the peak, the plan re-simulated under the smallest plausible loss beside it
+    (See [Note: smallest plausible loss] in assumptions.py)."""
+    fields_ = dict(memory_budget=memory_budget, memory_budget_source=source, fabric=sim.fabric.name,
+                   fabric_kind=sim.fabric.kind, compute=sim.compute.device, compute_kind=sim.compute.kind)
+    stated = state_assumptions(graph, sim.options, peak_bytes=estimate.peak_bytes, **fields_)
+    if not stated.loss_is_large:
+        return stated
+    lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0)
+    lean_peak = Simulator(lean, sim.fabric, sim.compute, sim.options).simulate(plan).peak_bytes
+    return dataclasses.replace(stated, smallest_loss_peak_bytes=lean_peak)

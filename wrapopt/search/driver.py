@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
@@ -71,6 +71,8 @@ class SearchResult:
     # Per tensor-parallel degree tried (``--tp auto``): (degree, what became of it), in order.
     tp_tried: tuple[tuple[int, str], ...] = field(default=(), repr=False)
     blocks: tuple[str, ...] = ()  # the searched model's blocks (``ModelGraph.blocks``), to describe units by kind
+    # At a fixed global batch (search/batch.py): every micro-batch x accumulation split's ``BatchRow``.
+    batch_rows: tuple[Any, ...] = field(default=(), repr=False)
 
     @property
     def best_baseline(self) -> Scored | None:

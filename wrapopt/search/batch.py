@@ -1,0 +1,260 @@
+"""The global batch as the fixed quantity: the micro-batch and the accumulation chosen with the plan.
+
+[Note: global batch search] With ``global_batch`` N sequences per optimizer step, every
+tensor-parallel degree t asked for has ``dp = world / t`` data-parallel ranks, and every way to
+write ``N = micro_batch x accumulation x dp`` is a split (``batch_splits``). The simulator
+prices a split by ``SimOptions.batch_scale = micro_batch / (traced batch x t)`` (compute,
+saved activations, the working set and the loss all scale linearly with it; the tensor-parallel
+view multiplies it by t again: a group runs its data-parallel rank's micro-batch) and
+``grad_accumulation``; its step covers the whole global batch, so step times of different
+splits compare directly (tokens/s/GPU = N x seq / (step x world)). Scaling one trace is
+accurate: traced at batch 1 and scaled to 2 or 8, per-block plans of gpt-tiny and llama-7b
+land within 0.6% (step) and 0.2% (peak) of a trace at that batch, so no split retraces.
+
+The search runs in two passes, so that a dozen splits cost little more than one search:
+
+1. every split, smallest micro-batch first per degree: the smallest plan (one unit per block,
+   resharded and checkpointed) is simulated first; over the budget, no plan fits it nor any
+   larger micro-batch of that degree, and they are skipped. Otherwise a screen: the whole
+   search without the study, FSDP over the data-parallel ranks only (the shard group asked
+   for, if one is);
+2. the ``REFINE`` fastest splits of the screen get the whole search (every shard group, HSDP,
+   the study's trials shared out among them); the fastest fitting plan of those wins.
+
+Every split keeps a row (``BatchRow``) with its best step, for the report's table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import InfeasibleError
+from wrapopt.search.baselines import baselines
+from wrapopt.search.driver import SearchResult, search_plan
+from wrapopt.search.strategy import Scored, SearchOptions
+from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
+from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.train import TrainConfig
+from wrapopt.tp import TPSpec
+
+__all__ = ["BatchSplit", "BatchRow", "BatchSearch", "batch_splits", "check_global_batch", "batch_scale",
+           "search_batch", "global_batch_search", "score_splits", "train_for", "recorded_scale", "REFINE"]
+
+REFINE = 2  # splits that get the whole search after the screen: See [Note: global batch search]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class BatchSplit:
+    """One way to run a global batch: ``micro_batch x accumulation x dp_size`` sequences."""
+
+    tp_size: int  # tensor-parallel degree
+    micro_batch: int  # sequences per data-parallel rank (tensor-parallel group) per micro-batch
+    accumulation: int  # micro-batches per optimizer step
+    dp_size: int  # data-parallel ranks: the world over tp_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.dp_size
+
+    def describe(self) -> str:
+        tp = f", tp{self.tp_size}" if self.tp_size > 1 else ""
+        return f"{self.micro_batch} x {self.accumulation} x {self.dp_size} ranks{tp}"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """One split as the search left it: its best plan (None: nothing fits) and how far it was searched."""
+
+    split: BatchSplit
+    best: Scored | None
+    searched: str  # "whole search", "screen" or "skipped: ..." (See [Note: global batch search])
+    chosen: bool = False  # the split of the search's answer
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSearch:
+    """What ``search_batch`` returns: the winner's search, its split and every split's row."""
+
+    result: SearchResult  # the chosen split's search, with every split's row (``batch_rows``)
+    split: BatchSplit
+    rows: tuple[BatchRow, ...]
+    train: TrainConfig  # the training step at the chosen split (micro-batch, accumulation, global batch)
+    sim: Simulator  # the chosen split's simulator
+    notes: tuple[str, ...] = ()
+
+
+def batch_scale(micro_batch: int, traced_batch: int, tp_size: int = 1) -> float:
+    """``SimOptions.batch_scale`` of ``micro_batch`` sequences per data-parallel rank, for a
+    model traced at ``traced_batch``: See [Note: global batch search]."""
+    return micro_batch / (max(1, traced_batch) * tp_size)
+
+
+def batch_splits(global_batch: int, dp_sizes: dict[int, int], *, micro_batch: int | None = None,
+                 accumulation: int | None = None) -> tuple[BatchSplit, ...]:
+    """Every split of ``global_batch`` over ``dp_sizes`` (tensor-parallel degree -> data-parallel
+    ranks), sorted by degree then micro-batch; ``micro_batch`` or ``accumulation`` keeps only the
+    splits with that value."""
+    out = []
+    for tp, dp in sorted(dp_sizes.items()):
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        for m in range(1, per_rank + 1):
+            if per_rank % m == 0 and micro_batch in (None, m) and accumulation in (None, per_rank // m):
+                out.append(BatchSplit(tp, m, per_rank // m, dp))
+    return tuple(out)
+
+
+def check_global_batch(global_batch: int, dp_sizes: dict[int, int], *, micro_batch: int | None = None,
+                       accumulation: int | None = None) -> tuple[BatchSplit, ...]:
+    """``batch_splits``, or ValueError naming the nearest global batches that have a split."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"the global batch must be a positive integer (sequences per step), got {global_batch!r}")
+    splits = batch_splits(global_batch, dp_sizes, micro_batch=micro_batch, accumulation=accumulation)
+    if splits:
+        return splits
+    units = sorted({dp * (micro_batch or 1) * (accumulation or 1) for dp in dp_sizes.values()})
+    if micro_batch and accumulation:  # both fixed: exactly one global batch per degree
+        works = units
+    else:
+        works = [b for u in units for b in ((global_batch // u) * u, (global_batch // u + 1) * u) if b >= 1]
+    below = [b for b in works if b < global_batch]
+    above = [b for b in works if b > global_batch]
+    near = ([max(below)] if below else []) + ([min(above)] if above else [])
+    fixed = (f", micro-batch {micro_batch}" if micro_batch else "") + (
+        f", accumulation {accumulation}" if accumulation else "")
+    ranks = " or ".join(str(dp) for dp in sorted(set(dp_sizes.values())))
+    raise ValueError(f"global batch {global_batch} is not micro-batch x accumulation x data-parallel ranks "
+                     f"({ranks} data-parallel ranks{fixed}): it must be a multiple of "
+                     f"{' or '.join(map(str, units))}; the nearest that work are {' and '.join(map(str, near))}")
+
+
+def _smallest(graph: ModelGraph, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None) -> PlanSpec:
+    """One unit per block (every leaf without blocks), resharded and checkpointed, lifted to the degree."""
+    dp = dp_mesh(mesh, split.tp_size)
+    base = baselines(graph, dp)
+    plan = base.get("per-block") or base["every-leaf"]
+    plan = replace(plan, units=tuple(u if u.is_root else UnitSpec(u.modules, True, True) for u in plan.units))
+    return lift_plan(plan, split.tp_size, spec)
+
+
+def _sim(graph: ModelGraph, sim: Simulator, train: TrainConfig, split: BatchSplit, budget: float | None) -> Simulator:
+    t = replace(train, grad_accumulation=split.accumulation)
+    opts = t.sim_options(batch_scale=batch_scale(split.micro_batch, graph.batch_size, split.tp_size),
+                         memory_budget=budget)
+    return Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend)
+
+
+def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None,
+            budget: float | None, options: SearchOptions) -> SearchResult:
+    if options.storage:  # one study per split in the storage (a study's identity does not hold the batch)
+        stem = options.study_name or f"wrapopt-{graph.model_class}-w{mesh.world_size}"
+        options = replace(options, study_name=f"{stem}-tp{split.tp_size}-mb{split.micro_batch}-acc{split.accumulation}")
+    if split.tp_size == 1:
+        return search_plan(graph, sim, mesh, memory_budget=budget, options=options)
+    return search_tp(graph, sim, mesh, spec=spec, degrees=(split.tp_size,), memory_budget=budget, options=options)
+
+
+def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: TrainConfig,
+                 splits: Sequence[BatchSplit], spec: TPSpec | None, memory_budget: float | None,
+                 options: SearchOptions) -> BatchSearch:
+    """The fastest fitting plan and split of a fixed global batch (See [Note: global batch
+    search]); ``sim`` gives the fabric and compute, ``train`` the rest of the step, ``mesh``
+    the whole mesh without tensor parallelism. Raises ``InfeasibleError`` when no split fits."""
+    limit = float(memory_budget) if memory_budget else float("inf")
+    rows: dict[BatchSplit, BatchRow] = {}
+    sims: dict[BatchSplit, Simulator] = {}
+    too_big: dict[int, int] = {}  # degree -> the smallest micro-batch nothing fits
+    failed: list[str] = []
+    screen = replace(options, trials=0, progress=False, storage=None, study_name=None)
+    for split in sorted(splits, key=lambda s: (s.tp_size, s.micro_batch)):
+        if split.micro_batch >= too_big.get(split.tp_size, math.inf):
+            rows[split] = BatchRow(split, None, "skipped: a smaller micro-batch did not fit")
+            continue
+        s = sims[split] = _sim(graph, sim, train, split, memory_budget)
+        if s.simulate(_smallest(graph, mesh, split, spec)).peak_bytes > limit:
+            too_big[split.tp_size] = split.micro_batch
+            rows[split] = BatchRow(split, None, "skipped: one unit per block, checkpointed, does not fit")
+            continue
+        try:
+            fsdp = replace(screen, shard_sizes=options.shard_sizes or (split.dp_size,))  # FSDP over the dp ranks
+            res = _search(graph, s, mesh, split, spec, memory_budget, fsdp)
+            rows[split] = BatchRow(split, res.best, "screen")
+        except InfeasibleError as e:
+            failed.append(f"{split.describe()}: {e}")
+            too_big[split.tp_size] = split.micro_batch
+            rows[split] = BatchRow(split, None, "skipped: nothing fits")
+    ranked = sorted((r for r in rows.values() if r.best is not None), key=lambda r: r.best.estimate.step_s)
+    if not ranked:
+        raise InfeasibleError(failed[0] if failed else (
+            "no micro-batch x accumulation split of the global batch fits the memory budget, not even with one "
+            "unit per block, resharded and checkpointed, at micro-batch 1; a smaller global batch, more ranks, "
+            "or mixed precision"))
+    top = ranked[:REFINE]
+    whole = replace(options, trials=-(-options.trials // len(top)) if options.trials else 0)
+    results: dict[BatchSplit, SearchResult] = {}
+    for r in top:
+        res = _search(graph, sims[r.split], mesh, r.split, spec, memory_budget, whole)
+        results[r.split] = res
+        rows[r.split] = BatchRow(r.split, res.best, "whole search")
+    chosen = min(results, key=lambda sp: results[sp].best.estimate.step_s)
+    rows[chosen] = replace(rows[chosen], chosen=True)
+    order = tuple(sorted(rows.values(), key=lambda r: (r.split.tp_size, r.split.micro_batch)))
+    result = replace(results[chosen], batch_rows=order)
+    if len({s.tp_size for s in splits}) > 1:  # its rows compare one degree's plans; the splits compare degrees
+        result = replace(result, tp_rows=())
+    return BatchSearch(result=result, split=chosen, rows=order,
+                       train=train_for(train, chosen), sim=sims[chosen], notes=tuple(failed[:3]))
+
+
+def global_batch_search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: TrainConfig, global_batch: int,
+                        degrees: Sequence[int], spec: TPSpec | None, memory_budget: float | None,
+                        options: SearchOptions) -> BatchSearch:
+    """``search_batch`` over every split of ``global_batch`` for the tensor-parallel ``degrees``;
+    a micro-batch (``train.micro_batch``) or an accumulation above 1 given in ``train`` is kept.
+    A global batch with no split raises ValueError naming the nearest that work."""
+    dp_sizes = {d: mesh.world_size // d for d in degrees}
+    fixed = {"micro_batch": train.micro_batch,
+             "accumulation": train.grad_accumulation if train.grad_accumulation > 1 else None}
+    splits = check_global_batch(global_batch, dp_sizes, **fixed)
+    found = search_batch(graph, sim, mesh, train=train, splits=splits, spec=spec, memory_budget=memory_budget,
+                         options=options)
+    left = sorted(d for d in degrees if not any(s.tp_size == d for s in splits))
+    notes = tuple(f"tp{d}: global batch {global_batch} has no split over its {dp_sizes[d]} data-parallel ranks"
+                  for d in left)
+    return replace(found, notes=found.notes + notes)
+
+
+def score_splits(graph: ModelGraph, sim: Simulator, plan: PlanSpec, *, train: TrainConfig, global_batch: int,
+                 memory_budget: float | None) -> tuple[BatchSplit, Simulator, tuple[BatchRow, ...]]:
+    """A given plan at every split of ``global_batch`` on its mesh: the fastest that fits (the
+    smallest peak when none does), its simulator and every split's row (for ``wrapopt estimate``)."""
+    dp = plan.mesh.dp_size
+    fixed = {"micro_batch": train.micro_batch,
+             "accumulation": train.grad_accumulation if train.grad_accumulation > 1 else None}
+    splits = check_global_batch(global_batch, {plan.mesh.tp_size: dp}, **fixed)
+    limit = float(memory_budget) if memory_budget else float("inf")
+    rows, sims = [], {}
+    for split in splits:
+        s = sims[split] = _sim(graph, sim, train, split, memory_budget)
+        est = s.simulate(plan)
+        rows.append(BatchRow(split, Scored(plan, est, est.peak_bytes <= limit), "scored"))
+    fitting = [r for r in rows if r.best.fits]
+    pick = (min(fitting, key=lambda r: r.best.estimate.step_s) if fitting
+            else min(rows, key=lambda r: r.best.estimate.peak_bytes))
+    return pick.split, sims[pick.split], tuple(rows)
+
+
+def train_for(train: TrainConfig, split: BatchSplit) -> TrainConfig:
+    """``train`` at ``split``: its accumulation, micro-batch and global batch recorded."""
+    return replace(train, grad_accumulation=split.accumulation, micro_batch=split.micro_batch,
+                   global_batch=split.global_batch)
+
+
+def recorded_scale(graph: ModelGraph, train: TrainConfig, tp_size: int) -> float:
+    """``SimOptions.batch_scale`` of a training step that records its micro-batch (1.0 when it does not)."""
+    return batch_scale(train.micro_batch, graph.batch_size, tp_size) if train.micro_batch else 1.0
+
