@@ -30,9 +30,11 @@ def test_uniform_set_holds_every_grouping_with_each_choice_and_the_baselines():
     graph = zoo_graph("deep-narrow")
     plans = PLAN_SETS["uniform"](graph, MESH)
     labels = [p.label for p in plans]
-    # The baselines first, under their names; uniform-1 is per-block, so it is left out.
+    # The baselines first, under their names; uniform-1 is per-block and uniform-1,ckpt is
+    # per-block,ckpt, so they are left out.
     assert labels[:len(BASELINES)] == list(BASELINES)
-    assert len(labels) == len(set(labels)) == len(BASELINES) + 7 * 4 - 1 and "uniform-1" not in labels
+    assert len(labels) == len(set(labels)) == len(BASELINES) + 7 * 4 - 2
+    assert "uniform-1" not in labels and "uniform-1,ckpt" not in labels
     keys = [(p.units, p.mesh, p.forward_prefetch) for p in plans]
     ours = keys[len(BASELINES):]  # (size-1e8 and root-only are one plan on a model this small)
     assert len(set(ours)) == len(ours) and not set(ours) & set(keys[:len(BASELINES)])

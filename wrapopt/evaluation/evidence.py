@@ -31,7 +31,7 @@ from wrapopt.fileio import fmt_bytes
 
 __all__ = ["judge", "diagnose", "fmt_diagnosis", "format_judgement", "BASELINES", "CAUSES"]
 
-BASELINES = ("per-block", "size-1e8", "every-leaf", "root-only", "no-shard")
+BASELINES = ("per-block", "per-block,ckpt", "size-1e8", "every-leaf", "root-only", "no-shard")
 
 # What each diagnosis means, for the reports. See [Note: diagnosis].
 CAUSES = {
