@@ -40,7 +40,7 @@ def test_export_checkpointed_keep_units_is_exact(gpt_tiny):
     assert acc.exact
     assert acc.settings["fsdp_config"]["fsdp_reshard_after_forward"] is False
     assert acc.settings["fsdp_config"]["fsdp_activation_checkpointing"] is True
-    lit = export_plan(plan, to="lightning")
+    lit = export_plan(plan, to="lightning-fsdp1")
     assert lit.exact
     assert lit.settings["sharding_strategy"] == "SHARD_GRAD_OP"
     assert (lit.settings["auto_wrap_policy"] == lit.settings["activation_checkpointing_policy"]
@@ -56,14 +56,16 @@ def test_export_lists_what_it_loses(gpt_tiny):
     acc = export_plan(plan, to="accelerate")
     assert not acc.exact
     text = "\n".join(acc.losses)
-    assert "layers.0 + layers.1 becomes 2 units of one GPTBlock each" in text
-    assert "wte + lm_head (Embedding, Linear) is not wrapped" in text
+    assert "2 grouped unit(s) of 2 blocks (layers.0 + layers.1, layers.2 + layers.3) become one unit per block" in text
+    assert "fewer, larger all-gathers" in text  # what grouping bought, said
+    assert "units that are not blocks are not wrapped (wte + lm_head)" in text
     assert "reduce_dtype float32" in text and "prefetch" in text
     assert acc.settings["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "GPTBlock"
     assert acc.settings["mixed_precision"] == "bf16"
     assert "# LOSSES" in acc.text and all(f"#   - {x}" in acc.text for x in acc.losses)
-    lit = export_plan(plan, to="lightning")
-    assert any("becomes 2 units" in x for x in lit.losses)
+    lit = export_plan(plan, to="lightning-fsdp1")
+    assert any("layers.0 + layers.1 becomes 2 units of one GPTBlock each" in x for x in lit.losses)
+    assert any("wte + lm_head (Embedding, Linear) is not wrapped" in x for x in lit.losses)
     assert "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in lit.text
     assert "to_fsdp1_policy()" in lit.text  # the exact alternatives are named
     compile(lit.text, "lightning_export.py", "exec")
@@ -95,7 +97,7 @@ def test_export_root_only_and_no_shard(gpt_tiny):
     assert root.exact and root.settings["fsdp_config"]["fsdp_auto_wrap_policy"] == "NO_WRAP"
     ddp = export_plan(WrapPlan(spec=b["no-shard"], model=model_fingerprint(model)), to="accelerate")
     assert ddp.settings["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in ddp.settings
-    assert export_plan(WrapPlan(spec=b["no-shard"], model=model_fingerprint(model)), to="lightning").settings[
+    assert export_plan(WrapPlan(spec=b["no-shard"], model=model_fingerprint(model)), to="lightning-fsdp1").settings[
         "sharding_strategy"] == "NO_SHARD"
 
 
@@ -106,5 +108,5 @@ def test_export_of_an_old_plan_needs_the_model(gpt_tiny):
     with pytest.raises(PlanError, match="--model"):
         export_plan(plan, to="accelerate")
     assert export_plan(plan, to="accelerate", model=model).exact
-    with pytest.raises(ValueError, match="accelerate, lightning"):
+    with pytest.raises(ValueError, match="accelerate, lightning, lightning-fsdp2, lightning-fsdp1"):
         export_plan(plan, to="deepspeed", model=model)
