@@ -9,6 +9,7 @@ from tests.ranks import MESH2
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint, module_classes
 from wrapopt.interop.export import class_policy, export_plan
+from wrapopt.interop.policy import block_chains
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.baselines import baselines, make_plan
 from wrapopt.spec import ROOT, PlanSpec, UnitSpec
@@ -110,3 +111,51 @@ def test_export_of_an_old_plan_needs_the_model(gpt_tiny):
     assert export_plan(plan, to="accelerate", model=model).exact
     with pytest.raises(ValueError, match="accelerate, lightning, lightning-fsdp2, lightning-fsdp1"):
         export_plan(plan, to="deepspeed", model=model)
+
+
+def test_block_chains_read_from_the_plan_file_are_the_tracers(gpt_tiny, llama_tiny):
+    for model, _, graph in (gpt_tiny, llama_tiny):
+        fp = model_fingerprint(model)
+        assert block_chains(fp["module_classes"], list(fp["params"])) == graph.block_chains
+
+
+def _user_plan(graph, model) -> WrapPlan:
+    """The plan a user exported (issue 34): the embedding, each MLP (checkpointed) and each o_proj
+    as units, no block a unit. The closest class policy wrapped Embedding and the MLP class."""
+    units = [UnitSpec(("embed_tokens",), True)]
+    units += [UnitSpec((f"{b}.mlp",), True, True) for b in graph.blocks]
+    units += [UnitSpec((f"{b}.self_attn.o_proj",), True) for b in graph.blocks]
+    return WrapPlan(spec=PlanSpec((*units, UnitSpec((ROOT,), True)), MESH2), model=model_fingerprint(model))
+
+
+def test_accelerate_wraps_the_block_class_when_the_plan_cuts_inside_blocks(llama_tiny):
+    model, _, graph = llama_tiny
+    plan = _user_plan(graph, model)
+    old = class_policy(plan, module_classes(model), match_by_name=True)
+    assert {c.rsplit(".", 1)[-1] for c in old.classes} == {"Embedding", "SwiGLU"}  # what the user got
+    acc = export_plan(plan, to="accelerate")
+    fsdp = acc.settings["fsdp_config"]
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "LlamaBlock"
+    assert fsdp["fsdp_activation_checkpointing"] is False  # no block is checkpointed in the plan
+    text = "\n".join(acc.losses)
+    assert "12 sub-block unit(s) (layers.0.mlp, layers.1.mlp" in text and "become part of their block" in text
+    assert "units that are not blocks are not wrapped (embed_tokens)" in text
+    assert "checkpointing of units that are not blocks is lost (layers.0.mlp" in text
+
+
+def test_accelerate_checkpoints_the_blocks_only(llama_tiny):
+    model, _, graph = llama_tiny
+    units = [UnitSpec((b,), True, True) for b in graph.blocks] + [UnitSpec(("embed_tokens",), True, True)]
+    plan = WrapPlan(spec=PlanSpec((*units, UnitSpec((ROOT,), True)), MESH2), model=model_fingerprint(model))
+    acc = export_plan(plan, to="accelerate")
+    fsdp = acc.settings["fsdp_config"]
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "LlamaBlock"  # not Embedding: it would be checkpointed
+    assert fsdp["fsdp_activation_checkpointing"] is True
+    assert any("(embed_tokens)" in x and "not blocks" in x for x in acc.losses)
+
+
+def test_accelerate_names_the_blocks_the_plan_leaves_to_the_root(llama_tiny):
+    model, _, graph = llama_tiny
+    acc = export_plan(_plan(graph, model, list(graph.blocks[:4])), to="accelerate")
+    assert acc.settings["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaBlock"
+    assert any("also wraps 2 module(s) the plan leaves to a parent unit (layers.4, layers.5)" in x for x in acc.losses)
