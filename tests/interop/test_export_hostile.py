@@ -4,6 +4,7 @@ Lightning script or breaks out of its place in the Accelerate YAML (issue 33).""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 
 import pytest
@@ -38,6 +39,10 @@ def _calls(text: str) -> set[str]:
     return names
 
 
+# What the FSDP2 module calls, whatever the plan file says.
+_FSDP2_CALLS = {"ModelParallelStrategy", "getattr", "WrapPlan.load", "WrapPlan.load(PLAN_PATH).apply"}
+
+
 def _yaml_lines_ok(text: str) -> None:
     """Every line is a comment, blank, or `key: value` with a known key; none runs code."""
     for line in text.split("\n"):
@@ -59,6 +64,12 @@ def test_hostile_label_model_class_and_source_stay_in_comments(gpt_tiny, tmp_pat
     plan = _load(tmp_path, data)
     lit = export_plan(plan, to="lightning-fsdp1", source="p.json" + EVIL)
     assert _calls(lit.text) == {"FSDPStrategy"}
+    fsdp2 = export_plan(plan, to="lightning", source="p.json" + EVIL)
+    assert _calls(fsdp2.text) == _FSDP2_CALLS
+    if importlib.util.find_spec("lightning") is not None:  # run it: the path is a string, nothing more
+        namespace: dict = {}
+        exec(compile(fsdp2.text, "planned.py", "exec"), namespace)
+        assert namespace["PLAN_PATH"] == "p.json" + EVIL
     acc = export_plan(plan, to="accelerate", source="p.json" + EVIL)
     _yaml_lines_ok(acc.text)
     assert "os.system" in acc.text and "\\n" in acc.text  # still said, escaped
@@ -87,6 +98,7 @@ def test_hostile_module_names_stay_in_comments(gpt_tiny, tmp_path):
     plan = _load(tmp_path, data)
     lit = export_plan(plan, to="lightning-fsdp1")
     assert not lit.exact and _calls(lit.text) == {"FSDPStrategy"}
+    assert _calls(export_plan(plan, to="lightning").text) == _FSDP2_CALLS
     _yaml_lines_ok(export_plan(plan, to="accelerate").text)
 
 
