@@ -1,4 +1,4 @@
-"""``wrapopt export PLAN --to accelerate|lightning`` (cli/export.py)."""
+"""``wrapopt export PLAN --to accelerate|lightning|lightning-fsdp1`` (cli/export.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,18 @@ def test_export_command(gpt_tiny, tmp_path, capsys):
     assert _cli(["export", str(exact), "--to", "accelerate", "--out", str(tmp_path / "acc.yaml")]) == 0
     assert "fsdp_transformer_layer_cls_to_wrap: GPTBlock" in (tmp_path / "acc.yaml").read_text()
     capsys.readouterr()
-    assert _cli(["export", str(lossy), "--to", "lightning"]) == 0
+    assert _cli(["export", str(lossy), "--to", "lightning-fsdp1"]) == 0
     cap = capsys.readouterr()
     assert "auto_wrap_policy={GPTBlock}" in cap.out and "does not reproduce the plan exactly" in cap.err
+    for to in ("lightning", "lightning-fsdp2"):  # FSDP2: the plan itself, exact
+        assert _cli(["export", str(lossy), "--to", to]) == 0
+        cap = capsys.readouterr()
+        assert "ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)" in cap.out
+        assert f"PLAN_PATH = {str(lossy)!r}" in cap.out and not cap.err
+    assert _cli(["export", str(lossy), "--to", "accelerate", "--out", str(tmp_path / "lossy.yaml")]) == 0
+    err = capsys.readouterr().err  # what the export loses: grouping, in the CLI's lines and in the file
+    assert "become one unit per block" in err and "fewer, larger all-gathers" in err
+    assert "#   - 2 grouped unit(s) of 2 blocks" in (tmp_path / "lossy.yaml").read_text()
     assert _cli(["export", str(lossy), "--to", "accelerate", "--strict", "--out", str(tmp_path / "no.yaml")]) == 1
     assert not (tmp_path / "no.yaml").exists()
     assert _cli(["export", str(lossy), "--to", "accelerate", "--json"]) == 0

@@ -4,6 +4,7 @@ Lightning script or breaks out of its place in the Accelerate YAML (issue 33).""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 
 import pytest
@@ -38,6 +39,10 @@ def _calls(text: str) -> set[str]:
     return names
 
 
+# What the FSDP2 module calls, whatever the plan file says.
+_FSDP2_CALLS = {"ModelParallelStrategy", "getattr", "WrapPlan.load", "WrapPlan.load(PLAN_PATH).apply"}
+
+
 def _yaml_lines_ok(text: str) -> None:
     """Every line is a comment, blank, or `key: value` with a known key; none runs code."""
     for line in text.split("\n"):
@@ -57,8 +62,14 @@ def test_hostile_label_model_class_and_source_stay_in_comments(gpt_tiny, tmp_pat
     data["label"] = "dp" + EVIL
     data["model"]["class"] = "GPT" + EVIL
     plan = _load(tmp_path, data)
-    lit = export_plan(plan, to="lightning", source="p.json" + EVIL)
+    lit = export_plan(plan, to="lightning-fsdp1", source="p.json" + EVIL)
     assert _calls(lit.text) == {"FSDPStrategy"}
+    fsdp2 = export_plan(plan, to="lightning", source="p.json" + EVIL)
+    assert _calls(fsdp2.text) == _FSDP2_CALLS
+    if importlib.util.find_spec("lightning") is not None:  # run it: the path is a string, nothing more
+        namespace: dict = {}
+        exec(compile(fsdp2.text, "planned.py", "exec"), namespace)
+        assert namespace["PLAN_PATH"] == "p.json" + EVIL
     acc = export_plan(plan, to="accelerate", source="p.json" + EVIL)
     _yaml_lines_ok(acc.text)
     assert "os.system" in acc.text and "\\n" in acc.text  # still said, escaped
@@ -70,7 +81,7 @@ def test_hostile_class_name_is_refused_naming_the_field(gpt_tiny, tmp_path):
     key = next(k for k in classes if k.endswith("GPTBlock"))
     classes[key + EVIL] = classes.pop(key)
     plan = _load(tmp_path, data)
-    for to in ("lightning", "accelerate"):
+    for to in ("lightning-fsdp1", "lightning", "accelerate"):
         with pytest.raises(PlanError, match="module_classes") as e:
             export_plan(plan, to=to)
         assert "\n" not in str(e.value)
@@ -85,8 +96,9 @@ def test_hostile_module_names_stay_in_comments(gpt_tiny, tmp_path):
     # a grouped unit names its modules in the LOSSES section
     data["units"] = [{"modules": [evil, "layers.1"]}, *data["units"][2:]]
     plan = _load(tmp_path, data)
-    lit = export_plan(plan, to="lightning")
+    lit = export_plan(plan, to="lightning-fsdp1")
     assert not lit.exact and _calls(lit.text) == {"FSDPStrategy"}
+    assert _calls(export_plan(plan, to="lightning").text) == _FSDP2_CALLS
     _yaml_lines_ok(export_plan(plan, to="accelerate").text)
 
 
@@ -98,6 +110,6 @@ def test_legitimate_plan_exports_unchanged(gpt_tiny):
     assert "  fsdp_transformer_layer_cls_to_wrap: GPTBlock\n" in acc.text
     assert "mixed_precision: 'no'\n" in acc.text
     assert f"# written by `wrapopt export`" in acc.text and "for GPT on 2 ranks" in acc.text
-    lit = export_plan(plan, to="lightning")
+    lit = export_plan(plan, to="lightning-fsdp1")
     assert "from wrapopt.models.zoo import GPTBlock\n" in lit.text and "auto_wrap_policy={GPTBlock}" in lit.text
     assert _calls(lit.text) == {"FSDPStrategy"}

@@ -129,7 +129,7 @@ def test_a_tp_plan_for_a_class_the_model_lacks_is_refused():
 def test_fsdp1_and_the_interop_exports_refuse_a_tp_plan(llama_plan, llama_tiny):
     with pytest.raises(PlanError, match="does not support FSDP1 \\+ tensor parallelism"):
         llama_plan.to_fsdp1_policy()
-    for target in ("accelerate", "lightning"):
+    for target in ("accelerate", "lightning", "lightning-fsdp1"):
         with pytest.raises(PlanError, match=f"cannot export to {target}"):
             export_plan(llama_plan, to=target)
 

@@ -1,4 +1,4 @@
-"""``wrapopt export``: a plan as an Accelerate config or a Lightning FSDPStrategy."""
+"""``wrapopt export``: a plan as an Accelerate config or a Lightning strategy (FSDP2 or FSDP1)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt export`` to the CLI's sub-commands; it runs ``run``."""
-    p = subparsers.add_parser("export", help="write a plan as an Accelerate config or a Lightning FSDPStrategy",
+    p = subparsers.add_parser("export", help="write a plan as an Accelerate config or a Lightning strategy",
                               description="Write the configuration Accelerate or Lightning reads for a plan; "
                                           "what the tool cannot express is listed under LOSSES.")
     p.add_argument("plan", help="a plan file (wrapopt search --out)")
-    p.add_argument("--to", required=True, choices=TARGETS)
+    p.add_argument("--to", required=True, choices=TARGETS,
+                   help="accelerate: a config for `accelerate launch --config_file` (FSDP2, wraps the block class); "
+                        "lightning (= lightning-fsdp2): a module with ModelParallelStrategy whose configure_model "
+                        "applies the plan itself; lightning-fsdp1: an FSDPStrategy wrapping the closest classes")
     p.add_argument("--out", default=None, help="write here (default: print to stdout)")
     p.add_argument("--model", default=None,
                    help="the planned MODEL (zoo:NAME, package.module:callable, hf:config.json); needed only for "
