@@ -8,7 +8,9 @@ import os
 from typing import Any
 
 from wrapopt.api import estimate
-from wrapopt.cli.options import add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args
+from wrapopt.cli.options import (
+    add_mesh_arguments, add_model_arguments, add_train_arguments, fabric_from_args, train_from_args,
+)
 from wrapopt.models.sources import resolve_model
 from wrapopt.report.estimate import format_estimate
 from wrapopt.search.baselines import BASELINE_NAMES
@@ -30,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
         train = None
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     report = estimate(src.build("meta"), src.inputs, plan=args.plan, world_size=args.world_size,
-                      gpus_per_node=args.gpus_per_node, fabric=args.fabric, compute=args.compute, train=train,
-                      checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
+                      gpus_per_node=args.gpus_per_node, fabric=fabric_from_args(args), compute=args.compute,
+                      train=train, checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
                       rescale_fabric=args.rescale_fabric, name=args.model)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))

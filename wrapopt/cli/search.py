@@ -12,8 +12,8 @@ from typing import Any
 
 from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
                          resolve_fabric)
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, mesh_from_args,
-                                 train_from_args)
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, fabric_from_args,
+                                 mesh_from_args, train_from_args)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()  # before the search, not after it
         os.makedirs(args.plot, exist_ok=True)
-    fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
+    fabric = resolve_fabric(fabric_from_args(args), world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     model = src.build("meta")
