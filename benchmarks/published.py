@@ -4,13 +4,15 @@ Every row of MosaicML llm-foundry's MPT throughput tables (A100 40 GB, A100
 80 GB; H100 80 GB in its own section), read at run time from
 ``../shared/published/llm_foundry.md``: the MPT of the row built on meta and
 checked against its NumParams, traced, and simulated with the plan the row
-ran on the hardware's stated numbers (See [Note: a published row as a
-simulation] in ``published_predict.py``). One efficiency constant per GPU type
-is fitted on every other row of that type, in the order the tables list them;
-the other half is the held-out check. Then wrapopt's own search on each
-row's hardware and memory budget, against the row's per-block plan.
+ran on the shipped GPU and network presets, exactly as ``wrapopt estimate``
+runs it (See [Note: a published row as a simulation] in
+``published_predict.py``). The presets' two constants per GPU type were fitted
+on every other row of that type, in the order the tables list them
+(``--refit`` fits them again and shows them beside the shipped ones); the other
+half is the held-out check. Then wrapopt's own search on each row's hardware
+and memory budget, against the row's per-block plan.
 
-    python -m benchmarks.published [--source PATH] [--out results/published.md] [--no-search]
+    python -m benchmarks.published [--source PATH] [--out results/published.md] [--no-search] [--refit]
 
 Meta device only: no GPU, no weights. Predicted figures are the simulator's.
 """
@@ -326,7 +328,7 @@ def _method(effs: dict[str, tuple]) -> list[str]:
 
 def _h100_sensitivity(preds: list[Prediction], sens: dict) -> list[str]:
     out = ["## H100: sensitivity to the inter-node bandwidth (not a fit)", "",
-           "Same efficiency constant; only the inter-node link changes (per GPU, ~80% achieved). Single-node rows "
+           "Same presets; only the inter-node link changes (per GPU, ~80% achieved). Single-node rows "
            "do not depend on it.", "",
            "| inter-node per GPU | all rows: median error | max | Spearman | multi-node rows: median pred/pub | max "
            "error |",
