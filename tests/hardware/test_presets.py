@@ -86,3 +86,14 @@ def test_stated_file_with_a_missing_or_negative_field_names_it_and_its_unit(tmp_
     path.write_text(json.dumps(nested))
     with pytest.raises(ProfileError, match=r"inter_node: field 'bandwidth_bytes_per_s' \(bytes/s"):
         resolve_fabric(str(path), world_size=8, ranks_per_node=8)
+
+
+def test_gpu_and_network_flags_name_a_pair_and_refuse_unknown_names() -> None:
+    assert fabric_name(fabric=None, gpu="a100", network=None) == "a100"
+    assert fabric_name(fabric="x.json", gpu=None, network=None) == "x.json"
+    with pytest.raises(ProfileError, match="h100-nvl"):
+        fabric_name(fabric=None, gpu="b200", network="ib400")
+    with pytest.raises(ProfileError, match="roce400"):
+        fabric_name(fabric=None, gpu="h100", network="ib300")
+    with pytest.raises(ProfileError, match="not both"):
+        fabric_name(fabric="h100-nvlink-ib400", gpu="h100", network=None)

@@ -9,7 +9,7 @@ import os
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import read_json
 from wrapopt.hardware.measure_device import measure_compute
-from wrapopt.hardware.catalog import GPU_ALIASES, GPU_FORMAT, GPUS
+from wrapopt.hardware.catalog import GPU_ALIASES, GPU_FORMAT, GPUS, find_gpu, network_links
 from wrapopt.hardware.presets import (
     ANALYTICAL_FABRICS,
     ANALYTICAL_FORMAT,
@@ -62,6 +62,10 @@ def fabric_name(*, fabric: str | None, gpu: str | None, network: str | None) -> 
         return fabric
     if fabric is not None:
         raise ProfileError("give --fabric, or --gpu and --network, not both")
+    if gpu is not None and not os.path.exists(gpu):
+        find_gpu(gpu)  # an unknown name: the error lists the GPU presets
+    if network is not None and not os.path.exists(network):
+        network_links(network, None)  # likewise the network presets
     return f"{gpu or 'h100-sxm'}+{network}" if network else gpu
 
 
