@@ -312,12 +312,12 @@ def _method(effs: dict[str, tuple]) -> list[str]:
              "them: " + "; ".join(f"{s.name}: {s.source}" for s in GPUS.values()) + ". The A100 tables' 1600 Gb/s per "
              "node of 8 is `ib200`; the H100 tables state no interconnect (`ib400`, see the sensitivity table).",
              "- **Compute**: the kernel roofline ([Note: kernel roofline] in `wrapopt/cost/roofline.py`): each "
-             "forward matmul max(FLOPs / (achievable tensor-core rate x wave occupancy), A+B+C bytes / HBM at 80%), "
+             "forward matmul FLOPs / (achievable tensor-core rate x wave occupancy) + A+B+C bytes / HBM at 80%, "
              "attention as the fused causal kernel runs it (half the formula's FLOPs) at its own rate, memory-bound "
              "ops at HBM 80%; backward at the forward's effective rates.",
              "- **Fitted** (in the presets, not here): two constants per GPU type, the GEMM and the attention "
              "fraction of peak, on the fit rows (the 1st, 3rd, 5th, ... usable row of that GPU type in the tables' "
-             "order; held-out: the 2nd, 4th, ...): for each attention fraction of a grid (0.25-0.60 by 0.05) the GEMM "
+             "order; held-out: the 2nd, 4th, ...): for each attention fraction of a grid (0.20-0.45 by 0.05) the GEMM "
              "fraction at which the fit rows' median pred/pub is 1 (bisection), then the pair with the least median "
              "|error| on the fit rows (`--refit` reruns it). Shipped: " +
              ", ".join(f"{GPUS[g].name} {e[0].matmul_fraction:.3f} / {e[0].attention_fraction:.3f}"
@@ -385,20 +385,20 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
                 _split(ps, lambda p: p.exposed_share > 0.1, "exposed comm > 10% of step", "<= 10%") + "; " +
                 _split(ps, lambda p: p.row.num_gpus > 8, "multi-node", "single node") + "."]
     out += ["", "Reading these splits (the same on every GPU type unless said):", "",
-            "- **Checkpointing**: the simulator charges a checkpointed block one more forward (FSDP1's non-reentrant "
-            "`checkpoint_wrapper` recomputes the whole block); the published checkpointed rows ran as if the recompute "
-            "cost about half of that. The recompute model is the general FSDP semantics and no cause in the simulator "
-            "was found; correcting it per row class would be a second fitted constant, so it is left as the largest "
-            "systematic miss.",
-            "- **Attention**: the tracer counts attention FLOPs with PyTorch's non-causal formula (as llm-foundry's "
-            "MFU does); causal kernels skip the masked half, so at one efficiency the model assumes attention runs at "
-            "half the GEMMs' rate on the work it does. That holds within a few per cent on A100 (Triton "
-            "FlashAttention); on H100 attention-heavy rows are predicted faster than published (the 2023 attention "
-            "kernels reach a smaller share of H100 peak than its GEMMs).",
-            "- **Memory-bound ops** (norms, GELU, residual adds, the loss; [Note: memory-bound ops]): added by this "
-            "benchmark; without them small models were predicted 20-35% too fast at one efficiency. The smallest "
-            "model (125m, d = 768) is still predicted too fast: GEMMs with a 768-wide dimension run below the fitted "
-            "efficiency, and FSDP1's per-unit Python work is more than the analytical 20 us per unit.",
+            "- **Checkpointing** (the term named for the checkpointed rows' bias, and for most of the >= 7B rows', "
+            "which nearly all checkpoint): the simulator charges a checkpointed block one whole forward again. "
+            "torch's non-reentrant checkpoint (FSDP1's `checkpoint_wrapper` in these rows, and FSDP2's) stops the "
+            "recompute once the last saved tensor is repacked (early stop): a block's last matmul, which saves only "
+            "its input, and the residual add after it are not re-run, about a third of an MPT block's matmul FLOPs. "
+            "Not modelled yet; it is general (not a per-row constant), and the next change to make.",
+            "- **GEMM shape**: every matmul is priced from its shape ([Note: kernel roofline] in "
+            "`wrapopt/cost/roofline.py`): FLOPs at the fitted tensor-core rate with wave quantization, plus its "
+            "A+B+C bytes at HBM; the narrow GEMMs of the 125m-760m models pay for their bytes, the 4096+-wide ones "
+            "barely. The GEMM share of each row's compute is in the row tables.",
+            "- **Attention**: priced as the fused causal kernel runs it (half the formula's FLOPs) at the preset's "
+            "fitted attention fraction of peak; the long-sequence rows (attention > 30% of compute) test it.",
+            "- **Memory-bound ops** (norms, GELU, residual adds, the loss; [Note: memory-bound ops]) at HBM 80%; "
+            "FSDP1's per-unit Python work may be more than the analytical 20 us per unit on the smallest models.",
             "- **Inter-node collectives**: rings that span nodes are now modelled over all the node's NICs "
             "([Note: multi-rail rings], added by this benchmark); the table below gives every multi-node row under the "
             "old one-NIC-per-ring model and the new one. The rows that moved most are the communication-bound ones "

@@ -308,7 +308,7 @@ def refit(predictor: Predictor, rows: list[PublishedRow], gpu: GpuPreset, *, tie
 
     if tied:
         return bisect(None)
-    return min((bisect(a) for a in (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)), key=err)
+    return min((bisect(a) for a in (0.2, 0.25, 0.3, 0.35, 0.4, 0.45)), key=err)
 
 
 def errors_of(preds: list[Prediction]) -> dict[str, Any]:

@@ -5,14 +5,20 @@ shape, not by one efficiency for all FLOPs (``module_time`` in ``calls.py``
 uses it when the profile states ``matmul_flops_per_s``; measured profiles keep
 FLOPs / their measured rate):
 
-- **Matmul** (mm, addmm, bmm, grouped): ``max(FLOPs / (R x waves), bytes / BW)``,
-  a roofline. ``R`` is the GPU's achievable tensor-core rate (peak in the compute
-  dtype x the preset's fitted GEMM fraction), ``BW`` the achieved HBM bandwidth,
-  bytes = the elements of A, B and C at the compute dtype (each read or written
-  once; the tiles' re-reads hit L2). ``waves`` is wave quantization: a GEMM of
-  ``t`` output tiles of 128 x 128 on ``s`` multiprocessors runs ``ceil(t / s)``
-  waves, busy ``t / (s ceil(t / s))`` of the time; it matters for few tiles (a
-  768-wide layer at a small micro-batch) and vanishes for many.
+- **Matmul** (mm, addmm, bmm, grouped): ``FLOPs / (R x waves) + bytes / BW``, a
+  roofline made smooth by adding its two terms instead of taking the larger.
+  ``R`` is the GPU's achievable tensor-core rate (peak in the compute dtype x
+  the preset's fitted GEMM fraction), ``BW`` the achieved HBM bandwidth, bytes =
+  the elements of A, B and C at the compute dtype (each read or written once;
+  the tiles' re-reads hit L2). The sum charges what a kernel does not hide of
+  its loads behind its math: nearly nothing for a wide GEMM (d = 4096: the bytes
+  term is ~5% of the FLOPs term), a quarter for a 768-wide one, whose few
+  k-steps leave the pipeline's fill and drain exposed; the max (the strict
+  roofline) had left the 125m-760m rows 17-32% too fast. ``waves`` is wave
+  quantization: a GEMM of ``t`` output tiles of 128 x 128 on ``s``
+  multiprocessors runs ``ceil(t / s)`` waves, busy ``t / (s ceil(t / s))`` of
+  the time; it matters for few tiles (a 768-wide layer at a small
+  micro-batch) and vanishes for many.
 - **Attention** runs as one fused kernel (FlashAttention / SDPA): its FLOPs as it
   runs them (causal: half of the formula's, the masked blocks are skipped) at a
   rate of its own, the peak x the preset's fitted attention fraction.
@@ -45,7 +51,7 @@ def _matmul_s(m: ModuleInfo, compute: ComputeProfile, elem_bytes: int | None) ->
     t = flops = 0.0
     for f, elements, size, tiles, calls in m.matmuls:
         busy = tiles / (sms * math.ceil(tiles / sms)) if tiles and sms else 1.0
-        t += calls * max(f / (rate * busy), elements * (elem_bytes or size) / bw)
+        t += calls * (f / (rate * busy) + elements * (elem_bytes or size) / bw)  # the smoother: a sum
         flops += calls * f
     return t, flops
 
