@@ -299,13 +299,13 @@ def _method(effs: dict[str, tuple]) -> list[str]:
     lines = ["## Method", "",
              "- **Model**: llm-foundry's MPT of each size (shapes table of the source; vocabulary 50368 from its "
              "text), learned position embeddings, tied head, LayerNorm, fused Wqkv, GELU MLP of 4d, biases; built on "
-             "the meta device in bf16; its parameter count must equal the row's NumParams exactly "
-             "(`benchmarks/published_rows.py`).",
+             "the meta device in fp32 (FSDP2's shards; the model a user gives `wrapopt estimate`); its parameter "
+             "count must equal the row's NumParams exactly (`benchmarks/published_rows.py`).",
              "- **Trace**: `wrapopt.trace.trace_model` at the row's micro-batch and sequence, with llm-foundry's fused "
-             "cross-entropy (its default loss); parameters then counted as fp32 master weights.",
+             "cross-entropy (its default loss); activations then in bf16 by `--precision` ([Note: compute dtype]).",
              "- **Plan**: the one the row ran: one unit per MPT block plus the root, FULL_SHARD = reshard after "
              "forward, SHARD_GRAD_OP = keep, every block checkpointed where the row says AC, FSDP over all GPUs.",
-             "- **Step**: AdamW; bf16 gathered parameters; gradient reduction in fp32 (DEFAULT) or bf16 (PURE); "
+             "- **Step**: AdamW; `--precision bf16` (DEFAULT: fp32 reduction) or `bf16-pure` (PURE); "
              "gradient accumulation as Composer runs it with FSDP (every micro-batch reduce-scatters; one optimizer "
              "step): step = GA x (simulated forward + backward) + optimizer.",
              "- **Hardware**: the shipped presets, exactly as `wrapopt estimate --gpu G --network N` resolves "
