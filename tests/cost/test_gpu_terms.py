@@ -64,8 +64,8 @@ def test_op_bandwidth_adds_time_and_zero_keeps_the_old_model():
 
 def test_module_overhead_is_per_call_not_per_sample():
     g = _graph()
-    comp = dataclasses.replace(analytical_compute(), flops_per_s=1e30, op_bandwidth_bytes_per_s=0.0,
-                               module_overhead_s=1e-3)
+    comp = dataclasses.replace(analytical_compute(), flops_per_s=1e30, matmul_flops_per_s=0.0,
+                               op_bandwidth_bytes_per_s=0.0, module_overhead_s=1e-3)
     units = baselines(g, MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))["root-only"].units
     one = Layouts(g, comp, SimOptions(batch_scale=1.0)).build(units)
     many = Layouts(g, comp, SimOptions(batch_scale=64.0)).build(units)

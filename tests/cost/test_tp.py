@@ -11,6 +11,7 @@ from wrapopt import zoo
 from wrapopt.cost.simulate import Simulator
 from wrapopt.cost.tp import tp_view
 from wrapopt.errors import PlanError
+from wrapopt.cost.calls import module_time
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import SearchOptions
@@ -50,11 +51,9 @@ def test_view_splits_what_tp_splits(llama):
     # Time: the split modules take half, plus the block's all-reduces on the critical path.
     times = {f: (a, b) for f, a, b in comp.module_times}
     ar = fabric.collective_s("all_reduce", 2, 2, o0.output_bytes)[0]
-    f0 = (o0.fwd_flops / compute.flops_per_s + o0.fwd_bytes / compute.op_bandwidth_bytes_per_s
-          + compute.module_overhead_s)
+    f0 = module_time(o0, compute, 1.0, {})[0]  # the kernel roofline of the whole module ([Note: kernel roofline])
     assert times["layers.0.self_attn.o_proj"][0] == pytest.approx(f0 / 2 + ar, rel=1e-9)
-    b0 = (q0.bwd_flops / compute.flops_per_s + q0.bwd_bytes / compute.op_bandwidth_bytes_per_s
-          + compute.module_overhead_s)
+    b0 = module_time(q0, compute, 1.0, {})[1]
     ar_in = fabric.collective_s("all_reduce", 2, 2, q0.input_bytes)[0]
     assert times["layers.0.self_attn.q_proj"][1] == pytest.approx(b0 / 2 + ar_in, rel=1e-9)
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from wrapopt.api import estimate
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, train_from_args,
-                                 with_global_batch)
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, fabric_from_args,
+                                 train_from_args, with_global_batch)
 from wrapopt.errors import OptionError
 from wrapopt.models.sources import resolve_model
 from wrapopt.report.estimate import format_estimate
@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         train = None
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     report = estimate(src.build("meta"), src.inputs, plan=args.plan, world_size=args.world_size,
-                      gpus_per_node=args.gpus_per_node, fabric=args.fabric, compute=args.compute, train=train,
+                      gpus_per_node=args.gpus_per_node, fabric=fabric_from_args(args), compute=args.compute,
+                      train=train,
                       checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
                       rescale_fabric=args.rescale_fabric, name=args.model, global_batch=args.global_batch)
     report = replace(report, notes=(*src.notes, *report.notes))

@@ -9,12 +9,13 @@ from dataclasses import replace
 
 from wrapopt.api import default_mesh
 from wrapopt.checks import MAX_SEED
+from wrapopt.hardware.resolve import fabric_name
 from wrapopt.spec import MeshSpec
 from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 
 __all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args",
            "add_model_arguments", "positive_int", "count_int", "positive_float", "tp_degree", "seed_int",
-           "local_ranks", "with_global_batch"]
+           "local_ranks", "with_global_batch", "fabric_from_args"]
 
 
 # argparse ``type=`` functions: argparse prefixes their message with "argument --name: ", so every
@@ -101,12 +102,24 @@ def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = Tru
     p.add_argument("--fabric", default=None,
                    help="a measured fabric profile (JSON), a file of stated numbers (`wrapopt fabric --template`), "
                         "or a built-in analytical fabric (`wrapopt fabric --list`; default h100-nvlink-ib400)")
+    p.add_argument("--gpu", default=None,
+                   help="a GPU preset (a100-40gb-sxm, a100-80gb-sxm, h100-sxm, h100-nvl, h200; `wrapopt fabric "
+                        "--list`) or a file of stated numbers (`wrapopt fabric --template-gpu`); instead of --fabric")
+    p.add_argument("--network", default=None,
+                   help="a network preset: between nodes ib800, ib400, ib200, ib100, roce400, roce200, eth100 (inside: "
+                        "the GPU's NVLink), or INSIDE-BETWEEN (nvlink4-ib400, pcie5-roce200), or a file of stated "
+                        "numbers (`wrapopt fabric --template-network`)")
     p.add_argument("--compute", default=None, help="compute profile JSON (default: the fabric's stated device, "
                                                    "computing in the --precision dtype)")
     p.add_argument("--memory", default=None,
                    help="per-rank budget: bytes, 80GiB, 80GB, auto or none (default auto: 90%% of the device's "
                         "capacity when it is known; none: no limit)")
     p.add_argument("--rescale-fabric", action="store_true", help="allow a measured profile from another mesh, rescaled")
+
+
+def fabric_from_args(args: argparse.Namespace) -> str | None:
+    """``--fabric``, or the ``GPU+NETWORK`` fabric that ``--gpu`` and ``--network`` name."""
+    return fabric_name(fabric=args.fabric, gpu=args.gpu, network=args.network)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
                          resolve_fabric)
 from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, count_int,
-                                 mesh_from_args, positive_float, positive_int, seed_int, tp_degree,
+                                 fabric_from_args, mesh_from_args, positive_float, positive_int, seed_int, tp_degree,
                                  train_from_args, with_global_batch)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()  # before the search, not after it
         os.makedirs(args.plot, exist_ok=True)
-    fabric = resolve_fabric(args.fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
+    fabric = resolve_fabric(fabric_from_args(args), world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     notes = [*src.notes, *notes]

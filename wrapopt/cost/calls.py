@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from wrapopt.cost.roofline import kernel_times
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.units import ancestors
@@ -72,17 +73,22 @@ def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece
 def module_time(m: ModuleInfo, compute: ComputeProfile, scale: float,
                 measured: dict[str, tuple[float, float]] | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one module's own ops over all its calls at batch ``scale``:
-    the profile's measured time when it has module times, else FLOPs / throughput + bytes of
+    the profile's measured time when it has module times, else each kernel priced from its shape
+    on a stated GPU ([Note: kernel roofline] in roofline.py) or FLOPs / throughput, + bytes of
     memory-bound ops / op bandwidth, + a per-call overhead."""
     if measured is None:
         measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
     if measured:
         f, b = measured.get(m.fqn, (0.0, 0.0))
         return f * scale, b * scale
-    f, b = m.fwd_flops / compute.flops_per_s, m.bwd_flops / compute.flops_per_s
-    if compute.op_bandwidth_bytes_per_s:  # See [Note: memory-bound ops] in trace/op_bytes.py
-        f += m.fwd_bytes / compute.op_bandwidth_bytes_per_s
-        b += m.bwd_bytes / compute.op_bandwidth_bytes_per_s
+    if compute.matmul_flops_per_s:  # a stated GPU: See [Note: kernel roofline] in roofline.py
+        times = kernel_times(m, compute).values()
+        f, b = sum(t[0] for t in times), sum(t[1] for t in times)
+    else:
+        f, b = m.fwd_flops / compute.flops_per_s, m.bwd_flops / compute.flops_per_s
+        if compute.op_bandwidth_bytes_per_s:  # See [Note: memory-bound ops] in trace/op_bytes.py
+            f += m.fwd_bytes / compute.op_bandwidth_bytes_per_s
+            b += m.bwd_bytes / compute.op_bandwidth_bytes_per_s
     # The per-call overhead is paid once per call, whatever the batch.
     oh = compute.module_overhead_s * m.num_calls
     return f * scale + oh, b * scale + oh

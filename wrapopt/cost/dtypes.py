@@ -9,7 +9,8 @@ parameters cast to ``param_dtype`` and its floating-point inputs are cast too
 module output is ``param_dtype``; the model's output is ``output_dtype`` when
 one is given. ``in_compute_dtype`` rescales the graph's activation figures by
 (bytes of that dtype) / (bytes of the traced one) before any layout is built:
-parameters, gradients and optimizer state keep their storage dtype, and time
+parameters, gradients and optimizer state keep their storage dtype; the bytes of
+memory-bound ops scale the same way (their time follows); other time
 is the compute profile's business (measure it, or state its rate, in the dtype
 the step runs in). The loss is taken to compute in float32, as the
 cross-entropy of the zoo, TorchTitan and Hugging Face do (they upcast the
@@ -47,7 +48,9 @@ def in_compute_dtype(graph: ModelGraph, activation_bytes: int | None, output_byt
 
     modules = tuple(
         replace(m, saved_bytes=scaled(m.saved_bytes, act), input_bytes=scaled(m.input_bytes, act),
-                output_bytes=scaled(m.output_bytes, out if m.parent is None else act))
+                output_bytes=scaled(m.output_bytes, out if m.parent is None else act),
+                # memory-bound ops move activations: in the compute dtype too ([Note: memory-bound ops])
+                fwd_bytes=scaled(m.fwd_bytes, act), bwd_bytes=scaled(m.bwd_bytes, act))
         for m in graph.modules)
     tree = graph.tree.copy()
     for m in modules:

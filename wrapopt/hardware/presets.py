@@ -1,113 +1,132 @@
-"""Analytical fabrics and devices: stated numbers, each with its source.
+"""Analytical fabrics and devices: a GPU preset and a network preset, each number with its source.
 
 Used when nothing is measured (planning for a cluster that is not here); every
-profile built from this table is labelled ``analytical`` wherever it is shown.
+profile built from these is labelled ``analytical`` wherever it is shown. The
+GPUs and networks are in ``catalog.py`` ([Note: GPU and network presets]); a
+named fabric is one (GPU, network) pair, and ``GPU+NETWORK`` names any other
+(each side a preset name or a file of stated numbers).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from wrapopt.checks import check_count
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import JsonReader, read_json
+from wrapopt.hardware.catalog import (
+    GPU_FORMAT, GPUS, INTER_LINKS, GpuPreset, find_gpu, gpu_from_json, network_links, stated_number,
+)
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 
-__all__ = ["ANALYTICAL_FABRICS", "DEFAULT_ANALYTICAL", "ANALYTICAL_FORMAT", "TEMPLATE", "analytical_fabric",
-           "analytical_compute", "fabric_compute", "load_analytical", "analytical_from_json"]
+__all__ = ["ANALYTICAL_FABRICS", "DEFAULT_ANALYTICAL", "ANALYTICAL_FORMAT", "NETWORK_FORMAT", "TEMPLATE",
+           "NETWORK_TEMPLATE", "analytical_fabric", "analytical_compute", "fabric_compute", "load_analytical",
+           "analytical_from_json", "pair_fabric", "FABRIC_PAIRS"]
 
-# Dense peak FLOP/s per compute dtype (datasheets). float32 is the TF32 tensor-core rate, which
-# needs torch.set_float32_matmul_precision("high"); PyTorch's default full-fp32 matmul runs at
-# 67 (H100 SXM) or 19.5 (A100) TFLOP/s.
-_H100 = {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12}
-_A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
-
-# Named analytical fabrics. Each number is stated with its source; achieved
-# bandwidth is taken as ~80% of the link's line rate, the usual NCCL busbw.
-ANALYTICAL_FABRICS: dict[str, dict[str, Any]] = {
-    "h100-nvlink-ib400": {
-        "description": "8x H100 SXM per node, NVLink 4 inside, 8x 400 Gb/s InfiniBand NDR between nodes",
-        "ranks_per_node": 8,
-        "intra": AnalyticalLink(
-            latency_s=5e-6,
-            bandwidth_bytes_per_s=360e9,
-            source="NVLink 4: 450 GB/s per direction per GPU (NVIDIA H100 datasheet); ~80% achieved busbw; "
-                   "~5 us per ring step (nccl-tests small-message latency)",
-        ),
-        "inter": AnalyticalLink(
-            latency_s=10e-6,
-            bandwidth_bytes_per_s=40e9,
-            source="one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s (DGX H100 datasheet); ~80% achieved; "
-                   "~10 us per inter-node ring step",
-        ),
-        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8,
-                    "memory_capacity_bytes": 80 * 2**30, "peak_flops_per_s": _H100, "achievable_fraction": 0.45,
-                    "source": "H100 SXM dense BF16 989 TFLOP/s at 45% MFU; HBM3 3.35 TB/s at 80%; 80 GiB"},
-    },
-    "a100-nvlink-ib200": {
-        "description": "8x A100 80GB per node, NVLink 3 inside, 200 Gb/s HDR InfiniBand per GPU between nodes",
-        "ranks_per_node": 8,
-        "intra": AnalyticalLink(5e-6, 240e9,
-                                "NVLink 3: 300 GB/s per direction per GPU (A100 datasheet); ~80% achieved"),
-        "inter": AnalyticalLink(12e-6, 20e9, "200 Gb/s HDR = 25 GB/s per GPU (DGX A100 datasheet); ~80% achieved"),
-        "compute": {"flops_per_s": 312e12 * 0.45, "memory_bandwidth_bytes_per_s": 2.0e12 * 0.8,
-                    "memory_capacity_bytes": 80 * 2**30, "peak_flops_per_s": _A100, "achievable_fraction": 0.45,
-                    "source": "A100 dense BF16 312 TFLOP/s at 45% MFU; HBM2e 2.0 TB/s at 80%; 80 GiB"},
-    },
-    "h100-nvlink-eth100": {
-        "description": "8x H100 per node, NVLink 4 inside, 100 Gb/s Ethernet (one NIC per node) between nodes",
-        "ranks_per_node": 8,
-        "intra": AnalyticalLink(5e-6, 360e9, "NVLink 4 as in h100-nvlink-ib400"),
-        "inter": AnalyticalLink(30e-6, 12.5e9 * 0.8 / 8,
-                                "one 100 Gb/s NIC = 12.5 GB/s shared by 8 GPUs; ~80% achieved; TCP ~30 us per step"),
-        "compute": {"flops_per_s": 989e12 * 0.45, "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8,
-                    "memory_capacity_bytes": 80 * 2**30, "peak_flops_per_s": _H100, "achievable_fraction": 0.45,
-                    "source": "as in h100-nvlink-ib400"},
-    },
+GPUS_PER_NODE = 8
+# The named fabrics of earlier releases, as (GPU, network) pairs: the names keep working.
+FABRIC_PAIRS: dict[str, tuple[str, str]] = {
+    "h100-nvlink-ib400": ("h100-sxm", "nvlink4-ib400"),
+    "a100-nvlink-ib200": ("a100-80gb-sxm", "nvlink3-ib200"),
+    "h100-nvlink-eth100": ("h100-sxm", "nvlink4-eth100"),
 }
 DEFAULT_ANALYTICAL = "h100-nvlink-ib400"
+# The inter-node link a GPU gets when only the GPU is named: its DGX/HGX system's.
+_DEFAULT_INTER = {"a100-40gb-sxm": "ib200", "a100-80gb-sxm": "ib200"}
 
 
-def analytical_fabric(name: str = DEFAULT_ANALYTICAL, *, world_size: int,
-                      ranks_per_node: int | None = None) -> FabricProfile:
-    """A labelled analytical profile for a cluster that is not measured here.
+def _network(spec: str | FabricProfile, gpu: GpuPreset | None) -> tuple[AnalyticalLink, AnalyticalLink, int, str]:
+    """(inside, between, GPUs per node, name) of a network preset name or a stated network file's fabric."""
+    if isinstance(spec, FabricProfile):
+        return spec.intra, spec.inter, spec.ranks_per_node, spec.meta.get("network", spec.name)  # type: ignore
+    intra, inter = network_links(spec, gpu)
+    return intra, inter, GPUS_PER_NODE, spec
+
+
+def pair_fabric(gpu: str | GpuPreset, network: str | FabricProfile | None = None, *, world_size: int,
+                ranks_per_node: int | None = None, name: str | None = None) -> FabricProfile:
+    """A labelled analytical fabric of one GPU preset and one network preset (names, or what files stated).
+
+    Example:
+        >>> f = pair_fabric("a100-40gb-sxm", "ib200", world_size=16)
+        >>> f.name, f.meta["compute"]["gpu"]
+        ('a100-40gb-sxm+ib200', 'a100-40gb-sxm')
+    """
+    g = gpu if isinstance(gpu, GpuPreset) else find_gpu(gpu)
+    network = network or _DEFAULT_INTER.get(g.name, "ib400")
+    intra, inter, gpn, net_name = _network(network, g)
+    return FabricProfile(
+        kind="analytical", name=name or f"{g.name}+{net_name}", backend="nccl (assumed)", world_size=world_size,
+        ranks_per_node=ranks_per_node or gpn, axes=(),
+        meta={"description": f"{g.description}, {gpn} per node; network {net_name}", "compute": g.compute_spec(),
+              "gpu": g.name, "network": net_name},
+        intra=intra, inter=inter)
+
+
+def _named(name: str, world_size: int, ranks_per_node: int | None) -> FabricProfile:
+    if name in FABRIC_PAIRS:
+        gpu, net = FABRIC_PAIRS[name]
+        return pair_fabric(gpu, net, world_size=world_size, ranks_per_node=ranks_per_node, name=name)
+    if "+" in name:  # GPU+NETWORK, each a preset name or a file of stated numbers
+        gpu_s, _, net_s = name.partition("+")
+        gpu = read_side(gpu_s, world_size=world_size, ranks_per_node=ranks_per_node) or gpu_s
+        if isinstance(gpu, FabricProfile):
+            raise ProfileError(f"{gpu_s}: states a network or a whole cluster, not a GPU ({GPU_FORMAT!r}); name it "
+                               "after the '+'")
+        net = read_side(net_s, world_size=world_size, ranks_per_node=ranks_per_node) or net_s
+        if isinstance(net, GpuPreset):
+            raise ProfileError(f"{net_s}: states a GPU, not a network; name it before the '+'")
+        return pair_fabric(gpu, net, world_size=world_size, ranks_per_node=ranks_per_node)
+    try:
+        return pair_fabric(name, None, world_size=world_size, ranks_per_node=ranks_per_node)
+    except ProfileError:
+        raise ProfileError(f"unknown analytical fabric {name!r}; choose one of {', '.join(FABRIC_PAIRS)}, a GPU "
+                           f"({', '.join(GPUS)}), or GPU+NETWORK (networks: {', '.join(INTER_LINKS)}, or "
+                           "nvlink4-ib400 and the like)") from None
+
+
+# The named fabrics' stated numbers, as ``wrapopt fabric --list`` shows them.
+ANALYTICAL_FABRICS: dict[str, dict[str, Any]] = {}
+for _n in FABRIC_PAIRS:
+    _f = _named(_n, 1, None)
+    ANALYTICAL_FABRICS[_n] = {"description": _f.meta["description"], "ranks_per_node": _f.ranks_per_node,
+                              "intra": _f.intra, "inter": _f.inter, "compute": _f.meta["compute"],
+                              "gpu": FABRIC_PAIRS[_n][0], "network": FABRIC_PAIRS[_n][1]}
+
+
+def analytical_fabric(name: str = DEFAULT_ANALYTICAL, *, world_size: int, ranks_per_node: int | None = None,
+                      gpu: str | None = None, network: str | None = None) -> FabricProfile:
+    """A labelled analytical profile for a cluster that is not measured here: a named fabric,
+    a GPU preset (with its system's network), ``GPU+NETWORK``, or ``gpu=`` and ``network=``.
 
     Example:
         >>> f = analytical_fabric("h100-nvlink-ib400", world_size=64)
-        >>> f.kind
-        'analytical'
+        >>> f.kind, analytical_fabric(gpu="h200", network="ib400", world_size=16).name
+        ('analytical', 'h200+ib400')
     """
-    if name not in ANALYTICAL_FABRICS:
-        raise ProfileError(f"unknown analytical fabric {name!r}; choose one of {sorted(ANALYTICAL_FABRICS)}")
-    spec = ANALYTICAL_FABRICS[name]
-    rpn = spec["ranks_per_node"] if ranks_per_node is None else check_count(ranks_per_node, "ranks_per_node")
-    return FabricProfile(
-        kind="analytical",
-        name=name,
-        backend="nccl (assumed)",
-        world_size=world_size,
-        ranks_per_node=rpn,
-        axes=(),
-        meta={"description": spec["description"], "compute": {k: v for k, v in spec["compute"].items()}},
-        intra=spec["intra"],
-        inter=spec["inter"],
-    )
+    if ranks_per_node is not None:
+        check_count(ranks_per_node, "ranks_per_node")
+    if gpu is not None or network is not None:
+        default_gpu, default_net = FABRIC_PAIRS.get(name, ("h100-sxm", None))
+        return pair_fabric(gpu or default_gpu, network or (None if gpu else default_net), world_size=world_size,
+                           ranks_per_node=ranks_per_node)
+    return _named(name, world_size, ranks_per_node)
 
 
 def analytical_compute(name: str = DEFAULT_ANALYTICAL, *, dtype: str | None = None) -> ComputeProfile:
-    """The stated compute figures of an analytical fabric's device.
+    """The stated compute figures of a named fabric's or GPU preset's device.
 
     ``dtype`` (``"bfloat16"``, ``"float16"``, ``"float32"``) picks the stated peak
-    for that compute dtype times the achievable fraction; None keeps the
-    fabric's headline ``flops_per_s`` (its bf16 rate).
+    for that compute dtype times the fitted fraction; None keeps the
+    headline ``flops_per_s`` (its bf16 rate).
 
     Example:
         >>> analytical_compute("a100-nvlink-ib200").kind
         'analytical'
     """
-    if name not in ANALYTICAL_FABRICS:
-        raise ProfileError(f"unknown analytical fabric {name!r}; choose one of {sorted(ANALYTICAL_FABRICS)}")
-    return _compute(name, ANALYTICAL_FABRICS[name]["compute"], dtype, f"analytical fabric {name!r}")
+    fab = _named(name, 1, None)
+    return _compute(name, fab.meta["compute"], dtype, f"analytical fabric {name!r}")
 
 
 def fabric_compute(fabric: FabricProfile, *, dtype: str | None = None) -> ComputeProfile:
@@ -116,19 +135,26 @@ def fabric_compute(fabric: FabricProfile, *, dtype: str | None = None) -> Comput
     spec = fabric.meta.get("compute")
     if fabric.kind != "analytical" or not isinstance(spec, dict):
         raise ProfileError(f"fabric {fabric.label} states no device; give a compute profile (--compute)")
-    return _compute(fabric.name, spec, dtype, fabric.meta.get("source_file") or f"analytical fabric {fabric.name!r}")
+    return _compute(fabric.meta.get("gpu") or fabric.name, spec, dtype,
+                    fabric.meta.get("source_file") or f"analytical fabric {fabric.name!r}")
 
 
 def _compute(name: str, spec: dict[str, Any], dtype: str | None, where: str) -> ComputeProfile:
     flops, source = spec["flops_per_s"], spec["source"]
     peaks = spec.get("peak_flops_per_s") or {}
+    frac, att = spec["achievable_fraction"], spec.get("attention_fraction", spec["achievable_fraction"])
+    attention = flops * att / frac
     if dtype is not None and peaks:
         if dtype not in peaks:
             raise ProfileError(f"{where}: field 'peak_flops_per_s' states no {dtype} rate (it has "
                                f"{', '.join(peaks)}); add one, or train in one of those")
-        flops = peaks[dtype] * spec["achievable_fraction"]
-        source += f"; computing in {dtype}: {peaks[dtype] / 1e12:g} TFLOP/s peak x {spec['achievable_fraction']:g}"
+        flops, attention = peaks[dtype] * frac, peaks[dtype] * att
+        source += (f"; computing in {dtype}: {peaks[dtype] / 1e12:g} TFLOP/s peak x {frac:g} (GEMMs), x {att:g} "
+                   "(attention)")
     return ComputeProfile(
+        matmul_flops_per_s=flops,  # See [Note: kernel roofline] in cost/roofline.py
+        attention_flops_per_s=attention,
+        num_sms=int(spec.get("num_sms", 0)),
         kind="analytical",
         device=name,
         flops_per_s=flops,
@@ -150,8 +176,13 @@ def _compute(name: str, spec: dict[str, Any], dtype: str | None, where: str) -> 
 # and the fraction of it a training step achieves; memory bandwidth (achieved)
 # and capacity per GPU. Collectives then follow the ring model
 # (``profiles.ring_time``), compute the achieved rate, exactly as for the
-# built-in fabrics; everything made from it is labelled ``analytical``.
+# built-in fabrics; everything made from it is labelled ``analytical``. A file
+# can also state one side only: a GPU (``wrapopt.gpu/1``, ``catalog.GPU_TEMPLATE``)
+# or a network (``wrapopt.network/1``, ``NETWORK_TEMPLATE``), paired with a preset
+# of the other side as ``GPU+NETWORK``. A missing or negative number is named with its unit.
 ANALYTICAL_FORMAT = "wrapopt.analytical/1"
+NETWORK_FORMAT = "wrapopt.network/1"
+_H100 = GPUS["h100-sxm"]
 TEMPLATE: dict[str, Any] = {
     "format": ANALYTICAL_FORMAT,
     "name": "my-cluster",
@@ -159,12 +190,14 @@ TEMPLATE: dict[str, Any] = {
     "gpus_per_node": 8,
     "intra_node": {"bandwidth_bytes_per_s": 360e9, "latency_s": 5e-6, "source": "NVLink 4 450 GB/s x 80%"},
     "inter_node": {"bandwidth_bytes_per_s": 40e9, "latency_s": 10e-6, "source": "400 Gb/s NDR per GPU x 80%"},
-    "peak_flops_per_s": dict(_H100),
-    "achievable_fraction": 0.45,
-    "memory_bandwidth_bytes_per_s": 3.35e12 * 0.8,
-    "memory_capacity_bytes": 80 * 2**30,
-    "source": "H100 SXM datasheet; 45% of peak as achieved MFU",
+    "peak_flops_per_s": dict(_H100.peak_flops_per_s),
+    "achievable_fraction": _H100.matmul_fraction,
+    "memory_bandwidth_bytes_per_s": _H100.compute_spec()["memory_bandwidth_bytes_per_s"],
+    "memory_capacity_bytes": _H100.memory_capacity_bytes,
+    "source": "H100 SXM datasheet; achievable fraction from wrapopt's h100-sxm preset",
 }
+NETWORK_TEMPLATE: dict[str, Any] = {k: TEMPLATE[k] for k in ("gpus_per_node", "intra_node", "inter_node")}
+NETWORK_TEMPLATE = {"format": NETWORK_FORMAT, "name": "my-network", **NETWORK_TEMPLATE}
 
 
 def load_analytical(path: str, *, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
@@ -174,43 +207,80 @@ def load_analytical(path: str, *, world_size: int, ranks_per_node: int | None = 
                                 ranks_per_node=ranks_per_node)
 
 
-def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
-    r = JsonReader(d, source, error=ProfileError)
-    if r.get("format", str) != ANALYTICAL_FORMAT:
-        raise ProfileError(f"{source}: field 'format' is {d.get('format')!r}; this version of wrapopt reads stated "
-                           f"numbers in format {ANALYTICAL_FORMAT!r} (`wrapopt fabric --template` prints one)")
-    gpn = r.count("gpus_per_node")
-    if ranks_per_node is not None and ranks_per_node > gpn:
-        # one rank per GPU: a node of the mesh cannot hold more ranks than the file's node has GPUs
-        raise ProfileError(f"{source}: field 'gpus_per_node' is {gpn}, but the mesh puts {ranks_per_node} ranks on a "
-                           f"node (--gpus-per-node; default: the world size up to 8); pass --gpus-per-node {gpn} "
-                           "or fewer, or correct the file")
+def _links(d: Any, source: str) -> tuple[int, dict[str, AnalyticalLink]]:
+    """GPUs per node and the two levels' links of a file of stated numbers."""
+    gpn = stated_number(d, "gpus_per_node", source, positive=True)
+    if gpn != int(gpn):
+        raise ProfileError(f"{source}: field 'gpus_per_node' (GPUs) must be a whole number, got {gpn}")
     links = {}
     for key in ("intra_node", "inter_node"):
-        lr = r.sub(key)
-        bw, lat = lr.num("bandwidth_bytes_per_s", positive=True), lr.num("latency_s")
-        links[key] = AnalyticalLink(lat, bw, str(lr.d.get("source", "stated in " + source)))
-    pr = r.sub("peak_flops_per_s")
-    if not pr.d:
-        raise ProfileError(f"{source}: field 'peak_flops_per_s' must name at least one dtype "
+        sub = d.get(key)
+        if not isinstance(sub, dict):
+            raise ProfileError(f"{source}: missing field {key!r} (an object: bandwidth_bytes_per_s, latency_s)")
+        where = f"{source}: {key}"
+        bw = stated_number(sub, "bandwidth_bytes_per_s", where, positive=True)
+        lat = stated_number(sub, "latency_s", where)
+        links[key] = AnalyticalLink(lat, bw, str(sub.get("source", "stated in " + source)))
+    return int(gpn), links
+
+
+def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
+    """A fabric from stated numbers: a whole cluster (``wrapopt.analytical/1``), or a network alone
+    (``wrapopt.network/1``, with the default GPU preset until paired as ``GPU+FILE``)."""
+    r = JsonReader(d, source, error=ProfileError)
+    fmt = r.get("format", str)
+    if fmt == NETWORK_FORMAT:
+        gpn, links = _links(d, source)
+        net = FabricProfile(kind="analytical", name=str(d.get("name", source)), backend="nccl (assumed)",
+                            world_size=world_size, ranks_per_node=ranks_per_node or gpn, axes=(), meta={},
+                            intra=links["intra_node"], inter=links["inter_node"])
+        return pair_fabric("h100-sxm", net, world_size=world_size, ranks_per_node=ranks_per_node)
+    if fmt == GPU_FORMAT:
+        return pair_fabric(gpu_from_json(d, source=source), None, world_size=world_size, ranks_per_node=ranks_per_node)
+    if fmt != ANALYTICAL_FORMAT:
+        raise ProfileError(f"{source}: field 'format' is {fmt!r}; this version of wrapopt reads stated numbers in "
+                           f"format {ANALYTICAL_FORMAT!r} (or {GPU_FORMAT!r}, {NETWORK_FORMAT!r} for one side; "
+                           "`wrapopt fabric --template` prints one)")
+    gpn, links = _links(d, source)
+    if ranks_per_node is not None and ranks_per_node > gpn:
+        # one rank per GPU: a node of the mesh cannot hold more ranks than the file's node has GPUs
+        raise ProfileError(f"{source}: field 'gpus_per_node' is {int(gpn)}, but the mesh puts {ranks_per_node} ranks "
+                           f"on a node (--gpus-per-node; default: the world size up to 8); pass --gpus-per-node "
+                           f"{int(gpn)} or fewer, or correct the file")
+    peaks_d = d.get("peak_flops_per_s")
+    if not isinstance(peaks_d, dict) or not peaks_d:
+        raise ProfileError(f"{source}: field 'peak_flops_per_s' (FLOP/s per dtype) must name at least one dtype "
                            "(bfloat16, float16, float32)")
     peaks = {}
-    for k in pr.d:
+    for k in peaks_d:
         if k not in ("bfloat16", "float16", "float32"):
             raise ProfileError(f"{source}: field 'peak_flops_per_s.{k}' is not a dtype; "
                                "use bfloat16, float16 or float32")
-        peaks[k] = pr.num(k, positive=True)
-    frac = r.num("achievable_fraction")
-    if not 0 < frac <= 1:
-        raise ProfileError(f"{source}: field 'achievable_fraction' must be in (0, 1], got {frac}")
+        peaks[k] = stated_number(peaks_d, k, f"{source}: peak_flops_per_s", "dense peak FLOP/s", positive=True)
+    frac = stated_number(d, "achievable_fraction", source, "a fraction of peak, in (0, 1]", positive=True)
+    if frac > 1:
+        raise ProfileError(f"{source}: field 'achievable_fraction' (a fraction of peak) must be in (0, 1], got {frac}")
     head = peaks.get("bfloat16") or next(iter(peaks.values()))
-    compute = {"flops_per_s": head * frac,
-               "memory_bandwidth_bytes_per_s": r.num("memory_bandwidth_bytes_per_s", positive=True),
-               "memory_capacity_bytes": int(r.num("memory_capacity_bytes", positive=True)), "peak_flops_per_s": peaks,
-               "achievable_fraction": frac, "source": str(d.get("source", "stated in " + source))}
+    compute = {"flops_per_s": head * frac, "peak_flops_per_s": peaks, "achievable_fraction": frac,
+               "attention_fraction": frac,
+               "memory_bandwidth_bytes_per_s": stated_number(d, "memory_bandwidth_bytes_per_s", source,
+                                                             "bytes/s, achieved", positive=True),
+               "memory_capacity_bytes": int(stated_number(d, "memory_capacity_bytes", source, "bytes", positive=True)),
+               "source": str(d.get("source", "stated in " + source))}
     name = r.get("name", str) if "name" in d else source
     return FabricProfile(kind="analytical", name=name, backend="nccl (assumed)", world_size=world_size,
                          ranks_per_node=gpn if ranks_per_node is None else ranks_per_node, axes=(),
                          meta={"description": str(d.get("description", "")), "compute": compute, "source_file": source,
                                "gpus_per_node": gpn},
                          intra=links["intra_node"], inter=links["inter_node"])
+
+
+def read_side(text: str, *, world_size: int, ranks_per_node: int | None) -> FabricProfile | GpuPreset | None:
+    """A file of stated numbers named as one side of ``GPU+NETWORK``: the GPU it states, or its network;
+    None when ``text`` is not a file."""
+    if not os.path.exists(text):
+        return None
+    d = read_json(text, error=ProfileError)
+    if isinstance(d, dict) and d.get("format") == GPU_FORMAT:
+        return gpu_from_json(d, source=text)
+    return analytical_from_json(d, source=text, world_size=world_size, ranks_per_node=ranks_per_node)

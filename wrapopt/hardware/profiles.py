@@ -421,6 +421,12 @@ class ComputeProfile:
     # (forward, backward) seconds per call of a tensor-parallel projection beyond its matmul and
     # all-reduce (DTensor dispatch and hooks), measured by measure_split.measure_tp_overhead.
     tp_overhead_s: tuple[float, float] = (0.0, 0.0)
+    # The kernel roofline (stated GPUs): achieved tensor-core FLOP/s of a compute-bound GEMM, of the
+    # attention kernels, and the multiprocessors a GEMM's tiles fill in waves. 0: one rate for all
+    # FLOPs (flops_per_s; measured profiles). See [Note: kernel roofline] in cost/roofline.py.
+    matmul_flops_per_s: float = 0.0
+    attention_flops_per_s: float = 0.0
+    num_sms: int = 0
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -443,6 +449,9 @@ class ComputeProfile:
             "runs_ahead": self.runs_ahead,
             "split_efficiency": [list(t) for t in self.split_efficiency],
             "tp_overhead_s": list(self.tp_overhead_s),
+            "matmul_flops_per_s": self.matmul_flops_per_s,
+            "attention_flops_per_s": self.attention_flops_per_s,
+            "num_sms": self.num_sms,
             "meta": self.meta,
         }
 
@@ -471,6 +480,9 @@ class ComputeProfile:
             runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),
             split_efficiency=tuple((int(a), float(b)) for a, b in d.get("split_efficiency", [])),
             tp_overhead_s=tuple(float(v) for v in d.get("tp_overhead_s", (0.0, 0.0)))[:2],  # type: ignore[arg-type]
+            matmul_flops_per_s=float(d.get("matmul_flops_per_s", 0.0)),
+            attention_flops_per_s=float(d.get("attention_flops_per_s", 0.0)),
+            num_sms=int(d.get("num_sms", 0)),
             meta=dict(d.get("meta", {})),
         )
 

@@ -9,9 +9,11 @@ import os
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import read_json
 from wrapopt.hardware.measure_device import measure_compute
+from wrapopt.hardware.catalog import GPU_ALIASES, GPU_FORMAT, GPUS, find_gpu, network_links
 from wrapopt.hardware.presets import (
     ANALYTICAL_FABRICS,
     ANALYTICAL_FORMAT,
+    NETWORK_FORMAT,
     DEFAULT_ANALYTICAL,
     analytical_fabric,
     analytical_from_json,
@@ -21,7 +23,7 @@ from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import MeshSpec
 from wrapopt.train import TrainConfig
 
-__all__ = ["resolve_fabric", "compute_for", "check_fabric_fits"]
+__all__ = ["resolve_fabric", "compute_for", "check_fabric_fits", "fabric_name"]
 
 
 def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_size: int,
@@ -32,20 +34,41 @@ def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_si
     if fabric is None:
         return analytical_fabric(DEFAULT_ANALYTICAL, world_size=world_size, ranks_per_node=ranks_per_node)
     text = os.fspath(fabric)
-    if text in ANALYTICAL_FABRICS:
+    if text in ANALYTICAL_FABRICS or find_gpu_name(text) or ("+" in text and not os.path.exists(text)):
         return analytical_fabric(text, world_size=world_size, ranks_per_node=ranks_per_node)
     if not os.path.exists(text):
         raise ProfileError(
             f"--fabric {text!r} is neither a profile file nor a named analytical fabric "
-            f"({', '.join(ANALYTICAL_FABRICS)}); measure one with `wrapopt profile-fabric --out fabric.json`, "
-            "or state one (`wrapopt fabric --template`)"
+            f"({', '.join(ANALYTICAL_FABRICS)}), a GPU preset ({', '.join(GPUS)}) or GPU+NETWORK (--gpu, "
+            "--network); measure one with `wrapopt profile-fabric --out fabric.json`, or state one "
+            "(`wrapopt fabric --template`)"
         )
     data = read_json(text, error=ProfileError)
-    stated_family = ANALYTICAL_FORMAT.rsplit("/", 1)[0] + "/"  # any version: the reader names the one it reads
-    if isinstance(data, dict) and str(data.get("format", "")).startswith(stated_family):
+    stated = (ANALYTICAL_FORMAT, GPU_FORMAT, NETWORK_FORMAT)
+    families = {f.rsplit("/", 1)[0] + "/" for f in stated}  # any version: the reader names the one it reads
+    if isinstance(data, dict) and any(str(data.get("format", "")).startswith(f) for f in families):
         # stated numbers: See [Note: stated fabric file]
         return analytical_from_json(data, source=text, world_size=world_size, ranks_per_node=ranks_per_node)
     return FabricProfile.from_json(data, source=text)
+
+
+def find_gpu_name(text: str) -> bool:
+    """Whether ``text`` names a GPU preset (or its alias)."""
+    return text in GPUS or text in GPU_ALIASES
+
+
+def fabric_name(*, fabric: str | None, gpu: str | None, network: str | None) -> str | None:
+    """``--fabric``, or ``--gpu`` and ``--network`` as the ``GPU+NETWORK`` fabric they name (either may be a
+    file of stated numbers; the other side defaults to the h100-sxm GPU, or the GPU's own system network)."""
+    if gpu is None and network is None:
+        return fabric
+    if fabric is not None:
+        raise ProfileError("give --fabric, or --gpu and --network, not both")
+    if gpu is not None and not os.path.exists(gpu):
+        find_gpu(gpu)  # an unknown name: the error lists the GPU presets
+    if network is not None and not os.path.exists(network):
+        network_links(network, None)  # likewise the network presets
+    return f"{gpu or 'h100-sxm'}+{network}" if network else gpu
 
 
 def compute_for(fabric: FabricProfile | None, compute: ComputeProfile | str | None, train: TrainConfig,

@@ -105,7 +105,8 @@ def format_stated(f: FabricProfile) -> str:
              f"  {f.meta.get('gpus_per_node', f.ranks_per_node)} GPUs per node; "
              f"intra-node {intra.bandwidth_bytes_per_s / 1e9:g} GB/s per GPU, {intra.latency_s * 1e6:g} us per step; "
              f"inter-node {inter.bandwidth_bytes_per_s / 1e9:g} GB/s per GPU, {inter.latency_s * 1e6:g} us per step",
-             f"  peak TFLOP/s: {rate}; achievable {c.get('achievable_fraction', '-')}; memory "
+             f"  peak TFLOP/s: {rate}; achievable {c.get('achievable_fraction', '-')} (GEMMs), "
+             f"{c.get('attention_fraction', c.get('achievable_fraction', '-'))} (attention); memory "
              f"{fmt_bytes(c.get('memory_capacity_bytes') or 0)} at "
              f"{c.get('memory_bandwidth_bytes_per_s', 0) / 1e12:g} TB/s"]
     return "\n".join(lines)

@@ -47,6 +47,12 @@ class ModuleInfo:
     # its forward's grouped or batched matmul splits per expert); 0 for other modules.
     # See [Note: experts on meta] in trace/ops.py.
     experts: int = 0
+    # Its forward matmuls, (FLOPs, elements of A, B and C, bytes per element, 128x128 output tiles, calls)
+    # per shape, and its attention kernels' FLOPs as counted (in fwd_flops) and as run (causal: half):
+    # the kernel roofline prices them. See [Note: kernel roofline] in cost/roofline.py.
+    matmuls: tuple[tuple[float, int, int, int, int], ...] = ()
+    attention_flops: float = 0.0
+    attention_run_flops: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

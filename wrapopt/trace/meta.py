@@ -301,6 +301,9 @@ def _build_graph(
             fwd_bytes=rec.fwd_bytes.get(n, 0),
             bwd_bytes=int(rec.fwd_bytes.get(n, 0) * bytes_scale),
             experts=rec.experts.get(n, 0),
+            matmuls=rec.matmuls.get(n, ()),
+            attention_flops=rec.attention.get(n, (0.0, 0.0))[0],
+            attention_run_flops=rec.attention.get(n, (0.0, 0.0))[1],
         )
         g.add_node(n, info=info)
         if parent is not None:

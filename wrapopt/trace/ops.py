@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from wrapopt.trace.fx import OpDataflow
+from wrapopt.trace.kernels import MATMUL_OPS, attention_run_flops, is_attention, matmul_key
 from wrapopt.trace.op_bytes import op_bytes
 
 __all__ = ["Recorder", "FusedAttention", "dtype_name", "storage_key", "tensors_in", "nbytes"]
@@ -148,6 +149,10 @@ class Recorder(TorchDispatchMode):
         self.backward = False
         self.bwd_total = 0.0
         self.fwd_bytes: dict[str, int] = defaultdict(int)  # See [Note: memory-bound ops] in op_bytes.py
+        # Per module, forward matmuls by shape -> calls, and attention (counted, run) FLOPs: See
+        # [Note: kernel roofline] in cost/roofline.py.
+        self.matmuls: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
+        self.attention: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.bwd_bytes_total = 0
         self.flow = OpDataflow()
         self.record_flow = True  # the model's forward only: off for the loss and backward
@@ -192,6 +197,7 @@ class Recorder(TorchDispatchMode):
                 self.bwd_total += flops
             else:
                 self.fwd[self.stack[-1]] += flops
+                self._kernel(func._overloadpacket, args, kwargs, out, flops)
         else:
             nbytes = op_bytes(func, args, kwargs, out)
             if self.backward:
@@ -199,6 +205,16 @@ class Recorder(TorchDispatchMode):
             else:
                 self.fwd_bytes[self.stack[-1]] += nbytes
         return out
+
+    def _kernel(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, flops: float) -> None:
+        """A forward FLOP op's entry in its module's kernel table: See [Note: kernel roofline] in cost/roofline.py."""
+        m = self.stack[-1]
+        if is_attention(packet) or packet is _FLASH_CPU:
+            a = self.attention[m]
+            a[0] += flops
+            a[1] += attention_run_flops(packet, args, kwargs, flops)
+        elif packet in MATMUL_OPS:
+            self.matmuls[m][matmul_key(packet, args, out, flops)] += 1
 
     def start_tail(self, before: set[Any]) -> None:
         self.in_tail, self.loss_live, self.loss_peak, self.loss_before = True, {}, 0, before

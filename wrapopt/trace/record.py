@@ -89,6 +89,9 @@ class StepRecord:
         self.tail_peak = 0  # most bytes those ops created alive at once
         self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
         self.experts: dict[str, int] = {}  # See [Note: experts on meta] in ops.py
+        # See [Note: kernel roofline] in cost/roofline.py: per module, (matmul entry + (calls,)), and attention
+        self.matmuls: dict[str, tuple[tuple[float, int, int, int, int], ...]] = {}
+        self.attention: dict[str, tuple[float, float]] = {}  # (FLOPs counted, FLOPs the kernel runs)
 
 
 def _run_step(
@@ -264,6 +267,8 @@ def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
     rec.loss_peak = recorder.loss_peak
     rec.param_reads = recorder.param_reads
     rec.experts = dict(recorder.experts)
+    rec.matmuls = {m: tuple(sorted(k + (n,) for k, n in t.items())) for m, t in recorder.matmuls.items()}
+    rec.attention = {m: (a[0], a[1]) for m, a in recorder.attention.items()}
 
 
 def _is_data_dependent(e: Exception) -> bool:

@@ -1,0 +1,195 @@
+"""The GPUs and networks a user can name, each number with its source: See [Note: GPU and network presets].
+
+[Note: GPU and network presets] A GPU preset states one device: dense peak
+FLOP/s per compute dtype, HBM bandwidth and capacity (datasheets), the NVLink
+(or PCIe) generation its nodes use inside, and the two constants fitted per
+GPU type on published runs (``benchmarks/published.py``, fit half of the rows:
+every second usable row of that GPU type in the tables' order): the fraction of
+peak the tensor cores reach in a GEMM and the fraction reached by attention
+kernels. Nothing else is fitted. A network preset states the links: inside a
+node (NVLink generation, or PCIe) and between nodes (InfiniBand, RoCE or
+Ethernet, bandwidth per GPU); a name without the inside part (``ib400``)
+takes the GPU's own NVLink. Achieved bus bandwidth is ~80% of line rate, the
+usual NCCL busbw; HBM likewise ~80% of the stated bandwidth. A GPU without
+published rows carries the constants of the GPU of its generation it shares
+tensor cores with, and says so. Compute is priced per kernel from these
+numbers: See [Note: kernel roofline] in ``cost/roofline.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from wrapopt.errors import ProfileError
+from wrapopt.hardware.profiles import AnalyticalLink
+
+__all__ = ["GpuPreset", "GPUS", "INTRA_LINKS", "INTER_LINKS", "NETWORKS", "HBM_ACHIEVED", "network_links",
+           "gpu_from_json", "GPU_FORMAT", "GPU_TEMPLATE", "stated_number"]
+
+HBM_ACHIEVED = 0.8  # achieved / stated HBM bandwidth: the streaming-kernel convention (not fitted)
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPreset:
+    """One GPU type's stated numbers and its fitted constants. See [Note: GPU and network presets]."""
+
+    name: str
+    description: str
+    # Dense peak FLOP/s per compute dtype (datasheet; float32 is the TF32 tensor-core rate).
+    peak_flops_per_s: dict[str, float]
+    hbm_bytes_per_s: float  # stated HBM bandwidth (datasheet)
+    memory_capacity_bytes: int
+    intra: str  # the INTRA_LINKS name its nodes use inside
+    matmul_fraction: float  # fitted: achieved / peak tensor-core rate of a compute-bound GEMM
+    attention_fraction: float  # fitted: achieved / peak rate of the attention kernels' executed FLOPs
+    source: str  # the datasheet numbers
+    fit_source: str  # where the two fitted constants come from
+    num_sms: int = 0  # streaming multiprocessors (datasheet): a GEMM's tiles fill them in waves
+    aliases: tuple[str, ...] = field(default=())
+
+    def compute_spec(self) -> dict[str, Any]:
+        """The dict an analytical fabric's ``meta["compute"]`` holds (as a file of stated numbers gives it)."""
+        peak = self.peak_flops_per_s
+        head = peak.get("bfloat16") or next(iter(peak.values()))
+        return {"flops_per_s": head * self.matmul_fraction, "peak_flops_per_s": dict(peak),
+                "achievable_fraction": self.matmul_fraction, "attention_fraction": self.attention_fraction,
+                "memory_bandwidth_bytes_per_s": self.hbm_bytes_per_s * HBM_ACHIEVED,
+                "memory_capacity_bytes": self.memory_capacity_bytes, "gpu": self.name, "num_sms": self.num_sms,
+                "source": f"{self.source}; HBM at {HBM_ACHIEVED:.0%}; {self.fit_source}"}
+
+
+_A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
+_H100_SXM = {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12}
+_H100_NVL = {"bfloat16": 835e12, "float16": 835e12, "float32": 417.5e12}
+_FIT = ("fitted on the fit half of results/published.md's {n} rows (llm-foundry MPT, every second usable row; "
+        "`python -m benchmarks.published --refit`)")
+_CARRIED = "no published rows: the H100 SXM's fitted constants (same Hopper tensor cores and attention kernels)"
+
+# Fitted constants: See [Note: GPU and network presets]; `python -m benchmarks.published --refit` refits them.
+GPUS: dict[str, GpuPreset] = {p.name: p for p in (
+    GpuPreset("a100-40gb-sxm", "NVIDIA A100 SXM 40GB", _A100, 1.555e12, 40 * 2**30, "nvlink3", 0.770, 0.250,
+              "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2 1,555 GB/s; 40 GB; 108 SMs",
+              _FIT.format(n="A100 40GB"), 108, ("a100-40gb",)),
+    GpuPreset("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", _A100, 2.039e12, 80 * 2**30, "nvlink3", 0.760, 0.300,
+              "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2e 2,039 GB/s; 80 GB; 108 SMs",
+              _FIT.format(n="A100 80GB"), 108, ("a100-80gb", "a100")),
+    GpuPreset("h100-sxm", "NVIDIA H100 SXM5 80GB", _H100_SXM, 3.35e12, 80 * 2**30, "nvlink4", 0.567, 0.200,
+              "H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3 3.35 TB/s; 80 GB; 132 SMs",
+              _FIT.format(n="H100 80GB"), 132, ("h100", "h100-80gb")),
+    GpuPreset("h100-nvl", "NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
+              _H100_NVL, 3.9e12, 94 * 10**9, "pcie5", 0.567, 0.200,
+              "H100 NVL datasheet: 835 TFLOP/s dense BF16/FP16 (1,671 with sparsity), 417.5 TF32; HBM3 3.9 TB/s; "
+              "94 GB; 132 SMs", _CARRIED, 132, ("h100-96gb",)),
+    GpuPreset("h200", "NVIDIA H200 SXM 141GB", _H100_SXM, 4.8e12, 141 * 10**9, "nvlink4", 0.567, 0.200,
+              "H200 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3e 4.8 TB/s; 141 GB; 132 SMs",
+              _CARRIED, 132, ("h200-sxm",)),
+)}
+GPU_ALIASES = {a: p.name for p in GPUS.values() for a in p.aliases}
+
+# Links inside a node: achieved busbw per GPU (~80% of one direction's line rate) and one ring step.
+INTRA_LINKS: dict[str, AnalyticalLink] = {
+    "nvlink3": AnalyticalLink(5e-6, 240e9, "NVLink 3: 300 GB/s per direction per GPU (NVIDIA A100 datasheet); "
+                                           "~80% achieved busbw; ~5 us per ring step (nccl-tests small messages)"),
+    "nvlink4": AnalyticalLink(5e-6, 360e9, "NVLink 4: 450 GB/s per direction per GPU (NVIDIA H100/H200 SXM "
+                                           "datasheets); ~80% achieved busbw; ~5 us per ring step (nccl-tests)"),
+    "pcie5": AnalyticalLink(10e-6, 64e9 * 0.8, "PCIe Gen5 x16: 64 GB/s per direction (a ring over more than the "
+                                               "NVLink-bridged pair crosses PCIe); ~80% achieved; ~10 us per step"),
+    "pcie4": AnalyticalLink(10e-6, 32e9 * 0.8, "PCIe Gen4 x16: 32 GB/s per direction; ~80% achieved; ~10 us per "
+                                               "step"),
+}
+# Links between nodes, per GPU (one NIC per GPU unless said): achieved ~80% of line rate.
+INTER_LINKS: dict[str, AnalyticalLink] = {
+    "ib800": AnalyticalLink(10e-6, 100e9 * 0.8, "800 Gb/s XDR InfiniBand (ConnectX-8) per GPU = 100 GB/s; ~80% "
+                                                "achieved; ~10 us per inter-node ring step"),
+    "ib400": AnalyticalLink(10e-6, 40e9, "one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s (DGX H100 datasheet); "
+                                         "~80% achieved; ~10 us per inter-node ring step"),
+    "ib200": AnalyticalLink(12e-6, 20e9, "200 Gb/s HDR = 25 GB/s per GPU (DGX A100 datasheet); ~80% achieved; "
+                                         "~12 us per inter-node ring step"),
+    "ib100": AnalyticalLink(12e-6, 10e9, "100 Gb/s EDR = 12.5 GB/s per GPU; ~80% achieved; ~12 us per step"),
+    "roce400": AnalyticalLink(15e-6, 40e9, "400 GbE RoCE v2 per GPU = 50 GB/s; ~80% achieved; ~15 us per step"),
+    "roce200": AnalyticalLink(15e-6, 20e9, "200 GbE RoCE v2 per GPU = 25 GB/s; ~80% achieved; ~15 us per step"),
+    "eth100": AnalyticalLink(30e-6, 12.5e9 * 0.8 / 8, "one 100 Gb/s Ethernet NIC per node = 12.5 GB/s shared by 8 "
+                                                      "GPUs; ~80% achieved; TCP ~30 us per step"),
+}
+# Network presets: "INTRA-INTER" names (nvlink4-ib400) and INTER names alone (ib400: the GPU's own NVLink).
+NETWORKS: tuple[str, ...] = tuple([f"{a}-{b}" for a in INTRA_LINKS for b in INTER_LINKS] + list(INTER_LINKS))
+
+
+def find_gpu(name: str) -> GpuPreset:
+    """The GPU preset of a name or alias; an unknown name lists the ones that exist."""
+    key = GPU_ALIASES.get(name, name)
+    if key not in GPUS:
+        raise ProfileError(f"unknown GPU preset {name!r}; choose one of {', '.join(GPUS)} (aliases: "
+                           f"{', '.join(sorted(GPU_ALIASES))}), or a file of stated numbers (`wrapopt fabric "
+                           "--template-gpu`)")
+    return GPUS[key]
+
+
+def network_links(name: str, gpu: GpuPreset | None) -> tuple[AnalyticalLink, AnalyticalLink]:
+    """(inside a node, between nodes) of a network preset; a bare inter-node name takes the GPU's link inside."""
+    intra, _, inter = name.rpartition("-")
+    if inter not in INTER_LINKS or (intra and intra not in INTRA_LINKS):
+        raise ProfileError(f"unknown network preset {name!r}; choose one of {', '.join(INTER_LINKS)} (inside the "
+                           f"node: the GPU's own link), or INSIDE-BETWEEN with INSIDE one of {', '.join(INTRA_LINKS)} "
+                           "(e.g. nvlink4-ib400)")
+    return INTRA_LINKS[intra or (gpu.intra if gpu else "nvlink4")], INTER_LINKS[inter]
+
+
+# -- a GPU from a file of stated numbers ------------------------------------------------------
+
+GPU_FORMAT = "wrapopt.gpu/1"
+GPU_TEMPLATE: dict[str, Any] = {
+    "format": GPU_FORMAT, "name": "my-gpu", "description": "as the H100 SXM preset",
+    "peak_flops_per_s": dict(_H100_SXM), "matmul_fraction": 0.567, "attention_fraction": 0.2,
+    "hbm_bytes_per_s": 3.35e12, "memory_capacity_bytes": 80 * 2**30, "intra": "nvlink4", "num_sms": 132,
+    "source": "H100 SXM datasheet; fractions from wrapopt's h100-sxm preset",
+}
+_UNITS = {"hbm_bytes_per_s": "bytes/s, the stated HBM bandwidth", "memory_capacity_bytes": "bytes",
+          "matmul_fraction": "a fraction of peak, in (0, 1]", "attention_fraction": "a fraction of peak, in (0, 1]",
+          "bandwidth_bytes_per_s": "bytes/s per GPU, achieved", "latency_s": "seconds per ring step",
+          "gpus_per_node": "GPUs"}
+
+
+def stated_number(d: Any, key: str, where: str, unit: str | None = None, *, positive: bool = False) -> float:
+    """A field of a file of stated numbers; a missing, non-numeric or negative one is named with its unit."""
+    unit = unit or _UNITS.get(key) or ("FLOP/s" if "flops" in key else "")
+    if not isinstance(d, dict) or key not in d:
+        raise ProfileError(f"{where}: missing field {key!r} ({unit})")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+        raise ProfileError(f"{where}: field {key!r} ({unit}) must be a number, got {v!r}")
+    if v < 0 or (positive and v == 0):
+        raise ProfileError(f"{where}: field {key!r} ({unit}) must be {'positive' if positive else 'at least 0'}, "
+                           f"got {v!r}")
+    return float(v)
+
+
+def gpu_from_json(d: Any, *, source: str) -> GpuPreset:
+    """A GPU preset from a file of stated numbers (``GPU_TEMPLATE``); errors name the field and its unit."""
+    if not isinstance(d, dict) or d.get("format") != GPU_FORMAT:
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise ProfileError(f"{source}: field 'format' is {got!r}, expected {GPU_FORMAT!r}")
+    peaks_d = d.get("peak_flops_per_s")
+    if not isinstance(peaks_d, dict) or not peaks_d:
+        raise ProfileError(f"{source}: field 'peak_flops_per_s' (FLOP/s per dtype: bfloat16, float16, float32) "
+                           "must name at least one dtype")
+    peaks = {}
+    for k in peaks_d:
+        if k not in _DTYPES:
+            raise ProfileError(f"{source}: field 'peak_flops_per_s.{k}' is not a dtype; use {', '.join(_DTYPES)}")
+        peaks[k] = stated_number(peaks_d, k, f"{source}: peak_flops_per_s", "dense peak FLOP/s", positive=True)
+    fr = {k: stated_number(d, k, source, positive=True) for k in ("matmul_fraction", "attention_fraction")}
+    for k, v in fr.items():
+        if v > 1:
+            raise ProfileError(f"{source}: field {k!r} ({_UNITS[k]}) must be at most 1, got {v}")
+    intra = str(d.get("intra", "nvlink4"))
+    if intra not in INTRA_LINKS:
+        raise ProfileError(f"{source}: field 'intra' is {intra!r}; choose one of {', '.join(INTRA_LINKS)}")
+    return GpuPreset(str(d.get("name", source)), str(d.get("description", "")), peaks,
+                     stated_number(d, "hbm_bytes_per_s", source, positive=True),
+                     int(stated_number(d, "memory_capacity_bytes", source, positive=True)), intra,
+                     fr["matmul_fraction"], fr["attention_fraction"], str(d.get("source", "stated in " + source)),
+                     "stated in " + source, int(stated_number(d, "num_sms", source, "multiprocessors"))
+                     if "num_sms" in d else 0)
