@@ -393,7 +393,7 @@ def trained():
 @pytest.mark.multiprocess
 def test_searched_plans_train_like_unsharded(trained):
     cases = {k: v for k, v in trained.items() if "/" in k}
-    assert len(cases) == 9 + 10  # searched, the baselines (per-block only for encdec) and 4 sampled, per model
+    assert len(cases) == 10 + 10  # searched, the baselines (per-block,ckpt too; per-block only for encdec), 4 sampled
     assert any(["attn"] in units or any("self_attn" in m for u in units for m in u)
                for _l, _r, units in cases.values())  # some plan wraps an attention
     for key, (losses, ref, _units) in cases.items():

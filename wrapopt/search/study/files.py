@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 
 from wrapopt.errors import WrapoptError
 
@@ -90,6 +91,11 @@ def journal_storage(path: str):
         raise corrupt_storage_error(path, e) from None
 
 
+# What SQLite says of a file it cannot read as a database (as opposed to a busy or racing one).
+_DAMAGED = ("file is not a database", "malformed", "disk image")
+_CREATE_TRIES = 4
+
+
 def sqlite_storage(url: str, path: str):
     """An ``RDBStorage`` on the SQLite file ``path`` that several workers of one host share."""
     import optuna
@@ -100,13 +106,22 @@ def sqlite_storage(url: str, path: str):
         conn.execute("PRAGMA journal_mode=WAL")
         return conn
 
-    try:
-        storage = optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
-    except Exception as e:
-        causes = (e, getattr(e, "orig", None), e.__cause__, e.__context__)
-        if any(isinstance(c, sqlite3.DatabaseError) and not isinstance(c, sqlite3.OperationalError) for c in causes):
-            raise corrupt_storage_error(path, e) from None  # "file is not a database", a torn page
-        raise
+    for attempt in range(_CREATE_TRIES):
+        try:
+            storage = optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
+            break
+        except Exception as e:
+            causes = [c for c in (e, getattr(e, "orig", None), e.__cause__, e.__context__) if c is not None]
+            if any(isinstance(c, sqlite3.DatabaseError) and any(w in str(c) for w in _DAMAGED) for c in causes):
+                raise corrupt_storage_error(path, e) from None  # "file is not a database", a torn page
+            # Two workers starting on a new file both create its tables: the second one's insert of
+            # Optuna's schema version collides (IntegrityError) or finds the file locked; a second
+            # look sees the tables made.
+            if attempt + 1 < _CREATE_TRIES and any(
+                    isinstance(c, (sqlite3.IntegrityError, sqlite3.OperationalError)) for c in causes):
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            raise
     from sqlalchemy import event
 
     @event.listens_for(storage.engine, "begin")
