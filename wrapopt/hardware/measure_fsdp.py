@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.errors import ProfileError
-from wrapopt.hardware.timing import median, sync_for, time_reps
+from wrapopt.hardware.timing import median, paired_difference, sync_for, time_reps
 
 __all__ = ["measure_unit_overhead", "measure_optimizer"]
 
@@ -29,7 +29,8 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     forward). The same modules run in both, so the difference is FSDP's own
     work per unit (hooks, copy-in/copy-out, stream and state bookkeeping)
     plus the extra collectives, whose latency is measured directly and
-    taken out::
+    taken out (``t_many - t_one`` is the median of the two steps' differences,
+    timed back to back per round: ``timing.paired_difference``)::
         per_unit_step = (t_many - t_one - (2N - 1) * t_all_gather - (N - 1) * t_reduce_scatter) / (N - 1)
 
     ``per_unit_step`` is what one resharding unit adds to a training step
@@ -70,10 +71,13 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     full, shard = torch.zeros(numel, device=device), torch.zeros(numel // world, device=device)
     t_ag = time_reps(lambda: _all_gather(full, shard), repeats=repeats * 4, warmup=warmup, sync=sync)
     t_rs = time_reps(lambda: _reduce_scatter(shard, full), repeats=repeats * 4, warmup=warmup, sync=sync)
-    t_many = time_reps(step_of(build(True)), repeats=repeats, warmup=warmup, sync=sync)
-    t_one = time_reps(step_of(build(False)), repeats=repeats, warmup=warmup, sync=sync)
+    # The two steps interleaved, their difference paired per round (a step is a few ms: rounds are cheap).
+    # Timed one after the other, the demo's quick profile put gpt-tiny's every-leaf plan at 64 ms in one run
+    # and 155 ms in the next, against 181 ms measured (issue 34).
+    many_minus_one = paired_difference(step_of(build(True)), step_of(build(False)), repeats=4 * repeats,
+                                       warmup=warmup, sync=sync)
     n = num_layers
-    per_unit_step = (t_many - t_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (n - 1)
+    per_unit_step = (many_minus_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (n - 1)
     # Ranks must agree: the slowest rank's overhead is what every rank waits for.
     out = torch.tensor([max(per_unit_step / 2, 0.0)], dtype=torch.float64,
                        device=device if dist.get_backend() == "nccl" else "cpu")
