@@ -12,11 +12,13 @@ and ``calls.py`` on arrays.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["LayoutTables", "layout_kernel", "lookup", "merge"]
+from wrapopt.spec import ROOT
+
+__all__ = ["LayoutTables", "layout_tables", "layout_kernel", "lookup", "merge"]
 
 
 class LayoutTables(NamedTuple):
@@ -34,6 +36,47 @@ class LayoutTables(NamedTuple):
     root_id: int  # -2: no root module
     scale: float  # the batch scale
     reduce_elem: float  # bytes per gradient element in the reduce-scatter
+
+def layout_tables(runs: Any, param_modules: Any, out_bytes: dict[str, float], keep: dict[str, Any], *,
+                  scale: float, reduce_elem: Any) -> tuple[dict[str, int], LayoutTables]:
+    """The module graph as ``layout_kernel`` reads it: module ids, and arrays of the module calls
+    (``runs``: per piece, its entries in forward order) and of the parameter modules."""
+    mid: dict[str, int] = {}
+    for _pc, _anc, es, _s in runs:
+        for e in es:
+            for a in e.anc:
+                mid.setdefault(a, len(mid))
+    for anc, *_v in param_modules:
+        for a in anc:
+            mid.setdefault(a, len(mid))
+    for fqn in out_bytes:
+        mid.setdefault(fqn, len(mid))
+    entries = [e for _pc, _anc, es, _s in runs for e in es]
+    pieces: dict[str, int] = {}
+    e_piece = [pieces.setdefault(pc, len(pieces)) for pc, _anc, es, _s in runs for _e in es]
+    depth = max([len(e.anc) for e in entries] + [len(p[0]) for p in param_modules] + [1])
+
+    def anc_ids(ancs: list[tuple[str, ...]]) -> np.ndarray:
+        out = np.full((len(ancs), depth), -1, dtype=np.int64)
+        for i, anc in enumerate(ancs):
+            out[i, :len(anc)] = [mid[a] for a in anc]
+        return out
+
+    m_out = np.zeros(len(mid), dtype=np.float64)
+    for fqn, b in out_bytes.items():
+        m_out[mid[fqn]] = b
+    return mid, LayoutTables(
+        e_anc=anc_ids([e.anc for e in entries]),
+        e_piece=np.array(e_piece, dtype=np.int64).reshape(-1),
+        e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]], dtype=np.float64).reshape(2, -1),
+        e_int=np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp] for e in entries],
+                       dtype=np.int64).reshape(-1, 5).T.copy(),
+        keep_of=np.array([keep[pc] for pc in pieces], dtype=np.int64),
+        p_anc=anc_ids([p[0] for p in param_modules]),
+        p_vals=np.array([p[1:5] for p in param_modules], dtype=np.int64).reshape(-1, 4).T.copy(),
+        m_out=m_out, root_id=mid[ROOT] if ROOT in mid else -2, scale=scale, reduce_elem=reduce_elem,
+    )
+
 
 
 # Exempt from the 80-line cap: numba compiles one function, and splitting it into

@@ -46,10 +46,10 @@ import numpy as np
 
 from wrapopt.cost.backend import Backend
 from wrapopt.cost.calls import backward_working_set, module_calls
-from wrapopt.cost.kernels import LayoutTables
+from wrapopt.cost.kernels import LayoutTables, layout_tables
 from wrapopt.cost.step_inputs import Segments, UnitLayout
 from wrapopt.hardware.profiles import ComputeProfile
-from wrapopt.spec import ROOT, ModelGraph, SimOptions, UnitSpec
+from wrapopt.spec import ModelGraph, SimOptions, UnitSpec
 from wrapopt.units import ancestors, owner_index
 
 __all__ = ["Layout", "Layouts", "Segment", "unit_modules"]
@@ -358,46 +358,10 @@ class Layouts:
     # -- the layout kernel: See [Note: layout kernel] ---------------------------------------
 
     def _kernel_tables(self) -> tuple[dict[str, int], LayoutTables]:
-        """The module graph as the kernel reads it: module ids, and arrays of the module
-        calls (in forward order) and of the parameter modules. Built on first use."""
+        """The module graph as the kernel reads it (``kernels.layout_tables``). Built on first use."""
         if self._tables is None:
-            mid: dict[str, int] = {}
-            for pc, anc, es, _s in self._runs:
-                for e in es:
-                    for a in e.anc:
-                        mid.setdefault(a, len(mid))
-            for anc, *_v in self._param_modules:
-                for a in anc:
-                    mid.setdefault(a, len(mid))
-            for fqn in self._out_bytes:
-                mid.setdefault(fqn, len(mid))
-            entries = [e for _pc, _anc, es, _s in self._runs for e in es]
-            pieces: dict[str, int] = {}
-            e_piece = [pieces.setdefault(pc, len(pieces)) for pc, _anc, es, _s in self._runs for _e in es]
-            depth = max([len(e.anc) for e in entries] + [len(p[0]) for p in self._param_modules] + [1])
-
-            def anc_ids(ancs: list[tuple[str, ...]]) -> np.ndarray:
-                out = np.full((len(ancs), depth), -1, dtype=np.int64)
-                for i, anc in enumerate(ancs):
-                    out[i, :len(anc)] = [mid[a] for a in anc]
-                return out
-
-            m_out = np.zeros(len(mid), dtype=np.float64)
-            for fqn, b in self._out_bytes.items():
-                m_out[mid[fqn]] = b
-            self._tables = mid, LayoutTables(
-                e_anc=anc_ids([e.anc for e in entries]),
-                e_piece=np.array(e_piece, dtype=np.int64).reshape(-1),
-                e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries]],
-                                dtype=np.float64).reshape(2, -1),
-                e_int=np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp] for e in entries],
-                               dtype=np.int64).reshape(-1, 5).T.copy(),
-                keep_of=np.array([self._keep[pc] for pc in pieces], dtype=np.int64),
-                p_anc=anc_ids([p[0] for p in self._param_modules]),
-                p_vals=np.array([p[1:5] for p in self._param_modules], dtype=np.int64).reshape(-1, 4).T.copy(),
-                m_out=m_out, root_id=mid[ROOT] if ROOT in mid else -2, scale=float(self.options.batch_scale),
-                reduce_elem=self._reduce_elem,
-            )
+            self._tables = layout_tables(self._runs, self._param_modules, self._out_bytes, self._keep,
+                                         scale=float(self.options.batch_scale), reduce_elem=self._reduce_elem)
         return self._tables
 
     def _build_compiled(self, kernel: Any, units: tuple[UnitSpec, ...],
