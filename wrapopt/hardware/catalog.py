@@ -25,7 +25,7 @@ from wrapopt.errors import ProfileError
 from wrapopt.hardware.profiles import AnalyticalLink
 
 __all__ = ["GpuPreset", "GPUS", "INTRA_LINKS", "INTER_LINKS", "NETWORKS", "HBM_ACHIEVED", "network_links",
-           "gpu_from_json", "GPU_FORMAT", "GPU_TEMPLATE", "stated_number"]
+           "gpu_from_json", "GPU_FORMAT", "GPU_TEMPLATE", "stated_number", "stated_peaks"]
 
 HBM_ACHIEVED = 0.8  # achieved / stated HBM bandwidth: the streaming-kernel convention (not fitted)
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -166,11 +166,8 @@ def stated_number(d: Any, key: str, where: str, unit: str | None = None, *, posi
     return float(v)
 
 
-def gpu_from_json(d: Any, *, source: str) -> GpuPreset:
-    """A GPU preset from a file of stated numbers (``GPU_TEMPLATE``); errors name the field and its unit."""
-    if not isinstance(d, dict) or d.get("format") != GPU_FORMAT:
-        got = d.get("format") if isinstance(d, dict) else type(d).__name__
-        raise ProfileError(f"{source}: field 'format' is {got!r}, expected {GPU_FORMAT!r}")
+def stated_peaks(d: dict[str, Any], source: str) -> dict[str, float]:
+    """A stated-number file's ``peak_flops_per_s``: dense peak FLOP/s per dtype, at least one."""
     peaks_d = d.get("peak_flops_per_s")
     if not isinstance(peaks_d, dict) or not peaks_d:
         raise ProfileError(f"{source}: field 'peak_flops_per_s' (FLOP/s per dtype: bfloat16, float16, float32) "
@@ -180,6 +177,15 @@ def gpu_from_json(d: Any, *, source: str) -> GpuPreset:
         if k not in _DTYPES:
             raise ProfileError(f"{source}: field 'peak_flops_per_s.{k}' is not a dtype; use {', '.join(_DTYPES)}")
         peaks[k] = stated_number(peaks_d, k, f"{source}: peak_flops_per_s", "dense peak FLOP/s", positive=True)
+    return peaks
+
+
+def gpu_from_json(d: Any, *, source: str) -> GpuPreset:
+    """A GPU preset from a file of stated numbers (``GPU_TEMPLATE``); errors name the field and its unit."""
+    if not isinstance(d, dict) or d.get("format") != GPU_FORMAT:
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise ProfileError(f"{source}: field 'format' is {got!r}, expected {GPU_FORMAT!r}")
+    peaks = stated_peaks(d, source)
     fr = {k: stated_number(d, k, source, positive=True) for k in ("matmul_fraction", "attention_fraction")}
     for k, v in fr.items():
         if v > 1:

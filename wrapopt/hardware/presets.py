@@ -16,7 +16,7 @@ from wrapopt.checks import check_count
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import JsonReader, read_json
 from wrapopt.hardware.catalog import (
-    GPU_FORMAT, GPUS, INTER_LINKS, GpuPreset, find_gpu, gpu_from_json, network_links, stated_number,
+    GPU_FORMAT, GPUS, INTER_LINKS, GpuPreset, find_gpu, gpu_from_json, network_links, stated_number, stated_peaks,
 )
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 
@@ -247,16 +247,7 @@ def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node
         raise ProfileError(f"{source}: field 'gpus_per_node' is {int(gpn)}, but the mesh puts {ranks_per_node} ranks "
                            f"on a node (--gpus-per-node; default: the world size up to 8); pass --gpus-per-node "
                            f"{int(gpn)} or fewer, or correct the file")
-    peaks_d = d.get("peak_flops_per_s")
-    if not isinstance(peaks_d, dict) or not peaks_d:
-        raise ProfileError(f"{source}: field 'peak_flops_per_s' (FLOP/s per dtype) must name at least one dtype "
-                           "(bfloat16, float16, float32)")
-    peaks = {}
-    for k in peaks_d:
-        if k not in ("bfloat16", "float16", "float32"):
-            raise ProfileError(f"{source}: field 'peak_flops_per_s.{k}' is not a dtype; "
-                               "use bfloat16, float16 or float32")
-        peaks[k] = stated_number(peaks_d, k, f"{source}: peak_flops_per_s", "dense peak FLOP/s", positive=True)
+    peaks = stated_peaks(d, source)
     frac = stated_number(d, "achievable_fraction", source, "a fraction of peak, in (0, 1]", positive=True)
     if frac > 1:
         raise ProfileError(f"{source}: field 'achievable_fraction' (a fraction of peak) must be in (0, 1], got {frac}")
