@@ -60,6 +60,9 @@ def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, sour
     """
     if to not in TARGETS:
         raise ValueError(f"cannot export to {to!r}; choose one of: {', '.join(TARGETS)}")
+    if plan.spec.pipeline is not None:
+        raise PlanError(f"this plan runs {len(plan.spec.pipeline.stages)} pipeline stages, which wrapopt cannot "
+                        f"export to {to}: apply it with plan.apply(model) (FSDP2 + torch.distributed.pipelining)")
     if plan.spec.tp is not None:
         raise PlanError(f"this plan runs tensor parallelism (degree {plan.mesh.tp_size}) under FSDP, which wrapopt "
                         f"cannot export to {to}: apply it with plan.apply(model) (FSDP2)")

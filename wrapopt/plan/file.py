@@ -27,7 +27,7 @@ from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
 from wrapopt.plan.schema import plan_schema, schema_errors, short_json
 from wrapopt.plan.tp import tp_from_json
-from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PlanSpec, TPSpec, UnitSpec
+from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
 from wrapopt.train import TrainConfig
 from wrapopt.version import __version__
 
@@ -120,6 +120,7 @@ class WrapPlan:
             "model": self.model,
             "mesh": self.spec.mesh.to_json(),
             **({"tp": self.spec.tp.to_json()} if self.spec.tp is not None else {}),
+            **({"pipeline": self.spec.pipeline.to_json()} if self.spec.pipeline is not None else {}),
             "units": [
                 {"modules": list(u.modules), "reshard_after_forward": u.reshard_after_forward,
                  "checkpoint": u.checkpoint}
@@ -163,6 +164,7 @@ class WrapPlan:
         mesh = data.get("mesh")
         mesh_spec = _mesh_from_json(mesh, source)
         tp = _tp_from_json(data.get("tp"), mesh_spec, source)
+        pipeline = _pipeline_from_json(data.get("pipeline"), mesh_spec, source)
         units = _units_from_json(data.get("units"), source)
         prefetch = data.get("forward_prefetch", 0)
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
@@ -184,10 +186,10 @@ class WrapPlan:
             raise fail(fld, msg + " (see wrapopt/data/plan.schema.json)")
         for fld, want in (("shape", list(mesh_spec.shape)), ("axis_names", list(mesh_spec.axis_names))):
             if fld in mesh and mesh[fld] != want:
-                raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size and tp_size give "
-                                          f"{short_json(want)}; fix the sizes or drop mesh.{fld}")
+                raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size, tp_size and "
+                                          f"pp_size give {short_json(want)}; fix the sizes or drop mesh.{fld}")
         spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch,
-                        label=str(data.get("label") or ""), tp=tp)
+                        label=str(data.get("label") or ""), tp=tp, pipeline=pipeline)
         return cls(
             spec=spec,
             model=model,
@@ -381,6 +383,7 @@ def _mesh_from_json(mesh: Any, source: str) -> MeshSpec:
             ranks_per_node=_int(mesh, "ranks_per_node", source, "mesh."),
             shard_size=_int(mesh, "shard_size", source, "mesh."),
             tp_size=_int(mesh, "tp_size", source, "mesh.") if "tp_size" in mesh else 1,
+            pp_size=_int(mesh, "pp_size", source, "mesh.") if "pp_size" in mesh else 1,
         )
     except ValueError as e:
         if isinstance(e, PlanError):
@@ -399,6 +402,34 @@ def _tp_from_json(tp: Any, mesh_spec: MeshSpec, source: str) -> TPSpec | None:
         raise _field_error(source, "tp", "is set but mesh.tp_size is 1; set mesh.tp_size to the tensor-parallel "
                                          "degree, or drop tp")
     return tp_from_json(tp, source=source) if mesh_spec.tp_size > 1 else None
+
+
+def _pipeline_from_json(pipe: Any, mesh_spec: MeshSpec, source: str) -> PipelineSpec | None:
+    """The plan's pipeline stages and schedule: present exactly when ``mesh.pp_size > 1``."""
+    if (pipe is None) == (mesh_spec.pp_size > 1):
+        raise _field_error(source, "pipeline", f"is missing: a plan with mesh.pp_size {mesh_spec.pp_size} needs its "
+                                               "stages ({\"schedule\", \"microbatches\", \"stages\": [[module, ...], "
+                                               "...]})" if pipe is None else
+                           "is set but mesh.pp_size is 1; set mesh.pp_size to the pipeline degree, or drop pipeline")
+    if pipe is None:
+        return None
+    if not isinstance(pipe, dict):
+        raise _field_error(source, "pipeline", "must be an object with schedule, microbatches and stages")
+    stages = pipe.get("stages")
+    if (not isinstance(stages, list) or not all(isinstance(s, list) and all(isinstance(m, str) for m in s)
+                                                  for s in stages)):
+        raise _field_error(source, "pipeline.stages", "must be a list of stages, each a list of module names")
+    try:
+        out = PipelineSpec(stages=tuple(tuple(s) for s in stages), schedule=pipe.get("schedule", "1F1B"),
+                           microbatches=_int(pipe, "microbatches", source, "pipeline."))
+    except ValueError as e:
+        if isinstance(e, PlanError):
+            raise
+        raise _field_error(source, "pipeline", str(e)) from None
+    if len(out.stages) % mesh_spec.pp_size:
+        raise _field_error(source, "pipeline.stages", f"has {len(out.stages)} stages, not a multiple of "
+                                                      f"mesh.pp_size {mesh_spec.pp_size}")
+    return out
 
 
 def _units_from_json(units_raw: Any, source: str) -> list[UnitSpec]:

@@ -64,6 +64,10 @@ def fsdp1_policy(
     from torch.distributed.fsdp import MixedPrecision
 
     mesh = spec.mesh
+    if spec.pipeline is not None:
+        raise PlanError(f"this plan runs {len(spec.pipeline.stages)} pipeline stages on {mesh.pp_size} pipeline ranks; "
+                        "wrapopt's FSDP1 export does not support pipeline parallelism: apply it with "
+                        "plan.apply(model) (FSDP2 + torch.distributed.pipelining)")
     if spec.tp is not None:
         raise PlanError(f"this plan runs tensor parallelism (degree {mesh.tp_size}) under FSDP; wrapopt's FSDP1 export "
                         "does not support FSDP1 + tensor parallelism: apply it with plan.apply(model) (FSDP2)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from wrapopt.spec.estimate import CostEstimate, TimelineEvent, UnitCost, UnitCosts
 from wrapopt.spec.graph import ROOT, ModelGraph, ModuleInfo, TraceRecord
 from wrapopt.spec.options import SYNC_MODES, OptimizerKind, SimOptions, factored_state_numel
-from wrapopt.spec.plan import TP_STYLES, MeshSpec, PlanSpec, TPSpec, UnitSpec
+from wrapopt.spec.plan import PP_SCHEDULES, TP_STYLES, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
 
 __all__ = [
     "ModuleInfo",
@@ -26,6 +26,8 @@ __all__ = [
     "PlanSpec",
     "TPSpec",
     "TP_STYLES",
+    "PipelineSpec",
+    "PP_SCHEDULES",
     "OptimizerKind",
     "SYNC_MODES",
     "factored_state_numel",

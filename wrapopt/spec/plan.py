@@ -10,7 +10,7 @@ from wrapopt.checks import check_count
 from wrapopt.errors import OptionError
 from wrapopt.spec.graph import ROOT
 
-__all__ = ["MeshSpec", "UnitSpec", "TP_STYLES", "TPSpec", "PlanSpec"]
+__all__ = ["MeshSpec", "UnitSpec", "TP_STYLES", "TPSpec", "PP_SCHEDULES", "PipelineSpec", "PlanSpec"]
 
 @dataclass(frozen=True, slots=True)
 class MeshSpec:
@@ -23,17 +23,25 @@ class MeshSpec:
     ``tp_size > 1`` adds a tensor-parallel axis, innermost (consecutive ranks,
     inside a node), so the mesh is ``replicate x shard x tp`` as TorchTitan builds
     it; FSDP runs on the data-parallel ranks ``world_size / tp_size``. See
-    [Note: tensor parallel] in tp.py.
+    [Note: tensor parallel] in tp.py. ``pp_size > 1`` adds a pipeline axis,
+    outermost (``pp x replicate x shard x tp``, stages across nodes as TorchTitan
+    lays them out): each stage's ranks form the mesh ``stage_mesh()``, and FSDP
+    runs on its data-parallel ranks ``world_size / (pp_size * tp_size)``. See
+    [Note: pipeline stages] in cost/pipeline.py.
     """
 
     world_size: int
     ranks_per_node: int
     shard_size: int
     tp_size: int = 1
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "ranks_per_node", "shard_size", "tp_size"):
+        for name in ("world_size", "ranks_per_node", "shard_size", "tp_size", "pp_size"):
             check_count(getattr(self, name), f"MeshSpec.{name}")
+        if self.world_size % self.pp_size:
+            raise OptionError(f"pipeline degree {self.pp_size} does not divide the world of {self.world_size} "
+                              "ranks; pass --pp dividing the world size")
         if self.world_size % self.ranks_per_node and self.world_size > self.ranks_per_node:
             raise OptionError(
                 f"world size {self.world_size} is not a multiple of {self.ranks_per_node} "
@@ -45,21 +53,37 @@ class MeshSpec:
                 f"(and the world of {self.world_size}); tensor parallelism runs inside a node: pass --tp 1, 2, 4 or 8 "
                 "dividing --gpus-per-node"
             )
-        dp = self.world_size // self.tp_size
-        if self.shard_size > dp or dp % self.shard_size:
+        dp = self.world_size // (self.tp_size * self.pp_size)
+        if self.world_size % (self.tp_size * self.pp_size) or self.shard_size > dp or dp % self.shard_size:
             raise OptionError(
                 f"shard group of {self.shard_size} ranks does not divide the {dp} data-parallel ranks "
-                f"(world {self.world_size} / tensor-parallel degree {self.tp_size}); use a divisor of {dp}"
+                f"(world {self.world_size} / tensor-parallel degree {self.tp_size}"
+                f"{f' / pipeline degree {self.pp_size}' if self.pp_size > 1 else ''}); use a divisor of {dp}"
             )
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the world over the tensor-parallel degree."""
-        return self.world_size // self.tp_size
+        """Data-parallel ranks of one pipeline stage: the world over the tensor-parallel and
+        pipeline degrees."""
+        return self.world_size // (self.tp_size * self.pp_size)
 
     @property
     def replicate_size(self) -> int:
-        return self.world_size // (self.shard_size * self.tp_size)
+        return self.dp_size // self.shard_size
+
+    def stage_mesh(self) -> "MeshSpec":
+        """The ranks of one pipeline stage (this mesh without its pipeline axis); the mesh itself
+        when ``pp_size == 1``. A stage smaller than a node keeps its own size as ranks per node."""
+        if self.pp_size == 1:
+            return self
+        ranks = self.world_size // self.pp_size
+        return MeshSpec(world_size=ranks, ranks_per_node=min(self.ranks_per_node, ranks),
+                        shard_size=self.shard_size, tp_size=self.tp_size)
+
+    @property
+    def stages_cross_nodes(self) -> bool:
+        """Whether neighbouring pipeline stages talk over the inter-node link."""
+        return self.pp_size > 1 and self.world_size // self.pp_size >= self.ranks_per_node
 
     @property
     def num_nodes(self) -> int:
@@ -72,6 +96,8 @@ class MeshSpec:
     def data_parallel(self) -> "MeshSpec":
         """The FSDP part alone: one rank of each tensor-parallel group, ``ranks_per_node /
         tp_size`` of them per node. The simulator scores FSDP's collectives on it."""
+        if self.pp_size > 1:
+            return self.stage_mesh().data_parallel()
         if self.tp_size == 1:
             return self
         return MeshSpec(world_size=self.dp_size, ranks_per_node=max(1, self.ranks_per_node // self.tp_size),
@@ -81,17 +107,25 @@ class MeshSpec:
         """This data-parallel mesh with a tensor-parallel axis of ``tp_size`` under it
         (``world_size`` and ``ranks_per_node`` multiplied by it)."""
         return MeshSpec(world_size=self.world_size * tp_size, ranks_per_node=self.ranks_per_node * tp_size,
-                        shard_size=self.shard_size, tp_size=self.tp_size * tp_size)
+                        shard_size=self.shard_size, tp_size=self.tp_size * tp_size, pp_size=self.pp_size)
+
+    def with_pp(self, pp_size: int) -> "MeshSpec":
+        """This mesh as one stage of ``pp_size`` stages (``world_size`` multiplied by it; the
+        stages sit side by side, across nodes once a stage fills a node)."""
+        return MeshSpec(world_size=self.world_size * pp_size,
+                        ranks_per_node=self.ranks_per_node, shard_size=self.shard_size, tp_size=self.tp_size,
+                        pp_size=self.pp_size * pp_size)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The ``DeviceMesh`` shape, outermost first, matching ``axis_names``."""
-        return tuple(n for n, keep in ((self.replicate_size, self.is_hsdp), (self.shard_size, True),
-                                       (self.tp_size, self.tp_size > 1)) if keep)
+        return tuple(n for n, keep in ((self.pp_size, self.pp_size > 1), (self.replicate_size, self.is_hsdp),
+                                       (self.shard_size, True), (self.tp_size, self.tp_size > 1)) if keep)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        return tuple(n for n, keep in (("replicate", self.is_hsdp), ("shard", True), ("tp", self.tp_size > 1)) if keep)
+        return tuple(n for n, keep in (("pp", self.pp_size > 1), ("replicate", self.is_hsdp), ("shard", True),
+                                       ("tp", self.tp_size > 1)) if keep)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -101,6 +135,8 @@ class MeshSpec:
         }
         if self.tp_size > 1:
             out["tp_size"] = self.tp_size
+        if self.pp_size > 1:
+            out["pp_size"] = self.pp_size
         out["shape"], out["axis_names"] = list(self.shape), list(self.axis_names)
         return out
 
@@ -168,6 +204,50 @@ class TPSpec:
         return {"source": self.source, "layers": {cls: dict(pairs) for cls, pairs in self.layers}}
 
 
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSpec:
+    """Pipeline stages and their schedule (a plan on a mesh with ``pp_size > 1``).
+
+    ``stages`` lists, per stage in the order the data flows, the modules the stage
+    owns (module paths; the first stage holds the embeddings and its first blocks, the last
+    its last blocks, the final norm and the head). With ``len(stages) == k * pp_size``
+    (``k`` virtual stages per rank, interleaved schedules) stage ``s`` runs on pipeline rank
+    ``s % pp_size``, as torch's looped schedules place them. ``schedule`` names a
+    ``torch.distributed.pipelining`` schedule (``Schedule`` + the name); ``microbatches`` is
+    the number of micro-batches one step splits each rank's batch into. See [Note: pipeline
+    stages] in cost/pipeline.py.
+    """
+
+    stages: tuple[tuple[str, ...], ...]
+    schedule: str = "1F1B"
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        check_count(self.microbatches, "PipelineSpec.microbatches")
+        if self.schedule not in PP_SCHEDULES:
+            raise OptionError(f"unknown pipeline schedule {self.schedule!r}; use one of {', '.join(PP_SCHEDULES)}")
+        if len(self.stages) < 2:
+            raise OptionError(f"a pipeline needs at least 2 stages, got {len(self.stages)}")
+        empty = [i for i, s in enumerate(self.stages) if not s]
+        if empty:
+            raise OptionError(f"pipeline stage(s) {empty} own no modules")
+
+    def virtual_stages(self, pp_size: int) -> int:
+        """Stages per pipeline rank (1 unless the schedule is interleaved)."""
+        return len(self.stages) // pp_size
+
+    def stage_of(self) -> dict[str, int]:
+        """Each listed module's stage."""
+        return {m: i for i, mods in enumerate(self.stages) for m in mods}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "microbatches": self.microbatches,
+                "stages": [list(s) for s in self.stages]}
+
+
 @dataclass(frozen=True, slots=True)
 class PlanSpec:
     """A complete wrapping decision: the units (root last) and the mesh."""
@@ -180,11 +260,20 @@ class PlanSpec:
     label: str = ""
     # Tensor parallelism inside blocks; set exactly when ``mesh.tp_size > 1``.
     tp: TPSpec | None = None
+    # Pipeline stages and schedule; set exactly when ``mesh.pp_size > 1``. The units then
+    # cover every stage, none across two, and the root unit's choices are each stage root's.
+    pipeline: PipelineSpec | None = None
 
     def __post_init__(self) -> None:
         if (self.tp is not None) != (self.mesh.tp_size > 1):
             raise ValueError(f"a plan on a mesh with tp_size {self.mesh.tp_size} needs "
                              f"{'a' if self.mesh.tp_size > 1 else 'no'} TPSpec (PlanSpec.tp)")
+        if (self.pipeline is not None) != (self.mesh.pp_size > 1):
+            raise ValueError(f"a plan on a mesh with pp_size {self.mesh.pp_size} needs "
+                             f"{'a' if self.mesh.pp_size > 1 else 'no'} PipelineSpec (PlanSpec.pipeline)")
+        if self.pipeline is not None and len(self.pipeline.stages) % self.mesh.pp_size:
+            raise OptionError(f"{len(self.pipeline.stages)} pipeline stages do not share out over "
+                              f"{self.mesh.pp_size} pipeline ranks; use a multiple of {self.mesh.pp_size}")
 
     @property
     def root(self) -> UnitSpec:
