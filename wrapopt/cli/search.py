@@ -24,12 +24,14 @@ from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
 from wrapopt.report.batch import batch_json, format_batch
+from wrapopt.report.current import current_json, format_current
 from wrapopt.report.plots import require_matplotlib
 from wrapopt.search.batch import recorded_scale
+from wrapopt.search.current import CURRENT_FORMS, compare_current, parse_current
 from wrapopt.search.diagnosis import both_syncs
 from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions, SearchResult
 from wrapopt.search.study.space import shard_sizes
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, PlanSpec
 from wrapopt.tp import TPSpec
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import model_dtype
@@ -74,6 +76,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a progress bar on stderr (default: when stderr is a terminal)")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help=f"draw {' and '.join(PICTURES)} (predicted; needs matplotlib) into DIR")
+    p.add_argument("--current", default=None, metavar="FILE|DESCRIPTION",
+                   help="the configuration the job runs today, shown beside wrapopt's with each differing choice's "
+                        f"gain: {CURRENT_FORMS}")
     return p
 
 
@@ -128,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
     budget_note = budget_line(args.memory, compute, budget)
     graph = trace_model(model, src.inputs, loss_fn=src.loss)
+    current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=tp_plan, load_plan=_plan_and_batch)
+               if args.current else None)  # a bad description fails before the search
     # One simulator's options for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
     sim = Simulator(graph, fabric, compute, train.sim_options(memory_budget=budget))
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
@@ -144,11 +151,17 @@ def run(args: argparse.Namespace) -> int:
         pics = pictures_json(sim, result, result.best.plan)
         write_pictures(args.plot, pics, title=f"{args.model} on {mesh.world_size} ranks ({mesh.ranks_per_node} per "
                                               f"node), {fabric.name} ({fabric.kind})")
+    compared = None if current is None else compare_current(
+        graph, sim, current, plan.spec, train=with_global_batch(args, train_from_args(args)),
+        chosen_micro_batch=plan.train_config.micro_batch, global_batch=args.global_batch)
     syncs = None  # under gradient accumulation, the choice scored with each sync mode
     if train.grad_accumulation > 1:
         syncs = both_syncs(result, graph, sim, train, budget)
     if args.json:
-        print(json.dumps(_plan_json(plan, result, budget_note, syncs), indent=1))
+        out = _plan_json(plan, result, budget_note, syncs)
+        if compared is not None:
+            out["search"]["current"] = current_json(compared)
+        print(json.dumps(out, indent=1))
     else:
         print(budget_note)
         print(f"training: {plan.train_config.describe(model_dtype(model))}")
@@ -158,11 +171,19 @@ def run(args: argparse.Namespace) -> int:
         print(format_sync(result, train, budget, syncs))
         if result.batch_rows:
             print(format_batch(result))
+        if compared is not None:
+            print(format_current(compared, budget))
         if args.out:
             print(f"wrote {args.out}")
         if args.plot:
             print(f"wrote {', '.join(os.path.join(args.plot, name) for name in PICTURES)}")
     return 0
+
+
+def _plan_and_batch(path: str) -> tuple[PlanSpec, int | None]:
+    """A plan file given as ``--current``: its plan and recorded micro-batch."""
+    plan = WrapPlan.load(path)
+    return plan.spec, plan.micro_batch
 
 
 def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ class MeshSpec:
     outermost (``pp x replicate x shard x tp``, stages across nodes as TorchTitan
     lays them out): each stage's ranks form the mesh ``stage_mesh()``, and FSDP
     runs on its data-parallel ranks ``world_size / (pp_size * tp_size)``. See
-    [Note: pipeline stages] in cost/pipeline.py.
+    the pipeline notes.
     """
 
     world_size: int
@@ -217,8 +217,8 @@ class PipelineSpec:
     (``k`` virtual stages per rank, interleaved schedules) stage ``s`` runs on pipeline rank
     ``s % pp_size``, as torch's looped schedules place them. ``schedule`` names a
     ``torch.distributed.pipelining`` schedule (``Schedule`` + the name); ``microbatches`` is
-    the number of micro-batches one step splits each rank's batch into. See [Note: pipeline
-    stages] in cost/pipeline.py.
+    the number of micro-batches one step splits each rank's batch into. See the pipeline
+    notes (cost/pipeline.py).
     """
 
     stages: tuple[tuple[str, ...], ...]
