@@ -29,10 +29,10 @@ import statistics
 import sys
 import time
 
-from benchmarks.published_predict import GPUS, Prediction, Predictor, SearchRow, errors_of, fabric_at, refit
+from benchmarks.published_config import ConfigRow, config_section, plot_gains, search_config
+from benchmarks.published_predict import GPUS, Prediction, Predictor, errors_of, fabric_at, refit
 from benchmarks.published_rows import DEFAULT_SOURCE, PublishedRow, parse_published
 from wrapopt.fileio import atomic_write_text
-from wrapopt.hardware.budget import MEMORY_HEADROOM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -175,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                 rail[r.line] = pred.tokens_per_s(r, one_nic) / r.tokens_per_s_per_gpu
     say("sensitivities done")
 
-    searches: list[SearchRow] = []
+    searches: list[ConfigRow] = []
     if not args.no_search:
         for g, name in GROUPS:
             for r in usable.get(g, []):
-                searches.append(pred.search(r, max_group=args.max_group))
+                searches.append(search_config(pred, r, max_group=args.max_group))
             say(f"{name}: searched {len(usable.get(g, []))} rows")
+        plot_gains(os.path.splitext(args.out)[0] + "_gain.png", searches, GROUPS)
 
     all_preds = [p for g in preds for p in preds[g]]
     png = os.path.splitext(args.out)[0] + ".png"
@@ -248,7 +249,7 @@ def _report(args, published, usable, skipped, effs, preds, sens, rail, searches,
     if "h100_80gb" in preds:
         out += _h100_sensitivity(preds["h100_80gb"], sens)
     out += _diagnosis(preds, rail)
-    out += _search_section(searches)
+    out += _search_section(searches, args.out)
     out += _fsdp1_vs_fsdp2()
     out += ["## Rows skipped", ""]
     if skipped:
@@ -462,47 +463,9 @@ def _fsdp1_vs_fsdp2() -> list[str]:
             "- Predicted here: FSDP2's schedule and memory, FSDP1's accumulation; the rows are FSDP1.", ""]
 
 
-def _search_section(searches: list[SearchRow]) -> list[str]:
-    if not searches:
-        return ["## wrapopt's search on these rows", "", "Not run (`--no-search`).", ""]
-    out = ["## wrapopt's search on these rows (the headline)", "",
-           f"For each row: `search_plan` on the row's mesh, fabric, compute profile and step, memory budget = the "
-           f"GPU's capacity x {MEMORY_HEADROOM:.0%} (`--memory auto`), `SearchOptions(trials=0, "
-           f"max_group={searches[0].max_group})`: the baselines, the exact DP over block groupings (at most max_group "
-           "blocks per unit; `wrapopt search` allows 8) with per-unit reshard and checkpointing on every shard-group "
-           "size (FSDP and HSDP), and uniform groupings; no Optuna study. Speed-up = the row's per-block plan's "
-           "predicted step / the chosen plan's (both with the row's accumulation). *row plan fits*: the per-block "
-           "plan's predicted peak within the same budget (when it does not, the search must pick a plan that does, and "
-           "may be slower).", ""]
-    for g, name in GROUPS:
-        rows = [s for s in searches if s.row.gpu == g]
-        if not rows:
-            continue
-        sp = [s.speedup for s in rows if not math.isnan(s.speedup)]
-        fit_sp = [s.speedup for s in rows if not math.isnan(s.speedup) and s.row_fits_budget]
-        if sp:
-            out.append(f"- **{name}**: {len(rows)} rows; speed-up median {statistics.median(sp):.3f}, max "
-                       f"{max(sp):.3f}, min {min(sp):.3f}; >= 1.05 on {sum(x >= 1.05 for x in sp)} rows; on the "
-                       f"{len(fit_sp)} rows whose own plan fits the budget: median "
-                       f"{statistics.median(fit_sp) if fit_sp else math.nan:.3f}; search time "
-                       f"{sum(s.seconds for s in rows):.0f} s in all.")
-    gains = [s for s in searches if not math.isnan(s.speedup) and s.speedup >= 1.05]
-    less_ck = [s for s in gains if s.row.checkpointing and s.checkpointed < s.blocks]
-    out += ["", f"Of the {len(gains)} rows where wrapopt's plan is predicted >= 5% faster, {len(less_ck)} are rows "
-                f"that checkpoint every block and where the chosen plan checkpoints fewer: exactly the term the "
-                "simulator over-charges against these rows (checkpointed rows are predicted slower than published, "
-                "relative to the others, on every GPU type: see the split above), so those gains are likely "
-                "overstated."]
-    out += ["", "| GPU | model | seq | GPUs | micro-batch | GA | AC | row plan fits | wrapopt's choice | speed-up | "
-                "search s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s in searches:
-        r = s.row
-        out.append(f"| {r.gpu} | {r.model} | {r.seq_len} | {r.num_gpus} | {r.micro_batch} | {r.grad_accum} | "
-                   f"{'AC' if r.checkpointing else '-'} | {'yes' if s.row_fits_budget else 'no'} | {s.chosen} | "
-                   f"{s.speedup:.3f} | {s.seconds:.1f} |")
-    return out + [""]
-
+def _search_section(searches: list[ConfigRow], out_path: str) -> list[str]:
+    png = os.path.basename(os.path.splitext(out_path)[0] + "_gain.png") if searches else None
+    return config_section(searches, GROUPS, png)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,19 +36,16 @@ from benchmarks.published_rows import (
 )
 from wrapopt.cost import Simulator
 from wrapopt.cost.roofline import kernel_times
-from wrapopt.errors import InfeasibleError
 from wrapopt.evaluation.evaluate import spearman
-from wrapopt.hardware.budget import MEMORY_HEADROOM
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 from wrapopt.hardware.catalog import GPUS as GPUS_PRESETS
 from wrapopt.hardware.catalog import GpuPreset
 from wrapopt.hardware.resolve import compute_for, fabric_name, resolve_fabric
 from wrapopt.train import TrainConfig
-from wrapopt.search.driver import SearchOptions, search_plan
 from wrapopt.trace.meta import trace_model
 from wrapopt.spec import ROOT, CostEstimate, MeshSpec, ModelGraph, PlanSpec, SimOptions, UnitSpec
 
-__all__ = ["GPUS", "GpuSpec", "Predictor", "Prediction", "SearchRow", "refit", "errors_of", "compute_split"]
+__all__ = ["GPUS", "GpuSpec", "Predictor", "Prediction", "refit", "errors_of", "compute_split"]
 
 GPUS_PER_NODE = 8
 
@@ -151,18 +148,6 @@ class Prediction:
         return self.tokens_per_s / self.row.tokens_per_s_per_gpu
 
 
-@dataclass(frozen=True, slots=True)
-class SearchRow:
-    row: PublishedRow
-    row_fits_budget: bool
-    chosen: str  # a short description, or why nothing was chosen
-    speedup: float  # row plan step / chosen plan step (nan when nothing fits)
-    seconds: float
-    max_group: int
-    blocks: int = 0  # blocks of the model
-    checkpointed: int = 0  # blocks the chosen plan checkpoints
-
-
 class Predictor:
     """Builds, traces (cached per model, sequence and micro-batch) and simulates rows."""
 
@@ -245,37 +230,6 @@ class Predictor:
         return Prediction(row, role, row.micro_batch * row.seq_len * row.grad_accum / step, step, est.peak_bytes,
                           est.peak_bytes <= gpu.capacity_bytes, est.exposed_comm_s / est.step_s,
                           {k: v / total for k, v in split.items()}, est)
-
-    def search(self, row: PublishedRow, *, max_group: int = 8) -> SearchRow:
-        """wrapopt's own search on the row's hardware, step and budget (capacity x headroom)."""
-        import time
-
-        gpu = GPUS[row.gpu]
-        g = self.graph(row)
-        fab = fabric_at(gpu, row.num_gpus)
-        sim = Simulator(g, fab, compute_profile(fab, row), sim_options(row))
-        plan = row_plan(g, row)
-        mine = sim.simulate(plan)
-        budget = gpu.capacity_bytes * MEMORY_HEADROOM
-        t0 = time.perf_counter()
-        try:
-            res = search_plan(g, sim, plan.mesh, memory_budget=budget,
-                              options=SearchOptions(trials=0, max_group=max_group))
-        except InfeasibleError as e:
-            return SearchRow(row, mine.peak_bytes <= budget, f"nothing fits: {str(e).splitlines()[0][:80]}", math.nan,
-                             time.perf_counter() - t0, max_group)
-        best = res.best
-        p = best.plan
-        units = [u for u in p.units if not u.is_root]
-        ck_mods = [m for u in units if u.checkpoint for m in u.modules]
-        ck = sum(any(m == b or m.startswith(b + ".") for m in ck_mods) for b in g.blocks)  # blocks checkpointed
-        keep = sum(u.reshard_after_forward is False for u in units)
-        hsdp = f", HSDP {p.mesh.replicate_size}x{p.mesh.shard_size}" if p.mesh.is_hsdp else ""
-        desc = (f"{p.label or 'wrapopt'}: {len(units)} units{hsdp}, {keep} kept after forward, "
-                f"{ck} blocks checkpointed")
-        speedup = step_s(mine, row.grad_accum) / step_s(best.estimate, row.grad_accum)
-        return SearchRow(row, mine.peak_bytes <= budget, desc, speedup, time.perf_counter() - t0, max_group,
-                         len(g.blocks), ck)
 
 
 def compute_split(graph: ModelGraph, compute: ComputeProfile, *, recompute: bool) -> dict[str, float]:

@@ -77,3 +77,19 @@ def test_fused_cross_entropy_keeps_the_logits_only(published):
     m = with_master_weights(g)
     assert m.param_bytes == 2 * g.param_bytes and m.num_params == g.num_params
     assert m.trainable_bytes == 2 * g.trainable_bytes
+
+
+def test_the_configuration_headline_never_reports_a_loss_on_a_row_that_fits(published):
+    from benchmarks.published_config import search_config
+
+    pred = Predictor(published)
+    usable, _skipped = pred.usable(published.rows)
+    small = [r for r in usable if r.model in ("125m", "350m") and r.num_gpus == 8][:2]
+    assert small, "the tables have small-model rows on one node"
+    for r in small:
+        c = search_config(pred, r, max_group=2)
+        assert c.global_batch == r.micro_batch * r.grad_accum * r.num_gpus
+        if c.row_fits:
+            assert c.speedup >= 1.0 and (c.own_is_best or c.chosen.startswith("mb "))
+        # each gain alone is a ratio to the row's own configuration, scored when expressible
+        assert all(g[3] > 0 for g in c.gains if g[3] == g[3])
