@@ -45,7 +45,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "models": (),
     "plan": (),
     "debug": (),
-    "cost": ("hardware.profiles",),  # the fabric and compute data it prices a step with
+    "cost": ("hardware.profiles", "hardware.host"),  # the fabric, compute and host data it prices a step with
     "search": ("cost.simulate",),  # drives the Simulator it is given
     "interop": ("plan.file",),  # reads a WrapPlan
     # formats a FabricProfile, and a SearchResult (report/choice.py: the choice beside the

@@ -29,6 +29,7 @@ from wrapopt.errors import InfeasibleError, ModelError, OptionError, PlanError, 
 from wrapopt.fileio import check_writable
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
+from wrapopt.hardware.host import HostSpec
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import with_tp_measurements
@@ -45,6 +46,7 @@ from wrapopt.search.baselines import baselines
 from wrapopt.search.batch import global_batch_search, recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
+from wrapopt.search.offload import choose_offload, mark_offload
 from wrapopt.search.tp import auto_degrees, resolve_tp, search_tp
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.trace.meta import trace_model
@@ -118,6 +120,7 @@ def plan_model(
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
     global_batch: int | None = None,
+    host: HostSpec | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
 
@@ -131,26 +134,34 @@ def plan_model(
     with the rest: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised,
     ``builtin_tp_plan``). ``global_batch``: sequences per optimizer step, fixed; the micro-batch and
     the accumulation are chosen with the plan and recorded in its ``train`` (See [Note: global
-    batch search] in search/batch.py).
+    batch search] in search/batch.py). ``host``: CPU offload searched too, chosen only where it is
+    the fastest plan that fits (See [Note: offload search] in search/offload.py).
     """
     train = train or TrainConfig()
     degrees, spec, tp_notes = resolve_tp(graph, mesh, tp, tp_plan)
     notes = [*(notes or []), *tp_notes]
     if options is None:
         options = train.sim_options(memory_budget=memory_budget)
-    sim = Simulator(graph, fabric, compute, options)
+    sim = Simulator(graph, fabric, compute, options, host=host)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
-    try:
+
+    def run(s: Simulator) -> tuple[SearchResult, TrainConfig, Simulator, tuple[str, ...]]:
         if global_batch is not None:
-            found = global_batch_search(graph, sim, mesh, train=train, global_batch=global_batch, degrees=degrees,
+            found = global_batch_search(graph, s, mesh, train=train, global_batch=global_batch, degrees=degrees,
                                         spec=spec, memory_budget=memory_budget, options=search)
-            result, train, sim, notes = found.result, found.train, found.sim, [*notes, *found.notes]
+            out = (found.result, found.train, found.sim, found.notes)
         elif degrees == (1,) and str(tp) != "auto":
-            result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
+            out = (search_plan(graph, s, mesh, memory_budget=memory_budget, options=search), train, s, ())
         else:  # --tp auto says what became of every degree, the dropped ones too
             dropped = auto_degrees(graph, mesh, tp_plan)[2] if str(tp) == "auto" else ()
-            result = search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget,
-                               options=search, dropped=dropped)
+            out = (search_tp(graph, s, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget, options=search,
+                             dropped=dropped), train, s, ())
+        return (mark_offload(out[0]), *out[1:]) if s.options.offload else out
+
+    try:
+        (result, train, sim, more), offload_note = choose_offload(run, sim, lambda o: o[0])
+        notes = [*notes, *more, *([offload_note] if offload_note else [])]
+        result = replace(result, notes=(offload_note, *result.notes)) if offload_note else result
     except InfeasibleError as e:
         raise InfeasibleError(f"{e} {knobs_sentence(graph, sim, mesh, train, memory_budget)}") from None
     best = result.best

@@ -9,11 +9,16 @@ from dataclasses import replace
 
 from wrapopt.api import default_mesh
 from wrapopt.checks import MAX_SEED
+from wrapopt.errors import OptionError
+from wrapopt.fileio import parse_bytes
+from wrapopt.hardware.host import HostSpec, host_for
+from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.hardware.resolve import fabric_name
 from wrapopt.spec import MeshSpec
 from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 
-__all__ = ["add_mesh_arguments", "add_train_arguments", "train_from_args", "mesh_from_args",
+__all__ = ["add_mesh_arguments", "add_offload_arguments", "host_from_args",
+           "add_train_arguments", "train_from_args", "mesh_from_args",
            "add_model_arguments", "positive_int", "count_int", "positive_float", "tp_degree", "seed_int",
            "local_ranks", "with_global_batch", "fabric_from_args"]
 
@@ -115,6 +120,26 @@ def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = Tru
                    help="per-rank budget: bytes, 80GiB, 80GB, auto or none (default auto: 90%% of the device's "
                         "capacity when it is known; none: no limit)")
     p.add_argument("--rescale-fabric", action="store_true", help="allow a measured profile from another mesh, rescaled")
+
+
+def add_offload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offload", action="store_true",
+                   help="search CPU offload too (FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in "
+                        "host memory, the optimizer on the CPU), chosen only where it is the fastest plan that fits; "
+                        "needs --host-memory and a stated GPU (--gpu)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="host memory the job may fill per node, for --offload (e.g. 1.5TB)")
+
+
+def host_from_args(args: argparse.Namespace, fabric: FabricProfile, mesh: MeshSpec) -> HostSpec | None:
+    """The host ``--offload`` offloads to (None without --offload); --host-memory alone is refused, as is
+    --offload without it."""
+    if not getattr(args, "offload", False):
+        if getattr(args, "host_memory", None):
+            raise OptionError("--host-memory is only read with --offload; add --offload to search CPU offload")
+        return None
+    size = parse_bytes(args.host_memory) if args.host_memory else None
+    return host_for(fabric, host_memory_bytes=size, ranks_per_node=mesh.ranks_per_node)
 
 
 def fabric_from_args(args: argparse.Namespace) -> str | None:

@@ -12,9 +12,10 @@ from typing import Any
 
 from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
                          resolve_fabric)
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, count_int,
-                                 fabric_from_args, mesh_from_args, positive_float, positive_int, seed_int, tp_degree,
-                                 train_from_args, with_global_batch)
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_offload_arguments, add_train_arguments,
+                                 count_int,
+                                 fabric_from_args, host_from_args, mesh_from_args, positive_float, positive_int,
+                                 seed_int, tp_degree, train_from_args, with_global_batch)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
@@ -44,6 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("search", help="search the best plan for a model on a mesh")
     add_model_arguments(p)
     add_mesh_arguments(p)
+    add_offload_arguments(p)
     add_train_arguments(p)
     p.add_argument("--out", default=None, help="write the plan here (JSON)")
     p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(args.plot, exist_ok=True)
     fabric = resolve_fabric(fabric_from_args(args), world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
+    host = host_from_args(args, fabric, mesh)  # before tracing: --offload without --host-memory fails at once
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     notes = [*src.notes, *notes]
     model = src.build("meta")
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                               options=sim.options, notes=notes, search=options, train=train, tp=args.tp,
                               memory_budget_source=budget_source(args.memory, compute), tp_plan=tp_plan,
-                              global_batch=args.global_batch)
+                              global_batch=args.global_batch, host=host)
     if args.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
         train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
         scale = recorded_scale(graph, train, plan.mesh.tp_size)

@@ -74,9 +74,12 @@ from wrapopt.cost.layout import (
     Layouts,
     unit_modules,
 )
+from wrapopt.cost.state import copy_times, cpu_optimizer_s, host_bytes_per_rank, optimizer_s, static_bytes
 from wrapopt.cost.step import KINDS, LANES
 from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.cost.tp import tp_view
+from wrapopt.errors import OptionError
+from wrapopt.hardware.host import HostSpec
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import (
     SYNC_MODES,
@@ -120,7 +123,7 @@ class _MeshCosts(NamedTuple):
     columns: tuple[np.ndarray, ...]
     sharded_params_bytes: float  # See [Note: memory]
     optimizer_bytes: float  # optimizer state, sharded
-    optim_s: float  # the optimizer step: See ``Simulator._optimizer_s``
+    optim_s: float  # the optimizer step: See ``state.optimizer_s`` or ``state.cpu_optimizer_s``
 
 
 class _Run(NamedTuple):
@@ -162,10 +165,13 @@ class Simulator:
     """
 
     def __init__(self, graph: ModelGraph, fabric: FabricProfile, compute: ComputeProfile,
-                 options: SimOptions | None = None, *, backend: str | Backend | None = None):
+                 options: SimOptions | None = None, *, backend: str | Backend | None = None,
+                 host: HostSpec | None = None):
         """``backend``: 'compiled' (numba), 'python', a ``Backend``, or None for the default:
-        compiled when numba is installed, unless ``WRAPOPT_JIT=0``. See [Note: compiled step loop]."""
+        compiled when numba is installed, unless ``WRAPOPT_JIT=0``. See [Note: compiled step loop].
+        ``host``: what CPU offload runs on; plans with ``offload`` need it ([Note: CPU offload])."""
         self.options = options or SimOptions()
+        self.host = host
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
@@ -234,7 +240,8 @@ class Simulator:
             opts = replace(self.options, batch_scale=self.options.batch_scale * size)
             g, c, notes = tp_view(self.traced, self.compute, self.fabric, spec, size, batch_scale=opts.batch_scale,
                                   activation_dtype_bytes=opts.activation_dtype_bytes)
-            hit = self._tp_views[key] = (Simulator(g, self.fabric, c, opts, backend=self.backend), notes)
+            view = Simulator(g, self.fabric, c, opts, backend=self.backend, host=self.host)
+            hit = self._tp_views[key] = (view, notes)
         return hit
 
     # -- the step: ``simulate`` and its phases, in the order it runs them --------------------
@@ -244,9 +251,14 @@ class Simulator:
         if plan.tp is not None:
             return self._simulate_tp(plan, record)
         units, mesh = plan.units, plan.mesh
+        if self.options.offload and not plan.offload:  # See [Note: CPU offload] in state.py
+            plan = replace(plan, offload=True)
+        if plan.offload and self.host is None:
+            raise OptionError("a plan with CPU offload is priced with the host it offloads to: give the "
+                              "Simulator a HostSpec (--host-memory with a stated GPU)")
         mods = tuple(map(unit_modules, units))
         per_set = self._unit_set(units, mods)
-        per_mesh = self._mesh_costs(per_set, units, mesh)
+        per_mesh = self._mesh_costs(per_set, units, mesh, plan.offload)
         notes = set(per_mesh.notes)
         choices = self._reshard_choices(units, mesh, per_mesh, notes)
         run = self._run(plan, per_set, mods, per_mesh, choices, record)
@@ -278,10 +290,12 @@ class Simulator:
             per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))
         return per_set
 
-    def _mesh_costs(self, per_set: _UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec) -> _MeshCosts:
-        """Per set of units and mesh: bytes and collective times of every unit, static memory
-        and the optimizer step."""
-        cached = per_set.per_mesh.get(mesh)
+    def _mesh_costs(self, per_set: _UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec,
+                    offload: bool = False) -> _MeshCosts:
+        """Per set of units and mesh (and offload): bytes and collective times of every unit,
+        static memory and the optimizer step. See [Note: CPU offload] in state.py."""
+        key = (mesh, True) if offload else mesh
+        cached = per_set.per_mesh.get(key)
         if cached is None:
             lay, shard = per_set.layout, mesh.shard_size
             rpn_shard = min(shard, mesh.ranks_per_node)
@@ -292,13 +306,20 @@ class Simulator:
             ag = self.collectives.times("all_gather", shard, rpn_shard, P, cn)
             rs = self.collectives.times("reduce_scatter", shard, rpn_shard, G, cn)
             ar = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
+            if offload:  # the host-device copies ride the collectives' streams
+                h2d, d2h = copy_times(lay.counts[STORAGE], G, shard, self.host)
+                ag, rs = ag + h2d, rs + d2h
             columns = (P, G, ag, rs, ar)
             if not all(c.dtype == np.float64 for c in columns):  # P and G are integers for an integer dtype size
                 columns = tuple(np.array(columns, dtype=np.float64))
             unit_costs = UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED])
-            sharded_params, optim = self._static_bytes(per_set, shard)
-            optim_s = self._optimizer_s(per_set.trainable_bytes, mesh)
-            cached = per_set.per_mesh[mesh] = _new(_MeshCosts, (  # in _MeshCosts' field order
+            trainable, states = per_set.trainable_bytes, self._states
+            sharded_params, optim = (0.0, 0.0) if offload else static_bytes(per_set.storage_bytes, trainable,
+                                                                            states, shard)
+            optim_s = (cpu_optimizer_s(trainable, states, shard, self.host) if offload else
+                       optimizer_s(trainable, states, mesh, self.compute, num_tensors=self._num_tensors,
+                                   stepping=self._stepping))
+            cached = per_set.per_mesh[key] = _new(_MeshCosts, (  # in _MeshCosts' field order
                 P, G, ag, unit_costs, frozenset(cn), columns, sharded_params, optim, optim_s))
         return cached
 
@@ -342,11 +363,13 @@ class Simulator:
             if mode == "every":
                 # Later micro-batches start with every sharded gradient in place (the loop
                 # adds none: an infinite shard); no unsharded gradients are held.
-                held, sharded_grads = 0, trainable / shard
+                held, sharded_grads = 0, 0 if plan.offload else trainable / shard
                 static, loop_shard = sharded_params + optim + sharded_grads, float("inf")
             else:
                 held = sum(per_mesh.grad_bytes.tolist()) if micro > 1 else 0  # held across micro-batches (no-sync)
-                static, loop_shard, sharded_grads = sharded_params + optim + held, float(shard), 0
+                # offload: sharded gradients land in host memory (the loop adds none on the GPU)
+                static, loop_shard, sharded_grads = (sharded_params + optim + held,
+                                                     float("inf") if plan.offload else float(shard), 0)
             scalars = _new(PlanScalars, (float(static), loop_shard, depth, record, bool(shard > 1)))  # in field order
             ev_rows = np.zeros((3 * len(plan.units) + 3 * lay.num_segments + 2, 6)) if record else _NO_EVENTS
             try:
@@ -358,11 +381,6 @@ class Simulator:
                 return None
             runs.append(_new(_Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in _Run's field order
         return runs[0] if len(runs) == 1 else self._choose(runs)
-
-    def _static_bytes(self, per_set: _UnitSet, shard: int) -> tuple[float, float]:
-        """Sharded parameters and optimizer state: See [Note: memory]. (Sharded gradients
-        appear unit by unit as reduce-scatters land: zero_grad(set_to_none=True).)"""
-        return per_set.storage_bytes / shard, per_set.trainable_bytes * self._states / shard
 
     def _choose(self, runs: list[_Run]) -> _Run:
         """Of the runs in modes 'last' and 'every', the faster that fits the memory budget,
@@ -382,19 +400,10 @@ class Simulator:
         return [TimelineEvent(LANES[int(r[0])], KINDS[int(r[1])], units[int(r[2])].name, float(r[3]), float(r[4]),
                               int(r[5])) for r in run.events[:run.result.num_events]]
 
-    def _optimizer_s(self, trainable: int, mesh: MeshSpec) -> float:
-        """The optimizer step: read/write the local shard of the trainable parameters and its
-        states (memory-bound), plus a fixed dispatch cost per trainable tensor (dominant for
-        small models; frozen parameters have no gradient and are skipped). Both calibrated by
-        the profiler's AdamW steps on fully_shard parameters, the per-tensor cost separately
-        for 2-D meshes (HSDP, no-shard): see profile/compute.py::measure_optimizer."""
-        cp = self.compute
-        optim_s = (trainable / mesh.shard_size) * (2 + 2 * self._states) / (
-            cp.optimizer_bandwidth_bytes_per_s or cp.memory_bandwidth_bytes_per_s)
-        if self._stepping:
-            per_tensor = (cp.optimizer_tensor_2d_s or cp.optimizer_tensor_s) if mesh.is_hsdp else cp.optimizer_tensor_s
-            optim_s += self._num_tensors * per_tensor
-        return optim_s
+    def host_bytes_per_rank(self, plan: PlanSpec) -> float:
+        """Host memory one rank of ``plan`` fills under CPU offload: See [Note: CPU offload] in state.py."""
+        return host_bytes_per_rank(self.graph.param_bytes, self.graph.trainable_bytes, self._states,
+                                   plan.mesh.shard_size)
 
     def _compute_s(self, per_set: _UnitSet, choices: _Choices) -> float:
         """Compute of all micro-batches: forward and backward, recomputed forwards and their

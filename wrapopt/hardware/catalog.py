@@ -48,6 +48,12 @@ class GpuPreset:
     fit_source: str  # where the two fitted constants come from
     num_sms: int = 0  # streaming multiprocessors (datasheet): a GEMM's tiles fill them in waves
     aliases: tuple[str, ...] = field(default=())
+    # CPU offload (See [Note: CPU offload] in cost/state.py): the INTRA_LINKS PCIe link between
+    # the host and one GPU, and one GPU's share of the host DRAM bandwidth (the reference system's
+    # sockets x channels x rate / GPUs per node), with their source. "": not stated.
+    host_link: str = ""
+    host_dram_bytes_per_s: float = 0.0
+    host_source: str = ""
 
     def compute_spec(self) -> dict[str, Any]:
         """The dict an analytical fabric's ``meta["compute"]`` holds (as a file of stated numbers gives it)."""
@@ -57,7 +63,10 @@ class GpuPreset:
                 "achievable_fraction": self.matmul_fraction, "attention_fraction": self.attention_fraction,
                 "memory_bandwidth_bytes_per_s": self.hbm_bytes_per_s * HBM_ACHIEVED,
                 "memory_capacity_bytes": self.memory_capacity_bytes, "gpu": self.name, "num_sms": self.num_sms,
-                "source": f"{self.source}; HBM at {HBM_ACHIEVED:.0%}; {self.fit_source}"}
+                "source": f"{self.source}; HBM at {HBM_ACHIEVED:.0%}; {self.fit_source}",
+                **({"host_link_bytes_per_s": INTRA_LINKS[self.host_link].bandwidth_bytes_per_s,
+                    "host_memory_bandwidth_bytes_per_s": self.host_dram_bytes_per_s * HBM_ACHIEVED,
+                    "host_source": f"{self.host_source}; DRAM at {HBM_ACHIEVED:.0%}"} if self.host_link else {})}
 
 
 _A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
@@ -65,26 +74,31 @@ _H100_SXM = {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12}
 _H100_NVL = {"bfloat16": 835e12, "float16": 835e12, "float32": 417.5e12}
 _FIT = ("fitted on the fit half of results/published.md's {n} rows (llm-foundry MPT, every second usable row; "
         "`python -m benchmarks.published --refit`)")
+_DGX_A100 = ("DGX A100: each GPU on PCIe Gen4 x16; 2x AMD EPYC 7742, 8 channels DDR4-3200 each = 409.6 GB/s per node, "
+             "51.2 GB/s per GPU")
+_DGX_H100 = ("DGX H100/H200: each GPU on PCIe Gen5 x16; 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "
+             "614.4 GB/s per node, 76.8 GB/s per GPU")
 _CARRIED = "no published rows: the H100 SXM's fitted constants (same Hopper tensor cores and attention kernels)"
 
 # Fitted constants: See [Note: GPU and network presets]; `python -m benchmarks.published --refit` refits them.
 GPUS: dict[str, GpuPreset] = {p.name: p for p in (
     GpuPreset("a100-40gb-sxm", "NVIDIA A100 SXM 40GB", _A100, 1.555e12, 40 * 2**30, "nvlink3", 0.770, 0.250,
               "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2 1,555 GB/s; 40 GB; 108 SMs",
-              _FIT.format(n="A100 40GB"), 108, ("a100-40gb",)),
+              _FIT.format(n="A100 40GB"), 108, ("a100-40gb",), "pcie4", 51.2e9, _DGX_A100),
     GpuPreset("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", _A100, 2.039e12, 80 * 2**30, "nvlink3", 0.760, 0.300,
               "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2e 2,039 GB/s; 80 GB; 108 SMs",
-              _FIT.format(n="A100 80GB"), 108, ("a100-80gb", "a100")),
+              _FIT.format(n="A100 80GB"), 108, ("a100-80gb", "a100"), "pcie4", 51.2e9, _DGX_A100),
     GpuPreset("h100-sxm", "NVIDIA H100 SXM5 80GB", _H100_SXM, 3.35e12, 80 * 2**30, "nvlink4", 0.567, 0.200,
               "H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3 3.35 TB/s; 80 GB; 132 SMs",
-              _FIT.format(n="H100 80GB"), 132, ("h100", "h100-80gb")),
+              _FIT.format(n="H100 80GB"), 132, ("h100", "h100-80gb"), "pcie5", 76.8e9, _DGX_H100),
     GpuPreset("h100-nvl", "NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
               _H100_NVL, 3.9e12, 94 * 10**9, "pcie5", 0.567, 0.200,
               "H100 NVL datasheet: 835 TFLOP/s dense BF16/FP16 (1,671 with sparsity), 417.5 TF32; HBM3 3.9 TB/s; "
-              "94 GB; 132 SMs", _CARRIED, 132, ("h100-96gb",)),
+              "94 GB; 132 SMs", _CARRIED, 132, ("h100-96gb",), "pcie5", 76.8e9,
+              "PCIe Gen5 x16 card; host DRAM per GPU taken as a DGX H100's (the host varies: state yours in a file)"),
     GpuPreset("h200", "NVIDIA H200 SXM 141GB", _H100_SXM, 4.8e12, 141 * 10**9, "nvlink4", 0.567, 0.200,
               "H200 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3e 4.8 TB/s; 141 GB; 132 SMs",
-              _CARRIED, 132, ("h200-sxm",)),
+              _CARRIED, 132, ("h200-sxm",), "pcie5", 76.8e9, _DGX_H100),
 )}
 GPU_ALIASES = {a: p.name for p in GPUS.values() for a in p.aliases}
 

@@ -95,6 +95,11 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
                             f"{spec.mesh.axis_names}), or pass mesh=None")
     if spec.tp is not None:
         check_tp_model(model, spec.tp, spec.mesh.tp_size)  # See [Note: applying a 2-D plan] in plan/tp.py.
+    dev = getattr(mesh, "device_type", None) or default_device()
+    if spec.offload and dev != "cuda":
+        raise PlanError(f"this plan offloads parameters, gradients and optimizer state to host memory (FSDP2 "
+                        f"CPUOffloadPolicy), which needs GPU ranks; these ranks run on {dev}: apply a plan searched "
+                        "without offload (drop --host-memory / --offload)")
     return modules
 
 
@@ -125,7 +130,7 @@ def apply_plan(
         >>> model = apply_plan(model, plan.spec)  # doctest: +SKIP
     """
     from torch.distributed._composable import checkpoint
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Local checks first, no collective has run yet; then the ranks compare what they were given.
     # See [Note: every rank explains] in wrapopt/consensus.py.
@@ -146,15 +151,16 @@ def apply_plan(
         if unit.checkpoint and not unit.is_root:
             for name in unit.modules:
                 checkpoint(modules[name])
+    offload = CPUOffloadPolicy() if spec.offload else OffloadPolicy()  # See [Note: CPU offload] in cost/state.py
     fsdp_units = []
     for unit in spec.units:
         targets = [modules[n] for n in unit.modules]
         raf = unit.reshard_after_forward
         if unit.is_root:
-            fully_shard(model, mesh=dp_mesh, reshard_after_forward=raf, mp_policy=mp_policy)
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=raf, mp_policy=mp_policy, offload_policy=offload)
         else:
             fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=raf,
-                        mp_policy=mp_policy)
+                        mp_policy=mp_policy, offload_policy=offload)
         fsdp_units.append(targets[0])
     if spec.forward_prefetch > 0:
         _set_forward_prefetch(model, spec, modules)

@@ -127,6 +127,7 @@ class WrapPlan:
                 for u in self.spec.units
             ],
             "forward_prefetch": self.spec.forward_prefetch,
+            **({"offload": True} if self.spec.offload else {}),
             "mixed_precision": self.mixed_precision,
             **({"train": self.train.to_json()} if self.train is not None else {}),
             "prediction": self.prediction,
@@ -166,6 +167,9 @@ class WrapPlan:
         tp = _tp_from_json(data.get("tp"), mesh_spec, source)
         pipeline = _pipeline_from_json(data.get("pipeline"), mesh_spec, source)
         units = _units_from_json(data.get("units"), source)
+        offload = data.get("offload", False)
+        if not isinstance(offload, bool):
+            raise fail("offload", f"must be true or false, got {offload!r}")
         prefetch = data.get("forward_prefetch", 0)
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise fail("forward_prefetch", f"must be a non-negative int, got {prefetch!r}")
@@ -189,7 +193,8 @@ class WrapPlan:
                 raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size, tp_size and "
                                           f"pp_size give {short_json(want)}; fix the sizes or drop mesh.{fld}")
         spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch,
-                        label=str(data.get("label") or ""), tp=tp, pipeline=pipeline)
+                        label=str(data.get("label") or ""), tp=tp, pipeline=pipeline,
+                        offload=offload)
         return cls(
             spec=spec,
             model=model,

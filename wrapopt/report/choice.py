@@ -129,6 +129,8 @@ def _sharding_kind(result: SearchResult) -> str:
             else f"HSDP: {mesh.replicate_size} replicas of a shard group of {mesh.shard_size}")
     if mesh.tp_size > 1:
         kind += f", tensor parallel {mesh.tp_size} inside each node ({mesh.dp_size} data-parallel ranks)"
+    if result.best.plan.offload:
+        kind += ", CPU offload (parameters, gradients and optimizer state in host memory)"
     return kind
 
 

@@ -143,9 +143,9 @@ def _smallest(graph: ModelGraph, mesh: MeshSpec, split: BatchSplit, spec: TPSpec
 
 def _sim(graph: ModelGraph, sim: Simulator, train: TrainConfig, split: BatchSplit, budget: float | None) -> Simulator:
     t = replace(train, grad_accumulation=split.accumulation)
-    opts = t.sim_options(batch_scale=batch_scale(split.micro_batch, graph.batch_size, split.tp_size),
-                         memory_budget=budget)
-    return Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend)
+    opts = replace(t.sim_options(batch_scale=batch_scale(split.micro_batch, graph.batch_size, split.tp_size),
+                                 memory_budget=budget), offload=sim.options.offload)
+    return Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host)
 
 
 def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None,

@@ -224,8 +224,8 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
             return None
         t = replace(train, grad_accumulation=sp[1])
         opts = t.sim_options(batch_scale=batch_scale(sp[0], traced, plan.mesh.tp_size),
-                             memory_budget=sim.options.memory_budget_bytes)
-        est = Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend).simulate(plan)
+                             memory_budget=sim.options.memory_budget_bytes)  # offload: the plan's own field
+        est = Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host).simulate(plan)
         return Config(plan, sp[0], sp[1], est)
 
     cur_mb = current.micro_batch

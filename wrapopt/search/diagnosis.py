@@ -61,7 +61,7 @@ def knobs_sentence(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, train: Tra
 
     def peak(t: TrainConfig, scale: float = 1.0) -> int:
         options = t.sim_options(batch_scale=scale, memory_budget=budget)
-        return Simulator(graph, sim.fabric, sim.compute, options).simulate(smallest).peak_bytes
+        return Simulator(graph, sim.fabric, sim.compute, options, host=sim.host).simulate(smallest).peak_bytes
 
     here = peak(train)
     tries = [(flag, peak(t, scale)) for flag, t, scale in _knob_tries(train)]
@@ -97,7 +97,7 @@ def both_syncs(result: SearchResult, graph: ModelGraph, sim: Simulator, train: T
     out = {}
     for mode in SYNC_MODES:
         options = train.with_sync(mode).sim_options(memory_budget=budget, batch_scale=sim.options.batch_scale)
-        out[mode] = Simulator(graph, sim.fabric, sim.compute, options).simulate(plan)
+        out[mode] = Simulator(graph, sim.fabric, sim.compute, options, host=sim.host).simulate(plan)
     return out
 
 
@@ -112,5 +112,5 @@ def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate:
     if not stated.loss_is_large:
         return stated
     lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0)
-    lean_peak = Simulator(lean, sim.fabric, sim.compute, sim.options).simulate(plan).peak_bytes
+    lean_peak = Simulator(lean, sim.fabric, sim.compute, sim.options, host=sim.host).simulate(plan).peak_bytes
     return dataclasses.replace(stated, smallest_loss_peak_bytes=lean_peak)

@@ -63,6 +63,9 @@ class SimOptions:
     # mixed precision) and of the model's output (output_dtype); None: as traced.
     activation_dtype_bytes: int | None = None
     output_dtype_bytes: int | None = None
+    # Every plan priced with FSDP2's CPU offload (as if its ``PlanSpec.offload`` were set): how
+    # a search explores offload plans. See [Note: CPU offload] in cost/state.py.
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.grad_accumulation < 1:

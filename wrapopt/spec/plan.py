@@ -263,6 +263,10 @@ class PlanSpec:
     # Pipeline stages and schedule; set exactly when ``mesh.pp_size > 1``. The units then
     # cover every stage, none across two, and the root unit's choices are each stage root's.
     pipeline: PipelineSpec | None = None
+    # FSDP2's CPUOffloadPolicy on every unit: sharded parameters, gradients and optimizer
+    # state in host memory, the optimizer stepping on the CPU. GPU meshes only. See
+    # [Note: CPU offload] in cost/state.py.
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if (self.tp is not None) != (self.mesh.tp_size > 1):

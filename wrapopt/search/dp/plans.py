@@ -44,7 +44,7 @@ def _root_activations(sim: Simulator, chains: tuple[tuple[str, ...], ...]) -> tu
 
 def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...]) -> float:
     """Memory outside the chains' terms on ``mesh`` (see [Note: memory] in the
-    simulator): sharded parameters and optimizer state, gradients kept for
+    simulator): sharded parameters and optimizer state (none under offload), gradients kept for
     accumulation and the root unit's parameters (gathered all step)."""
     g, opt = sim.graph, sim.options
     shard = mesh.shard_size
@@ -52,7 +52,8 @@ def chain_static_bytes(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, 
     units = tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),)
     est = sim.simulate(PlanSpec(units, mesh))
     trainable = g.trainable_bytes
-    static = g.param_bytes / shard + trainable * opt.optimizer.states_per_param / shard
+    # under CPU offload the sharded state lives in host memory: See [Note: CPU offload] in cost/state.py
+    static = 0.0 if opt.offload else g.param_bytes / shard + trainable * opt.optimizer.states_per_param / shard
     if opt.grad_accumulation > 1 and opt.accumulation_sync == "last":  # See [Note: accumulation sync]
         static += sum(u.param_bytes for u in est.units) * (opt.reduce_dtype_bytes or 1) / (opt.param_dtype_bytes or 1)
     static += est.units[-1].param_bytes
