@@ -24,12 +24,14 @@ import argparse
 import datetime
 import platform
 import time
+from dataclasses import replace
 
 import torch
 
 from wrapopt.cost import Simulator
 from wrapopt.evaluation.bench import measure_plans
 from wrapopt.fileio import atomic_write_text, fmt_bytes
+from wrapopt.hardware.host import host_for
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.presets import analytical_fabric
 from wrapopt.hardware.timing import sync_for, time_reps
@@ -111,8 +113,14 @@ def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
     mesh = MeshSpec(world_size=1, ranks_per_node=1, shard_size=1)
     fabric = analytical_fabric(world_size=1)  # no collective at one rank: the fabric does not enter
     rows = []
-    for label, plan, train in _cases(graph, mesh):
-        est = Simulator(graph, fabric, profiles[train.compute_dtype()], train.sim_options()).simulate(plan)
+    cases = _cases(graph, mesh)
+    host = None
+    if device == "cuda":  # one offload plan: its peak against the prediction ([Note: CPU offload] in cost/state.py)
+        host = host_for(analytical_fabric("h200+ib400", world_size=1, ranks_per_node=1), host_memory_bytes=10**12,
+                        ranks_per_node=1)
+        cases.append(("per-block,offload", replace(cases[0][1], offload=True, label="per-block,offload"), cases[0][2]))
+    for label, plan, train in cases:
+        est = Simulator(graph, fabric, profiles[train.compute_dtype()], train.sim_options(), host=host).simulate(plan)
         meas = measure_plans(lambda: build(), [plan], inputs, loss_fn, repeats=repeats, warmup=2, train=train)[0]
         rows.append({"plan": label, "units": len(plan.units), "train": train.describe(), "pred_step_s": est.step_s,
                      "meas_step_s": meas.step_s, "spread": meas.spread, "pred_peak_bytes": est.peak_bytes,
