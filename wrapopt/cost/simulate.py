@@ -75,10 +75,21 @@ from wrapopt.cost.layout import (
     unit_modules,
 )
 from wrapopt.cost.step import KINDS, LANES
-from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
+from wrapopt.cost.step_inputs import (
+    CK_FULL,
+    CK_NONE,
+    CK_SELECTIVE,
+    PlanScalars,
+    Segments,
+    StepConstants,
+    StepResult,
+    UnitLayout,
+    UnitPlan,
+)
 from wrapopt.cost.tp import tp_view
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import (
+    SELECTIVE_OP,
     SYNC_MODES,
     CostEstimate,
     MeshSpec,
@@ -96,6 +107,8 @@ from wrapopt.units import validate_plan
 __all__ = ["simulate", "Simulator"]
 
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
+# A unit's checkpointing as the step loop reads it (UnitPlan.checkpoint): See [Note: memory] in step.py.
+_CK_CODES = {False: CK_NONE, True: CK_FULL, SELECTIVE_OP: CK_SELECTIVE}
 
 _NO_EVENTS = np.zeros((0, 6))  # the step loop's events when none are recorded: it writes none
 
@@ -139,7 +152,7 @@ class _Choices(NamedTuple):
 
     regather_s: np.ndarray  # backward all-gather (0: kept since forward)
     kept_bytes: np.ndarray  # parameters kept from forward to backward
-    checkpoint: np.ndarray  # bool
+    checkpoint: np.ndarray  # int: 0 none, 1 full, 2 selective-op (CK_CODES)
     any_checkpoint: bool
 
 
@@ -210,7 +223,7 @@ class Simulator:
             segs, cols = lay.seg_cols, lay.unit_cols
             if arrays:  # as the layout kernel makes them: See [Note: layout kernel]
                 segs = Segments(np.array(segs.unit, dtype=np.int64),
-                                *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
+                                *np.array(segs[1:], dtype=np.float64).reshape(9, -1))
                 cols = UnitLayout(np.array(cols.forward, dtype=np.int64), np.array(cols.backward, dtype=np.int64),
                                   *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
                                   *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
@@ -273,7 +286,7 @@ class Simulator:
             if len(self._sets) > 4096:
                 self._sets.clear()
             storage, trainable = lay.counts[STORAGE:TRAINABLE_BYTES + 1:TRAINABLE_BYTES - STORAGE].sum(1).tolist()
-            fwd, bwd = lay.times.tolist()
+            fwd, bwd = lay.times[:2].tolist()
             # in _UnitSet's field order
             per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))
         return per_set
@@ -318,8 +331,8 @@ class Simulator:
                 keep[at] = P[at] // raf if raf < shard else P[at]
                 if raf > 1:
                     rag[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
-        cks = list(map(_CHECKPOINT, units))
-        return _new(_Choices, (rag, keep, np.array(cks, dtype=np.bool_), any(cks)))  # in _Choices' field order
+        cks = [_CK_CODES[c] for c in map(_CHECKPOINT, units)]
+        return _new(_Choices, (rag, keep, np.array(cks, dtype=np.int64), any(cks)))  # in _Choices' field order
 
     # -- the step loop, once per accumulation mode, on the backend
 
@@ -399,11 +412,14 @@ class Simulator:
     def _compute_s(self, per_set: _UnitSet, choices: _Choices) -> float:
         """Compute of all micro-batches: forward and backward, recomputed forwards and their
         overhead, and the loss."""
-        lay, ck, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
-        compute_s = per_set.compute_s + (sum(lay.times[0][ck].tolist()) if any_ck else 0)  # sum([]) is 0
-        ck_oh = self._constants.checkpoint_overhead_s
-        if ck_oh and any_ck:
-            compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
+        lay, codes, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
+        compute_s = per_set.compute_s
+        if any_ck:  # full: the whole forward again; selective-op: its other ops (Segment.sel_fwd_s)
+            full, sel = codes == CK_FULL, codes == CK_SELECTIVE
+            compute_s += sum(lay.times[0][full].tolist()) + sum(lay.times[2][sel].tolist())  # sum([]) is 0
+            ck_oh = self._constants.checkpoint_overhead_s
+            if ck_oh:
+                compute_s += ck_oh * int(lay.counts[KEEPS][codes > 0].sum())
         compute_s += self.compute.loss_s * self.options.batch_scale
         return compute_s * self.options.grad_accumulation
 

@@ -15,7 +15,16 @@ from __future__ import annotations
 from wrapopt.spec.estimate import CostEstimate, TimelineEvent, UnitCost, UnitCosts
 from wrapopt.spec.graph import ROOT, ModelGraph, ModuleInfo, TraceRecord
 from wrapopt.spec.options import SYNC_MODES, OptimizerKind, SimOptions, factored_state_numel
-from wrapopt.spec.plan import TP_STYLES, MeshSpec, PlanSpec, TPSpec, UnitSpec
+from wrapopt.spec.plan import (
+    CHECKPOINT_MODES,
+    SELECTIVE_OP,
+    TP_STYLES,
+    MeshSpec,
+    PlanSpec,
+    TPSpec,
+    UnitSpec,
+    checkpoint_label,
+)
 
 __all__ = [
     "ModuleInfo",
@@ -26,6 +35,9 @@ __all__ = [
     "PlanSpec",
     "TPSpec",
     "TP_STYLES",
+    "SELECTIVE_OP",
+    "CHECKPOINT_MODES",
+    "checkpoint_label",
     "OptimizerKind",
     "SYNC_MODES",
     "factored_state_numel",
