@@ -7,7 +7,8 @@ backward (gpt-tiny, t5-tiny, and tx-tied, built from the stock
 temporaries are larger than a block's activations, two block chains
 (t5-tiny), checkpointing (full, and selective-op: matmul and attention outputs
 kept), keeping parameters after forward, every leaf its own unit. The cost
-model's target is 10%; these plans are held to 5%, which the accounting of the notes meets with room (errors here are under 1%).
+model's target is 10%; these plans are held to 5%, which the accounting of
+the notes meets with room (errors here are under 1%).
 """
 
 from __future__ import annotations
