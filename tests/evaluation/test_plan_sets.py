@@ -26,6 +26,10 @@ def test_uniform_sizes_divide_or_cover_each_chain():
     assert uniform_sizes(()) == []
 
 
+def by_label(plans, label):
+    return next(p for p in plans if p.label == label)
+
+
 def test_uniform_set_holds_every_grouping_with_each_choice_and_the_baselines():
     graph = zoo_graph("deep-narrow")
     plans = PLAN_SETS["uniform"](graph, MESH)
@@ -33,7 +37,12 @@ def test_uniform_set_holds_every_grouping_with_each_choice_and_the_baselines():
     # The baselines first, under their names; uniform-1 is per-block and uniform-1,ckpt is
     # per-block,ckpt, so they are left out.
     assert labels[:len(BASELINES)] == list(BASELINES)
-    assert len(labels) == len(set(labels)) == len(BASELINES) + 7 * 4 - 2
+    # 7 sizes x (reshard on, off) x (no, full, selective-op checkpointing), less those two,
+    # and one unit per block with every 2nd or 3rd block fully checkpointed.
+    assert len(labels) == len(set(labels)) == len(BASELINES) + 7 * 6 - 2 + 2
+    assert by_label(plans, "uniform-4,sac").units[0].checkpoint == "selective-op"
+    marks = [u.checkpoint for u in by_label(plans, "per-block,ckpt-every-3").units[:-1]]
+    assert marks == [(j + 1) % 3 == 0 for j in range(20)]
     assert "uniform-1" not in labels and "uniform-1,ckpt" not in labels
     keys = [(p.units, p.mesh, p.forward_prefetch) for p in plans]
     ours = keys[len(BASELINES):]  # (size-1e8 and root-only are one plan on a model this small)

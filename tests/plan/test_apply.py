@@ -3,7 +3,9 @@
 One spawn of 2 gloo ranks runs every case (each spawn costs seconds). Each
 rank trains on its half of a global batch; the reference trains the whole
 batch unsharded. With a mean loss the averaged gradients are equal, so the
-losses must match step for step (fp32, no dropout).
+losses must match step for step (fp32, no dropout). Checkpointed plans, full and
+selective-op (matmul and attention outputs kept, the rest recomputed), also end with
+the reference's parameters.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ TOL = 1e-5
 
 def _plans(g, world):
     from wrapopt.search.baselines import baselines
-    from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+    from wrapopt.spec import SELECTIVE_OP, MeshSpec, PlanSpec, UnitSpec
 
     mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
     b = baselines(g, mesh)
@@ -34,17 +36,23 @@ def _plans(g, world):
     plans["groups-of-2"] = PlanSpec(tuple(UnitSpec(blocks[i:i + 2]) for i in range(0, len(blocks), 2)) + (root,), mesh,
                                     label="g2")
     plans["keep+ckpt"] = PlanSpec(tuple(UnitSpec((blk,), False, True) for blk in blocks) + (root,), mesh, label="kc")
+    plans["per-block,sac"] = PlanSpec(tuple(UnitSpec((blk,), True, SELECTIVE_OP) for blk in blocks) + (root,), mesh,
+                                      label="sac")
+    # groups of 2 blocks, selective-op and full checkpointing side by side
+    plans["groups-of-2,mixed"] = PlanSpec(tuple(UnitSpec(blocks[i:i + 2], False, SELECTIVE_OP if i % 4 else True)
+                                                for i in range(0, len(blocks), 2)) + (root,), mesh, label="g2m")
     plans["prefetch"] = PlanSpec(b["per-block"].units, mesh, forward_prefetch=1, label="pf")
     return plans
 
 
 def _parity_worker(rank: int, world: int) -> dict:
+    from wrapopt.debug import full_tensor
     from wrapopt.models import zoo
     from wrapopt.plan.apply import apply_plan
     from wrapopt.trace.meta import trace_model
 
     out: dict = {}
-    for name in ("gpt-tiny", "t5-tiny"):
+    for name in ("gpt-tiny", "t5-tiny", "llama-tiny"):
         e = zoo.get_entry(name)
         ref_model = e.build("cpu", seed=0)
         g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
@@ -55,7 +63,10 @@ def _parity_worker(rank: int, world: int) -> dict:
         ref = copy.deepcopy(ref_model)
         ref_losses = [float(v) for v in train(ref, full[:3], e.loss)]
         for label, plan in _plans(g, world).items():
-            if name == "t5-tiny" and label not in ("per-block", "groups-of-2", "no-shard"):
+            if name == "t5-tiny" and label not in ("per-block", "groups-of-2", "no-shard", "per-block,sac"):
+                continue
+            if name == "llama-tiny" and label not in ("per-block", "per-block,ckpt", "per-block,sac",
+                                                      "groups-of-2,mixed"):
                 continue
             model = copy.deepcopy(ref_model)
             apply_plan(model, plan)
@@ -63,6 +74,13 @@ def _parity_worker(rank: int, world: int) -> dict:
             t = torch.stack(losses)
             dist.all_reduce(t)  # mean over ranks of half-batch losses = full-batch loss
             out[f"{name}/{label}"] = ([float(v) for v in t / world], ref_losses)
+            # The parameters after the steps: checkpointed plans against per-block without it (the same
+            # sharded reductions; against the unsharded model AdamW's normalisation magnifies rounding).
+            if label == "per-block":
+                plain = {n: full_tensor(model, n) for n, _p in ref.named_parameters()}
+            elif "ckpt" in label or "sac" in label or "mixed" in label:
+                diff = max(float((full_tensor(model, n) - p).abs().max()) for n, p in plain.items())
+                out[f"params/{name}/{label}"] = diff
     return out
 
 
@@ -104,10 +122,23 @@ def parity():
 
 
 def test_sharded_training_matches_unsharded(parity):
-    assert len(parity) >= 10
-    for case, (got, want) in parity.items():
+    losses = {k: v for k, v in parity.items() if not k.startswith("params/")}
+    assert len(losses) >= 10
+    for case, (got, want) in losses.items():
         assert got == pytest.approx(want, abs=TOL), case
         assert want[0] != want[-1]  # it trained: the loss moved
+
+
+def test_checkpointed_plans_end_with_the_reference_parameters(parity):
+    """Full and selective-op checkpointing (See [Note: selective checkpointing] in
+    wrapopt/selective.py) change what is recomputed, not the gradients: after 3 AdamW steps
+    every parameter equals per-block's without checkpointing (whose losses match the
+    unsharded model's: the test above)."""
+    params = {k: v for k, v in parity.items() if k.startswith("params/")}
+    assert {"params/llama-tiny/per-block,sac", "params/gpt-tiny/per-block,sac", "params/t5-tiny/per-block,sac",
+            "params/llama-tiny/groups-of-2,mixed", "params/gpt-tiny/per-block,ckpt"} <= set(params)
+    for case, diff in params.items():
+        assert diff < TOL, case
 
 
 def test_tied_embeddings_stay_tied(parity):

@@ -64,10 +64,10 @@ def test_the_comparison_scores_each_differing_choice_alone(llama_tiny):
     assert cmp.chosen.estimate.step_s == pytest.approx(best.estimate.step_s)
     assert cmp.speedup == pytest.approx(cmp.current.estimate.step_s / best.estimate.step_s)
     ck = next(g for g in cmp.gains if g.dimension == "checkpointing")
-    assert ck.current == "every unit" and ck.alone is not None
+    assert ck.current == "every unit full" and ck.alone is not None
     assert ck.alone.estimate.step_s < cmp.current.estimate.step_s  # no recompute: faster
     text = format_current(cmp)
-    assert "checkpointing: every unit ->" in text and f"x{cmp.speedup:.3f}" in text
+    assert "checkpointing: every unit full ->" in text and f"x{cmp.speedup:.3f}" in text
     assert current_json(cmp)["choices"][0]["dimension"] in {g.dimension for g in cmp.gains}
 
 
@@ -92,7 +92,7 @@ def test_cli_search_current(capsys, tmp_path):
             "--trials", "0"]
     assert main([*args, "--current", "per-block, full AC", "--out", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
-    assert "Current configuration (per-block, full AC)" in out and "checkpointing: every unit ->" in out
+    assert "Current configuration (per-block, full AC)" in out and "checkpointing: every unit full ->" in out
     assert main([*args, "--json", "--current", str(tmp_path / "p.json")]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["search"]["current"]["speedup"] == pytest.approx(1.0)  # its own plan: no gain

@@ -32,7 +32,7 @@ from wrapopt.search.current import CURRENT_FORMS, compare_current, parse_current
 from wrapopt.search.diagnosis import both_syncs
 from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions, SearchResult
 from wrapopt.search.study.space import shard_sizes
-from wrapopt.spec import MeshSpec, PlanSpec
+from wrapopt.spec import SELECTIVE_OP, MeshSpec, PlanSpec
 from wrapopt.tp import TPSpec
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import model_dtype
@@ -73,6 +73,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tp-plan", default=None, metavar="FILE",
                    help='how blocks split for --tp, instead of the recognised one: a JSON file '
                         '{"layers": {"MyBlock": {"attn.q": "colwise", ..., "mlp.out": "rowwise"}}}')
+    p.add_argument("--checkpoint-modes", type=_checkpoint_modes, default=(False, True),
+                   metavar="none,full,selective-op",
+                   help="per-unit activation checkpointing the search chooses from (default none,full; add "
+                        "selective-op to also try keeping matmul and attention outputs and recomputing the rest)")
     p.add_argument("--timeout", type=positive_float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
@@ -99,7 +103,18 @@ def _search_options(args: argparse.Namespace, mesh: MeshSpec) -> SearchOptions:
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     return SearchOptions(trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study_name,
                          sampler=args.sampler, shard_sizes=shard, max_group=args.max_group, timeout_s=args.timeout,
-                         progress=progress)
+                         progress=progress, checkpoint_modes=args.checkpoint_modes)
+
+
+def _checkpoint_modes(text: str) -> tuple[bool | str, ...]:
+    """``none,full,selective-op`` as ``SearchOptions.checkpoint_modes``."""
+    names = {"none": False, "full": True, SELECTIVE_OP: SELECTIVE_OP}
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in names]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown checkpoint mode(s) {', '.join(bad) or text!r}; list some of "
+                                         f"none, full, {SELECTIVE_OP}, e.g. none,full,{SELECTIVE_OP}")
+    return tuple(dict.fromkeys(names[m] for m in modes))
 
 
 def _tp_plan(path: str | None) -> TPSpec | None:

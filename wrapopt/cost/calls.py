@@ -34,7 +34,7 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.units import ancestors
 
-__all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls", "module_time"]
+__all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls", "module_time", "recompute_share"]
 
 
 class Entry(NamedTuple):
@@ -50,6 +50,10 @@ class Entry(NamedTuple):
     piece: str  # the block (or top-level child) it belongs to: segments never span two
     acc_numel: int  # elements whose gradient is accumulated here into an existing one
     inp: int  # bytes of its floating inputs: the gradient its backward hands on
+    # Selective-op checkpointing (See [Note: selective checkpointing] in wrapopt/selective.py): the
+    # forward seconds it recomputes (its ops but matmuls and attention) and the bytes it keeps.
+    sel_fwd_s: float
+    sel_kept: int
 
 
 def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece: Callable[[str], str]) -> list[Entry]:
@@ -62,11 +66,15 @@ def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece
     entries = []
     for m in graph.call_order():
         f, b = module_time(m, compute, scale, measured)
+        sel_f = f * recompute_share(m, compute) if measured else (
+            (f - compute.module_overhead_s * m.num_calls) * recompute_share(m, compute)
+            + compute.module_overhead_s * m.num_calls)
         # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
         out = 0 if m.fqn == ROOT else m.output_bytes
         entries.append(Entry(m.fqn, ancestors(m.fqn), f, b, int(m.saved_bytes * scale),
                              int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
-                             int((0 if m.fqn == ROOT else m.input_bytes) * scale)))
+                             int((0 if m.fqn == ROOT else m.input_bytes) * scale), sel_f,
+                             int(m.selective_kept_bytes * scale)))
     return entries
 
 
@@ -92,6 +100,25 @@ def module_time(m: ModuleInfo, compute: ComputeProfile, scale: float,
     # The per-call overhead is paid once per call, whatever the batch.
     oh = compute.module_overhead_s * m.num_calls
     return f * scale + oh, b * scale + oh
+
+
+def recompute_share(m: ModuleInfo, compute: ComputeProfile) -> float:
+    """The share of a module's forward time (without per-call overhead) that selective-op
+    recomputes: its ops other than matmuls and attention (norms, activations, elementwise, other
+    FLOP ops such as convolutions), by the profile's kernel model (``kernel_times``). A measured
+    profile has no per-op times: its module's measured forward is split by this same modelled
+    share. See [Note: selective checkpointing] in wrapopt/selective.py."""
+    times = kernel_times(m, compute)
+    total = sum(f for f, _b in times.values())
+    if total <= 0:
+        return 0.0
+    mm_flops = sum(row[0] * row[-1] for row in m.matmuls)
+    if compute.matmul_flops_per_s:  # GEMM: the matmul table and any other FLOP op, at one rate
+        flop_ops = max(m.fwd_flops - m.attention_flops, 0.0)
+        kept = times["attention"][0] + times["GEMM"][0] * (min(1.0, mm_flops / flop_ops) if flop_ops else 0.0)
+    else:  # every FLOP op at one rate
+        kept = times["GEMM"][0] * (min(1.0, (mm_flops + m.attention_flops) / m.fwd_flops) if m.fwd_flops else 0.0)
+    return min(1.0, max(0.0, 1.0 - kept / total))
 
 
 def gradient_sites(graph: ModelGraph) -> tuple[dict[str, int], dict[str, int]]:

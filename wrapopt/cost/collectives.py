@@ -5,7 +5,7 @@ The times and their caveats are the fabric profile's; this file only caches
 them (``lookup`` and ``merge`` from ``kernels.py``, compiled where the
 ``Backend`` is) and holds no modelling decision. A collective over one rank
 moves nothing: it is 0 s, not looked up (See [Note: simulator speed] in
-``simulate.py``).
+``backend.py``).
 """
 
 from __future__ import annotations

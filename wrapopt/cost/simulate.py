@@ -33,23 +33,7 @@ timed as the synchronised one's forward and backward. Unset
 the faster that fits ``memory_budget_bytes`` (else the smaller peak);
 ``CostEstimate.accumulation_sync`` says which.
 
-[Note: simulator speed] The search scores thousands of plans, so with numba
-installed three pieces are compiled (``backend.py``, [Note: compiled step loop]):
-the step loop, the layout build (``layout.py``, [Note: layout kernel]) and the
-lookup of collective times; without numba the same step loop runs as Python
-and layouts reuse block cuts across blocks and plans ([Note: cut pieces]).
-Per-unit figures are numpy columns, and what does not depend on per-unit
-choices is cached: per set of units its layout and sums, per mesh its bytes,
-collective times and ``UnitCosts`` (made into ``UnitCost`` items only when
-read), and per collective and group a table of times by message size.
-Caching never changes a result: a fresh simulator and one that has scored
-many other plans agree exactly (``tests/cost/test_simulate.py``). A plan
-whose layout is cached scores in ~25 us, so the records made per plan are
-named tuples built by ``tuple.__new__`` from their fields in order ([Note:
-step loop inputs] in ``step_inputs.py``), and a collective over one rank is not
-looked up (it is 0 s). ``benchmarks/sim_speed.py`` measures plans per
-second, compiled and Python; ``scripts/sim_speed_ab.py`` compares two
-checkouts in paired CPU time.
+How it stays fast is [Note: simulator speed] in backend.py.
 """
 
 from __future__ import annotations
@@ -76,12 +60,23 @@ from wrapopt.cost.layout import (
 )
 from wrapopt.cost.state import copy_times, cpu_optimizer_s, host_bytes_per_rank, optimizer_s, static_bytes
 from wrapopt.cost.step import KINDS, LANES
-from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
+from wrapopt.cost.step_inputs import (
+    CK_FULL,
+    CK_NONE,
+    CK_SELECTIVE,
+    PlanScalars,
+    Segments,
+    StepConstants,
+    StepResult,
+    UnitLayout,
+    UnitPlan,
+)
 from wrapopt.cost.tp import tp_view
 from wrapopt.errors import OptionError
 from wrapopt.hardware.host import HostSpec
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import (
+    SELECTIVE_OP,
     SYNC_MODES,
     CostEstimate,
     MeshSpec,
@@ -99,6 +94,8 @@ from wrapopt.units import validate_plan
 __all__ = ["simulate", "Simulator"]
 
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
+# A unit's checkpointing as the step loop reads it (UnitPlan.checkpoint): See [Note: memory] in step.py.
+_CK_CODES = {False: CK_NONE, True: CK_FULL, SELECTIVE_OP: CK_SELECTIVE}
 
 _NO_EVENTS = np.zeros((0, 6))  # the step loop's events when none are recorded: it writes none
 
@@ -142,7 +139,7 @@ class _Choices(NamedTuple):
 
     regather_s: np.ndarray  # backward all-gather (0: kept since forward)
     kept_bytes: np.ndarray  # parameters kept from forward to backward
-    checkpoint: np.ndarray  # bool
+    checkpoint: np.ndarray  # int: 0 none, 1 full, 2 selective-op (CK_CODES)
     any_checkpoint: bool
 
 
@@ -216,7 +213,7 @@ class Simulator:
             segs, cols = lay.seg_cols, lay.unit_cols
             if arrays:  # as the layout kernel makes them: See [Note: layout kernel]
                 segs = Segments(np.array(segs.unit, dtype=np.int64),
-                                *np.array(segs[1:], dtype=np.float64).reshape(7, -1))
+                                *np.array(segs[1:], dtype=np.float64).reshape(9, -1))
                 cols = UnitLayout(np.array(cols.forward, dtype=np.int64), np.array(cols.backward, dtype=np.int64),
                                   *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
                                   *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
@@ -285,7 +282,7 @@ class Simulator:
             if len(self._sets) > 4096:
                 self._sets.clear()
             storage, trainable = lay.counts[STORAGE:TRAINABLE_BYTES + 1:TRAINABLE_BYTES - STORAGE].sum(1).tolist()
-            fwd, bwd = lay.times.tolist()
+            fwd, bwd = lay.times[:2].tolist()
             # in _UnitSet's field order
             per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))
         return per_set
@@ -339,8 +336,8 @@ class Simulator:
                 keep[at] = P[at] // raf if raf < shard else P[at]
                 if raf > 1:
                     rag[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
-        cks = list(map(_CHECKPOINT, units))
-        return _new(_Choices, (rag, keep, np.array(cks, dtype=np.bool_), any(cks)))  # in _Choices' field order
+        cks = [_CK_CODES[c] for c in map(_CHECKPOINT, units)]
+        return _new(_Choices, (rag, keep, np.array(cks, dtype=np.int64), any(cks)))  # in _Choices' field order
 
     # -- the step loop, once per accumulation mode, on the backend
 
@@ -408,11 +405,14 @@ class Simulator:
     def _compute_s(self, per_set: _UnitSet, choices: _Choices) -> float:
         """Compute of all micro-batches: forward and backward, recomputed forwards and their
         overhead, and the loss."""
-        lay, ck, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
-        compute_s = per_set.compute_s + (sum(lay.times[0][ck].tolist()) if any_ck else 0)  # sum([]) is 0
-        ck_oh = self._constants.checkpoint_overhead_s
-        if ck_oh and any_ck:
-            compute_s += ck_oh * int(lay.counts[KEEPS][ck].sum())
+        lay, codes, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
+        compute_s = per_set.compute_s
+        if any_ck:  # full: the whole forward again; selective-op: its other ops (Segment.sel_fwd_s)
+            full, sel = codes == CK_FULL, codes == CK_SELECTIVE
+            compute_s += sum(lay.times[0][full].tolist()) + sum(lay.times[2][sel].tolist())  # sum([]) is 0
+            ck_oh = self._constants.checkpoint_overhead_s
+            if ck_oh:
+                compute_s += ck_oh * int(lay.counts[KEEPS][codes > 0].sum())
         compute_s += self.compute.loss_s * self.options.batch_scale
         return compute_s * self.options.grad_accumulation
 

@@ -38,7 +38,10 @@ optimizer state (all / shard size) + gathered units + unsharded gradients
 awaiting reduce-scatter + saved activations not yet consumed + the working
 set of the segment computing now (its largest module output, twice: the
 output and the incoming gradient in backward). A checkpointed unit keeps only
-its input during forward and re-saves its activations while it recomputes.
+its input during forward and re-saves its activations while it recomputes. A
+selective-op unit (``UnitPlan.checkpoint == CK_SELECTIVE``) keeps its input and the
+outputs of its matmuls and attention (``Segments.sel_keep``) and recomputes only its
+other ops (``sel_fwd_s``): See [Note: selective checkpointing] in wrapopt/selective.py.
 
 [Note: reduce-scatter buffer] At a unit's post-backward FSDP2 copies its
 unsharded gradients into one reduce-scatter input buffer (both exist for a
@@ -89,7 +92,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, UnitLayout, UnitPlan
+from wrapopt.cost.step_inputs import CK_FULL, PlanScalars, Segments, StepConstants, UnitLayout, UnitPlan
 
 __all__ = ["KINDS", "LANES", "LOOP_HELPERS", "step_loop"]
 
@@ -155,7 +158,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     plain tuple: See [Note: step loop inputs]."""
     # The inputs unpacked in their fields' order (checked below the function): in Python ~0.3 us,
     # against ~1.9 us to name them again and read the names. See [Note: step loop inputs].
-    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep = segs  # Segments
+    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep, seg_sf, seg_sk = segs  # Segments
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
     P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
     static, shard, depth, record, gathers = plan  # PlanScalars
@@ -219,8 +222,9 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                     issued[x] = True
         t, peak, parts, ne = _compute(t, seg_f[si], c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
                                       grads_pending, seg_work[si] * 1.0, peak, parts, record, ev, ne, FWD, u)
-        # Checkpointing wraps each of the unit's blocks: each keeps only its boundary tensor.
-        acts += seg_keep[si] if ck[u] else seg_saved[si]
+        # Checkpointing wraps each of the unit's blocks: each keeps only its boundary tensor (full),
+        # or that and its saved ops' outputs (selective-op).
+        acts += seg_saved[si] if not ck[u] else (seg_keep[si] if ck[u] == CK_FULL else seg_sk[si])
         if si == last_fwd[u]:
             gathered -= P[u] - keep[u]  # reshard after forward
     ag_buffer = 0.0  # the root's post-forward frees the last all-gather output: See [Note: all-gather buffer]
@@ -270,9 +274,11 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                     comm_total += d
                     bag_end[x] = c
                     bissued[x] = True
-        if ck[u]:  # recompute this block's forward, re-saving its activations
-            acts += seg_saved[si] - seg_keep[si]
-            t, peak, parts, ne = _compute(t, seg_f[si] + (ck_oh if seg_keep[si] else 0.0), c, ovl_c1, static,
+        if ck[u]:  # recompute this block's forward (selective-op: its other ops), re-saving its activations
+            full = ck[u] == CK_FULL
+            acts += seg_saved[si] - (seg_keep[si] if full else seg_sk[si])
+            t, peak, parts, ne = _compute(t, (seg_f[si] if full else seg_sf[si]) + (ck_oh if seg_keep[si] else 0.0),
+                                          c, ovl_c1, static,
                                           sharded_grads, gathered, ag_buffer, acts, grads_pending, seg_work[si] * 1.0,
                                           peak, parts, record, ev, ne, RECOMPUTE, u)
         # See [Note: progressive backward] for the working set.
@@ -309,7 +315,8 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
 
 
 # step_loop unpacks its inputs by position: these are the orders it reads.
-assert Segments._fields == ("unit", "fwd_s", "bwd_s", "saved", "work", "grad_numel", "bwd_work", "keep")
+assert Segments._fields == ("unit", "fwd_s", "bwd_s", "saved", "work", "grad_numel", "bwd_work", "keep", "sel_fwd_s",
+                            "sel_keep")
 assert UnitLayout._fields == ("forward", "backward", "last_fwd", "fwd_pos", "bwd_pos", "num_segments", "seg_grad_numel",
                               "trainable_bytes")
 assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "reduce_scatter_s", "all_reduce_s",

@@ -31,7 +31,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["PlanScalars", "Segments", "StepConstants", "StepResult", "UnitLayout", "UnitPlan"]
+__all__ = ["CK_NONE", "CK_FULL", "CK_SELECTIVE", "PlanScalars", "Segments", "StepConstants", "StepResult",
+           "UnitLayout", "UnitPlan"]
+
+
+# UnitPlan.checkpoint per unit: none, full, selective-op (See [Note: memory] in step.py).
+CK_NONE, CK_FULL, CK_SELECTIVE = 0, 1, 2
 
 
 class Segments(NamedTuple):
@@ -46,6 +51,8 @@ class Segments(NamedTuple):
     grad_numel: Any  # gradient elements that appear during its backward
     bwd_work: Any  # most its backward holds beyond its saved activations and earlier gradients
     keep: Any  # what checkpointing keeps of its block (on a block's first segment; else 0)
+    sel_fwd_s: Any  # what selective-op recomputes of it (seconds)
+    sel_keep: Any  # what selective-op keeps of it: its saved ops' outputs, plus ``keep``
 
 
 class UnitLayout(NamedTuple):
@@ -71,7 +78,7 @@ class UnitPlan(NamedTuple):
     all_reduce_s: Any  # across the replicas (HSDP)
     regather_s: Any  # backward all-gather (0: kept since forward): See [Note: reshard after forward]
     kept_bytes: Any  # what it keeps of its parameters between forward and backward
-    checkpoint: Any  # bool
+    checkpoint: Any  # int: CK_NONE, CK_FULL or CK_SELECTIVE
 
 
 class StepConstants(NamedTuple):

@@ -110,10 +110,12 @@ def _scaled(m: ModuleInfo, role: str | None, size: int, removed: tuple[int, int]
     common = dict(fwd_flops=m.fwd_flops / size, bwd_flops=m.bwd_flops / size,
                   fwd_bytes=m.fwd_bytes // size, bwd_bytes=m.bwd_bytes // size)
     if role == "colwise":
-        return replace(m, output_bytes=m.output_bytes // size, **common)
+        return replace(m, output_bytes=m.output_bytes // size, selective_kept_bytes=m.selective_kept_bytes // size,
+                       **common)
     if role == "rowwise":
         return replace(m, saved_bytes=m.saved_bytes // size, input_bytes=m.input_bytes // size, **common)
-    return replace(m, saved_bytes=m.saved_bytes // size, **common)
+    return replace(m, saved_bytes=m.saved_bytes // size, selective_kept_bytes=m.selective_kept_bytes // size,
+                   **common)
 
 
 def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, spec: TPSpec, size: int, *,

@@ -2,11 +2,12 @@
 
 - ``baselines``: the reference points the search itself scores (``search/baselines.py``);
 - ``variants``: the baselines, groupings of 1, 2 and 4 blocks with and without resharding
-  after forward and checkpointing, and explicit prefetch;
+  after forward and checkpointing (full, and selective-op: ``,sac``), and explicit prefetch;
 - ``uniform``: the hand-written contenders of issue 21: every uniform grouping of the
   blocks (groups of 1, 2, 3, 4 and of every size dividing a chain, up to the whole chain),
-  each with and without resharding after forward and with and without checkpointing,
-  and the baselines;
+  each with and without resharding after forward and with no, full or selective-op
+  checkpointing, one unit per block with every 2nd or 3rd block fully checkpointed
+  (``per-block,ckpt-every-k``), and the baselines;
 - ``exhaustive``: every contiguous grouping of every block chain (capped), the
   checkpointed uniform groupings, and the baselines: the measured optimum is the fastest;
 - ``contenders``: ``exhaustive`` and ``uniform`` together.
@@ -19,9 +20,12 @@ from dataclasses import replace
 from typing import Callable
 
 from wrapopt.search.baselines import baselines
-from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.search.uniform import CHECKPOINT_EVERY, every_kth_plan
+from wrapopt.spec import SELECTIVE_OP, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 
 __all__ = ["PLAN_SETS", "uniform_sizes"]
+
+_CK_LABEL = {False: "", True: ",ckpt", SELECTIVE_OP: ",sac"}  # a label's checkpointing suffix
 
 
 def _variants(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
@@ -35,8 +39,8 @@ def _variants(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
         groups = [c[i:i + size] for c in graph.block_chains for i in range(0, len(c), size)]
         if not groups or (size > 1 and all(len(g) == 1 for g in groups)):
             continue
-        for raf, ck in ((True, False), (False, False), (True, True)):
-            name = f"groups-of-{size}" + ("" if raf else ",keep") + (",ckpt" if ck else "")
+        for raf, ck in ((True, False), (False, False), (True, True), (True, SELECTIVE_OP)):
+            name = f"groups-of-{size}" + ("" if raf else ",keep") + _CK_LABEL[ck]
             out.append(PlanSpec(tuple(UnitSpec(g, raf, ck) for g in groups) + (root,), mesh, label=name))
     blocks = [u for u in out if u.label == "groups-of-1"]
     if blocks:
@@ -109,13 +113,18 @@ def _uniform(graph: ModelGraph, mesh: MeshSpec) -> list[PlanSpec]:
     seen = {_key(p) for p in out}
     for size in uniform_sizes(graph.block_chains):
         groups = [c[i:i + size] for c in graph.block_chains for i in range(0, len(c), size)]
-        for ck in (False, True):
+        for ck in (False, True, SELECTIVE_OP):
             for raf in (True, False):
-                name = f"uniform-{size}" + ("" if raf else ",keep") + (",ckpt" if ck else "")
+                name = f"uniform-{size}" + ("" if raf else ",keep") + _CK_LABEL[ck]
                 plan = PlanSpec(tuple(UnitSpec(g, raf, ck) for g in groups) + (root,), mesh, label=name)
                 if groups and _key(plan) not in seen:
                     seen.add(_key(plan))
                     out.append(plan)
+    for every in CHECKPOINT_EVERY:
+        plan = every_kth_plan(graph, mesh, every, reshard=True)
+        if plan is not None and _key(plan) not in seen:
+            seen.add(_key(plan))
+            out.append(plan)
     return out
 
 

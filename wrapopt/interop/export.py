@@ -25,6 +25,7 @@ from wrapopt.interop.common import ClassPolicy, Export, bare, check_classes, hea
 from wrapopt.interop.lightning import lightning_fsdp1, lightning_fsdp2
 from wrapopt.interop.policy import block_policy, class_policy
 from wrapopt.plan.file import WrapPlan
+from wrapopt.selective import refuse_selective
 
 __all__ = ["TARGETS", "ClassPolicy", "Export", "class_policy", "export_plan"]
 
@@ -66,6 +67,8 @@ def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, sour
     if plan.spec.tp is not None:
         raise PlanError(f"this plan runs tensor parallelism (degree {plan.mesh.tp_size}) under FSDP, which wrapopt "
                         f"cannot export to {to}: apply it with plan.apply(model) (FSDP2)")
+    if to in ("accelerate", "lightning-fsdp1"):  # whole-module checkpointing only; lightning-fsdp2 applies the plan
+        refuse_selective(plan.spec, f"the {to} export")
     classes, params = _classes_for(plan, model)
     match to:
         case "accelerate":

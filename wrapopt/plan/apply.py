@@ -4,7 +4,8 @@
 innermost first, root last); a unit of several modules is one
 ``fully_shard([m1, m2, ...])`` call, which is also how tied parameters stay
 in one unit. Activation checkpointing uses the composable ``checkpoint``,
-which keeps module names unchanged. A tensor-parallel plan first runs
+which keeps module names unchanged; a selective-op unit passes it the selective policy's
+``context_fn`` (See [Note: selective checkpointing] in wrapopt/selective.py). A tensor-parallel plan first runs
 ``parallelize_module`` on its blocks, then FSDP on the data-parallel axes (See
 [Note: applying a 2-D plan] in ``plan/tp.py``). Every check runs before the first
 collective, so a bad plan fails on every rank instead of hanging some.
@@ -30,6 +31,7 @@ from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_blocks
+from wrapopt.selective import selective_context_fn
 from wrapopt.spec import PlanSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
@@ -148,9 +150,10 @@ def apply_plan(
                                     reduce_dtype=DTYPES[mp.get("reduce_dtype")],
                                     output_dtype=DTYPES[mp.get("output_dtype")])
     for unit in spec.units:
-        if unit.checkpoint and not unit.is_root:
+        if unit.checkpoint and not unit.is_root:  # See [Note: selective checkpointing] in wrapopt/selective.py
+            kwargs = {"context_fn": selective_context_fn} if unit.selective_checkpoint else {}
             for name in unit.modules:
-                checkpoint(modules[name])
+                checkpoint(modules[name], **kwargs)
     offload = CPUOffloadPolicy() if spec.offload else OffloadPolicy()  # See [Note: CPU offload] in cost/state.py
     fsdp_units = []
     for unit in spec.units:

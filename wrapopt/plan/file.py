@@ -27,7 +27,7 @@ from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
 from wrapopt.plan.schema import plan_schema, schema_errors, short_json
 from wrapopt.plan.tp import tp_from_json
-from wrapopt.spec import ROOT, CostEstimate, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
+from wrapopt.spec import ROOT, SELECTIVE_OP, CostEstimate, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
 from wrapopt.train import TrainConfig
 from wrapopt.version import __version__
 
@@ -454,8 +454,9 @@ def _units_from_json(units_raw: Any, source: str) -> list[UnitSpec]:
             raise _field_error(source, f"{where}.reshard_after_forward",
                                f"must be true, false or a positive int, got {raf!r}")
         ck = u.get("checkpoint", False)
-        if not isinstance(ck, bool):
-            raise _field_error(source, f"{where}.checkpoint", f"must be true or false, got {ck!r}")
+        if not isinstance(ck, bool) and ck != SELECTIVE_OP:
+            raise _field_error(source, f"{where}.checkpoint",
+                               f"must be true, false or {SELECTIVE_OP!r} (selective checkpointing), got {ck!r}")
         units.append(UnitSpec(tuple(mods), raf, ck))
     if units[-1].modules != (ROOT,):
         raise _field_error(source, "units", "must end with the root unit (modules [\"\"])")

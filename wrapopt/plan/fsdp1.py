@@ -16,6 +16,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import is_wrapper, strip_wrapper_prefixes
 from wrapopt.plan.apply import DTYPES
+from wrapopt.selective import refuse_selective
 from wrapopt.spec import PlanSpec
 
 __all__ = ["fsdp1_policy", "fsdp1_checkpoint_fn", "PlanPolicy"]
@@ -71,6 +72,7 @@ def fsdp1_policy(
     if spec.tp is not None:
         raise PlanError(f"this plan runs tensor parallelism (degree {mesh.tp_size}) under FSDP; wrapopt's FSDP1 export "
                         "does not support FSDP1 + tensor parallelism: apply it with plan.apply(model) (FSDP2)")
+    refuse_selective(spec, "an FSDP1 policy")
     notes: list[str] = []
     mp = mixed_precision or {}
     mp_kwargs: dict[str, Any] = {}
@@ -183,6 +185,7 @@ def fsdp1_checkpoint_fn(spec: PlanSpec, model: nn.Module) -> Callable[[nn.Module
     """``check_fn`` for FSDP1's ``apply_activation_checkpointing``: true for the modules of
     the plan's checkpointed units. Works before or after wrapping (FSDP1's and
     checkpoint_wrapper's name prefixes are looked through)."""
+    refuse_selective(spec, "FSDP1's apply_activation_checkpointing")
     names = {n for u in spec.units if u.checkpoint and not u.is_root for n in u.modules}
     found = {strip_wrapper_prefixes(n): m for n, m in model.named_modules() if not is_wrapper(type(m))}
     missing = sorted(names - set(found))

@@ -97,7 +97,7 @@ def _unit_kind(u: UnitSpec, blocks: set[str]) -> str:
 def _unit_how(u: UnitSpec) -> str:
     r = u.reshard_after_forward
     how = "keep" if r is False else "reshard" if r is True else f"reshard to {r}"
-    return how + (", checkpointed" if u.checkpoint else "")
+    return how + (", selective-op checkpointed" if u.selective_checkpoint else ", checkpointed" if u.checkpoint else "")
 
 
 def units_summary(plan: PlanSpec, blocks: Sequence[str]) -> str:

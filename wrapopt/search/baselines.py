@@ -33,10 +33,11 @@ from dataclasses import replace
 
 from wrapopt.errors import PlanError
 from wrapopt.search.strategy import History, Proposal, SearchProblem, Strategy
-from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, SELECTIVE_OP, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.units import together_groups, validate_plan
 
-__all__ = ["baselines", "make_plan", "BASELINE_NAMES", "Baselines", "SmallestMemory", "BaselinesOnShardGroups"]
+__all__ = ["baselines", "make_plan", "checkpointed", "BASELINE_NAMES", "Baselines", "SmallestMemory",
+           "BaselinesOnShardGroups"]
 
 BASELINE_NAMES = ("per-block", "per-block,ckpt", "size-1e8", "every-leaf", "root-only", "no-shard")
 _NEVER_WRAP = ("ModuleList", "ModuleDict")
@@ -49,7 +50,7 @@ def make_plan(
     *,
     label: str = "",
     reshard_after_forward: bool | int = True,
-    checkpoint: bool = False,
+    checkpoint: bool | str = False,
     forward_prefetch: int = 0,
 ) -> PlanSpec:
     """A plan from unit module lists (innermost first is not required: they are
@@ -103,7 +104,7 @@ def baselines(graph: ModelGraph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     if graph.blocks:
         per_block = _drop_tie_splits(graph, mesh, list(graph.blocks), "per-block")
         out["per-block"] = per_block
-        out["per-block,ckpt"] = _checkpointed(per_block, "per-block,ckpt")
+        out["per-block,ckpt"] = checkpointed(per_block, "per-block,ckpt")
     out["size-1e8"] = _drop_tie_splits(graph, mesh, _size_based(graph, int(1e8)), "size-1e8")
     leaves = [m.fqn for m in graph.modules if not m.children and m.own_numel and m.fqn != ROOT]
     out["every-leaf"] = _drop_tie_splits(graph, mesh, leaves, "every-leaf")
@@ -114,9 +115,10 @@ def baselines(graph: ModelGraph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     return out
 
 
-def _checkpointed(plan: PlanSpec, label: str) -> PlanSpec:
-    """``plan`` with every unit but the root resharded after forward and checkpointed."""
-    units = tuple(u if u.is_root else UnitSpec(u.modules, True, True) for u in plan.units)
+def checkpointed(plan: PlanSpec, label: str, mode: bool | str = True) -> PlanSpec:
+    """``plan`` with every unit but the root resharded after forward and checkpointed (``mode``:
+    True, full; SELECTIVE_OP, selective-op)."""
+    units = tuple(u if u.is_root else UnitSpec(u.modules, True, mode) for u in plan.units)
     return replace(plan, units=units, label=label)
 
 
@@ -128,7 +130,11 @@ class Baselines(Strategy):
     seed_every_plan = True
 
     def propose(self, problem: SearchProblem, history: History) -> Proposal:
-        return Proposal(plans=tuple(baselines(problem.graph, problem.mesh).values()))
+        base = baselines(problem.graph, problem.mesh)
+        plans = tuple(base.values())
+        if SELECTIVE_OP in problem.options.checkpoint_modes and "per-block" in base:
+            plans += (checkpointed(base["per-block"], "per-block,sac", SELECTIVE_OP),)
+        return Proposal(plans=plans)
 
 
 class SmallestMemory(Strategy):
@@ -142,7 +148,7 @@ class SmallestMemory(Strategy):
         for name in ("per-block", "every-leaf"):
             p = base.get(name)
             if p is not None:
-                out.append(_checkpointed(p, f"{name},ckpt"))
+                out.append(checkpointed(p, f"{name},ckpt"))
         return Proposal(plans=tuple(out))
 
 

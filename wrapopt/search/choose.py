@@ -67,7 +67,7 @@ def is_per_block(graph: ModelGraph, plan: PlanSpec) -> bool:
 
 def _complexity(s: Scored) -> tuple:
     units = [u for u in s.plan.units if not u.is_root]
-    return (sum(u.checkpoint for u in units), len(s.plan.units),
+    return (sum(bool(u.checkpoint) for u in units), len(s.plan.units),
             sum(u.reshard_after_forward is False for u in units), round(s.estimate.step_s, 12),
             s.estimate.peak_bytes)
 

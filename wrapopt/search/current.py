@@ -27,7 +27,7 @@ from wrapopt.errors import OptionError
 from wrapopt.search.baselines import baselines
 from wrapopt.search.batch import batch_scale
 from wrapopt.search.tp import dp_mesh, lift_plan
-from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 from wrapopt.train import TrainConfig
 
@@ -37,7 +37,8 @@ __all__ = ["CURRENT_FORMS", "DIMENSIONS", "Current", "Config", "ChoiceGain", "Co
 CURRENT_FORMS = (
     "a plan file (PATH.json, as `wrapopt search --out` writes), or items separated by commas, in any order: "
     "the units (per-block, every-leaf, size-1e8, root-only, no-shard); checkpointing (no AC, full AC, "
-    "AC every K: every K-th block); micro-batch N; reshard or no reshard (after forward, every unit but the root); "
+    "selective AC: matmul and attention outputs kept, AC every K: every K-th block); micro-batch N; "
+    "reshard or no reshard (after forward, every unit but the root); "
     "shard N (HSDP with shard groups of N ranks); tp N (tensor parallelism inside each node). "
     'Example: "per-block, full AC, micro-batch 2"'
 )
@@ -122,6 +123,8 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
             ckpt_every = 0
         elif item in ("full ac", "ac", "ckpt", "full ckpt", "checkpointing", "full checkpointing", "ac full"):
             ckpt_every = 1
+        elif item in ("selective ac", "selective-op", "selective-op ac", "sac", "selective checkpointing"):
+            ckpt_every = -1
         elif m := re.fullmatch(r"(?:ac|ckpt|checkpoint(?:ing)?) every (\d+)(?:st|nd|rd|th)?(?: blocks?)?", item):
             ckpt_every = int(m.group(1))
         elif m := re.fullmatch(r"(?:micro-?batch|micro batch|mbs)\s*[=:]?\s*(\d+)", item):
@@ -151,7 +154,9 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     if plan.mesh.shard_size != 1:  # no-shard keeps its own mesh
         plan = replace(plan, mesh=dp)
     units = tuple(u if u.is_root else UnitSpec(u.modules, reshard, False) for u in plan.units)
-    if ckpt_every:
+    if ckpt_every < 0:  # selective-op on every unit but the root
+        units = tuple(u if u.is_root else replace(u, checkpoint=SELECTIVE_OP) for u in units)
+    elif ckpt_every:
         blocks = set(graph.blocks)
         order = [i for i, u in enumerate(units) if not u.is_root and u.modules[0] in blocks] or \
             [i for i, u in enumerate(units) if not u.is_root]
@@ -186,8 +191,11 @@ def _take(units_of: PlanSpec, choices_of: PlanSpec, *, reshard: bool, checkpoint
 
 def _describe_ckpt(plan: PlanSpec) -> str:
     inner = [u for u in plan.units if not u.is_root]
-    n = sum(1 for u in inner if u.checkpoint)
-    return "none" if n == 0 else ("every unit" if n == len(inner) else f"{n} of {len(inner)} units")
+    full = sum(1 for u in inner if u.checkpoint is True)
+    sel = sum(1 for u in inner if u.checkpoint == SELECTIVE_OP)
+    parts = [f"{'every unit' if n == len(inner) else f'{n} of {len(inner)} units'} {what}"
+             for n, what in ((full, "full"), (sel, "selective-op")) if n]
+    return ", ".join(parts) or "none"
 
 
 def _describe_reshard(plan: PlanSpec) -> str:

@@ -223,7 +223,7 @@ def _infeasible_message(sim: Simulator, mesh: MeshSpec, budget: float, scored: l
            f"shard group {plan.mesh.shard_size}: "
            f"sharded state {fmt_bytes(sharded)}, activations and working set {fmt_bytes(acts)}). To fit: ")
     advice = []
-    if not all(u.checkpoint for u in plan.units if not u.is_root):
+    if not all(u.full_checkpoint for u in plan.units if not u.is_root):
         advice.append("activation checkpointing")
     if plan.mesh.shard_size < mesh.world_size:
         advice.append(f"a larger shard group (up to the world of {mesh.world_size})")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from wrapopt.cost.simulate import Simulator
-from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph, PlanSpec
+from wrapopt.spec import CHECKPOINT_MODES, SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, PlanSpec
 
 __all__ = [
     "Strategy",
@@ -58,6 +58,11 @@ class SearchOptions:
     max_group: int = 8  # the DP's largest group of blocks in one unit
     timeout_s: float | None = None  # stop the study after this long (finished trials are kept)
     progress: bool = False  # a progress line on stderr
+    # Per-unit checkpointing the DP, the uniform groupings and the study choose from: False (none),
+    # True (full) and, when listed, SELECTIVE_OP ("selective-op": See [Note: selective checkpointing]
+    # in wrapopt/selective.py). The default leaves selective-op out, so that searches without it
+    # answer as before; the CLI's --checkpoint-modes none,full,selective-op adds it.
+    checkpoint_modes: tuple[bool | str, ...] = (False, True)
 
     def __post_init__(self) -> None:
         if self.trials < 0:
@@ -66,6 +71,10 @@ class SearchOptions:
             raise ValueError(f"max_group must be >= 1, got {self.max_group}")
         if self.sampler not in ("auto", "tpe", "nsga2"):
             raise ValueError(f"unknown sampler {self.sampler!r}; choose auto, tpe or nsga2")
+        bad = [m for m in self.checkpoint_modes if m not in CHECKPOINT_MODES or not isinstance(m, (bool, str))]
+        if bad or not self.checkpoint_modes:
+            raise ValueError(f"checkpoint_modes must list some of False, True, {SELECTIVE_OP!r}; got "
+                             f"{self.checkpoint_modes!r}")
         if self.study_name is not None and not self.study_name.strip():
             raise ValueError("the study name is empty")
 

@@ -15,7 +15,18 @@ from __future__ import annotations
 from wrapopt.spec.estimate import CostEstimate, TimelineEvent, UnitCost, UnitCosts
 from wrapopt.spec.graph import ROOT, ModelGraph, ModuleInfo, TraceRecord
 from wrapopt.spec.options import SYNC_MODES, OptimizerKind, SimOptions, factored_state_numel
-from wrapopt.spec.plan import PP_SCHEDULES, TP_STYLES, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
+from wrapopt.spec.plan import (
+    CHECKPOINT_MODES,
+    PP_SCHEDULES,
+    SELECTIVE_OP,
+    TP_STYLES,
+    MeshSpec,
+    PipelineSpec,
+    PlanSpec,
+    TPSpec,
+    UnitSpec,
+    checkpoint_label,
+)
 
 __all__ = [
     "ModuleInfo",
@@ -28,6 +39,9 @@ __all__ = [
     "TP_STYLES",
     "PipelineSpec",
     "PP_SCHEDULES",
+    "SELECTIVE_OP",
+    "CHECKPOINT_MODES",
+    "checkpoint_label",
     "OptimizerKind",
     "SYNC_MODES",
     "factored_state_numel",

@@ -53,6 +53,10 @@ class ModuleInfo:
     matmuls: tuple[tuple[float, int, int, int, int], ...] = ()
     attention_flops: float = 0.0
     attention_run_flops: float = 0.0
+    # Bytes of the outputs of its forward matmuls and attention kernels (each storage once, over all
+    # calls): what selective-op checkpointing keeps of it. See [Note: selective checkpointing] in
+    # wrapopt/selective.py.
+    selective_kept_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

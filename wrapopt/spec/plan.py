@@ -10,7 +10,21 @@ from wrapopt.checks import check_count
 from wrapopt.errors import OptionError
 from wrapopt.spec.graph import ROOT
 
-__all__ = ["MeshSpec", "UnitSpec", "TP_STYLES", "TPSpec", "PP_SCHEDULES", "PipelineSpec", "PlanSpec"]
+__all__ = ["MeshSpec", "UnitSpec", "TP_STYLES", "TPSpec", "PP_SCHEDULES", "PipelineSpec", "PlanSpec", "SELECTIVE_OP",
+           "CHECKPOINT_MODES", "checkpoint_label"]
+
+# Activation checkpointing of a unit, a closed set: False (none), True (full: every activation
+# recomputed) or SELECTIVE_OP (the outputs of matmuls and attention kept, the rest recomputed:
+# See [Note: selective checkpointing] in selective.py). True and False stay the plain booleans
+# they always were, so plan files and golden answers written before are unchanged.
+SELECTIVE_OP = "selective-op"
+CHECKPOINT_MODES: tuple[bool | str, ...] = (False, True, SELECTIVE_OP)
+
+
+def checkpoint_label(mode: bool | str) -> str:
+    """How reports name a unit's checkpointing: "none", "full" or "selective-op"."""
+    return SELECTIVE_OP if mode == SELECTIVE_OP else ("full" if mode else "none")
+
 
 @dataclass(frozen=True, slots=True)
 class MeshSpec:
@@ -154,7 +168,23 @@ class UnitSpec:
     # backward. An int N: reshard to groups of N ranks (hpZ-style re-gather).
     # Plans give the root False, FSDP2's own default for the root.
     reshard_after_forward: bool | int = True
-    checkpoint: bool = False  # activation checkpointing of the unit's modules
+    # Activation checkpointing of the unit's modules: one of CHECKPOINT_MODES (False, True, SELECTIVE_OP).
+    checkpoint: bool | str = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in CHECKPOINT_MODES or not isinstance(self.checkpoint, (bool, str)):
+            raise OptionError(f"unit {self.name}: checkpoint must be false, true or {SELECTIVE_OP!r}, got "
+                              f"{self.checkpoint!r}; use True for full activation checkpointing")
+
+    @property
+    def full_checkpoint(self) -> bool:
+        """Every activation of the unit recomputed in backward (``checkpoint is True``)."""
+        return self.checkpoint is True
+
+    @property
+    def selective_checkpoint(self) -> bool:
+        """Matmul and attention outputs kept, the rest recomputed (``checkpoint == SELECTIVE_OP``)."""
+        return self.checkpoint == SELECTIVE_OP
 
     @property
     def is_root(self) -> bool:

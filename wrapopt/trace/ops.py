@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from wrapopt.selective import is_saved_op
 from wrapopt.trace.fx import OpDataflow
 from wrapopt.trace.kernels import MATMUL_OPS, attention_run_flops, is_attention, matmul_key
 from wrapopt.trace.op_bytes import op_bytes
@@ -164,6 +165,10 @@ class Recorder(TorchDispatchMode):
         self.param_key: dict[int, int] = {}  # id(parameter tensor) -> its key in ``by_id``
         self.param_reads: dict[tuple[int, str], None] = {}  # (parameter key, reading module), in order
         self.experts: dict[str, int] = {}  # module -> experts its 3-D weights hold
+        # Per module, bytes of the outputs of the ops selective-op keeps, each storage once: See
+        # [Note: selective checkpointing] in wrapopt/selective.py.
+        self.selective_kept: dict[str, int] = defaultdict(int)
+        self.selective_seen: set[Any] = set()
         self.meta_wins = False  # ops mixing meta and real tensors run on meta: See [Note: integer inputs stay real]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -178,6 +183,8 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         if self.in_loss or self.in_tail:
             self._track_loss(out)
+        if not self.backward and not self.in_loss and is_saved_op(func):
+            self._selective_kept(out)
         if self.record_flow:
             self.flow.record(self.stack[-1], args, kwargs, out)
             if self.param_key:  # See [Note: who reads a parameter]
@@ -215,6 +222,18 @@ class Recorder(TorchDispatchMode):
             a[1] += attention_run_flops(packet, args, kwargs, flops)
         elif packet in MATMUL_OPS:
             self.matmuls[m][matmul_key(packet, args, out, flops)] += 1
+
+    def _selective_kept(self, out: Any) -> None:
+        """A saved op's outputs, counted once per storage to the running module."""
+        for t in tensors_in(out):
+            key = storage_key(t)
+            if key in self.selective_seen:
+                continue
+            self.selective_seen.add(key)
+            try:
+                self.selective_kept[self.stack[-1]] += t.untyped_storage().nbytes()
+            except (NotImplementedError, RuntimeError):
+                self.selective_kept[self.stack[-1]] += t.numel() * t.element_size()
 
     def start_tail(self, before: set[Any]) -> None:
         self.in_tail, self.loss_live, self.loss_peak, self.loss_before = True, {}, 0, before

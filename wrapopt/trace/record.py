@@ -92,6 +92,8 @@ class StepRecord:
         # See [Note: kernel roofline] in cost/roofline.py: per module, (matmul entry + (calls,)), and attention
         self.matmuls: dict[str, tuple[tuple[float, int, int, int, int], ...]] = {}
         self.attention: dict[str, tuple[float, float]] = {}  # (FLOPs counted, FLOPs the kernel runs)
+        # See [Note: selective checkpointing] in wrapopt/selective.py: what selective-op keeps per module
+        self.selective_kept: dict[str, int] = {}
 
 
 def _run_step(
@@ -269,6 +271,7 @@ def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
     rec.experts = dict(recorder.experts)
     rec.matmuls = {m: tuple(sorted(k + (n,) for k, n in t.items())) for m, t in recorder.matmuls.items()}
     rec.attention = {m: (a[0], a[1]) for m, a in recorder.attention.items()}
+    rec.selective_kept = dict(recorder.selective_kept)
 
 
 def _is_data_dependent(e: Exception) -> bool:

@@ -43,21 +43,21 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from wrapopt.cost.simulate import Simulator
-from wrapopt.spec import ROOT, MeshSpec, UnitSpec
+from wrapopt.spec import ROOT, SELECTIVE_OP, MeshSpec, UnitSpec
 
 __all__ = ["Choice", "ChainCosts", "ChainAnswer", "unit_choices", "chain_costs", "chain_model", "brute_force_chain",
            "group_figures", "sharded_grads_after"]
 
-Choice = tuple  # (reshard_after_forward: bool | int, checkpoint: bool)
+Choice = tuple  # (reshard_after_forward: bool | int, checkpoint: False, True or SELECTIVE_OP)
 
 
-def unit_choices(mesh: MeshSpec) -> tuple[Choice, ...]:
+def unit_choices(mesh: MeshSpec, checkpoint_modes: tuple[bool | str, ...] = (False, True)) -> tuple[Choice, ...]:
     """Per-unit choices on ``mesh``: reshard True / False / to one node (only when
-    the shard group spans nodes), each with and without checkpointing."""
+    the shard group spans nodes), each with every checkpointing of ``checkpoint_modes``."""
     rafs: list[bool | int] = [True, False]
     if 1 < mesh.ranks_per_node < mesh.shard_size:
         rafs.append(mesh.ranks_per_node)
-    return tuple((r, c) for r in rafs for c in (False, True))
+    return tuple((r, c) for r in rafs for c in checkpoint_modes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,10 @@ class ChainCosts:
     # chains' memory (the working set, the root's activations after the chains);
     # the last group's re-gather is prefetched then too.
     loss_mem: float = 0.0
+    # Selective-op (See [Note: selective checkpointing] in wrapopt/selective.py): per block the
+    # forward seconds it recomputes, and what it keeps beyond ``inp`` (its matmul and attention outputs).
+    sel_F: tuple[float, ...] = ()
+    sel_extra: tuple[float, ...] = ()
 
     @property
     def fwd_overhead_s(self) -> float:
@@ -133,6 +137,10 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
             for r in node_rafs:
                 rag[(i, s, r)] = sim.collectives.time("all_gather", r, min(r, mesh.ranks_per_node), p, notes)
     runs_ahead = sim.compute.runs_ahead or forward_prefetch > 0  # See [Note: all-gather issue]
+    sel_extra = [0.0] * n
+    for sgm in lay.segments:
+        if sgm.unit < n:
+            sel_extra[sgm.unit] += sgm.sel_keep - sgm.keep
     return ChainCosts(
         blocks=chain,
         F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G),
@@ -141,6 +149,7 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
         overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s,
         runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
+        sel_F=tuple(lay.times[2][:n].tolist()), sel_extra=tuple(sel_extra),
     )
 
 
@@ -155,7 +164,11 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
     raf, ckpt = choice
     sl = slice(start, start + size)
     F = sum(cc.F[sl])
-    B = sum(cc.B[sl]) + (F + size * cc.ckpt_overhead_s if ckpt else 0.0)
+    sel = ckpt == SELECTIVE_OP
+    if sel:  # recomputes its other ops only
+        B = sum(cc.B[sl]) + sum(cc.sel_F[sl]) + size * cc.ckpt_overhead_s
+    else:
+        B = sum(cc.B[sl]) + (F + size * cc.ckpt_overhead_s if ckpt else 0.0)
     A = cc.ag[(start, size)]
     # Memory in whole bytes, so that the DP's sums are exact.
     P = round(sum(cc.P[sl]))
@@ -163,7 +176,11 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
     # Mirrors the simulator: checkpointing keeps each block's output and
     # re-materialises one block at a time in backward; an int reshard keeps
     # P // (shard // n) and re-gathers within the node. See [Note: reshard after forward].
-    if ckpt:
+    if sel:  # keeps its input and its saved ops' outputs; re-materialises the rest one block at a time
+        keeps = [k + x for k, x in zip(cc.inp[sl], cc.sel_extra[sl])]
+        act_fwd = round(sum(keeps))
+        act_bwd = act_fwd + round(max(a - k for a, k in zip(cc.act[sl], keeps)))
+    elif ckpt:
         act_fwd = round(sum(cc.inp[sl]))
         act_bwd = act_fwd + round(max(a - k for a, k in zip(cc.act[sl], cc.inp[sl])))
     else:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from wrapopt.cost.simulate import Simulator
 from wrapopt.search.dp.chain import ChainAnswer, chain_costs, unit_choices
 from wrapopt.search.dp.solve import lower_bound, solve_chains
-from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, SELECTIVE_OP, MeshSpec, PlanSpec, UnitSpec
 
 __all__ = ["ChainDP", "DPAnswer", "dp_plans", "chain_static_bytes"]
 
@@ -66,7 +66,8 @@ class ChainDP:
     (and cheaply beside) the exact answer."""
 
     def __init__(self, sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, max_group: int = 8,
-                 forward_prefetch: int = 0, static_bytes: float | None = None):
+                 forward_prefetch: int = 0, static_bytes: float | None = None,
+                 checkpoint_modes: tuple[bool | str, ...] = (False, True)):
         self.sim, self.mesh, self.chains = sim, mesh, chains
         self.max_group, self.forward_prefetch = max_group, forward_prefetch
         self.static_bytes = chain_static_bytes(sim, mesh, chains) if static_bytes is None else static_bytes
@@ -82,7 +83,7 @@ class ChainDP:
                 + after)
         costs[-1] = replace(costs[-1], loss_mem=loss)
         self.costs = costs
-        self.choices = unit_choices(mesh)
+        self.choices = unit_choices(mesh, checkpoint_modes)
         self._cache: dict = {}
         tag = "" if mesh.shard_size == mesh.world_size else f",shard={mesh.shard_size}"
         self.tag = tag + (f",prefetch={forward_prefetch}" if forward_prefetch else "")
@@ -106,7 +107,7 @@ class ChainDP:
         allowance = memory_budget - self.static_bytes
         runs = [("dp", self.choices, True)]
         if uniform:
-            runs += [(f"dp(reshard={_raf_tag(r)},ckpt={'T' if k else 'F'})", ((r, k),), False) for r, k in self.choices]
+            runs += [(f"dp(reshard={_raf_tag(r)},ckpt={_ck_tag(k)})", ((r, k),), False) for r, k in self.choices]
         check = rescore and math.isfinite(memory_budget)
         out = []
         for label, choices, per_unit in runs:
@@ -140,7 +141,8 @@ class ChainDP:
 
 def dp_plans(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...], *, memory_budget: float,
              static_bytes: float | None = None, max_group: int = 8, uniform: bool = True,
-             forward_prefetch: int = 0, rescore: bool = True) -> list[tuple[str, PlanSpec, float]]:
+             forward_prefetch: int = 0, rescore: bool = True,
+             checkpoint_modes: tuple[bool | str, ...] = (False, True)) -> list[tuple[str, PlanSpec, float]]:
     """DP answers on ``mesh``: (label, plan, chain-model time).
 
     The first is the per-unit optimum (each unit its own reshard and
@@ -153,8 +155,13 @@ def dp_plans(sim: Simulator, mesh: MeshSpec, chains: tuple[tuple[str, ...], ...]
     """
     if not chains:
         return []
-    dp = ChainDP(sim, mesh, chains, max_group=max_group, forward_prefetch=forward_prefetch, static_bytes=static_bytes)
+    dp = ChainDP(sim, mesh, chains, max_group=max_group, forward_prefetch=forward_prefetch, static_bytes=static_bytes,
+                 checkpoint_modes=checkpoint_modes)
     return dp.plans(memory_budget, uniform=uniform, rescore=rescore)
+
+
+def _ck_tag(k: bool | str) -> str:
+    return "S" if k == SELECTIVE_OP else "T" if k else "F"
 
 
 def _raf_tag(r: bool | int) -> str:

@@ -43,7 +43,8 @@ class PerBlockDP(Strategy):
         prefetches = (0,) if sim.compute.runs_ahead else (0, 1)
         plans = []
         for pf in prefetches:
-            dp = ChainDP(sim, mesh, problem.graph.block_chains, max_group=1, forward_prefetch=pf)
+            dp = ChainDP(sim, mesh, problem.graph.block_chains, max_group=1, forward_prefetch=pf,
+                         checkpoint_modes=problem.options.checkpoint_modes)
             if dp.static_bytes >= budget:
                 break
             plans += [replace(a.plan, label=f"per-block,dp{',prefetch' if pf else ''}")
@@ -66,7 +67,8 @@ def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
     for s in problem.shard_sizes:
         m = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=s)
         for pf in prefetches:
-            dp = ChainDP(sim, m, chains, max_group=problem.options.max_group, forward_prefetch=pf)
+            dp = ChainDP(sim, m, chains, max_group=problem.options.max_group, forward_prefetch=pf,
+                         checkpoint_modes=problem.options.checkpoint_modes)
             if dp.static_bytes >= budget:
                 break
             jobs.append((dp.lower_bound(budget, tuned=False), s == mesh.shard_size and pf == 0, dp))

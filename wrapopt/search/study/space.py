@@ -32,13 +32,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import CHECKPOINT_MODES, ROOT, SELECTIVE_OP, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.units import together_groups
 
 __all__ = ["SearchSpace", "shard_sizes", "UNIT_CHOICES"]
 
-UNIT_CHOICES = ("T", "F", "node", "T+ckpt", "F+ckpt", "node+ckpt")
-_OPTIONAL_UNIT = ("off",) + UNIT_CHOICES
+UNIT_CHOICES = ("T", "F", "node", "T+ckpt", "F+ckpt", "node+ckpt")  # without selective-op (the default)
+_CK_TAG = {False: "", True: "+ckpt", SELECTIVE_OP: "+sac"}  # a unit choice's checkpointing suffix
+_CK_MODE = {"": False, "ckpt": True, "sac": SELECTIVE_OP}
 PREFETCH_CHOICES = (0, 1, 2)
 _BOOL = (False, True)
 _MAX_INNER_DEPTH = 2  # submodules of a block offered as units: children and grandchildren
@@ -89,8 +90,13 @@ class SearchSpace:
         True
     """
 
-    def __init__(self, graph: ModelGraph, mesh: MeshSpec, *, shard_choices: tuple[int, ...] | None = None):
+    def __init__(self, graph: ModelGraph, mesh: MeshSpec, *, shard_choices: tuple[int, ...] | None = None,
+                 checkpoint_modes: tuple[bool | str, ...] = (False, True)):
         self.graph, self.mesh = graph, mesh
+        # A unit's choices: UNIT_CHOICES, and "+sac" (selective-op) ones when checkpoint_modes lists it.
+        suffixes = tuple(_CK_TAG[m] for m in CHECKPOINT_MODES if m in checkpoint_modes)
+        self.unit_choices = tuple(r + s for s in suffixes for r in ("T", "F", "node"))
+        self.optional_unit = ("off",) + self.unit_choices
         self.shard_choices = tuple(shard_choices or shard_sizes(mesh))
         owners = list(together_groups(graph))  # tied modules, and modules with their parameters' users
         self._owners = owners
@@ -158,15 +164,16 @@ class SearchSpace:
 
     # -- decoding -----------------------------------------------------------------------------
 
-    def _unit(self, tag: str, shard: int) -> tuple[bool | int, bool]:
+    def _unit(self, tag: str, shard: int) -> tuple[bool | int, bool | str]:
         """(reshard_after_forward, checkpoint) of a unit choice."""
         raf, _, ck = tag.partition("+")
+        mode = _CK_MODE[ck]
         rpn = self.mesh.ranks_per_node
         if raf == "F":
-            return False, bool(ck)
+            return False, mode
         if raf == "node" and 1 < rpn < shard:
-            return rpn, bool(ck)
-        return True, bool(ck)
+            return rpn, mode
+        return True, mode
 
     def decode(self, src: _Source, label: str = "") -> PlanSpec:
         shard = src.cat("shard", self.shard_choices)
@@ -179,7 +186,7 @@ class SearchSpace:
             n = len(chain)
             wrap = src.cat(f"c{k}.wrap", _BOOL)
             cuts = [True] + [src.cat(f"c{k}.cut{j}", _BOOL) and j not in self.joined[k] for j in range(1, n)]
-            choice = [src.cat(f"c{k}.u{j}", UNIT_CHOICES) for j in range(n)]
+            choice = [src.cat(f"c{k}.u{j}", self.unit_choices) for j in range(n)]
             inner = [rel for rel in self.inner[k] if src.cat(f"c{k}.in.{rel}", _BOOL)]
             starts = [j for j in range(n) if cuts[j]] if wrap else list(range(n))
             for a, b in zip(starts, starts[1:] + [n]):
@@ -189,13 +196,13 @@ class SearchSpace:
                 for blk in chain[a:b]:
                     for rel in inner:
                         # Inside a checkpointed block unit the block's checkpoint covers it.
-                        groups.append(((f"{blk}.{rel}",), raf, ck and not wrap))
+                        groups.append(((f"{blk}.{rel}",), raf, False if wrap else ck))
         for m in self.outer:
-            tag = src.cat(f"m.{m}", _OPTIONAL_UNIT)
+            tag = src.cat(f"m.{m}", self.optional_unit)
             if tag != "off":
                 groups.append(((m,), *self._unit(tag, shard)))
         for t, mods in enumerate(self.tie_units):
-            tag = src.cat(f"tie{t}", _OPTIONAL_UNIT)
+            tag = src.cat(f"tie{t}", self.optional_unit)
             if tag != "off":
                 groups.append((mods, *self._unit(tag, shard)))
         info = self.graph.info
@@ -225,7 +232,7 @@ class SearchSpace:
         def tag(u: UnitSpec) -> str:
             raf = u.reshard_after_forward
             base = "T" if raf is True else "F" if raf is False else "node"
-            return base + ("+ckpt" if u.checkpoint else "")
+            return base + _CK_TAG[u.checkpoint]
 
         inner_seen: list[dict[str, set[int]]] = [dict() for _ in self.chains]
         for u in plan.units[:-1]:

@@ -31,7 +31,8 @@ class OptunaStudy(Strategy):
         opts = problem.options
         if opts.trials <= 0:
             return Proposal()
-        space = SearchSpace(problem.graph, problem.mesh, shard_choices=opts.shard_sizes)
+        space = SearchSpace(problem.graph, problem.mesh, shard_choices=opts.shard_sizes,
+                            checkpoint_modes=opts.checkpoint_modes)
         study = run_study(problem.graph, problem.sim, space, memory_budget=problem.memory_budget,
                           seeds=study_seeds(history), trials=opts.trials, seed=opts.seed, storage=opts.storage,
                           study_name=opts.study_name, sampler=opts.sampler, timeout_s=opts.timeout_s,
