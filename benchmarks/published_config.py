@@ -4,7 +4,8 @@ Used by ``benchmarks/published.py``. [Note: the configuration headline] For each
 the global batch is the row's ``micro-batch x GA x GPUs``; ``global_batch_search`` chooses the
 micro-batch, the accumulation, the units, resharding, checkpointing and the shard group (FSDP
 or HSDP) under the row's memory budget (capacity x headroom), on the row's hardware and step
-(See [Note: a published row as a simulation] in published_predict.py), with every micro-batch
+(See [Note: a published row as a simulation] in published_predict.py), each unit's checkpointing
+none, full or selective-op ([Note: selective checkpointing] in wrapopt/selective.py), with every micro-batch
 reducing its gradients as Composer does (``accumulation_sync="every"``; the choice of sync mode
 is then not a source of gain). The row's own configuration (its plan at its micro-batch) is
 scored the same way, as ``wrapopt search --current`` scores a user's (search/current.py), and
@@ -15,9 +16,10 @@ search's answer and the row's own: the speed-up is never below 1.00. (The search
 be up to ``STEP_ERROR`` slower than the fastest plan it saw, by design: [Note: plans within the
 error]; where that leaves it slower than the row's own, the row's own is reported.)
 
-A gain that rests on checkpointing fewer blocks than a row that checkpoints every block is
-marked: the simulator charges a checkpointed block one whole forward again (results/published.md
-shows those rows predicted slower than published), the known miss of the GPU issue's split.
+A gain that rests on fully checkpointing fewer blocks than a row that checkpoints every block is
+marked (selective-op units count as not fully checkpointed): the simulator charges a checkpointed
+block one whole forward again (results/published.md shows those rows predicted slower than
+published), the known miss of the GPU issue's split.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from wrapopt.hardware.budget import MEMORY_HEADROOM
 from wrapopt.search.batch import global_batch_search
 from wrapopt.search.current import Current, compare_current
 from wrapopt.search.driver import SearchOptions
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import SELECTIVE_OP, MeshSpec
 
-__all__ = ["ConfigRow", "search_config"]
+__all__ = ["ConfigRow", "search_config", "MODES"]
+
+MODES = (False, True, SELECTIVE_OP)  # every unit's checkpointing: none, full, selective-op
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,8 @@ class ConfigRow:
 
 
 def _blocks_checkpointed(plan, blocks) -> int:
-    mods = [m for u in plan.units if not u.is_root and u.checkpoint for m in u.modules]
+    """Blocks in fully checkpointed units (selective-op units recompute only the cheap ops)."""
+    mods = [m for u in plan.units if not u.is_root and u.checkpoint is True for m in u.modules]
     return sum(any(m == b or m.startswith(b + ".") for m in mods) for b in blocks)
 
 
@@ -74,7 +79,8 @@ def search_config(pred: Predictor, row: PublishedRow, *, max_group: int) -> Conf
     own = Current(row_plan(g, row), row.micro_batch, "the row's")
     try:
         found = global_batch_search(g, sim, mesh, train=train, global_batch=global_batch, degrees=(1,), spec=None,
-                                    memory_budget=budget, options=SearchOptions(trials=0, max_group=max_group))
+                                    memory_budget=budget,
+                                    options=SearchOptions(trials=0, max_group=max_group, checkpoint_modes=MODES))
     except InfeasibleError as e:
         return ConfigRow(row, global_batch, math.nan, f"nothing fits: {str(e).splitlines()[0][:80]}", "-", math.nan,
                          (), False, False, False, time.perf_counter() - t0)
@@ -93,9 +99,10 @@ def search_config(pred: Predictor, row: PublishedRow, *, max_group: int) -> Conf
     p = best.mesh
     hsdp = f", HSDP {p.replicate_size}x{p.shard_size}" if p.is_hsdp else ""
     keep = sum(u.reshard_after_forward is False for u in best.units if not u.is_root)
+    sel = sum(u.checkpoint == SELECTIVE_OP for u in best.units if not u.is_root)
     chosen = ("the row's own" if own_is_best else
               f"mb {found.split.micro_batch} x GA {found.split.accumulation}: {len(best.units) - 1} units{hsdp}, "
-              f"{keep} kept, {ck_best}/{len(g.blocks)} ckpt")
+              f"{keep} kept, {ck_best}/{len(g.blocks)} full ckpt, {sel} selective")
     speedup = 1.0 if own_is_best else cmp.speedup
     return ConfigRow(row, global_batch, speedup, chosen, top[0] if top and top[3] > 1.0 else "-",
                      top[3] if top else math.nan, gains,
