@@ -74,6 +74,8 @@ from wrapopt.cost.layout import (
     Layouts,
     unit_modules,
 )
+from wrapopt.cost.pipeline import simulate_pipeline
+from wrapopt.cost.stage_view import stage_compute, stage_graph
 from wrapopt.cost.step import KINDS, LANES
 from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 from wrapopt.cost.tp import tp_view
@@ -168,6 +170,7 @@ class Simulator:
         self.options = options or SimOptions()
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
+        self._stage_views: dict[tuple[Any, ...], Simulator] = {}  # See [Note: pipeline stages] in pipeline.py
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
         self.graph, self.fabric, self.compute = graph, fabric, compute
@@ -237,10 +240,24 @@ class Simulator:
             hit = self._tp_views[key] = (Simulator(g, self.fabric, c, opts, backend=self.backend), notes)
         return hit
 
+    def for_stage(self, modules: tuple[str, ...], *, first: bool, last: bool, options: SimOptions) -> "Simulator":
+        """The simulator of one pipeline stage (the modules it owns), cached. See [Note: pipeline stages]."""
+        key = (modules, first, last, options)
+        hit = self._stage_views.get(key)
+        if hit is None:
+            if len(self._stage_views) > 512:
+                self._stage_views.clear()
+            g = stage_graph(self.traced, modules, first=first, last=last)
+            hit = self._stage_views[key] = Simulator(g, self.fabric, stage_compute(self.compute, g, last=last),
+                                                     options, backend=self.backend)
+        return hit
+
     # -- the step: ``simulate`` and its phases, in the order it runs them --------------------
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
+        if plan.pipeline is not None:  # See [Note: pipeline stages] in pipeline.py
+            return simulate_pipeline(self, plan, record=record)
         if plan.tp is not None:
             return self._simulate_tp(plan, record)
         units, mesh = plan.units, plan.mesh
