@@ -99,7 +99,8 @@ def test_send_is_latency_plus_bytes_over_bandwidth():
     fab = analytical_fabric(world_size=16, ranks_per_node=8)
     nbytes = 64 * 2**20
     intra, inter = fab.intra, fab.inter
-    assert send_s(fab, nbytes, cross_nodes=False) == pytest.approx(intra.latency_s + nbytes / intra.bandwidth_bytes_per_s)
+    assert send_s(fab, nbytes, cross_nodes=False) == pytest.approx(
+        intra.latency_s + nbytes / intra.bandwidth_bytes_per_s)
     assert send_s(fab, nbytes, cross_nodes=True) == pytest.approx(
         inter.latency_s + nbytes / min(intra.bandwidth_bytes_per_s, inter.bandwidth_bytes_per_s))
 
