@@ -42,10 +42,10 @@ from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
 from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
 from wrapopt.search.baselines import baselines
-from wrapopt.search.batch import global_batch_search, recorded_scale, score_splits, train_for
+from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
-from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
-from wrapopt.search.tp import auto_degrees, resolve_tp, search_tp
+from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
+from wrapopt.search.run import run_search
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.trace.meta import trace_model
 from wrapopt.tp import TPSpec
@@ -118,6 +118,7 @@ def plan_model(
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
     global_batch: int | None = None,
+    pp: int | str | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
 
@@ -131,28 +132,20 @@ def plan_model(
     with the rest: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised,
     ``builtin_tp_plan``). ``global_batch``: sequences per optimizer step, fixed; the micro-batch and
     the accumulation are chosen with the plan and recorded in its ``train`` (See [Note: global
-    batch search] in search/batch.py).
+    batch search] in search/batch.py). ``pp``: the pipeline degree (1 or None: none; an int;
+    "auto"), chosen with its stages, schedule and micro-batches (See [Note: pipeline search]).
     """
     train = train or TrainConfig()
-    degrees, spec, tp_notes = resolve_tp(graph, mesh, tp, tp_plan)
-    notes = [*(notes or []), *tp_notes]
     if options is None:
         options = train.sim_options(memory_budget=memory_budget)
     sim = Simulator(graph, fabric, compute, options)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
     try:
-        if global_batch is not None:
-            found = global_batch_search(graph, sim, mesh, train=train, global_batch=global_batch, degrees=degrees,
-                                        spec=spec, memory_budget=memory_budget, options=search)
-            result, train, sim, notes = found.result, found.train, found.sim, [*notes, *found.notes]
-        elif degrees == (1,) and str(tp) != "auto":
-            result = search_plan(graph, sim, mesh, memory_budget=memory_budget, options=search)
-        else:  # --tp auto says what became of every degree, the dropped ones too
-            dropped = auto_degrees(graph, mesh, tp_plan)[2] if str(tp) == "auto" else ()
-            result = search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget,
-                               options=search, dropped=dropped)
+        found = run_search(graph, sim, mesh, train=train, tp=tp, tp_plan=tp_plan, pp=pp, global_batch=global_batch,
+                           memory_budget=memory_budget, options=search)
     except InfeasibleError as e:
         raise InfeasibleError(f"{e} {knobs_sentence(graph, sim, mesh, train, memory_budget)}") from None
+    result, train, sim, notes = found.result, found.train, found.sim, [*(notes or []), *found.notes]
     best = result.best
     source = memory_budget_source or ("given" if memory_budget else "none given: every plan fits")
     plan = WrapPlan.from_search(
@@ -188,7 +181,7 @@ def optimize_wrap(
     train: TrainConfig | None = None,
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
-    global_batch: int | None = None,
+    global_batch: int | None = None, pp: int | str | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -215,6 +208,7 @@ def optimize_wrap(
         global_batch: sequences per optimizer step over all data-parallel ranks, fixed: the search
             chooses the micro-batch per rank and the accumulation with the plan (``.micro_batch``,
             ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
+        pp: pipeline degree: None or 1 (none), an int, or "auto": See [Note: pipeline search].
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -225,11 +219,10 @@ def optimize_wrap(
     in_group = dist.is_initialized()
     mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
                                      loss_fn=loss_fn, plan=plan, seed=seed,
-                                     options=(memory_budget, tp, train, global_batch))
+                                     options=(memory_budget, tp, train, global_batch, pp))
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
                              measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
-
     result: SearchResult | None = None
     if given_plan is not None:
         wplan = given_plan
@@ -238,9 +231,9 @@ def optimize_wrap(
                                         budget=budget, memory_budget=memory_budget,
                                         search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed), train=train,
                                         tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric,
-                                        global_batch=global_batch)
+                                        global_batch=global_batch, pp=pp)
         train = wplan.train_config if global_batch is not None else train  # the micro-batch chosen
-    if save_plan is not None and (not in_group or dist.get_rank() == 0):
+    if save_plan is not None and (not in_group or dist.get_rank() == 0):  # rank 0 writes
         wplan.save(save_plan)
     sharded = wplan.apply(model, train=train) if in_group else None
     fab = fab or analytical_fabric(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
@@ -344,8 +337,8 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
 def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabric: FabricProfile,
                     compute: ComputeProfile, budget: float | None, memory_budget: int | float | str | None,
                     search: SearchOptions, train: TrainConfig | None, tp: int | str | None, tp_plan: TPSpec | None,
-                    save_plan: str | os.PathLike | None, rescale_fabric: bool,
-                    global_batch: int | None) -> tuple[WrapPlan, SearchResult | None]:
+                    save_plan: str | os.PathLike | None, rescale_fabric: bool, global_batch: int | None,
+                    pp: int | str | None = None) -> tuple[WrapPlan, SearchResult | None]:
     """Rank 0 searches (``plan_model``) and the plan travels to every rank as JSON text; the
     search's result stays on rank 0 (None elsewhere). Outside a process group: just the search."""
     in_group = dist.is_initialized()
@@ -362,7 +355,7 @@ def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabr
             wplan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                                        notes=notes, search=search, train=train, tp=tp, tp_plan=tp_plan,
                                        memory_budget_source=budget_source(memory_budget, compute),
-                                       global_batch=global_batch)
+                                       global_batch=global_batch, pp=pp)
             text = {"plan": wplan.to_json()}
         except (WrapoptError, ValueError, OSError) as e:
             if not in_group:

@@ -12,9 +12,9 @@ from typing import Any
 
 from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
                          resolve_fabric)
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, count_int,
-                                 fabric_from_args, mesh_from_args, positive_float, positive_int, seed_int, tp_degree,
-                                 train_from_args, with_global_batch)
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_pp_argument, add_train_arguments,
+                                 count_int, fabric_from_args, mesh_from_args, positive_float, positive_int, seed_int,
+                                 tp_degree, train_from_args, with_global_batch)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
@@ -24,6 +24,7 @@ from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
 from wrapopt.report.batch import batch_json, format_batch
+from wrapopt.report.pipeline import format_pipeline, pipeline_json
 from wrapopt.report.plots import require_matplotlib
 from wrapopt.search.batch import recorded_scale
 from wrapopt.search.diagnosis import both_syncs
@@ -69,6 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tp-plan", default=None, metavar="FILE",
                    help='how blocks split for --tp, instead of the recognised one: a JSON file '
                         '{"layers": {"MyBlock": {"attn.q": "colwise", ..., "mlp.out": "rowwise"}}}')
+    add_pp_argument(p, what="auto tries 1, 2, 4, 8 and 16 with their stages, schedule (GPipe, 1F1B, Interleaved1F1B), "
+                             "micro-batches and the FSDP plan; N: that degree")
     p.add_argument("--timeout", type=positive_float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
@@ -133,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                               options=sim.options, notes=notes, search=options, train=train, tp=args.tp,
                               memory_budget_source=budget_source(args.memory, compute), tp_plan=tp_plan,
-                              global_batch=args.global_batch)
+                              global_batch=args.global_batch, pp=args.pp)
     if args.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
         train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
         scale = recorded_scale(graph, train, plan.mesh.tp_size)
@@ -158,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_sync(result, train, budget, syncs))
         if result.batch_rows:
             print(format_batch(result))
+        if result.pp_rows:
+            print(format_pipeline(result))
         if args.out:
             print(f"wrote {args.out}")
         if args.plot:
@@ -173,4 +178,5 @@ def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: An
     out["search"] = search_json(result, budget_note)
     out["search"]["sync"] = sync_json(result, syncs)
     out["search"]["batch"] = batch_json(result)
+    out["search"]["pipeline"] = pipeline_json(result)
     return out

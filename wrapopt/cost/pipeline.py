@@ -292,7 +292,7 @@ def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> Cost
     pipe, mesh = plan.pipeline, plan.mesh
     assert pipe is not None
     base = sim.for_tp(plan.tp, mesh.tp_size)[0] if plan.tp is not None else sim
-    options = stage_options(sim.options, mesh.pp_size, pipe.microbatches)
+    options = stage_options(base.options, mesh.pp_size, pipe.microbatches)  # the tp view scales its batch
     stage_mesh = mesh.data_parallel()
     n = len(pipe.stages)
     stages, notes = [], set()
