@@ -45,6 +45,7 @@ from wrapopt.search.baselines import baselines
 from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
+from wrapopt.search.pipeline import pipeline_for
 from wrapopt.search.run import run_search
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.trace.meta import trace_model
@@ -390,6 +391,7 @@ def estimate(
     rescale_fabric: bool = False,
     name: str = "",
     global_batch: int | None = None,
+    pp: int | str | None = None,
 ) -> EstimateReport:
     """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
 
@@ -405,6 +407,8 @@ def estimate(
         global_batch: sequences per optimizer step: the plan is scored at every micro-batch x
             accumulation split of it and the fastest that fits is reported (without it, a plan
             file that records its micro-batch is scored at it).
+        pp: put a one-unit-per-block plan on a pipeline of this degree (an int, or "auto": the
+            fastest), its stages, schedule and micro-batches chosen as the search does.
 
     Example:
         >>> from wrapopt import zoo
@@ -430,6 +434,11 @@ def estimate(
     spec = _spec_of(given, graph, mesh, checkpoint)
     sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget,
                                                         batch_scale=recorded_scale(graph, train, spec.mesh.tp_size)))
+    if pp is not None and str(pp) != "1" and spec.pipeline is None:
+        if global_batch is not None:
+            raise OptionError("--global-batch with --pp is not supported yet; drop one of them")
+        spec, pp_notes = pipeline_for(graph, sim, spec, pp, memory_budget=budget)
+        notes += pp_notes
     if global_batch is not None:
         split, sim, rows = score_splits(graph, sim, spec, train=train, global_batch=global_batch, memory_budget=budget)
         train = train_for(train, split)

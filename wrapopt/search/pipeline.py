@@ -125,7 +125,7 @@ def _label(schedule: str, virtual: int, m: int, shape: _Shape, tp: int, pp: int)
 
 def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout, *, pp: int,
                            tp: int, spec: TPSpec | None, memory_budget: float | None,
-                           forced: bool = False) -> tuple[Scored | None, list[Scored], str]:
+                           shapes: Sequence[_Shape] | None = None) -> tuple[Scored | None, list[Scored], str]:
     """The fastest plan of pipeline degree ``pp`` at tensor-parallel degree ``tp`` (None: none fits),
     every plan scored, and what became of the degree. See [Note: pipeline search]."""
     budget = float(memory_budget) if memory_budget else float("inf")
@@ -156,20 +156,53 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
         scored.append(s)
         return s
 
-    screen = (_Shape(False, "none"), _Shape(True, "all"))
+    screen = tuple(shapes) if shapes else (_Shape(False, "none"), _Shape(True, "all"))
     firsts = {c: [score(c, sh) for sh in screen] for c in combos}
     rank = sorted(combos, key=lambda c: min((s.estimate.step_s if s.estimate.peak_bytes <= aim else float("inf"),
                                              s.estimate.peak_bytes) for s in firsts[c]))
-    for c in rank[:_REFINE]:
+    for c in rank[:0 if shapes else _REFINE]:
         for shape in (_Shape(r, k) for r in (False, True) for k in CHECKPOINTS):
             if shape not in screen:
                 score(c, shape)
-    fitting = [s for s in scored if s.estimate.peak_bytes <= aim]
+    # within the memory model's error of the budget; else any that fits it (See [Note: plans within the error])
+    fitting = [s for s in scored if s.estimate.peak_bytes <= aim] or [s for s in scored if s.fits]
     if not fitting:
         small = min(scored, key=lambda s: s.estimate.peak_bytes)
         return None, scored, (f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB "
                               f"({small.plan.label})")
     return min(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes)), scored, "fits"
+
+
+def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *,
+                 memory_budget: float | None) -> tuple[PlanSpec, list[str]]:
+    """``plan`` (one unit per block) on a pipeline of degree ``pp`` (an int or "auto"): its
+    stages, schedule and micro-batches chosen as the search does, its FSDP shape kept (for
+    ``wrapopt estimate --pp``). Raises ``PlanError`` for a plan or degree that cannot be pipelined."""
+    mesh = plan.mesh
+    base = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
+    degrees, layout, notes = resolve_pp(graph, base, pp)
+    if layout is None or degrees == (1,):
+        return plan, notes
+    blocks = [u for u in plan.units if not u.is_root]
+    if sorted(m for u in blocks for m in u.modules) != sorted(layout.blocks) or any(len(u.modules) > 1 for u in blocks):
+        raise PlanError(f"--pp takes a plan of one unit per block (--plan per-block); {plan.label or 'this plan'} "
+                        "has other units")
+    cks = [u.checkpoint for u in blocks]
+    shape = _Shape(blocks[0].reshard_after_forward is not False, "all" if all(cks) else "half" if any(cks) else "none")
+    tp = mesh.tp_size
+    found = {}
+    for d in degrees:
+        if d > 1 and mesh.world_size % (d * tp) == 0:
+            top, _all, why = search_pipeline_degree(graph, sim, base, layout, pp=d, tp=tp, spec=plan.tp,
+                                                    memory_budget=memory_budget, shapes=(shape,))
+            if top is not None:
+                found[d] = top
+            else:
+                notes.append(f"pp{d}: {why}")
+    if not found:
+        raise PlanError("no pipeline degree fits: " + "; ".join(notes))
+    best = min(found.values(), key=lambda s: s.estimate.step_s)
+    return best.plan, notes
 
 
 def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout,
