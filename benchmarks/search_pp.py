@@ -68,17 +68,17 @@ def pp_section() -> list[str]:
              f"{platform.python_version()}, torch {torch.__version__}. Command: `wrapopt search zoo:MODEL "
              "--world-size W " + " ".join(FLAGS) + " --memory auto|none --json`, a fresh process each, tracing "
              "included; CPU time (user + system) and peak RSS from `wait4`. Analytical fabric (stated numbers); "
-             "every row is predicted, at the same global batch: one sequence per GPU per step (llama-70b 4096 tokens, the 405B shape 8192), so "
-             "tokens/s/GPU = sequence length / step. A pipeline of pp x tp GPUs runs pp x tp sequences in m "
-             "micro-batches. Per pipeline degree, the fastest plan found (*pp1* = no pipeline: today's search); "
-             "the stages' FSDP shape is shared (one unit per block; `keep` = not resharded after forward; `ckpt` = "
-             "every block checkpointed, `ckpt-half` every other). TorchTitan's 405B layout: tp 8, pp 8, "
-             "Interleaved1F1B with 2 stages per rank, micro-batches of one sequence, one FSDP unit per block kept "
-             "unsharded after forward (TorchTitan's default under pipelining), every block checkpointed; wrapopt "
-             "prices it without sequence parallelism and with fp32 gradient reduction (unsynchronised fp32 "
-             "gradients held across micro-batches, as FSDP2 under torch's pipelining keeps them), so it is "
-             "TorchTitan's layout as wrapopt models it. Target: the 405B shape on 1024 GPUs in at most 120 s and "
-             "4 GB.", ""]
+             "every row is predicted, at the same global batch: one sequence per GPU per step (llama-70b 4096 "
+             "tokens, the 405B shape 8192), so tokens/s/GPU = sequence length / step. A pipeline of pp x tp GPUs "
+             "runs pp x tp sequences in m micro-batches. Per pipeline degree, the fastest plan found (*pp1* = no "
+             "pipeline: today's search); the stages' FSDP shape is shared (one unit per block; `keep` = not "
+             "resharded after forward; `ckpt` = every block checkpointed, `ckpt-half` every other). TorchTitan's "
+             "405B layout: tp 8, pp 8, Interleaved1F1B with 2 stages per rank, micro-batches of one sequence, one "
+             "FSDP unit per block kept unsharded after forward (TorchTitan's default under pipelining), every "
+             "block checkpointed; wrapopt prices it without sequence parallelism and with fp32 gradient reduction "
+             "(unsynchronised fp32 gradients held across micro-batches, as FSDP2 under torch's pipelining keeps "
+             "them), so it is TorchTitan's layout as wrapopt models it. Target: the 405B shape on 1024 GPUs in at "
+             "most 120 s and 4 GB.", ""]
     lines += ["| model | GPUs | budget | wall | CPU | peak RSS | row | step | tokens/s/GPU | peak | plan |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, world in CASES:
