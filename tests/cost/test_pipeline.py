@@ -158,3 +158,12 @@ def test_stage_sub_graph_holds_its_modules_only(llama):
     assert first.loss_saved_bytes == 0 and last.loss_saved_bytes == g.loss_saved_bytes
     assert first.root.output_bytes == g.info("layers.2").output_bytes
     assert first.blocks == ("layers.0", "layers.1", "layers.2")
+
+
+def test_torchs_1f1b_ir_still_numbers_later_ranks_one_high():
+    """Why 1F1B's order is built from its runtime: torch 2.13's ``Schedule1F1B._get_pipeline_order``
+    gives the last rank forwards 1..m (no F0). When torch fixes it, the order can come from torch."""
+    raw = S.Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=2, _n_microbatches=4))
+    forwards = [a.microbatch_index for a in raw[1] if a and a.computation_type.value == "F"]
+    assert forwards == [1, 2, 3, 4]
+    assert [mb for k, _s, mb in schedule_order("1F1B", 2, 2, 4)[1] if k == "F"] == [0, 1, 2, 3]
