@@ -140,20 +140,24 @@ def _zoo_section() -> list[str]:
     return lines + [""]
 
 
-# benchmarks/search_tp.py writes its section of results/search.md between these markers; it is kept.
-TP_BEGIN, TP_END = "<!-- search_tp.py: begin -->", "<!-- search_tp.py: end -->"
+# benchmarks/search_tp.py and search_pp.py write their sections of results/search.md between these markers;
+# they are kept.
+KEPT = (("<!-- search_tp.py: begin -->", "<!-- search_tp.py: end -->"),
+        ("<!-- search_pp.py: begin -->", "<!-- search_pp.py: end -->"))
 
 
 def _kept_section(path: str) -> list[str]:
-    """The section another script wrote between its markers in ``path``, to keep."""
+    """The sections other scripts wrote between their markers in ``path``, to keep."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         return []
-    if TP_BEGIN not in text or TP_END not in text:
-        return []
-    return ["", text[text.index(TP_BEGIN):text.index(TP_END) + len(TP_END)], ""]
+    out = []
+    for begin, end in KEPT:
+        if begin in text and end in text:
+            out += ["", text[text.index(begin):text.index(end) + len(end)], ""]
+    return out
 
 
 def main() -> int:

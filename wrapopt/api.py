@@ -32,7 +32,7 @@ from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_
 from wrapopt.hardware.host import HostSpec
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
-from wrapopt.hardware.measure_split import with_tp_measurements
+from wrapopt.hardware.measure_split import tp_sizes_to_measure, with_tp_measurements
 from wrapopt.hardware.presets import analytical_fabric
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
@@ -43,14 +43,15 @@ from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
 from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
 from wrapopt.search.baselines import baselines
-from wrapopt.search.batch import global_batch_search, recorded_scale, score_splits, train_for
+from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
-from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult, search_plan
+from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
 from wrapopt.search.offload import choose_offload, mark_offload
-from wrapopt.search.tp import auto_degrees, resolve_tp, search_tp
+from wrapopt.search.pipeline import pipeline_for
+from wrapopt.search.run import SearchRun, run_search
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
-from wrapopt.trace.meta import trace_model
 from wrapopt.tp import TPSpec
+from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig, model_dtype
 from wrapopt.units import validate_plan
 
@@ -120,6 +121,7 @@ def plan_model(
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
     global_batch: int | None = None,
+    pp: int | str | None = None,
     host: HostSpec | None = None,
 ) -> tuple[WrapPlan, SearchResult]:
     """Search and package the answer as a WrapPlan (no process group needed).
@@ -134,36 +136,29 @@ def plan_model(
     with the rest: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised,
     ``builtin_tp_plan``). ``global_batch``: sequences per optimizer step, fixed; the micro-batch and
     the accumulation are chosen with the plan and recorded in its ``train`` (See [Note: global
-    batch search] in search/batch.py). ``host``: CPU offload searched too, chosen only where it is
-    the fastest plan that fits (See [Note: offload search] in search/offload.py).
+    batch search] in search/batch.py). ``pp``: the pipeline degree (1 or None: none; an int;
+    "auto"), chosen with its stages, schedule and micro-batches (See [Note: pipeline search]).
+    ``host``: CPU offload searched too, chosen only where it is the fastest plan that fits (See
+    [Note: offload search] in search/offload.py).
     """
     train = train or TrainConfig()
-    degrees, spec, tp_notes = resolve_tp(graph, mesh, tp, tp_plan)
-    notes = [*(notes or []), *tp_notes]
     if options is None:
         options = train.sim_options(memory_budget=memory_budget)
     sim = Simulator(graph, fabric, compute, options, host=host)
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
 
-    def run(s: Simulator) -> tuple[SearchResult, TrainConfig, Simulator, tuple[str, ...]]:
-        if global_batch is not None:
-            found = global_batch_search(graph, s, mesh, train=train, global_batch=global_batch, degrees=degrees,
-                                        spec=spec, memory_budget=memory_budget, options=search)
-            out = (found.result, found.train, found.sim, found.notes)
-        elif degrees == (1,) and str(tp) != "auto":
-            out = (search_plan(graph, s, mesh, memory_budget=memory_budget, options=search), train, s, ())
-        else:  # --tp auto says what became of every degree, the dropped ones too
-            dropped = auto_degrees(graph, mesh, tp_plan)[2] if str(tp) == "auto" else ()
-            out = (search_tp(graph, s, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget, options=search,
-                             dropped=dropped), train, s, ())
-        return (mark_offload(out[0]), *out[1:]) if s.options.offload else out
+    def run(s: Simulator) -> SearchRun:
+        found = run_search(graph, s, mesh, train=train, tp=tp, tp_plan=tp_plan, pp=pp, global_batch=global_batch,
+                           memory_budget=memory_budget, options=search)
+        return replace(found, result=mark_offload(found.result)) if s.options.offload else found
 
     try:
-        (result, train, sim, more), offload_note = choose_offload(run, sim, lambda o: o[0])
-        notes = [*notes, *more, *([offload_note] if offload_note else [])]
-        result = replace(result, notes=(offload_note, *result.notes)) if offload_note else result
+        found, offload_note = choose_offload(run, sim, lambda f: f.result)
     except InfeasibleError as e:
         raise InfeasibleError(f"{e} {knobs_sentence(graph, sim, mesh, train, memory_budget)}") from None
+    result, train, sim = found.result, found.train, found.sim
+    notes = [*(notes or []), *found.notes, *([offload_note] if offload_note else [])]
+    result = replace(result, notes=(offload_note, *result.notes)) if offload_note else result
     best = result.best
     source = memory_budget_source or ("given" if memory_budget else "none given: every plan fits")
     plan = WrapPlan.from_search(
@@ -199,7 +194,7 @@ def optimize_wrap(
     train: TrainConfig | None = None,
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
-    global_batch: int | None = None,
+    global_batch: int | None = None, pp: int | str | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -226,6 +221,7 @@ def optimize_wrap(
         global_batch: sequences per optimizer step over all data-parallel ranks, fixed: the search
             chooses the micro-batch per rank and the accumulation with the plan (``.micro_batch``,
             ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
+        pp: pipeline degree: None or 1 (none), an int, or "auto": See [Note: pipeline search].
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -236,11 +232,10 @@ def optimize_wrap(
     in_group = dist.is_initialized()
     mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
                                      loss_fn=loss_fn, plan=plan, seed=seed,
-                                     options=(memory_budget, tp, train, global_batch))
+                                     options=(memory_budget, tp, train, global_batch, pp))
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
                              measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
-
     result: SearchResult | None = None
     if given_plan is not None:
         wplan = given_plan
@@ -249,9 +244,9 @@ def optimize_wrap(
                                         budget=budget, memory_budget=memory_budget,
                                         search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed), train=train,
                                         tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric,
-                                        global_batch=global_batch)
+                                        global_batch=global_batch, pp=pp)
         train = wplan.train_config if global_batch is not None else train  # the micro-batch chosen
-    if save_plan is not None and (not in_group or dist.get_rank() == 0):
+    if save_plan is not None and (not in_group or dist.get_rank() == 0):  # rank 0 writes
         wplan.save(save_plan)
     sharded = wplan.apply(model, train=train) if in_group else None
     fab = fab or analytical_fabric(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
@@ -318,14 +313,6 @@ def _load_given_plan(plan: WrapPlan | str | os.PathLike | None, model: nn.Module
     return given
 
 
-def _tp_sizes(tp: int | str | None, mesh: MeshSpec) -> tuple[int, ...]:
-    """The tensor-parallel group sizes to measure for ``tp`` (See [Note: tensor parallel costs])."""
-    if tp is None or str(tp) == "1":
-        return ()
-    return tuple(d for d in (2, 4, 8, 16)
-                 if mesh.ranks_per_node % d == 0 and (str(tp) == "auto" or str(d) == str(tp)))
-
-
 def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: ComputeProfile | str | None, *,
               mesh: MeshSpec, graph: ModelGraph, model: nn.Module, train: TrainConfig | None, tp: int | str | None,
               measure: bool) -> tuple[FabricProfile | None, ComputeProfile]:
@@ -341,7 +328,7 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
         compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))  # as `wrapopt search` does
     if measure:
         # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs])
-        tp_sizes = _tp_sizes(tp, mesh)
+        tp_sizes = tp_sizes_to_measure(tp, mesh.ranks_per_node)
         if fab is None:
             fab = measure_fabric(progress=dist.get_rank() == 0, tp_sizes=tp_sizes)
         if compute is None:
@@ -355,8 +342,8 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
 def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabric: FabricProfile,
                     compute: ComputeProfile, budget: float | None, memory_budget: int | float | str | None,
                     search: SearchOptions, train: TrainConfig | None, tp: int | str | None, tp_plan: TPSpec | None,
-                    save_plan: str | os.PathLike | None, rescale_fabric: bool,
-                    global_batch: int | None) -> tuple[WrapPlan, SearchResult | None]:
+                    save_plan: str | os.PathLike | None, rescale_fabric: bool, global_batch: int | None,
+                    pp: int | str | None = None) -> tuple[WrapPlan, SearchResult | None]:
     """Rank 0 searches (``plan_model``) and the plan travels to every rank as JSON text; the
     search's result stays on rank 0 (None elsewhere). Outside a process group: just the search."""
     in_group = dist.is_initialized()
@@ -373,7 +360,7 @@ def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabr
             wplan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                                        notes=notes, search=search, train=train, tp=tp, tp_plan=tp_plan,
                                        memory_budget_source=budget_source(memory_budget, compute),
-                                       global_batch=global_batch)
+                                       global_batch=global_batch, pp=pp)
             text = {"plan": wplan.to_json()}
         except (WrapoptError, ValueError, OSError) as e:
             if not in_group:
@@ -408,6 +395,7 @@ def estimate(
     rescale_fabric: bool = False,
     name: str = "",
     global_batch: int | None = None,
+    pp: int | str | None = None,
 ) -> EstimateReport:
     """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
 
@@ -423,6 +411,8 @@ def estimate(
         global_batch: sequences per optimizer step: the plan is scored at every micro-batch x
             accumulation split of it and the fastest that fits is reported (without it, a plan
             file that records its micro-batch is scored at it).
+        pp: put a one-unit-per-block plan on a pipeline of this degree (an int, or "auto": the
+            fastest), its stages, schedule and micro-batches chosen as the search does.
 
     Example:
         >>> from wrapopt import zoo
@@ -448,6 +438,11 @@ def estimate(
     spec = _spec_of(given, graph, mesh, checkpoint)
     sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget,
                                                         batch_scale=recorded_scale(graph, train, spec.mesh.tp_size)))
+    if pp is not None and str(pp) != "1" and spec.pipeline is None:
+        if global_batch is not None:
+            raise OptionError("--global-batch with --pp is not supported yet; drop one of them")
+        spec, pp_notes = pipeline_for(graph, sim, spec, pp, memory_budget=budget)
+        notes += pp_notes
     if global_batch is not None:
         split, sim, rows = score_splits(graph, sim, spec, train=train, global_batch=global_batch, memory_budget=budget)
         train = train_for(train, split)

@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from wrapopt.api import estimate
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_train_arguments, fabric_from_args,
-                                 train_from_args, with_global_batch)
+from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_pp_argument, add_train_arguments,
+                                 fabric_from_args, train_from_args, with_global_batch)
 from wrapopt.errors import OptionError
 from wrapopt.models.sources import resolve_model
 from wrapopt.report.estimate import format_estimate
@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
                       gpus_per_node=args.gpus_per_node, fabric=fabric_from_args(args), compute=args.compute,
                       train=train,
                       checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
-                      rescale_fabric=args.rescale_fabric, name=args.model, global_batch=args.global_batch)
+                      rescale_fabric=args.rescale_fabric, name=args.model, global_batch=args.global_batch,
+                      pp=args.pp)
     report = replace(report, notes=(*src.notes, *report.notes))
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
@@ -57,5 +58,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", choices=("none", "blocks"), default=None,
                    help="activation checkpointing on every block (every unit but the root), or none "
                         "(default: as the plan says)")
+    add_pp_argument(p, what="the per-block plan on balanced stages with the fastest schedule and micro-batches; auto: "
+                             "the fastest of 2, 4, 8, 16")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p

@@ -20,7 +20,7 @@ from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 __all__ = ["add_mesh_arguments", "add_offload_arguments", "host_from_args",
            "add_train_arguments", "train_from_args", "mesh_from_args",
            "add_model_arguments", "positive_int", "count_int", "positive_float", "tp_degree", "seed_int",
-           "local_ranks", "with_global_batch", "fabric_from_args"]
+           "local_ranks", "with_global_batch", "fabric_from_args", "add_pp_argument"]
 
 
 # argparse ``type=`` functions: argparse prefixes their message with "argument --name: ", so every
@@ -78,6 +78,12 @@ def tp_degree(text: str) -> str:
         return str(positive_int(text))
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {text!r}") from None
+
+
+def add_pp_argument(p: argparse.ArgumentParser, *, what: str) -> None:
+    """``--pp auto|N``: the pipeline degree (See [Note: pipeline search] in wrapopt/search/pipeline.py)."""
+    p.add_argument("--pp", type=tp_degree, default="1", metavar="auto|1|2|4|8",
+                   help=f"pipeline-parallel degree (stages across ranks, outermost): {what} (default 1: none)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, optional: bool = False) -> None:

@@ -10,12 +10,32 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from wrapopt.api import (budget_line, budget_source, check_fabric_fits, compute_for, plan_model, resolve_budget,
-                         resolve_fabric)
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_offload_arguments, add_train_arguments,
-                                 count_int,
-                                 fabric_from_args, host_from_args, mesh_from_args, positive_float, positive_int,
-                                 seed_int, tp_degree, train_from_args, with_global_batch)
+from wrapopt.api import (
+    budget_line,
+    budget_source,
+    check_fabric_fits,
+    compute_for,
+    plan_model,
+    resolve_budget,
+    resolve_fabric,
+)
+from wrapopt.cli.options import (
+    add_mesh_arguments,
+    add_model_arguments,
+    add_offload_arguments,
+    add_pp_argument,
+    add_train_arguments,
+    count_int,
+    fabric_from_args,
+    host_from_args,
+    mesh_from_args,
+    positive_float,
+    positive_int,
+    seed_int,
+    tp_degree,
+    train_from_args,
+    with_global_batch,
+)
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
@@ -23,9 +43,10 @@ from wrapopt.fileio import check_writable, read_json
 from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.tp import tp_from_json
-from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
 from wrapopt.report.batch import batch_json, format_batch
+from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
 from wrapopt.report.current import current_json, format_current
+from wrapopt.report.pipeline import format_pipeline, pipeline_json
 from wrapopt.report.plots import require_matplotlib
 from wrapopt.search.batch import recorded_scale
 from wrapopt.search.current import CURRENT_FORMS, compare_current, parse_current
@@ -77,6 +98,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    metavar="none,full,selective-op",
                    help="per-unit activation checkpointing the search chooses from (default none,full; add "
                         "selective-op to also try keeping matmul and attention outputs and recomputing the rest)")
+    add_pp_argument(p, what="auto tries 1, 2, 4, 8 and 16 with their stages, schedule (GPipe, 1F1B, Interleaved1F1B), "
+                             "micro-batches and the FSDP plan; N: that degree")
     p.add_argument("--timeout", type=positive_float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
@@ -158,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
                               options=sim.options, notes=notes, search=options, train=train, tp=args.tp,
                               memory_budget_source=budget_source(args.memory, compute), tp_plan=tp_plan,
-                              global_batch=args.global_batch, host=host)
+                              global_batch=args.global_batch, host=host, pp=args.pp)
     if args.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
         train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
         scale = recorded_scale(graph, train, plan.mesh.tp_size)
@@ -189,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_sync(result, train, budget, syncs))
         if result.batch_rows:
             print(format_batch(result))
+        if result.pp_rows:
+            print(format_pipeline(result))
         if compared is not None:
             print(format_current(compared, budget))
         if args.out:
@@ -212,4 +237,5 @@ def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: An
     out["search"] = search_json(result, budget_note)
     out["search"]["sync"] = sync_json(result, syncs)
     out["search"]["batch"] = batch_json(result)
+    out["search"]["pipeline"] = pipeline_json(result)
     return out

@@ -58,6 +58,8 @@ from wrapopt.cost.layout import (
     Layouts,
     unit_modules,
 )
+from wrapopt.cost.pipeline import simulate_pipeline
+from wrapopt.cost.stage_view import stage_compute, stage_graph
 from wrapopt.cost.state import copy_times, cpu_optimizer_s, host_bytes_per_rank, optimizer_s, static_bytes
 from wrapopt.cost.step import KINDS, LANES
 from wrapopt.cost.step_inputs import (
@@ -89,9 +91,8 @@ from wrapopt.spec import (
     UnitSpec,
 )
 from wrapopt.tp import TPSpec
-from wrapopt.units import validate_plan
 
-__all__ = ["simulate", "Simulator"]
+__all__ = ["Simulator"]
 
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
 # A unit's checkpointing as the step loop reads it (UnitPlan.checkpoint): See [Note: memory] in step.py.
@@ -171,6 +172,7 @@ class Simulator:
         self.host = host
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
+        self._stage_views: dict[tuple[Any, ...], Simulator] = {}  # See [Note: pipeline stages] in pipeline.py
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
         self.graph, self.fabric, self.compute = graph, fabric, compute
@@ -241,10 +243,24 @@ class Simulator:
             hit = self._tp_views[key] = (view, notes)
         return hit
 
+    def for_stage(self, modules: tuple[str, ...], *, first: bool, last: bool, options: SimOptions) -> "Simulator":
+        """The simulator of one pipeline stage (the modules it owns), cached. See [Note: pipeline stages]."""
+        key = (modules, first, last, options)
+        hit = self._stage_views.get(key)
+        if hit is None:
+            if len(self._stage_views) > 512:
+                self._stage_views.clear()
+            g = stage_graph(self.traced, modules, first=first, last=last)
+            hit = self._stage_views[key] = Simulator(g, self.fabric, stage_compute(self.compute, g, last=last),
+                                                     options, backend=self.backend, host=self.host)
+        return hit
+
     # -- the step: ``simulate`` and its phases, in the order it runs them --------------------
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
+        if plan.pipeline is not None:  # See [Note: pipeline stages] in pipeline.py
+            return simulate_pipeline(self, plan, record=record)
         if plan.tp is not None:
             return self._simulate_tp(plan, record)
         units, mesh = plan.units, plan.mesh
@@ -454,35 +470,4 @@ class Simulator:
             optim_s=optim_s,
             accumulation_sync=mode,
         )
-
-
-def simulate(
-    graph: ModelGraph,
-    plan: PlanSpec,
-    fabric: FabricProfile,
-    compute: ComputeProfile,
-    options: SimOptions | None = None,
-    *,
-    record: bool = False,
-) -> CostEstimate:
-    """One-shot form of ``Simulator(graph, fabric, compute, options).simulate(plan)``.
-
-    The plan is validated first (``PlanError`` names the offending modules).
-
-    Example:
-        >>> from wrapopt import zoo, trace_model
-        >>> from wrapopt.hardware import analytical_compute, analytical_fabric
-        >>> from wrapopt.search.baselines import baselines
-        >>> model, x = zoo.build("gpt-tiny", "meta")
-        >>> g = trace_model(model, x)
-        >>> from wrapopt.spec import MeshSpec
-        >>> mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
-        >>> plan = baselines(g, mesh)["per-block"]
-        >>> est = simulate(g, plan, analytical_fabric(world_size=8), analytical_compute())
-        >>> est.step_s > 0
-        True
-    """
-
-    validate_plan(graph, plan)
-    return Simulator(graph, fabric, compute, options).simulate(plan, record=record)
 

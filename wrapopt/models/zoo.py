@@ -1,5 +1,5 @@
 """The model zoo behind ``zoo:NAME``: small models that train on 2 CPU ranks, and
-planning-only shapes (``llama-7b``, ``llama-70b``) that are built on the meta device.
+planning-only shapes (``llama-7b``, ``llama-70b``, ``llama3-405b``) that are built on the meta device.
 The wider bench set (``bench_models.py``: models built from ``torch.nn.Transformer*``
 layers, other shapes, a mixture of experts, frozen base with adapters) is registered
 here too, with ``ZooEntry.suite == "bench"``.
@@ -271,6 +271,10 @@ ZOO: dict[str, ZooEntry] = {
                  "(planning only, meta)",
                  lambda: Llama(vocab=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn=28672),
                  tokens(32000, 4096), lm_loss, 1, False),
+        ZooEntry("llama3-405b", "Llama 3.1 405B shapes: 126 blocks, d=16384, FFN 53248, 128 heads, 8 KV heads, "
+                 "vocab 128256, 8192 tokens (planning only, meta)",
+                 lambda: Llama(vocab=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn=53248),
+                 tokens(128256, 8192), lm_loss, 1, False),
     )
 } | {e.name: e for e in BENCH}
 

@@ -73,6 +73,10 @@ class SearchResult:
     blocks: tuple[str, ...] = ()  # the searched model's blocks (``ModelGraph.blocks``), to describe units by kind
     # At a fixed global batch (search/batch.py): every micro-batch x accumulation split's ``BatchRow``.
     batch_rows: tuple[Any, ...] = field(default=(), repr=False)
+    # 3-D search (search/pipeline.py): the best plan per pipeline degree (and TorchTitan's 405B layout)
+    # as (label, scored), and per pipeline degree tried what became of it.
+    pp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
+    pp_tried: tuple[tuple[int, str], ...] = field(default=(), repr=False)
 
     @property
     def best_baseline(self) -> Scored | None:

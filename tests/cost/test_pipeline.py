@@ -1,0 +1,169 @@
+"""The pipeline cost model ([Note: pipeline stages]): torch's action order, the timeline,
+in-flight memory, a pipeline plan through ``Simulator.simulate``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.pipelining import schedules as S
+
+from wrapopt.cost.pipeline import StageCost, run_timeline, schedule_order, send_s
+from wrapopt.cost.simulate import Simulator
+from wrapopt.hardware import analytical_compute, analytical_fabric
+from wrapopt.models import zoo
+from wrapopt.search.baselines import baselines
+from wrapopt.spec import MeshSpec, PlanSpec
+from wrapopt.spec.plan import PipelineSpec
+from wrapopt.trace.meta import trace_model
+
+
+def _stage(f: float, b: float, acts: float = 1.0, reduce_s: float = 0.0, first: float = 0.0) -> StageCost:
+    return StageCost(fwd_s=f, bwd_s=b, first_extra_s=first, reduce_s=reduce_s, optim_s=0.0, static_bytes=0.0,
+                     kept_bytes=0.0, activation_bytes=acts, transient_bytes=0.0, compute_s=f + b, mb_comm_s=0.0,
+                     once_comm_s=0.0, send_bytes=0.0, estimate=None)  # type: ignore[arg-type]
+
+
+def _torch(a) -> tuple[str, int, int]:
+    kind = {"F": "F", "B": "B", "REDUCE_GRAD": "R"}[a.computation_type.value]
+    return kind, a.stage_index, -1 if a.microbatch_index is None else a.microbatch_index
+
+
+def test_gpipe_order_is_torchs():
+    raw = S.ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=3, _n_microbatches=5))
+    assert schedule_order("GPipe", 3, 3, 5) == tuple(tuple(_torch(a) for a in raw[r] if a) for r in range(3))
+
+
+def test_interleaved_order_is_torchs():
+    p, v, m = 2, 2, 4
+    stub = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, number_of_rounds=m // p,
+                           microbatches_per_round=p)
+    cls = S.ScheduleInterleaved1F1B
+    want = tuple(tuple(_torch(a) for a in S._add_reduce_grad(cls._calculate_single_rank_operations(stub, r), m) if a)
+                 for r in range(p))
+    assert schedule_order("Interleaved1F1B", p, p * v, m) == want
+    assert {s for rank in want for _, s, _ in rank} == {0, 1, 2, 3}
+
+
+def test_1f1b_order_follows_torchs_runtime():
+    """warm-up p - r forwards (``Schedule1F1B._step_microbatches``), then B/F in turn; rank 0 also
+    equals torch's ``_get_pipeline_order`` (its later ranks' forwards are numbered one too high)."""
+    order = schedule_order("1F1B", 2, 2, 4)
+    assert order[0] == (("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("F", 0, 3), ("B", 0, 2),
+                        ("B", 0, 3), ("R", 0, -1))
+    assert order[1] == (("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2), ("F", 1, 3),
+                        ("B", 1, 3), ("R", 1, -1))
+    raw = S.Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=2, _n_microbatches=4))
+    assert tuple(_torch(a) for a in raw[0] if a) == order[0]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 3)])
+def test_1f1b_textbook_makespan_and_inflight(p, m):
+    f, b = 1.0, 2.0
+    tl = run_timeline(schedule_order("1F1B", p, p, m), [_stage(f, b) for _ in range(p)], (0.0,) * p)
+    assert tl.makespan_s == pytest.approx((m + p - 1) * (f + b))
+    # rank r holds at most p - r micro-batches' activations (its warm-up)
+    assert [sum(x) for x in tl.inflight] == [min(m, p - r) for r in range(p)]
+
+
+def test_gpipe_holds_every_microbatch_and_sends_add_per_hop():
+    p, m, f, b, hop = 2, 4, 1.0, 2.0, 0.25
+    tl = run_timeline(schedule_order("GPipe", p, p, m), [_stage(f, b) for _ in range(p)], (hop, 0.0))
+    assert [sum(x) for x in tl.inflight] == [m, m]
+    # GPipe with equal stages: (m + p - 1)(f + b), plus one send forward and one back on the critical path
+    assert tl.makespan_s == pytest.approx((m + p - 1) * (f + b) + 2 * hop)
+
+
+def test_reduce_grad_and_first_microbatch_extra_lengthen_the_step():
+    p, m = 2, 4
+    order = schedule_order("1F1B", p, p, m)
+    plain = run_timeline(order, [_stage(1, 2) for _ in range(p)], (0.0, 0.0)).makespan_s
+    tail = run_timeline(order, [_stage(1, 2, reduce_s=0.5) for _ in range(p)], (0.0, 0.0)).makespan_s
+    first = run_timeline(order, [_stage(1, 2, first=0.3) for _ in range(p)], (0.0, 0.0)).makespan_s
+    # the reduction after the last backward; the first forward's all-gathers on each stage of the critical path
+    assert tail == pytest.approx(plain + 0.5) and first == pytest.approx(plain + p * 0.3)
+
+
+def test_interleaved_runs_every_action_once():
+    p, v, m = 2, 2, 4
+    tl = run_timeline(schedule_order("Interleaved1F1B", p, p * v, m), [_stage(0.5, 1.0) for _ in range(p * v)],
+                      (0.0,) * (p * v), record=True)
+    fb = [(k, s, mb) for _r, k, s, mb, _a, _b in tl.events if k != "R"]
+    assert sorted(fb) == sorted((k, s, i) for k in "FB" for s in range(p * v) for i in range(m))
+    # less bubble than 1F1B on p stages of twice the work: (m + p - 1)(f + b) with f, b doubled
+    assert tl.makespan_s < (m + p - 1) * 3.0
+
+
+def test_send_is_latency_plus_bytes_over_bandwidth():
+    fab = analytical_fabric(world_size=16, ranks_per_node=8)
+    nbytes = 64 * 2**20
+    intra, inter = fab.intra, fab.inter
+    assert send_s(fab, nbytes, cross_nodes=False) == pytest.approx(
+        intra.latency_s + nbytes / intra.bandwidth_bytes_per_s)
+    assert send_s(fab, nbytes, cross_nodes=True) == pytest.approx(
+        inter.latency_s + nbytes / min(intra.bandwidth_bytes_per_s, inter.bandwidth_bytes_per_s))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, x = zoo.build("llama-tiny", "meta")
+    g = trace_model(model, x)
+    sim = Simulator(g, analytical_fabric(world_size=4, ranks_per_node=4), analytical_compute())
+    return g, sim
+
+
+STAGES = (("embed_tokens", "layers.0", "layers.1", "layers.2"), ("layers.3", "layers.4", "layers.5", "norm", "lm_head"))
+
+
+def _pp_plan(g, schedule="1F1B", m=4):
+    per_block = baselines(g, MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))["per-block"]
+    mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, pp_size=2)
+    return PlanSpec(units=per_block.units, mesh=mesh, pipeline=PipelineSpec(stages=STAGES, schedule=schedule,
+                                                                            microbatches=m))
+
+
+def test_simulate_dispatches_pipeline_plans(llama):
+    g, sim = llama
+    est = sim.simulate(_pp_plan(g), record=True)
+    assert est.step_s > 0 and est.peak_bytes > 0
+    assert len(est.units) == len(_pp_plan(g).units)
+    parts = dict(est.peak_breakdown)
+    assert parts["accumulated_grads"] > 0  # unsynchronised gradients held across micro-batches
+    assert est.peak_bytes == sum(parts.values())
+    assert any(e.kind == "reduce_scatter" for e in est.timeline)
+
+
+def test_gpipe_holds_more_activations_than_1f1b(llama):
+    g, sim = llama
+    one = dict(sim.simulate(_pp_plan(g, "1F1B", 8)).peak_breakdown)["activations"]
+    gp = dict(sim.simulate(_pp_plan(g, "GPipe", 8)).peak_breakdown)["activations"]
+    assert gp > 2 * one
+
+
+def test_plans_without_pipeline_unchanged(llama):
+    g, sim = llama
+    plan = baselines(g, MeshSpec(world_size=4, ranks_per_node=4, shard_size=4))["per-block"]
+    fresh = Simulator(g, sim.fabric, sim.compute)
+    sim.simulate(_pp_plan(g))  # scoring a pipeline plan first changes nothing for the others
+    assert sim.simulate(plan) == fresh.simulate(plan)
+
+
+def test_stage_sub_graph_holds_its_modules_only(llama):
+    g, sim = llama
+    opts = replace(sim.options, grad_accumulation=2)
+    first = sim.for_stage(STAGES[0], first=True, last=False, options=opts).graph
+    last = sim.for_stage(STAGES[1], first=False, last=True, options=opts).graph
+    assert first.num_params + last.num_params == g.num_params
+    assert first.loss_saved_bytes == 0 and last.loss_saved_bytes == g.loss_saved_bytes
+    assert first.root.output_bytes == g.info("layers.2").output_bytes
+    assert first.blocks == ("layers.0", "layers.1", "layers.2")
+
+
+def test_torchs_1f1b_ir_still_numbers_later_ranks_one_high():
+    """Why 1F1B's order is built from its runtime: torch 2.13's ``Schedule1F1B._get_pipeline_order``
+    gives the last rank forwards 1..m (no F0). When torch fixes it, the order can come from torch."""
+    raw = S.Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=2, _n_microbatches=4))
+    forwards = [a.microbatch_index for a in raw[1] if a and a.computation_type.value == "F"]
+    assert forwards == [1, 2, 3, 4]
+    assert [mb for k, _s, mb in schedule_order("1F1B", 2, 2, 4)[1] if k == "F"] == [0, 1, 2, 3]

@@ -1,0 +1,359 @@
+"""A pipeline plan's step: each stage's FSDP step, per micro-batch, run in the order torch's
+pipeline schedule runs them.
+
+[Note: pipeline stages] A plan with ``mesh.pp_size = p > 1`` splits the model into stages
+(``PipelineSpec.stages``; with ``k`` virtual stages per rank, ``k * p`` of them, stage ``s`` on
+pipeline rank ``s % p``). Every stage runs FSDP on its own ranks (``mesh.stage_mesh()``, less
+the tensor-parallel axis: ``mesh.data_parallel()``). At the same global batch as a plan without
+a pipeline, one pipeline (``p`` ranks, each a tensor-parallel group of ``tp``) runs ``p`` ranks'
+batches (times the accumulation), split into ``m`` micro-batches (``PipelineSpec.microbatches``).
+
+*One stage*: the ordinary step simulator on the stage alone (``Simulator.for_stage``: the
+stage's sub-graph, ``cost/stage_view.py``), one micro-batch, with the sync mode torch's
+``PipelineStage`` uses under FSDP2: every micro-batch's backward runs with
+``set_requires_gradient_sync(False)`` (unsharded gradients accumulate over the micro-batches:
+the simulator's ``accumulation_sync="last"`` memory), and the gradient reduction runs once,
+after the stage's last backward (torch's ``REDUCE_GRAD`` action: ``post_backward`` of every
+group, reduce-scatters then the replicate all-reduce, awaited before the next action). From
+that one run (``stage_cost``):
+
+- forward of a micro-batch ``fwd_s``: the forward compute (the loss on the last stage) plus the
+  exposed all-gathers of the units resharded after forward, which gather again every
+  micro-batch; the units kept unsharded (``reshard_after_forward=False``, the root) gather on
+  the first micro-batch only (``first_extra_s``) and stay gathered the whole step;
+- backward of a micro-batch ``bwd_s``: the simulator's backward (re-gathers included);
+- ``reduce_s``: the gradient reduction, serial (the REDUCE_GRAD action), and the optimizer step;
+- memory: ``static_bytes`` (sharded parameters, optimizer state, the unsharded gradients held
+  across micro-batches), ``kept_bytes`` (parameters kept unsharded the whole step),
+  ``activation_bytes`` (what one micro-batch in flight holds: the simulator's activations at
+  its peak) and ``transient_bytes`` (the rest of its peak: gathered units, working set).
+
+Not modelled: torch 2.13's stage also turns off ``reshard_after_backward`` until REDUCE_GRAD, so
+a resharded unit's parameters gathered in backward stay until that unit's next forward reshards
+them; the model charges a resharded unit's all-gathers every micro-batch and not that holding.
+
+*The schedule*: the per-rank order of forward (F), backward (B) and REDUCE_GRAD actions is
+torch's own (``schedule_order``): for Interleaved1F1B the ``pipeline_order`` its runtime
+executes (``_calculate_single_rank_operations`` + ``_add_reduce_grad``); for GPipe its
+``_get_pipeline_order``; for 1F1B the order its ``_step_microbatches`` runs (``p - r``
+forwards on rank ``r``, then one backward and one forward in turn), because its
+``_get_pipeline_order`` in torch 2.13 numbers the forwards after the warm-up one too high (the
+last rank's list runs F1..Fm, not F0..Fm-1). ``run_timeline`` executes the orders with their
+dependencies: F of stage s, micro-batch i, starts after F of stage s-1, micro-batch i, and
+the activation's send; B likewise from stage s+1; each rank one action at a time in its order.
+A send of B bytes costs the link's latency + B / bandwidth (``send_s``: the fabric's two-rank
+all-gather of 2B, which is that on the ring model), inter-node when ``mesh.stages_cross_nodes``.
+Peak memory per rank: its stages' static and kept bytes, plus the activations of the
+micro-batches in flight at the worst moment of its order (1F1B: at most ``p - r`` on rank r),
+plus the largest transient. Step: the makespan (its last action, REDUCE_GRAD included) plus the
+slowest rank's optimizer steps. ``compute_s`` is the busiest rank's compute; ``exposed_comm_s``
+the rest of its step, pipeline bubble included.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from wrapopt.hardware.profiles import FabricProfile
+from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCost, UnitSpec
+
+__all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", "stage_cost", "stage_units",
+           "simulate_pipeline", "stage_options"]
+
+_PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
+               "all_gather_buffer", "unsharded_grads", "activations", "working_set")
+
+Action = tuple[str, int, int]  # ("F" | "B" | "R", stage, micro-batch; -1 for R)
+
+
+class _StageSimulator(Protocol):  # what this module asks of ``cost.simulate.Simulator``
+    options: SimOptions
+    fabric: FabricProfile
+
+    def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One stage's figures per micro-batch: See [Note: pipeline stages]."""
+
+    fwd_s: float
+    bwd_s: float
+    first_extra_s: float  # the first micro-batch's forward: the kept units' all-gathers
+    reduce_s: float  # REDUCE_GRAD after the last backward
+    optim_s: float
+    static_bytes: float
+    kept_bytes: float
+    activation_bytes: float  # per micro-batch in flight
+    transient_bytes: float
+    compute_s: float  # forward and backward compute of one micro-batch
+    mb_comm_s: float  # collectives every micro-batch runs (the resharded units' all-gathers)
+    once_comm_s: float  # collectives once a step (the kept units' all-gathers, the reduction)
+    send_bytes: float  # activation handed to the next stage per micro-batch (0 on the last)
+    estimate: CostEstimate  # the stage simulator's, one micro-batch (accumulation 2, sync "last")
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """``run_timeline``'s answer."""
+
+    end_s: tuple[float, ...]  # per rank, its last action's end
+    busy_s: tuple[float, ...]  # per rank, time in its actions
+    inflight: tuple[tuple[int, ...], ...]  # per rank, per stage: micro-batches in flight at the rank's worst moment
+    events: tuple[tuple[int, str, int, int, float, float], ...] = ()  # rank, kind, stage, micro-batch, start, end
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.end_s)
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_order(schedule: str, pp_size: int, num_stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Per pipeline rank, its actions in the order torch runs them: See [Note: pipeline stages]."""
+    m, p = microbatches, pp_size
+    if schedule == "GPipe":
+        raw = torch_schedules.ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=p, _n_microbatches=m))
+        orders = [raw[r] for r in range(p)]
+    elif schedule == "1F1B":
+        orders = [_one_f_one_b(r, p, m) for r in range(p)]
+    elif schedule == "Interleaved1F1B":
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ValueError(f"Interleaved1F1B needs the micro-batches ({m}) to be a multiple of the rounds "
+                             f"({rounds} = max(1, {m} // {p})), as torch's ScheduleInterleaved1F1B requires")
+        stub = SimpleNamespace(n_local_stages=num_stages // p, pp_group_size=p, _n_microbatches=m,
+                               number_of_rounds=rounds, microbatches_per_round=m // rounds)
+        cls = torch_schedules.ScheduleInterleaved1F1B
+        orders = [torch_schedules._add_reduce_grad(cls._calculate_single_rank_operations(stub, r), m)
+                  for r in range(p)]
+    else:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    return tuple(tuple(_action(a) for a in rank if a is not None) for rank in orders)
+
+
+def _one_f_one_b(rank: int, p: int, m: int) -> list[Any]:
+    """``Schedule1F1B._step_microbatches``'s order on ``rank``, as torch ``_Action`` items."""
+    act, types = torch_schedules._Action, torch_schedules._ComputationType
+    warm = min(m, p - rank)
+    out = [act(rank, types.FORWARD, i) for i in range(warm)]
+    fwd = warm
+    for b in range(m):
+        out.append(act(rank, types.FULL_BACKWARD, b))
+        if fwd < m:
+            out.append(act(rank, types.FORWARD, fwd))
+            fwd += 1
+    return torch_schedules._add_reduce_grad(out, m)
+
+
+def _action(a: Any) -> Action:
+    kind = a.computation_type.value
+    code = {"F": "F", "B": "B", "REDUCE_GRAD": "R"}.get(kind)
+    if code is None:
+        raise ValueError(f"pipeline action {a} is not priced (only F, B and REDUCE_GRAD)")
+    return code, a.stage_index, -1 if a.microbatch_index is None else a.microbatch_index
+
+
+def run_timeline(order: tuple[tuple[Action, ...], ...], stages: list[StageCost] | tuple[StageCost, ...],
+                 send: tuple[float, ...], *, record: bool = False) -> Timeline:
+    """Execute the per-rank ``order`` with the stages' times and ``send[s]`` (stage s to s+1):
+    See [Note: pipeline stages]. Raises RuntimeError if the order cannot run (a dependency cycle)."""
+    last = len(stages) - 1
+    fend: dict[tuple[int, int], float] = {}
+    bend: dict[tuple[int, int], float] = {}
+    p = len(order)
+    free, busy, pos = [0.0] * p, [0.0] * p, [0] * p
+    events: list[tuple[int, str, int, int, float, float]] = []
+    left = sum(map(len, order))
+    while left:
+        moved = False
+        for r in range(p):
+            ops, i = order[r], pos[r]
+            while i < len(ops):
+                kind, s, mb = ops[i]
+                st = stages[s]
+                if kind == "F":
+                    dep = 0.0 if s == 0 else fend.get((s - 1, mb))
+                    if dep is None:
+                        break
+                    ready = dep + (send[s - 1] if s else 0.0)
+                    dur = st.fwd_s + (st.first_extra_s if mb == 0 else 0.0)
+                elif kind == "B":
+                    dep = fend.get((s, mb)) if s == last else bend.get((s + 1, mb))
+                    if dep is None:
+                        break
+                    ready = dep + (send[s] if s < last else 0.0)
+                    dur = st.bwd_s
+                else:
+                    ready, dur = 0.0, st.reduce_s
+                start = max(free[r], ready)
+                end = start + dur
+                (fend if kind == "F" else bend)[(s, mb)] = end
+                free[r], busy[r] = end, busy[r] + dur
+                if record:
+                    events.append((r, kind, s, mb, start, end))
+                i += 1
+                left -= 1
+                moved = True
+            pos[r] = i
+        if not moved:
+            raise RuntimeError(f"the pipeline order cannot run: ranks stopped at {pos}")
+    return Timeline(tuple(free), tuple(busy), tuple(_inflight(ops, stages) for ops in order), tuple(events))
+
+
+def _inflight(ops: tuple[Action, ...], stages: Any) -> tuple[int, ...]:
+    """Per stage, the micro-batches in flight on a rank at its worst moment (the most activation
+    bytes): a micro-batch holds its activations from its forward to its backward."""
+    held = [0] * len(stages)
+    worst, worst_bytes = tuple(held), -1.0
+    for kind, s, _mb in ops:
+        if kind == "F":
+            held[s] += 1
+            total = sum(n * stages[i].activation_bytes for i, n in enumerate(held) if n)
+            if total > worst_bytes:
+                worst, worst_bytes = tuple(held), total
+        elif kind == "B":
+            held[s] -= 1
+    return worst
+
+
+def send_s(fabric: FabricProfile, nbytes: float, *, cross_nodes: bool) -> float:
+    """One point-to-point send of ``nbytes``: latency + bytes / bandwidth of the link (inter-node
+    when ``cross_nodes``), priced as the fabric's all-gather of 2 x nbytes over two ranks."""
+    if nbytes <= 0:
+        return 0.0
+    return fabric.collective_s("all_gather", 2, 1 if cross_nodes else 2, 2 * nbytes)[0]
+
+
+def stage_options(options: SimOptions, pp_size: int, microbatches: int) -> SimOptions:
+    """A stage simulator's options: one micro-batch of the pipeline's batch (``pp_size`` ranks'
+    batches times the accumulation, split ``microbatches`` ways), gradients held unsynchronised
+    over two micro-batches (the sync torch's stage uses): See [Note: pipeline stages]."""
+    scale = options.batch_scale * pp_size * options.grad_accumulation / microbatches
+    return replace(options, batch_scale=scale, grad_accumulation=2, accumulation_sync="last")
+
+
+def stage_units(plan: PlanSpec) -> list[tuple[UnitSpec, ...]]:
+    """Per stage, its units and the root's (the root unit's choices are each stage root's)."""
+    assert plan.pipeline is not None
+    owner = plan.pipeline.stage_of()
+    per: list[list[UnitSpec]] = [[] for _ in plan.pipeline.stages]
+    for u in plan.units[:-1]:
+        s = {_stage_of(m, owner) for m in u.modules}
+        if len(s) != 1 or None in s:
+            raise ValueError(f"unit {u.name} is not inside one pipeline stage; each unit's modules must belong to "
+                             "one stage (PipelineSpec.stages)")
+        per[s.pop()].append(u)
+    return [(*units, plan.root) for units in per]
+
+
+def _stage_of(fqn: str, owner: dict[str, int]) -> int | None:
+    parts = fqn.split(".")
+    for i in range(len(parts), 0, -1):
+        s = owner.get(".".join(parts[:i]))
+        if s is not None:
+            return s
+    return None
+
+
+def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float, send_bytes: float) -> StageCost:
+    """A stage's per-micro-batch figures from its simulator's estimate (accumulation 2, sync
+    "last"): See [Note: pipeline stages]."""
+    costs = list(est.units)
+    gathered = sum(c.param_bytes for c in costs) or 1
+    resharded = [u.reshard_after_forward is not False for u in units]
+    share = sum(c.param_bytes for c, r in zip(costs, resharded) if r) / gathered
+    fwd_compute = sum(c.fwd_s for c in costs) + loss_s
+    compute = est.compute_s / 2
+    gather_exposed = max(0.0, est.fwd_s - fwd_compute)
+    ag = sum(c.all_gather_s for c in costs)
+    ag_resharded = sum(c.all_gather_s for c, r in zip(costs, resharded) if r)
+    regather = sum(c.all_gather_s for c, u in zip(costs, units) if u.reshard_after_forward is True)
+    reduce_s = max(sum(c.reduce_scatter_s for c in costs), est.comm_s - ag - regather)
+    parts = dict(est.peak_breakdown)
+    static = parts["sharded_params"] + parts["optimizer_state"] + parts["accumulated_grads"]
+    kept = sum(c.param_bytes for c, r in zip(costs, resharded) if not r)
+    acts = parts["activations"]
+    return StageCost(fwd_s=fwd_compute + gather_exposed * share, bwd_s=est.bwd_s,
+                     first_extra_s=gather_exposed * (1 - share), reduce_s=reduce_s, optim_s=est.optim_s,
+                     static_bytes=static, kept_bytes=kept, activation_bytes=acts,
+                     transient_bytes=max(0.0, est.peak_bytes - static - kept - acts), compute_s=compute,
+                     mb_comm_s=ag_resharded + regather, once_comm_s=ag - ag_resharded + reduce_s,
+                     send_bytes=send_bytes, estimate=est)
+
+
+def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
+    """``Simulator.simulate`` of a pipeline plan: See [Note: pipeline stages]. ``sim`` is the
+    model's simulator (``Simulator.for_stage`` and ``for_tp`` give the stages')."""
+    pipe, mesh = plan.pipeline, plan.mesh
+    assert pipe is not None
+    base = sim.for_tp(plan.tp, mesh.tp_size)[0] if plan.tp is not None else sim
+    options = stage_options(base.options, mesh.pp_size, pipe.microbatches)  # the tp view scales its batch
+    stage_mesh = mesh.data_parallel()
+    n = len(pipe.stages)
+    stages, notes = [], set()
+    for s, (mods, units) in enumerate(zip(pipe.stages, stage_units(plan))):
+        ssim = base.for_stage(tuple(mods), first=s == 0, last=s == n - 1, options=options)
+        est = ssim.simulate(PlanSpec(units=units, mesh=stage_mesh, forward_prefetch=plan.forward_prefetch))
+        notes.update(est.notes)
+        out = ssim.graph.root.output_bytes * ssim.options.batch_scale if s < n - 1 else 0.0
+        stages.append(stage_cost(est, units, loss_s=ssim.compute.loss_s * ssim.options.batch_scale if s == n - 1
+                                 else 0.0, send_bytes=out))
+    send = tuple(send_s(sim.fabric, st.send_bytes, cross_nodes=mesh.stages_cross_nodes) for st in stages)
+    order = schedule_order(pipe.schedule, mesh.pp_size, n, pipe.microbatches)
+    tl = run_timeline(order, stages, send, record=record)
+    return _estimate(plan, stages, tl, send, notes)
+
+
+def _estimate(plan: PlanSpec, stages: list[StageCost], tl: Timeline, send: tuple[float, ...],
+              notes: set[str]) -> CostEstimate:
+    """The ``CostEstimate`` of a pipeline plan: the worst rank's memory, the makespan's step."""
+    p, m = len(tl.end_s), plan.pipeline.microbatches  # type: ignore[union-attr]
+    mine = [[s for s in range(len(stages)) if s % p == r] for r in range(p)]
+    peaks, parts_of = [], []
+    for r in range(p):
+        sts = [stages[s] for s in mine[r]]
+        acts = sum(n * stages[s].activation_bytes for s, n in enumerate(tl.inflight[r]) if n)
+        transient = max(st.transient_bytes for st in sts)
+        parts = {k: 0.0 for k in _PEAK_PARTS}
+        for st in sts:
+            for k, v in st.estimate.peak_breakdown:
+                if k in ("sharded_params", "optimizer_state", "accumulated_grads"):
+                    parts[k] += v
+            parts["unsharded_params"] += st.kept_bytes
+        parts["activations"], parts["working_set"] = acts, transient
+        peaks.append(sum(parts.values()))
+        parts_of.append(parts)
+    worst = max(range(p), key=peaks.__getitem__)
+    optim = max(sum(stages[s].optim_s for s in mine[r]) for r in range(p))
+    step = tl.makespan_s + optim
+    busiest = max(range(p), key=lambda r: tl.busy_s[r])
+    compute = sum(stages[s].compute_s for s in mine[busiest]) * m
+    comm = sum(stages[s].mb_comm_s * m + stages[s].once_comm_s for s in mine[busiest])
+    fwd = sum(stages[s].fwd_s * m + stages[s].first_extra_s for s in mine[busiest])
+    bwd = sum(stages[s].bwd_s * m + stages[s].reduce_s for s in mine[busiest])
+    events = tuple(TimelineEvent("compute", {"F": "fwd", "B": "bwd", "R": "reduce_scatter"}[k],
+                                 f"rank{r} stage{s}" + (f" mb{mb}" if mb >= 0 else ""), a, b)
+                   for r, k, s, mb, a, b in tl.events)
+    return CostEstimate(step_s=step, fwd_s=fwd, bwd_s=bwd, compute_s=compute, comm_s=comm + sum(send) * m,
+                        exposed_comm_s=max(0.0, step - compute - optim), peak_bytes=int(peaks[worst]),
+                        peak_breakdown=tuple((k, int(v)) for k, v in parts_of[worst].items()),
+                        units=_unit_costs(plan, stages), timeline=events, notes=tuple(sorted(notes)), optim_s=optim,
+                        accumulation_sync=None)
+
+
+def _unit_costs(plan: PlanSpec, stages: list[StageCost]) -> tuple[UnitCost, ...]:
+    """Per unit of the plan (in its order) its stage's figures; the root's summed over the stages."""
+    by_name: dict[str, UnitCost] = {}
+    root = [0.0] * 6
+    for st in stages:
+        costs = list(st.estimate.units)
+        for c in costs[:-1]:
+            by_name[c.name] = c
+        root = [a + b for a, b in zip(root, costs[-1][1:])]
+    rc = UnitCost(plan.root.name, int(root[0]), *root[1:5], int(root[5]))
+    return tuple(by_name[u.name] if not u.is_root else rc for u in plan.units)

@@ -1,0 +1,100 @@
+"""One pipeline stage's share of the model: the ``ModelGraph`` and ``ComputeProfile`` of the
+modules a stage owns, which the ordinary FSDP simulator scores on the stage's mesh. See
+[Note: pipeline stages] in cost/pipeline.py.
+
+A stage's graph keeps the root, the ancestors of the stage's modules (containers such as
+``layers``; their own parameters, if any, stay with them) and the subtrees of the modules the
+stage lists. The root's own ops (and the model's inputs) belong to the first stage; the loss,
+its saved bytes and its time to the last. A stage that is not the last ends with the
+activation it sends on: its root's output is that of the stage's last module in forward order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from wrapopt.hardware.profiles import ComputeProfile
+from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
+
+__all__ = ["stage_graph", "stage_compute", "boundary_bytes"]
+
+
+def _kept(graph: ModelGraph, modules: tuple[str, ...]) -> set[str]:
+    """The stage's modules: the listed subtrees, their ancestors and the root."""
+    keep = {ROOT}
+    for fqn in modules:
+        keep.update(graph.subtree(fqn))
+        parts = fqn.split(".")
+        keep.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return keep
+
+
+def boundary_bytes(graph: ModelGraph, modules: tuple[str, ...]) -> int:
+    """Bytes of the activation a stage hands on (as traced, one traced batch): the output of
+    its last module in forward order."""
+    called = [graph.info(m) for m in modules if graph.info(m).order >= 0]
+    return max(called, key=lambda m: m.order).output_bytes if called else 0
+
+
+def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, last: bool) -> ModelGraph:
+    """The graph of the stage that owns ``modules`` (module paths, none an ancestor of another).
+    ``first``/``last``: whether it is the first / the last stage."""
+    keep = _kept(graph, modules)
+    listed = set(modules)
+    infos: dict[str, ModuleInfo] = {}
+    for m in graph.modules:
+        if m.fqn not in keep:
+            continue
+        inside = m.fqn in listed or any(m.fqn.startswith(p + ".") for p in listed)
+        if not inside and not first:  # a container's own ops run on the first stage only
+            m = replace(m, fwd_flops=0.0, bwd_flops=0.0, saved_bytes=0, fwd_bytes=0, bwd_bytes=0, matmuls=(),
+                        attention_flops=0.0, attention_run_flops=0.0)
+        infos[m.fqn] = replace(m, children=tuple(c for c in m.children if c in keep))
+    # totals over what the stage holds, deepest first
+    for fqn in sorted(infos, key=lambda f: -infos[f].depth):
+        m = infos[fqn]
+        kids = [infos[c] for c in m.children]
+        infos[fqn] = replace(m, total_numel=m.own_numel + sum(k.total_numel for k in kids),
+                             total_bytes=m.own_bytes + sum(k.total_bytes for k in kids))
+    if not last:
+        root = infos[ROOT]
+        infos[ROOT] = replace(root, output_bytes=boundary_bytes(graph, modules))
+    tree = graph.tree.subgraph(keep).copy()
+    for fqn, m in infos.items():
+        tree.nodes[fqn]["info"] = m
+    chains = tuple(c for c in (tuple(b for b in chain if b in keep) for chain in graph.block_chains) if c)
+    tied = tuple(g for g in (tuple(f for f in grp if f in keep) for grp in graph.tied_groups) if len(g) > 1)
+    shapes = tuple(s for s in graph.param_shapes if (s[0].rsplit(".", 1)[0] if "." in s[0] else ROOT) in keep)
+    heads = tuple(a for a in graph.attention_heads if a[0] in keep)
+    users = tuple(pu for pu in graph.param_users if pu[0] in keep and pu[1] in keep)
+    input_bytes = graph.input_bytes if first else boundary_bytes(graph, _previous(graph, modules))
+    return replace(graph, modules=tuple(infos[m.fqn] for m in graph.modules if m.fqn in infos), tree=tree,
+                   block_chains=chains, tied_groups=tied, param_shapes=shapes, attention_heads=heads,
+                   param_users=users, input_bytes=input_bytes,
+                   loss_saved_bytes=graph.loss_saved_bytes if last else 0,
+                   loss_peak_bytes=graph.loss_peak_bytes if last else 0)
+
+
+def _previous(graph: ModelGraph, modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The module that runs just before the stage's first one (whose output the stage receives)."""
+    called = [graph.info(m) for m in modules if graph.info(m).order >= 0]
+    if not called:
+        return ()
+    start = min(m.order for m in called)
+    mine = set(_kept(graph, modules))
+    before = [m for m in graph.call_order() if m.order < start and m.fqn not in mine and m.parent is not None]
+    # the last module to finish before the stage starts: the outermost of those called last
+    if not before:
+        return ()
+    last = before[-1]
+    while last.parent and graph.info(last.parent).order >= 0 and last.parent not in mine:
+        last = graph.info(last.parent)
+    return (last.fqn,)
+
+
+def stage_compute(compute: ComputeProfile, graph: ModelGraph, *, last: bool) -> ComputeProfile:
+    """``compute`` for one stage: measured module times of its modules only; the loss's time on
+    the last stage only."""
+    names = {m.fqn for m in graph.modules}
+    times = tuple(t for t in compute.module_times if t[0] in names)
+    return replace(compute, module_times=times, loss_s=compute.loss_s if last else 0.0)

@@ -1,0 +1,264 @@
+"""3-D search: the pipeline degree, its stages, schedule and micro-batches, chosen with the FSDP plan.
+
+[Note: pipeline search] For each pipeline degree asked for (``--pp auto``: 1 and 2, 4, 8, 16
+where they divide the world and leave every stage a block), and each tensor-parallel degree:
+
+- degree 1 is today's search (``search_plan`` / ``search_tp``, [Note: 2-D search]);
+- above 1, on the mesh ``pp x (world / (pp x tp)) x tp`` with FSDP over each stage's
+  data-parallel ranks: the virtual stages per rank (1 for GPipe and 1F1B; 2 and 4 for
+  Interleaved1F1B), each giving a balanced split ([Note: stage split]); the schedule; the
+  micro-batches ``m`` (``pp``, 2, 4 and 8 times ``pp`` where they divide the pipeline's batch:
+  ``pp x tp`` ranks' batches at the same global batch); and the FSDP shape, one for every stage:
+  one unit per block (the end modules in each stage's root), resharded after forward or not,
+  and no, every other, or every block checkpointed. The shape is shared by the stages rather
+  than searched per stage by the exact DP: a pipeline plan is scored by simulating each of its
+  stages, and the DP per stage, micro-batch count and schedule would multiply the search's time.
+  Two passes keep it small: every (virtual stages, schedule, micro-batches) with the fastest and
+  the smallest shape, then every shape on the three best of those.
+
+Plans are scored by ``Simulator.simulate`` ([Note: pipeline stages]); the smallest pipeline
+degree within the simulator's error of the fastest wins (as tensor-parallel degrees do), and
+``SearchResult.pp_rows`` keeps the best plan of every degree for the report, with TorchTitan's
+405B layout (tp 8, pp 8, Interleaved1F1B with 2 stages per rank, micro-batches of one
+sequence, one unit per block kept unsharded after forward as TorchTitan does under pipelining,
+every block checkpointed) when the mesh has it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import InfeasibleError, PlanError
+from wrapopt.search.choose import MEMORY_ERROR, STEP_ERROR
+from wrapopt.search.driver import SearchResult
+from wrapopt.search.stages import (PipelineLayout, balanced_split, check_stage_count, pipeline_layout,
+                                   stage_modules, weights)
+from wrapopt.search.strategy import Scored
+from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec.plan import PipelineSpec
+from wrapopt.tp import TPSpec
+
+__all__ = ["AUTO_PP", "VIRTUAL_STAGES", "CHECKPOINTS", "TORCHTITAN_PP_LABEL", "resolve_pp", "pipeline_plan",
+           "search_pipeline_degree", "combine", "microbatch_counts", "torchtitan_plan"]
+
+AUTO_PP = (2, 4, 8, 16)  # pipeline degrees --pp auto tries (with 1)
+VIRTUAL_STAGES = (2, 4)  # stages per rank tried for Interleaved1F1B
+CHECKPOINTS = ("none", "half", "all")  # which blocks of each stage are checkpointed
+TORCHTITAN_PP_LABEL = "TorchTitan 405B layout"
+_REFINE = 3  # (virtual stages, schedule, micro-batches) that get every shape
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """The FSDP choice every stage shares."""
+
+    reshard: bool
+    checkpoint: str  # one of CHECKPOINTS
+
+
+def resolve_pp(graph: ModelGraph, mesh: MeshSpec, pp: Any) -> tuple[tuple[int, ...], PipelineLayout | None, list[str]]:
+    """(degrees, the model's pipeline layout, notes) for ``pp``: None / 1, an int, or "auto".
+    A forced degree the model or mesh cannot take raises ``PlanError`` saying what works; "auto"
+    on a model that cannot be pipelined searches degree 1 and says why."""
+    if pp is None or str(pp) == "1":
+        return (1,), None, []
+    if str(pp) == "auto":
+        try:
+            layout = pipeline_layout(graph)
+        except PlanError as e:
+            return (1,), None, [f"--pp auto: pipelining not tried: {e}"]
+        n = len(layout.blocks)
+        return (1, *(d for d in AUTO_PP if mesh.world_size % d == 0 and d <= n)), layout, []
+    try:
+        d = int(pp)
+    except (TypeError, ValueError):
+        raise PlanError(f"--pp must be auto or a positive integer, got {pp!r}") from None
+    if d < 1 or str(d) != str(pp).strip():
+        raise PlanError(f"--pp must be auto or a positive integer, got {pp!r}")
+    if d == 1:
+        return (1,), None, []
+    if mesh.world_size % d:
+        works = [k for k in range(2, mesh.world_size + 1) if mesh.world_size % k == 0][:8]
+        raise PlanError(f"--pp {d} does not divide the world of {mesh.world_size} ranks; degrees that do: "
+                        f"{', '.join(map(str, works))}")
+    layout = pipeline_layout(graph)
+    check_stage_count(layout, d, 1, mesh.world_size)
+    return (d,), layout, []
+
+
+def microbatch_counts(graph: ModelGraph, pp: int, tp: int, accumulation: int) -> tuple[int, ...]:
+    """Micro-batch counts tried: ``pp`` x 1, 2, 4, 8 where they divide the pipeline's batch of
+    ``pp x tp x accumulation`` ranks' batches (sequences)."""
+    batch = max(1, graph.batch_size) * pp * tp * accumulation
+    return tuple(k * pp for k in (1, 2, 4, 8) if batch % (k * pp) == 0)
+
+
+def pipeline_plan(layout: PipelineLayout, sizes: tuple[int, ...], mesh: MeshSpec, *, schedule: str,
+                  microbatches: int, reshard: bool, checkpoint: str, tp: TPSpec | None, label: str = "") -> PlanSpec:
+    """One unit per block on every stage (``checkpoint``: none, every other block of a stage, all)."""
+    stages = stage_modules(layout, sizes)
+    units, at = [], 0
+    for k in sizes:
+        for i, b in enumerate(layout.blocks[at:at + k]):
+            ck = checkpoint == "all" or (checkpoint == "half" and i % 2 == 0)
+            units.append(UnitSpec((b,), reshard, ck))
+        at += k
+    units.append(UnitSpec((ROOT,), False))
+    return PlanSpec(units=tuple(units), mesh=mesh, tp=tp, label=label,
+                    pipeline=PipelineSpec(stages=stages, schedule=schedule, microbatches=microbatches))
+
+
+def _mesh(mesh: MeshSpec, pp: int, tp: int) -> MeshSpec:
+    dp = mesh.world_size // (pp * tp)
+    return MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=dp, tp_size=tp,
+                    pp_size=pp)
+
+
+def _label(schedule: str, virtual: int, m: int, shape: _Shape, tp: int, pp: int) -> str:
+    v = f" x{virtual}" if virtual > 1 else ""
+    ck = {"none": "", "half": ",ckpt-half", "all": ",ckpt"}[shape.checkpoint]
+    return f"per-block{'' if shape.reshard else ',keep'}{ck} + pp{pp} {schedule}{v} m{m}" + (f" + tp{tp}" if tp > 1
+                                                                                              else "")
+
+
+def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout, *, pp: int,
+                           tp: int, spec: TPSpec | None, memory_budget: float | None,
+                           shapes: Sequence[_Shape] | None = None) -> tuple[Scored | None, list[Scored], str]:
+    """The fastest plan of pipeline degree ``pp`` at tensor-parallel degree ``tp`` (None: none fits),
+    every plan scored, and what became of the degree. See [Note: pipeline search]."""
+    budget = float(memory_budget) if memory_budget else float("inf")
+    aim = budget * (1 - MEMORY_ERROR)
+    ms = microbatch_counts(graph, pp, tp, sim.options.grad_accumulation)
+    if not ms:
+        return None, [], (f"dropped: the pipeline's batch of {max(1, graph.batch_size) * pp * tp} sequences is "
+                          f"smaller than its {pp} stages (at least one micro-batch per stage)")
+    full = _mesh(mesh, pp, tp)
+    wsim = sim.for_tp(spec, tp)[0] if tp > 1 else sim
+    w, first, last = weights(graph, wsim, full.data_parallel(), layout)
+    combos = []
+    for v in (1, *VIRTUAL_STAGES):
+        if pp * v > len(layout.blocks):
+            continue
+        sizes = balanced_split(w, first, last, pp * v)
+        for schedule in (("GPipe", "1F1B") if v == 1 else ("Interleaved1F1B",)):
+            combos += [(sizes, schedule, v, m) for m in ms if schedule != "Interleaved1F1B" or m % max(1, m // pp) == 0]
+    scored: list[Scored] = []
+
+    def score(combo: tuple, shape: _Shape) -> Scored:
+        sizes, schedule, v, m = combo
+        plan = pipeline_plan(layout, sizes, full, schedule=schedule, microbatches=m, reshard=shape.reshard,
+                             checkpoint=shape.checkpoint, tp=spec if tp > 1 else None,
+                             label=_label(schedule, v, m, shape, tp, pp))
+        est = sim.simulate(plan)
+        s = Scored(plan, est, est.peak_bytes <= budget, strategy="pipeline")
+        scored.append(s)
+        return s
+
+    screen = tuple(shapes) if shapes else (_Shape(False, "none"), _Shape(True, "all"))
+    firsts = {c: [score(c, sh) for sh in screen] for c in combos}
+    rank = sorted(combos, key=lambda c: min((s.estimate.step_s if s.estimate.peak_bytes <= aim else float("inf"),
+                                             s.estimate.peak_bytes) for s in firsts[c]))
+    for c in rank[:0 if shapes else _REFINE]:
+        for shape in (_Shape(r, k) for r in (False, True) for k in CHECKPOINTS):
+            if shape not in screen:
+                score(c, shape)
+    # within the memory model's error of the budget; else any that fits it (See [Note: plans within the error])
+    fitting = [s for s in scored if s.estimate.peak_bytes <= aim] or [s for s in scored if s.fits]
+    if not fitting:
+        small = min(scored, key=lambda s: s.estimate.peak_bytes)
+        return None, scored, (f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB "
+                              f"({small.plan.label})")
+    return min(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes)), scored, "fits"
+
+
+def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *,
+                 memory_budget: float | None) -> tuple[PlanSpec, list[str]]:
+    """``plan`` (one unit per block) on a pipeline of degree ``pp`` (an int or "auto"): its
+    stages, schedule and micro-batches chosen as the search does, its FSDP shape kept (for
+    ``wrapopt estimate --pp``). Raises ``PlanError`` for a plan or degree that cannot be pipelined."""
+    mesh = plan.mesh
+    base = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
+    degrees, layout, notes = resolve_pp(graph, base, pp)
+    if layout is None or degrees == (1,):
+        return plan, notes
+    blocks = [u for u in plan.units if not u.is_root]
+    if sorted(m for u in blocks for m in u.modules) != sorted(layout.blocks) or any(len(u.modules) > 1 for u in blocks):
+        raise PlanError(f"--pp takes a plan of one unit per block (--plan per-block); {plan.label or 'this plan'} "
+                        "has other units")
+    cks = [u.checkpoint for u in blocks]
+    shape = _Shape(blocks[0].reshard_after_forward is not False, "all" if all(cks) else "half" if any(cks) else "none")
+    tp = mesh.tp_size
+    found = {}
+    for d in degrees:
+        if d > 1 and mesh.world_size % (d * tp) == 0:
+            top, _all, why = search_pipeline_degree(graph, sim, base, layout, pp=d, tp=tp, spec=plan.tp,
+                                                    memory_budget=memory_budget, shapes=(shape,))
+            if top is not None:
+                found[d] = top
+            else:
+                notes.append(f"pp{d}: {why}")
+    if not found:
+        raise PlanError("no pipeline degree fits: " + "; ".join(notes))
+    best = min(found.values(), key=lambda s: s.estimate.step_s)
+    return best.plan, notes
+
+
+def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout,
+                    spec: TPSpec | None, memory_budget: float | None) -> Scored | None:
+    """TorchTitan's 405B layout on ``mesh`` (None when the mesh or the model cannot take it):
+    See [Note: pipeline search]."""
+    pp, tp, v = 8, 8, 2
+    if (spec is None or mesh.ranks_per_node % tp or mesh.world_size % (pp * tp) or pp * v > len(layout.blocks)
+            or pp * tp * max(1, graph.batch_size) % pp):
+        return None
+    full = _mesh(mesh, pp, tp)
+    w, first, last = weights(graph, sim.for_tp(spec, tp)[0], full.data_parallel(), layout)
+    m = pp * tp * max(1, graph.batch_size) * sim.options.grad_accumulation  # micro-batches of one sequence
+    plan = pipeline_plan(layout, balanced_split(w, first, last, pp * v), full, schedule="Interleaved1F1B",
+                         microbatches=m, reshard=False, checkpoint="all", tp=spec,
+                         label=f"{TORCHTITAN_PP_LABEL}: tp8 pp8 Interleaved1F1B x2 m{m}, per-block,keep,ckpt")
+    est = sim.simulate(plan)
+    budget = float(memory_budget) if memory_budget else float("inf")
+    return Scored(plan, est, est.peak_bytes <= budget, strategy="reference")
+
+
+def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: dict[int, str],
+            scored: Sequence[Scored], reference: Scored | None, memory_budget: float | None,
+            blocks: tuple[str, ...] = ()) -> SearchResult:
+    """The answer over the pipeline degrees: the smallest degree within the simulator's error of
+    the fastest (degree 1's from its own search), with the rows the report prints."""
+    best = dict(per_degree)
+    if one_d is not None:
+        best[1] = one_d.best
+    if not best:
+        raise InfeasibleError("no pipeline degree has a plan that fits: " + "; ".join(
+            f"pp{d}: {why}" for d, why in sorted(tried.items())))
+    top = min(s.estimate.step_s for s in best.values())
+    chosen = min(d for d, s in best.items() if s.estimate.step_s <= top * (1 + STEP_ERROR))
+    rows = [(f"best pp{d}" + (" (no pipeline)" if d == 1 else ""), best[d]) for d in sorted(best)]
+    if reference is not None:
+        rows.append((reference.plan.label, reference))
+    ref = best[chosen].estimate.step_s
+    out_tried = dict(tried)
+    for d, s in best.items():
+        r = s.estimate.step_s / ref
+        out_tried[d] = "chosen" if d == chosen else (f"fits, {r:.2f}x slower" if r >= 1 else
+                                                     f"fits, {1 / r:.3f}x faster, within the simulator's "
+                                                     f"{STEP_ERROR * 100:.1f}% error")
+    pp_tried = tuple(sorted(out_tried.items()))
+    if chosen == 1 and one_d is not None:
+        return replace(one_d, pp_rows=tuple(rows), pp_tried=pp_tried)
+    win = best[chosen]
+    if one_d is not None:
+        why = (f"pipeline degree {chosen}: {one_d.best.estimate.step_s / win.estimate.step_s:.2f}x faster than the "
+               "best plan without a pipeline")
+    else:
+        why = f"pipeline degree {chosen}: " + ("no plan without a pipeline fits" if 1 in tried else "as asked (--pp)")
+    budget = float(memory_budget) if memory_budget else float("inf")
+    if one_d is not None:
+        return replace(one_d, best=win, fastest=win, why=why, candidates=one_d.candidates + tuple(scored),
+                       pp_rows=tuple(rows), pp_tried=pp_tried, tp_rows=())
+    return SearchResult(best=win, baselines={}, candidates=tuple(scored), memory_budget=budget, fastest=win, why=why,
+                        pp_rows=tuple(rows), pp_tried=pp_tried, blocks=blocks)
