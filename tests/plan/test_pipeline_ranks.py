@@ -17,7 +17,6 @@ stage's gathered parameters match within 1e-5; after AdamW, parameters within a 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
