@@ -1,8 +1,8 @@
 """Pipeline plans on 4 gloo ranks, 2 stages x 2 data-parallel ranks (mesh pp=2, shard=2), all
 cases in one spawn: training parity with the unsharded model for llama-tiny and the tied
 gpt-tiny under 1F1B and GPipe (and Interleaved1F1B, 4 stages on 2 pipeline ranks, for
-llama-tiny), with and without resharding after forward, and a bad stage list failing on every
-rank before any collective.
+llama-tiny), one unit per block with resharding after forward, and without it with every
+other block checkpointed, and a bad stage list failing on every rank before any collective.
 
 [Note: what the pipeline parity compares] Pipeline rank r = rank // 2 holds stage r (stages r and
 r + 2 when interleaved); data-parallel position d = rank % 2 trains on half d of the global batch,
@@ -61,7 +61,9 @@ def lm_target_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def pipeline_spec(name: str, schedule: str, raf: bool, microbatches: int) -> PlanSpec:
     stages = INTERLEAVED if schedule == "Interleaved1F1B" else STAGES[name]
     blocks = [m for s in stages for m in s if m.startswith("layers.")]
-    units = tuple(UnitSpec((b,), raf) for b in blocks) + (UnitSpec((ROOT,), False),)
+    # Without resharding, every other block is checkpointed too.
+    units = tuple(UnitSpec((b,), raf, not raf and i % 2 == 0) for i, b in enumerate(blocks))
+    units += (UnitSpec((ROOT,), False),)
     return PlanSpec(units, MESH, label=f"pp-{schedule}",
                     pipeline=PipelineSpec(stages=stages, schedule=schedule, microbatches=microbatches))
 
