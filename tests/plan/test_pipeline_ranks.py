@@ -2,7 +2,8 @@
 cases in one spawn: training parity with the unsharded model for llama-tiny and the tied
 gpt-tiny under 1F1B and GPipe (and Interleaved1F1B, 4 stages on 2 pipeline ranks, for
 llama-tiny), one unit per block with resharding after forward, and without it with every
-other block checkpointed, and a bad stage list failing on every rank before any collective.
+other block checkpointed and explicit forward prefetch, and a bad stage list failing on every
+rank before any collective.
 
 [Note: what the pipeline parity compares] Pipeline rank r = rank // 2 holds stage r (stages r and
 r + 2 when interleaved); data-parallel position d = rank % 2 trains on half d of the global batch,
@@ -61,10 +62,10 @@ def lm_target_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def pipeline_spec(name: str, schedule: str, raf: bool, microbatches: int) -> PlanSpec:
     stages = INTERLEAVED if schedule == "Interleaved1F1B" else STAGES[name]
     blocks = [m for s in stages for m in s if m.startswith("layers.")]
-    # Without resharding, every other block is checkpointed too.
+    # Without resharding, every other block is checkpointed too, and each unit prefetches the next.
     units = tuple(UnitSpec((b,), raf, not raf and i % 2 == 0) for i, b in enumerate(blocks))
     units += (UnitSpec((ROOT,), False),)
-    return PlanSpec(units, MESH, label=f"pp-{schedule}",
+    return PlanSpec(units, MESH, label=f"pp-{schedule}", forward_prefetch=0 if raf else 1,
                     pipeline=PipelineSpec(stages=stages, schedule=schedule, microbatches=microbatches))
 
 

@@ -23,7 +23,7 @@ from wrapopt.plan.apply import (build_mesh, known_param_users, mixed_precision_p
                                 set_forward_prefetch, tied_groups)
 from wrapopt.plan.stages import StageLayout, stage_layout
 from wrapopt.plan.tp import data_parallel_mesh
-from wrapopt.spec import PlanSpec, UnitSpec
+from wrapopt.spec import PlanSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
 
@@ -328,7 +328,7 @@ def _shard_stage(module: nn.Module, s: int, spec: PlanSpec, layout: StageLayout,
                     reshard_after_forward=u.reshard_after_forward, mp_policy=mp)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=spec.root.reshard_after_forward, mp_policy=mp)
     if spec.forward_prefetch > 0:
-        set_forward_prefetch(tuple(UnitSpec(u.modules) for u in units), subs, spec.forward_prefetch)
+        set_forward_prefetch(units, subs, spec.forward_prefetch)
 
 
 def _schedule(spec: PlanSpec, stages: tuple[Any, ...], loss_fn: Callable[[Any, Any], torch.Tensor]) -> Any:
