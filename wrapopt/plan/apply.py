@@ -32,11 +32,12 @@ from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_blocks
 from wrapopt.selective import selective_context_fn
-from wrapopt.spec import PlanSpec
+from wrapopt.spec import PlanSpec, UnitSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
 
-__all__ = ["apply_plan", "build_mesh", "materialize_sharded", "known_param_users", "DTYPES"]
+__all__ = ["apply_plan", "build_mesh", "materialize_sharded", "known_param_users", "mixed_precision_policy",
+           "plan_digest", "set_forward_prefetch", "tied_groups", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
 
@@ -72,9 +73,13 @@ def known_param_users(model: nn.Module) -> tuple[tuple[str, str], ...]:
 
 def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
            param_users: Iterable[Sequence[str]] | None = ()) -> dict[str, nn.Module]:
+    if spec.pipeline is not None:
+        raise PlanError("this plan has pipeline stages (mesh.pp_size > 1): apply it with WrapPlan.apply(model, "
+                        "example_inputs=..., loss_fn=...) or wrapopt.plan.pipeline.apply_pipeline, which return "
+                        "the stages and their schedule")
     check_unwrapped(model, "apply", error=PlanError)
     modules = dict(model.named_modules())
-    check_units(spec, modules, _tied_groups(model))  # the rules estimate runs: See [Note: unit ownership] in units.py
+    check_units(spec, modules, tied_groups(model))  # the rules estimate runs: See [Note: unit ownership] in units.py
     # See [Note: parameter users] in units.py.
     pairs = dict.fromkeys([*((p[0], p[1]) for p in param_users or ()), *known_param_users(model)])
     conflicts = user_conflicts([p for p in pairs if p[0] in modules and p[1] in modules], spec.units)
@@ -105,7 +110,7 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
     return modules
 
 
-def _tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
     """Names of each parameter shared by several modules (``ModelGraph.tied_groups`` without a trace)."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -132,7 +137,7 @@ def apply_plan(
         >>> model = apply_plan(model, plan.spec)  # doctest: +SKIP
     """
     from torch.distributed._composable import checkpoint
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     # Local checks first, no collective has run yet; then the ranks compare what they were given.
     # See [Note: every rank explains] in wrapopt/consensus.py.
@@ -145,10 +150,7 @@ def apply_plan(
     if spec.tp is not None:  # See [Note: applying a 2-D plan] in plan/tp.py: TP, then checkpointing, then FSDP.
         parallelize_blocks(model, spec.tp, mesh["tp"])
     dp_mesh = data_parallel_mesh(mesh, spec.mesh)
-    mp = mixed_precision or {}
-    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")],
-                                    reduce_dtype=DTYPES[mp.get("reduce_dtype")],
-                                    output_dtype=DTYPES[mp.get("output_dtype")])
+    mp_policy = mixed_precision_policy(mixed_precision)
     for unit in spec.units:
         if unit.checkpoint and not unit.is_root:  # See [Note: selective checkpointing] in wrapopt/selective.py
             kwargs = {"context_fn": selective_context_fn} if unit.selective_checkpoint else {}
@@ -166,8 +168,17 @@ def apply_plan(
                         mp_policy=mp_policy, offload_policy=offload)
         fsdp_units.append(targets[0])
     if spec.forward_prefetch > 0:
-        _set_forward_prefetch(model, spec, modules)
+        set_forward_prefetch(spec.units, modules, spec.forward_prefetch)
     return model
+
+
+def mixed_precision_policy(mixed_precision: dict[str, str | None] | None):
+    """FSDP2's ``MixedPrecisionPolicy`` from a plan's ``mixed_precision`` dtypes (None: keep the model's)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = mixed_precision or {}
+    return MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")],
+                                output_dtype=DTYPES[mp.get("output_dtype")])
 
 
 def plan_digest(spec: PlanSpec) -> str:
@@ -175,15 +186,13 @@ def plan_digest(spec: PlanSpec) -> str:
     return f"{len(spec.units)} units, " + hashlib.sha256(repr(spec).encode()).hexdigest()[:12]
 
 
-def _set_forward_prefetch(model: nn.Module, spec: PlanSpec, modules: dict[str, nn.Module]) -> None:
+def set_forward_prefetch(units: Iterable[UnitSpec], modules: dict[str, nn.Module], k: int) -> None:
     """Explicit forward prefetch: each unit prefetches the next ``k`` units in
     forward order (``set_modules_to_forward_prefetch``); order is taken from
     module registration order, which is forward order for block chains."""
     names = list(modules)
-    units = [u for u in spec.units if not u.is_root]
-    units.sort(key=lambda u: names.index(u.modules[0]))
+    units = sorted((u for u in units if not u.is_root), key=lambda u: names.index(u.modules[0]))
     heads = [modules[u.modules[0]] for u in units]
-    k = spec.forward_prefetch
     for i, m in enumerate(heads):
         nxt = heads[i + 1:i + 1 + k]
         if nxt:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
@@ -25,6 +25,7 @@ from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
+from wrapopt.plan.pipeline import PipelineRun, apply_pipeline
 from wrapopt.plan.schema import plan_schema, schema_errors, short_json
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.spec import ROOT, SELECTIVE_OP, CostEstimate, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
@@ -251,7 +252,8 @@ class WrapPlan:
         )
 
     def apply(self, model: nn.Module, mesh: Any = None, *, strict: bool = True, train: TrainConfig | None = None,
-              override_train: bool = False) -> nn.Module:
+              override_train: bool = False, example_inputs: Sequence[Any] | None = None,
+              loss_fn: Callable[[Any, Any], Any] | None = None) -> nn.Module | PipelineRun:
         """Shard ``model`` in place with FSDP2 following this plan and return it.
 
         ``mesh`` is a ``DeviceMesh`` of the plan's shape; by default one is
@@ -261,6 +263,11 @@ class WrapPlan:
         before the first collective. A model on the meta device is sharded
         as it is; give it storage and values afterwards with
         ``wrapopt.plan.apply.materialize_sharded``.
+
+        A pipeline plan (``spec.pipeline``) splits the model into stages and returns this rank's
+        ``PipelineRun`` (stages, schedule, ``step``) instead of the model; it needs
+        ``example_inputs`` (one micro-batch of the model's positional inputs) and
+        ``loss_fn(output, target)`` (See [Note: applying a pipeline plan] in plan/pipeline.py).
 
         The mixed precision is the plan's (``train``). Passing ``train`` checks
         that the plan was scored for that step: a plan made for another one
@@ -283,8 +290,11 @@ class WrapPlan:
                         + ". Re-run the search with these settings, or pass override_train=True to apply anyway"
                     )
                 mp = train.mixed_precision()
-        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp,
-                          param_users=self.model.get("param_users") or ())
+        users = self.model.get("param_users") or ()
+        if self.spec.pipeline is not None:
+            return apply_pipeline(model, self.spec, example_inputs=example_inputs, loss_fn=loss_fn, mesh=mesh,
+                                  mixed_precision=mp, param_users=users)
+        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=users)
 
     @property
     def micro_batch(self) -> int | None:

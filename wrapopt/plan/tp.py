@@ -101,10 +101,12 @@ def parallelize_blocks(model: nn.Module, spec: TPSpec, tp_mesh: Any) -> None:
 
 def data_parallel_mesh(mesh: Any, mesh_spec: MeshSpec) -> Any:
     """The sub-mesh FSDP shards on: the whole mesh for a 1-D plan, else its data-parallel
-    axes (``"shard"``, or ``("replicate", "shard")`` for HSDP and for no sharding)."""
-    if mesh_spec.tp_size == 1:
+    axes (``"shard"``, or ``("replicate", "shard")`` for HSDP and for no sharding), without
+    the "tp" and "pp" axes (a pipeline stage's ranks at one pipeline position)."""
+    axes = tuple(a for a in mesh_spec.axis_names if a in ("replicate", "shard"))
+    if axes == mesh_spec.axis_names:
         return mesh
-    return mesh["replicate", "shard"] if mesh_spec.is_hsdp else mesh["shard"]
+    return mesh[axes] if len(axes) > 1 else mesh[axes[0]]
 
 
 def tp_from_json(raw: Any, *, source: str) -> TPSpec:
