@@ -39,6 +39,7 @@ from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fab
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
+from wrapopt.plan.pipeline import PipelineRun, one_microbatch
 from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
 from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
@@ -65,7 +66,7 @@ class OptimizeResult:
     """What ``optimize_wrap`` returns."""
 
     plan: WrapPlan
-    model: nn.Module | None  # the sharded model when a process group is initialised
+    model: nn.Module | PipelineRun | None  # the sharded model (a pipeline plan: this rank's stages) in a process group
     baselines: dict[str, Scored]
     search: SearchResult = field(repr=False)
     graph: ModelGraph = field(repr=False)
@@ -195,6 +196,7 @@ def optimize_wrap(
     tp: int | str | None = None,
     tp_plan: TPSpec | None = None,
     global_batch: int | None = None, pp: int | str | None = None,
+    pipeline_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
@@ -221,7 +223,9 @@ def optimize_wrap(
         global_batch: sequences per optimizer step over all data-parallel ranks, fixed: the search
             chooses the micro-batch per rank and the accumulation with the plan (``.micro_batch``,
             ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
-        pp: pipeline degree: None or 1 (none), an int, or "auto": See [Note: pipeline search].
+        pp: pipeline degree: None or 1 (none), an int, or "auto": See [Note: pipeline search]. A pipeline
+            plan applied under a process group makes ``model`` this rank's ``PipelineRun`` (its schedule and
+            stage modules); it needs ``pipeline_loss_fn(output, target)``, which the last stage calls.
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -248,7 +252,10 @@ def optimize_wrap(
         train = wplan.train_config if global_batch is not None else train  # the micro-batch chosen
     if save_plan is not None and (not in_group or dist.get_rank() == 0):  # rank 0 writes
         wplan.save(save_plan)
-    sharded = wplan.apply(model, train=train) if in_group else None
+    pipe = wplan.spec.pipeline  # See [Note: applying a pipeline plan] in plan/pipeline.py
+    kw = ({"example_inputs": one_microbatch(example_inputs, pipe.microbatches), "loss_fn": pipeline_loss_fn}
+          if pipe else {})
+    sharded = wplan.apply(model, train=train, **kw) if in_group else None
     fab = fab or analytical_fabric(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     if result is None:  # a given or received plan: score it beside the baselines, no search
         result, stated = _score_plan(graph, wplan, fabric=fab, compute=compute, train=train, budget=budget,
@@ -296,21 +303,11 @@ def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpu
         check_seed(seed)
         mesh = _job_mesh(world_size, gpus_per_node)
         graph = trace_model(model, example_inputs, loss_fn=loss_fn)
-        given_plan = _load_given_plan(plan, model, graph)
+        given_plan = WrapPlan.given(plan, model, graph)
     agree("starting optimize_wrap", {
         "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
         "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr((seed, *options))})
     return mesh, graph, given_plan
-
-
-def _load_given_plan(plan: WrapPlan | str | os.PathLike | None, model: nn.Module,
-                     graph: ModelGraph) -> WrapPlan | None:
-    """The plan to apply instead of searching, checked against the model; None: search."""
-    given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-    if given is not None:
-        given.check_model(model)
-        validate_plan(graph, given.spec)  # a hand-written plan may part a module from its parameters' user
-    return given
 
 
 def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: ComputeProfile | str | None, *,

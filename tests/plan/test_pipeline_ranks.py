@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tests.ranks import TOL, catch, reference
+from wrapopt.api import optimize_wrap
 from wrapopt.errors import PlanError, RankFailedError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import spawn
@@ -143,10 +144,31 @@ def _errors(rank: int, world: int, out: dict) -> None:
     out["err/barrier"] = True
 
 
+def _optimize(rank: int, world: int, out: dict) -> None:
+    """optimize_wrap(pp=2) under the process group: the search's pipeline plan, applied; the user's loop
+    gets this rank's PipelineRun (schedule and stage modules) and trains with it."""
+    model = reference("llama-tiny")
+    x = zoo.get_entry("llama-tiny").inputs(batch=4 * MB)[0]
+    res = optimize_wrap(model, (x,), world_size=4, gpus_per_node=4, fabric="a100+ib200", pp=2,
+                        pipeline_loss_fn=lm_target_loss)
+    run = res.model
+    opt = torch.optim.SGD(list(run.parameters()), lr=0.1)
+    mine = x.chunk(2)[rank % 2]
+    losses = []
+    for _ in range(2):
+        loss = run.step((mine,), target=mine)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else float(loss))
+    out["optimize"] = {"kind": type(run).__name__, "schedule": type(run.schedule).__name__,
+                       "pp": res.plan.mesh.pp_size, "stages": len(res.plan.spec.pipeline.stages),
+                       "plan_schedule": res.plan.spec.pipeline.schedule, "losses": losses, "last": run.is_last}
+
+
 def _cases(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
-    for case in (_errors, _parity):
+    for case in (_errors, _optimize, _parity):
         case(rank, world, out)
     return out
 
@@ -179,6 +201,18 @@ def test_pipeline_training_matches_the_unsharded_model(four_ranks, case):
         assert "wte.weight" in four_ranks[0][case_key(case)]["names"]
         assert "lm_head.weight" in four_ranks[2][case_key(case)]["names"]
         assert four_ranks[0][case_key(case)]["tied"] == 1 and four_ranks[2][case_key(case)]["tied"] == 1
+
+
+def test_optimize_wrap_hands_the_user_the_pipeline(four_ranks):
+    got = [r["optimize"] for r in four_ranks]
+    assert all(g["kind"] == "PipelineRun" and g["pp"] == 2 for g in got)
+    assert all(g["schedule"] == "Schedule" + g["plan_schedule"] for g in got)
+    for g in got:
+        if g["last"]:
+            assert all(v is not None and v == v and v > 0 for v in g["losses"])  # finite losses on the last stage
+        else:
+            assert g["losses"] == [None, None]
+    assert sum(g["last"] for g in got) == 2  # two data-parallel ranks hold the last stage
 
 
 def test_bad_stages_fail_on_every_rank_before_any_collective(four_ranks):

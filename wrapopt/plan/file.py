@@ -30,6 +30,7 @@ from wrapopt.plan.schema import plan_schema, schema_errors, short_json
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.spec import ROOT, SELECTIVE_OP, CostEstimate, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
 from wrapopt.train import TrainConfig
+from wrapopt.units import validate_plan
 from wrapopt.version import __version__
 
 __all__ = ["WrapPlan", "PLAN_FORMAT", "plan_schema", "schema_errors"]
@@ -143,6 +144,16 @@ class WrapPlan:
         """Write the plan atomically as JSON."""
 
         atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def given(cls, plan: "WrapPlan | str | os.PathLike | None", model: nn.Module, graph: Any) -> "WrapPlan | None":
+        """A plan (or its file) to apply instead of searching, checked against ``model`` and its traced
+        ``graph``; None: search."""
+        given = cls.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+        if given is not None:
+            given.check_model(model)
+            validate_plan(graph, given.spec)  # a hand-written plan may part a module from its parameters' user
+        return given
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "WrapPlan":

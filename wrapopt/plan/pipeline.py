@@ -34,7 +34,22 @@ from wrapopt.spec import PlanSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
 
-__all__ = ["PipelineRun", "apply_pipeline"]
+__all__ = ["PipelineRun", "apply_pipeline", "one_microbatch"]
+
+
+def one_microbatch(inputs: Any, microbatches: int) -> tuple[Any, ...]:
+    """The first micro-batch of a whole batch of positional inputs (each tensor's first dimension
+    split ``microbatches`` ways, as the schedule splits it); what the pipeline split traces with."""
+    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            if a.shape[0] % microbatches:
+                raise PlanError(f"a batch of {a.shape[0]} does not split into the plan's {microbatches} micro-batches; "
+                                f"give a batch that is a multiple of {microbatches}")
+            a = a[: a.shape[0] // microbatches]
+        out.append(a)
+    return tuple(out)
 
 # [Note: applying a pipeline plan]
 # A plan with ``mesh.pp_size > 1`` runs on a ``pp x replicate x shard`` DeviceMesh (pp outermost,
