@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 
-from benchmarks.search_tp import write_into
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- search_pp.py: begin -->", "<!-- search_pp.py: end -->"
@@ -101,6 +100,19 @@ def pp_section() -> list[str]:
                          + " | | | |")
             print("\n".join(lines[-len(pipe['rows']) - 1:]), flush=True)
     return lines + ["", END]
+
+
+def write_into(path: str, section: list[str]) -> None:
+    """``section`` into ``path`` between this script's markers (replacing what they held), else appended."""
+    from wrapopt.fileio import atomic_write_text
+
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    block = "\n".join(section)
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    atomic_write_text(path, text)
 
 
 def main() -> int:
