@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 
-from benchmarks.search_tp import write_into
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- search_pp.py: begin -->", "<!-- search_pp.py: end -->"
@@ -79,6 +78,14 @@ def pp_section() -> list[str]:
              "(unsynchronised fp32 gradients held across micro-batches, as FSDP2 under torch's pipelining keeps "
              "them), so it is TorchTitan's layout as wrapopt models it. Target: the 405B shape on 1024 GPUs in at "
              "most 120 s and 4 GB.", ""]
+    lines += ["What drives these rows in the model (read with the numbers below): at one sequence per GPU a "
+              "pipeline of pp x tp GPUs has at most pp x tp micro-batches, so its bubble ((m + pp - 1) / m for "
+              "1F1B) stays large unless tensor parallelism, whose all-reduces sit on every block's critical path, "
+              "multiplies the batch; every stage holds its unsharded fp32 gradients from the first micro-batch's "
+              "backward to REDUCE_GRAD (torch's stage runs FSDP2 without gradient sync until then), a whole "
+              "stage's worth per GPU; and without sequence parallelism each GPU of a tensor-parallel group keeps "
+              "the whole block input of every micro-batch in flight. A row marked over budget does not fit the "
+              "72 GiB budget; *nothing fits* lists each degree's smallest peak.", ""]
     lines += ["| model | GPUs | budget | wall | CPU | peak RSS | row | step | tokens/s/GPU | peak | plan |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, world in CASES:
@@ -101,6 +108,19 @@ def pp_section() -> list[str]:
                          + " | | | |")
             print("\n".join(lines[-len(pipe['rows']) - 1:]), flush=True)
     return lines + ["", END]
+
+
+def write_into(path: str, section: list[str]) -> None:
+    """``section`` into ``path`` between this script's markers (replacing what they held), else appended."""
+    from wrapopt.fileio import atomic_write_text
+
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    block = "\n".join(section)
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    atomic_write_text(path, text)
 
 
 def main() -> int:

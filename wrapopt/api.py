@@ -42,6 +42,7 @@ from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.pipeline import PipelineRun, one_microbatch
 from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
+from wrapopt.report.pipeline import format_pipeline
 from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
 from wrapopt.search.baselines import baselines
 from wrapopt.search.batch import recorded_scale, score_splits, train_for
@@ -90,6 +91,7 @@ class OptimizeResult:
         then the assumptions the prediction rests on (``report.choice.format_report``); at a fixed
         global batch, every micro-batch x accumulation split (``report.batch.format_batch``)."""
         text = format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
+        text += "\n" + format_pipeline(self.search) if self.search.pp_rows else ""  # per pipeline degree
         return text + ("\n" + format_batch(self.search) if self.search.batch_rows else "")
 
 

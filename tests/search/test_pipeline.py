@@ -149,3 +149,24 @@ def test_cli_estimate_pp_and_search_refusal(tmp_path, capsys):
     assert est["mesh"]["pp_size"] == 2
     assert main(["search", "zoo:t5-tiny", "--world-size", "4", "--pp", "2", "--trials", "0"]) == 1
     assert "one sequential chain" in capsys.readouterr().err
+
+
+def test_combine_prefers_plans_within_the_memory_margin():
+    from types import SimpleNamespace as NS
+
+    from wrapopt.search.choose import MEMORY_ERROR
+    from wrapopt.search.pipeline import combine
+
+    budget = 100.0
+
+    def scored(step, peak, label):
+        return NS(estimate=NS(step_s=step, peak_bytes=peak), plan=NS(label=label), fits=peak <= budget)
+
+    inside, past = scored(2.0, budget * (1 - MEMORY_ERROR) - 1, "a"), scored(1.0, budget - 0.5, "b")
+    res = combine(None, {2: inside, 4: past}, {}, [inside, past], None, budget)
+    assert res.best is inside
+    assert "margin" in dict(res.pp_tried)[4] and dict(res.pp_tried)[2] == "chosen"
+    assert [label for label, _ in res.pp_rows] == ["best pp2", "best pp4"]
+    # nothing within the margin: the fastest that fits the budget
+    res = combine(None, {4: past}, {}, [past], None, budget)
+    assert res.best is past

@@ -25,8 +25,10 @@ that one run (``stage_cost``):
 - ``reduce_s``: the gradient reduction, serial (the REDUCE_GRAD action), and the optimizer step;
 - memory: ``static_bytes`` (sharded parameters, optimizer state, the unsharded gradients held
   across micro-batches), ``kept_bytes`` (parameters kept unsharded the whole step),
-  ``activation_bytes`` (what one micro-batch in flight holds: the simulator's activations at
-  its peak) and ``transient_bytes`` (the rest of its peak: gathered units, working set).
+  ``activation_bytes`` (what one micro-batch in flight keeps from its forward to its backward:
+  each unit's saved activations, a checkpointed unit's input, the loss's saved bytes) and
+  ``transient_bytes`` (the rest of the simulator's peak: gathered units, a checkpointed block's
+  recomputed activations, the working set).
 
 Not modelled: torch 2.13's stage also turns off ``reshard_after_backward`` until REDUCE_GRAD, so
 a resharded unit's parameters gathered in backward stay until that unit's next forward reshards
@@ -62,8 +64,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCost, UnitSpec
 
-__all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", "stage_cost", "stage_units",
-           "simulate_pipeline", "stage_options"]
+__all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", "stage_cost", "held_bytes",
+           "stage_units", "simulate_pipeline", "stage_options"]
 
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
                "all_gather_buffer", "unsharded_grads", "activations", "working_set")
@@ -260,9 +262,18 @@ def _stage_of(fqn: str, owner: dict[str, int]) -> int | None:
     return None
 
 
-def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float, send_bytes: float) -> StageCost:
+def held_bytes(est: CostEstimate, units: tuple[UnitSpec, ...], kept_inputs: list[float], loss_saved: float) -> float:
+    """What one micro-batch keeps from its forward to its backward: per unit its saved activations,
+    or what a checkpointed unit keeps (``kept_inputs``, as the step simulator reads a truthy
+    ``UnitSpec.checkpoint``), and the loss's saved bytes on the last stage."""
+    return sum(k if u.checkpoint else c.saved_bytes for c, u, k in zip(est.units, units, kept_inputs)) + loss_saved
+
+
+def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float, send_bytes: float,
+               held: float | None = None) -> StageCost:
     """A stage's per-micro-batch figures from its simulator's estimate (accumulation 2, sync
-    "last"): See [Note: pipeline stages]."""
+    "last"); ``held``: a micro-batch's activations kept from forward to backward (``held_bytes``;
+    None: the activations at the estimate's peak). See [Note: pipeline stages]."""
     costs = list(est.units)
     gathered = sum(c.param_bytes for c in costs) or 1
     resharded = [u.reshard_after_forward is not False for u in units]
@@ -277,7 +288,7 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
     parts = dict(est.peak_breakdown)
     static = parts["sharded_params"] + parts["optimizer_state"] + parts["accumulated_grads"]
     kept = sum(c.param_bytes for c, r in zip(costs, resharded) if not r)
-    acts = parts["activations"]
+    acts = parts["activations"] if held is None else held
     return StageCost(fwd_s=fwd_compute + gather_exposed * share, bwd_s=est.bwd_s,
                      first_extra_s=gather_exposed * (1 - share), reduce_s=reduce_s, optim_s=est.optim_s,
                      static_bytes=static, kept_bytes=kept, activation_bytes=acts,
@@ -300,9 +311,13 @@ def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> Cost
         ssim = base.for_stage(tuple(mods), first=s == 0, last=s == n - 1, options=options)
         est = ssim.simulate(PlanSpec(units=units, mesh=stage_mesh, forward_prefetch=plan.forward_prefetch))
         notes.update(est.notes)
-        out = ssim.graph.root.output_bytes * ssim.options.batch_scale if s < n - 1 else 0.0
-        stages.append(stage_cost(est, units, loss_s=ssim.compute.loss_s * ssim.options.batch_scale if s == n - 1
-                                 else 0.0, send_bytes=out))
+        scale, last = ssim.options.batch_scale, s == n - 1
+        out = ssim.graph.root.output_bytes * scale if not last else 0.0
+        kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale if not u.is_root else 0
+                   for u in units]  # a checkpointed unit keeps its input: cost/layout.py's ``_input_bytes``
+        held = held_bytes(est, units, kept_in, ssim.graph.loss_saved_bytes * scale if last else 0.0)
+        stages.append(stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=out,
+                                 held=held))
     send = tuple(send_s(sim.fabric, st.send_bytes, cross_nodes=mesh.stages_cross_nodes) for st in stages)
     order = schedule_order(pipe.schedule, mesh.pp_size, n, pipe.microbatches)
     tl = run_timeline(order, stages, send, record=record)

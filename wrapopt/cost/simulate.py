@@ -172,7 +172,7 @@ class Simulator:
         self.host = host
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
-        self._stage_views: dict[tuple[Any, ...], Simulator] = {}  # See [Note: pipeline stages] in pipeline.py
+        self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
         self.graph, self.fabric, self.compute = graph, fabric, compute
@@ -245,14 +245,13 @@ class Simulator:
 
     def for_stage(self, modules: tuple[str, ...], *, first: bool, last: bool, options: SimOptions) -> "Simulator":
         """The simulator of one pipeline stage (the modules it owns), cached. See [Note: pipeline stages]."""
-        key = (modules, first, last, options)
-        hit = self._stage_views.get(key)
+        views = self._stage_views.setdefault((modules, first, last), {})  # per stage, a simulator per options
+        hit = views.get(options)
         if hit is None:
-            if len(self._stage_views) > 512:
-                self._stage_views.clear()
-            g = stage_graph(self.traced, modules, first=first, last=last)
-            hit = self._stage_views[key] = Simulator(g, self.fabric, stage_compute(self.compute, g, last=last),
-                                                     options, backend=self.backend, host=self.host)
+            g = next(iter(views.values())).traced if views else stage_graph(self.traced, modules, first=first,
+                                                                            last=last)
+            hit = views[options] = Simulator(g, self.fabric, stage_compute(self.compute, g, last=last), options,
+                                             backend=self.backend, host=self.host)
         return hit
 
     # -- the step: ``simulate`` and its phases, in the order it runs them --------------------

@@ -40,13 +40,12 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
     """The graph of the stage that owns ``modules`` (module paths, none an ancestor of another).
     ``first``/``last``: whether it is the first / the last stage."""
     keep = _kept(graph, modules)
-    listed = set(modules)
+    inside = {f for fqn in modules for f in graph.subtree(fqn)}
     infos: dict[str, ModuleInfo] = {}
     for m in graph.modules:
         if m.fqn not in keep:
             continue
-        inside = m.fqn in listed or any(m.fqn.startswith(p + ".") for p in listed)
-        if not inside and not first:  # a container's own ops run on the first stage only
+        if m.fqn not in inside and not first:  # a container's own ops run on the first stage only
             m = replace(m, fwd_flops=0.0, bwd_flops=0.0, saved_bytes=0, fwd_bytes=0, bwd_bytes=0, matmuls=(),
                         attention_flops=0.0, attention_run_flops=0.0)
         infos[m.fqn] = replace(m, children=tuple(c for c in m.children if c in keep))
@@ -67,29 +66,14 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
     shapes = tuple(s for s in graph.param_shapes if (s[0].rsplit(".", 1)[0] if "." in s[0] else ROOT) in keep)
     heads = tuple(a for a in graph.attention_heads if a[0] in keep)
     users = tuple(pu for pu in graph.param_users if pu[0] in keep and pu[1] in keep)
-    input_bytes = graph.input_bytes if first else boundary_bytes(graph, _previous(graph, modules))
+    called = [graph.info(m) for m in modules if graph.info(m).order >= 0]
+    # a later stage's input: the activation its first module receives
+    input_bytes = graph.input_bytes if first or not called else min(called, key=lambda m: m.order).input_bytes
     return replace(graph, modules=tuple(infos[m.fqn] for m in graph.modules if m.fqn in infos), tree=tree,
                    block_chains=chains, tied_groups=tied, param_shapes=shapes, attention_heads=heads,
                    param_users=users, input_bytes=input_bytes,
                    loss_saved_bytes=graph.loss_saved_bytes if last else 0,
                    loss_peak_bytes=graph.loss_peak_bytes if last else 0)
-
-
-def _previous(graph: ModelGraph, modules: tuple[str, ...]) -> tuple[str, ...]:
-    """The module that runs just before the stage's first one (whose output the stage receives)."""
-    called = [graph.info(m) for m in modules if graph.info(m).order >= 0]
-    if not called:
-        return ()
-    start = min(m.order for m in called)
-    mine = set(_kept(graph, modules))
-    before = [m for m in graph.call_order() if m.order < start and m.fqn not in mine and m.parent is not None]
-    # the last module to finish before the stage starts: the outermost of those called last
-    if not before:
-        return ()
-    last = before[-1]
-    while last.parent and graph.info(last.parent).order >= 0 and last.parent not in mine:
-        last = graph.info(last.parent)
-    return (last.fqn,)
 
 
 def stage_compute(compute: ComputeProfile, graph: ModelGraph, *, last: bool) -> ComputeProfile:

@@ -12,6 +12,7 @@ from wrapopt.assumptions import Assumptions
 from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.report.estimate import format_breakdown
+from wrapopt.report.pipeline import describe_stages
 from wrapopt.search.driver import ERROR_SOURCE, SearchResult
 from wrapopt.spec import CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
@@ -126,7 +127,11 @@ def units_summary(plan: PlanSpec, blocks: Sequence[str]) -> str:
 def _sharding_kind(result: SearchResult) -> str:
     mesh = result.best.plan.mesh
     kind = ("FSDP over the world" if mesh.shard_size == mesh.world_size else "no sharding" if mesh.shard_size == 1
+            else f"FSDP over each stage's {mesh.dp_size} data-parallel ranks"
+            if mesh.pp_size > 1 and mesh.shard_size == mesh.dp_size
             else f"HSDP: {mesh.replicate_size} replicas of a shard group of {mesh.shard_size}")
+    if mesh.pp_size > 1:
+        kind = f"pipeline of {mesh.pp_size} ranks ({describe_stages(result.best.plan)}); " + kind
     if mesh.tp_size > 1:
         kind += f", tensor parallel {mesh.tp_size} inside each node ({mesh.dp_size} data-parallel ranks)"
     if result.best.plan.offload:

@@ -232,12 +232,23 @@ def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: di
     best = dict(per_degree)
     if one_d is not None:
         best[1] = one_d.best
+    aim = (float(memory_budget) if memory_budget else float("inf")) * (1 - MEMORY_ERROR)
+    within = {d: s for d, s in best.items() if s.estimate.peak_bytes <= aim}
+    if within and len(within) < len(best):  # See [Note: plans within the error]: the margin first
+        for d in set(best) - set(within):
+            tried[d] = (f"fits only past the memory model's {MEMORY_ERROR * 100:.0f}% margin "
+                        f"({best[d].estimate.peak_bytes / 2**30:.2f} GiB, {best[d].plan.label})")
+        rows_extra = {d: best[d] for d in set(best) - set(within)}
+        best = within
+    else:
+        rows_extra = {}
     if not best:
         raise InfeasibleError("no pipeline degree has a plan that fits: " + "; ".join(
             f"pp{d}: {why}" for d, why in sorted(tried.items())))
     top = min(s.estimate.step_s for s in best.values())
     chosen = min(d for d, s in best.items() if s.estimate.step_s <= top * (1 + STEP_ERROR))
-    rows = [(f"best pp{d}" + (" (no pipeline)" if d == 1 else ""), best[d]) for d in sorted(best)]
+    shown = {**best, **rows_extra}
+    rows = [(f"best pp{d}" + (" (no pipeline)" if d == 1 else ""), shown[d]) for d in sorted(shown)]
     if reference is not None:
         rows.append((reference.plan.label, reference))
     ref = best[chosen].estimate.step_s

@@ -62,6 +62,14 @@ def run_search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Trai
                      train, sim, tuple(notes))
 
 
+def _why_none(whys: dict[int, str], scored: list[Scored]) -> str:
+    """Why a pipeline degree has no plan: the smallest peak over its tensor-parallel degrees, else each reason."""
+    if scored:
+        small = min(scored, key=lambda s: s.estimate.peak_bytes)
+        return f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB ({small.plan.label})"
+    return "; ".join(f"tp{t}: {w}" for t, w in whys.items()) or "no tensor-parallel degree divides the ranks left"
+
+
 def _with_pipelines(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout,
                     one_d: Callable[[], SearchResult], pp_degrees: tuple[int, ...], tp_degrees: tuple[int, ...],
                     spec: TPSpec | None, memory_budget: float | None) -> SearchResult:
@@ -79,17 +87,17 @@ def _with_pipelines(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: P
     for pp in pp_degrees:
         if pp == 1:
             continue
-        whys = []
+        whys: dict[int, str] = {}
         for tp in tp_degrees:
             if mesh.world_size % (pp * tp):
                 continue
             top, mine, why = search_pipeline_degree(graph, sim, mesh, layout, pp=pp, tp=tp, spec=spec,
                                                     memory_budget=memory_budget)
             scored += mine
-            whys.append(f"tp{tp}: {why}")
+            whys[tp] = why
             if top is not None and (pp not in best or top.estimate.step_s < best[pp].estimate.step_s):
                 best[pp] = top
         if pp not in best:
-            tried[pp] = "; ".join(whys) or "no tensor-parallel degree divides the ranks left"
+            tried[pp] = _why_none(whys, [s for s in scored if s.plan.mesh.pp_size == pp])
     ref = torchtitan_plan(graph, sim, mesh, layout, spec, memory_budget) if spec is not None else None
     return combine(first, best, tried, scored, ref, memory_budget, tuple(graph.blocks))
