@@ -153,7 +153,12 @@ def _optimize(rank: int, world: int, out: dict) -> None:
                         pipeline_loss_fn=lm_target_loss)
     run = res.model
     opt = torch.optim.SGD(list(run.parameters()), lr=0.1)
-    mine = x.chunk(2)[rank % 2]
+    mine = x.roll(rank % 2, dims=0)  # each data-parallel rank its own order of the batch it was planned for
+    try:
+        run.step((mine[:MB],), target=mine[:MB])
+        out["optimize/wrong-batch"] = ""
+    except PlanError as e:
+        out["optimize/wrong-batch"] = str(e)
     losses = []
     for _ in range(2):
         loss = run.step((mine,), target=mine)
@@ -162,7 +167,8 @@ def _optimize(rank: int, world: int, out: dict) -> None:
         losses.append(None if loss is None else float(loss))
     out["optimize"] = {"kind": type(run).__name__, "schedule": type(run.schedule).__name__,
                        "pp": res.plan.mesh.pp_size, "stages": len(res.plan.spec.pipeline.stages),
-                       "plan_schedule": res.plan.spec.pipeline.schedule, "losses": losses, "last": run.is_last}
+                       "plan_schedule": res.plan.spec.pipeline.schedule, "losses": losses, "last": run.is_last,
+                       "first": run.is_first}
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -213,6 +219,9 @@ def test_optimize_wrap_hands_the_user_the_pipeline(four_ranks):
         else:
             assert g["losses"] == [None, None]
     assert sum(g["last"] for g in got) == 2  # two data-parallel ranks hold the last stage
+    for r in four_ranks:  # a batch of another size is named on the first and the last stage, before any send
+        words = r["optimize/wrong-batch"]
+        assert (not words) if not r["optimize"]["last"] and not r["optimize"]["first"] else "split for batches" in words
 
 
 def test_bad_stages_fail_on_every_rank_before_any_collective(four_ranks):

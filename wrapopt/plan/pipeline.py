@@ -113,6 +113,8 @@ class PipelineRun:
     is_last: bool
     # (local copies of one tied parameter on this rank, the process group summing them, or None)
     tied: tuple[tuple[tuple[nn.Parameter, ...], Any], ...] = field(default=())
+    # The batch one step takes (micro-batches x the traced micro-batch's first dimension); 0: unchecked.
+    batch: int = 0
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for m in self.modules:
@@ -124,6 +126,12 @@ class PipelineRun:
             yield from m.named_parameters()
 
     def step(self, inputs: Sequence[Any], target: Any = None) -> torch.Tensor | None:
+        """One training step of this rank's stages (the optimizer step is the caller's): the first
+        stage takes ``inputs``, the last ``target``; returns the last stage's mean loss, else None."""
+        given = inputs[0] if self.is_first and inputs else target if self.is_last else None
+        if self.batch and isinstance(given, torch.Tensor) and given.shape[0] != self.batch:
+            raise PlanError(f"this pipeline was split for batches of {self.batch} (micro-batches x the example "
+                            f"micro-batch), but step got {given.shape[0]}; pass the batch the plan was made for")
         losses: list[torch.Tensor] = []
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
         if self.is_first:
@@ -234,7 +242,13 @@ def apply_pipeline(
     stages = tuple(pipe.build_stage(s, dev, group=pp_mesh.get_group()) for s in mine)
     tied = _tied_groups_across(model_tied, copies, spec, layout, mesh, pp_rank)
     return PipelineRun(schedule=_schedule(spec, stages, loss_fn), stages=stages, modules=modules, stage_indices=mine,
-                       is_first=0 in mine, is_last=len(spec.pipeline.stages) - 1 in mine, tied=tied)
+                       is_first=0 in mine, is_last=len(spec.pipeline.stages) - 1 in mine, tied=tied,
+                       batch=_batch_of(example_inputs) * spec.pipeline.microbatches)
+
+
+def _batch_of(inputs: Sequence[Any]) -> int:
+    first = next((a for a in inputs if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    return 0 if first is None else int(first.shape[0])
 
 
 def _split(model: nn.Module, layout: StageLayout, example_inputs: tuple[Any, ...]) -> Any:
