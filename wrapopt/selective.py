@@ -18,6 +18,24 @@ holds each ``MUST_SAVE`` output: an attention block's output projection, which o
 residual add reads, is kept too); in backward it recomputes the forward time of the
 other ops.
 
+It also costs per op: torch runs the unit's forward under a caching ``TorchDispatchMode`` and
+its recompute under another, each calling the Python policy for every aten op (a full
+checkpoint has neither). Measured paired on a 2-core CPU (torch 2.13, one thread, medians of
+150 interleaved runs, fp32): a chain of k ``sin`` ops costs 20 us per op more than under full
+checkpointing (slope over k = 0..200; ~9 us in forward, ~11 in the recompute), and
+llama-tiny's block (~105 ops) 7.1 ms forward+backward against full's 4.6 ms and 2.6 ms
+unchecked: the modes cost more than the block's whole forward, so on small CPU models
+selective-op is slower than full. ``ComputeProfile.selective_op_overhead_s`` is that cost per
+forward op and pass (``measure_selective_overhead``: the first repeated block checkpointed
+through the selective contexts with a recompute-everything policy, minus full, over 2 x its
+forward ops; ~12-13 us on that CPU; caching the kept outputs, one detach each, is left out);
+the tracer counts each module's forward ops (``ModuleInfo.fwd_ops``: 102 for llama-tiny's
+block against 105 seen in a real CPU forward), and the step loop charges overhead x ops to a
+selective-op segment's forward and again to its recompute (``_compute_s`` and the chain DP
+alike). Analytical (GPU) profiles leave it 0: it is host work, which a GPU's run-ahead hides
+while its kernels take longer; it is not measured on a GPU here, so where kernels are tiny
+(launch-bound steps) selective-op is priced too cheap there.
+
 Where this differs from TorchTitan's op-level SAC (``apply_ac``, ``mode = "selective"``,
 ``selective_ac_option = "op"``): TorchTitan saves every *second* ``mm`` (it recomputes the
 odd ones to halve the memory of the matmul outputs) and also saves ``aten.max`` and the

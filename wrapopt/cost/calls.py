@@ -51,9 +51,11 @@ class Entry(NamedTuple):
     acc_numel: int  # elements whose gradient is accumulated here into an existing one
     inp: int  # bytes of its floating inputs: the gradient its backward hands on
     # Selective-op checkpointing (See [Note: selective checkpointing] in wrapopt/selective.py): the
-    # forward seconds it recomputes (its ops but matmuls and attention) and the bytes it keeps.
+    # forward seconds it recomputes (its ops but matmuls and attention) and the bytes it keeps,
+    # and what torch's selective dispatch modes add to each pass, its forward and its recompute.
     sel_fwd_s: float
     sel_kept: int
+    sel_ops_s: float
 
 
 def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece: Callable[[str], str]) -> list[Entry]:
@@ -74,7 +76,7 @@ def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece
         entries.append(Entry(m.fqn, ancestors(m.fqn), f, b, int(m.saved_bytes * scale),
                              int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
                              int((0 if m.fqn == ROOT else m.input_bytes) * scale), sel_f,
-                             int(m.selective_kept_bytes * scale)))
+                             int(m.selective_kept_bytes * scale), compute.selective_op_overhead_s * m.fwd_ops))
     return entries
 
 

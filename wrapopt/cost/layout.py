@@ -67,9 +67,11 @@ class Segment(NamedTuple):
     bwd_work: int  # most its backward holds beyond its saved activations and earlier gradients
     keep: int  # what checkpointing keeps of this block: its output (~ the next block's input)
     # Selective-op (See [Note: selective checkpointing] in wrapopt/selective.py): the forward
-    # seconds it recomputes, and what it keeps (its saved ops' outputs, plus ``keep``).
+    # seconds it recomputes, what it keeps (its saved ops' outputs, plus ``keep``), and the
+    # seconds torch's selective dispatch modes add to each pass (its forward, its recompute).
     sel_fwd_s: float
     sel_keep: int
+    sel_ops_s: float
 
 
 unit_modules = operator.attrgetter("modules")  # a unit's modules: the key of a set of units is these, per unit
@@ -87,7 +89,7 @@ class Layout:
     # input bytes (what checkpointing keeps of it, ~ its largest output), and how
     # many of its segments start a piece (pay the checkpoint overhead).
     counts: np.ndarray
-    times: np.ndarray  # per unit (float64): forward, backward, selective-op's recompute
+    times: np.ndarray  # per unit (float64): forward, backward, selective-op's recompute and per-pass overhead
     # What the step loop reads (``step.step_loop``): the segments' columns and the units'
     # order and sums. Tuples, or numpy arrays where the layout kernel built it.
     seg_cols: Segments
@@ -281,7 +283,7 @@ class Layouts:
         segments: list[Segment] = []
         new = tuple.__new__
         seen: set[str] = set()
-        for r, (pc, anc, _es, (f, b, sv, out, gn, bw, sf, sk)) in enumerate(self._runs):
+        for r, (pc, anc, _es, (f, b, sv, out, gn, bw, sf, sk, so)) in enumerate(self._runs):
             u = owner_of.get(pc)
             if u is None:
                 u = owner_of[pc] = owner(anc)
@@ -291,7 +293,7 @@ class Layouts:
                 if out > work[u]:
                     work[u] = out
                 kp = 0 if pc in seen else keep_of[pc]
-                segments.append(new(Segment, (u, f, b, sv, out, gn, bw, kp, sf, sk + kp)))
+                segments.append(new(Segment, (u, f, b, sv, out, gn, bw, kp, sf, sk + kp, so)))
                 seen.add(pc)
                 continue
             # See [Note: cut pieces]: the split depends only on how the units cut the piece.
@@ -305,7 +307,7 @@ class Layouts:
                 if vals[3] > work[g]:
                     work[g] = vals[3]
                 kp = 0 if k or pc in seen else keep_of[pc]
-                segments.append(new(Segment, (g, *vals[:6], kp, vals[6], vals[7] + kp)))
+                segments.append(new(Segment, (g, *vals[:6], kp, vals[6], vals[7] + kp, vals[8])))
             if pc not in seen:
                 for j, ne, nb, tn, tb in self._param_sums(pc, powners):
                     g = glob[j]
@@ -327,7 +329,7 @@ class Layouts:
                   saved: list[int], work: list[int]) -> Layout:
         """The ``Layout``: per-unit sums of the segments and the units' forward and backward order."""
         n = len(units)
-        fwd, bwd, sel = [0.0] * n, [0.0] * n, [0.0] * n  # a unit's times: the sums of its segments'
+        fwd, bwd, sel, sel_oh = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n  # a unit's times: its segments' sums
         order_d: dict[int, None] = {n - 1: None}
         last = [-1] * n
         nseg, seg_grads, nkeep = [0] * n, [0] * n, [0] * n
@@ -336,6 +338,7 @@ class Layouts:
             fwd[u] += sgm[1]
             bwd[u] += sgm[2]
             sel[u] += sgm[8]
+            sel_oh[u] += sgm[10]
             order_d[u] = None
             last[u] = i
             nseg[u] += 1
@@ -356,8 +359,8 @@ class Layouts:
         new = tuple.__new__
         counts = np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n)
         return Layout(counts,
-                      np.array((fwd, bwd, sel), dtype=np.float64).reshape(3, n),
-                      new(Segments, zip(*segments)) if segments else new(Segments, ((),) * 10),
+                      np.array((fwd, bwd, sel, sel_oh), dtype=np.float64).reshape(4, n),
+                      new(Segments, zip(*segments)) if segments else new(Segments, ((),) * 11),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
                       new(UnitLayout, (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg),
                                        tuple(seg_grads), tuple(tbytes))))
@@ -385,10 +388,10 @@ class Layouts:
         seg_u, seg_f, s, u_i, u_f, runs = kernel(ids, listed, *tables)  # the tables in the kernel's order
         # As Simulator._columns makes them; the rows of u_i and u_f: See layout_kernel.
         new = tuple.__new__  # the named tuples from their fields in order (faster than keywords)
-        return Layout(u_i[:8], u_f[:3], new(Segments, (seg_u[:s], *seg_f[:, :s])),
+        return Layout(u_i[:8], u_f[:4], new(Segments, (seg_u[:s], *seg_f[:, :s])),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
-                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[3],
-                                       u_f[4])))
+                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[4],
+                                       u_f[5])))
 
     def _split(self, r: int,
                groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
@@ -426,23 +429,24 @@ class Layouts:
 
     def _seg_sums(self, r: int, i0: int, i1: int) -> tuple[Any, ...]:
         """Entries ``i0:i1`` of run ``r`` as one segment: times, saved, working set,
-        gradient elements, backward working set, and selective-op's recompute time and kept
-        bytes, summed in call order. Cached."""
+        gradient elements, backward working set, and selective-op's recompute time, kept
+        bytes and per-pass overhead, summed in call order. Cached."""
         key = (r, i0, i1)
         hit = self._sums.get(key)
         if hit is None:
             es = self._runs[r][2][i0:i1]
             f, b, sv, out, gn = es[0].fwd_s, es[0].bwd_s, es[0].saved, es[0].out, es[0].grad_numel
-            sf, sk = es[0].sel_fwd_s, es[0].sel_kept
+            sf, sk, so = es[0].sel_fwd_s, es[0].sel_kept, es[0].sel_ops_s
             for e in es[1:]:
                 sf += e.sel_fwd_s
+                so += e.sel_ops_s
                 sk += e.sel_kept
                 f += e.fwd_s
                 b += e.bwd_s
                 sv += e.saved
                 out = max(out, e.out)
                 gn += e.grad_numel
-            hit = self._sums[key] = (f, b, sv, out, gn, backward_working_set(es, self._reduce_elem), sf, sk)
+            hit = self._sums[key] = (f, b, sv, out, gn, backward_working_set(es, self._reduce_elem), sf, sk, so)
         return hit
 
     def _param_sums(self, pc: str, owners: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

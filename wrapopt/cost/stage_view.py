@@ -47,7 +47,7 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
             continue
         if m.fqn not in inside and not first:  # a container's own ops run on the first stage only
             m = replace(m, fwd_flops=0.0, bwd_flops=0.0, saved_bytes=0, fwd_bytes=0, bwd_bytes=0, matmuls=(),
-                        attention_flops=0.0, attention_run_flops=0.0)
+                        attention_flops=0.0, attention_run_flops=0.0, fwd_ops=0)
         infos[m.fqn] = replace(m, children=tuple(c for c in m.children if c in keep))
     # totals over what the stage holds, deepest first
     for fqn in sorted(infos, key=lambda f: -infos[f].depth):

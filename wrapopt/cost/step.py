@@ -41,7 +41,8 @@ output and the incoming gradient in backward). A checkpointed unit keeps only
 its input during forward and re-saves its activations while it recomputes. A
 selective-op unit (``UnitPlan.checkpoint == CK_SELECTIVE``) keeps its input and the
 outputs of its matmuls and attention (``Segments.sel_keep``) and recomputes only its
-other ops (``sel_fwd_s``): See [Note: selective checkpointing] in wrapopt/selective.py.
+other ops (``sel_fwd_s``); its forward and its recompute each pay the dispatch modes' per-op
+work (``sel_ops_s``): See [Note: selective checkpointing] in wrapopt/selective.py.
 
 [Note: reduce-scatter buffer] At a unit's post-backward FSDP2 copies its
 unsharded gradients into one reduce-scatter input buffer (both exist for a
@@ -92,7 +93,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wrapopt.cost.step_inputs import CK_FULL, PlanScalars, Segments, StepConstants, UnitLayout, UnitPlan
+from wrapopt.cost.step_inputs import CK_FULL, CK_SELECTIVE, PlanScalars, Segments, StepConstants, UnitLayout, UnitPlan
 
 __all__ = ["KINDS", "LANES", "LOOP_HELPERS", "step_loop"]
 
@@ -158,7 +159,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     plain tuple: See [Note: step loop inputs]."""
     # The inputs unpacked in their fields' order (checked below the function): in Python ~0.3 us,
     # against ~1.9 us to name them again and read the names. See [Note: step loop inputs].
-    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep, seg_sf, seg_sk = segs  # Segments
+    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep, seg_sf, seg_sk, seg_so = segs  # Segments
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
     P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
     static, shard, depth, record, gathers = plan  # PlanScalars
@@ -220,8 +221,10 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                     comm_total += d
                     ag_end[x] = c
                     issued[x] = True
-        t, peak, parts, ne = _compute(t, seg_f[si], c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
-                                      grads_pending, seg_work[si] * 1.0, peak, parts, record, ev, ne, FWD, u)
+        # selective-op: its dispatch modes' per-op work on top (See [Note: selective checkpointing])
+        t, peak, parts, ne = _compute(t, seg_f[si] + (seg_so[si] if ck[u] == CK_SELECTIVE else 0.0), c, ovl_c1,
+                                      static, sharded_grads, gathered, ag_buffer, acts, grads_pending,
+                                      seg_work[si] * 1.0, peak, parts, record, ev, ne, FWD, u)
         # Checkpointing wraps each of the unit's blocks: each keeps only its boundary tensor (full),
         # or that and its saved ops' outputs (selective-op).
         acts += seg_saved[si] if not ck[u] else (seg_keep[si] if ck[u] == CK_FULL else seg_sk[si])
@@ -277,7 +280,8 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
         if ck[u]:  # recompute this block's forward (selective-op: its other ops), re-saving its activations
             full = ck[u] == CK_FULL
             acts += seg_saved[si] - (seg_keep[si] if full else seg_sk[si])
-            t, peak, parts, ne = _compute(t, (seg_f[si] if full else seg_sf[si]) + (ck_oh if seg_keep[si] else 0.0),
+            t, peak, parts, ne = _compute(t, (seg_f[si] if full else seg_sf[si] + seg_so[si])
+                                          + (ck_oh if seg_keep[si] else 0.0),
                                           c, ovl_c1, static,
                                           sharded_grads, gathered, ag_buffer, acts, grads_pending, seg_work[si] * 1.0,
                                           peak, parts, record, ev, ne, RECOMPUTE, u)
@@ -316,7 +320,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
 
 # step_loop unpacks its inputs by position: these are the orders it reads.
 assert Segments._fields == ("unit", "fwd_s", "bwd_s", "saved", "work", "grad_numel", "bwd_work", "keep", "sel_fwd_s",
-                            "sel_keep")
+                            "sel_keep", "sel_ops_s")
 assert UnitLayout._fields == ("forward", "backward", "last_fwd", "fwd_pos", "bwd_pos", "num_segments", "seg_grad_numel",
                               "trainable_bytes")
 assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "reduce_scatter_s", "all_reduce_s",

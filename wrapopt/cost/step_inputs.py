@@ -53,6 +53,7 @@ class Segments(NamedTuple):
     keep: Any  # what checkpointing keeps of its block (on a block's first segment; else 0)
     sel_fwd_s: Any  # what selective-op recomputes of it (seconds)
     sel_keep: Any  # what selective-op keeps of it: its saved ops' outputs, plus ``keep``
+    sel_ops_s: Any  # what selective-op's dispatch modes add to each pass over it (forward, recompute)
 
 
 class UnitLayout(NamedTuple):

@@ -29,6 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from wrapopt.consensus import every_rank
 from wrapopt.errors import ModelError
@@ -43,6 +45,7 @@ __all__ = [
     "measure_module_overhead",
     "measure_unit_overhead",
     "measure_checkpoint_overhead",
+    "measure_selective_overhead",
     "measure_optimizer",
     "measure_loss_time",
 ]
@@ -191,6 +194,62 @@ def _first_block(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def _block_call(model: nn.Module, example_inputs: tuple[Any, ...] | Any) -> tuple[Any, ...] | None:
+    """The model's first repeated block, a function making fresh inputs for it (leaves that
+    require grad), its keyword arguments and its device's sync, captured in one forward; None
+    without a repeated block or when it never ran."""
+    block = _first_block(model)
+    if block is None:
+        return None
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    captured: dict[str, Any] = {}
+
+    def grab(_m: nn.Module, args: Any, kwargs: Any) -> None:
+        captured.setdefault("call", (args, kwargs))
+
+    h = block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        h.remove()
+    if "call" not in captured:
+        return None
+    args, kwargs = captured["call"]
+    # A Hugging Face cache (past_key_value(s)) would grow with every timed call: the block runs without one.
+    kwargs = {k: (None if "past_key_value" in k else False if k == "use_cache" else v) for k, v in kwargs.items()}
+    device = next(block.parameters(), torch.empty(0)).device
+
+    def fresh() -> tuple[Any, ...]:
+        return tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                     for a in args)
+
+    return block, fresh, kwargs, sync_for(device)
+
+
+def _interleaved(runs: tuple[Callable[[], None], ...], repeats: int, sync: Callable[[], None]) -> list[float]:
+    """Median seconds of each of ``runs``, timed in turn (so that load changes hit all alike)."""
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(3 + max(repeats * 4, 10)):
+        for i, fn in enumerate(runs):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= 3:
+                times[i].append(time.perf_counter() - t0)
+    return [median(t) for t in times]
+
+
+def _fwd_bwd(b: nn.Module, fresh: Callable[[], tuple[Any, ...]], kwargs: dict[str, Any],
+             backward: bool = True) -> Callable[[], None]:
+    def run() -> None:
+        out = b(*fresh(), **kwargs)
+        if backward:
+            sum(t.float().sum() for t in _float_outputs(out)).backward()
+    return run
+
+
 def measure_checkpoint_overhead(model: nn.Module, example_inputs: tuple[Any, ...] | Any, *,
                                 repeats: int = 5) -> float:
     """Seconds activation checkpointing adds to one block beyond re-running its forward.
@@ -208,55 +267,60 @@ def measure_checkpoint_overhead(model: nn.Module, example_inputs: tuple[Any, ...
 
     from torch.distributed._composable import checkpoint
 
-    block = _first_block(model)
-    if block is None:
+    found = _block_call(model, example_inputs)
+    if found is None:
         return 0.0
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    captured: dict[str, Any] = {}
-
-    def grab(_m: nn.Module, args: Any, kwargs: Any) -> None:
-        captured.setdefault("call", (args, kwargs))
-
-    h = block.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        h.remove()
-    if "call" not in captured:
-        return 0.0
-    args, kwargs = captured["call"]
-    # A Hugging Face cache (past_key_value(s)) would grow with every timed call: the block runs without one.
-    kwargs = {k: (None if "past_key_value" in k else False if k == "use_cache" else v) for k, v in kwargs.items()}
-    device = next(block.parameters(), torch.empty(0)).device
-    sync = sync_for(device)
-
-    def fresh() -> tuple[Any, ...]:
-        return tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-                     for a in args)
-
+    block, fresh, kwargs, sync = found
     plain, ckpt = copy.deepcopy(block), copy.deepcopy(block)
     checkpoint(ckpt)
-
-    def step(b: nn.Module, backward: bool = True) -> Callable[[], None]:
-        def run() -> None:
-            out = b(*fresh(), **kwargs)
-            if backward:
-                sum(t.float().sum() for t in _float_outputs(out)).backward()
-        return run
-
-    runs = (step(plain), step(ckpt), step(plain, False))
-    times: list[list[float]] = [[], [], []]
-    for r in range(3 + max(repeats * 4, 10)):  # interleaved, so that load changes hit all three alike
-        for i, fn in enumerate(runs):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if r >= 3:
-                times[i].append(time.perf_counter() - t0)
-    t_plain, t_ckpt, t_fwd = (median(t) for t in times)
+    t_plain, t_ckpt, t_fwd = _interleaved((_fwd_bwd(plain, fresh, kwargs), _fwd_bwd(ckpt, fresh, kwargs),
+                                           _fwd_bwd(plain, fresh, kwargs, False)), repeats, sync)
     return max(0.0, t_ckpt - t_plain - t_fwd)
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops that reach the dispatcher's Python modes (as selective-op's do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _recompute_all(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def measure_selective_overhead(model: nn.Module, example_inputs: tuple[Any, ...] | Any, *,
+                               repeats: int = 5) -> float:
+    """Seconds selective-op checkpointing adds per forward op and pass (its forward and its
+    recompute each pay it): See [Note: selective checkpointing] in wrapopt/selective.py.
+
+    Takes the model's first repeated block (None: 0.0) and times forward+backward of a copy
+    checkpointed fully (``t_full``) and one checkpointed through torch's selective contexts
+    with a policy that recomputes every op (``t_sel``: the same ops run, only the dispatch
+    modes' work differs), and counts the ops of one forward (``n``)::
+        overhead = max(0, t_sel - t_full) / (2 * n)
+    """
+    import copy
+
+    from torch.distributed._composable import checkpoint
+
+    found = _block_call(model, example_inputs)
+    if found is None:
+        return 0.0
+    block, fresh, kwargs, sync = found
+    count = _OpCount()
+    with count:
+        block(*fresh(), **kwargs)
+    full, sel = copy.deepcopy(block), copy.deepcopy(block)
+    checkpoint(full)
+    checkpoint(sel, context_fn=lambda: create_selective_checkpoint_contexts(_recompute_all))
+    t_full, t_sel = _interleaved((_fwd_bwd(full, fresh, kwargs), _fwd_bwd(sel, fresh, kwargs)), repeats, sync)
+    return max(0.0, t_sel - t_full) / (2 * count.ops) if count.ops else 0.0
 
 
 def _float_outputs(out: Any) -> list[torch.Tensor]:
@@ -315,7 +379,8 @@ def measure_compute(
     # The model's own runs are local: a rank whose forward fails tells the others before they wait for it in
     # the collectives below (See [Note: every rank explains] in wrapopt/consensus.py).
     with every_rank("running the model to time its modules"):
-        module_times, loss_s, checkpoint_overhead_s = _model_figures(model, example_inputs, loss_fn, repeats, meta)
+        module_times, loss_s, checkpoint_overhead_s, selective_s = _model_figures(model, example_inputs, loss_fn,
+                                                                                  repeats, meta)
     optimizer_tensor_s = optimizer_tensor_2d_s = optimizer_bandwidth = 0.0
     if dist.is_initialized():
         optimizer_tensor_s, optimizer_tensor_2d_s, optimizer_bandwidth = measure_optimizer(repeats=repeats)
@@ -335,6 +400,7 @@ def measure_compute(
         optimizer_bandwidth_bytes_per_s=optimizer_bandwidth,
         loss_s=loss_s,
         checkpoint_overhead_s=checkpoint_overhead_s,
+        selective_op_overhead_s=selective_s,
         module_times=module_times,
         runs_ahead=torch.device(device).type != "cpu",  # a CUDA stream queues work; a CPU runs it as issued
         meta=meta,
@@ -355,9 +421,10 @@ def _resolve_device(device: torch.device | str | None, model: nn.Module | None) 
 
 
 def _model_figures(model: nn.Module | None, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None,
-                   repeats: int, meta: dict[str, Any]) -> tuple[tuple[tuple[str, float, float], ...], float, float]:
+                   repeats: int, meta: dict[str, Any]) -> tuple[tuple[tuple[str, float, float], ...], float, float,
+                                                                 float]:
     """What the model itself adds, when given: its module times, its loss's time (with a
-    ``loss_fn``) and the overhead of checkpointing its first repeated block."""
+    ``loss_fn``), the overhead of checkpointing its first repeated block and selective-op's per-op cost."""
     module_times: tuple[tuple[str, float, float], ...] = ()
     if model is not None:
         module_times = measure_module_times(model, example_inputs, loss_fn=loss_fn, repeats=repeats)
@@ -365,11 +432,13 @@ def _model_figures(model: nn.Module | None, example_inputs: Any, loss_fn: Callab
     loss_s = 0.0
     if model is not None and loss_fn is not None:
         loss_s = measure_loss_time(model, example_inputs, loss_fn, repeats=repeats)
-    checkpoint_overhead_s = 0.0
+    checkpoint_overhead_s = selective_s = 0.0
     if model is not None:
         checkpoint_overhead_s = measure_checkpoint_overhead(model, example_inputs, repeats=repeats)
         meta["checkpoint_overhead"] = "first repeated block: checkpointed - plain - forward"
-    return module_times, loss_s, checkpoint_overhead_s
+        selective_s = measure_selective_overhead(model, example_inputs, repeats=repeats)
+        meta["selective_op_overhead"] = "first repeated block: (selective, recompute all - full) / (2 * forward ops)"
+    return module_times, loss_s, checkpoint_overhead_s, selective_s
 
 
 def _unit_overhead(repeats: int, meta: dict[str, Any]) -> float:

@@ -409,6 +409,7 @@ class ComputeProfile:
     # What activation checkpointing adds per checkpointed module beyond re-running its
     # forward (saved-tensor hooks, the recompute's bookkeeping), seconds.
     checkpoint_overhead_s: float = 0.0
+    selective_op_overhead_s: float = 0.0  # per forward op of a selective-op unit, forward and recompute (selective.py)
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
     # Whether the host runs ahead of the device, so that a unit's all-gather is issued
     # while the previous unit computes (a GPU stream); False on a CPU, where each
@@ -445,6 +446,7 @@ class ComputeProfile:
             "op_bandwidth_bytes_per_s": self.op_bandwidth_bytes_per_s,
             "loss_s": self.loss_s,
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
+            "selective_op_overhead_s": self.selective_op_overhead_s,
             "module_times": [list(t) for t in self.module_times],
             "runs_ahead": self.runs_ahead,
             "split_efficiency": [list(t) for t in self.split_efficiency],
@@ -475,6 +477,7 @@ class ComputeProfile:
             op_bandwidth_bytes_per_s=r.num("op_bandwidth_bytes_per_s", 0.0),
             loss_s=r.num("loss_s", 0.0),
             checkpoint_overhead_s=r.num("checkpoint_overhead_s", 0.0),
+            selective_op_overhead_s=r.num("selective_op_overhead_s", 0.0),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
             # files written before the field existed: a CPU device was the one that does not run ahead
             runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),

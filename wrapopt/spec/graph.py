@@ -57,6 +57,9 @@ class ModuleInfo:
     # calls): what selective-op checkpointing keeps of it. See [Note: selective checkpointing] in
     # wrapopt/selective.py.
     selective_kept_bytes: int = 0
+    # Aten ops its forward ran (its own, over all calls), as a dispatch mode sees them: selective-op
+    # checkpointing pays a per-op cost for each. See [Note: selective checkpointing] in wrapopt/selective.py.
+    fwd_ops: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -305,6 +305,7 @@ def _build_graph(
             attention_flops=rec.attention.get(n, (0.0, 0.0))[0],
             attention_run_flops=rec.attention.get(n, (0.0, 0.0))[1],
             selective_kept_bytes=rec.selective_kept.get(n, 0),
+            fwd_ops=rec.fwd_ops.get(n, 0),
         )
         g.add_node(n, info=info)
         if parent is not None:

@@ -169,6 +169,7 @@ class Recorder(TorchDispatchMode):
         # [Note: selective checkpointing] in wrapopt/selective.py.
         self.selective_kept: dict[str, int] = defaultdict(int)
         self.selective_seen: set[Any] = set()
+        self.fwd_ops: dict[str, int] = defaultdict(int)  # per module, aten ops its forward ran
         self.meta_wins = False  # ops mixing meta and real tensors run on meta: See [Note: integer inputs stay real]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -183,8 +184,10 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         if self.in_loss or self.in_tail:
             self._track_loss(out)
-        if not self.backward and not self.in_loss and is_saved_op(func):
-            self._selective_kept(out)
+        if not self.backward and not self.in_loss:
+            self.fwd_ops[self.stack[-1]] += 1
+            if is_saved_op(func):
+                self._selective_kept(out)
         if self.record_flow:
             self.flow.record(self.stack[-1], args, kwargs, out)
             if self.param_key:  # See [Note: who reads a parameter]

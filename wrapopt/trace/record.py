@@ -94,6 +94,7 @@ class StepRecord:
         self.attention: dict[str, tuple[float, float]] = {}  # (FLOPs counted, FLOPs the kernel runs)
         # See [Note: selective checkpointing] in wrapopt/selective.py: what selective-op keeps per module
         self.selective_kept: dict[str, int] = {}
+        self.fwd_ops: dict[str, int] = {}  # aten ops each module's forward ran (its own)
 
 
 def _run_step(
@@ -272,6 +273,7 @@ def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
     rec.matmuls = {m: tuple(sorted(k + (n,) for k, n in t.items())) for m, t in recorder.matmuls.items()}
     rec.attention = {m: (a[0], a[1]) for m, a in recorder.attention.items()}
     rec.selective_kept = dict(recorder.selective_kept)
+    rec.fwd_ops = dict(recorder.fwd_ops)
 
 
 def _is_data_dependent(e: Exception) -> bool:

@@ -86,9 +86,11 @@ class ChainCosts:
     # the last group's re-gather is prefetched then too.
     loss_mem: float = 0.0
     # Selective-op (See [Note: selective checkpointing] in wrapopt/selective.py): per block the
-    # forward seconds it recomputes, and what it keeps beyond ``inp`` (its matmul and attention outputs).
+    # forward seconds it recomputes, what it keeps beyond ``inp`` (its matmul and attention outputs),
+    # and what torch's selective dispatch modes add to each pass (its forward, its recompute).
     sel_F: tuple[float, ...] = ()
     sel_extra: tuple[float, ...] = ()
+    sel_O: tuple[float, ...] = ()
 
     @property
     def fwd_overhead_s(self) -> float:
@@ -149,7 +151,7 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
         overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s,
         runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
-        sel_F=tuple(lay.times[2][:n].tolist()), sel_extra=tuple(sel_extra),
+        sel_F=tuple(lay.times[2][:n].tolist()), sel_extra=tuple(sel_extra), sel_O=tuple(lay.times[3][:n].tolist()),
     )
 
 
@@ -165,8 +167,10 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
     sl = slice(start, start + size)
     F = sum(cc.F[sl])
     sel = ckpt == SELECTIVE_OP
-    if sel:  # recomputes its other ops only
-        B = sum(cc.B[sl]) + sum(cc.sel_F[sl]) + size * cc.ckpt_overhead_s
+    if sel:  # recomputes its other ops only; its dispatch modes' work in both passes
+        oh = sum(cc.sel_O[sl])
+        F += oh
+        B = sum(cc.B[sl]) + sum(cc.sel_F[sl]) + oh + size * cc.ckpt_overhead_s
     else:
         B = sum(cc.B[sl]) + (F + size * cc.ckpt_overhead_s if ckpt else 0.0)
     A = cc.ag[(start, size)]
