@@ -21,7 +21,8 @@ that one run (``stage_cost``):
   exposed all-gathers of the units resharded after forward, which gather again every
   micro-batch; the units kept unsharded (``reshard_after_forward=False``, the root) gather on
   the first micro-batch only (``first_extra_s``) and stay gathered the whole step;
-- backward of a micro-batch ``bwd_s``: the simulator's backward (re-gathers included);
+- backward of a micro-batch ``bwd_s``: the simulator's backward (re-gathers included) less its
+  reduce-scatters (no gradient sync until REDUCE_GRAD), at least its compute and recompute;
 - ``reduce_s``: the gradient reduction, serial (the REDUCE_GRAD action), and the optimizer step;
 - memory: ``static_bytes`` (sharded parameters, optimizer state, the unsharded gradients held
   across micro-batches), ``kept_bytes`` (parameters kept unsharded the whole step),
@@ -289,7 +290,12 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
     static = parts["sharded_params"] + parts["optimizer_state"] + parts["accumulated_grads"]
     kept = sum(c.param_bytes for c, r in zip(costs, resharded) if not r)
     acts = parts["activations"] if held is None else held
-    return StageCost(fwd_s=fwd_compute + gather_exposed * share, bwd_s=est.bwd_s,
+    # A micro-batch's backward runs without gradient sync: the estimate's (synchronising) backward
+    # less its reduce-scatters, which run once, in the end-of-step reduction (``reduce_s``); never
+    # below the backward's compute and recompute.
+    floor = sum(c.bwd_s for c in costs) + sum(c.fwd_s for c, u in zip(costs, units) if u.checkpoint)
+    bwd = max(floor, est.bwd_s - sum(c.reduce_scatter_s for c in costs))
+    return StageCost(fwd_s=fwd_compute + gather_exposed * share, bwd_s=bwd,
                      first_extra_s=gather_exposed * (1 - share), reduce_s=reduce_s, optim_s=est.optim_s,
                      static_bytes=static, kept_bytes=kept, activation_bytes=acts,
                      transient_bytes=max(0.0, est.peak_bytes - static - kept - acts), compute_s=compute,
