@@ -128,6 +128,8 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             "pred_phase_s": {"fwd_bwd": e.step_s - e.optim_s, "optim": e.optim_s},
             "meas_phase_s": {"fwd_bwd": m.phase_s[0] + m.phase_s[1], "optim": m.phase_s[2]},
             "pred_compute_s": e.compute_s, "pred_exposed_s": e.exposed_comm_s,
+            # the ranks' CPU seconds in the step over what the machine's cores give in its wall time
+            "cpu_use": m.cpu_s / (m.step_s * (os.cpu_count() or 1)),
         })
     return {"model": f"zoo:{name}", "rows": rows, "aa": {"plan": plans[fastest].label,
                                                           "times_s": list(measured[-1].times_s),
@@ -210,18 +212,20 @@ def render(runs: list[dict], summaries: list[dict], *, date: str, wall: float, c
         lines += ["", f"## {run['model']} on {run['machine']['world_size']} ranks", "",
                   f"Profiles measured in {run['profiles_s']:.0f} s. Phases: the step less the optimizer step (for a "
                   "pipeline plan the schedule: every micro-batch's forward and backward, the gradient reduction and "
-                  "the bubble), and the optimizer step.", "",
+                  "the bubble), and the optimizer step. CPU use: the CPU seconds the 4 ranks' processes used in the "
+                  "step (median over repeats of their sum) over the machine's cores times the measured step.", "",
                   "| plan | PP | micro-batches | predicted step (ms) | of which the busiest rank's compute (ms) | "
                   "measured step (ms) | measured / predicted | spread | measured / predicted: step less optimizer, "
-                  "optimizer | predicted peak | measured peak |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "optimizer | CPU use | predicted peak | measured peak |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["rows"]:
             ph = ", ".join(f"{r['meas_phase_s'][k] / r['pred_phase_s'][k]:.2f}" for k in ("fwd_bwd", "optim"))
             meas_peak = fmt_bytes(r["meas_peak_bytes"]) if r["meas_peak_bytes"] else "not measured"
             lines.append(f"| {r['plan']} | {r['pp']} | {r['microbatches']} | {r['pred_step_s'] * 1e3:.1f} | "
                          f"{r['pred_compute_s'] * 1e3:.1f} | {r['meas_step_s'] * 1e3:.1f} | "
                          f"{r['meas_step_s'] / r['pred_step_s']:.2f} | "
-                         f"{r['meas_spread']:.0%} | {ph} | {fmt_bytes(r['pred_peak_bytes'])} | {meas_peak} |")
+                         f"{r['meas_spread']:.0%} | {ph} | {r['cpu_use']:.0%} | {fmt_bytes(r['pred_peak_bytes'])} | "
+                         f"{meas_peak} |")
         stages = next((r["stages"] for r in run["rows"] if r["pp"] > 1 and r["schedule"] != "Interleaved1F1B"), None)
         if stages:
             lines += ["", "PP 2 stages: " + " | ".join(", ".join(s) for s in stages) + "."]

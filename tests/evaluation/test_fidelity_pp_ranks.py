@@ -33,7 +33,7 @@ def test_rows_hold_both_pipeline_degrees_with_positive_times(run):
     for r in rows:
         assert r["pred_step_s"] > 0 and r["meas_step_s"] > 0
         assert len(r["meas_times_s"]) == 2 and all(t > 0 for t in r["meas_times_s"])
-        assert r["meas_phase_s"]["fwd_bwd"] > 0 and r["meas_phase_s"]["optim"] > 0
+        assert r["meas_phase_s"]["fwd_bwd"] > 0 and r["meas_phase_s"]["optim"] > 0 and r["cpu_use"] > 0
     assert run["aa"]["plan"] in ONLY and len(run["aa"]["times_s"]) == 2
     assert run["machine"]["world_size"] == 4
 

@@ -71,11 +71,13 @@ class Measured:
     # median over repeats of the slowest rank's forward (with the loss), backward, optimizer
     phase_s: tuple[float, ...] = ()
     warnings: tuple[str, ...] = ()  # distinct "Category: message" of the warnings its first step raised
+    # median over repeats of the CPU seconds the ranks' processes used in the step, summed over the ranks
+    cpu_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "step_s": self.step_s, "times_s": list(self.times_s), "spread": self.spread,
                 "peak_bytes": self.peak_bytes, "losses": list(self.losses), "phase_s": dict(zip(PHASES, self.phase_s)),
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings), "cpu_s": self.cpu_s}
 
 
 def round_order(n: int, r: int) -> list[int]:
@@ -266,26 +268,28 @@ def _any_step(m: Any, opt: torch.optim.Optimizer, inputs: tuple, loss_fn: Callab
 
 
 class _Rounds(NamedTuple):
-    """Per plan: every round's loss, the timed rounds' step times and phases, what the first round raised."""
+    """Per plan: every round's loss, the timed rounds' step times, phases and CPU seconds (summed over
+    the ranks), what the first round raised."""
 
     losses: list[list[float]]
     times: list[list[float]]
     phases: list[list[list[float]]]
     raised: list[list[str]]
+    cpu: list[list[float]]
 
 
 def _timed_rounds(models, opts, plan_inputs, loss_fn, *, warmup, repeats, micro, no_sync, on_cuda,
                   progress) -> _Rounds:
     """``warmup + repeats`` rounds, each stepping every plan once in its rotating order."""
     n = len(models)
-    losses, times, phases, raised = ([[] for _ in range(n)] for _ in range(4))
+    losses, times, phases, raised, cpu = ([[] for _ in range(n)] for _ in range(5))
     for r in range(warmup + repeats):
         for i in round_order(n, r):  # See [Note: round order]
             m, o, batch = models[i], opts[i], plan_inputs[i]
             dist.barrier()
             if on_cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             marks = [_mark(on_cuda)]
             if r == 0:  # a warm-up round unless warmup=0
                 loss = _recording(lambda: _any_step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro,
@@ -295,13 +299,21 @@ def _timed_rounds(models, opts, plan_inputs, loss_fn, *, warmup, repeats, micro,
             if on_cuda:
                 torch.cuda.synchronize()
             dt, *ph = max_over_ranks(time.perf_counter() - t0, *_three(_phases(marks)))
+            used = _sum_over_ranks(time.process_time() - c0)  # after the timed step
             if r >= warmup:
                 times[i].append(dt)
                 phases[i].append(ph)
+                cpu[i].append(used)
             losses[i].append(loss)
         if progress:
             progress(f"bench: round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else ""))
-    return _Rounds(losses, times, phases, raised)
+    return _Rounds(losses, times, phases, raised, cpu)
+
+
+def _sum_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0])
 
 
 def _measured_peaks(models, opts, plan_inputs, loss_fn, *, micro, no_sync, on_cuda) -> list[int]:
@@ -331,4 +343,4 @@ def _summary(plan: PlanSpec, rounds: _Rounds, i: int, peak: int) -> Measured:
     return Measured(plan.label, med, tuple(times), (max(times) - min(times)) / med if med else 0.0,
                     peak, tuple(rounds.losses[i]),
                     tuple(statistics.median(p[k] for p in phases) for k in range(len(PHASES))),
-                    tuple(rounds.raised[i]))
+                    tuple(rounds.raised[i]), statistics.median(rounds.cpu[i]))
