@@ -128,6 +128,9 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             "pred_phase_s": {"fwd_bwd": e.step_s - e.optim_s, "optim": e.optim_s},
             "meas_phase_s": {"fwd_bwd": m.phase_s[0] + m.phase_s[1], "optim": m.phase_s[2]},
             "pred_compute_s": e.compute_s, "pred_exposed_s": e.exposed_comm_s,
+            # the busiest pipeline rank's actions (its stages' forwards, backwards, reductions); the makespan less
+            # this is the bubble (See [Note: pipeline stages] in wrapopt/cost/pipeline.py)
+            "pred_busy_s": e.fwd_s + e.bwd_s if pipe else e.step_s - e.optim_s,
             # the ranks' CPU seconds in the step over what the machine's cores give in its wall time
             "cpu_use": m.cpu_s / (m.step_s * (os.cpu_count() or 1)),
         })
@@ -168,6 +171,25 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "worst_mem_error": max((abs(r["pred_peak_bytes"] - r["meas_peak_bytes"]) / r["meas_peak_bytes"]
                                 for r in rows if r["meas_peak_bytes"]), default=None),
     }
+
+
+def _breakdown(rows: list[dict]) -> list[str]:
+    """The predicted step of each plan in parts: the busiest rank's compute, the rest of its actions
+    (FSDP's collectives and per-unit costs, for every micro-batch; the activation sends are not on
+    it), the pipeline bubble (the makespan less that rank's actions), the optimizer; and the measured
+    step against the prediction with and without the bubble."""
+    out = ["", "Predicted step in parts (ms) against the measured step:", "",
+           "| plan | compute (busiest rank) | collectives and per-unit costs | bubble | optimizer | measured | "
+           "measured / predicted | measured / predicted without the bubble |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        make = r["pred_phase_s"]["fwd_bwd"]
+        bubble = max(0.0, make - r["pred_busy_s"])
+        out.append(f"| {r['plan']} | {r['pred_compute_s'] * 1e3:.1f} | "
+                   f"{(r['pred_busy_s'] - r['pred_compute_s']) * 1e3:.1f} | {bubble * 1e3:.1f} | "
+                   f"{r['pred_phase_s']['optim'] * 1e3:.1f} | {r['meas_step_s'] * 1e3:.1f} | "
+                   f"{r['meas_step_s'] / r['pred_step_s']:.2f} | "
+                   f"{r['meas_step_s'] / (r['pred_step_s'] - bubble):.2f} |")
+    return out
 
 
 def _load() -> str:
@@ -229,6 +251,7 @@ def render(runs: list[dict], summaries: list[dict], *, date: str, wall: float, c
         stages = next((r["stages"] for r in run["rows"] if r["pp"] > 1 and r["schedule"] != "Interleaved1F1B"), None)
         if stages:
             lines += ["", "PP 2 stages: " + " | ".join(", ".join(s) for s in stages) + "."]
+        lines += _breakdown(run["rows"])
     return "\n".join(lines) + "\n"
 
 
