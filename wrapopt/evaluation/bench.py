@@ -22,6 +22,17 @@ The warnings a plan's first step raises (FSDP2's "returned a view tensor",
 for one) are recorded per plan (``Measured.warnings``), so that a report can
 say which plans raised them. Later steps show them as usual (once per place
 in the code, Python's default).
+
+[Note: pipeline plans in the bench] A plan with a pipeline (``plan.pipeline``, ``mesh.pp_size >
+1``) is applied with ``apply_pipeline`` on a fresh model (the split consumes it) and stepped as
+its ``PipelineRun`` runs: ``run.step(inputs, target)`` (the schedule: every micro-batch's forward
+and backward, the gradient reduction), then the optimizer step, timed as the other plans are (a
+barrier, the wall time of the whole step, the slowest rank's). Its inputs are its data-parallel
+position's (``inputs(dp_rank, dp_size)`` with the stage's data-parallel ranks: the global rank
+modulo ``dp_size``, the pipeline axis outermost), the first of them the target handed to
+``pipeline_loss_fn(output, target)`` on the last stage. The schedule runs forwards and backwards
+interleaved, so its phases are two: the forward phase holds the whole schedule step and the
+backward phase is 0; the optimizer step is its own. Peak memory tracks the rank's stage modules.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from wrapopt.evaluation.memtrack import steady_phases_peak, steady_step_peak
 from wrapopt.launch import dp_rank_size, max_over_ranks
 from wrapopt.losses import scalar_loss
 from wrapopt.plan.apply import apply_plan, build_mesh
+from wrapopt.plan.pipeline import PipelineRun, apply_pipeline, one_microbatch
 from wrapopt.spec import PlanSpec
 from wrapopt.train import TrainConfig
 
@@ -59,11 +71,13 @@ class Measured:
     # median over repeats of the slowest rank's forward (with the loss), backward, optimizer
     phase_s: tuple[float, ...] = ()
     warnings: tuple[str, ...] = ()  # distinct "Category: message" of the warnings its first step raised
+    # median over repeats of the CPU seconds the ranks' processes used in the step, summed over the ranks
+    cpu_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "step_s": self.step_s, "times_s": list(self.times_s), "spread": self.spread,
                 "peak_bytes": self.peak_bytes, "losses": list(self.losses), "phase_s": dict(zip(PHASES, self.phase_s)),
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings), "cpu_s": self.cpu_s}
 
 
 def round_order(n: int, r: int) -> list[int]:
@@ -180,6 +194,7 @@ def measure_plans(
     measure_memory: bool = True,
     progress: Callable[[str], None] | None = None,
     train: TrainConfig | None = None,
+    pipeline_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> list[Measured]:
     """Run real steps of every plan on the current process group (call on every rank).
 
@@ -190,12 +205,18 @@ def measure_plans(
     ``train`` (default: fp32, one micro-batch, AdamW) gives the mixed precision,
     the optimizer, and ``grad_accumulation`` micro-batches of ``inputs`` per step,
     synchronised as its ``accumulation_sync`` says.
+    A pipeline plan (See [Note: pipeline plans in the bench]) needs ``pipeline_loss_fn(output, target)``
+    and ``inputs`` as a callable, and one batch per step (no ``grad_accumulation``).
     """
 
     on_cuda = torch.cuda.is_available()
     micro = train.grad_accumulation if train is not None else 1
     no_sync = micro > 1 and train is not None and train.accumulation_sync == "last"
-    models, opts, plan_inputs = _build_plans(build, plans, inputs, lr=lr, train=train)
+    if any(p.pipeline is not None for p in plans) and (pipeline_loss_fn is None or not callable(inputs) or micro > 1):
+        raise ValueError("measure_plans: a pipeline plan needs pipeline_loss_fn=(output, target), inputs as "
+                         "inputs(dp_rank, dp_size), and one micro-batch per step (its schedule splits the batch)")
+    models, opts, plan_inputs = _build_plans(build, plans, inputs, lr=lr, train=train,
+                                             pipeline_loss_fn=pipeline_loss_fn)
     rounds = _timed_rounds(models, opts, plan_inputs, loss_fn, warmup=warmup, repeats=repeats, micro=micro,
                            no_sync=no_sync, on_cuda=on_cuda, progress=progress)
     peaks = (_measured_peaks(models, opts, plan_inputs, loss_fn, micro=micro, no_sync=no_sync, on_cuda=on_cuda)
@@ -203,57 +224,96 @@ def measure_plans(
     return [_summary(plan, rounds, i, peaks[i]) for i, plan in enumerate(plans)]
 
 
-def _build_plans(build, plans, inputs, *, lr, train):
-    """One fresh model per plan, sharded as it says, with its optimizer and its inputs."""
+def _build_plans(build, plans, inputs, *, lr, train, pipeline_loss_fn=None):
+    """One fresh model per plan, sharded as it says (a pipeline plan: its ``PipelineRun``), with its
+    optimizer and its inputs."""
     models, opts, plan_inputs = [], [], []
+    mp = train.mixed_precision() if train is not None else None
     for plan in plans:
         m = build()
-        mesh = build_mesh(plan) if plan.mesh.tp_size > 1 else None  # a 1-D plan builds its own, as before
-        apply_plan(m, plan, mesh=mesh, mixed_precision=train.mixed_precision() if train is not None else None)
-        plan_inputs.append(_inputs_for(plan, inputs, mesh))
+        if plan.pipeline is not None:  # See [Note: pipeline plans in the bench]
+            dp = plan.mesh.dp_size
+            batch = inputs(dist.get_rank() % dp, dp)
+            batch = batch if isinstance(batch, tuple) else (batch,)
+            m = apply_pipeline(m, plan, example_inputs=one_microbatch(batch, plan.pipeline.microbatches),
+                               loss_fn=pipeline_loss_fn, mixed_precision=mp)
+            plan_inputs.append(batch)
+        else:
+            mesh = build_mesh(plan) if plan.mesh.tp_size > 1 else None  # a 1-D plan builds its own, as before
+            apply_plan(m, plan, mesh=mesh, mixed_precision=mp)
+            plan_inputs.append(_inputs_for(plan, inputs, mesh))
         models.append(m)
         opts.append(train.make_optimizer(m.parameters(), lr=lr) if train is not None
                     else torch.optim.AdamW(m.parameters(), lr=lr))
     return models, opts, plan_inputs
 
 
+def _pipeline_step(run: PipelineRun, opt: torch.optim.Optimizer, inputs: tuple, mark: Callable[[], None]) -> float:
+    """One step of a pipeline plan: the schedule, then the optimizer; ``mark()`` after each
+    (See [Note: pipeline plans in the bench]). The loss is the last stage's (NaN on other ranks)."""
+    loss = run.step(inputs, target=inputs[0])
+    mark()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    mark()
+    return float("nan") if loss is None else float(loss)
+
+
+def _any_step(m: Any, opt: torch.optim.Optimizer, inputs: tuple, loss_fn: Callable,
+              mark: Callable[[], None] = lambda: None, micro: int = 1, no_sync: bool = False) -> float:
+    """``_step`` of a sharded model, ``_pipeline_step`` of a ``PipelineRun``."""
+    if isinstance(m, PipelineRun):
+        return _pipeline_step(m, opt, inputs, mark)
+    return _step(m, opt, inputs, loss_fn, mark, micro, no_sync)
+
+
 class _Rounds(NamedTuple):
-    """Per plan: every round's loss, the timed rounds' step times and phases, what the first round raised."""
+    """Per plan: every round's loss, the timed rounds' step times, phases and CPU seconds (summed over
+    the ranks), what the first round raised."""
 
     losses: list[list[float]]
     times: list[list[float]]
     phases: list[list[list[float]]]
     raised: list[list[str]]
+    cpu: list[list[float]]
 
 
 def _timed_rounds(models, opts, plan_inputs, loss_fn, *, warmup, repeats, micro, no_sync, on_cuda,
                   progress) -> _Rounds:
     """``warmup + repeats`` rounds, each stepping every plan once in its rotating order."""
     n = len(models)
-    losses, times, phases, raised = ([[] for _ in range(n)] for _ in range(4))
+    losses, times, phases, raised, cpu = ([[] for _ in range(n)] for _ in range(5))
     for r in range(warmup + repeats):
         for i in round_order(n, r):  # See [Note: round order]
             m, o, batch = models[i], opts[i], plan_inputs[i]
             dist.barrier()
             if on_cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             marks = [_mark(on_cuda)]
             if r == 0:  # a warm-up round unless warmup=0
-                loss = _recording(lambda: _step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro,
-                                                no_sync), raised[i])
+                loss = _recording(lambda: _any_step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro,
+                                                    no_sync), raised[i])
             else:
-                loss = _step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
+                loss = _any_step(m, o, batch, loss_fn, lambda: marks.append(_mark(on_cuda)), micro, no_sync)
             if on_cuda:
                 torch.cuda.synchronize()
             dt, *ph = max_over_ranks(time.perf_counter() - t0, *_three(_phases(marks)))
+            used = _sum_over_ranks(time.process_time() - c0)  # after the timed step
             if r >= warmup:
                 times[i].append(dt)
                 phases[i].append(ph)
+                cpu[i].append(used)
             losses[i].append(loss)
         if progress:
             progress(f"bench: round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else ""))
-    return _Rounds(losses, times, phases, raised)
+    return _Rounds(losses, times, phases, raised, cpu)
+
+
+def _sum_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0])
 
 
 def _measured_peaks(models, opts, plan_inputs, loss_fn, *, micro, no_sync, on_cuda) -> list[int]:
@@ -264,12 +324,14 @@ def _measured_peaks(models, opts, plan_inputs, loss_fn, *, micro, no_sync, on_cu
         if on_cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            _step(m, o, batch, loss_fn, micro=micro, no_sync=no_sync)
+            _any_step(m, o, batch, loss_fn, micro=micro, no_sync=no_sync)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
             # See [Note: missed frees] in memtrack.py.
-            peak = (steady_step_peak(lambda: _step(m, o, batch, loss_fn), m, o, "cpu") if micro == 1 else
+            peak = (steady_step_peak(lambda: _pipeline_step(m, o, batch, lambda: None), nn.ModuleList(m.modules), o,
+                                     "cpu") if isinstance(m, PipelineRun) else
+                    steady_step_peak(lambda: _step(m, o, batch, loss_fn), m, o, "cpu") if micro == 1 else
                     steady_phases_peak(_step_phases(m, o, batch, loss_fn, micro, no_sync), m, o, "cpu"))
         peaks[i] = int(max_over_ranks(float(peak))[0])
     return peaks
@@ -281,4 +343,4 @@ def _summary(plan: PlanSpec, rounds: _Rounds, i: int, peak: int) -> Measured:
     return Measured(plan.label, med, tuple(times), (max(times) - min(times)) / med if med else 0.0,
                     peak, tuple(rounds.losses[i]),
                     tuple(statistics.median(p[k] for p in phases) for k in range(len(PHASES))),
-                    tuple(rounds.raised[i]))
+                    tuple(rounds.raised[i]), statistics.median(rounds.cpu[i]))

@@ -70,7 +70,8 @@ from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TORCH_DTYPES, TrainConfig
 
-__all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "fmt_steal", "noise_floor", "paired_ratio", "place_effect", "spearman"]
+__all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "fmt_steal", "measure_hardware", "noise_floor", "paired_ratio",
+           "place_effect", "spearman"]
 
 
 def _log(rank: int, quiet: bool, msg: str) -> None:
@@ -142,7 +143,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     train = TrainConfig.from_json(cfg["train"]) if cfg.get("train") else None
     t0 = time.perf_counter()
     tp = cfg.get("tp", 1)
-    fabric, compute, dt = _measure_hardware(rank, world, cfg, entry, inputs, train, backend=dist.get_backend())
+    fabric, compute, dt = measure_hardware(rank, world, cfg, entry, inputs, train, backend=dist.get_backend())
     _log(rank, quiet, "[3/5] tracing on the meta device and searching ...")
     graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss)
     mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
@@ -188,7 +189,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     }
 
 
-def _measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inputs: tuple[Any, ...],
+def measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inputs: tuple[Any, ...],
                       train: TrainConfig | None, *, backend: str) -> tuple[FabricProfile, ComputeProfile, torch.dtype]:
     """Steps 1 and 2: the fabric and the compute, measured on these ranks (the compute broadcast from rank 0),
     and the dtype the step computes in."""
