@@ -39,7 +39,7 @@ from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fab
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
-from wrapopt.plan.pipeline import PipelineRun, one_microbatch
+from wrapopt.plan.pipeline import PipelineRun, pipeline_kwargs
 from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
 from wrapopt.report.pipeline import format_pipeline
@@ -184,19 +184,16 @@ def optimize_wrap(
     model: nn.Module,
     example_inputs: tuple[Any, ...] | Any,
     *,
-    world_size: int | None = None,
-    gpus_per_node: int | None = None,
+    world_size: int | None = None, gpus_per_node: int | None = None,
     fabric: FabricProfile | str | os.PathLike | None = None,
     memory_budget: int | float | str | None = None,
     seed: int = 0,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     compute: ComputeProfile | str | None = None,
     plan: WrapPlan | str | os.PathLike | None = None,
-    save_plan: str | os.PathLike | None = None,
-    rescale_fabric: bool = False,
+    save_plan: str | os.PathLike | None = None, rescale_fabric: bool = False,
     train: TrainConfig | None = None,
-    tp: int | str | None = None,
-    tp_plan: TPSpec | None = None,
+    tp: int | str | None = None, tp_plan: TPSpec | None = None,
     global_batch: int | None = None, pp: int | str | None = None,
     pipeline_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> OptimizeResult:
@@ -210,8 +207,7 @@ def optimize_wrap(
     then the sharded model, ready for the optimizer.
 
     Args:
-        model: the model, with real weights or on the meta device.
-        example_inputs: one per-rank batch of positional inputs.
+        model, example_inputs: the model (real weights or meta) and one per-rank batch of positional inputs.
         memory_budget: bytes, or "80GiB"/"80GB", "auto" (the default: 90% of the
             device's capacity when known) or "none" (no limit).
         seed: the Optuna study's seed (``DEFAULT_TRIALS`` trials); the same seed gives the same plan.
@@ -225,9 +221,8 @@ def optimize_wrap(
         global_batch: sequences per optimizer step over all data-parallel ranks, fixed: the search
             chooses the micro-batch per rank and the accumulation with the plan (``.micro_batch``,
             ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
-        pp: pipeline degree: None or 1 (none), an int, or "auto": See [Note: pipeline search]. A pipeline
-            plan applied under a process group makes ``model`` this rank's ``PipelineRun`` (its schedule and
-            stage modules); it needs ``pipeline_loss_fn(output, target)``, which the last stage calls.
+        pp: pipeline degree: None or 1, an int, or "auto" (See [Note: pipeline search]); applied, ``.model``
+            is this rank's ``PipelineRun``, its last stage calling ``pipeline_loss_fn(output, target)``.
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -254,10 +249,8 @@ def optimize_wrap(
         train = wplan.train_config if global_batch is not None else train  # the micro-batch chosen
     if save_plan is not None and (not in_group or dist.get_rank() == 0):  # rank 0 writes
         wplan.save(save_plan)
-    pipe = wplan.spec.pipeline  # See [Note: applying a pipeline plan] in plan/pipeline.py
-    kw = ({"example_inputs": one_microbatch(example_inputs, pipe.microbatches), "loss_fn": pipeline_loss_fn}
-          if pipe else {})
-    sharded = wplan.apply(model, train=train, **kw) if in_group else None
+    sharded = wplan.apply(model, train=train, **pipeline_kwargs(wplan.spec, example_inputs, pipeline_loss_fn)
+                          ) if in_group else None
     fab = fab or analytical_fabric(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     if result is None:  # a given or received plan: score it beside the baselines, no search
         result, stated = _score_plan(graph, wplan, fabric=fab, compute=compute, train=train, budget=budget,

@@ -34,7 +34,15 @@ from wrapopt.spec import PlanSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
 
-__all__ = ["PipelineRun", "apply_pipeline", "one_microbatch"]
+__all__ = ["PipelineRun", "apply_pipeline", "one_microbatch", "pipeline_kwargs"]
+
+
+def pipeline_kwargs(spec: PlanSpec, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> dict[str, Any]:
+    """What ``WrapPlan.apply`` needs beside the model for a pipeline plan, from a whole per-rank batch
+    (none for a plan without one): See [Note: applying a pipeline plan]."""
+    if spec.pipeline is None:
+        return {}
+    return {"example_inputs": one_microbatch(inputs, spec.pipeline.microbatches), "loss_fn": loss_fn}
 
 
 def one_microbatch(inputs: Any, microbatches: int) -> tuple[Any, ...]:
