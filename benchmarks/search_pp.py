@@ -110,22 +110,11 @@ def pp_section() -> list[str]:
     return lines + ["", END]
 
 
-def write_into(path: str, section: list[str]) -> None:
-    """``section`` into ``path`` between this script's markers (replacing what they held), else appended."""
-    from wrapopt.fileio import atomic_write_text
-
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-    block = "\n".join(section)
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    atomic_write_text(path, text)
-
-
 def main() -> int:
     path = os.path.join(REPO, "results", "search.md")
-    write_into(path, pp_section())
+    from wrapopt.fileio import write_between
+
+    write_between(path, "\n".join(pp_section()), BEGIN, END)
     print(f"wrote {path}")
     return 0
 

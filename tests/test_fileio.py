@@ -36,3 +36,19 @@ def test_parse_bytes_rejects(text):
 def test_parse_bytes_never_returns_zero(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_write_between_replaces_only_its_own_section(tmp_path):
+    from wrapopt.fileio import write_between
+
+    path = tmp_path / "search.md"
+    begin, end = "<!-- a: begin -->", "<!-- a: end -->"
+    write_between(path, f"{begin}\nfirst\n{end}", begin, end)  # no file yet: appended
+    path.write_text("# head\n\n" + path.read_text().lstrip() + "\nhand-written tail\n")
+    write_between(path, f"{begin}\nsecond\n{end}", begin, end)
+    text = path.read_text()
+    assert "first" not in text and "second" in text
+    assert text.startswith("# head") and text.endswith("hand-written tail\n")
+    assert text.count(begin) == 1 and text.count(end) == 1
+    with pytest.raises(ValueError, match="must start with"):
+        write_between(path, "no markers", begin, end)

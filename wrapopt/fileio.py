@@ -12,6 +12,7 @@ from typing import Any
 from wrapopt.errors import WrapoptError
 
 __all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "field_unit",
+           "write_between",
            "fmt_bytes",
            "parse_bytes"]
 
@@ -38,6 +39,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def write_between(path: str | os.PathLike, block: str, begin: str, end: str) -> None:
+    """Put ``block`` (which starts with ``begin`` and ends with ``end``) into the text file
+    ``path`` in place of what those markers held there, else append it; atomically. Benchmarks
+    that each own one section of a shared results file write through this."""
+    if not (block.startswith(begin) and block.rstrip("\n").endswith(end)):
+        raise ValueError(f"the section for {os.fspath(path)} must start with {begin!r} and end with {end!r}")
+    path = os.fspath(path)
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    if begin in text and end in text[text.index(begin):]:
+        start = text.index(begin)
+        stop = text.index(end, start) + len(end)
+        text = text[:start] + block.rstrip("\n") + text[stop:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block.rstrip("\n") + "\n"
+    atomic_write_text(path, text)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

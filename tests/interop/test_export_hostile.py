@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 
 import pytest
 
+from tests.plan.common import load_data
 from tests.ranks import MESH2
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
@@ -24,11 +24,6 @@ def _plan_json(gpt_tiny) -> dict:
     spec = make_plan(graph, MESH2, list(graph.blocks))
     return WrapPlan(spec=spec, model=model_fingerprint(model)).to_json()
 
-
-def _load(tmp_path, data: dict) -> WrapPlan:
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data))
-    return WrapPlan.load(path)
 
 
 def _calls(text: str) -> set[str]:
@@ -61,7 +56,7 @@ def test_hostile_label_model_class_and_source_stay_in_comments(gpt_tiny, tmp_pat
     data = _plan_json(gpt_tiny)
     data["label"] = "dp" + EVIL
     data["model"]["class"] = "GPT" + EVIL
-    plan = _load(tmp_path, data)
+    plan = load_data(tmp_path, data)
     lit = export_plan(plan, to="lightning-fsdp1", source="p.json" + EVIL)
     assert _calls(lit.text) == {"FSDPStrategy"}
     fsdp2 = export_plan(plan, to="lightning", source="p.json" + EVIL)
@@ -80,7 +75,7 @@ def test_hostile_class_name_is_refused_naming_the_field(gpt_tiny, tmp_path):
     classes = data["model"]["module_classes"]
     key = next(k for k in classes if k.endswith("GPTBlock"))
     classes[key + EVIL] = classes.pop(key)
-    plan = _load(tmp_path, data)
+    plan = load_data(tmp_path, data)
     for to in ("lightning-fsdp1", "lightning", "accelerate"):
         with pytest.raises(PlanError, match="module_classes") as e:
             export_plan(plan, to=to)
@@ -95,7 +90,7 @@ def test_hostile_module_names_stay_in_comments(gpt_tiny, tmp_path):
     classes[key] = [evil if m == "layers.0" else m for m in classes[key]]
     # a grouped unit names its modules in the LOSSES section
     data["units"] = [{"modules": [evil, "layers.1"]}, *data["units"][2:]]
-    plan = _load(tmp_path, data)
+    plan = load_data(tmp_path, data)
     lit = export_plan(plan, to="lightning-fsdp1")
     assert not lit.exact and _calls(lit.text) == {"FSDPStrategy"}
     assert _calls(export_plan(plan, to="lightning").text) == _FSDP2_CALLS

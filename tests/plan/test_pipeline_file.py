@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tests.plan.common import load_data
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.interop.export import export_plan
@@ -25,11 +26,6 @@ def pp_plan(llama_tiny) -> WrapPlan:
                     pipeline=PipelineSpec(stages=stages, schedule="1F1B", microbatches=4))
     return WrapPlan(spec=spec, model=model_fingerprint(model))
 
-
-def _load(tmp_path, data) -> WrapPlan:
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data))
-    return WrapPlan.load(path)
 
 
 def test_a_pipeline_plan_round_trips(pp_plan, tmp_path):
@@ -66,7 +62,7 @@ def test_pipeline_field_errors_name_the_file_and_the_field(pp_plan, tmp_path, ch
     data = copy.deepcopy(pp_plan.to_json())
     change(data)
     with pytest.raises(PlanError) as exc:
-        _load(tmp_path, data)
+        load_data(tmp_path, data)
     msg = str(exc.value)
     assert str(tmp_path / "plan.json") in msg and field in msg and words in msg, msg
 

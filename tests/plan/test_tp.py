@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.plan.common import load_data
 from tests.ranks import MESH_2X2, tp_plan_specs
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
@@ -26,11 +27,6 @@ def llama_plan(llama_tiny) -> WrapPlan:
     model, _inputs, graph = llama_tiny
     return WrapPlan(spec=tp_plan_specs(graph)["groups-of-2"], model=model_fingerprint(model))
 
-
-def _load(tmp_path, data) -> WrapPlan:
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data))
-    return WrapPlan.load(path)
 
 
 # --- the plan file --------------------------------------------------------------------------------
@@ -55,7 +51,7 @@ def test_a_plan_without_tp_loads_as_before(gpt_tiny, tmp_path):
                     MeshSpec(world_size=2, ranks_per_node=2, shard_size=2))
     data = WrapPlan(spec=spec, model=model_fingerprint(model)).to_json()
     assert "tp" not in data and "tp_size" not in data["mesh"]
-    back = _load(tmp_path, data)
+    back = load_data(tmp_path, data)
     assert back.spec.tp is None and back.mesh.tp_size == 1 and back.spec == spec
 
 
@@ -76,7 +72,7 @@ def test_tp_field_errors_name_the_file_and_the_field(llama_plan, tmp_path, chang
     data = copy.deepcopy(llama_plan.to_json())
     change(data)
     with pytest.raises(PlanError) as exc:
-        _load(tmp_path, data)
+        load_data(tmp_path, data)
     msg = str(exc.value)
     assert "plan.json: field " + repr(field) in msg and words in msg, msg
     assert "\n" not in msg

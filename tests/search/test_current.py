@@ -21,6 +21,16 @@ from wrapopt.train import TrainConfig
 MESH = MeshSpec(world_size=8, ranks_per_node=4, shard_size=8)
 
 
+@pytest.fixture(scope="module")
+def llama_a100(llama_tiny):
+    """llama-tiny's graph, a simulator of 8 A100s (4 a node) on IB 200, and the training step it scores."""
+    _model, _inputs, graph = llama_tiny
+    train = TrainConfig()
+    sim = Simulator(graph, analytical_fabric("a100+ib200", world_size=8, ranks_per_node=4),
+                    analytical_compute("a100"), train.sim_options())
+    return graph, sim, train
+
+
 def test_a_description_gives_the_plan_it_says(llama_tiny):
     _model, _inputs, graph = llama_tiny
     cur = parse_current("per-block, full AC, micro-batch 2", graph, MESH)
@@ -51,11 +61,8 @@ def test_a_bad_description_names_the_item_and_the_forms(llama_tiny, text, words)
     assert words in str(exc.value) and CURRENT_FORMS in str(exc.value)
 
 
-def test_the_comparison_scores_each_differing_choice_alone(llama_tiny):
-    _model, _inputs, graph = llama_tiny
-    train = TrainConfig()
-    sim = Simulator(graph, analytical_fabric("a100+ib200", world_size=8, ranks_per_node=4),
-                    analytical_compute("a100"), train.sim_options())
+def test_the_comparison_scores_each_differing_choice_alone(llama_a100):
+    graph, sim, train = llama_a100
     cur = parse_current("per-block, full AC", graph, MESH)
     best = search_plan(graph, sim, MESH, options=SearchOptions(trials=0)).best
     cmp = compare_current(graph, sim, cur, best.plan, train=train, chosen_micro_batch=None, global_batch=None)
@@ -71,11 +78,8 @@ def test_the_comparison_scores_each_differing_choice_alone(llama_tiny):
     assert current_json(cmp)["choices"][0]["dimension"] in {g.dimension for g in cmp.gains}
 
 
-def test_at_a_global_batch_both_cover_the_same_sequences(llama_tiny):
-    _model, _inputs, graph = llama_tiny
-    train = TrainConfig()
-    sim = Simulator(graph, analytical_fabric("a100+ib200", world_size=8, ranks_per_node=4),
-                    analytical_compute("a100"), train.sim_options())
+def test_at_a_global_batch_both_cover_the_same_sequences(llama_a100):
+    graph, sim, train = llama_a100
     cur = parse_current("per-block, micro-batch 1", graph, MESH)
     best = search_plan(graph, sim, MESH, options=SearchOptions(trials=0)).best
     cmp = compare_current(graph, sim, cur, best.plan, train=train, chosen_micro_batch=4, global_batch=32)

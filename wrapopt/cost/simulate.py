@@ -245,6 +245,8 @@ class Simulator:
 
     def for_stage(self, modules: tuple[str, ...], *, first: bool, last: bool, options: SimOptions) -> "Simulator":
         """The simulator of one pipeline stage (the modules it owns), cached. See [Note: pipeline stages]."""
+        if len(self._stage_views) > 512 and (modules, first, last) not in self._stage_views:
+            self._stage_views.clear()  # a long search visits many cuts; each view holds its own caches
         views = self._stage_views.setdefault((modules, first, last), {})  # per stage, a simulator per options
         hit = views.get(options)
         if hit is None:

@@ -115,11 +115,25 @@ def baselines(graph: ModelGraph, mesh: MeshSpec) -> dict[str, PlanSpec]:
     return out
 
 
+def with_choices(plan: PlanSpec, *, reshard: bool | int = True, checkpoint: bool | str = False,
+                 label: str | None = None) -> PlanSpec:
+    """``plan`` with every unit but the root given one reshard and one checkpoint choice."""
+    units = tuple(u if u.is_root else UnitSpec(u.modules, reshard, checkpoint) for u in plan.units)
+    return replace(plan, units=units, label=plan.label if label is None else label)
+
+
 def checkpointed(plan: PlanSpec, label: str, mode: bool | str = True) -> PlanSpec:
     """``plan`` with every unit but the root resharded after forward and checkpointed (``mode``:
     True, full; SELECTIVE_OP, selective-op)."""
-    units = tuple(u if u.is_root else UnitSpec(u.modules, True, mode) for u in plan.units)
-    return replace(plan, units=units, label=label)
+    return with_choices(plan, checkpoint=mode, label=label)
+
+
+def smallest_plan(graph: ModelGraph, mesh: MeshSpec) -> PlanSpec:
+    """The plan of least memory among the baselines: one unit per block (every leaf without
+    blocks), each resharded and checkpointed."""
+    base = baselines(graph, mesh)
+    name = "per-block" if "per-block" in base else "every-leaf"
+    return checkpointed(base[name], f"{name},ckpt")
 
 
 class Baselines(Strategy):
@@ -144,11 +158,7 @@ class SmallestMemory(Strategy):
 
     def propose(self, problem: SearchProblem, history: History) -> Proposal:
         base = baselines(problem.graph, problem.mesh)
-        out = []
-        for name in ("per-block", "every-leaf"):
-            p = base.get(name)
-            if p is not None:
-                out.append(checkpointed(p, f"{name},ckpt"))
+        out = [checkpointed(base[name], f"{name},ckpt") for name in ("per-block", "every-leaf") if name in base]
         return Proposal(plans=tuple(out))
 
 

@@ -34,11 +34,11 @@ from typing import Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError
-from wrapopt.search.baselines import baselines
+from wrapopt.search.baselines import smallest_plan
 from wrapopt.search.driver import SearchResult, search_plan
 from wrapopt.search.strategy import Scored, SearchOptions
 from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
-from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
 from wrapopt.train import TrainConfig
 from wrapopt.tp import TPSpec
 
@@ -137,11 +137,7 @@ def check_global_batch(global_batch: int, dp_sizes: dict[int, int], *, micro_bat
 
 def _smallest(graph: ModelGraph, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None) -> PlanSpec:
     """One unit per block (every leaf without blocks), resharded and checkpointed, lifted to the degree."""
-    dp = dp_mesh(mesh, split.tp_size)
-    base = baselines(graph, dp)
-    plan = base.get("per-block") or base["every-leaf"]
-    plan = replace(plan, units=tuple(u if u.is_root else UnitSpec(u.modules, True, True) for u in plan.units))
-    return lift_plan(plan, split.tp_size, spec)
+    return lift_plan(smallest_plan(graph, dp_mesh(mesh, split.tp_size)), split.tp_size, spec)
 
 
 def _sim(graph: ModelGraph, sim: Simulator, train: TrainConfig, split: BatchSplit, budget: float | None) -> Simulator:

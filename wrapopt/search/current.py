@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import OptionError
-from wrapopt.search.baselines import baselines
+from wrapopt.search.baselines import baselines, with_choices
 from wrapopt.search.batch import batch_scale
 from wrapopt.search.tp import dp_mesh, lift_plan
-from wrapopt.spec import SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, PlanSpec
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 from wrapopt.train import TrainConfig
 
@@ -153,7 +153,7 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
         dp = replace(dp, shard_size=shard)
     if plan.mesh.shard_size != 1:  # no-shard keeps its own mesh
         plan = replace(plan, mesh=dp)
-    units = tuple(u if u.is_root else UnitSpec(u.modules, reshard, False) for u in plan.units)
+    units = with_choices(plan, reshard=reshard).units
     if ckpt_every < 0:  # selective-op on every unit but the root
         units = tuple(u if u.is_root else replace(u, checkpoint=SELECTIVE_OP) for u in units)
     elif ckpt_every:

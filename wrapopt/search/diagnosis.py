@@ -21,20 +21,13 @@ from dataclasses import replace
 from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.cost.simulate import Simulator
 from wrapopt.fileio import fmt_bytes
-from wrapopt.search.baselines import baselines
+from wrapopt.search.baselines import baselines, smallest_plan
 from wrapopt.search.driver import SearchResult
 from wrapopt.search.strategy import Scored
-from wrapopt.spec import SYNC_MODES, CostEstimate, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import SYNC_MODES, CostEstimate, MeshSpec, ModelGraph, PlanSpec
 from wrapopt.train import TrainConfig
 
 __all__ = ["knobs_sentence", "score_given", "both_syncs", "assumptions_for"]
-
-
-def _smallest_plan(graph: ModelGraph, mesh: MeshSpec) -> PlanSpec:
-    """Every block its own unit, resharded and checkpointed (every leaf without blocks)."""
-    per_block = baselines(graph, mesh).get("per-block") or baselines(graph, mesh)["every-leaf"]
-    units = tuple(u if u.is_root else UnitSpec(u.modules, True, True) for u in per_block.units)
-    return PlanSpec(units, mesh, label="per-block,ckpt")
 
 
 def _knob_tries(train: TrainConfig) -> list[tuple[str, TrainConfig, float]]:
@@ -57,7 +50,7 @@ def knobs_sentence(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, train: Tra
     """What the training step's knobs do to the smallest plan (every block its own unit,
     resharded and checkpointed) on ``sim``'s fabric and compute: one clause per knob that
     lowers its peak; "" when none does."""
-    smallest = _smallest_plan(graph, mesh)
+    smallest = smallest_plan(graph, mesh)
 
     def peak(t: TrainConfig, scale: float = 1.0) -> int:
         options = t.sim_options(batch_scale=scale, memory_budget=budget)
