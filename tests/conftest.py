@@ -79,3 +79,12 @@ def two_rank_cases(tmp_path_factory) -> list[dict]:
     from tests.ranks import spawn_cases
 
     return spawn_cases(str(tmp_path_factory.mktemp("ranks")))
+
+
+@pytest.fixture(scope="session")
+def four_rank_cases() -> list[dict]:
+    """Every ``@four_rank_case`` of the collected test modules, run in one spawn of 4 gloo
+    ranks (See tests/ranks.py): by rank, each module's dict of results."""
+    from tests.ranks import spawn_four
+
+    return spawn_four()

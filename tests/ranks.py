@@ -9,12 +9,16 @@ their multi-process cases with ``@two_rank_case`` and the session fixture
 ``two_rank_cases`` (tests/conftest.py) runs the cases of every collected module
 in one spawn of 2 gloo ranks. A case ``fn(rank, world, tmp, out)`` writes its
 results under its own keys of ``out``; the fixture gives ``out`` by rank. Cases
-are module-level functions: the spawned ranks import them by name.
+are module-level functions: the spawned ranks import them by name. The 4-rank
+cases (tensor parallel 2 x 2, pipeline 2 x 2) do the same with ``@four_rank_case``
+and ``four_rank_cases``, each module's results in a dict of its own. Each rank
+records every case's seconds under ``case_s``: where the spawn's time goes.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,16 +48,46 @@ def two_rank_case(fn):
 
 
 def run_cases(rank: int, world: int, tmp: str, names: tuple[str, ...]) -> dict:
-    out: dict = {}
+    out: dict = {"case_s": {}}  # seconds per case, for ``pytest --durations``-like reading (conftest prints them)
     for name in names:
         module, fn = name.split(":")
+        t0 = time.perf_counter()
         getattr(importlib.import_module(module), fn)(rank, world, tmp, out)
+        out["case_s"][name] = round(time.perf_counter() - t0, 2)
     return out
 
 
 def spawn_cases(tmp: str) -> list[dict]:
     """Every registered case, in one spawn of 2 gloo ranks: the ``out`` dict of each rank."""
-    return spawn(run_cases, world_size=2, args=(tmp, tuple(_CASES)), timeout_s=300)
+    return spawn(run_cases, world_size=2, args=(tmp, tuple(_CASES)), timeout_s=600)
+
+
+_FOUR: list[str] = []  # the same for the shared spawn of 4 ranks
+
+
+def four_rank_case(fn):
+    """Register ``fn(rank, world, out)`` (module level) to run in the shared spawn of 4 gloo
+    ranks; ``out`` is its module's own dict (``four_rank_cases[rank][module]``)."""
+    name = f"{fn.__module__}:{fn.__qualname__}"
+    if name not in _FOUR:
+        _FOUR.append(name)
+    return fn
+
+
+def run_four(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    torch.set_num_threads(1)  # 4 ranks on a machine of a few cores
+    res: dict = {"case_s": {}}
+    for name in names:
+        module, fn = name.split(":")
+        t0 = time.perf_counter()
+        getattr(importlib.import_module(module), fn)(rank, world, res.setdefault(module, {}))
+        res["case_s"][name] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def spawn_four() -> list[dict]:
+    """Every ``four_rank_case``, in one spawn of 4 gloo ranks: each rank's results by module."""
+    return spawn(run_four, world_size=4, args=(tuple(_FOUR),), timeout_s=600)
 
 
 # --- helpers for the cases (module level: spawn pickles them by name) ----------------------------------

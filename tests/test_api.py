@@ -1,6 +1,6 @@
-"""api.py: ``optimize_wrap`` under a process group of 2 gloo ranks: it trains like
-the unsharded model, saves the plan on rank 0 only, and reuses a saved plan or
-fabric profile without searching or measuring again.
+"""api.py: ``optimize_wrap`` under a process group of 2 gloo ranks (in the shared spawn, See
+tests/ranks.py): it trains like the unsharded model, saves the plan on rank 0 only, and reuses a
+saved plan or fabric profile without searching or measuring again.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from tests.ranks import MESH2, TOL, batches, mean_over_ranks, train, zoo_graph
+from tests.ranks import MESH2, TOL, batches, mean_over_ranks, train, two_rank_case, zoo_graph
 from wrapopt.fingerprint import model_fingerprint
-from wrapopt.launch import spawn
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search import run as search_run
@@ -35,9 +34,14 @@ def _optimize_worker(rank: int, world: int) -> dict:
             "loss": float(loss), "report": res.report()}
 
 
+@two_rank_case
+def api_optimize_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    out["api/optimize"] = _optimize_worker(rank, world)
+
+
 @pytest.mark.multiprocess
-def test_optimize_wrap_under_a_process_group():
-    results = spawn(_optimize_worker, world_size=2, timeout_s=300)
+def test_optimize_wrap_under_a_process_group(two_rank_cases):
+    results = [r["api/optimize"] for r in two_rank_cases]
     assert results[0]["units"] == results[1]["units"]  # rank 0's plan reached every rank
     assert all(r["sharded"] for r in results)
     assert "ANALYTICAL" in results[0]["report"]
@@ -58,6 +62,18 @@ class _Counter:
 
 
 def _reuse_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
+    """What ``optimize_wrap`` saves and reuses; the functions it counts calls of are put back
+    however it ends (the shared spawn runs other cases after it)."""
+    import wrapopt.api as api
+
+    kept = (WrapPlan.save, api.plan_model, search_run.search_plan, api.measure_fabric)
+    try:
+        return _reuse(rank, world, tmp, budget)
+    finally:
+        WrapPlan.save, api.plan_model, search_run.search_plan, api.measure_fabric = kept  # type: ignore[method-assign]
+
+
+def _reuse(rank: int, world: int, tmp: str, budget: float) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     import wrapopt.api as api
@@ -124,10 +140,16 @@ def _midway_budget() -> float:
     return (min(s.estimate.peak_bytes for s in base) + one_unit) / 2
 
 
+@two_rank_case
+def api_reuse_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    tmp = os.path.join(tmp, "api-reuse")
+    os.makedirs(tmp, exist_ok=True)
+    out["api/reuse"] = (_reuse_worker(rank, world, tmp, _midway_budget()), tmp)
+
+
 @pytest.fixture(scope="module")
-def optimize_results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("optimize"))
-    return spawn(_reuse_worker, world_size=2, args=(tmp, _midway_budget()), timeout_s=300), tmp
+def optimize_results(two_rank_cases):
+    return [r["api/reuse"][0] for r in two_rank_cases], two_rank_cases[0]["api/reuse"][1]
 
 
 @pytest.mark.multiprocess

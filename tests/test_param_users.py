@@ -6,7 +6,7 @@ and every search strategy (baselines, DP, uniform groupings, the Optuna space)
 honour it. Models: ``nn.MultiheadAttention`` (its ``out_proj`` never runs),
 ``nn.TransformerEncoder``/``Decoder`` stacks, a head reading a sibling
 embedding's weight, the root's own forward reading a child's weight, and a
-chain whose blocks read the previous block's weight. One 2-rank gloo spawn
+chain whose blocks read the previous block's weight. The shared 2-rank gloo spawn
 applies searched and sampled plans and trains them against the unsharded model.
 """
 
@@ -27,8 +27,7 @@ from wrapopt.cost import Simulator
 from wrapopt.cost.calls import gradient_sites
 from wrapopt.errors import PlanError
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
-from tests.ranks import train
-from wrapopt.launch import spawn
+from tests.ranks import train, two_rank_case
 from wrapopt.plan.apply import apply_plan, known_param_users
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.baselines import baselines
@@ -385,9 +384,14 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+@two_rank_case
+def param_users_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    out["param_users"] = _worker(rank, world)
+
+
 @pytest.fixture(scope="module")
-def trained():
-    return spawn(_worker, world_size=2, timeout_s=300)[0]
+def trained(two_rank_cases):
+    return two_rank_cases[0]["param_users"]
 
 
 @pytest.mark.multiprocess

@@ -1,6 +1,6 @@
 """The simulator's peak memory against live tensor bytes of real FSDP2 steps.
 
-One spawn of 2 gloo ranks runs one step of several plans of three models that
+The shared spawn of 2 gloo ranks (See tests/ranks.py) runs one step of several plans of three models that
 exercise the memory notes: tied embeddings whose gradient lives through
 backward (gpt-tiny, t5-tiny, and tx-tied, built from the stock
 ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention``: issue 33), a cross-entropy loss whose saved output and
@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from wrapopt.launch import spawn
+from tests.ranks import two_rank_case
 from wrapopt.models import zoo
 from wrapopt.spec import ROOT, SELECTIVE_OP, MeshSpec, PlanSpec, UnitSpec
 
@@ -68,9 +68,14 @@ def _worker(rank: int, world: int) -> list[tuple[str, str, int, int]]:
     return out
 
 
+@two_rank_case
+def memory_fidelity_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    out["memory_fidelity"] = _worker(rank, world)
+
+
 @pytest.fixture(scope="module")
-def measured():
-    return spawn(_worker, world_size=2, timeout_s=300)[0]
+def measured(two_rank_cases):
+    return two_rank_cases[0]["memory_fidelity"]
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,8 @@
-"""The pipeline fidelity benchmark's worker (benchmarks/fidelity_pp.py) on 4 gloo ranks, on 3 of
-its plans (one without a pipeline, two with: 1F1B and GPipe on 2 stages x 2 data-parallel ranks),
-1 repeat, analytical profiles instead of measured ones: the rows and the summary have their
-figures. Structure only; the fidelity itself is the benchmark's (results/fidelity_pp.md)."""
+"""The pipeline fidelity benchmark's worker (benchmarks/fidelity_pp.py) on 4 gloo ranks, in the
+shared spawn of 4 ranks (See tests/ranks.py), on 3 of its plans (one without a pipeline, two
+with: 1F1B and GPipe on 2 stages x 2 data-parallel ranks), 2 repeats, analytical profiles
+instead of measured ones: the rows and the summary have their figures. Structure only; the
+fidelity itself is the benchmark's (results/fidelity_pp.md)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,23 @@ import math
 import pytest
 
 from benchmarks.fidelity_pp import AA_LABEL, render, summarize, worker
-from wrapopt.launch import spawn
+from tests.ranks import four_rank_case
 
 pytestmark = pytest.mark.multiprocess
 
 ONLY = ["groups-of-2", "pp2 1F1B m2", "pp2 GPipe m4"]
 
 
-@pytest.fixture(scope="module")
-def run() -> dict:
+@four_rank_case
+def fidelity_pp_case(rank: int, world: int, out: dict) -> None:
     cfg = {"model": "llama-tiny", "repeats": 2, "warmup": 1, "memory": False, "only": ONLY, "measure": False}
-    got = spawn(worker, world_size=4, args=(cfg,), timeout_s=240)
-    assert got[1:] == [None, None, None]
-    return got[0]
+    out["run"] = worker(rank, world, cfg)
+
+
+@pytest.fixture(scope="module")
+def run(four_rank_cases) -> dict:
+    assert [r[__name__]["run"] for r in four_rank_cases[1:]] == [None, None, None]
+    return four_rank_cases[0][__name__]["run"]
 
 
 def test_rows_hold_both_pipeline_degrees_with_positive_times(run):

@@ -1,6 +1,6 @@
 """Multi-process: sharded models built from plans train like the unsharded model.
 
-One spawn of 2 gloo ranks runs every case (each spawn costs seconds). Each
+The shared spawn of 2 gloo ranks runs every case (See tests/ranks.py). Each
 rank trains on its half of a global batch; the reference trains the whole
 batch unsharded. With a mean loss the averaged gradients are equal, so the
 losses must match step for step (fp32, no dropout). Checkpointed plans, full and
@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import train
-from wrapopt.launch import spawn
+from tests.ranks import train, two_rank_case
 
 pytestmark = pytest.mark.multiprocess
 
@@ -116,9 +115,14 @@ def _errors_worker(rank: int, world: int) -> dict:
     return out
 
 
+@two_rank_case
+def apply_parity_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    out["apply/parity"] = _parity_worker(rank, world)
+
+
 @pytest.fixture(scope="module")
-def parity():
-    return spawn(_parity_worker, world_size=2, timeout_s=300)[0]
+def parity(two_rank_cases):
+    return two_rank_cases[0]["apply/parity"]
 
 
 def test_sharded_training_matches_unsharded(parity):
@@ -147,8 +151,13 @@ def test_tied_embeddings_stay_tied(parity):
     assert any(k.startswith("gpt-tiny/") for k in parity) and any(k.startswith("t5-tiny/") for k in parity)
 
 
-def test_bad_plans_fail_on_every_rank_before_collectives():
-    results = spawn(_errors_worker, world_size=2, timeout_s=120)
+@two_rank_case
+def apply_errors_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    out["apply/errors"] = _errors_worker(rank, world)
+
+
+def test_bad_plans_fail_on_every_rank_before_collectives(two_rank_cases):
+    results = [r["apply/errors"] for r in two_rank_cases]
     for r in results:
         assert "4 ranks" in r["world"] and "2" in r["world"]
         assert "layers.9" in r["missing"]

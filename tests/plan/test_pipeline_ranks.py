@@ -1,5 +1,5 @@
-"""Pipeline plans on 4 gloo ranks, 2 stages x 2 data-parallel ranks (mesh pp=2, shard=2), all
-cases in one spawn: training parity with the unsharded model for llama-tiny and the tied
+"""Pipeline plans on 4 gloo ranks, 2 stages x 2 data-parallel ranks (mesh pp=2, shard=2), in the
+shared spawn of 4 ranks (See tests/ranks.py): training parity with the unsharded model for llama-tiny and the tied
 gpt-tiny under 1F1B and GPipe (and Interleaved1F1B, 4 stages on 2 pipeline ranks, for
 llama-tiny), one unit per block with resharding after forward, and without it with every
 other block checkpointed and explicit forward prefetch, and a bad stage list failing on every
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import TOL, catch, reference
+from tests.ranks import TOL, catch, four_rank_case, reference
 from wrapopt.api import optimize_wrap
 from wrapopt.errors import PlanError, RankFailedError
 from wrapopt.fingerprint import model_fingerprint
@@ -173,17 +173,22 @@ def _optimize(rank: int, world: int, out: dict) -> None:
                        "first": run.is_first}
 
 
-def _cases(rank: int, world: int) -> dict:
-    torch.set_num_threads(1)
-    out: dict = {}
+@four_rank_case
+def pipeline_cases(rank: int, world: int, out: dict) -> None:
     for case in (_errors, _optimize, _parity):
         case(rank, world, out)
+
+
+def _cases(rank: int, world: int) -> dict:  # for the quick run below
+    torch.set_num_threads(1)
+    out: dict = {}
+    pipeline_cases(rank, world, out)
     return out
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict]:
-    return spawn(_cases, world_size=4, timeout_s=300)
+def four_ranks(four_rank_cases) -> list[dict]:
+    return [r[__name__] for r in four_rank_cases]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_key)

@@ -1,7 +1,7 @@
-"""2-D plans on 4 gloo ranks, (shard 2) x (tp 2), all cases in one spawn: training parity
-with the unsharded model, the tensor-parallel collectives of one block, meta-device
-initialisation of 2-D parameters, real steps through ``measure_plans``, and a bad
-plan failing on every rank before any collective.
+"""2-D plans on 4 gloo ranks, (shard 2) x (tp 2), in the shared spawn of 4 ranks (See
+tests/ranks.py): training parity with the unsharded model, the tensor-parallel collectives of
+one block, meta-device initialisation of 2-D parameters, real steps through ``measure_plans``,
+and a bad plan failing on every rank before any collective.
 
 [Note: what the TP parity compares] The data-parallel world is 2 (ranks 0, 1 and 2, 3
 are the two tensor-parallel groups): each group trains on its data-parallel rank's half
@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.ranks import MESH_2X2, TOL, batches, catch, init_weights, reference, tp_plan_specs, train, zoo_graph
+from tests.ranks import (MESH_2X2, TOL, batches, catch, four_rank_case, init_weights, reference, tp_plan_specs, train,
+                         zoo_graph)
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
-from wrapopt.launch import dp_rank_size, spawn
+from wrapopt.launch import dp_rank_size
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 
@@ -181,16 +182,15 @@ def _errors(rank: int, world: int, out: dict) -> None:
     out["err/barrier"] = True
 
 
-def _cases(rank: int, world: int) -> dict:
-    out: dict = {}
+@four_rank_case
+def tp_cases(rank: int, world: int, out: dict) -> None:
     for case in (_parity, _comm_counts, _meta_init, _bench, _errors):
         case(rank, world, out)
-    return out
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict]:
-    return spawn(_cases, world_size=4, timeout_s=300)
+def four_ranks(four_rank_cases) -> list[dict]:
+    return [r[__name__] for r in four_rank_cases]
 
 
 @pytest.mark.parametrize("name", MODELS)

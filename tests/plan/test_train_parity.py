@@ -1,6 +1,6 @@
 """Multi-process: gradient accumulation and mixed precision train as they should.
 
-One spawn of 2 gloo ranks runs every case. Each step's global batch is k
+The shared spawn of 2 gloo ranks (See tests/ranks.py) runs every case. Each step's global batch is k
 micro-batches on each of 2 ranks; the unsharded reference trains the whole
 batch at once. With a mean loss over equal micro-batches the gradients are
 equal, so in fp32 the losses must match step for step (1e-5), in both sync
@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wrapopt.launch import spawn
+from tests.ranks import two_rank_case
+
 
 TOL = 1e-5
 # bf16 keeps 8 bits of mantissa (relative rounding 2^-8 = 0.4%); over 3 AdamW steps at lr 1e-2
@@ -83,9 +84,14 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+@two_rank_case
+def train_parity_case(rank: int, world: int, tmp: str, out: dict) -> None:
+    out["train_parity"] = _worker(rank, world)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_worker, world_size=2, timeout_s=600)[0]
+def results(two_rank_cases):
+    return two_rank_cases[0]["train_parity"]
 
 
 @pytest.mark.multiprocess

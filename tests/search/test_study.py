@@ -142,7 +142,7 @@ def _finished(path: str) -> list:
 @pytest.mark.multiprocess
 def test_kill_9_then_restart_loses_no_finished_trial(tmp_path, repo_root):
     path = str(tmp_path / "study.db")
-    budget = 120
+    budget = 60
     proc = subprocess.Popen(_cmd(path, budget), env=_env(repo_root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while len(_finished(path)) < 12:
