@@ -126,22 +126,31 @@ def searched_plans(name: str, world: int) -> dict[str, PlanSpec]:
     return plans
 
 
-def _features(plan: PlanSpec) -> set:
-    """What running ``plan`` exercises: its cut, each per-unit choice, its prefetch and its mesh."""
-    return ({("cut", tuple(u.modules for u in plan.units)), ("prefetch", plan.forward_prefetch), ("mesh", plan.mesh)}
+def _cut(plan: PlanSpec) -> tuple:
+    return tuple(u.modules for u in plan.units)
+
+
+def _choices(plan: PlanSpec) -> set:
+    """The per-unit choices, prefetch and mesh ``plan`` runs: the code paths besides its cut."""
+    return ({("prefetch", plan.forward_prefetch), ("mesh", plan.mesh)}
             | {("unit", u.reshard_after_forward, u.checkpoint, u.is_root) for u in plan.units})
 
 
 def covering_plans(plans: dict[str, PlanSpec]) -> list[PlanSpec]:
-    """Searched plans, in order, until every cut, per-unit choice, prefetch and mesh among
-    ``plans`` is run by one of them (a plan adding nothing new exercises no new code path:
-    the 276 searched plans of the 12 models come down to 116)."""
+    """Searched plans, in order, until every cut among ``plans`` is run by one of them, then
+    those that add a per-unit choice, prefetch or mesh not run yet (a plan adding nothing new
+    exercises no new code path: the 276 searched plans of the 12 models come down to 109)."""
+    cuts: set = set()
     seen: set = set()
     out = []
     for plan in plans.values():
-        new = _features(plan) - seen
-        if new:
-            seen |= new
+        if _cut(plan) not in cuts:
+            cuts.add(_cut(plan))
+            seen |= _choices(plan)
+            out.append(plan)
+    for plan in plans.values():
+        if _choices(plan) - seen:
+            seen |= _choices(plan)
             out.append(plan)
     return out
 
@@ -150,7 +159,8 @@ def test_the_plans_run_cover_every_cut_and_choice_searched():
     plans = searched_plans("llama-tiny", 2)
     run = covering_plans(plans)
     assert len(run) < len(plans)
-    assert set().union(*map(_features, run)) == set().union(*map(_features, plans.values()))
+    assert {_cut(p) for p in run} == {_cut(p) for p in plans.values()}
+    assert set().union(*map(_choices, run)) == set().union(*map(_choices, plans.values()))
     assert {any(u.checkpoint for u in p.units) for p in run} == {True, False}
 
 
