@@ -140,10 +140,11 @@ def _zoo_section() -> list[str]:
     return lines + [""]
 
 
-# benchmarks/search_tp.py and search_pp.py write their sections of results/search.md between these markers;
-# they are kept.
+# benchmarks/search_tp.py, search_pp.py and search_batch.py write their sections of results/search.md
+# between these markers; they are kept.
 KEPT = (("<!-- search_tp.py: begin -->", "<!-- search_tp.py: end -->"),
-        ("<!-- search_pp.py: begin -->", "<!-- search_pp.py: end -->"))
+        ("<!-- search_pp.py: begin -->", "<!-- search_pp.py: end -->"),
+        ("<!-- search_batch.py: begin -->", "<!-- search_batch.py: end -->"))
 
 
 def _kept_section(path: str) -> list[str]:

@@ -31,11 +31,11 @@ FLAGS = ["--gpus-per-node", "8", "--gpu", "h100-sxm", "--network", "ib400", "--p
 SEQ = {"llama-70b": 4096, "llama3-405b": 8192}  # tokens per sequence (the zoo's); one sequence per GPU
 
 
-def _run(model: str, world: int, memory: str) -> tuple[float, float, float, dict | None, str]:
-    """(wall s, CPU s, peak RSS bytes, the --json output or None, stderr) of one fresh search."""
+def fresh_search(model: str, world: int, flags: list[str]) -> tuple[float, float, float, dict | None, str]:
+    """(wall s, CPU s, peak RSS bytes, the --json output or None, stderr) of one fresh
+    ``wrapopt search zoo:MODEL --world-size W FLAGS --json``."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "wrapopt.cli", "search", f"zoo:{model}", "--world-size", str(world), *FLAGS,
-           "--memory", memory, "--json"]
+    cmd = [sys.executable, "-m", "wrapopt.cli", "search", f"zoo:{model}", "--world-size", str(world), *flags, "--json"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -46,6 +46,10 @@ def _run(model: str, world: int, memory: str) -> tuple[float, float, float, dict
         ok = os.waitstatus_to_exitcode(status) == 0
         return (wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, json.loads(out.read()) if ok else None,
                 err.read())
+
+
+def _run(model: str, world: int, memory: str) -> tuple[float, float, float, dict | None, str]:
+    return fresh_search(model, world, [*FLAGS, "--memory", memory])
 
 
 def _tokens(model: str, world: int, row: dict) -> float:

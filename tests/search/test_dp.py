@@ -166,3 +166,22 @@ def test_dp_answer_fits_the_simulator(setup):
     budget = peaks[len(peaks) // 3]
     for _label, plan, _t in dp_plans(sim, mesh, g.block_chains, memory_budget=budget, uniform=False):
         assert sim.simulate(plan).peak_bytes <= budget
+
+
+def test_a_carried_shrink_starts_the_rescoring_lower_and_still_fits():
+    """[Note: carried shrink]: ``answers(shrink=)`` starts the per-unit DP with the allowance
+    lowered by that much; the answer still fits the simulator's peak, is never faster than the
+    one found from no shrink, and reports the shrink it ended with."""
+    g = zoo_graph("llama-tiny")
+    mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+    sim = make_sim(g, 8)
+    dp = ChainDP(sim, mesh, g.block_chains, max_group=3)
+    free = dp.answers(math.inf, uniform=False)[0]
+    budget = dp.static_bytes + 0.6 * (sim.simulate(free.plan).peak_bytes - dp.static_bytes)
+    plain = dp.answers(budget, uniform=False)[0]
+    assert plain.shrink == 0  # it fits at once: the chain-model optimum under the budget
+    carried = 0.2 * (budget - dp.static_bytes)
+    got = ChainDP(sim, mesh, g.block_chains, max_group=3).answers(budget, uniform=False, shrink=carried)
+    assert got and got[0].shrink >= carried
+    assert sim.simulate(got[0].plan).peak_bytes <= budget
+    assert got[0].time_s >= plain.time_s * (1 - 1e-12)

@@ -25,6 +25,7 @@ class DPAnswer:
     plan: PlanSpec
     time_s: float
     per_unit: bool
+    shrink: float = 0.0  # bytes the allowance was lowered by before the simulator said it fits
 
 
 def _root_activations(sim: Simulator, chains: tuple[tuple[str, ...], ...]) -> tuple[float, float]:
@@ -100,10 +101,12 @@ class ChainDP:
                         forward_prefetch=self.forward_prefetch, label=label)
 
     def answers(self, memory_budget: float, *, uniform: bool = True, rescore: bool = True,
-                give_up_above: float = math.inf) -> list[DPAnswer]:
+                give_up_above: float = math.inf, shrink: float = 0.0) -> list[DPAnswer]:
         """The per-unit optimum, then (with ``uniform``) the optimum under each
         uniform choice; see ``dp_plans``. ``give_up_above``: skip the per-unit
-        answer when it cannot be faster than this (chain-model seconds)."""
+        answer when it cannot be faster than this (chain-model seconds). ``shrink``:
+        start the per-unit re-scoring with the allowance lowered by this much (what
+        another mesh's answer needed: See [Note: carried shrink] in strategy.py)."""
         allowance = memory_budget - self.static_bytes
         runs = [("dp", self.choices, True)]
         if uniform:
@@ -111,7 +114,7 @@ class ChainDP:
         check = rescore and math.isfinite(memory_budget)
         out = []
         for label, choices, per_unit in runs:
-            allow = allowance
+            allow = allowance - (shrink if check and per_unit else 0.0)
             cache = self._cache if per_unit else {}
             cap = give_up_above if per_unit else math.inf
             ans = None
@@ -129,7 +132,7 @@ class ChainDP:
                 allow -= over * (1 + attempt) + 1e-4 * memory_budget
                 ans = None
             if ans is not None:
-                out.append(DPAnswer(plan, ans.time_s, per_unit))
+                out.append(DPAnswer(plan, ans.time_s, per_unit, allowance - allow))
         return out
 
     def plans(self, memory_budget: float, *, uniform: bool = True, rescore: bool = True,
