@@ -92,3 +92,31 @@ def test_show_names_the_stored_dtype_of_the_planned_model(tmp_path, capsys):
     assert main(["show", plan]) == 0
     training = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("training:"))
     assert "parameters float32 (master), compute bfloat16, reduction float32, optimizer state float32" in training
+
+
+def test_master_dtype_bfloat16_is_pure_bf16_training(tmp_path, capsys):
+    """``--master-dtype bfloat16``: sharded parameters and AdamW state at 2 bytes per element,
+    the training line and the notes say so (the "built in float32" note is gone), and the plan
+    refuses a float32 model with the cast to make."""
+    from wrapopt.errors import PlanMismatchError
+    from wrapopt.plan.file import WrapPlan
+
+    path = _tiny_llama(tmp_path)
+    assert main(["estimate", f"hf:{path}", "--world-size", "2", "--precision", "bf16", "--seq", "16",
+                 "--master-dtype", "bfloat16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    numel = sum(p.numel() for p in resolve_model(f"hf:{path}", seq=16).build("meta").parameters())
+    shard = d["mesh"]["shard_size"] if "mesh" in d else 2
+    assert d["peak_breakdown"]["sharded_params"] * shard / numel == pytest.approx(2, rel=0.02)
+    assert d["peak_breakdown"]["optimizer_state"] * shard / numel == pytest.approx(4, rel=0.02)  # 2 bf16 states
+    assert "parameters bfloat16 (master)" in d["training"] and "optimizer state bfloat16" in d["training"]
+    plan = str(tmp_path / "pure.json")
+    assert main(["search", f"hf:{path}", "--world-size", "2", "--precision", "bf16", "--seq", "16", "--trials", "0",
+                 "--master-dtype", "bfloat16", "--out", plan]) == 0
+    out = capsys.readouterr().out
+    assert "master weights, gradients and optimizer state in bfloat16 (--master-dtype)" in out
+    assert "is built in float32" not in out
+    model = resolve_model(f"hf:{path}", seq=16).build("meta")  # float32, as hf: models are built
+    with pytest.raises(PlanMismatchError, match=r"Only the dtype differs.*model.to\(torch.bfloat16\)"):
+        WrapPlan.load(plan).check_model(model)
+    WrapPlan.load(plan).check_model(model.to(torch.bfloat16))  # cast: the planned model

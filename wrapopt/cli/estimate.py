@@ -10,9 +10,8 @@ from typing import Any
 
 from wrapopt.api import estimate
 from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_pp_argument, add_train_arguments,
-                                 fabric_from_args, train_from_args, with_global_batch)
+                                 fabric_from_args, model_from_args, train_from_args, with_global_batch)
 from wrapopt.errors import OptionError
-from wrapopt.models.sources import resolve_model
 from wrapopt.report.estimate import format_estimate
 from wrapopt.search.baselines import BASELINE_NAMES
 
@@ -31,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     # A plan file brings its own training step unless a training flag is given.
     if is_file and not any(given_flags.values()) and train.micro_batch is None:
         train = None
-    src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    src = model_from_args(args)
     report = estimate(src.build("meta"), src.inputs, plan=args.plan, world_size=args.world_size,
                       gpus_per_node=args.gpus_per_node, fabric=fabric_from_args(args), compute=args.compute,
                       train=train,

@@ -95,6 +95,19 @@ def add_model_arguments(p: argparse.ArgumentParser, *, optional: bool = False) -
     p.add_argument("--seq", type=_seq, default=None,
                    help="sequence length (token models; audio models: encoder frames), at most the model's positions "
                         "(`wrapopt trace` shows them); context: the hf: config's own context length")
+    p.add_argument("--master-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="dtype of the master weights, gradients and optimizer state: float32 (default: hf: and zoo: "
+                        "models are built in it; with --precision bf16 that is FSDP2's, TorchTitan's and "
+                        "Accelerate's mixed precision), or bfloat16 for pure bf16 training (the model cast with "
+                        "model.to(torch.bfloat16) before sharding: half the static memory, bf16 optimizer updates)")
+
+
+def model_from_args(args: argparse.Namespace):
+    """The ``ModelSource`` of MODEL, ``--batch``, ``--seq`` and ``--master-dtype``."""
+    from wrapopt.models.sources import resolve_model, with_master_dtype
+
+    src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    return with_master_dtype(src, getattr(args, "master_dtype", None))
 
 
 def _seq(text: str) -> int | str:

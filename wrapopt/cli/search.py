@@ -29,6 +29,7 @@ from wrapopt.cli.options import (
     fabric_from_args,
     host_from_args,
     mesh_from_args,
+    model_from_args,
     positive_float,
     positive_int,
     seed_int,
@@ -40,7 +41,6 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
 from wrapopt.fileio import check_writable, read_json
-from wrapopt.models.sources import resolve_model
 from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.report.batch import batch_json, format_batch
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     fabric = resolve_fabric(fabric_from_args(args), world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
     host = host_from_args(args, fabric, mesh)  # before tracing: --offload without --host-memory fails at once
-    src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    src = model_from_args(args)
     notes = [*src.notes, *notes]
     model = src.build("meta")
     compute = compute_for(fabric, args.compute, train, model_dtype(model))

@@ -6,10 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from wrapopt.cli.options import add_model_arguments, count_int
+from wrapopt.cli.options import add_model_arguments, count_int, model_from_args
 from wrapopt.errors import OptionError
 from wrapopt.models import zoo
-from wrapopt.models.sources import resolve_model
 from wrapopt.report.text import format_graph, graph_to_json
 from wrapopt.trace.meta import trace_model
 
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.model is None:
         raise OptionError("give MODEL (zoo:NAME, package.module:callable or hf:config.json), or --list for the zoo")
-    src = resolve_model(args.model, batch=args.batch, seq=args.seq)
+    src = model_from_args(args)
     graph = trace_model(src.build("meta"), src.inputs, loss_fn=src.loss)
     if args.json:
         print(json.dumps(graph_to_json(graph), indent=1))

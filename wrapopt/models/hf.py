@@ -141,7 +141,7 @@ def _dtype_notes(cfg: dict[str, Any]) -> tuple[str, ...]:
         return ()
     return (f"the config's stored dtype ({stored}) is how its weights were saved, not the training dtype: the model "
             "is built in float32 (master weights, gradients and optimizer state); --precision bf16 computes in "
-            "bfloat16",)
+            "bfloat16; --master-dtype bfloat16 trains in pure bf16",)
 
 
 # Fields that, when a config has them, count something: positive integers.

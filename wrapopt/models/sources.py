@@ -10,6 +10,7 @@ registered prefix is ``package.module:callable``.
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -21,7 +22,7 @@ from wrapopt.models import zoo
 from wrapopt.models.base import ModelSource
 from wrapopt.models.hf import hf_source
 
-__all__ = ["ModelSource", "SourceFn", "SOURCES", "register_source", "resolve_model"]
+__all__ = ["ModelSource", "SourceFn", "SOURCES", "register_source", "resolve_model", "with_master_dtype"]
 
 
 # (the text after the prefix, per-rank batch or None, sequence length or None) -> ModelSource
@@ -47,6 +48,23 @@ def resolve_model(spec: str, *, batch: int | None = None, seq: int | str | None 
         f"cannot read MODEL {spec!r}: use " + ", ".join(f"{p}:..." for p in SOURCES)
         + " (zoo:NAME, see `wrapopt trace --list`; hf:path/to/config.json), or package.module:callable"
     )
+
+
+def with_master_dtype(src: ModelSource, dtype: str | None) -> ModelSource:
+    """``src`` whose model is cast to ``dtype`` (a ``TORCH_DTYPES`` name; None: as built) once
+    built: the master weights, gradients and optimizer state of pure low-precision training
+    (``--master-dtype``). Only floating parameters and buffers are cast, as ``Module.to`` does."""
+    if dtype is None or dtype == "float32":
+        return src
+    from wrapopt.train import TORCH_DTYPES
+
+    if dtype not in TORCH_DTYPES:
+        raise ModelError(f"unknown master dtype {dtype!r}; accepted: {', '.join(TORCH_DTYPES)}")
+    build, torch_dtype = src.build, TORCH_DTYPES[dtype]
+    keep = tuple(n for n in src.notes if "is built in float32" not in n)  # no longer true
+    note = (f"master weights, gradients and optimizer state in {dtype} (--master-dtype): pure {dtype} training, the "
+            f"model cast with model.to(torch.{dtype}) before sharding; apply the plan to a model cast the same way")
+    return replace(src, build=lambda device: build(device).to(torch_dtype), notes=(*keep, note))
 
 
 def _zoo(name: str, batch: int | None, seq: int | str | None) -> ModelSource:
