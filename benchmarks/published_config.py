@@ -35,6 +35,7 @@ from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError
 from wrapopt.hardware.budget import MEMORY_HEADROOM
 from wrapopt.search.batch import global_batch_search
+from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.current import Current, compare_current
 from wrapopt.search.driver import SearchOptions
 from wrapopt.spec import SELECTIVE_OP, MeshSpec
@@ -57,6 +58,7 @@ class ConfigRow:
     own_is_best: bool  # the row's own configuration scored at least as fast as the search's answer
     row_fits: bool  # the row's own configuration within the budget
     seconds: float
+    why: str = ""  # the search's one line on its choice against per-block (See [Note: plans within the error])
 
 
 def _blocks_checkpointed(plan, blocks) -> int:
@@ -107,7 +109,19 @@ def search_config(pred: Predictor, row: PublishedRow, *, max_group: int) -> Conf
     return ConfigRow(row, global_batch, speedup, chosen, top[0] if top and top[3] > 1.0 else "-",
                      top[3] if top else math.nan, gains,
                      known_miss=(not own_is_best and ck_row == len(g.blocks) and ck_best < ck_row),
-                     own_is_best=own_is_best, row_fits=row_fits, seconds=seconds)
+                     own_is_best=own_is_best, row_fits=row_fits, seconds=seconds, why=found.result.why)
+
+
+def why_kind(why: str) -> str:
+    """The case of ``choose`` a search's ``why`` line names: per-block, beats per-block by more
+    than the error, or per-block does not fit (See [Note: plans within the error])."""
+    if why.startswith("per-block:"):
+        return "per-block"
+    if why.startswith("beats per-block by"):
+        return "beats per-block by " + why.split("beats per-block by ", 1)[1].split(" ", 1)[0]
+    if why.startswith("per-block "):
+        return "per-block does not fit"
+    return why.split(":", 1)[0] or "-"
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -161,17 +175,26 @@ def config_section(rows: list[ConfigRow], groups: tuple[tuple[str, str], ...], p
     for r in allsp:
         if r.speedup >= 1.05:
             by_choice[r.top] = by_choice.get(r.top, 0) + 1
+    kinds = [why_kind(r.why) for r in allsp]
+    beats = sorted(float(k.split()[-1].rstrip("%")) for k in kinds if k.startswith("beats"))
     out += ["", "Which choice produced the gains of 5% or more (the one that gains most alone): " + (
         ", ".join(f"{k} {v} rows" for k, v in sorted(by_choice.items(), key=lambda kv: -kv[1])) or "none") + ".",
+        "", f"Against per-block at the chosen split (*why*, the search's own line: See [Note: plans within the "
+            f"error] in wrapopt/search/choose.py): per-block on {kinds.count('per-block')} rows; another cut that "
+            f"beats per-block by more than the simulator's {STEP_ERROR:.1%} error on {len(beats)} rows"
+            + (f" (by {beats[0]:.1f}% to {beats[-1]:.1f}%)" if beats else "")
+            + f"; per-block over the budget on {kinds.count('per-block does not fit')}; any other case on "
+            f"{len(kinds) - kinds.count('per-block') - len(beats) - kinds.count('per-block does not fit')}.",
         "", "| GPU | model | seq | GPUs | micro-batch | GA | AC | global batch | row fits | wrapopt's configuration | "
-            "speed-up | choice (gain alone) | known miss | search s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "why | speed-up | choice (gain alone) | known miss | search s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in rows:
         r = c.row
         top = f"{c.top} ({c.top_gain:.3f})" if c.top != "-" else "-"
         out.append(f"| {r.gpu} | {r.model} | {r.seq_len} | {r.num_gpus} | {r.micro_batch} | {r.grad_accum} | "
                    f"{'AC' if r.checkpointing else '-'} | {c.global_batch} | {'yes' if c.row_fits else 'no'} | "
-                   f"{c.chosen} | {c.speedup:.3f} | {top} | {'yes' if c.known_miss else '-'} | {c.seconds:.1f} |")
+                   f"{c.chosen} | {why_kind(c.why)} | {c.speedup:.3f} | {top} | {'yes' if c.known_miss else '-'} | "
+                   f"{c.seconds:.1f} |")
     return out + [""]
 
 

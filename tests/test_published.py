@@ -80,7 +80,8 @@ def test_fused_cross_entropy_keeps_the_logits_only(published):
 
 
 def test_the_configuration_headline_never_reports_a_loss_on_a_row_that_fits(published):
-    from benchmarks.published_config import search_config
+    from benchmarks.published_config import search_config, why_kind
+    from wrapopt.search.choose import STEP_ERROR
 
     pred = Predictor(published)
     usable, _skipped = pred.usable(published.rows)
@@ -93,3 +94,15 @@ def test_the_configuration_headline_never_reports_a_loss_on_a_row_that_fits(publ
             assert c.speedup >= 1.0 and (c.own_is_best or c.chosen.startswith("mb "))
         # each gain alone is a ratio to the row's own configuration, scored when expressible
         assert all(g[3] > 0 for g in c.gains if g[3] == g[3])
+        # the search says why its plan is per-block or beats it (See [Note: plans within the error])
+        kind = why_kind(c.why)
+        assert kind in ("per-block", "per-block does not fit") or (
+            kind.startswith("beats per-block by ") and float(kind.split()[-1].rstrip("%")) > 100 * STEP_ERROR), c.why
+
+
+def test_why_kind_reads_each_case_of_choose():
+    from benchmarks.published_config import why_kind
+
+    assert why_kind("per-block: nothing beats it by more than the simulator's 3.2% error") == "per-block"
+    assert why_kind("beats per-block by 6.9% (> the simulator's 3.2% error)") == "beats per-block by 6.9%"
+    assert why_kind("per-block does not fit the budget: the simplest plan within x") == "per-block does not fit"
