@@ -167,3 +167,22 @@ def test_torchs_1f1b_ir_still_numbers_later_ranks_one_high():
     forwards = [a.microbatch_index for a in raw[1] if a and a.computation_type.value == "F"]
     assert forwards == [1, 2, 3, 4]
     assert [mb for k, _s, mb in schedule_order("1F1B", 2, 2, 4)[1] if k == "F"] == [0, 1, 2, 3]
+
+
+def test_units_gathered_by_a_backward_stay_gathered_until_the_next_forward():
+    """torch's stage keeps a backward's all-gathered parameters until the next forward (no
+    reshard after backward): a forward right after the stage's backward, and a backward right
+    after another, skip their all-gathers ([Note: pipeline stages], units gathered across actions)."""
+    p, m = 2, 4
+    st = [replace(_stage(2.0, 3.0), fwd_gathered_s=1.0, bwd_gathered_s=2.5) for _ in range(p)]
+    # 1F1B, last rank: F0 B0 F1 B1 F2 B2 F3 B3: every forward after the first follows a backward
+    tl = run_timeline(schedule_order("1F1B", p, p, m), st, (0.0,) * p)
+    assert tl.busy_s[1] == pytest.approx(2.0 + 3 * 1.0 + m * 3.0)
+    assert tl.saved_s[1] == pytest.approx((3 * 1.0, 0.0))
+    # GPipe: F0..F3 then B0..B3: every forward gathers; the backwards after the first do not
+    tl = run_timeline(schedule_order("GPipe", p, p, m), st, (0.0,) * p)
+    assert tl.busy_s[0] == pytest.approx(m * 2.0 + 3.0 + 3 * 2.5)
+    assert tl.saved_s[0] == pytest.approx((0.0, 3 * 0.5))
+    # without the figures (None) every action pays its all-gathers, as before
+    tl = run_timeline(schedule_order("1F1B", p, p, m), [_stage(2.0, 3.0) for _ in range(p)], (0.0,) * p)
+    assert tl.busy_s[1] == pytest.approx(m * 5.0)

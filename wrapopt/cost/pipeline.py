@@ -31,9 +31,14 @@ that one run (``stage_cost``):
   ``transient_bytes`` (the rest of the simulator's peak: gathered units, a checkpointed block's
   recomputed activations, the working set).
 
-Not modelled: torch 2.13's stage also turns off ``reshard_after_backward`` until REDUCE_GRAD, so
-a resharded unit's parameters gathered in backward stay until that unit's next forward reshards
-them; the model charges a resharded unit's all-gathers every micro-batch and not that holding.
+*Units gathered across actions*: torch 2.13's stage also turns off ``reshard_after_backward``
+until the last backward, so the parameters a backward gathered stay gathered until the stage's
+next forward reshards them. ``run_timeline`` keeps that state per stage: a forward right after
+the stage's backward (1F1B's steady state) runs without its all-gathers (``fwd_gathered_s``),
+and a backward right after the stage's backward (GPipe's backwards after the first) without its
+re-gathers (``bwd_gathered_s``). So 1F1B gathers once per micro-batch (in backward), GPipe
+``m + 1`` times in all, not ``2m``. Not modelled: the memory of that holding (the stage's
+parameters gathered from a backward to the next forward); the peaks stay the simulator's.
 
 *The schedule*: the per-rank order of forward (F), backward (B) and REDUCE_GRAD actions is
 torch's own (``schedule_order``): for Interleaved1F1B the ``pipeline_order`` its runtime
@@ -99,6 +104,8 @@ class StageCost:
     once_comm_s: float  # collectives once a step (the kept units' all-gathers, the reduction)
     send_bytes: float  # activation handed to the next stage per micro-batch (0 on the last)
     estimate: CostEstimate  # the stage simulator's, one micro-batch (accumulation 2, sync "last")
+    fwd_gathered_s: float | None = None  # forward right after the stage's backward: no all-gathers (None: fwd_s)
+    bwd_gathered_s: float | None = None  # backward right after the stage's backward: no re-gathers (None: bwd_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,7 @@ class Timeline:
     busy_s: tuple[float, ...]  # per rank, time in its actions
     inflight: tuple[tuple[int, ...], ...]  # per rank, per stage: micro-batches in flight at the rank's worst moment
     events: tuple[tuple[int, str, int, int, float, float], ...] = ()  # rank, kind, stage, micro-batch, start, end
+    saved_s: tuple[tuple[float, float], ...] = ()  # per rank, (forward, backward) all-gather time units kept gathered
 
     @property
     def makespan_s(self) -> float:
@@ -170,6 +178,8 @@ def run_timeline(order: tuple[tuple[Action, ...], ...], stages: list[StageCost] 
     bend: dict[tuple[int, int], float] = {}
     p = len(order)
     free, busy, pos = [0.0] * p, [0.0] * p, [0] * p
+    after_b = [False] * len(stages)  # the stage's last action was a backward: its units are still gathered
+    saved = [[0.0, 0.0] for _ in range(p)]
     events: list[tuple[int, str, int, int, float, float]] = []
     left = sum(map(len, order))
     while left:
@@ -184,13 +194,18 @@ def run_timeline(order: tuple[tuple[Action, ...], ...], stages: list[StageCost] 
                     if dep is None:
                         break
                     ready = dep + (send[s - 1] if s else 0.0)
-                    dur = st.fwd_s + (st.first_extra_s if mb == 0 else 0.0)
+                    fwd = st.fwd_gathered_s if after_b[s] and st.fwd_gathered_s is not None else st.fwd_s
+                    saved[r][0] += st.fwd_s - fwd
+                    dur = fwd + (st.first_extra_s if mb == 0 else 0.0)
+                    after_b[s] = False
                 elif kind == "B":
                     dep = fend.get((s, mb)) if s == last else bend.get((s + 1, mb))
                     if dep is None:
                         break
                     ready = dep + (send[s] if s < last else 0.0)
-                    dur = st.bwd_s
+                    dur = st.bwd_gathered_s if after_b[s] and st.bwd_gathered_s is not None else st.bwd_s
+                    saved[r][1] += st.bwd_s - dur
+                    after_b[s] = True
                 else:
                     ready, dur = 0.0, st.reduce_s
                 start = max(free[r], ready)
@@ -205,7 +220,8 @@ def run_timeline(order: tuple[tuple[Action, ...], ...], stages: list[StageCost] 
             pos[r] = i
         if not moved:
             raise RuntimeError(f"the pipeline order cannot run: ranks stopped at {pos}")
-    return Timeline(tuple(free), tuple(busy), tuple(_inflight(ops, stages) for ops in order), tuple(events))
+    return Timeline(tuple(free), tuple(busy), tuple(_inflight(ops, stages) for ops in order), tuple(events),
+                    tuple((f, b) for f, b in saved))
 
 
 def _inflight(ops: tuple[Action, ...], stages: Any) -> tuple[int, ...]:
@@ -300,7 +316,7 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
                      static_bytes=static, kept_bytes=kept, activation_bytes=acts,
                      transient_bytes=max(0.0, est.peak_bytes - static - kept - acts), compute_s=compute,
                      mb_comm_s=ag_resharded + regather, once_comm_s=ag - ag_resharded + reduce_s,
-                     send_bytes=send_bytes, estimate=est)
+                     send_bytes=send_bytes, estimate=est, fwd_gathered_s=fwd_compute, bwd_gathered_s=floor)
 
 
 def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
@@ -354,9 +370,10 @@ def _estimate(plan: PlanSpec, stages: list[StageCost], tl: Timeline, send: tuple
     step = tl.makespan_s + optim
     busiest = max(range(p), key=lambda r: tl.busy_s[r])
     compute = sum(stages[s].compute_s for s in mine[busiest]) * m
-    comm = sum(stages[s].mb_comm_s * m + stages[s].once_comm_s for s in mine[busiest])
-    fwd = sum(stages[s].fwd_s * m + stages[s].first_extra_s for s in mine[busiest])
-    bwd = sum(stages[s].bwd_s * m + stages[s].reduce_s for s in mine[busiest])
+    kept_f, kept_b = tl.saved_s[busiest] if tl.saved_s else (0.0, 0.0)  # all-gathers skipped: units kept gathered
+    comm = sum(stages[s].mb_comm_s * m + stages[s].once_comm_s for s in mine[busiest]) - kept_f - kept_b
+    fwd = sum(stages[s].fwd_s * m + stages[s].first_extra_s for s in mine[busiest]) - kept_f
+    bwd = sum(stages[s].bwd_s * m + stages[s].reduce_s for s in mine[busiest]) - kept_b
     events = tuple(TimelineEvent("compute", {"F": "fwd", "B": "bwd", "R": "reduce_scatter"}[k],
                                  f"rank{r} stage{s}" + (f" mb{mb}" if mb >= 0 else ""), a, b)
                    for r, k, s, mb, a, b in tl.events)
