@@ -179,8 +179,9 @@ def config_section(rows: list[ConfigRow], groups: tuple[tuple[str, str], ...], p
     beats = sorted(float(k.split()[-1].rstrip("%")) for k in kinds if k.startswith("beats"))
     out += ["", "Which choice produced the gains of 5% or more (the one that gains most alone): " + (
         ", ".join(f"{k} {v} rows" for k, v in sorted(by_choice.items(), key=lambda kv: -kv[1])) or "none") + ".",
-        "", f"Against per-block at the chosen split (*why*, the search's own line: See [Note: plans within the "
-            f"error] in wrapopt/search/choose.py): per-block on {kinds.count('per-block')} rows; another cut that "
+        "", "Against per-block at the chosen split (*why*, the search's own line: See "
+            "[Note: plans within the error] in wrapopt/search/choose.py): "
+            f"per-block on {kinds.count('per-block')} rows; another cut that "
             f"beats per-block by more than the simulator's {STEP_ERROR:.1%} error on {len(beats)} rows"
             + (f" (by {beats[0]:.1f}% to {beats[-1]:.1f}%)" if beats else "")
             + f"; per-block over the budget on {kinds.count('per-block does not fit')}; any other case on "
