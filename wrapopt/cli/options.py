@@ -14,6 +14,7 @@ from wrapopt.fileio import parse_bytes
 from wrapopt.hardware.host import HostSpec, host_for
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.hardware.resolve import fabric_name
+from wrapopt.models.sources import ModelSource, resolve_model, with_master_dtype
 from wrapopt.spec import MeshSpec
 from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
 
@@ -102,10 +103,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, optional: bool = False) -
                         "model.to(torch.bfloat16) before sharding: half the static memory, bf16 optimizer updates)")
 
 
-def model_from_args(args: argparse.Namespace):
+def model_from_args(args: argparse.Namespace) -> ModelSource:
     """The ``ModelSource`` of MODEL, ``--batch``, ``--seq`` and ``--master-dtype``."""
-    from wrapopt.models.sources import resolve_model, with_master_dtype
-
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     return with_master_dtype(src, getattr(args, "master_dtype", None))
 

@@ -21,6 +21,7 @@ from wrapopt.errors import ModelError, OptionError
 from wrapopt.models import zoo
 from wrapopt.models.base import ModelSource
 from wrapopt.models.hf import hf_source
+from wrapopt.train import TORCH_DTYPES
 
 __all__ = ["ModelSource", "SourceFn", "SOURCES", "register_source", "resolve_model", "with_master_dtype"]
 
@@ -56,8 +57,6 @@ def with_master_dtype(src: ModelSource, dtype: str | None) -> ModelSource:
     (``--master-dtype``). Only floating parameters and buffers are cast, as ``Module.to`` does."""
     if dtype is None or dtype == "float32":
         return src
-    from wrapopt.train import TORCH_DTYPES
-
     if dtype not in TORCH_DTYPES:
         raise ModelError(f"unknown master dtype {dtype!r}; accepted: {', '.join(TORCH_DTYPES)}")
     build, torch_dtype = src.build, TORCH_DTYPES[dtype]
