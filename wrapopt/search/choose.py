@@ -117,5 +117,6 @@ def choose(graph: ModelGraph, fitting: Sequence[Scored], budget: float) -> Choic
                + (f" (the fastest plan is {_pct(gain)} faster)" if gain >= 0.0005 else ""))
         return Choice(ref, top, ref, why + margin)
     best = _simplest(better)
-    why = f"beats per-block by {_pct(1 - best.estimate.step_s / ref_s)} (> {err})"
+    # As the rule above measures it: per-block's step over this plan's, less one.
+    why = f"beats per-block by {_pct(ref_s / best.estimate.step_s - 1)} (> {err})"
     return Choice(best, top, ref, why + margin)
