@@ -106,7 +106,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, optional: bool = False) -
 def model_from_args(args: argparse.Namespace) -> ModelSource:
     """The ``ModelSource`` of MODEL, ``--batch``, ``--seq`` and ``--master-dtype``."""
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
-    return with_master_dtype(src, getattr(args, "master_dtype", None))
+    return with_master_dtype(src, args.master_dtype)
 
 
 def _seq(text: str) -> int | str:

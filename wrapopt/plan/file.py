@@ -256,16 +256,17 @@ class WrapPlan:
             parts.append("parameters whose shape or dtype differ: " + _names([
                 f"{n} {mine[n]['shape']}->{theirs[n]['shape']}" if mine[n]["shape"] != theirs[n]["shape"]
                 else f"{n} {mine[n]['dtype']}->{theirs[n]['dtype']}" for n in changed]))
-        dtypes = {mine[n]["dtype"] for n in changed} if changed and not (missing or extra or unknown) and all(
-            mine[n]["shape"] == theirs[n]["shape"] for n in changed) else set()
-        hint = (f" Only the dtype differs: the plan was made for master weights in {min(dtypes)} (a search's "
-                f"--master-dtype); cast the model with model.to(torch.{min(dtypes)}) before applying, or"
-                if len(dtypes) == 1 else "")
+        only_dtype = not (missing or extra or unknown) and all(mine[n]["shape"] == theirs[n]["shape"] for n in changed)
+        dtypes = {mine[n]["dtype"] for n in changed}
+        todo = "Re-run the search for this model"
+        if only_dtype and len(dtypes) == 1:
+            (dt,) = dtypes
+            todo = (f"Only the dtype differs: the plan was made for master weights in {dt} (a search's "
+                    f"--master-dtype); cast the model with model.to(torch.{dt}) before applying, or re-run the search")
         raise PlanMismatchError(
             f"this plan was made for {self.model.get('class')} with {self.model.get('num_params')} parameters, "
             f"not for this {type(model).__name__}; " + "; ".join(parts)
-            + "." + (hint or "") + (" re-run" if hint else " Re-run")
-            + " the search for this model, or pass strict=False to apply by module names only."
+            + f". {todo}, or pass strict=False to apply by module names only."
         )
 
     def apply(self, model: nn.Module, mesh: Any = None, *, strict: bool = True, train: TrainConfig | None = None,
