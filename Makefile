@@ -20,9 +20,11 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check wrapopt tests benchmarks scripts examples
 
+# The single-process tests run on up to 4 pytest-xdist workers, a test file to a worker (its
+# module fixtures built once); the multi-process ones one at a time: their ranks fill the cores.
 test: setup lint
-	@echo "== make test 1/2: single-process tests (pytest -m 'not multiprocess') =="
-	$(PY) -m pytest -q -m "not multiprocess" tests
+	@echo "== make test 1/2: single-process tests (pytest -m 'not multiprocess', xdist workers) =="
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not multiprocess" tests
 	@echo "== make test 2/2: multi-process tests: gloo ranks, torchrun (pytest -m multiprocess) =="
 	$(PY) -m pytest -q -m multiprocess tests
 

@@ -386,12 +386,13 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
                 _split(ps, lambda p: p.exposed_share > 0.1, "exposed comm > 10% of step", "<= 10%") + "; " +
                 _split(ps, lambda p: p.row.num_gpus > 8, "multi-node", "single node") + "."]
     out += ["", "Reading these splits (the same on every GPU type unless said):", "",
-            "- **Checkpointing** (the term named for the checkpointed rows' bias, and for most of the >= 7B rows', "
-            "which nearly all checkpoint): the simulator charges a checkpointed block one whole forward again. "
-            "torch's non-reentrant checkpoint (FSDP1's `checkpoint_wrapper` in these rows, and FSDP2's) stops the "
-            "recompute once the last saved tensor is repacked (early stop): a block's last matmul, which saves only "
-            "its input, and the residual add after it are not re-run, about a third of an MPT block's matmul FLOPs. "
-            "Not modelled yet; it is general (not a per-row constant), and the next change to make.",
+            "- **Checkpointing**: a checkpointed block's recompute is charged as torch's non-reentrant checkpoint "
+            "runs it (FSDP1's `checkpoint_wrapper` in these rows, FSDP2's composable `checkpoint` in wrapopt's "
+            "plans): its forward up to the early stop, which skips the ops after the block's last saved tensor, "
+            "the MLP's output projection and the residual add, about a third of an MPT block's matmul FLOPs "
+            "([Note: early stop] in `wrapopt/trace/record.py`; the tracer finds them, no constant). Before it, "
+            "the checkpointed rows were predicted 0.91-0.97 of published and the >= 7B rows, which nearly all "
+            "checkpoint, 0.92-0.97.",
             "- **GEMM shape**: every matmul is priced from its shape ([Note: kernel roofline] in "
             "`wrapopt/cost/roofline.py`): FLOPs at the fitted tensor-core rate with wave quantization, plus its "
             "A+B+C bytes at HBM; the narrow GEMMs of the 125m-760m models pay for their bytes, the 4096+-wide ones "

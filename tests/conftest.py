@@ -78,7 +78,9 @@ def two_rank_cases(tmp_path_factory) -> list[dict]:
     ranks (See tests/ranks.py): each rank's dict of results, by rank."""
     from tests.ranks import spawn_cases
 
-    return spawn_cases(str(tmp_path_factory.mktemp("ranks")))
+    out = spawn_cases(str(tmp_path_factory.mktemp("ranks")))
+    _SPAWNS["2 ranks"] = out[0].get("case_s", {})
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -87,4 +89,17 @@ def four_rank_cases() -> list[dict]:
     ranks (See tests/ranks.py): by rank, each module's dict of results."""
     from tests.ranks import spawn_four
 
-    return spawn_four()
+    out = spawn_four()
+    _SPAWNS["4 ranks"] = out[0].get("case_s", {})
+    return out
+
+
+_SPAWNS: dict[str, dict[str, float]] = {}  # rank 0's seconds per case of each shared spawn that ran
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the shared spawns' time went: rank 0's seconds per case, slowest first."""
+    for spawn, case_s in _SPAWNS.items():
+        terminalreporter.write_sep("-", f"shared spawn of {spawn}: {sum(case_s.values()):.1f} s in its cases")
+        for name, s in sorted(case_s.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{s:8.2f}s  {name}")

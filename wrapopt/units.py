@@ -26,14 +26,14 @@ the user's backward.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from functools import lru_cache
 
 from wrapopt.errors import PlanError
 from wrapopt.spec import ROOT, ModelGraph, PlanSpec, UnitSpec
 
-__all__ = ["ancestors", "owner_index", "validate_plan", "check_units", "unit_param_bytes", "user_conflicts",
-           "user_conflict_message", "together_groups"]
+__all__ = ["ancestors", "owner_index", "owner_by_ancestors", "validate_plan", "check_units", "unit_param_bytes",
+           "user_conflicts", "user_conflict_message", "together_groups"]
 
 
 @lru_cache(maxsize=65536)
@@ -52,6 +52,20 @@ def owner_index(units: tuple[UnitSpec, ...]) -> dict[str, int]:
         for m in u.modules:
             out[m] = i
     return out
+
+
+def owner_by_ancestors(index: dict[str, int], n: int) -> Callable[[tuple[str, ...]], int]:
+    """The owner of a module given its ancestors (innermost first): the first that is a
+    unit in ``index``, else the root (the last of ``n`` units)."""
+
+    def owner(anc: tuple[str, ...]) -> int:
+        for a in anc:
+            i = index.get(a)
+            if i is not None:
+                return i
+        return n - 1
+
+    return owner
 
 
 def owner_of(fqn: str, index: dict[str, int]) -> int:

@@ -34,7 +34,8 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.units import ancestors
 
-__all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls", "module_time", "recompute_share"]
+__all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls", "module_time", "recompute_share",
+           "recomputed", "region_depths"]
 
 
 class Entry(NamedTuple):
@@ -56,6 +57,11 @@ class Entry(NamedTuple):
     sel_fwd_s: float
     sel_kept: int
     sel_ops_s: float
+    # Per ancestor in ``anc``: the share of its kernels' time (``fwd_s`` less ``call_s``) a checkpoint
+    # around that ancestor does not recompute (See [Note: early stop] in wrapopt/trace/record.py);
+    # the per-call overhead is paid still: the module is called, its kernels do not run.
+    skip: tuple[float, ...]
+    call_s: float
 
 
 def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece: Callable[[str], str]) -> list[Entry]:
@@ -65,18 +71,22 @@ def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece
     (the batch); ``piece``: a module's block."""
     measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
     grad_at, acc_at = gradient_sites(graph)
+    early = {m.fqn: dict(m.early_stop) for m in graph.modules if m.early_stop}
     entries = []
     for m in graph.call_order():
+        anc = ancestors(m.fqn)
         f, b = module_time(m, compute, scale, measured)
         sel_f = f * recompute_share(m, compute) if measured else (
             (f - compute.module_overhead_s * m.num_calls) * recompute_share(m, compute)
             + compute.module_overhead_s * m.num_calls)
         # The root's "output" is the model's, made by its last child: its own ops' working set is not it.
         out = 0 if m.fqn == ROOT else m.output_bytes
-        entries.append(Entry(m.fqn, ancestors(m.fqn), f, b, int(m.saved_bytes * scale),
+        entries.append(Entry(m.fqn, anc, f, b, int(m.saved_bytes * scale),
                              int(out * scale), grad_at.get(m.fqn, 0), piece(m.fqn), acc_at.get(m.fqn, 0),
                              int((0 if m.fqn == ROOT else m.input_bytes) * scale), sel_f,
-                             int(m.selective_kept_bytes * scale), compute.selective_op_overhead_s * m.fwd_ops))
+                             int(m.selective_kept_bytes * scale), compute.selective_op_overhead_s * m.fwd_ops,
+                             tuple(early.get(a, {}).get(m.fqn, 0.0) for a in anc),
+                             0.0 if measured else compute.module_overhead_s * m.num_calls))
     return entries
 
 
@@ -180,3 +190,30 @@ def backward_working_set(entries: Sequence[Entry], reduce_elem: float) -> int:
         best = max(best, grads - freed + e.out + leaving + 2 * e.acc_numel * reduce_elem)
         freed += e.saved
     return int(best)
+
+
+def region_depths(entries: Sequence[Entry], index: dict[str, int]) -> tuple[int, ...]:
+    """Per entry, the depth in its ancestors of the unit module that owns it (the module a
+    checkpoint wraps; ``index``: unit module -> unit), -1 where none does (the root's)."""
+    out = []
+    for e in entries:
+        for d, a in enumerate(e.anc):
+            if a in index:
+                out.append(d)
+                break
+        else:
+            out.append(-1)
+    return tuple(out)
+
+
+def recomputed(entries: Sequence[Entry], depths: tuple[int, ...]) -> tuple[float, float]:
+    """What full and selective-op checkpointing recompute of ``entries``, each checkpointed by its
+    ancestor at ``depths`` (-1: none): its kernels less the share after the early stop, and its
+    per-call overhead (See [Note: early stop] in wrapopt/trace/record.py). Summed in call order,
+    as the layout kernel does (``kernels.layout_kernel``)."""
+    rf = sf = 0.0
+    for k, (e, d) in enumerate(zip(entries, depths)):
+        f = e.fwd_s if d < 0 else e.fwd_s - e.skip[d] * (e.fwd_s - e.call_s)
+        s = e.sel_fwd_s if d < 0 else e.sel_fwd_s - e.skip[d] * (e.sel_fwd_s - e.call_s)
+        rf, sf = (f, s) if k == 0 else (rf + f, sf + s)
+    return rf, sf

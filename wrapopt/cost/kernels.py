@@ -26,8 +26,10 @@ class LayoutTables(NamedTuple):
     ``listed`` (its arguments, in this order): See its docstring."""
 
     e_anc: np.ndarray  # per module call, in forward order: ancestor ids, innermost first, -1 padded
+    e_skip: np.ndarray  # the same shape: the share of its forward a checkpoint around that ancestor does not rerun
     e_piece: np.ndarray  # its piece
-    e_time: np.ndarray  # (forward, backward, selective-op's recompute, selective-op's per-pass overhead) seconds
+    # (forward, backward, selective-op's recompute, selective-op's per-pass overhead, per-call overhead) seconds
+    e_time: np.ndarray
     e_int: np.ndarray  # (saved, output, gradient elements, accumulated elements, input bytes, selective-op's kept)
     keep_of: np.ndarray  # per piece: what checkpointing keeps
     p_anc: np.ndarray  # per parameter module: ancestor ids
@@ -62,14 +64,20 @@ def layout_tables(runs: Any, param_modules: Any, out_bytes: dict[str, float], ke
             out[i, :len(anc)] = [mid[a] for a in anc]
         return out
 
+    e_skip = np.zeros((len(entries), depth), dtype=np.float64)
+    for i, e in enumerate(entries):
+        e_skip[i, :len(e.skip)] = e.skip
+
     m_out = np.zeros(len(mid), dtype=np.float64)
     for fqn, b in out_bytes.items():
         m_out[mid[fqn]] = b
     return mid, LayoutTables(
         e_anc=anc_ids([e.anc for e in entries]),
+        e_skip=e_skip,
         e_piece=np.array(e_piece, dtype=np.int64).reshape(-1),
         e_time=np.array([[e.fwd_s for e in entries], [e.bwd_s for e in entries], [e.sel_fwd_s for e in entries],
-                         [e.sel_ops_s for e in entries]], dtype=np.float64).reshape(4, -1),
+                         [e.sel_ops_s for e in entries], [e.call_s for e in entries]],
+                        dtype=np.float64).reshape(5, -1),
         e_int=np.array([[e.saved, e.out, e.grad_numel, e.acc_numel, e.inp, e.sel_kept] for e in entries],
                        dtype=np.int64).reshape(-1, 6).T.copy(),
         keep_of=np.array([keep[pc] for pc in pieces], dtype=np.int64),
@@ -82,17 +90,19 @@ def layout_tables(runs: Any, param_modules: Any, out_bytes: dict[str, float], ke
 
 # Exempt from the 80-line cap: numba compiles one function, and splitting it into
 # functions would cost a call per module call in its loops (See [Note: layout kernel]).
-def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_vals, m_out, root_id,  # noqa: ANN001
-                  scale, reduce_elem):
+def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p_anc, p_vals, m_out,  # noqa: ANN001
+                  root_id, scale, reduce_elem):
     """``Layouts.build`` on module ids, for numba: See [Note: layout kernel].
 
     Units list modules ``ids``, ``listed[u]`` of them for unit ``u``. Module calls in forward order:
-    ancestor ids ``e_anc`` (innermost first, -1 padded), piece ``e_piece``, times
-    ``e_time`` (forward, backward, selective recompute and per-pass overhead) and ``e_int`` (saved, output, gradient
+    ancestor ids ``e_anc`` (innermost first, -1 padded) and the share of its forward a checkpoint around
+    each does not rerun ``e_skip``, piece ``e_piece``, times
+    ``e_time`` (forward, backward, selective recompute and per-pass overhead, per-call overhead) and ``e_int`` (saved,
+    output, gradient
     elements, accumulated elements, input bytes, selective kept); ``keep_of`` per piece. Parameter modules:
     ancestors ``p_anc`` and ``p_vals`` (elements, bytes, trainable elements and bytes).
     ``m_out``: each module's output bytes. Returns the segments (their units and
-    the other 10 columns of ``Segment``; the first ``s`` are used), ``s``, per-unit
+    the other 11 columns of ``Segment``; the first ``s`` are used), ``s``, per-unit
     integer rows (``Layout.counts``, then the step loop's) and float rows (times,
     then the step loop's), and how many units run."""
     n = listed.shape[0]
@@ -107,25 +117,34 @@ def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_
             k += 1
     ne, depth = e_anc.shape
     own = np.empty(ne, np.int64)
+    # What a checkpoint around its unit's module recomputes of it, full and selective-op: its kernels
+    # less those after the early stop, and its per-call overhead (See [Note: early stop])
+    rerun = np.empty(ne, np.float64)
+    srerun = np.empty(ne, np.float64)
     for i in range(ne):
         own[i] = n - 1
+        rerun[i] = e_time[0, i]
+        srerun[i] = e_time[2, i]
         for d in range(depth):
             a = e_anc[i, d]
             if a < 0:
                 break
             if unit_of[a] >= 0:
                 own[i] = unit_of[a]
+                rerun[i] = e_time[0, i] - e_skip[i, d] * (e_time[0, i] - e_time[4, i])
+                srerun[i] = e_time[2, i] - e_skip[i, d] * (e_time[2, i] - e_time[4, i])
                 break
     seg_u = np.empty(ne, np.int64)
-    seg_f = np.empty((10, ne), np.float64)  # the other columns of Segment
+    seg_f = np.empty((11, ne), np.float64)  # the other columns of Segment
     # Layout.counts' rows (numel, storage bytes, trainable numel, trainable bytes, saved, working
     # set, input bytes, segments that start a piece), then last forward segment, segments, place in
     # forward and in backward order, and the units in forward and in backward order (-1 padded)
     u_i = np.zeros((14, n), np.int64)
     u_i[8:, :] = -1
     u_i[9, :] = 0
-    # forward, backward, selective-op's recompute and overhead, gradient elements of its segments, trainable bytes
-    u_f = np.zeros((6, n), np.float64)
+    # forward, backward, selective-op's recompute and overhead, full checkpointing's recompute, gradient
+    # elements of its segments, trainable bytes
+    u_f = np.zeros((7, n), np.float64)
     seen = np.zeros(keep_of.shape[0], np.bool_)
     u_i[12, 0], u_i[10, n - 1] = n - 1, 0  # the root comes first in forward order
     runs = 1
@@ -137,9 +156,10 @@ def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_
         while j < ne and e_piece[j] == pc and own[j] == u:
             j += 1
         f, b, sv, out, gn = e_time[0, i], e_time[1, i], e_int[0, i], e_int[1, i], e_int[2, i]
-        sf, so, sk = e_time[2, i], e_time[3, i], e_int[5, i]
+        sf, so, sk, rf = srerun[i], e_time[3, i], e_int[5, i], rerun[i]
         for k in range(i + 1, j):
-            sf += e_time[2, k]
+            rf += rerun[k]
+            sf += srerun[k]
             so += e_time[3, k]
             sk += e_int[5, k]
             f += e_time[0, k]
@@ -163,12 +183,13 @@ def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_
         seg_u[s] = u
         seg_f[0, s], seg_f[1, s], seg_f[2, s], seg_f[3, s] = f, b, sv, out
         seg_f[4, s], seg_f[5, s], seg_f[6, s] = gn, int(best), keep
-        seg_f[7, s], seg_f[8, s], seg_f[9, s] = sf, sk + keep, so
+        seg_f[7, s], seg_f[8, s], seg_f[9, s], seg_f[10, s] = sf, sk + keep, so, rf
         u_f[0, u] += f
         u_f[1, u] += b
         u_f[2, u] += sf
         u_f[3, u] += so
-        u_f[4, u] += gn
+        u_f[4, u] += rf
+        u_f[5, u] += gn
         u_i[4, u] += sv
         if out > u_i[5, u]:
             u_i[5, u] = out
@@ -195,7 +216,7 @@ def layout_kernel(ids, listed, e_anc, e_piece, e_time, e_int, keep_of, p_anc, p_
             u_i[c, o] += p_vals[c, p]
     k = 0
     for u in range(n):
-        u_f[5, u] = u_i[3, u]
+        u_f[6, u] = u_i[3, u]
         u_i[6, u] = int(widest[u] * scale)
         if listed[u] == 1 and ids[k] == root_id:  # UnitSpec.is_root keeps nothing
             u_i[6, u] = 0

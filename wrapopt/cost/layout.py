@@ -45,12 +45,12 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from wrapopt.cost.backend import Backend
-from wrapopt.cost.calls import backward_working_set, module_calls
+from wrapopt.cost.calls import backward_working_set, module_calls, recomputed, region_depths
 from wrapopt.cost.kernels import LayoutTables, layout_tables
 from wrapopt.cost.step_inputs import Segments, UnitLayout
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ModelGraph, SimOptions, UnitSpec
-from wrapopt.units import ancestors, owner_index
+from wrapopt.units import ancestors, owner_by_ancestors, owner_index
 
 __all__ = ["Layout", "Layouts", "Segment", "unit_modules"]
 
@@ -72,6 +72,7 @@ class Segment(NamedTuple):
     sel_fwd_s: float
     sel_keep: int
     sel_ops_s: float
+    ckpt_fwd_s: float  # what full checkpointing recomputes: See [Note: early stop] in wrapopt/trace/record.py
 
 
 unit_modules = operator.attrgetter("modules")  # a unit's modules: the key of a set of units is these, per unit
@@ -89,7 +90,9 @@ class Layout:
     # input bytes (what checkpointing keeps of it, ~ its largest output), and how
     # many of its segments start a piece (pay the checkpoint overhead).
     counts: np.ndarray
-    times: np.ndarray  # per unit (float64): forward, backward, selective-op's recompute and per-pass overhead
+    # Per unit (float64): forward, backward, selective-op's recompute and per-pass overhead, full
+    # checkpointing's recompute (See [Note: early stop] in wrapopt/trace/record.py).
+    times: np.ndarray
     # What the step loop reads (``step.step_loop``): the segments' columns and the units'
     # order and sums. Tuples, or numpy arrays where the layout kernel built it.
     seg_cols: Segments
@@ -116,20 +119,6 @@ class Layout:
     @property
     def num_segments(self) -> int:
         return len(self.seg_cols.unit)
-
-
-def _owner_by_ancestors(index: dict[str, int], n: int) -> Callable[[tuple[str, ...]], int]:
-    """The owner of a module given its ancestors (innermost first): the first that is a
-    unit in ``index``, else the root (the last of ``n`` units)."""
-
-    def owner(anc: tuple[str, ...]) -> int:
-        for a in anc:
-            i = index.get(a)
-            if i is not None:
-                return i
-        return n - 1
-
-    return owner
 
 
 class Layouts:
@@ -170,6 +159,8 @@ class Layouts:
             else:
                 runs.append([e.piece, ancestors(e.piece), [e]])
         self._sums: dict[tuple[int, int, int], tuple[Any, ...]] = {}  # (run, start, end) -> a segment's sums
+        self._reruns: dict[tuple[Any, ...], tuple[float, float]] = {}  # (run, start, end, depths) -> the reruns
+        self._whole_rerun: dict[tuple[int, int], tuple[float, float]] = {}  # (run, its unit module's place) -> same
         self._runs = tuple((pc, anc, tuple(es)) for pc, anc, es in runs)
         self._runs = tuple((*run, self._seg_sums(r, 0, len(run[2]))) for r, run in enumerate(self._runs))
         piece_params: dict[str, list[int]] = {}
@@ -236,12 +227,13 @@ class Layouts:
     def _build_fragments(self, units: tuple[UnitSpec, ...]) -> Layout:
         """``build`` as Python: whole pieces from their sums, cut pieces from fragments."""
         n = len(units)
-        owner = _owner_by_ancestors(owner_index(units), n)
+        index = owner_index(units)
+        owner = owner_by_ancestors(index, n)
         cut = self._cut_pieces(units)
         params = ([0] * n, [0] * n, [0] * n, [0] * n)  # elements, storage bytes, trainable elements and bytes
         owner_of = self._whole_piece_params(cut, owner, params)
         saved, work = [0] * n, [0] * n
-        segments = self._segments(cut, owner, owner_of, params, saved, work)
+        segments = self._segments(cut, owner, owner_of, params, saved, work, index)
         return self._assemble(units, segments, params, saved, work)
 
     def _cut_pieces(self, units: tuple[UnitSpec, ...]) -> dict[str, dict[int, list[str]]]:
@@ -274,10 +266,10 @@ class Layouts:
 
     def _segments(self, cut: dict[str, dict[int, list[str]]], owner: Callable[[tuple[str, ...]], int],
                   owner_of: dict[str, int], params: tuple[list[int], ...], saved: list[int],
-                  work: list[int]) -> list[Segment]:
+                  work: list[int], index: dict[str, int]) -> list[Segment]:
         """The segments in forward order: one per run of a whole piece, the fragments of a cut
         one (See [Note: cut pieces]). Adds each unit's saved activations and working set,
-        and the cut pieces' parameters to ``params``."""
+        and the cut pieces' parameters to ``params``. ``index``: unit module -> its unit."""
         numel, sbytes, tnumel, tbytes = params
         keep_of = self._keep
         segments: list[Segment] = []
@@ -293,7 +285,12 @@ class Layouts:
                 if out > work[u]:
                     work[u] = out
                 kp = 0 if pc in seen else keep_of[pc]
-                segments.append(new(Segment, (u, f, b, sv, out, gn, bw, kp, sf, sk + kp, so)))
+                k = next((k for k, a in enumerate(anc) if a in index), -1)  # the unit module around the piece
+                rs = self._whole_rerun.get((r, k))
+                if rs is None:
+                    depths = tuple(len(e.anc) - len(anc) + k if k >= 0 else -1 for e in _es)
+                    rs = self._whole_rerun[(r, k)] = self._rerun(r, 0, len(_es), depths)
+                segments.append(new(Segment, (u, f, b, sv, out, gn, bw, kp, rs[1], sk + kp, so, rs[0])))
                 seen.add(pc)
                 continue
             # See [Note: cut pieces]: the split depends only on how the units cut the piece.
@@ -307,7 +304,8 @@ class Layouts:
                 if vals[3] > work[g]:
                     work[g] = vals[3]
                 kp = 0 if k or pc in seen else keep_of[pc]
-                segments.append(new(Segment, (g, *vals[:6], kp, vals[6], vals[7] + kp, vals[8])))
+                rf, sf = self._rerun(r, i0, i1, region_depths(_es[i0:i1], index))
+                segments.append(new(Segment, (g, *vals[:6], kp, sf, vals[7] + kp, vals[8], rf)))
             if pc not in seen:
                 for j, ne, nb, tn, tb in self._param_sums(pc, powners):
                     g = glob[j]
@@ -329,7 +327,7 @@ class Layouts:
                   saved: list[int], work: list[int]) -> Layout:
         """The ``Layout``: per-unit sums of the segments and the units' forward and backward order."""
         n = len(units)
-        fwd, bwd, sel, sel_oh = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n  # a unit's times: its segments' sums
+        fwd, bwd, sel, sel_oh, rerun = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n  # its segments' sums
         order_d: dict[int, None] = {n - 1: None}
         last = [-1] * n
         nseg, seg_grads, nkeep = [0] * n, [0] * n, [0] * n
@@ -339,6 +337,7 @@ class Layouts:
             bwd[u] += sgm[2]
             sel[u] += sgm[8]
             sel_oh[u] += sgm[10]
+            rerun[u] += sgm[11]
             order_d[u] = None
             last[u] = i
             nseg[u] += 1
@@ -359,8 +358,8 @@ class Layouts:
         new = tuple.__new__
         counts = np.array((numel, sbytes, tnumel, tbytes, saved, work, inputs, nkeep), dtype=np.int64).reshape(8, n)
         return Layout(counts,
-                      np.array((fwd, bwd, sel, sel_oh), dtype=np.float64).reshape(4, n),
-                      new(Segments, zip(*segments)) if segments else new(Segments, ((),) * 11),
+                      np.array((fwd, bwd, sel, sel_oh, rerun), dtype=np.float64).reshape(5, n),
+                      new(Segments, zip(*segments)) if segments else new(Segments, ((),) * 12),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
                       new(UnitLayout, (order, border, tuple(last), tuple(pos), tuple(bpos), tuple(nseg),
                                        tuple(seg_grads), tuple(tbytes))))
@@ -388,10 +387,10 @@ class Layouts:
         seg_u, seg_f, s, u_i, u_f, runs = kernel(ids, listed, *tables)  # the tables in the kernel's order
         # As Simulator._columns makes them; the rows of u_i and u_f: See layout_kernel.
         new = tuple.__new__  # the named tuples from their fields in order (faster than keywords)
-        return Layout(u_i[:8], u_f[:4], new(Segments, (seg_u[:s], *seg_f[:, :s])),
+        return Layout(u_i[:8], u_f[:5], new(Segments, (seg_u[:s], *seg_f[:, :s])),
                       # forward, backward, last_fwd, fwd_pos, bwd_pos, num_segments, seg_grad_numel, trainable_bytes
-                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[4],
-                                       u_f[5])))
+                      new(UnitLayout, (u_i[12, :runs], u_i[13, :runs], u_i[8], u_i[10], u_i[11], u_i[9], u_f[5],
+                                       u_f[6])))
 
     def _split(self, r: int,
                groups: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
@@ -447,6 +446,18 @@ class Layouts:
                 out = max(out, e.out)
                 gn += e.grad_numel
             hit = self._sums[key] = (f, b, sv, out, gn, backward_working_set(es, self._reduce_elem), sf, sk, so)
+        return hit
+
+    def _rerun(self, r: int, i0: int, i1: int, depths: tuple[int, ...]) -> tuple[float, float]:
+        """What full and selective-op checkpointing recompute of entries ``i0:i1`` of run ``r``,
+        whose checkpointed module is each one's ancestor at ``depths`` (-1: none), summed in call
+        order as the layout kernel does. See [Note: early stop] in wrapopt/trace/record.py. Cached."""
+        key = (r, i0, i1, depths)
+        hit = self._reruns.get(key)
+        if hit is None:
+            if len(self._reruns) > 65536:
+                self._reruns.clear()
+            hit = self._reruns[key] = recomputed(self._runs[r][2][i0:i1], depths)
         return hit
 
     def _param_sums(self, pc: str, owners: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

@@ -308,8 +308,8 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
     acts = parts["activations"] if held is None else held
     # A micro-batch's backward runs without gradient sync: the estimate's (synchronising) backward
     # less its reduce-scatters, which run once, in the end-of-step reduction (``reduce_s``); never
-    # below the backward's compute and recompute.
-    floor = sum(c.bwd_s for c in costs) + sum(c.fwd_s for c, u in zip(costs, units) if u.checkpoint)
+    # below the backward's compute and recompute (a micro-batch's compute less its forward).
+    floor = max(sum(c.bwd_s for c in costs), compute - fwd_compute)
     bwd = max(floor, est.bwd_s - sum(c.reduce_scatter_s for c in costs))
     return StageCost(fwd_s=fwd_compute + gather_exposed * share, bwd_s=bwd,
                      first_extra_s=gather_exposed * (1 - share), reduce_s=reduce_s, optim_s=est.optim_s,

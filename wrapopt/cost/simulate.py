@@ -215,7 +215,7 @@ class Simulator:
             segs, cols = lay.seg_cols, lay.unit_cols
             if arrays:  # as the layout kernel makes them: See [Note: layout kernel]
                 segs = Segments(np.array(segs.unit, dtype=np.int64),
-                                *np.array(segs[1:], dtype=np.float64).reshape(10, -1))
+                                *np.array(segs[1:], dtype=np.float64).reshape(11, -1))
                 cols = UnitLayout(np.array(cols.forward, dtype=np.int64), np.array(cols.backward, dtype=np.int64),
                                   *np.array(cols[2:6], dtype=np.int64).reshape(4, -1),
                                   *np.array(cols[6:], dtype=np.float64).reshape(2, -1))
@@ -424,10 +424,10 @@ class Simulator:
         overhead, and the loss."""
         lay, codes, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
         compute_s = per_set.compute_s
-        if any_ck:  # full: the whole forward again; selective-op: its other ops (Segment.sel_fwd_s), and
-            # its dispatch modes' work in forward and in the recompute (Segment.sel_ops_s, twice)
+        if any_ck:  # full: the forward again, up to its early stop (Segment.ckpt_fwd_s); selective-op: its other
+            # ops (Segment.sel_fwd_s), and its dispatch modes' work in forward and in the recompute (sel_ops_s, twice)
             full, sel = codes == CK_FULL, codes == CK_SELECTIVE
-            compute_s += (sum(lay.times[0][full].tolist()) + sum(lay.times[2][sel].tolist())  # sum([]) is 0
+            compute_s += (sum(lay.times[4][full].tolist()) + sum(lay.times[2][sel].tolist())  # sum([]) is 0
                           + 2.0 * sum(lay.times[3][sel].tolist()))
             ck_oh = self._constants.checkpoint_overhead_s
             if ck_oh:

@@ -159,7 +159,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     plain tuple: See [Note: step loop inputs]."""
     # The inputs unpacked in their fields' order (checked below the function): in Python ~0.3 us,
     # against ~1.9 us to name them again and read the names. See [Note: step loop inputs].
-    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep, seg_sf, seg_sk, seg_so = segs  # Segments
+    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep, seg_sf, seg_sk, seg_so, seg_rf = segs
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
     P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
     static, shard, depth, record, gathers = plan  # PlanScalars
@@ -280,7 +280,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
         if ck[u]:  # recompute this block's forward (selective-op: its other ops), re-saving its activations
             full = ck[u] == CK_FULL
             acts += seg_saved[si] - (seg_keep[si] if full else seg_sk[si])
-            t, peak, parts, ne = _compute(t, (seg_f[si] if full else seg_sf[si] + seg_so[si])
+            t, peak, parts, ne = _compute(t, (seg_rf[si] if full else seg_sf[si] + seg_so[si])
                                           + (ck_oh if seg_keep[si] else 0.0),
                                           c, ovl_c1, static,
                                           sharded_grads, gathered, ag_buffer, acts, grads_pending, seg_work[si] * 1.0,
@@ -320,7 +320,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
 
 # step_loop unpacks its inputs by position: these are the orders it reads.
 assert Segments._fields == ("unit", "fwd_s", "bwd_s", "saved", "work", "grad_numel", "bwd_work", "keep", "sel_fwd_s",
-                            "sel_keep", "sel_ops_s")
+                            "sel_keep", "sel_ops_s", "ckpt_fwd_s")
 assert UnitLayout._fields == ("forward", "backward", "last_fwd", "fwd_pos", "bwd_pos", "num_segments", "seg_grad_numel",
                               "trainable_bytes")
 assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "reduce_scatter_s", "all_reduce_s",

@@ -54,6 +54,9 @@ class Segments(NamedTuple):
     sel_fwd_s: Any  # what selective-op recomputes of it (seconds)
     sel_keep: Any  # what selective-op keeps of it: its saved ops' outputs, plus ``keep``
     sel_ops_s: Any  # what selective-op's dispatch modes add to each pass over it (forward, recompute)
+    # what full checkpointing recomputes of it (seconds): its forward less what the recompute's early
+    # stop skips (See [Note: early stop] in wrapopt/trace/record.py)
+    ckpt_fwd_s: Any
 
 
 class UnitLayout(NamedTuple):

@@ -60,6 +60,10 @@ class ModuleInfo:
     # Aten ops its forward ran (its own, over all calls), as a dispatch mode sees them: selective-op
     # checkpointing pays a per-op cost for each. See [Note: selective checkpointing] in wrapopt/selective.py.
     fwd_ops: int = 0
+    # What non-reentrant checkpoint's early stop leaves out of this module's recompute: (module of its
+    # subtree, itself included, share of that module's forward it skips). See [Note: early stop] in
+    # trace/record.py.
+    early_stop: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -306,6 +306,7 @@ def _build_graph(
             attention_run_flops=rec.attention.get(n, (0.0, 0.0))[1],
             selective_kept_bytes=rec.selective_kept.get(n, 0),
             fwd_ops=rec.fwd_ops.get(n, 0),
+            early_stop=rec.early_stop.get(n, ()),
         )
         g.add_node(n, info=info)
         if parent is not None:

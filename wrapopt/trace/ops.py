@@ -171,6 +171,10 @@ class Recorder(TorchDispatchMode):
         self.selective_seen: set[Any] = set()
         self.fwd_ops: dict[str, int] = defaultdict(int)  # per module, aten ops its forward ran
         self.meta_wins = False  # ops mixing meta and real tensors run on meta: See [Note: integer inputs stay real]
+        # The model's forward in order, for checkpoint's early stop (See [Note: early stop] in record.py): per
+        # op (module, FLOPs, bytes), None where a tensor was saved for backward; and each module call's span.
+        self.es_log: list[tuple[str, float, int] | None] = []
+        self.es_spans: list[tuple[str, int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -208,12 +212,16 @@ class Recorder(TorchDispatchMode):
             else:
                 self.fwd[self.stack[-1]] += flops
                 self._kernel(func._overloadpacket, args, kwargs, out, flops)
+                if not self.in_loss:
+                    self.es_log.append((self.stack[-1], flops, 0))
         else:
             nbytes = op_bytes(func, args, kwargs, out)
             if self.backward:
                 self.bwd_bytes_total += nbytes
             else:
                 self.fwd_bytes[self.stack[-1]] += nbytes
+                if not self.in_loss:
+                    self.es_log.append((self.stack[-1], 0.0, nbytes))
         return out
 
     def _kernel(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, flops: float) -> None:

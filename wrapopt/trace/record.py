@@ -2,6 +2,23 @@
 ``Recorder`` (``trace/ops.py``), with module hooks and a saved-tensor hook, on meta
 stand-ins for the model's tensors (and the fallbacks of [Note: tracer fallback] in
 trace/meta.py). ``trace_model`` turns the ``StepRecord`` into a ``ModelGraph``.
+
+[Note: early stop] torch's non-reentrant checkpoint (``torch.utils.checkpoint``
+with ``use_reentrant=False``, the composable ``checkpoint`` that ``apply`` uses, and
+FSDP1's ``checkpoint_wrapper`` with ``NO_REENTRANT``) stops its recompute as soon as
+every tensor the forward saved for backward has been saved again (``early_stop``,
+on by default since torch 2.1). Autograd saves an op's inputs before the kernel
+runs, so the ops after the last save of a checkpointed module's forward never
+rerun: in a transformer block, the MLP's last linear layer (its input was the
+last tensor saved) and the residual add after it, a third of the block's GEMM
+FLOPs (llama's SwiGLU: 2 of its 7 d x d-sized GEMMs). ``early_stop_skips`` finds
+them in the recorded forward (the saved-tensor hook marks each save, parameters
+included, as torch counts them) and keeps, per module, the share of each
+module in its subtree that the recompute of a checkpoint around it skips (by
+FLOPs; by bytes for a module without FLOPs). The step simulator recomputes a
+checkpointed module's forward less those shares: See ``ckpt_fwd_s`` in
+``cost/step_inputs.py``. ``tests/trace/test_early_stop.py`` checks the shares
+against the ops torch's recompute runs.
 """
 
 from __future__ import annotations
@@ -95,6 +112,8 @@ class StepRecord:
         # See [Note: selective checkpointing] in wrapopt/selective.py: what selective-op keeps per module
         self.selective_kept: dict[str, int] = {}
         self.fwd_ops: dict[str, int] = {}  # aten ops each module's forward ran (its own)
+        # See [Note: early stop]: per module, (module of its subtree, share of that one's forward its recompute skips)
+        self.early_stop: dict[str, tuple[tuple[str, float], ...]] = {}
 
 
 def _run_step(
@@ -189,6 +208,8 @@ def _hook_modules(model: nn.Module, rec: StepRecord, stack: list[str], recorder:
                                          if t.is_floating_point())
             rec.calls[name] += 1
             stack.append(name)
+            if not recorder.backward and not recorder.in_loss:  # See [Note: early stop]
+                opened.append((name, len(recorder.es_log)))
             if recorder.in_tail:  # root's ops before this module were not the trailing ones
                 recorder.end_tail()
                 rec.tail_saved = 0
@@ -199,6 +220,8 @@ def _hook_modules(model: nn.Module, rec: StepRecord, stack: list[str], recorder:
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:
             if stack and stack[-1] == name:
                 stack.pop()
+            if opened and opened[-1][0] == name:
+                recorder.es_spans.append((name, opened.pop()[1], len(recorder.es_log)))
             rec.out_bytes.setdefault(name, nbytes(out))
             if stack == [ROOT] and not recorder.backward:  # See [Note: loss inside forward] in trace/meta.py
                 recorder.start_tail({storage_key(t) for t in tensors_in((out, inputs))})
@@ -206,6 +229,7 @@ def _hook_modules(model: nn.Module, rec: StepRecord, stack: list[str], recorder:
 
         return hook
 
+    opened: list[tuple[str, int]] = []  # module calls under way: (name, where their ops start in es_log)
     handles = []
     for name, m in model.named_modules():
         if name == ROOT:
@@ -223,6 +247,8 @@ def _saved_bytes_counter(rec: StepRecord, stack: list[str], recorder: Recorder,
     seen_saved: set[Any] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if not recorder.in_loss and not recorder.backward:  # every saved tensor, parameters too: [Note: early stop]
+            recorder.es_log.append(None)
         key = storage_key(t)
         if key not in param_storages and key not in seen_saved:
             seen_saved.add(key)
@@ -274,6 +300,38 @@ def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
     rec.attention = {m: (a[0], a[1]) for m, a in recorder.attention.items()}
     rec.selective_kept = dict(recorder.selective_kept)
     rec.fwd_ops = dict(recorder.fwd_ops)
+    rec.early_stop = early_stop_skips(recorder.es_log, recorder.es_spans, rec.fwd, rec.fwd_bytes)
+
+
+def early_stop_skips(log: list[tuple[str, float, int] | None], spans: list[tuple[str, int, int]],
+                     fwd: dict[str, float], fwd_bytes: dict[str, int]) -> dict[str, tuple[tuple[str, float], ...]]:
+    """Per module, what the recompute of a checkpoint around it skips: See [Note: early stop].
+
+    ``log``: the forward's ops in order, (module, FLOPs, bytes), None where a tensor was saved for
+    backward; ``spans``: each module call's (module, first op, end). Returns, per module whose
+    recompute skips anything, (module of its subtree, share of that module's forward FLOPs (bytes
+    for a module without FLOPs) the recompute skips) pairs."""
+    tail: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for name, start, end in spans:
+        acc = tail[name]
+        k = end - 1
+        while k >= start and log[k] is not None:  # the ops after the last tensor saved in this call
+            mod, flops, nbytes = log[k]
+            a = acc.setdefault(mod, [0.0, 0.0])
+            a[0] += flops
+            a[1] += nbytes
+            k -= 1
+    out: dict[str, tuple[tuple[str, float], ...]] = {}
+    for name, acc in tail.items():
+        shares = []
+        for mod, (flops, nbytes) in acc.items():
+            total_f, total_b = fwd.get(mod, 0.0), fwd_bytes.get(mod, 0)
+            share = flops / total_f if total_f > 0 else (nbytes / total_b if total_b > 0 else 0.0)
+            if share > 0:
+                shares.append((mod, min(1.0, share)))
+        if shares:
+            out[name] = tuple(sorted(shares))
+    return out
 
 
 def _is_data_dependent(e: Exception) -> bool:

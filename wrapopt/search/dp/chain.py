@@ -91,6 +91,9 @@ class ChainCosts:
     sel_F: tuple[float, ...] = ()
     sel_extra: tuple[float, ...] = ()
     sel_O: tuple[float, ...] = ()
+    # Per block, what full checkpointing recomputes: its forward up to the early stop (See [Note:
+    # early stop] in wrapopt/trace/record.py); empty: all of ``F``.
+    ck_F: tuple[float, ...] = ()
 
     @property
     def fwd_overhead_s(self) -> float:
@@ -152,6 +155,7 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s,
         runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
         sel_F=tuple(lay.times[2][:n].tolist()), sel_extra=tuple(sel_extra), sel_O=tuple(lay.times[3][:n].tolist()),
+        ck_F=tuple(lay.times[4][:n].tolist()),
     )
 
 
@@ -172,7 +176,7 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
         F += oh
         B = sum(cc.B[sl]) + sum(cc.sel_F[sl]) + oh + size * cc.ckpt_overhead_s
     else:
-        B = sum(cc.B[sl]) + (F + size * cc.ckpt_overhead_s if ckpt else 0.0)
+        B = sum(cc.B[sl]) + ((sum(cc.ck_F[sl]) if cc.ck_F else F) + size * cc.ckpt_overhead_s if ckpt else 0.0)
     A = cc.ag[(start, size)]
     # Memory in whole bytes, so that the DP's sums are exact.
     P = round(sum(cc.P[sl]))
