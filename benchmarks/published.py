@@ -392,7 +392,11 @@ def _diagnosis(preds: dict[str, list[Prediction]], rail: dict[int, float]) -> li
             "the MLP's output projection and the residual add, about a third of an MPT block's matmul FLOPs "
             "([Note: early stop] in `wrapopt/trace/record.py`; the tracer finds them, no constant). Before it, "
             "the checkpointed rows were predicted 0.91-0.97 of published and the >= 7B rows, which nearly all "
-            "checkpoint, 0.92-0.97.",
+            "checkpoint, 0.92-0.97. What is left: A100 80GB's checkpointed rows (DEFAULT precision, most of them "
+            "long sequences) of the 760m-13b models at 0.915-0.970 while most of the same GPU's un-checkpointed "
+            "DEFAULT rows of those models sit at 0.99-1.02, and A100 40GB's checkpointed (PURE) rows at 1.00: no "
+            "term of the model tells these apart (the recompute's FLOPs are checked against torch's, "
+            "`tests/trace/test_early_stop.py`); not fitted away.",
             "- **GEMM shape**: every matmul is priced from its shape ([Note: kernel roofline] in "
             "`wrapopt/cost/roofline.py`): FLOPs at the fitted tensor-core rate with wave quantization, plus its "
             "A+B+C bytes at HBM; the narrow GEMMs of the 125m-760m models pay for their bytes, the 4096+-wide ones "
