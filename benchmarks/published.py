@@ -9,10 +9,12 @@ runs it (See [Note: a published row as a simulation] in
 ``published_predict.py``). The presets' two constants per GPU type were fitted
 on every other row of that type, in the order the tables list them
 (``--refit`` fits them again and shows them beside the shipped ones); the other
-half is the held-out check. Then wrapopt's own search on each row's hardware
-and memory budget, against the row's per-block plan.
+half is the held-out check. With ``--search``, also wrapopt's own search on each
+row's hardware and memory budget at the row's global batch, against the row's
+per-block plan (the headline section, 4-5 minutes more here); without it the
+section already in ``--out`` is kept as that run wrote it, with its date.
 
-    python -m benchmarks.published [--source PATH] [--out results/published.md] [--no-search] [--refit]
+    python -m benchmarks.published [--source PATH] [--out results/published.md] [--search] [--refit]
 
 Meta device only: no GPU, no weights. Predicted figures are the simulator's.
 """
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=DEFAULT_SOURCE, help="the shared llm-foundry note (markdown)")
     ap.add_argument("--out", default=os.path.join(REPO, "results", "published.md"))
-    ap.add_argument("--no-search", action="store_true", help="skip wrapopt's search per row")
+    ap.add_argument("--search", action="store_true",
+                    help="also run wrapopt's search per row and rewrite its section (else --out's is kept)")
     ap.add_argument("--refit", action="store_true",
                     help="also refit each GPU preset's two constants on the fit rows and show them beside the shipped "
                          "ones (predictions always use the shipped presets)")
@@ -176,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     say("sensitivities done")
 
     searches: list[ConfigRow] = []
-    if not args.no_search:
+    t_search = time.perf_counter()
+    if args.search:
         for g, name in GROUPS:
             for r in usable.get(g, []):
                 searches.append(search_config(pred, r, max_group=args.max_group))
             say(f"{name}: searched {len(usable.get(g, []))} rows")
         plot_gains(os.path.splitext(args.out)[0] + "_gain.png", searches, GROUPS)
+    args.search_s = time.perf_counter() - t_search
 
     all_preds = [p for g in preds for p in preds[g]]
     png = os.path.splitext(args.out)[0] + ".png"
@@ -206,7 +211,7 @@ def _report(args, published, usable, skipped, effs, preds, sens, rail, searches,
     out += [f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}. Machine: "
             f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.platform()}), no GPU; "
             f"Python {platform.python_version()}, torch {torch.__version__}. Command: `python -m "
-            f"benchmarks.published{' --no-search' if args.no_search else ''}"
+            f"benchmarks.published{' --search' if args.search else ''}"
             f"{f' --max-group {args.max_group}' if args.max_group != SEARCH_MAX_GROUP else ''}` (source "
             f"`{os.path.relpath(published.source, REPO)}`). Run time {elapsed:.0f} s wall, {cpu_s:.0f} s CPU; tracing "
             f"{trace_s:.0f} s (meta device). Every predicted figure is the simulator's; published figures are "
@@ -249,7 +254,7 @@ def _report(args, published, usable, skipped, effs, preds, sens, rail, searches,
     if "h100_80gb" in preds:
         out += _h100_sensitivity(preds["h100_80gb"], sens)
     out += _diagnosis(preds, rail)
-    out += _search_section(searches, args.out)
+    out += _search_section(searches, args)
     out += _fsdp1_vs_fsdp2()
     out += ["## Rows skipped", ""]
     if skipped:
@@ -468,9 +473,23 @@ def _fsdp1_vs_fsdp2() -> list[str]:
             "- Predicted here: FSDP2's schedule and memory, FSDP1's accumulation; the rows are FSDP1.", ""]
 
 
-def _search_section(searches: list[ConfigRow], out_path: str) -> list[str]:
-    png = os.path.basename(os.path.splitext(out_path)[0] + "_gain.png") if searches else None
-    return config_section(searches, GROUPS, png)
+_SEARCH_BEGIN, _SEARCH_END = "<!-- published --search: begin -->", "<!-- published --search: end -->"
+
+
+def _search_section(searches: list[ConfigRow], args: argparse.Namespace) -> list[str]:
+    """The headline section between its markers: this run's search (``--search``), else the
+    section ``args.out`` already holds, as the run that searched wrote it."""
+    if not searches:
+        old = open(args.out, encoding="utf-8").read() if os.path.exists(args.out) else ""
+        if _SEARCH_BEGIN in old and _SEARCH_END in old:
+            return [old[old.index(_SEARCH_BEGIN):old.index(_SEARCH_END) + len(_SEARCH_END)], ""]
+        return [_SEARCH_BEGIN, *config_section([], GROUPS, None), _SEARCH_END, ""]
+    png = os.path.basename(os.path.splitext(args.out)[0] + "_gain.png")
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    body = config_section(searches, GROUPS, png)
+    return [_SEARCH_BEGIN, *body[:2], f"Searched {when} by `python -m benchmarks.published --search` "
+            f"({args.search_s:.0f} s of search, this machine); a run without `--search` keeps this section.", "",
+            *body[2:], _SEARCH_END, ""]
 
 if __name__ == "__main__":
     sys.exit(main())

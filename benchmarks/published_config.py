@@ -137,7 +137,8 @@ def _quantile(values: list[float], q: float) -> float:
 def config_section(rows: list[ConfigRow], groups: tuple[tuple[str, str], ...], png: str | None) -> list[str]:
     """The headline section of results/published.md: See [Note: the configuration headline]."""
     if not rows:
-        return ["## wrapopt's configuration on these rows", "", "Not run (`--no-search`).", ""]
+        return ["## wrapopt's configuration on these rows", "",
+                "Not run yet (`python -m benchmarks.published --search`).", ""]
     out = ["## wrapopt's configuration at each row's global batch (the headline)", "",
            "For each row: `global_batch_search` at the row's global batch (micro-batch x GA x GPUs) on the row's "
            f"mesh, fabric, compute profile and step, memory budget = the GPU's capacity x {MEMORY_HEADROOM:.0%}, "
