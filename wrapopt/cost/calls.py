@@ -211,9 +211,8 @@ def recomputed(entries: Sequence[Entry], depths: tuple[int, ...]) -> tuple[float
     ancestor at ``depths`` (-1: none): its kernels less the share after the early stop, and its
     per-call overhead (See [Note: early stop] in wrapopt/trace/record.py). Summed in call order,
     as the layout kernel does (``kernels.layout_kernel``)."""
-    rf = sf = 0.0
-    for k, (e, d) in enumerate(zip(entries, depths)):
-        f = e.fwd_s if d < 0 else e.fwd_s - e.skip[d] * (e.fwd_s - e.call_s)
-        s = e.sel_fwd_s if d < 0 else e.sel_fwd_s - e.skip[d] * (e.sel_fwd_s - e.call_s)
-        rf, sf = (f, s) if k == 0 else (rf + f, sf + s)
+    rf = sf = 0.0  # 0.0 + x is x: the same sums as the kernel's, which start from the first entry
+    for e, d in zip(entries, depths):
+        rf += e.fwd_s if d < 0 else e.fwd_s - e.skip[d] * (e.fwd_s - e.call_s)
+        sf += e.sel_fwd_s if d < 0 else e.sel_fwd_s - e.skip[d] * (e.sel_fwd_s - e.call_s)
     return rf, sf

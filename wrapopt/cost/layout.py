@@ -275,7 +275,7 @@ class Layouts:
         segments: list[Segment] = []
         new = tuple.__new__
         seen: set[str] = set()
-        for r, (pc, anc, _es, (f, b, sv, out, gn, bw, sf, sk, so)) in enumerate(self._runs):
+        for r, (pc, anc, _es, (f, b, sv, out, gn, bw, sk, so)) in enumerate(self._runs):
             u = owner_of.get(pc)
             if u is None:
                 u = owner_of[pc] = owner(anc)
@@ -289,7 +289,7 @@ class Layouts:
                 rs = self._whole_rerun.get((r, k))
                 if rs is None:
                     depths = tuple(len(e.anc) - len(anc) + k if k >= 0 else -1 for e in _es)
-                    rs = self._whole_rerun[(r, k)] = self._rerun(r, 0, len(_es), depths)
+                    rs = self._whole_rerun[(r, k)] = recomputed(_es, depths)
                 segments.append(new(Segment, (u, f, b, sv, out, gn, bw, kp, rs[1], sk + kp, so, rs[0])))
                 seen.add(pc)
                 continue
@@ -305,7 +305,7 @@ class Layouts:
                     work[g] = vals[3]
                 kp = 0 if k or pc in seen else keep_of[pc]
                 rf, sf = self._rerun(r, i0, i1, region_depths(_es[i0:i1], index))
-                segments.append(new(Segment, (g, *vals[:6], kp, sf, vals[7] + kp, vals[8], rf)))
+                segments.append(new(Segment, (g, *vals[:6], kp, sf, vals[6] + kp, vals[7], rf)))
             if pc not in seen:
                 for j, ne, nb, tn, tb in self._param_sums(pc, powners):
                     g = glob[j]
@@ -428,16 +428,15 @@ class Layouts:
 
     def _seg_sums(self, r: int, i0: int, i1: int) -> tuple[Any, ...]:
         """Entries ``i0:i1`` of run ``r`` as one segment: times, saved, working set,
-        gradient elements, backward working set, and selective-op's recompute time, kept
-        bytes and per-pass overhead, summed in call order. Cached."""
+        gradient elements, backward working set, and selective-op's kept bytes and per-pass
+        overhead, summed in call order (the recomputes depend on the units: ``_rerun``). Cached."""
         key = (r, i0, i1)
         hit = self._sums.get(key)
         if hit is None:
             es = self._runs[r][2][i0:i1]
             f, b, sv, out, gn = es[0].fwd_s, es[0].bwd_s, es[0].saved, es[0].out, es[0].grad_numel
-            sf, sk, so = es[0].sel_fwd_s, es[0].sel_kept, es[0].sel_ops_s
+            sk, so = es[0].sel_kept, es[0].sel_ops_s
             for e in es[1:]:
-                sf += e.sel_fwd_s
                 so += e.sel_ops_s
                 sk += e.sel_kept
                 f += e.fwd_s
@@ -445,7 +444,7 @@ class Layouts:
                 sv += e.saved
                 out = max(out, e.out)
                 gn += e.grad_numel
-            hit = self._sums[key] = (f, b, sv, out, gn, backward_working_set(es, self._reduce_elem), sf, sk, so)
+            hit = self._sums[key] = (f, b, sv, out, gn, backward_working_set(es, self._reduce_elem), sk, so)
         return hit
 
     def _rerun(self, r: int, i0: int, i1: int, depths: tuple[int, ...]) -> tuple[float, float]:
