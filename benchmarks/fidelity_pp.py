@@ -1,6 +1,8 @@
 """Cost-model fidelity of pipeline plans (issue 37): predicted vs measured step time at 4 ranks,
 plans without a pipeline (FSDP over the 4 ranks) and with one (2 stages x 2 data-parallel ranks)
-in one interleaved bench.
+in one interleaved bench. ``--world-size 2`` runs the same at 2 ranks (FSDP over 2; 2 stages x 1),
+where each rank has a core of its own on a 2-core machine, so a rank idle in the bubble lends its
+core to no one.
 
 Per zoo model (llama-tiny, gpt-tiny; fp32, AdamW as ``benchmarks/fidelity.py``), on 4 local gloo
 ranks: the fabric and compute measured on the same ranks first (``evaluate.measure_hardware``, as
@@ -13,7 +15,9 @@ schedule into its micro-batches. The round also runs a second, separately built 
 predicted fastest plan (the A/A copy: the bench's noise floor, See [Note: A/A copy] in
 wrapopt/evaluation/evaluate.py). Writes results/fidelity_pp.md and .json.
 
-    python -m benchmarks.fidelity_pp [--models llama-tiny,gpt-tiny] [--repeats 15] [--warmup 2]
+    python -m benchmarks.fidelity_pp [--models llama-tiny,gpt-tiny] [--repeats 15] [--warmup 2] [--world-size 4]
+
+At 4 ranks it writes results/fidelity_pp.md and .json; at another world size fidelity_pp_w<N>.md and .json.
 """
 
 from __future__ import annotations
@@ -199,20 +203,23 @@ def _load() -> str:
 def render(runs: list[dict], summaries: list[dict], *, date: str, wall: float, command: str, load: dict,
            repeats: int, warmup: int) -> str:
     m = runs[0]["machine"]
+    w = m["world_size"]
     lines = [
-        "# Cost-model fidelity: pipeline plans at 4 ranks (PP 1 and PP 2 mixed)", "",
+        f"# Cost-model fidelity: pipeline plans at {w} ranks (PP 1 and PP 2 mixed)", "",
         f"Machine: {m['host']}, {m['cores']} cores, no GPU; backend {m['backend']}, world size {m['world_size']}, "
         f"one thread per rank; torch {m['torch']}; {date}. Regenerate: `{command}` ({wall:.0f} s). Load average "
         f"(1, 5, 15 min) at the start: {load['start']}; at the end: {load['end']}.", "",
-        "Each model: fabric and compute measured on the same 4 ranks first (as `evaluate` does); then every plan "
+        f"Each model: fabric and compute measured on the same {w} ranks first (as `evaluate` does); then every plan "
         "predicted by the simulator (a pipeline plan priced by `wrapopt/cost/pipeline.py`) and run for real, "
         f"interleaved (one step of each plan per round, in an order that changes every round), {warmup} warm-up "
         f"rounds, median over {repeats} repeats of the slowest rank's step (a barrier, then the wall time of the "
-        "whole step on each rank, the largest). PP 1: FSDP over the 4 ranks. PP 2: 2 pipeline stages x 2 "
-        "data-parallel ranks (FSDP on each stage's 2 ranks; Interleaved1F1B: 4 stages, 2 per rank), one unit per "
+        f"whole step on each rank, the largest). PP 1: FSDP over the {w} ranks. PP 2: 2 pipeline stages x {w // 2} "
+        f"data-parallel ranks (FSDP on each stage's {w // 2} rank{'s' if w > 2 else ''}; Interleaved1F1B: 4 stages, "
+        "2 per rank), one unit per "
         "block (`,keep`: not resharded after forward), the balanced stage split the search uses. Every plan steps "
-        "the same 16 sequences per optimizer step (fp32, AdamW). The predicted fastest is compared with the measured "
-        "fastest as a ratio of medians and as the median of per-round ratios with a 90% bootstrap interval; the "
+        f"the same {w} x the zoo batch of sequences per optimizer step (fp32, AdamW). The predicted fastest is "
+        "compared with the measured fastest as a ratio of medians and as the median of per-round ratios with a "
+        "90% bootstrap interval; the "
         "round also runs a second copy of the predicted fastest (A/A), whose paired ratio to the original is the "
         "noise floor. Targets (issue 37): Spearman >= 0.9, predicted fastest within 5% of the measured fastest.", "",
         "| model | plans | Spearman (step) | Spearman PP 1 / PP 2 | predicted fastest | measured fastest | "
@@ -234,7 +241,7 @@ def render(runs: list[dict], summaries: list[dict], *, date: str, wall: float, c
         lines += ["", f"## {run['model']} on {run['machine']['world_size']} ranks", "",
                   f"Profiles measured in {run['profiles_s']:.0f} s. Phases: the step less the optimizer step (for a "
                   "pipeline plan the schedule: every micro-batch's forward and backward, the gradient reduction and "
-                  "the bubble), and the optimizer step. CPU use: the CPU seconds the 4 ranks' processes used in the "
+                  f"the bubble), and the optimizer step. CPU use: the CPU seconds the {w} ranks' processes used in the "
                   "step (median over repeats of their sum) over the machine's cores times the measured step.", "",
                   "| plan | PP | micro-batches | predicted step (ms) | of which the busiest rank's compute (ms) | "
                   "measured step (ms) | measured / predicted | spread | measured / predicted: step less optimizer, "
@@ -262,6 +269,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
     ap.add_argument("--out", default="results")
+    ap.add_argument("--world-size", type=int, default=WORLD, choices=(2, 4),
+                    help="local ranks (2: one core per rank on this machine)")
     args = ap.parse_args()
     load = {"start": _load()}
     logs = tempfile.mkdtemp(prefix="fidelity_pp_logs_")
@@ -272,7 +281,7 @@ def main() -> int:
         cfg = {"model": name, "repeats": args.repeats, "warmup": args.warmup, "memory": not args.no_memory,
                "quiet": False}
         # The ranks' own output (profiler lines, library warnings) to log files: See [Note: quiet ranks] in launch.py.
-        runs.append(spawn(worker, world_size=WORLD, args=(cfg,), timeout_s=1800, log_dir=logs)[0])
+        runs.append(spawn(worker, world_size=args.world_size, args=(cfg,), timeout_s=1800, log_dir=logs)[0])
         print(f"{name}: done at {time.perf_counter() - t0:.0f} s, load {_load()}", file=sys.stderr, flush=True)
     load["end"] = _load()
     wall = time.perf_counter() - t0
@@ -282,8 +291,9 @@ def main() -> int:
     text = render(runs, summaries, date=date, wall=wall, command=command, load=load, repeats=args.repeats,
                   warmup=args.warmup)
     os.makedirs(args.out, exist_ok=True)
-    atomic_write_text(os.path.join(args.out, "fidelity_pp.md"), text)
-    atomic_write_json(os.path.join(args.out, "fidelity_pp.json"),
+    stem = "fidelity_pp" if args.world_size == WORLD else f"fidelity_pp_w{args.world_size}"
+    atomic_write_text(os.path.join(args.out, stem + ".md"), text)
+    atomic_write_json(os.path.join(args.out, stem + ".json"),
                       {"date": date, "wall_s": wall, "command": command, "load": load, "summaries": summaries,
                        "runs": runs})
     print(text)
