@@ -83,6 +83,14 @@ def test_encoder_decoder_is_refused_for_pipelining_and_auto_searches_without(gra
     assert degrees == (1,) and layout is None and "pipelining not tried" in notes[0]
 
 
+def test_auto_on_a_model_that_cannot_be_pipelined_searches_without(graphs):
+    g = graphs["t5-tiny"]
+    mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
+    found = run_search(g, _sim(g), mesh, train=TrainConfig(), tp="1", tp_plan=None, pp="auto", global_batch=None,
+                       memory_budget=None, options=SearchOptions(trials=0))
+    assert found.result.best.plan.pipeline is None and any("pipelining not tried" in n for n in found.notes)
+
+
 def test_tied_embedding_and_head_refused(graphs):
     with pytest.raises(PlanError, match="tied parameters .* different pipeline stages"):
         pipeline_layout(graphs["gpt-tiny"])

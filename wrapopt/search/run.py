@@ -55,9 +55,8 @@ def run_search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Trai
         return search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget,
                          options=options, dropped=dropped)
 
-    if pp_degrees == (1,) and str(pp) != "auto":
+    if layout is None:  # no pipeline asked for, or --pp auto on a model that cannot be pipelined (a note says why)
         return SearchRun(one_d(), train, sim, tuple(notes))
-    assert layout is not None
     return SearchRun(_with_pipelines(graph, sim, mesh, layout, one_d, pp_degrees, degrees, spec, memory_budget),
                      train, sim, tuple(notes))
 
