@@ -49,7 +49,7 @@ from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
 from wrapopt.search.offload import choose_offload, mark_offload
-from wrapopt.search.pipeline import pipeline_for
+from wrapopt.search.pipeline import pipeline_estimate
 from wrapopt.search.run import SearchRun, run_search
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.tp import TPSpec
@@ -267,7 +267,7 @@ def _score_plan(graph: ModelGraph, wplan: WrapPlan, *, fabric: FabricProfile, co
     """A plan not searched here, scored beside the baselines, and the assumptions of its score."""
     step = train or wplan.train_config  # a plan that records its micro-batch is scored at it
     sim = Simulator(graph, fabric, compute, step.sim_options(
-        memory_budget=budget, batch_scale=recorded_scale(graph, step, wplan.mesh.tp_size)))
+        memory_budget=budget, batch_scale=recorded_scale(graph, step, wplan.spec)))
     result = score_given(graph, sim, wplan.spec, budget)
     stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
                              source=budget_source(memory_budget, compute))
@@ -429,13 +429,11 @@ def estimate(
     graph = trace_model(model, example_inputs, loss_fn=loss_fn)
     spec = _spec_of(given, graph, mesh, checkpoint)
     sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget,
-                                                        batch_scale=recorded_scale(graph, train, spec.mesh.tp_size)))
-    if pp is not None and str(pp) != "1" and spec.pipeline is None:
-        if global_batch is not None:
-            raise OptionError("--global-batch with --pp is not supported yet; drop one of them")
-        spec, pp_notes = pipeline_for(graph, sim, spec, pp, memory_budget=budget)
-        notes += pp_notes
-    if global_batch is not None:
+                                                        batch_scale=recorded_scale(graph, train, spec)))
+    spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, pp, train=train, global_batch=global_batch,
+                                                   memory_budget=budget)
+    notes += pp_notes
+    if global_batch is not None and spec.pipeline is None:
         split, sim, rows = score_splits(graph, sim, spec, train=train, global_batch=global_batch, memory_budget=budget)
         train = train_for(train, split)
         notes += batch_lines(rows, split)
@@ -449,7 +447,8 @@ def estimate(
                           estimate=est, flops=scale_flops(infer_model_flops(model, example_inputs, graph),
                                                           sim.options.batch_scale), peak_flops_per_s=peak,
                           peak_source=source, memory_budget=budget, notes=tuple(notes),
-                          model_dtype=model_dtype(model), budget_note=budget_line(memory_budget, comp, budget))
+                          model_dtype=model_dtype(model), budget_note=budget_line(memory_budget, comp, budget),
+                          pipeline_microbatches=spec.pipeline.microbatches if spec.pipeline is not None else None)
 
 
 def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, world_size: int | None,

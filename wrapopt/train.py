@@ -108,10 +108,12 @@ class TrainConfig:
             ``set_requires_gradient_sync(False)`` and hold unsharded gradients;
             None: chosen per plan, the faster that fits the memory budget.
         micro_batch: sequences (samples) per data-parallel rank in one micro-batch (with tensor
-            parallelism: per tensor-parallel group); None: the traced batch. Set by a search at a
-            fixed global batch, so that the data loader can follow the plan.
+            parallelism: per tensor-parallel group; under a pipeline plan: per pipeline
+            micro-batch); None: the traced batch. Set by a search at a fixed global batch, so
+            that the data loader can follow the plan.
         global_batch: sequences per optimizer step over all data-parallel ranks (``micro_batch x
-            grad_accumulation x data-parallel ranks``); None: not fixed.
+            grad_accumulation x data-parallel ranks``; under a pipeline plan ``micro_batch x
+            microbatches x data-parallel ranks``, with ``grad_accumulation`` 1); None: not fixed.
     """
 
     param_dtype: str | None = None
@@ -213,10 +215,12 @@ class TrainConfig:
         _kind, cls_name, extra = OPTIMIZERS[self.optimizer]
         return getattr(torch.optim, cls_name)(params, lr=lr, **{**extra, **kw})
 
-    def describe(self, model_dtype: str = "float32") -> str:
+    def describe(self, model_dtype: str = "float32", *, pipeline_microbatches: int | None = None) -> str:
         """One line for reports, naming the four dtypes of the step: the parameters as
         stored and sharded (the master weights, ``model_dtype``: a policy never changes
-        them), the compute (and all-gathers), the gradient reduction and the optimizer state."""
+        them), the compute (and all-gathers), the gradient reduction and the optimizer state.
+        ``pipeline_microbatches``: a pipeline plan's micro-batch count (its micro-batches are
+        ``micro_batch`` sequences each, per pipeline)."""
         compute = self.compute_dtype(model_dtype)
         dtypes = (f"parameters {model_dtype} (master), compute {compute}, reduction {self.reduce_dtype or compute}, "
                   f"optimizer state {model_dtype}" + (f", output {self.output_dtype}" if self.output_dtype else ""))
@@ -224,10 +228,13 @@ class TrainConfig:
                 f"{self.precision} (") + dtypes + ")"
         sync = ("" if self.grad_accumulation == 1 else
                 f", sync {self.accumulation_sync}" if self.accumulation_sync else ", sync searched per plan")
-        batch = (f" of {self.micro_batch} per data-parallel rank" if self.micro_batch else "") + (
+        where = "pipeline" if pipeline_microbatches else "data-parallel rank"
+        batch = (f" of {self.micro_batch} per {where}" if self.micro_batch else "") + (
             f" (global batch {self.global_batch})" if self.global_batch else "")
-        return (f"precision {prec}, {self.grad_accumulation} micro-batch"
-                f"{'es' if self.grad_accumulation > 1 else ''}{batch} per step{sync}, optimizer {self.optimizer}")
+        count = (f"{pipeline_microbatches} pipeline micro-batches" + (
+            f" x {self.grad_accumulation}" if self.grad_accumulation > 1 else "") if pipeline_microbatches
+            else f"{self.grad_accumulation} micro-batch{'es' if self.grad_accumulation > 1 else ''}")
+        return f"precision {prec}, {count}{batch} per step{sync}, optimizer {self.optimizer}"
 
     def differences(self, other: "TrainConfig") -> list[str]:
         """``field (this -> other)`` for every field that differs; an unset sync mode, micro-batch

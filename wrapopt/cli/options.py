@@ -175,7 +175,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=positive_int, default=None, metavar="N",
                    help="sequences per optimizer step over all data-parallel ranks, fixed: the micro-batch per rank "
                         "and the accumulation are chosen (with --batch: that micro-batch; with --accumulation K > 1: "
-                        "that accumulation); with --seq, N x seq tokens")
+                        "that accumulation); with --pp, each pipeline's micro-batch count and size; with --seq, N x "
+                        "seq tokens")
     p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="the optimizer, for its state and step time (default adamw)")
     p.add_argument("--sync", default="auto", metavar="{auto," + ",".join(SYNC_MODES) + "}",

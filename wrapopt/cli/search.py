@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                               global_batch=args.global_batch, host=host, pp=args.pp)
     if args.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
         train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
-        scale = recorded_scale(graph, train, plan.mesh.tp_size)
+        scale = recorded_scale(graph, train, plan.spec)
         sim = Simulator(graph, fabric, compute, train.sim_options(memory_budget=budget, batch_scale=scale))
     if args.out:
         plan.save(args.out)
@@ -205,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(budget_note)
-        print(f"training: {plan.train_config.describe(model_dtype(model))}")
+        count = plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
+        print(f"training: {plan.train_config.describe(model_dtype(model), pipeline_microbatches=count)}")
         print("".join(f"note: {n}\n" for n in src.notes), end="")
         print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
         print(format_search(result))

@@ -317,7 +317,9 @@ class WrapPlan:
     @property
     def micro_batch(self) -> int | None:
         """Sequences per data-parallel rank per micro-batch the plan was scored at (a search at a
-        fixed global batch chose it); None: the traced batch. The data loader should follow it."""
+        fixed global batch chose it; a pipeline plan: per pipeline micro-batch, so that each
+        pipeline's step takes ``micro_batch x spec.pipeline.microbatches``); None: the traced
+        batch. The data loader should follow it."""
         return self.train.micro_batch if self.train is not None else None
 
     @property

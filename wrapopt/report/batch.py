@@ -39,11 +39,12 @@ def format_batch(result: SearchResult) -> str:
     """The splits of the global batch, each with its best plan's step (the whole step: every
     micro-batch and the optimizer) and peak; * = wrapopt's choice."""
     chosen = _chosen(result)
-    total = chosen.global_batch if chosen is not None else "?"
+    total = result.batch_rows[0].split.global_batch if result.batch_rows else "?"
     lines = [f"global batch {total} = micro-batch x accumulation x data-parallel ranks "
              "(predicted step for the whole global batch, best plan of each split):"]
     lines += batch_lines(result.batch_rows, chosen)
-    lines.append("  * = chosen; screen: searched without the study on FSDP over the data-parallel ranks only; "
+    lines.append(("  * = chosen" if chosen is not None else "  none chosen: a pipeline plan is faster (below)")
+                 + "; screen: searched without the study on FSDP over the data-parallel ranks only; "
                  "whole search: every shard group and the study")
     return "\n".join(lines)
 

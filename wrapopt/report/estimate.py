@@ -135,6 +135,7 @@ class EstimateReport:
     notes: tuple[str, ...] = ()
     budget_note: str = ""  # where the budget came from
     model_dtype: str = "float32"  # the parameters' dtype as stored and sharded (the master weights)
+    pipeline_microbatches: int | None = None  # a pipeline plan's micro-batch count (None: no pipeline)
 
     @property
     def step_s(self) -> float:
@@ -162,8 +163,9 @@ class EstimateReport:
         e = self.estimate
         return {
             "model": self.model, "plan": self.plan_label, "num_units": self.num_units, "mesh": self.mesh.to_json(),
-            "train": self.train.to_json(), "training": self.train.describe(self.model_dtype), "fabric": self.fabric,
-            "compute": self.compute,
+            "train": self.train.to_json(),
+            "training": self.train.describe(self.model_dtype, pipeline_microbatches=self.pipeline_microbatches),
+            "fabric": self.fabric, "compute": self.compute,
             "step_s": e.step_s, "tokens_per_s_per_gpu": self.tokens_per_s or None,
             "samples_per_s_per_gpu": self.samples_per_s, "mfu": self.mfu,
             "model_flops_per_step_per_gpu": self.flops.flops * self.train.grad_accumulation,
@@ -184,7 +186,7 @@ def format_estimate(r: EstimateReport) -> str:
         f"mesh: {m.world_size} ranks, {m.ranks_per_node} per node, shard group {m.shard_size}"
         f"{f', tensor parallel {m.tp_size}' if m.tp_size > 1 else ''}   fabric: {r.fabric}   "
         f"compute: {r.compute}",
-        f"training: {r.train.describe(r.model_dtype)}",
+        f"training: {r.train.describe(r.model_dtype, pipeline_microbatches=r.pipeline_microbatches)}",
         f"step: {e.step_s * 1e3:.2f} ms ("
         + (f"{r.train.grad_accumulation} micro-batches; each " if r.train.grad_accumulation > 1 else "")
         + f"forward {e.fwd_s * 1e3:.2f} ms, backward {e.bwd_s * 1e3:.2f} ms; optimizer "

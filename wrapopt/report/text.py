@@ -138,6 +138,11 @@ def _stored_dtype(model: dict) -> str:
     return next((p.get("dtype", "float32") for p in (model.get("params") or {}).values()), "float32")
 
 
+def _microbatches(plan: Any) -> int | None:
+    """A pipeline plan's micro-batch count (None: no pipeline)."""
+    return plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
+
+
 def format_plan(plan) -> str:
     p = plan.prediction
     fab = plan.fabric
@@ -148,7 +153,8 @@ def format_plan(plan) -> str:
         + (f", tensor parallel {plan.mesh.tp_size} inside the node" if plan.mesh.tp_size > 1 else "")
         + (" (HSDP)" if plan.mesh.is_hsdp else ""),
         f"scored on fabric {fab.get('name')} ({str(fab.get('kind', '?')).upper()}), compute {fab.get('compute')}",
-        "training: " + (plan.train.describe(_stored_dtype(plan.model)) if plan.train is not None
+        "training: " + (plan.train.describe(_stored_dtype(plan.model), pipeline_microbatches=_microbatches(plan))
+                        if plan.train is not None
                         else "not recorded (a plan file written before it was: no mixed precision, one micro-batch, "
                              "AdamW)"),
     ]

@@ -23,7 +23,9 @@ The search runs in two passes, so that a dozen splits cost little more than one 
 2. the ``REFINE`` fastest splits of the screen get the whole search (every shard group, HSDP,
    the study's trials shared out among them); the fastest fitting plan of those wins.
 
-Every split keeps a row (``BatchRow``) with its best step, for the report's table.
+Every split keeps a row (``BatchRow``) with its best step, for the report's table. With
+``--pp``, this is degree 1's search; the pipeline degrees split the same global batch into their
+micro-batches: See [Note: pipeline global batch] in search/pipeline_batch.py.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from wrapopt.train import TrainConfig
 from wrapopt.tp import TPSpec
 
 __all__ = ["BatchSplit", "BatchRow", "BatchSearch", "batch_splits", "check_global_batch", "batch_scale",
-           "search_batch", "global_batch_search", "score_splits", "train_for", "recorded_scale", "REFINE"]
+           "search_batch", "global_batch_search", "score_splits", "train_for", "recorded_scale", "plan_scale",
+           "nearest_batches", "REFINE"]
 
 REFINE = 2  # splits that get the whole search after the screen: See [Note: global batch search]
 SCREEN_MAX_GROUP = 2  # the screen's largest group of blocks in one unit (the whole search keeps the asked one)
@@ -120,19 +123,23 @@ def check_global_batch(global_batch: int, dp_sizes: dict[int, int], *, micro_bat
     if splits:
         return splits
     units = sorted({dp * (micro_batch or 1) * (accumulation or 1) for dp in dp_sizes.values()})
-    if micro_batch and accumulation:  # both fixed: exactly one global batch per degree
-        works = units
-    else:
-        works = [b for u in units for b in ((global_batch // u) * u, (global_batch // u + 1) * u) if b >= 1]
-    below = [b for b in works if b < global_batch]
-    above = [b for b in works if b > global_batch]
-    near = ([max(below)] if below else []) + ([min(above)] if above else [])
+    near = nearest_batches(global_batch, units, exact=bool(micro_batch and accumulation))
     fixed = (f", micro-batch {micro_batch}" if micro_batch else "") + (
         f", accumulation {accumulation}" if accumulation else "")
     ranks = " or ".join(str(dp) for dp in sorted(set(dp_sizes.values())))
     raise ValueError(f"global batch {global_batch} is not micro-batch x accumulation x data-parallel ranks "
                      f"({ranks} data-parallel ranks{fixed}): it must be a multiple of "
                      f"{' or '.join(map(str, units))}; the nearest that work are {' and '.join(map(str, near))}")
+
+
+def nearest_batches(global_batch: int, units: Sequence[int], *, exact: bool = False) -> list[int]:
+    """The nearest global batches below and above ``global_batch`` that are a multiple of one of
+    ``units`` (``exact``: that are one of ``units``, when the micro-batch and accumulation are both fixed)."""
+    works = list(units) if exact else [b for u in units for b in ((global_batch // u) * u, (global_batch // u + 1) * u)
+                                       if b >= 1]
+    below = [b for b in works if b < global_batch]
+    above = [b for b in works if b > global_batch]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
 
 
 def _smallest(graph: ModelGraph, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None) -> PlanSpec:
@@ -254,7 +261,20 @@ def train_for(train: TrainConfig, split: BatchSplit) -> TrainConfig:
                    global_batch=split.global_batch)
 
 
-def recorded_scale(graph: ModelGraph, train: TrainConfig, tp_size: int) -> float:
-    """``SimOptions.batch_scale`` of a training step that records its micro-batch (1.0 when it does not)."""
-    return batch_scale(train.micro_batch, graph.batch_size, tp_size) if train.micro_batch else 1.0
+def plan_scale(micro_batch: int, traced_batch: int, plan: PlanSpec, accumulation: int = 1) -> float:
+    """``SimOptions.batch_scale`` at which ``plan`` runs micro-batches of ``micro_batch`` sequences:
+    ``batch_scale`` for a plan without a pipeline; for a pipeline plan, whose simulator reads the
+    scale as the per-rank share of the global batch (``cost/pipeline.py``'s ``stage_options``), that
+    times ``microbatches / (pp x accumulation)``: See [Note: pipeline global batch] in
+    search/pipeline_batch.py."""
+    scale = batch_scale(micro_batch, traced_batch, plan.mesh.tp_size)
+    if plan.pipeline is not None:
+        scale *= plan.pipeline.microbatches / (plan.mesh.pp_size * accumulation)
+    return scale
+
+
+def recorded_scale(graph: ModelGraph, train: TrainConfig, plan: PlanSpec) -> float:
+    """``SimOptions.batch_scale`` of ``plan`` under a training step that records its micro-batch
+    (1.0 when it does not)."""
+    return plan_scale(train.micro_batch, graph.batch_size, plan, train.grad_accumulation) if train.micro_batch else 1.0
 

@@ -16,6 +16,10 @@ where they divide the world and leave every stage a block), and each tensor-para
   Two passes keep it small: every (virtual stages, schedule, micro-batches) with the fastest and
   the smallest shape, then every shape on the three best of those.
 
+At a fixed global batch (``--global-batch N``) degree 1 is the global-batch search and the
+micro-batch counts and sizes follow N rather than the traced batch per rank: See [Note: pipeline
+global batch] in search/pipeline_batch.py.
+
 Plans are scored by ``Simulator.simulate`` ([Note: pipeline stages]); the smallest pipeline
 degree within the simulator's error of the fastest wins (as tensor-parallel degrees do), and
 ``SearchResult.pp_rows`` keeps the best plan of every degree for the report, with TorchTitan's
@@ -33,15 +37,18 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.search.choose import MEMORY_ERROR, STEP_ERROR
 from wrapopt.search.driver import SearchResult
+from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_at_batch, pipeline_batch
 from wrapopt.search.stages import (PipelineLayout, balanced_split, check_stage_count, pipeline_layout,
                                    stage_modules, weights)
 from wrapopt.search.strategy import Scored
 from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
 from wrapopt.spec.plan import PipelineSpec
 from wrapopt.tp import TPSpec
+from wrapopt.train import TrainConfig
 
 __all__ = ["AUTO_PP", "VIRTUAL_STAGES", "CHECKPOINTS", "TORCHTITAN_PP_LABEL", "resolve_pp", "pipeline_plan",
-           "search_pipeline_degree", "combine", "microbatch_counts", "torchtitan_plan"]
+           "search_pipeline_degree", "combine", "microbatch_counts", "torchtitan_plan", "pipeline_for",
+           "pipeline_estimate"]
 
 AUTO_PP = (2, 4, 8, 16)  # pipeline degrees --pp auto tries (with 1)
 VIRTUAL_STAGES = (2, 4)  # stages per rank tried for Interleaved1F1B
@@ -125,12 +132,15 @@ def _label(schedule: str, virtual: int, m: int, shape: _Shape, tp: int, pp: int)
 
 def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout, *, pp: int,
                            tp: int, spec: TPSpec | None, memory_budget: float | None,
-                           shapes: Sequence[_Shape] | None = None) -> tuple[Scored | None, list[Scored], str]:
+                           shapes: Sequence[_Shape] | None = None,
+                           counts: Sequence[int] | None = None) -> tuple[Scored | None, list[Scored], str]:
     """The fastest plan of pipeline degree ``pp`` at tensor-parallel degree ``tp`` (None: none fits),
-    every plan scored, and what became of the degree. See [Note: pipeline search]."""
+    every plan scored, and what became of the degree. ``counts``: the micro-batch counts to try
+    (default ``microbatch_counts``; at a fixed global batch, [Note: pipeline global batch] in
+    search/pipeline_batch.py). See [Note: pipeline search]."""
     budget = float(memory_budget) if memory_budget else float("inf")
     aim = budget * (1 - MEMORY_ERROR)
-    ms = microbatch_counts(graph, pp, tp, sim.options.grad_accumulation)
+    ms = tuple(counts) if counts is not None else microbatch_counts(graph, pp, tp, sim.options.grad_accumulation)
     if not ms:
         return None, [], (f"dropped: the pipeline's batch of {max(1, graph.batch_size) * pp * tp} sequences is "
                           f"smaller than its {pp} stages (at least one micro-batch per stage)")
@@ -173,11 +183,12 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
     return min(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes)), scored, "fits"
 
 
-def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *,
-                 memory_budget: float | None) -> tuple[PlanSpec, list[str]]:
+def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *, memory_budget: float | None,
+                 fixed: PipelineBatch | None = None) -> tuple[PlanSpec, list[str]]:
     """``plan`` (one unit per block) on a pipeline of degree ``pp`` (an int or "auto"): its
     stages, schedule and micro-batches chosen as the search does, its FSDP shape kept (for
-    ``wrapopt estimate --pp``). Raises ``PlanError`` for a plan or degree that cannot be pipelined."""
+    ``wrapopt estimate --pp``); ``fixed``: at that global batch ([Note: pipeline global batch] in
+    search/pipeline_batch.py). Raises ``PlanError`` for a plan or degree that cannot be pipelined."""
     mesh = plan.mesh
     base = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
     degrees, layout, notes = resolve_pp(graph, base, pp)
@@ -193,8 +204,13 @@ def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *,
     found = {}
     for d in degrees:
         if d > 1 and mesh.world_size % (d * tp) == 0:
-            top, _all, why = search_pipeline_degree(graph, sim, base, layout, pp=d, tp=tp, spec=plan.tp,
-                                                    memory_budget=memory_budget, shapes=(shape,))
+            counts, why = fixed.counts(d, tp) if fixed is not None else (None, "")
+            if counts == ():
+                notes.append(f"pp{d}: {why}")
+                continue
+            top, _all, why = search_pipeline_degree(graph, fixed.sim if fixed is not None else sim, base, layout,
+                                                    pp=d, tp=tp, spec=plan.tp, memory_budget=memory_budget,
+                                                    shapes=(shape,), counts=counts)
             if top is not None:
                 found[d] = top
             else:
@@ -205,17 +221,44 @@ def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *,
     return best.plan, notes
 
 
+def pipeline_estimate(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *, train: TrainConfig,
+                      global_batch: int | None,
+                      memory_budget: float | None) -> tuple[PlanSpec, Simulator, TrainConfig, list[str]]:
+    """``wrapopt estimate``'s plan, simulator, training step and notes: ``plan`` put on a pipeline
+    of degree ``pp`` when asked (``pipeline_for``; None or 1: as it is), and a pipeline plan
+    priced at ``global_batch`` when one is fixed ([Note: pipeline global batch] in
+    search/pipeline_batch.py); else ``plan``, ``sim`` and ``train`` as given."""
+    notes: list[str] = []
+    if pp is not None and str(pp) != "1" and plan.pipeline is None:
+        fixed = None if global_batch is None else pipeline_batch(
+            graph, sim, train, global_batch=global_batch, world_size=plan.mesh.world_size, memory_budget=memory_budget)
+        plan, notes = pipeline_for(graph, sim, plan, pp, memory_budget=memory_budget, fixed=fixed)
+    if global_batch is not None and plan.pipeline is not None:
+        sim, train = pipeline_at_batch(graph, sim, plan, train=train, global_batch=global_batch,
+                                       memory_budget=memory_budget)
+    return plan, sim, train, notes
+
+
 def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout,
-                    spec: TPSpec | None, memory_budget: float | None) -> Scored | None:
-    """TorchTitan's 405B layout on ``mesh`` (None when the mesh or the model cannot take it):
-    See [Note: pipeline search]."""
+                    spec: TPSpec | None, memory_budget: float | None, *,
+                    global_batch: int | None = None) -> Scored | None:
+    """TorchTitan's 405B layout on ``mesh`` (None when the mesh or the model cannot take it), in
+    micro-batches of one sequence (``global_batch``: of that global batch, ``sim`` pricing it as
+    [Note: pipeline global batch] in search/pipeline_batch.py says). See [Note: pipeline search]."""
     pp, tp, v = 8, 8, 2
-    if (spec is None or mesh.ranks_per_node % tp or mesh.world_size % (pp * tp) or pp * v > len(layout.blocks)
-            or pp * tp * max(1, graph.batch_size) % pp):
+    if spec is None or mesh.ranks_per_node % tp or mesh.world_size % (pp * tp) or pp * v > len(layout.blocks):
+        return None
+    dp = mesh.world_size // (pp * tp)
+    if global_batch is None:
+        m = pp * tp * max(1, graph.batch_size) * sim.options.grad_accumulation  # micro-batches of one sequence
+    elif global_batch % dp == 0:
+        m = global_batch // dp
+    else:
+        return None
+    if m < pp or m % pp or m % max(1, m // pp):  # as the search's counts; Interleaved1F1B's rounds
         return None
     full = _mesh(mesh, pp, tp)
     w, first, last = weights(graph, sim.for_tp(spec, tp)[0], full.data_parallel(), layout)
-    m = pp * tp * max(1, graph.batch_size) * sim.options.grad_accumulation  # micro-batches of one sequence
     plan = pipeline_plan(layout, balanced_split(w, first, last, pp * v), full, schedule="Interleaved1F1B",
                          microbatches=m, reshard=False, checkpoint="all", tp=spec,
                          label=f"{TORCHTITAN_PP_LABEL}: tp8 pp8 Interleaved1F1B x2 m{m}, per-block,keep,ckpt")
