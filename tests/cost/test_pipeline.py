@@ -9,11 +9,13 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as S
 
-from wrapopt.cost.pipeline import StageCost, run_timeline, schedule_order, send_s
+from wrapopt.cost.pipeline import StageCost, held_moment, run_timeline, schedule_order, send_s, stage_units
 from wrapopt.cost.simulate import Simulator
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.models import zoo
 from wrapopt.search.baselines import baselines
+from wrapopt.search.pipeline import pipeline_plan
+from wrapopt.search.stages import pipeline_layout
 from wrapopt.spec import MeshSpec, PlanSpec
 from wrapopt.spec.plan import PipelineSpec
 from wrapopt.trace.meta import trace_model
@@ -186,3 +188,46 @@ def test_units_gathered_by_a_backward_stay_gathered_until_the_next_forward():
     # without the figures (None) every action pays its all-gathers, as before
     tl = run_timeline(schedule_order("1F1B", p, p, m), [_stage(2.0, 3.0) for _ in range(p)], (0.0,) * p)
     assert tl.busy_s[1] == pytest.approx(m * 5.0)
+
+
+@pytest.fixture(scope="module")
+def llama_7b():
+    model, x = zoo.build("llama-7b", "meta")
+    g = trace_model(model, x)
+    return g, Simulator(g, analytical_fabric(world_size=16, ranks_per_node=8), analytical_compute())
+
+
+def test_units_held_gathered_from_a_backward_to_the_next_forward_are_in_the_peak(llama_7b):
+    """1F1B, resharded units: torch's stage leaves a backward's units gathered until the stage's
+    next forward (``reshard_after_backward=False``), so before that forward the stage holds all
+    its resharded units' parameters gathered, beside the static state and the kept units
+    ([Note: pipeline stages], the memory of units held gathered)."""
+    g, sim = llama_7b
+    mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=8, pp_size=2)
+    plan = pipeline_plan(pipeline_layout(g), (16, 16), mesh, schedule="1F1B", microbatches=8, reshard=True,
+                         checkpoint="all", tp=None)
+    est = sim.simulate(plan)
+    parts = dict(est.peak_breakdown)
+    cost = {u.name: c for u, c in zip(plan.units, est.units)}
+    held = [sum(cost[u.name].param_bytes for u in units if u.reshard_after_forward is not False)
+            for units in stage_units(plan)]
+    static = parts["sharded_params"] + parts["optimizer_state"] + parts["accumulated_grads"]
+    assert min(held) > 6 * 2**30  # 16 blocks of llama-7b, gathered in its bf16
+    assert parts["unsharded_params"] >= min(held)
+    assert est.peak_bytes >= static + min(held) and est.peak_bytes == sum(parts.values())
+
+
+def test_held_moment_counts_a_backwards_units_until_the_stages_next_forward():
+    p, m = 2, 4
+    st = [replace(_stage(1.0, 1.0, acts=1.0), transient_bytes=3.0, gathered_bytes=10.0, transient_gathered_bytes=2.0)
+          for _ in range(p)]
+    one = schedule_order("1F1B", p, p, m)
+    # last rank, F0 B0 F1 ...: at F1's start no micro-batch in flight, B0's units held, F1's transient
+    # less the 2 it would gather itself
+    assert held_moment(one[1], st) == (0.0, 10.0, 1.0)
+    # first rank, F0 F1 B0 F2 ...: at F2's start one micro-batch in flight
+    assert held_moment(one[0], st) == (1.0, 10.0, 1.0)
+    # GPipe, F0..F3 B0 B1 ...: at B1's start three in flight (its own too) and B0's units
+    assert held_moment(schedule_order("GPipe", p, p, m)[0], st) == (3.0, 10.0, 1.0)
+    # nothing resharded, nothing held: the peak keeps its bound
+    assert held_moment(one[0], [replace(s, gathered_bytes=0.0) for s in st]) == (0.0, 0.0, 0.0)

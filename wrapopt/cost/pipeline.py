@@ -37,8 +37,19 @@ next forward reshards them. ``run_timeline`` keeps that state per stage: a forwa
 the stage's backward (1F1B's steady state) runs without its all-gathers (``fwd_gathered_s``),
 and a backward right after the stage's backward (GPipe's backwards after the first) without its
 re-gathers (``bwd_gathered_s``). So 1F1B gathers once per micro-batch (in backward), GPipe
-``m + 1`` times in all, not ``2m``. Not modelled: the memory of that holding (the stage's
-parameters gathered from a backward to the next forward); the peaks stay the simulator's.
+``m + 1`` times in all, not ``2m``. *The memory of units held*: from a backward to the stage's
+next forward (or its REDUCE_GRAD, whose ``post_backward`` reshards) the stage holds its resharded
+units' parameters gathered (``gathered_bytes``; the kept units are in ``kept_bytes`` already).
+``held_moment`` walks a rank's order and, at the start of each forward and backward while some of
+its stages hold units, adds the activations in flight then (a forward's own not yet, a backward's
+own still), the held parameters, and the acting stage's transient, less the parameters that
+transient gathers (``transient_gathered_bytes``: the estimate's gathered parameters at its peak
+less the kept ones) when they are among those held. The rank's peak is the larger of that moment
+and the bound below. So 1F1B with resharding peaks, where the stage's parameters outweigh a
+micro-batch's activations, just before a forward that follows a backward (all its units
+gathered, the other micro-batches' activations held); GPipe's peak can be a backward after
+another (its units and the rest of its activations). The moment is a bound: its transient is
+the stage's largest over a micro-batch, where a forward's start needs less.
 
 *The schedule*: the per-rank order of forward (F), backward (B) and REDUCE_GRAD actions is
 torch's own (``schedule_order``): for Interleaved1F1B the ``pipeline_order`` its runtime
@@ -53,9 +64,10 @@ A send of B bytes costs the link's latency + B / bandwidth (``send_s``: the fabr
 all-gather of 2B, which is that on the ring model), inter-node when ``mesh.stages_cross_nodes``.
 Peak memory per rank: its stages' static and kept bytes, plus the activations of the
 micro-batches in flight at the worst moment of its order (1F1B: at most ``p - r`` on rank r),
-plus the largest transient. Step: the makespan (its last action, REDUCE_GRAD included) plus the
-slowest rank's optimizer steps. ``compute_s`` is the busiest rank's compute; ``exposed_comm_s``
-the rest of its step, pipeline bubble included.
+plus the largest transient; or, when larger, its worst moment with units held (above). Step:
+the makespan (its last action, REDUCE_GRAD included) plus the slowest rank's optimizer steps.
+``compute_s`` is the busiest rank's compute; ``exposed_comm_s`` the rest of its step, pipeline
+bubble included.
 """
 
 from __future__ import annotations
@@ -71,7 +83,7 @@ from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCost, UnitSpec
 
 __all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", "stage_cost", "held_bytes",
-           "stage_units", "simulate_pipeline", "stage_options"]
+           "held_moment", "stage_units", "simulate_pipeline", "stage_options"]
 
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
                "all_gather_buffer", "unsharded_grads", "activations", "working_set")
@@ -106,6 +118,8 @@ class StageCost:
     estimate: CostEstimate  # the stage simulator's, one micro-batch (accumulation 2, sync "last")
     fwd_gathered_s: float | None = None  # forward right after the stage's backward: no all-gathers (None: fwd_s)
     bwd_gathered_s: float | None = None  # backward right after the stage's backward: no re-gathers (None: bwd_s)
+    gathered_bytes: float = 0.0  # the resharded units' parameters, gathered: what a backward leaves gathered
+    transient_gathered_bytes: float = 0.0  # of transient_bytes, parameters gathered (within gathered_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +131,7 @@ class Timeline:
     inflight: tuple[tuple[int, ...], ...]  # per rank, per stage: micro-batches in flight at the rank's worst moment
     events: tuple[tuple[int, str, int, int, float, float], ...] = ()  # rank, kind, stage, micro-batch, start, end
     saved_s: tuple[tuple[float, float], ...] = ()  # per rank, (forward, backward) all-gather time units kept gathered
+    held: tuple[tuple[float, float, float], ...] = ()  # per rank, its worst moment with units held: ``held_moment``
 
     @property
     def makespan_s(self) -> float:
@@ -221,7 +236,7 @@ def run_timeline(order: tuple[tuple[Action, ...], ...], stages: list[StageCost] 
         if not moved:
             raise RuntimeError(f"the pipeline order cannot run: ranks stopped at {pos}")
     return Timeline(tuple(free), tuple(busy), tuple(_inflight(ops, stages) for ops in order), tuple(events),
-                    tuple((f, b) for f, b in saved))
+                    tuple((f, b) for f, b in saved), tuple(held_moment(ops, stages) for ops in order))
 
 
 def _inflight(ops: tuple[Action, ...], stages: Any) -> tuple[int, ...]:
@@ -237,6 +252,31 @@ def _inflight(ops: tuple[Action, ...], stages: Any) -> tuple[int, ...]:
                 worst, worst_bytes = tuple(held), total
         elif kind == "B":
             held[s] -= 1
+    return worst
+
+
+def held_moment(ops: tuple[Action, ...], stages: Any) -> tuple[float, float, float]:
+    """(activations in flight, parameters held gathered, transient) at a rank's worst moment while
+    units a backward left gathered are held: at the start of each forward and backward of its
+    ``ops``; zeros when nothing is ever held. See [Note: pipeline stages], the memory of units held."""
+    n = len(stages)
+    inflight, held = [0] * n, [False] * n
+    worst, worst_total = (0.0, 0.0, 0.0), 0.0
+    for kind, s, _mb in ops:
+        if kind == "R":  # REDUCE_GRAD's post_backward reshards them
+            held[s] = False
+            continue
+        params = sum(stages[i].gathered_bytes for i in range(n) if held[i])
+        if params > 0:
+            acts = sum(k * stages[i].activation_bytes for i, k in enumerate(inflight) if k)
+            # the acting stage's transient gathers nothing it already holds
+            transient = stages[s].transient_bytes - (stages[s].transient_gathered_bytes if held[s] else 0.0)
+            if acts + params + transient > worst_total:
+                worst, worst_total = (acts, params, transient), acts + params + transient
+        if kind == "F":  # the forward reshards the units after their forward; its activations stay
+            inflight[s], held[s] = inflight[s] + 1, False
+        else:  # the backward frees its activations and leaves its units gathered
+            inflight[s], held[s] = inflight[s] - 1, True
     return worst
 
 
@@ -305,6 +345,7 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
     parts = dict(est.peak_breakdown)
     static = parts["sharded_params"] + parts["optimizer_state"] + parts["accumulated_grads"]
     kept = sum(c.param_bytes for c, r in zip(costs, resharded) if not r)
+    gathered = sum(c.param_bytes for c, r in zip(costs, resharded) if r)
     acts = parts["activations"] if held is None else held
     # A micro-batch's backward runs without gradient sync: the estimate's (synchronising) backward
     # less its reduce-scatters, which run once, in the end-of-step reduction (``reduce_s``); never
@@ -316,7 +357,9 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
                      static_bytes=static, kept_bytes=kept, activation_bytes=acts,
                      transient_bytes=max(0.0, est.peak_bytes - static - kept - acts), compute_s=compute,
                      mb_comm_s=ag_resharded + regather, once_comm_s=ag - ag_resharded + reduce_s,
-                     send_bytes=send_bytes, estimate=est, fwd_gathered_s=fwd_compute, bwd_gathered_s=floor)
+                     send_bytes=send_bytes, estimate=est, fwd_gathered_s=fwd_compute, bwd_gathered_s=floor,
+                     gathered_bytes=gathered,
+                     transient_gathered_bytes=min(gathered, max(0.0, parts["unsharded_params"] - kept)))
 
 
 def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
@@ -363,6 +406,10 @@ def _estimate(plan: PlanSpec, stages: list[StageCost], tl: Timeline, send: tuple
                     parts[k] += v
             parts["unsharded_params"] += st.kept_bytes
         parts["activations"], parts["working_set"] = acts, transient
+        h_acts, h_params, h_transient = tl.held[r] if tl.held else (0.0, 0.0, 0.0)
+        if h_acts + h_params + h_transient > acts + transient:  # the worst moment holds a backward's units
+            parts["activations"], parts["working_set"] = h_acts, h_transient
+            parts["unsharded_params"] += h_params
         peaks.append(sum(parts.values()))
         parts_of.append(parts)
     worst = max(range(p), key=peaks.__getitem__)
