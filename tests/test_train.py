@@ -126,12 +126,13 @@ def test_bf16_halves_gathers_and_activations(llama_tiny):
     assert bf16["sharded_params"] == fp32["sharded_params"]  # fp32 master weights stay
     assert bf16["unsharded_params"] == pytest.approx(fp32["unsharded_params"] / 2, rel=0.01)
     assert bf16["activations"] < fp32["activations"]
-    # The model's activations halve; the loss computes in fp32 as traced, plus a bf16 copy of the output.
+    # A float32 trace scored in bf16: the model's activations halve; the loss computes in fp32 as traced
+    # (See [Note: compute dtype] in wrapopt/cost/dtypes.py).
     half = in_compute_dtype(g, 2, None)
     assert sum(m.saved_bytes for m in half.modules) == pytest.approx(sum(m.saved_bytes for m in g.modules) / 2,
                                                                      rel=1e-3)
-    assert half.loss_saved_bytes == g.loss_saved_bytes
-    assert half.loss_peak_bytes == g.loss_peak_bytes + g.root.output_bytes // 2
+    assert (half.loss_saved_bytes, half.loss_peak_bytes, half.loss_grad_bytes) == (
+        g.loss_saved_bytes, g.loss_peak_bytes, g.loss_grad_bytes)
     assert in_compute_dtype(g, None, None) is g
 
 

@@ -1,7 +1,7 @@
 """The simulator's estimates for a fixed plan set (formerly ``benchmarks/estimate_dump.py``).
 
 The set: the zoo's four tiny models and llama-7b, two meshes (2 ranks on one
-node; 64 ranks, 8 per node, with HSDP shard groups), three option sets, a GPU
+node; 64 ranks, 8 per node, with HSDP shard groups), four option sets, a GPU
 (analytical) and a CPU-like compute profile, every baseline and seeded random
 plans of the Optuna search space, timelines for the baselines.
 
@@ -30,7 +30,13 @@ OPTIONS = (
     SimOptions(),
     SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, grad_accumulation=4),
     SimOptions(optimizer=OptimizerKind.SGD_MOMENTUM, batch_scale=2.0),
+    # --precision bf16 as users train (TrainConfig.preset("bf16").sim_options()): bf16 gathers and activations
+    SimOptions(param_dtype_bytes=2, reduce_dtype_bytes=4, activation_dtype_bytes=2),
 )
+# The dtype each option set's model is traced in; None: the model's own. options[1] gathers in bf16 but keeps
+# the activations as traced; options[3] traces in bf16, as the API and the CLI do under --precision bf16
+# (See [Note: tracing in the compute dtype] in wrapopt/trace/record.py).
+COMPUTE_DTYPES = (None, None, None, "bfloat16")
 
 
 class _Random:
@@ -55,7 +61,9 @@ def dump() -> list:
     computes = (("gpu", analytical_compute()), ("cpu", _cpu_like()))
     for name in MODELS:
         entry = zoo.get_entry(name)
-        graph = trace_model(entry.build("meta"), entry.inputs(), loss_fn=entry.loss, fx=False)
+        graphs = {dt: trace_model(entry.build("meta"), entry.inputs(), loss_fn=entry.loss, fx=False, compute_dtype=dt)
+                  for dt in dict.fromkeys(COMPUTE_DTYPES)}
+        graph = graphs[None]
         for m in MESHES:
             mesh = MeshSpec(**m)
             fabric = analytical_fabric(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
@@ -66,7 +74,7 @@ def dump() -> list:
             plans += [(f"random-{i}", space.decode(_Random(rng)), False) for i in range(24)]
             for cname, compute in computes:
                 for k, opt in enumerate(OPTIONS):
-                    sim = Simulator(graph, fabric, compute, opt)
+                    sim = Simulator(graphs[COMPUTE_DTYPES[k]], fabric, compute, opt)
                     for label, plan, record in plans:
                         est = sim.simulate(plan, record=record)
                         rows.append([name, m["world_size"], cname, k, label, est.to_json()])

@@ -201,6 +201,7 @@ class Simulator:
             # See [Note: loss]: its time, the memory while it runs, the model's output, what it saves.
             loss_s=float(compute.loss_s * scale), loss_work_bytes=float(out_b + graph.loss_peak_bytes * scale),
             output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale),
+            loss_grad_bytes=float(max(2 * out_b, graph.loss_grad_bytes * scale)),
             collective_copy=float(fabric.collective_copies))  # See [Note: collective copies]
         self._cols: dict[tuple[Any, bool], tuple[Segments, UnitLayout]] = {}  # per layout
 

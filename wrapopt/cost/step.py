@@ -57,7 +57,11 @@ allocated when the reduce-scatter is issued.
 runs, memory holds the model's output and the tensors the loss creates (the
 tracer's ``loss_peak_bytes``: for cross-entropy a flattened copy and
 log_softmax's output); afterwards what it saved (``loss_saved_bytes``) stays
-until its backward, which holds two gradients of the output's size.
+until its backward, which holds its gradients beside it: the tracer's
+``loss_grad_bytes`` (cross-entropy: the gradient arriving at log_softmax and the
+one leaving it, in the dtype the loss computes in: float32 where it upcasts
+bf16 logits, twice the bytes of the output), at least two of the output's size.
+See [Note: the loss's gradients] in trace/record.py.
 
 [Note: all-gather buffer] FSDP2 (torch 2.13, ``wait_for_unshard``) keeps a
 forward all-gather's output after its copy-out, to overlap the copy-out with
@@ -163,7 +167,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
     P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
     static, shard, depth, record, gathers = plan  # PlanScalars
-    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, loss_dur, loss_work, out_b, loss_saved, copy = k  # StepConstants
+    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, loss_dur, loss_work, out_b, loss_saved, loss_grads, copy = k
     n = len(P)
     nsg = len(seg_u)
     norder = len(order)
@@ -235,10 +239,10 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     t, peak, parts, ne = _compute(t, loss_dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
                                   grads_pending, loss_work, peak, parts, record, ev, ne, LOSS, n - 1)
     acts += loss_saved
-    # the loss's backward: the gradient arriving and the one leaving, beside its saved
-    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + 2 * out_b
+    # the loss's backward: its gradients (the one arriving, the one leaving), beside what it saved
+    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + loss_grads
     if m > peak:
-        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, 2 * out_b)
+        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, loss_grads)
     acts -= loss_saved
     fwd_end = t
 
@@ -328,7 +332,7 @@ assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "red
 assert PlanScalars._fields == ("static_bytes", "shard_size", "prefetch_depth", "record", "gathers")
 assert StepConstants._fields == ("reduce_elem_bytes", "overlap_compute", "overlap_comm", "unit_overhead_s",
                                  "checkpoint_overhead_s", "loss_s", "loss_work_bytes", "output_bytes",
-                                 "loss_saved_bytes", "collective_copy")
+                                 "loss_saved_bytes", "loss_grad_bytes", "collective_copy")
 
 # The functions step_loop calls: numba compiles them with it (``backend.compile_kernels``).
 LOOP_HELPERS = (_rec, _all_gather, _compute)

@@ -98,6 +98,7 @@ class StepConstants(NamedTuple):
     loss_work_bytes: float  # what memory holds while the loss runs
     output_bytes: float  # the model's output
     loss_saved_bytes: float  # what the loss saves for its backward
+    loss_grad_bytes: float  # the gradients its backward holds at once: See [Note: loss] in step.py
     collective_copy: float  # See [Note: collective copies]
 
 

@@ -52,6 +52,7 @@ from dataclasses import replace
 import torch
 
 from wrapopt.cost.calls import module_time
+from wrapopt.cost.dtypes import traced_dtype_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import ModelGraph, ModuleInfo
 from wrapopt.tp import TPSpec, tp_blocks
@@ -132,7 +133,7 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
         eff = 1.0
         notes.add(f"tensor-parallel matmuls split {size} ways taken as fast per FLOP as whole ones: "
                   "the compute profile measured no split efficiency")
-    traced = graph.param_bytes / max(1, graph.num_params)
+    traced = traced_dtype_bytes(graph)
     act = (activation_dtype_bytes or traced) / traced
 
     def all_reduce(nbytes: float) -> float:

@@ -34,7 +34,8 @@ def format_graph(graph: ModelGraph, *, depth: int = 2) -> str:
             f"{'order':>5} {'calls':>5}")
     lines = [f"{graph.model_class}: {graph.num_params:,} parameters ({fmt_bytes(graph.param_bytes)}), "
              f"{len(graph.modules)} modules, block chains: "
-             + (", ".join(f"{len(c)} x {graph.info(c[0]).cls}" for c in graph.block_chains) or "none"),
+             + (", ".join(f"{len(c)} x {graph.info(c[0]).cls}" for c in graph.block_chains) or "none")
+             + (f"; traced in {graph.compute_dtype}" if graph.compute_dtype else ""),
              head, "-" * len(head)]
     for m in graph.modules:
         if m.depth > depth:
@@ -112,6 +113,7 @@ def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
         "model_class": graph.model_class,
         "num_params": graph.num_params,
         "param_bytes": graph.param_bytes,
+        "compute_dtype": graph.compute_dtype,  # the activations' (See [Note: tracing in the compute dtype])
         "tied_groups": [list(g) for g in graph.tied_groups],
         "block_chains": [list(c) for c in graph.block_chains],
         "estimates": list(graph.estimates),

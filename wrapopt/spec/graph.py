@@ -108,6 +108,9 @@ class ModelGraph:
     # (e.g. log_softmax's output) and the most bytes it creates alive at once.
     loss_saved_bytes: int = 0
     loss_peak_bytes: int = 0
+    # Its backward: the most bytes of gradients it creates alive at once, down to the model's output's
+    # (0: not recorded). See [Note: the loss's gradients] in trace/record.py.
+    loss_grad_bytes: int = 0
     # (module, user): the forward of ``user`` reads parameters registered on ``module``
     # (another module, not tied to it): nn.MultiheadAttention reads its out_proj's weight.
     # FSDP2 gathers a unit's parameters when one of its modules' forward runs, so such a
@@ -125,6 +128,12 @@ class ModelGraph:
     # (n_heads / num_heads / num_attention_heads, n_kv / num_key_value_heads): a
     # tensor-parallel degree must divide both. See [Note: tensor parallel] in tp.py.
     attention_heads: tuple[tuple[str, int, int], ...] = ()
+    # The dtype the traced step computed in: its floating parameters and forward inputs cast to it,
+    # as FSDP2's MixedPrecisionPolicy(param_dtype=...) casts them, else the parameters' own. The
+    # activation figures are in it (float32 where the model upcasts), the parameter figures in the
+    # storage dtype. "": not recorded (a graph built by hand): read from the parameters. See
+    # [Note: tracing in the compute dtype] in trace/record.py.
+    compute_dtype: str = ""
 
     @property
     def blocks(self) -> tuple[str, ...]:

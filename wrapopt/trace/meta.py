@@ -70,13 +70,15 @@ import networkx as nx
 import torch
 import torch.nn as nn
 
-from wrapopt.errors import ModelError
+from wrapopt.errors import ModelError, OptionError
 from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo, TraceRecord
+from wrapopt.trace import ops
 from wrapopt.trace.fx import export_fx
 from wrapopt.tp import attention_heads
+from wrapopt.train import TORCH_DTYPES, dtype_name
 from wrapopt.wrapped import check_unwrapped
-from wrapopt.trace.ops import dtype_name, nbytes, tensors_in
+from wrapopt.trace.ops import nbytes, tensors_in
 from wrapopt.trace.record import StepRecord, record_step
 
 __all__ = ["trace_model"]
@@ -91,6 +93,7 @@ def trace_model(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     fx: bool | None = None,
+    compute_dtype: torch.dtype | str | None = None,
 ) -> ModelGraph:
     """Trace ``model`` on meta tensors and return its ``ModelGraph``.
 
@@ -105,6 +108,10 @@ def trace_model(
         fx: keep the model's fx graph (``torch.export`` on fake tensors) and take the
             dataflow from it: True always, False never, None (default) when the model has
             at most 200 modules. A failed export is recorded in ``estimates``, never raised.
+        compute_dtype: the step's, FSDP2's ``MixedPrecisionPolicy.param_dtype``: the floating
+            parameters and forward inputs are cast to it (activations as that step makes them, float32
+            upcasts included; parameters keep their storage dtype); None (default): the model's own.
+            See [Note: tracing in the compute dtype] in trace/record.py.
 
     Example:
         >>> from wrapopt import zoo
@@ -113,7 +120,6 @@ def trace_model(
         >>> graph.num_params > 0
         True
     """
-
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_kwargs = example_kwargs or {}
@@ -128,19 +134,17 @@ def trace_model(
     for fqn, m in named_modules:
         modules_by_name.setdefault(fqn, m)
 
+    compute_name, compute = _compute_dtype(model, compute_dtype)
     estimates: list[str] = []
-    rec = record_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, estimates)
+    rec = record_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, estimates, compute=compute)
     choice = choice or loss_fn.choice  # type: ignore[attr-defined]
-    if choice.kind == "model":  # See [Note: loss inside forward]
-        rec.saved[ROOT] -= rec.tail_saved
-        rec.loss_saved, rec.loss_peak = rec.loss_saved + rec.tail_saved, max(rec.loss_peak, rec.tail_peak)
+    loss = _loss_figures(rec, choice.kind)
     graph = _build_graph(model, named_modules, by_id, params, rec)
     infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"]
                                           for fqn in dict.fromkeys(f for f, _ in named_modules))
     chains = _block_chains(modules_by_name, infos, graph)
-    shapes = tuple(
-        (names[0], tuple(params[i].shape), dtype_name(params[i].dtype)) for i, names in by_id.items()
-    )
+    shapes = tuple((names[0], tuple(params[i].shape), ops.dtype_name(params[i].dtype))
+                   for i, names in by_id.items())
     fx_graph, dataflow = _fx_and_dataflow(model, example_inputs, example_kwargs, rec.flow, len(modules_by_name),
                                           fx=fx, estimates=estimates)
     estimates.append(f"traced in {time.perf_counter() - t0:.2f} s")
@@ -151,17 +155,40 @@ def trace_model(
         tied_groups=tied_groups,
         block_chains=chains,
         param_shapes=tuple(sorted(shapes)),
-        input_bytes=nbytes(example_inputs) + nbytes(example_kwargs),
+        input_bytes=nbytes(example_inputs, floating=compute) + nbytes(example_kwargs, floating=compute),
         estimates=tuple(estimates[:-1]),
         trace=TraceRecord(fx_graph=fx_graph, dataflow=dataflow),
-        loss_saved_bytes=rec.loss_saved,
-        loss_peak_bytes=rec.loss_peak,
+        **loss,
         param_users=_param_users(by_id, rec.param_reads),
         loss=choice.name,
         loss_kind=choice.kind,
         **_batch_and_seq(example_inputs, example_kwargs),
         attention_heads=attention_heads(model),
+        compute_dtype=compute_name,
     )
+
+
+def _loss_figures(rec: StepRecord, kind: str) -> dict[str, int]:
+    """The loss's figures for ``ModelGraph``; a model's own loss takes the root's trailing ops
+    from its activations (See [Note: loss inside forward])."""
+    if kind == "model":
+        rec.saved[ROOT] -= rec.tail_saved
+        rec.loss_saved, rec.loss_peak = rec.loss_saved + rec.tail_saved, max(rec.loss_peak, rec.tail_peak)
+    return {"loss_saved_bytes": rec.loss_saved, "loss_peak_bytes": rec.loss_peak, "loss_grad_bytes": rec.loss_grads}
+
+
+def _compute_dtype(model: nn.Module, given: torch.dtype | str | None) -> tuple[str, torch.dtype | None]:
+    """The name of the dtype the traced step computes in, and the dtype its floating parameters and
+    inputs are cast to (None: none is, the model's own): See [Note: tracing in the compute dtype]
+    in trace/record.py."""
+    if given is None:
+        own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        return (ops.dtype_name(own) if own is not None else ""), None
+    try:
+        name = dtype_name(given, what="compute_dtype")
+    except OptionError as e:
+        raise OptionError(f"trace_model: {e}") from None
+    return name, TORCH_DTYPES[name]  # type: ignore[index]
 
 
 def _loss_to_run(model: nn.Module, example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any],
@@ -275,7 +302,7 @@ def _build_graph(
         ps = own.get(n, [])
         by_dtype: dict[str, int] = defaultdict(int)
         for p in ps:
-            by_dtype[dtype_name(p.dtype)] += p.numel() * p.element_size()
+            by_dtype[ops.dtype_name(p.dtype)] += p.numel() * p.element_size()
         tot = [params[i] for i in total_ids[n]]
         parent = None if n == ROOT else (n.rsplit(".", 1)[0] if "." in n else ROOT)
         info = ModuleInfo(

@@ -162,6 +162,11 @@ class Recorder(TorchDispatchMode):
         self.loss_live: dict[Any, int] = {}  # storages the loss created -> bytes
         self.loss_before: set[Any] = set()  # storages that existed before the loss (its views are free)
         self.loss_peak = 0
+        # The loss's backward, from its start until the model's output has its gradient: the storages its
+        # ops create -> bytes (None: not tracking), those that existed before, and their most at once.
+        self.grad_live: dict[Any, int] | None = None
+        self.grad_before: set[Any] = set()
+        self.grad_peak = 0
         self.param_key: dict[int, int] = {}  # id(parameter tensor) -> its key in ``by_id``
         self.param_reads: dict[tuple[int, str], None] = {}  # (parameter key, reading module), in order
         self.experts: dict[str, int] = {}  # module -> experts its 3-D weights hold
@@ -188,6 +193,8 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         if self.in_loss or self.in_tail:
             self._track_loss(out)
+        if self.grad_live is not None:
+            self._track_grads(out)
         if not self.backward and not self.in_loss:
             self.fwd_ops[self.stack[-1]] += 1
             if is_saved_op(func):
@@ -257,13 +264,33 @@ class Recorder(TorchDispatchMode):
 
     def _track_loss(self, out: Any) -> None:
         """Live bytes of the tensors the loss created (views share their base's storage)."""
-        for t in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = storage_key(t)
-                if isinstance(key, StorageWeakRef) and key not in self.loss_live and key not in self.loss_before:
-                    self.loss_live[key] = t.untyped_storage().nbytes()
-        self.loss_live = {k: b for k, b in self.loss_live.items() if not k.expired()}
+        self.loss_live = _live_with(out, self.loss_live, self.loss_before)
         self.loss_peak = max(self.loss_peak, sum(self.loss_live.values()))
+
+    def start_loss_grads(self, before: set[Any]) -> None:
+        """Track what the loss's backward creates; ``before``: storages alive already (its views are free)."""
+        self.grad_live, self.grad_before, self.grad_peak = {}, before, 0
+
+    def end_loss_grads(self, grad: torch.Tensor) -> None:
+        """A hook on the model's output: its gradient has arrived, the loss's backward is over."""
+        if self.grad_live is not None:
+            self._track_grads(grad)
+            self.grad_live = None
+
+    def _track_grads(self, out: Any) -> None:
+        self.grad_live = _live_with(out, self.grad_live or {}, self.grad_before)
+        self.grad_peak = max(self.grad_peak, sum(self.grad_live.values()))
+
+
+def _live_with(out: Any, live: dict[Any, int], before: set[Any]) -> dict[Any, int]:
+    """``live`` (storage -> bytes) with the storages of ``out``'s tensors not in it nor in ``before``
+    added, and those freed since dropped."""
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(t, torch.Tensor):
+            key = storage_key(t)
+            if isinstance(key, StorageWeakRef) and key not in live and key not in before:
+                live[key] = t.untyped_storage().nbytes()
+    return {k: b for k, b in live.items() if not k.expired()}
 
 
 def _onto_meta(func, args: Any, kwargs: dict) -> tuple[Any, dict]:
@@ -324,13 +351,16 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def nbytes(obj: Any) -> int:
+def nbytes(obj: Any, *, floating: torch.dtype | None = None) -> int:
+    """Bytes of the tensors in ``obj``; ``floating``: the floating ones counted in that dtype."""
     if isinstance(obj, torch.Tensor):
+        if floating is not None and obj.is_floating_point():
+            return obj.numel() * floating.itemsize
         return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple)):
-        return sum(nbytes(o) for o in obj)
+        return sum(nbytes(o, floating=floating) for o in obj)
     if isinstance(obj, dict):
-        return sum(nbytes(o) for o in obj.values())
+        return sum(nbytes(o, floating=floating) for o in obj.values())
     if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        return nbytes(obj.to_tuple())
+        return nbytes(obj.to_tuple(), floating=floating)
     return 0

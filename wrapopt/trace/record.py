@@ -19,13 +19,59 @@ FLOPs; by bytes for a module without FLOPs). The step simulator recomputes a
 checkpointed module's forward less those shares: See ``ckpt_fwd_s`` in
 ``cost/step_inputs.py``. ``tests/trace/test_early_stop.py`` checks the shares
 against the ops torch's recompute runs.
+
+[Note: tracing in the compute dtype] Under FSDP2's
+``MixedPrecisionPolicy(param_dtype=...)`` the step computes on the gathered
+parameters cast to ``param_dtype`` and, with ``cast_forward_inputs`` (its
+default), on the forward's floating inputs cast too; buffers stay as they are
+(FSDP2 does not cast them) and the loss gets the batch as given. Given
+``compute``, the tracer runs that step: the floating parameters' stand-ins
+(meta, or real copies in the real fallback) and the forward's floating inputs
+are in that dtype, so every activation is in the dtype the step makes it. Where
+a model upcasts on purpose, its tensors stay float32: Hugging Face's RMSNorm
+computes in float32 and saves float32 tensors, the loss upcasts the logits. A
+float32 trace rescaled by 2/4 halved those too (a tiny Llama through ``hf:``:
+7% under on saved bytes; Llama 3.1 8B: about 8% of its activations, issue 34).
+The parameter figures (own and total bytes, ``param_shapes``) are read from the
+parameters themselves: the storage (master) dtype, as FSDP2 keeps it. What else
+depends on the dtype comes out as the step runs it: the memory-bound ops' bytes
+(the upcasts' copies among them), the matmuls' bytes per element,
+selective-op's kept bytes, the loss on low-precision logits. One trace in the
+step's dtype, rather than a float32 trace and a second one in the compute dtype
+merged by module name: the same tracing time, one code path, nothing matched by
+name. ``ModelGraph.compute_dtype`` records the dtype; a step in another one
+rescales the graph uniformly ([Note: compute dtype] in cost/dtypes.py).
+``results/bf16.md`` (``benchmarks/bf16_check.py``): saved bytes within 0.4% of
+real bf16 runs (a tiny Llama through ``hf:``: exact, 7% under rescaled), and
+real bf16 FSDP2 steps on one gloo rank within 0.3% of the predicted peak for
+gpt-, llama-, t5-tiny and that Llama (vit-tiny 3% under, checkpointed t5-tiny
+10% over, either way). Left out: FSDP2 casts the floating inputs of every
+unit's forward, so a float32 tensor one unit hands to another is cast down at
+the boundary; the trace casts at the root only (the blocks of the zoo and of
+Hugging Face models hand on the compute dtype).
+
+[Note: the loss's gradients] The loss's backward holds gradients beside what
+the loss saved: cross-entropy's log_softmax backward holds the gradient
+arriving from nll_loss and the one it makes, each the size of the loss's input
+in the dtype the loss computes in. A loss that upcasts bf16 logits (the zoo's,
+Hugging Face's, TorchTitan's) makes them float32: twice the bytes of the output
+each, where the simulator had counted two gradients of the output's size
+(gpt-tiny's per-block plan, a real bf16 FSDP2 step on one gloo rank: peak 12.09
+MiB measured, there; 11.13 predicted from a bf16 trace without them, 12.10
+with). The tracer measures them: from the start of the backward until the
+model's output has its gradient (a hook on each output tensor), the most bytes
+of tensors the backward's ops create alive at once
+(``ModelGraph.loss_grad_bytes``; storages alive before it, the saved ones among
+them, are not counted). The simulator takes the larger of that and two of the
+output's size ([Note: loss] in cost/step.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import networkx as nx
 import torch
@@ -48,17 +94,22 @@ def record_step(
     by_id: dict[int, list[str]],
     params: dict[int, nn.Parameter],
     estimates: list[str],
+    *,
+    compute: torch.dtype | None = None,
 ) -> StepRecord:
     """One recorded step: on meta, else on meta with the integer inputs real, else for real;
-    each fallback says so in ``estimates``. See [Note: tracer fallback] in trace/meta.py."""
+    each fallback says so in ``estimates``. See [Note: tracer fallback] in trace/meta.py.
+    ``compute``: the dtype the step computes in (None: the parameters' own); See [Note: tracing
+    in the compute dtype]."""
     rec: StepRecord | None = None
+    run = functools.partial(_run_step, model, example_inputs, run_kwargs, loss_fn, by_id, params, compute=compute)
     try:
-        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True)
+        rec = run(meta=True)
     except _DataDependent as first:  # See [Note: tracer fallback] in trace/meta.py
         e = first
     if rec is None and any(not t.is_floating_point() for t in tensors_in((example_inputs, run_kwargs))):
         try:
-            rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=True, real_ints=True)
+            rec = run(meta=True, real_ints=True)
             estimates.append(f"traced with the integer inputs kept real because module {e.module!r} reads their "
                              f"values ({e.cause}); weights stayed on meta")
         except _DataDependent as again:
@@ -72,7 +123,7 @@ def record_step(
                 "which stays real), build the model with real weights (small example inputs suffice), or remove "
                 "the data-dependent op from forward."
             ) from None
-        rec = _run_step(model, example_inputs, run_kwargs, loss_fn, by_id, params, meta=False)
+        rec = run(meta=False)
         estimates.append(
             f"traced with real tensors because module {e.module!r} needs real values ({e.cause}); "
             "figures are exact for the example inputs but the tracer allocated real activations"
@@ -102,6 +153,7 @@ class StepRecord:
         self.flow: nx.DiGraph = nx.DiGraph()
         self.loss_saved = 0  # saved for backward by the loss (outside every module)
         self.loss_peak = 0  # most bytes of tensors the loss created alive at once
+        self.loss_grads = 0  # most bytes of gradients its backward created alive at once: [Note: the loss's gradients]
         self.tail_saved = 0  # saved by root's own ops after its last child returned
         self.tail_peak = 0  # most bytes those ops created alive at once
         self.param_reads: dict[tuple[int, str], None] = {}  # (key in by_id, module whose forward read it)
@@ -126,34 +178,39 @@ def _run_step(
     *,
     meta: bool,
     real_ints: bool = False,
+    compute: torch.dtype | None = None,
 ) -> StepRecord:
     """One forward, loss and backward of ``model`` under the recorder, on meta stand-ins for
-    its tensors (``meta``) or on the real ones."""
+    its tensors (``meta``) or on the real ones, in ``compute`` (None: as they are)."""
     rec = StepRecord()
     stack: list[str] = [ROOT]
-    replacement, inputs, kwargs, param_tensors = _step_tensors(model, inputs, kwargs, by_id, params, meta=meta,
-                                                               real_ints=real_ints)
+    st = _step_tensors(model, inputs, kwargs, by_id, params, meta=meta, real_ints=real_ints, compute=compute)
     recorder = Recorder(stack)
-    handles = _hook_modules(model, rec, stack, recorder, inputs)
-    pack = _saved_bytes_counter(rec, stack, recorder, param_tensors)
+    handles = _hook_modules(model, rec, stack, recorder, st.fwd_inputs)
+    pack, kept = _saved_bytes_counter(rec, stack, recorder, st.params)
     recorder.meta_wins = real_ints
-    recorder.param_key = {id(t): key for key, t in zip(by_id, param_tensors)}
+    recorder.param_key = {id(t): key for key, t in zip(by_id, st.params)}
     rec.order[ROOT] = 0
     rec.calls[ROOT] = 1
     try:
         fused = FusedAttention() if meta else contextlib.nullcontext()
         with fused, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _forward(model, replacement, inputs, kwargs, stack, meta=meta)
+            out = _forward(model, st, stack)
             rec.out_bytes[ROOT] = nbytes(out)
             rec.tail_peak = recorder.end_tail()
             stack[:] = [ROOT]
             recorder.record_flow = False
-            recorder.loss_before = {storage_key(t) for t in tensors_in((out, inputs))}
+            recorder.loss_before = {storage_key(t) for t in tensors_in((out, st.inputs, st.fwd_inputs))}
             recorder.in_loss = True
-            loss = scalar_loss(loss_fn(out, inputs), loss_fn)
+            loss = scalar_loss(loss_fn(out, st.inputs), loss_fn)  # the loss gets the batch as given, uncast
             recorder.in_loss = False
         recorder.backward = True
-        trainable = [t for t in param_tensors if t.requires_grad]
+        trainable = [t for t in st.params if t.requires_grad]
+        # See [Note: the loss's gradients]: from the loss's backward until the model's output has its gradient.
+        ends = [t for t in tensors_in(out) if t.is_floating_point() and t.requires_grad and t is not loss]
+        handles += [t.register_hook(recorder.end_loss_grads) for t in ends]
+        if ends:
+            recorder.start_loss_grads(recorder.loss_before | kept)
         with recorder:
             if loss.requires_grad and trainable:
                 torch.autograd.grad(loss, trainable, allow_unused=True)
@@ -162,6 +219,16 @@ def _run_step(
             h.remove()
     _keep_recorded(rec, recorder)
     return rec
+
+
+class _StepTensors(NamedTuple):
+    """What one recorded step runs on."""
+
+    replacement: dict[str, torch.Tensor]  # by FQN, for ``functional_call``; empty: the model's own tensors
+    inputs: tuple[Any, ...]  # the batch as the loss gets it
+    fwd_inputs: tuple[Any, ...]  # as the forward gets it: floating tensors in the compute dtype
+    fwd_kwargs: dict[str, Any]
+    params: list[torch.Tensor]  # one per parameter object, as the forward reads it
 
 
 def _step_tensors(
@@ -173,26 +240,33 @@ def _step_tensors(
     *,
     meta: bool,
     real_ints: bool,
-) -> tuple[dict[str, torch.Tensor], tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
-    """What the step runs on: the replacement tensors by FQN (for ``functional_call``), the
-    inputs, the keyword inputs and one tensor per parameter object."""
+    compute: torch.dtype | None,
+) -> _StepTensors:
+    """What the step runs on: meta stand-ins (``meta``) or the real tensors, the floating
+    parameters and forward inputs cast to ``compute``. See [Note: tracing in the compute dtype]."""
+
+    def cast(x: Any) -> Any:
+        return x.to(compute) if compute is not None and isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def stand_in(p: nn.Parameter) -> torch.Tensor:
+        dtype = compute if compute is not None and p.is_floating_point() else p.dtype
+        if meta:
+            return torch.empty_like(p, device="meta", dtype=dtype).requires_grad_(p.requires_grad)
+        return p.detach().to(dtype).requires_grad_(p.requires_grad) if dtype != p.dtype else p
+
     # One replacement tensor per parameter object; tied FQNs follow (functional_call ties).
+    replacement = {names[0]: stand_in(params[i]) for i, names in by_id.items()}
     if meta:
-        replacement = {
-            names[0]: torch.empty_like(params[i], device="meta").requires_grad_(params[i].requires_grad)
-            for i, names in by_id.items()
-        }
         replacement.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
         # See [Note: integer inputs stay real] in trace/meta.py.
         keep = lambda x: real_ints and not x.is_floating_point()  # noqa: E731
         to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not keep(x) else x  # noqa: E731
         inputs = tree_map(to_meta, inputs)
         kwargs = tree_map(to_meta, kwargs)
-        param_tensors = [replacement[names[0]] for names in by_id.values()]
-    else:
-        replacement = {}
-        param_tensors = list(params.values())
-    return replacement, inputs, kwargs, param_tensors
+    elif all(replacement[names[0]] is params[i] for i, names in by_id.items()):
+        replacement = {}  # the real run, nothing cast: the model's own tensors
+    param_tensors = [replacement[names[0]] if replacement else params[i] for i, names in by_id.items()]
+    return _StepTensors(replacement, inputs, tree_map(cast, inputs), tree_map(cast, kwargs), param_tensors)
 
 
 def _hook_modules(model: nn.Module, rec: StepRecord, stack: list[str], recorder: Recorder,
@@ -240,11 +314,12 @@ def _hook_modules(model: nn.Module, rec: StepRecord, stack: list[str], recorder:
 
 
 def _saved_bytes_counter(rec: StepRecord, stack: list[str], recorder: Recorder,
-                         param_tensors: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+                         param_tensors: list[torch.Tensor]) -> tuple[Callable[[torch.Tensor], torch.Tensor], set[Any]]:
     """The pack hook of ``saved_tensors_hooks``: each storage saved for backward counted once,
-    parameters excluded, to the running module (or the loss, or the root's tail)."""
+    parameters excluded, to the running module (or the loss, or the root's tail); and the set
+    of the parameters' storages and those saved so far (the hook adds to it)."""
     param_storages = {storage_key(t) for t in param_tensors}
-    seen_saved: set[Any] = set()
+    seen_saved: set[Any] = set(param_storages)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not recorder.in_loss and not recorder.backward:  # every saved tensor, parameters too: [Note: early stop]
@@ -263,17 +338,17 @@ def _saved_bytes_counter(rec: StepRecord, stack: list[str], recorder: Recorder,
                 rec.tail_saved += nbytes if recorder.in_tail else 0
         return t
 
-    return pack
+    return pack, seen_saved
 
 
-def _forward(model: nn.Module, replacement: dict[str, torch.Tensor], inputs: tuple[Any, ...],
-             kwargs: dict[str, Any], stack: list[str], *, meta: bool) -> Any:
+def _forward(model: nn.Module, st: _StepTensors, stack: list[str]) -> Any:
     """The model's forward; its error is re-raised naming the module it came from
     (``_DataDependent`` for an op that needs real values)."""
     try:
-        if meta:
-            return torch.func.functional_call(model, replacement, inputs, kwargs, tie_weights=True, strict=False)
-        return model(*inputs, **kwargs)
+        if st.replacement:
+            return torch.func.functional_call(model, st.replacement, st.fwd_inputs, st.fwd_kwargs, tie_weights=True,
+                                              strict=False)
+        return model(*st.fwd_inputs, **st.fwd_kwargs)
     except Exception as e:  # the model's own error, with the module it came from
         where = stack[-1]
         if _is_data_dependent(e):
@@ -294,6 +369,7 @@ def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
     rec.bwd_bytes_total = recorder.bwd_bytes_total
     rec.flow = recorder.flow.graph
     rec.loss_peak = recorder.loss_peak
+    rec.loss_grads = recorder.grad_peak
     rec.param_reads = recorder.param_reads
     rec.experts = dict(recorder.experts)
     rec.matmuls = {m: tuple(sorted(k + (n,) for k, n in t.items())) for m, t in recorder.matmuls.items()}

@@ -80,8 +80,8 @@ class ChainDP:
         before, after = _root_activations(sim, chains)
         self.static_bytes += before  # the root's activations saved before the first block live through backward
         g, scale = sim.graph, sim.options.batch_scale  # See [Note: loss] in the simulator
-        loss = (max(g.root.output_bytes + g.loss_peak_bytes, 2 * g.root.output_bytes + g.loss_saved_bytes) * scale
-                + after)
+        grads = max(2 * g.root.output_bytes, g.loss_grad_bytes)  # its backward's gradients
+        loss = (max(g.root.output_bytes + g.loss_peak_bytes, grads + g.loss_saved_bytes) * scale + after)
         costs[-1] = replace(costs[-1], loss_mem=loss)
         self.costs = costs
         self.choices = unit_choices(mesh, checkpoint_modes)
