@@ -109,7 +109,10 @@ def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     profile_s = time.perf_counter() - t0
-    graph = trace_model(build("meta"), inputs, loss_fn=loss_fn)
+    # traced in each compute dtype, as `wrapopt estimate` traces: See [Note: tracing in the compute dtype]
+    # in wrapopt/trace/record.py
+    graphs = {name: trace_model(build("meta"), inputs, loss_fn=loss_fn, compute_dtype=name) for name in profiles}
+    graph = graphs["float32"]
     mesh = MeshSpec(world_size=1, ranks_per_node=1, shard_size=1)
     fabric = analytical_fabric(world_size=1)  # no collective at one rank: the fabric does not enter
     rows = []
@@ -120,7 +123,8 @@ def _worker(rank: int, world: int, device: str, repeats: int) -> dict:
                         ranks_per_node=1)
         cases.append(("per-block,offload", replace(cases[0][1], offload=True, label="per-block,offload"), cases[0][2]))
     for label, plan, train in cases:
-        est = Simulator(graph, fabric, profiles[train.compute_dtype()], train.sim_options(), host=host).simulate(plan)
+        dt = train.compute_dtype()
+        est = Simulator(graphs[dt], fabric, profiles[dt], train.sim_options(), host=host).simulate(plan)
         meas = measure_plans(lambda: build(), [plan], inputs, loss_fn, repeats=repeats, warmup=2, train=train)[0]
         rows.append({"plan": label, "units": len(plan.units), "train": train.describe(), "pred_step_s": est.step_s,
                      "meas_step_s": meas.step_s, "spread": meas.spread, "pred_peak_bytes": est.peak_bytes,

@@ -153,7 +153,7 @@ class Predictor:
 
     def __init__(self, published: Published, *, progress: Callable[[str], None] = lambda s: None):
         self.published = published
-        self._graphs: dict[tuple[str, int, int], ModelGraph] = {}
+        self._graphs: dict[tuple[str, int, int, str | None], ModelGraph] = {}
         self.progress = progress
         self.trace_s = 0.0
         self._counts: dict[tuple[str, int], int] = {}  # parameters of the built MPT per (model, seq)
@@ -190,7 +190,8 @@ class Predictor:
         return ok, skipped
 
     def graph(self, row: PublishedRow) -> ModelGraph:
-        key = (row.model, row.seq_len, row.micro_batch)
+        dtype = train_config(row).param_dtype  # traced in the step's compute dtype, as `wrapopt estimate` does
+        key = (row.model, row.seq_len, row.micro_batch, dtype)
         g = self._graphs.get(key)
         if g is None:
             import time
@@ -201,7 +202,7 @@ class Predictor:
             model = build_mpt(self.published.shapes[row.model], vocab=self.published.vocab, seq_len=row.seq_len,
                               dtype=torch.float32)
             tokens = torch.zeros(row.micro_batch, row.seq_len, dtype=torch.long)
-            g = trace_model(model, (tokens,), loss_fn=fused_cross_entropy, fx=False)
+            g = trace_model(model, (tokens,), loss_fn=fused_cross_entropy, fx=False, compute_dtype=dtype)
             self._graphs[key] = g
             self.trace_s += time.perf_counter() - t0
             self.progress(f"traced {row.model} seq {row.seq_len} batch {row.micro_batch} ({len(self._graphs)} models)")

@@ -248,6 +248,35 @@ def test_search_on_stated_fabric_in_bf16(tmp_path, capsys):
     assert plan.train.param_dtype == "bfloat16" and plan.train.accumulation_sync in ("every", "last")
 
 
+def test_the_model_is_traced_in_the_steps_compute_dtype(tmp_path, capsys, monkeypatch):
+    """``wrapopt search``/``estimate`` and ``optimize_wrap`` (a plan file's step when none is given)
+    trace in the step's ``param_dtype``: See [Note: tracing in the compute dtype] in wrapopt/trace/record.py."""
+    import wrapopt.api
+    import wrapopt.cli.search
+    from wrapopt import optimize_wrap, zoo
+
+    seen = []
+
+    def traced(real):
+        def trace(*args, **kwargs):
+            graph = real(*args, **kwargs)
+            seen.append(graph.compute_dtype)
+            return graph
+        return trace
+
+    for module in (wrapopt.api, wrapopt.cli.search):
+        monkeypatch.setattr(module, "trace_model", traced(module.trace_model))
+    plan = str(tmp_path / "p.json")
+    assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--precision", "bf16", "--trials", "0",
+                 "--out", plan]) == 0
+    assert main(["estimate", "zoo:gpt-tiny", "--world-size", "2", "--precision", "fp32"]) == 0
+    assert main(["estimate", "zoo:gpt-tiny", "--plan", plan]) == 0  # the plan file's step: bf16
+    model, x = zoo.build("gpt-tiny", "meta")
+    optimize_wrap(model, x, plan=plan)
+    capsys.readouterr()
+    assert seen == ["bfloat16", "float32", "bfloat16", "bfloat16"]
+
+
 def test_nothing_fits_names_the_knobs(llama_tiny):
     from wrapopt.api import plan_model
 

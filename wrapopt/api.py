@@ -232,7 +232,7 @@ def optimize_wrap(
     """
     in_group = dist.is_initialized()
     mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
-                                     loss_fn=loss_fn, plan=plan, seed=seed,
+                                     loss_fn=loss_fn, plan=plan, seed=seed, train=train,
                                      options=(memory_budget, tp, train, global_batch, pp))
     fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
                              measure=in_group and given_plan is None)
@@ -290,15 +290,18 @@ def _job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
 
 def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpus_per_node: int | None,
            loss_fn: Callable[..., torch.Tensor] | None, plan: WrapPlan | str | os.PathLike | None, seed: int,
-           options: tuple[Any, ...]) -> tuple[MeshSpec, ModelGraph, WrapPlan | None]:
+           train: TrainConfig | None, options: tuple[Any, ...]) -> tuple[MeshSpec, ModelGraph, WrapPlan | None]:
     """The local work of optimize_wrap (mesh, trace, a given plan), then the ranks compare what they were
     given: a failure or a difference is raised on every rank before any collective (See [Note: every rank
     explains] in wrapopt/consensus.py)."""
     with every_rank("tracing the model and reading the plan"):
         check_seed(seed)
         mesh = _job_mesh(world_size, gpus_per_node)
-        graph = trace_model(model, example_inputs, loss_fn=loss_fn)
-        given_plan = WrapPlan.given(plan, model, graph)
+        given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+        step = train or (given_plan.train_config if given_plan is not None else TrainConfig())
+        # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
+        graph = trace_model(model, example_inputs, loss_fn=loss_fn, compute_dtype=step.param_dtype)
+        given_plan = WrapPlan.given(given_plan, model, graph)
     agree("starting optimize_wrap", {
         "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
         "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr((seed, *options))})
@@ -426,7 +429,8 @@ def estimate(
     notes += check_fabric_fits(fab, mesh, rescale=rescale_fabric)
     comp = compute_for(fab, compute, train, model_dtype(model))
     budget = resolve_budget(memory_budget, comp)
-    graph = trace_model(model, example_inputs, loss_fn=loss_fn)
+    # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
+    graph = trace_model(model, example_inputs, loss_fn=loss_fn, compute_dtype=train.param_dtype)
     spec = _spec_of(given, graph, mesh, checkpoint)
     sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget,
                                                         batch_scale=recorded_scale(graph, train, spec)))

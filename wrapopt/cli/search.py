@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     compute = compute_for(fabric, args.compute, train, model_dtype(model))
     budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
     budget_note = budget_line(args.memory, compute, budget)
-    graph = trace_model(model, src.inputs, loss_fn=src.loss)
+    graph = trace_model(model, src.inputs, loss_fn=src.loss, compute_dtype=train.param_dtype)  # the step's dtype
     current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=tp_plan, load_plan=_plan_and_batch)
                if args.current else None)  # a bad description fails before the search
     # One simulator's options for the search, the pictures and the sync what-ifs: the table's numbers everywhere.

@@ -145,7 +145,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     tp = cfg.get("tp", 1)
     fabric, compute, dt = measure_hardware(rank, world, cfg, entry, inputs, train, backend=dist.get_backend())
     _log(rank, quiet, "[3/5] tracing on the meta device and searching ...")
-    graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss)
+    # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
+    graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss,
+                        compute_dtype=train.param_dtype if train is not None else None)
     mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
     tp_spec = builtin_tp_plan(graph) if tp > 1 else None
     if tp_spec is not None:  # See [Note: tensor parallel costs] in cost/tp.py
