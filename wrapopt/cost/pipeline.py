@@ -83,7 +83,8 @@ from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCost, UnitSpec
 
 __all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", "stage_cost", "held_bytes",
-           "held_moment", "stage_units", "simulate_pipeline", "stage_options"]
+           "held_moment", "stage_units", "simulate_pipeline", "stage_options", "stage_simulators", "price_stage",
+           "compose_pipeline", "rank_peaks"]
 
 _PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
                "all_gather_buffer", "unsharded_grads", "activations", "working_set")
@@ -362,31 +363,79 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
                      transient_gathered_bytes=min(gathered, max(0.0, parts["unsharded_params"] - kept)))
 
 
-def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
-    """``Simulator.simulate`` of a pipeline plan: See [Note: pipeline stages]. ``sim`` is the
-    model's simulator (``Simulator.for_stage`` and ``for_tp`` give the stages')."""
+def stage_simulators(sim: Any, plan: PlanSpec) -> list[tuple[Any, tuple[UnitSpec, ...]]]:
+    """Per stage of pipeline ``plan``, its simulator (``Simulator.for_stage`` of the tensor-parallel
+    view, one micro-batch: ``stage_options``) and its units (the root's last), as
+    ``simulate_pipeline`` prices them. ``sim`` is the model's simulator."""
     pipe, mesh = plan.pipeline, plan.mesh
     assert pipe is not None
     base = sim.for_tp(plan.tp, mesh.tp_size)[0] if plan.tp is not None else sim
     options = stage_options(base.options, mesh.pp_size, pipe.microbatches)  # the tp view scales its batch
-    stage_mesh = mesh.data_parallel()
     n = len(pipe.stages)
-    stages, notes = [], set()
-    for s, (mods, units) in enumerate(zip(pipe.stages, stage_units(plan))):
-        ssim = base.for_stage(tuple(mods), first=s == 0, last=s == n - 1, options=options)
-        est = ssim.simulate(PlanSpec(units=units, mesh=stage_mesh, forward_prefetch=plan.forward_prefetch))
-        notes.update(est.notes)
-        scale, last = ssim.options.batch_scale, s == n - 1
-        out = ssim.graph.root.output_bytes * scale if not last else 0.0
-        kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale if not u.is_root else 0
-                   for u in units]  # a checkpointed unit keeps its input: cost/layout.py's ``_input_bytes``
-        held = held_bytes(est, units, kept_in, ssim.graph.loss_saved_bytes * scale if last else 0.0)
-        stages.append(stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=out,
-                                 held=held))
-    send = tuple(send_s(sim.fabric, st.send_bytes, cross_nodes=mesh.stages_cross_nodes) for st in stages)
-    order = schedule_order(pipe.schedule, mesh.pp_size, n, pipe.microbatches)
+    return [(base.for_stage(tuple(mods), first=s == 0, last=s == n - 1, options=options), units)
+            for s, (mods, units) in enumerate(zip(pipe.stages, stage_units(plan)))]
+
+
+def price_stage(ssim: Any, units: tuple[UnitSpec, ...], plan: PlanSpec, *, last: bool) -> StageCost:
+    """One stage's ``StageCost`` with ``units`` (the root's last) on ``ssim`` (``stage_simulators``)."""
+    est = ssim.simulate(PlanSpec(units=units, mesh=plan.mesh.data_parallel(), forward_prefetch=plan.forward_prefetch))
+    scale = ssim.options.batch_scale
+    out = ssim.graph.root.output_bytes * scale if not last else 0.0
+    kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale if not u.is_root else 0
+               for u in units]  # a checkpointed unit keeps its input: cost/layout.py's ``_input_bytes``
+    held = held_bytes(est, units, kept_in, ssim.graph.loss_saved_bytes * scale if last else 0.0)
+    return stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=out, held=held)
+
+
+def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
+    """``Simulator.simulate`` of a pipeline plan: See [Note: pipeline stages]. ``sim`` is the
+    model's simulator (``Simulator.for_stage`` and ``for_tp`` give the stages')."""
+    views = stage_simulators(sim, plan)
+    stages = [price_stage(ssim, units, plan, last=s == len(views) - 1) for s, (ssim, units) in enumerate(views)]
+    return compose_pipeline(sim.fabric, plan, stages, record=record)
+
+
+def compose_pipeline(fabric: FabricProfile, plan: PlanSpec, stages: list[StageCost], *,
+                     record: bool = False) -> CostEstimate:
+    """The pipeline plan's estimate from its stages' costs (``price_stage``): the schedule's
+    timeline and the worst rank's memory. See [Note: pipeline stages]."""
+    pipe, mesh = plan.pipeline, plan.mesh
+    assert pipe is not None
+    notes = {n for st in stages for n in st.estimate.notes}
+    send = tuple(send_s(fabric, st.send_bytes, cross_nodes=mesh.stages_cross_nodes) for st in stages)
+    order = schedule_order(pipe.schedule, mesh.pp_size, len(stages), pipe.microbatches)
     tl = run_timeline(order, stages, send, record=record)
     return _estimate(plan, stages, tl, send, notes)
+
+
+def rank_peaks(plan: PlanSpec, stages: list[StageCost]) -> tuple[float, ...]:
+    """Per pipeline rank its peak bytes with the stages' costs (``price_stage``), as
+    ``simulate_pipeline`` counts them (the estimate's ``peak_bytes`` is their largest)."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    tl = run_timeline(schedule_order(pipe.schedule, plan.mesh.pp_size, len(stages), pipe.microbatches), stages,
+                      (0.0,) * len(stages))
+    return tuple(_rank_memory(stages, tl, r)[0] for r in range(len(tl.end_s)))
+
+
+def _rank_memory(stages: list[StageCost], tl: Timeline, r: int) -> tuple[float, dict[str, float]]:
+    """Pipeline rank ``r``'s peak bytes and what they are made of."""
+    p = len(tl.end_s)
+    sts = [stages[s] for s in range(len(stages)) if s % p == r]
+    acts = sum(n * stages[s].activation_bytes for s, n in enumerate(tl.inflight[r]) if n)
+    transient = max(st.transient_bytes for st in sts)
+    parts = {k: 0.0 for k in _PEAK_PARTS}
+    for st in sts:
+        for k, v in st.estimate.peak_breakdown:
+            if k in ("sharded_params", "optimizer_state", "accumulated_grads"):
+                parts[k] += v
+        parts["unsharded_params"] += st.kept_bytes
+    parts["activations"], parts["working_set"] = acts, transient
+    h_acts, h_params, h_transient = tl.held[r] if tl.held else (0.0, 0.0, 0.0)
+    if h_acts + h_params + h_transient > acts + transient:  # the worst moment holds a backward's units
+        parts["activations"], parts["working_set"] = h_acts, h_transient
+        parts["unsharded_params"] += h_params
+    return sum(parts.values()), parts
 
 
 def _estimate(plan: PlanSpec, stages: list[StageCost], tl: Timeline, send: tuple[float, ...],
@@ -394,24 +443,7 @@ def _estimate(plan: PlanSpec, stages: list[StageCost], tl: Timeline, send: tuple
     """The ``CostEstimate`` of a pipeline plan: the worst rank's memory, the makespan's step."""
     p, m = len(tl.end_s), plan.pipeline.microbatches  # type: ignore[union-attr]
     mine = [[s for s in range(len(stages)) if s % p == r] for r in range(p)]
-    peaks, parts_of = [], []
-    for r in range(p):
-        sts = [stages[s] for s in mine[r]]
-        acts = sum(n * stages[s].activation_bytes for s, n in enumerate(tl.inflight[r]) if n)
-        transient = max(st.transient_bytes for st in sts)
-        parts = {k: 0.0 for k in _PEAK_PARTS}
-        for st in sts:
-            for k, v in st.estimate.peak_breakdown:
-                if k in ("sharded_params", "optimizer_state", "accumulated_grads"):
-                    parts[k] += v
-            parts["unsharded_params"] += st.kept_bytes
-        parts["activations"], parts["working_set"] = acts, transient
-        h_acts, h_params, h_transient = tl.held[r] if tl.held else (0.0, 0.0, 0.0)
-        if h_acts + h_params + h_transient > acts + transient:  # the worst moment holds a backward's units
-            parts["activations"], parts["working_set"] = h_acts, h_transient
-            parts["unsharded_params"] += h_params
-        peaks.append(sum(parts.values()))
-        parts_of.append(parts)
+    peaks, parts_of = zip(*(_rank_memory(stages, tl, r) for r in range(p)))
     worst = max(range(p), key=peaks.__getitem__)
     optim = max(sum(stages[s].optim_s for s in mine[r]) for r in range(p))
     step = tl.makespan_s + optim
