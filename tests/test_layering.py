@@ -46,7 +46,9 @@ STAGES: dict[str, tuple[str, ...]] = {
     "plan": (),
     "debug": (),
     "cost": ("hardware.profiles", "hardware.host"),  # the fabric, compute and host data it prices a step with
-    "search": ("cost.simulate",),  # drives the Simulator it is given
+    # drives the Simulator it is given; prices one pipeline stage's units alone and each pipeline
+    # rank's peak (search/pipeline_stages.py, [Note: per-stage refinement])
+    "search": ("cost.simulate", "cost.pipeline"),
     "interop": ("plan.file",),  # reads a WrapPlan
     # formats a FabricProfile, and a SearchResult (report/choice.py: the choice beside the
     # baselines, the search behind it); search sits below report and never imports it

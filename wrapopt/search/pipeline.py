@@ -10,11 +10,15 @@ where they divide the world and leave every stage a block), and each tensor-para
   micro-batches ``m`` (``pp``, 2, 4 and 8 times ``pp`` where they divide the pipeline's batch:
   ``pp x tp`` ranks' batches at the same global batch); and the FSDP shape, one for every stage:
   one unit per block (the end modules in each stage's root), resharded after forward or not,
-  and no, every other, or every block checkpointed. The shape is shared by the stages rather
-  than searched per stage by the exact DP: a pipeline plan is scored by simulating each of its
-  stages, and the DP per stage, micro-batch count and schedule would multiply the search's time.
-  Two passes keep it small: every (virtual stages, schedule, micro-batches) with the fastest and
-  the smallest shape, then every shape on the three best of those.
+  and no, every other, or every block checkpointed. Two passes keep it small: every (virtual
+  stages, schedule, micro-batches) with the fastest and the smallest shape, then every shape on
+  the three best of those. The shape is shared by the stages in those passes, not searched per
+  stage: a pipeline plan is scored by simulating each of its stages, and the DP per stage for
+  every micro-batch count and schedule would multiply the search's time. Then a third pass
+  searches each stage's FSDP plan apart (today's ``search_plan``, the exact DP included, on the
+  stage's simulator) for the ``REFINE_TOP`` fastest plans that fit, and keeps the result only
+  where it fits and beats the shared shape by more than the simulator's error: See [Note:
+  per-stage refinement] in search/pipeline_stages.py.
 
 At a fixed global batch (``--global-batch N``) degree 1 is the global-batch search and the
 micro-batch counts and sizes follow N rather than the traced batch per rank: See [Note: pipeline
@@ -38,6 +42,7 @@ from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.search.choose import MEMORY_ERROR, STEP_ERROR
 from wrapopt.search.driver import SearchResult
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_at_batch, pipeline_batch
+from wrapopt.search.pipeline_stages import REFINE_TOP, refine_stages, refined_over
 from wrapopt.search.stages import (PipelineLayout, balanced_split, check_stage_count, pipeline_layout,
                                    stage_modules, weights)
 from wrapopt.search.strategy import Scored
@@ -180,7 +185,12 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
         small = min(scored, key=lambda s: s.estimate.peak_bytes)
         return None, scored, (f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB "
                               f"({small.plan.label})")
-    return min(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes)), scored, "fits"
+    top = sorted(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes))
+    if shapes:  # a shape given (``pipeline_for``): kept on every stage
+        return top[0], scored, "fits"
+    refined = [r for r in (refine_stages(sim, s, memory_budget=memory_budget) for s in top[:REFINE_TOP]) if r]
+    scored += refined
+    return refined_over(top[0], refined, memory_budget=memory_budget), scored, "fits"
 
 
 def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *, memory_budget: float | None,
