@@ -73,7 +73,8 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
                    block_chains=chains, tied_groups=tied, param_shapes=shapes, attention_heads=heads,
                    param_users=users, input_bytes=input_bytes,
                    loss_saved_bytes=graph.loss_saved_bytes if last else 0,
-                   loss_peak_bytes=graph.loss_peak_bytes if last else 0)
+                   loss_peak_bytes=graph.loss_peak_bytes if last else 0,
+                   loss_grad_bytes=graph.loss_grad_bytes if last else 0)
 
 
 def stage_compute(compute: ComputeProfile, graph: ModelGraph, *, last: bool) -> ComputeProfile:

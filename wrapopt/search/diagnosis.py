@@ -104,6 +104,6 @@ def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate:
     stated = state_assumptions(graph, sim.options, peak_bytes=estimate.peak_bytes, **fields_)
     if not stated.loss_is_large:
         return stated
-    lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0)
+    lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0, loss_grad_bytes=0)
     lean_peak = Simulator(lean, sim.fabric, sim.compute, sim.options, host=sim.host).simulate(plan).peak_bytes
     return dataclasses.replace(stated, smallest_loss_peak_bytes=lean_peak)
