@@ -184,3 +184,21 @@ def test_the_search_picks_selective_op_where_it_is_the_fastest_that_fits():
                            options=SearchOptions(checkpoint_modes=(False, True, SELECTIVE_OP))).best
     assert with_sac.fits and with_sac.estimate.step_s < without.estimate.step_s
     assert any(u.selective_checkpoint for u in with_sac.plan.units)
+
+
+def test_selective_op_under_an_output_dtype_cast_is_refused_before_any_collective():
+    """See [Note: selective checkpointing under mixed precision] in wrapopt/selective.py."""
+    from wrapopt.plan.apply import mixed_precision_policy
+    from wrapopt.selective import cast_inputs_hook, check_selective_precision
+
+    from wrapopt.trace.meta import trace_model
+
+    e = zoo.get_entry("gpt-tiny")
+    graph = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+    sac = checkpointed(baselines(graph, MESH2)["per-block"], "sac", "selective-op")
+    with pytest.raises(PlanError, match="output_dtype"):
+        check_selective_precision(sac, mixed_precision_policy({"param_dtype": "bfloat16", "output_dtype": "float32"}))
+    check_selective_precision(sac, mixed_precision_policy({"param_dtype": "bfloat16"}))  # no output cast: fine
+    args, kwargs = cast_inputs_hook(torch.bfloat16)(None, (torch.ones(2), torch.ones(2, dtype=torch.long)),
+                                                     {"mask": torch.zeros(1)})
+    assert (args[0].dtype, args[1].dtype, kwargs["mask"].dtype) == (torch.bfloat16, torch.long, torch.bfloat16)

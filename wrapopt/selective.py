@@ -44,19 +44,36 @@ matmul is saved, so the choice between none, selective-op and full is a clean
 memory/recompute trade per unit, and a plan that needs more memory back checkpoints more
 units fully; ``max`` (a few bytes per row) and reduce-scatter (no tensor parallelism under
 selective-op yet) are recomputed.
+
+[Note: selective checkpointing under mixed precision] Torch 2.13's selective checkpoint
+requires every op its recompute runs to have run in the checkpointed forward (its cache is
+keyed by op and call count). FSDP2's pre-forward hook is registered ahead of the checkpoint's
+(``prepend=True``), so in forward it casts the unit's inputs outside the checkpointed region;
+in the recompute it runs again inside it, and its ``record_function("FSDP::cast_forward_inputs")``
+is an aten op the cache never saw: "profiler._record_function_enter_new.default encountered
+during backward but not found in storage", on the first backward of any plan with selective-op
+and a ``param_dtype`` (bf16, and even fp32 policies; measured on CPU, gpt-tiny, 1 gloo rank).
+So ``plan.apply`` gives a selective-op unit's modules ``cast_forward_inputs=False`` and casts
+their floating inputs itself (``cast_inputs_hook``), in a pre-hook registered after the
+checkpoint's: it runs inside the checkpointed region in forward and in the recompute alike, and
+without a ``record_function``. An ``output_dtype`` cast has the same problem in the post-forward
+hook and no such way around it: a selective-op unit under a policy with ``output_dtype`` is
+refused (no preset sets one).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from wrapopt.errors import PlanError
-from wrapopt.spec import PlanSpec
+from wrapopt.spec import PlanSpec, UnitSpec
 
-__all__ = ["SAVED_OPS", "is_saved_op", "selective_policy", "selective_context_fn", "refuse_selective"]
+__all__ = ["SAVED_OPS", "is_saved_op", "selective_policy", "selective_context_fn", "refuse_selective",
+           "cast_inputs_hook", "check_selective_precision", "apply_checkpoints"]
 
 _aten = torch.ops.aten
 _SAVED_NAMES = (
@@ -85,6 +102,48 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
 def selective_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for torch's non-reentrant checkpoint: a fresh pair of contexts per call."""
     return create_selective_checkpoint_contexts(selective_policy)
+
+
+def cast_inputs_hook(dtype: torch.dtype) -> Any:
+    """A forward pre-hook (``with_kwargs=True``) casting floating tensors of the inputs to ``dtype``,
+    as FSDP2's ``cast_forward_inputs`` does: See [Note: selective checkpointing under mixed precision]."""
+    from torch.utils._pytree import tree_map
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook
+
+
+def check_selective_precision(spec: PlanSpec, mp_policy: Any) -> None:
+    """Selective-op units cannot run under an ``output_dtype`` cast: See [Note: selective
+    checkpointing under mixed precision]."""
+    sel = [u.name for u in spec.units if u.selective_checkpoint and not u.is_root]
+    if sel and mp_policy.output_dtype is not None:
+        raise PlanError(f"unit {sel[0]!r} uses selective-op checkpointing, which torch 2.13 cannot recompute under "
+                        f"the mixed-precision output_dtype {mp_policy.output_dtype}: drop output_dtype from the "
+                        "training step's precision, or set the unit's \"checkpoint\" to true (full)")
+
+
+def apply_checkpoints(units: Any, modules: dict[str, Any], mp_policy: Any) -> Callable[[UnitSpec], Any]:
+    """Checkpoint the modules of every checkpointed unit but the root (full, or selective-op with
+    its policy), before ``fully_shard``; returns each unit's ``MixedPrecisionPolicy``: a selective-op
+    unit's casts its inputs itself (See [Note: selective checkpointing under mixed precision])."""
+    from torch.distributed._composable import checkpoint
+
+    own_cast = mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs
+    for unit in units:
+        if unit.checkpoint and not unit.is_root:  # See [Note: selective checkpointing]
+            kwargs = {"context_fn": selective_context_fn} if unit.selective_checkpoint else {}
+            for name in unit.modules:
+                checkpoint(modules[name], **kwargs)
+                if unit.selective_checkpoint and own_cast:
+                    modules[name].register_forward_pre_hook(cast_inputs_hook(mp_policy.param_dtype), with_kwargs=True)
+    no_cast = dataclasses.replace(mp_policy, cast_forward_inputs=False) if own_cast else mp_policy
+    return lambda unit: no_cast if unit.selective_checkpoint and not unit.is_root else mp_policy
 
 
 def refuse_selective(spec: PlanSpec, target: str) -> None:

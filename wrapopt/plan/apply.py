@@ -31,7 +31,7 @@ from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_blocks
-from wrapopt.selective import selective_context_fn
+from wrapopt.selective import apply_checkpoints, check_selective_precision
 from wrapopt.spec import PlanSpec, UnitSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
@@ -136,13 +136,14 @@ def apply_plan(
     Example:
         >>> model = apply_plan(model, plan.spec)  # doctest: +SKIP
     """
-    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     # Local checks first, no collective has run yet; then the ranks compare what they were given.
     # See [Note: every rank explains] in wrapopt/consensus.py.
+    mp_policy = mixed_precision_policy(mixed_precision)
     with every_rank("checking the plan against the model"):
         modules = _check(model, spec, mesh, param_users)
+        check_selective_precision(spec, mp_policy)
     agree("applying the plan", {"model": model_fingerprint(model)["hash"], "plan": plan_digest(spec),
                                 "mixed_precision": mixed_precision or {}})
     if mesh is None:
@@ -150,12 +151,7 @@ def apply_plan(
     if spec.tp is not None:  # See [Note: applying a 2-D plan] in plan/tp.py: TP, then checkpointing, then FSDP.
         parallelize_blocks(model, spec.tp, mesh["tp"])
     dp_mesh = data_parallel_mesh(mesh, spec.mesh)
-    mp_policy = mixed_precision_policy(mixed_precision)
-    for unit in spec.units:
-        if unit.checkpoint and not unit.is_root:  # See [Note: selective checkpointing] in wrapopt/selective.py
-            kwargs = {"context_fn": selective_context_fn} if unit.selective_checkpoint else {}
-            for name in unit.modules:
-                checkpoint(modules[name], **kwargs)
+    mp_for = apply_checkpoints(spec.units, modules, mp_policy)  # See [Note: selective checkpointing]
     offload = CPUOffloadPolicy() if spec.offload else OffloadPolicy()  # See [Note: CPU offload] in cost/state.py
     fsdp_units = []
     for unit in spec.units:
@@ -165,7 +161,7 @@ def apply_plan(
             fully_shard(model, mesh=dp_mesh, reshard_after_forward=raf, mp_policy=mp_policy, offload_policy=offload)
         else:
             fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=raf,
-                        mp_policy=mp_policy, offload_policy=offload)
+                        mp_policy=mp_for(unit), offload_policy=offload)
         fsdp_units.append(targets[0])
     if spec.forward_prefetch > 0:
         set_forward_prefetch(spec.units, modules, spec.forward_prefetch)

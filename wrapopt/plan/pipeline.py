@@ -29,7 +29,7 @@ from wrapopt.plan.apply import (
 )
 from wrapopt.plan.stages import StageLayout, stage_layout
 from wrapopt.plan.tp import data_parallel_mesh
-from wrapopt.selective import selective_context_fn
+from wrapopt.selective import apply_checkpoints, check_selective_precision
 from wrapopt.spec import PlanSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
@@ -229,6 +229,7 @@ def apply_pipeline(
     """
     with every_rank("checking the pipeline plan against the model"):  # See [Note: every rank explains]
         layout = _check(model, spec, mesh, param_users, example_inputs, loss_fn)
+        check_selective_precision(spec, mixed_precision_policy(mixed_precision))
     agree("applying the pipeline plan", {"model": model_fingerprint(model)["hash"], "plan": plan_digest(spec),
                                          "mixed_precision": mixed_precision or {},
                                          "example_inputs": input_facts(tuple(example_inputs))})
@@ -360,22 +361,17 @@ def _tied_groups_across(groups: list[tuple[str, ...]], copies: list[list[tuple[n
 
 def _shard_stage(module: nn.Module, s: int, spec: PlanSpec, layout: StageLayout, dp_mesh: Any,
                  mixed_precision: dict[str, str | None] | None) -> None:
-    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mp = mixed_precision_policy(mixed_precision)
     offload = CPUOffloadPolicy() if spec.offload else OffloadPolicy()  # See [Note: CPU offload] in cost/state.py
     units = [u for u in spec.units if not u.is_root and layout.stage_of(u.modules[0]) == s]
     subs = dict(module.named_modules())
-    for u in units:
-        if u.checkpoint:  # See [Note: selective checkpointing] in wrapopt/selective.py
-            kwargs = {"context_fn": selective_context_fn} if u.selective_checkpoint else {}
-            for name in u.modules:
-                checkpoint(subs[name], **kwargs)
+    mp_for = apply_checkpoints(units, subs, mp)  # See [Note: selective checkpointing] in wrapopt/selective.py
     for u in units:
         targets = [subs[n] for n in u.modules]
         fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh,
-                    reshard_after_forward=u.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+                    reshard_after_forward=u.reshard_after_forward, mp_policy=mp_for(u), offload_policy=offload)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=spec.root.reshard_after_forward, mp_policy=mp,
                 offload_policy=offload)
     if spec.forward_prefetch > 0:
