@@ -176,7 +176,11 @@ def main() -> int:
         f"Regenerate everything: `make bench` (this run: {wall / 60:.1f} min). The demo's table is in "
         f"`demo/report.md`; the cost model's fidelity in `fidelity.md` (every run's verdicts side by side in "
         "`fidelity_history.md`); the tracer in `trace.md`; the search in `search.md`; pipeline plans' fidelity "
-        "in `fidelity_pp.md` (`python -m benchmarks.fidelity_pp`, not run by `make bench`).", "",
+        "in `fidelity_pp.md` and, at 2 ranks with a core each, `fidelity_pp_w2.md` (`python -m benchmarks.fidelity_pp "
+        "[--world-size 2]`); bf16 activations against real bf16 steps in `bf16.md` "
+        "(`python -m benchmarks.bf16_check`); "
+        "GPU rows in `published.md` (`python -m benchmarks.published [--search]`); none of these run by `make bench`.",
+        "",
         f"Method: per model and world size, the fabric and compute are measured on the same ranks, wrapopt searches "
         "under each budget, and every plan below is sharded with `fully_shard` and stepped for real, all plans "
         f"interleaved (one step of each plan per round, in an order that changes every round), 2 warm-up rounds, then "
