@@ -170,4 +170,5 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
     for fqn, m in modules.items():
         tree.nodes[fqn]["info"] = m
     view = replace(graph, modules=tuple(modules[m.fqn] for m in graph.modules), tree=tree, param_shapes=shapes)
-    return view, replace(compute, module_times=tuple(times)), frozenset(notes)
+    # the times are at batch_scale already (module_time): See [Note: batch scaling] in calls.py
+    return view, replace(compute, module_times=tuple(times), batch_fixed_share=0.0), frozenset(notes)

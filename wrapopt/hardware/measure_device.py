@@ -48,6 +48,7 @@ __all__ = [
     "measure_selective_overhead",
     "measure_optimizer",
     "measure_loss_time",
+    "measure_batch_fixed_share",
 ]
 
 def _matmul_flops_per_s(device: torch.device, repeats: int) -> float:
@@ -323,6 +324,33 @@ def measure_selective_overhead(model: nn.Module, example_inputs: tuple[Any, ...]
     return max(0.0, t_sel - t_full) / (2 * count.ops) if count.ops else 0.0
 
 
+def measure_batch_fixed_share(model: nn.Module, example_inputs: tuple[Any, ...] | Any,
+                              loss_fn: Callable[..., torch.Tensor] | None = None, *, repeats: int = 5) -> float:
+    """The share of the model's step that does not shrink with its batch: See [Note: batch scaling]
+    in cost/calls.py. Forward, loss and backward at the inputs' batch (``t1``) and at half of it
+    (``th``: every tensor input cut along dim 0), interleaved: ``(2 th - t1) / t1``, within [0, 0.9].
+    0.0 when the inputs have no common batch of 2 or more."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    sizes = {x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1 or min(sizes) < 2:
+        return 0.0
+    half = tuple(x[: x.shape[0] // 2] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
+    loss_fn = loss_fn or default_loss
+    params = list(model.parameters())
+    sync = sync_for(params[0].device if params else torch.device("cpu"))
+
+    def step(x: tuple[Any, ...]) -> Callable[[], None]:
+        def run() -> None:
+            scalar_loss(loss_fn(model(*x), x), loss_fn).backward()
+        return run
+
+    try:
+        t1, th = _interleaved((step(inputs), step(half)), repeats, sync)
+    finally:
+        model.zero_grad(set_to_none=True)
+    return min(0.9, max(0.0, (2 * th - t1) / t1)) if t1 > 0 else 0.0
+
+
 def _float_outputs(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out] if out.requires_grad else []
@@ -381,6 +409,10 @@ def measure_compute(
     with every_rank("running the model to time its modules"):
         module_times, loss_s, checkpoint_overhead_s, selective_s = _model_figures(model, example_inputs, loss_fn,
                                                                                   repeats, meta)
+        fixed_share = 0.0
+        if model is not None:  # See [Note: batch scaling] in cost/calls.py
+            fixed_share = measure_batch_fixed_share(model, example_inputs, loss_fn, repeats=repeats)
+            meta["batch_fixed_share"] = "whole model at its batch and at half of it, interleaved"
     optimizer_tensor_s = optimizer_tensor_2d_s = optimizer_bandwidth = 0.0
     if dist.is_initialized():
         optimizer_tensor_s, optimizer_tensor_2d_s, optimizer_bandwidth = measure_optimizer(repeats=repeats)
@@ -402,6 +434,7 @@ def measure_compute(
         checkpoint_overhead_s=checkpoint_overhead_s,
         selective_op_overhead_s=selective_s,
         module_times=module_times,
+        batch_fixed_share=fixed_share,
         runs_ahead=torch.device(device).type != "cpu",  # a CUDA stream queues work; a CPU runs it as issued
         meta=meta,
     )

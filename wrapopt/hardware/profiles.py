@@ -404,16 +404,15 @@ class ComputeProfile:
     # move their bytes: See [Note: memory-bound ops] in trace/op_bytes.py. 0: they cost only
     # module_overhead_s (measured CPU profiles, whose per-module times include them).
     op_bandwidth_bytes_per_s: float = 0.0
-    # Forward + backward of the loss, which runs outside the model's modules.
-    loss_s: float = 0.0
+    loss_s: float = 0.0  # forward + backward of the loss, which runs outside the model's modules
     # What activation checkpointing adds per checkpointed module beyond re-running its
     # forward (saved-tensor hooks, the recompute's bookkeeping), seconds.
     checkpoint_overhead_s: float = 0.0
     selective_op_overhead_s: float = 0.0  # per forward op of a selective-op unit, forward and recompute (selective.py)
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
-    # Whether the host runs ahead of the device, so that a unit's all-gather is issued
-    # while the previous unit computes (a GPU stream); False on a CPU, where each
-    # op runs as the host issues it. See [Note: all-gather issue] in cost/step.py.
+    batch_fixed_share: float = 0.0  # of module_times, the share a batch's size does not scale: [Note: batch scaling]
+    # Whether the host runs ahead of the device, so that a unit's all-gather is issued while the previous
+    # unit computes (a GPU stream); False on a CPU. See [Note: all-gather issue] in cost/step.py.
     runs_ahead: bool = True
     # (tensor-parallel degree, throughput of a projection split that many ways / unsplit):
     # measured on the model's largest projection; none: split matmuls are taken to run
@@ -448,6 +447,7 @@ class ComputeProfile:
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "selective_op_overhead_s": self.selective_op_overhead_s,
             "module_times": [list(t) for t in self.module_times],
+            "batch_fixed_share": self.batch_fixed_share,
             "runs_ahead": self.runs_ahead,
             "split_efficiency": [list(t) for t in self.split_efficiency],
             "tp_overhead_s": list(self.tp_overhead_s),
@@ -479,6 +479,7 @@ class ComputeProfile:
             checkpoint_overhead_s=r.num("checkpoint_overhead_s", 0.0),
             selective_op_overhead_s=r.num("selective_op_overhead_s", 0.0),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
+            batch_fixed_share=r.num("batch_fixed_share", 0.0),
             # files written before the field existed: a CPU device was the one that does not run ahead
             runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),
             split_efficiency=tuple((int(a), float(b)) for a, b in d.get("split_efficiency", [])),
