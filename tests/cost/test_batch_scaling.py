@@ -53,11 +53,12 @@ def test_a_smaller_micro_batch_costs_more_per_sequence_with_a_fixed_share(llama)
 
 def test_the_share_round_trips_and_old_files_read_as_linear(llama):
     _g, prof = llama
-    p = replace(prof, batch_fixed_share=0.25)
-    assert ComputeProfile.from_json(p.to_json()).batch_fixed_share == 0.25
+    p = replace(prof, batch_fixed_share=0.25, pipeline_action_s=1e-3)
+    back = ComputeProfile.from_json(p.to_json())
+    assert (back.batch_fixed_share, back.pipeline_action_s) == (0.25, 1e-3)
     old = p.to_json()
-    del old["batch_fixed_share"]
-    assert ComputeProfile.from_json(old).batch_fixed_share == 0.0
+    del old["batch_fixed_share"], old["pipeline_action_s"]
+    assert (ComputeProfile.from_json(old).batch_fixed_share, ComputeProfile.from_json(old).pipeline_action_s) == (0, 0)
 
 
 def test_the_share_is_measured_on_the_model_and_needs_a_batch_of_two():

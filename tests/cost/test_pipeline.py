@@ -136,6 +136,16 @@ def test_simulate_dispatches_pipeline_plans(llama):
     assert any(e.kind == "reduce_scatter" for e in est.timeline)
 
 
+def test_every_forward_and_backward_pays_the_schedules_host_work(llama):
+    """[Note: pipeline actions]: each rank runs m forwards and m backwards one after another."""
+    g, sim = llama
+    m = 4
+    slow = Simulator(g, sim.fabric, replace(sim.compute, pipeline_action_s=1e-3))
+    base, more = sim.simulate(_pp_plan(g, "1F1B", m)), slow.simulate(_pp_plan(g, "1F1B", m))
+    assert more.step_s - base.step_s >= 2 * m * 1e-3 * (1 - 1e-9)
+    assert more.peak_bytes == base.peak_bytes
+
+
 def test_gpipe_holds_more_activations_than_1f1b(llama):
     g, sim = llama
     one = dict(sim.simulate(_pp_plan(g, "1F1B", 8)).peak_breakdown)["activations"]

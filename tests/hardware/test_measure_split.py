@@ -18,7 +18,8 @@ def test_split_efficiency_per_degree_that_divides():
     model, x = zoo.build("llama-tiny", "meta")
     g = trace_model(model, x)
     spec = builtin_tp_plan(g)
-    eff = dict(measure_split_efficiency(g, spec, (1, 2, 3), repeats=1))
+    # medians of 3 timings: one timing each was an outlier once under 4 xdist workers
+    eff = dict(measure_split_efficiency(g, spec, (1, 2, 3), repeats=3))
     # 1 is not a split; 3 divides no projection of width 64; 2 is measured
     assert set(eff) == {2}
     assert 0.05 < eff[2] < 20

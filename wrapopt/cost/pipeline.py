@@ -68,6 +68,15 @@ plus the largest transient; or, when larger, its worst moment with units held (a
 the makespan (its last action, REDUCE_GRAD included) plus the slowest rank's optimizer steps.
 ``compute_s`` is the busiest rank's compute; ``exposed_comm_s`` the rest of its step, pipeline
 bubble included.
+
+[Note: pipeline actions] torch's schedule does host work for every forward and backward action
+(the stage's bookkeeping, its receive buffers and point-to-point calls, autograd's call into the
+stage): measured on 2 gloo ranks, a 2-stage pipeline with nothing to compute steps about 1.1-1.4
+ms slower per micro-batch. A measured profile carries it per action (``pipeline_action_s``,
+``measure_pipeline_action``: a 1F1B of 2 and of 8 micro-batches on rank pairs, less the two
+sends each micro-batch adds, which ``send_s`` charges), and every forward and backward of a stage
+pays it. Analytical profiles leave it 0 (host work a GPU's run-ahead may hide; not measured on a
+GPU here).
 """
 
 from __future__ import annotations
@@ -328,10 +337,11 @@ def held_bytes(est: CostEstimate, units: tuple[UnitSpec, ...], kept_inputs: list
 
 
 def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float, send_bytes: float,
-               held: float | None = None) -> StageCost:
+               held: float | None = None, action_s: float = 0.0) -> StageCost:
     """A stage's per-micro-batch figures from its simulator's estimate (accumulation 2, sync
     "last"); ``held``: a micro-batch's activations kept from forward to backward (``held_bytes``;
-    None: the activations at the estimate's peak). See [Note: pipeline stages]."""
+    None: the activations at the estimate's peak); ``action_s``: the schedule's host work per
+    action, on each forward and backward ([Note: pipeline actions]). See [Note: pipeline stages]."""
     costs = list(est.units)
     gathered = sum(c.param_bytes for c in costs) or 1
     resharded = [u.reshard_after_forward is not False for u in units]
@@ -353,12 +363,13 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
     # below the backward's compute and recompute (a micro-batch's compute less its forward).
     floor = max(sum(c.bwd_s for c in costs), compute - fwd_compute)
     bwd = max(floor, est.bwd_s - sum(c.reduce_scatter_s for c in costs))
-    return StageCost(fwd_s=fwd_compute + gather_exposed * share, bwd_s=bwd,
+    return StageCost(fwd_s=fwd_compute + gather_exposed * share + action_s, bwd_s=bwd + action_s,
                      first_extra_s=gather_exposed * (1 - share), reduce_s=reduce_s, optim_s=est.optim_s,
                      static_bytes=static, kept_bytes=kept, activation_bytes=acts,
                      transient_bytes=max(0.0, est.peak_bytes - static - kept - acts), compute_s=compute,
                      mb_comm_s=ag_resharded + regather, once_comm_s=ag - ag_resharded + reduce_s,
-                     send_bytes=send_bytes, estimate=est, fwd_gathered_s=fwd_compute, bwd_gathered_s=floor,
+                     send_bytes=send_bytes, estimate=est, fwd_gathered_s=fwd_compute + action_s,
+                     bwd_gathered_s=floor + action_s,
                      gathered_bytes=gathered,
                      transient_gathered_bytes=min(gathered, max(0.0, parts["unsharded_params"] - kept)))
 
@@ -384,7 +395,8 @@ def price_stage(ssim: Any, units: tuple[UnitSpec, ...], plan: PlanSpec, *, last:
     kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale if not u.is_root else 0
                for u in units]  # a checkpointed unit keeps its input: cost/layout.py's ``_input_bytes``
     held = held_bytes(est, units, kept_in, ssim.graph.loss_saved_bytes * scale if last else 0.0)
-    return stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=out, held=held)
+    return stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=out, held=held,
+                      action_s=ssim.compute.pipeline_action_s)
 
 
 def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> CostEstimate:

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from wrapopt.consensus import every_rank
 from wrapopt.errors import ModelError
-from wrapopt.hardware.measure_fsdp import measure_optimizer, measure_unit_overhead
+from wrapopt.hardware.measure_fsdp import measure_optimizer, measure_pipeline_action, measure_unit_overhead
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.hardware.timing import median, sync_for, time_reps
 from wrapopt.losses import default_loss, scalar_loss
@@ -419,6 +419,10 @@ def measure_compute(
         meta["optimizer"] = "AdamW steps on fully_shard parameters: per tensor (1-D and 2-D mesh), bandwidth"
     if unit_overhead_s is None:
         unit_overhead_s = _unit_overhead(repeats, meta)
+    action_s = 0.0
+    if dist.is_initialized() and dist.get_world_size() > 1:  # See [Note: pipeline actions] in cost/pipeline.py
+        action_s = measure_pipeline_action(repeats=repeats)
+        meta["pipeline_action"] = "Schedule1F1B of 2 and 8 micro-batches on rank pairs, less their sends"
     return ComputeProfile(
         kind="measured",
         device=str(device),
@@ -435,6 +439,7 @@ def measure_compute(
         selective_op_overhead_s=selective_s,
         module_times=module_times,
         batch_fixed_share=fixed_share,
+        pipeline_action_s=action_s,
         runs_ahead=torch.device(device).type != "cpu",  # a CUDA stream queues work; a CPU runs it as issued
         meta=meta,
     )

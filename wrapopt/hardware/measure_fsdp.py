@@ -12,7 +12,7 @@ import torch.nn as nn
 from wrapopt.errors import ProfileError
 from wrapopt.hardware.timing import median, paired_difference, sync_for, time_reps
 
-__all__ = ["measure_unit_overhead", "measure_optimizer"]
+__all__ = ["measure_unit_overhead", "measure_optimizer", "measure_pipeline_action"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -146,3 +146,64 @@ def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float
                        device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # slowest rank: max time, min bandwidth
     return float(out[0]), float(out[1]), -float(out[2])
+
+
+def measure_pipeline_action(*, repeats: int = 5, width: int = 8) -> float:
+    """Host seconds per forward or backward action of torch's pipeline schedule; collective: every
+    rank calls it (an even world of 2+ ranks; else 0.0). See [Note: pipeline actions] in cost/pipeline.py.
+
+    Ranks pair up (2i, 2i + 1) as two stages of one ``nn.Linear(width, width)`` each, and step a
+    ``Schedule1F1B`` of 2 and of 8 micro-batches of one row, interleaved (medians, the first steps
+    dropped: shape inference). The 6 micro-batches more cost, each, a forward and a backward action
+    on every rank plus the two sends on their path (an activation forward, a gradient back), timed
+    as a ping-pong of one element between the pair::
+        action = ((t8 - t2) / 6 - 2 * send) / 2
+    floored at 0, the max over ranks.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    if not dist.is_initialized():
+        raise ProfileError("measure_pipeline_action needs a process group")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2 or world % 2:
+        return 0.0
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    sync = sync_for(device)
+    groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank makes every group
+    group, stage_index, peer = groups[rank // 2], rank % 2, rank ^ 1
+
+    def schedule(m: int) -> Callable[[], None]:
+        torch.manual_seed(0)
+        stage = PipelineStage(nn.Linear(width, width, device=device), stage_index, 2, device, group=group)
+        sch = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, tgt: ((out - tgt) ** 2).mean())
+        x, tgt = torch.randn(m, width, device=device), torch.randn(m, width, device=device)
+        return (lambda: sch.step(x)) if stage_index == 0 else (lambda: sch.step(target=tgt))
+
+    one = torch.zeros(1, device=device)
+
+    def ping_pong() -> None:
+        if stage_index == 0:
+            dist.send(one, peer, group=group)
+            dist.recv(one, peer, group=group)
+        else:
+            dist.recv(one, peer, group=group)
+            dist.send(one, peer, group=group)
+
+    short, long_ = schedule(2), schedule(8)
+    pairs = []
+    for r in range(3 + max(repeats, 5)):
+        dist.barrier()
+        t2 = time_reps(short, repeats=1, warmup=0, sync=sync)
+        dist.barrier()
+        t8 = time_reps(long_, repeats=1, warmup=0, sync=sync)
+        if r >= 3:
+            pairs.append((t2, t8))
+    send = time_reps(ping_pong, repeats=4 * repeats, warmup=2, sync=sync) / 2
+    slope = median([(t8 - t2) / 6 for t2, t8 in pairs])
+    out = torch.tensor([max(0.0, (slope - 2 * send) / 2)], dtype=torch.float64,
+                       device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    for g in groups:
+        dist.destroy_process_group(g)
+    return float(out[0])

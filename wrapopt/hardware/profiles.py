@@ -386,10 +386,8 @@ class ComputeProfile:
     flops_per_s: float  # achieved dense matmul throughput
     memory_bandwidth_bytes_per_s: float
     memory_capacity_bytes: int | None = None
-    # Fixed cost per FSDP unit per all-gather (hooks, copy-in, copy-out), seconds.
-    unit_overhead_s: float = 0.0
-    # Fixed cost per module call (kernel launches / op dispatch), seconds.
-    module_overhead_s: float = 0.0
+    unit_overhead_s: float = 0.0  # fixed cost per FSDP unit per all-gather (hooks, copy-in, copy-out), seconds
+    module_overhead_s: float = 0.0  # fixed cost per module call (kernel launches / op dispatch), seconds
     # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters:
     # on small models the step is bound by per-tensor dispatch, not by bytes.
     optimizer_tensor_s: float = 0.0
@@ -411,6 +409,7 @@ class ComputeProfile:
     selective_op_overhead_s: float = 0.0  # per forward op of a selective-op unit, forward and recompute (selective.py)
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
     batch_fixed_share: float = 0.0  # of module_times, the share a batch's size does not scale: [Note: batch scaling]
+    pipeline_action_s: float = 0.0  # host work per forward or backward action of torch's pipeline schedule
     # Whether the host runs ahead of the device, so that a unit's all-gather is issued while the previous
     # unit computes (a GPU stream); False on a CPU. See [Note: all-gather issue] in cost/step.py.
     runs_ahead: bool = True
@@ -448,6 +447,7 @@ class ComputeProfile:
             "selective_op_overhead_s": self.selective_op_overhead_s,
             "module_times": [list(t) for t in self.module_times],
             "batch_fixed_share": self.batch_fixed_share,
+            "pipeline_action_s": self.pipeline_action_s,
             "runs_ahead": self.runs_ahead,
             "split_efficiency": [list(t) for t in self.split_efficiency],
             "tp_overhead_s": list(self.tp_overhead_s),
@@ -480,6 +480,7 @@ class ComputeProfile:
             selective_op_overhead_s=r.num("selective_op_overhead_s", 0.0),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
             batch_fixed_share=r.num("batch_fixed_share", 0.0),
+            pipeline_action_s=r.num("pipeline_action_s", 0.0),
             # files written before the field existed: a CPU device was the one that does not run ahead
             runs_ahead=bool(d.get("runs_ahead", not str(d.get("device", "")).startswith("cpu"))),
             split_efficiency=tuple((int(a), float(b)) for a, b in d.get("split_efficiency", [])),
