@@ -422,7 +422,9 @@ def measure_compute(
     action_s = 0.0
     if dist.is_initialized() and dist.get_world_size() > 1:  # See [Note: pipeline actions] in cost/pipeline.py
         action_s = measure_pipeline_action(repeats=repeats)
-        meta["pipeline_action"] = "Schedule1F1B of 2 and 8 micro-batches on rank pairs, less their sends"
+        meta["pipeline_action"] = ("Schedule1F1B of 2 and 8 micro-batches on rank pairs, less their sends"
+                                   if 2 <= dist.get_world_size() <= 8 and dist.get_world_size() % 2 == 0
+                                   else "not measured: an even group of 2 to 8 ranks measures it")
     return ComputeProfile(
         kind="measured",
         device=str(device),

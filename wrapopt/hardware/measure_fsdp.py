@@ -150,7 +150,8 @@ def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float
 
 def measure_pipeline_action(*, repeats: int = 5, width: int = 8) -> float:
     """Host seconds per forward or backward action of torch's pipeline schedule; collective: every
-    rank calls it (an even world of 2+ ranks; else 0.0). See [Note: pipeline actions] in cost/pipeline.py.
+    rank calls it (an even world of 2 to 8 ranks, one node's; else 0.0: a pair per 2 ranks would make
+    hundreds of groups on a cluster). See [Note: pipeline actions] in cost/pipeline.py.
 
     Ranks pair up (2i, 2i + 1) as two stages of one ``nn.Linear(width, width)`` each, and step a
     ``Schedule1F1B`` of 2 and of 8 micro-batches of one row, interleaved (medians, the first steps
@@ -165,7 +166,7 @@ def measure_pipeline_action(*, repeats: int = 5, width: int = 8) -> float:
     if not dist.is_initialized():
         raise ProfileError("measure_pipeline_action needs a process group")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world < 2 or world % 2:
+    if world < 2 or world % 2 or world > 8:
         return 0.0
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
