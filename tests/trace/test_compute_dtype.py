@@ -6,8 +6,6 @@ as FSDP2's ``MixedPrecisionPolicy`` casts them (buffers and the loss's batch as 
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
@@ -140,14 +138,11 @@ def test_the_zoo_loss_on_bf16_logits_holds_float32_gradients():
 
 
 def _tiny_llama(tmp_path) -> str:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=128,
-                                   architectures=["LlamaForCausalLM"]).to_dict()
-    path = os.path.join(tmp_path, "llama.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    return path
+    """The tiny Llama of ``results/bf16.md`` (``benchmarks.bf16_check``), whose figures the test quotes."""
+    pytest.importorskip("transformers")
+    from benchmarks.bf16_check import tiny_llama_config
+
+    return tiny_llama_config(str(tmp_path))
 
 
 def test_a_tiny_hugging_face_llama_in_bf16_saves_what_a_real_bf16_step_saves(tmp_path):
