@@ -8,12 +8,28 @@ printed report in ``wrapopt.report.fabric``.
 [Note: fabric timing protocol] Per size: a barrier on the world group,
 warm-up calls, then ``repeats`` timed repeats back to back (a collective
 synchronises its group, so back-to-back calls stay aligned). Small messages get
-more timed calls than ``repeats`` (``_samples_for``), so that their median
+more timed calls than ``repeats`` (``_samples_for``), so that their figure
 survives scheduler ticks. Each
 repeat's figure is the *max over ranks* of that repeat (the slowest rank is
-what a training step waits for); the curve keeps the *median over repeats*
-and the spread ``(p90 - p10) / median``. One ``all_reduce(MAX)`` at the end
+what a training step waits for); the curve keeps the *mean over repeats*
+(See [Note: mean collective times]) and the spread ``(p90 - p10) / median``. One ``all_reduce(MAX)`` at the end
 carries every rank's table, so measuring adds no collectives between sizes.
+
+[Note: mean collective times] The simulator adds a step's collectives up, so
+the figure it needs per message size is a collective's expected time: the
+mean over repeats, not the median. Where ranks stall now and then the two
+differ: on this VM (2 shared cores, 2 gloo ranks) a 1.3 MB all-gather takes
+0.8-1.2 ms at the median and 4-6 ms about one time in five, with both ranks
+entering it within 0.1 ms of each other (timed inside gpt-tiny's FSDP2 step
+and right after it), and the medians left those stalls out of every step:
+``make demo``'s worst plan (no-shard, mostly) ran 1.30-1.40x its prediction in
+5 runs with the median, 1.26-1.35x with the mean (within 1.30 in 4 runs of 5;
+Spearman 1.00 in all 5 against 3), runs interleaved. NCCL's times on a GPU have
+little tail, so there the two agree. The spread stays relative to the
+median. The per-unit overhead (``measure_fsdp.measure_unit_overhead``) is a
+median of paired differences and takes out the medians of its tiny
+collectives, as before (with their means the demo's every-leaf plan ran
+0.85x to 1.29x its prediction between 3 runs).
 
 [Note: concurrent axis groups] The "intra" axis runs one group per node,
 the "inter" axis one group per local rank index, and a "tp{d}" axis (when
@@ -153,10 +169,10 @@ def barrier() -> None:
 
 
 def _stats(times: torch.Tensor) -> tuple[float, float]:
-    """Median and relative spread (p90 - p10) / median of one size's repeats."""
+    """Mean (See [Note: mean collective times]) and spread (p90 - p10) / median of one size's repeats."""
     q = torch.quantile(times.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
     med = float(q[1])
-    return med, float((q[2] - q[0]) / med) if med > 0 else 0.0
+    return float(times.double().mean()), float((q[2] - q[0]) / med) if med > 0 else 0.0
 
 
 def measure_fabric(
@@ -303,7 +319,7 @@ def _time_cells(axes: list[_Axis], collectives: tuple[str, ...], sizes: list[int
 
 def _axis_profiles(axes: list[_Axis], collectives: tuple[str, ...], sizes: list[int],
                    cells: list[tuple[str, str, int, int]], times: torch.Tensor) -> tuple[AxisProfile, ...]:
-    """One ``AxisProfile`` per axis: per collective, the median latency and spread per size."""
+    """One ``AxisProfile`` per axis: per collective, the mean latency and spread per size."""
     built: list[AxisProfile] = []
     k = 0
     for axis in axes:
@@ -312,9 +328,9 @@ def _axis_profiles(axes: list[_Axis], collectives: tuple[str, ...], sizes: list[
             sz, lat, spr = [], [], []
             for _ in sizes:
                 _, _, actual, n = cells[k]
-                med, spread = _stats(times[k, :n])
+                mean, spread = _stats(times[k, :n])
                 if not sz or actual > sz[-1]:  # rounding can merge two tiny sizes on a large group
-                    sz.append(actual), lat.append(max(med, 1e-9)), spr.append(spread)
+                    sz.append(actual), lat.append(max(mean, 1e-9)), spr.append(spread)
                 k += 1
             curves.append((coll, CollectiveCurve(tuple(sz), tuple(lat), tuple(spr))))
         built.append(AxisProfile(axis.name, axis.group_size, axis.ranks_per_node_in_group, tuple(curves)))
@@ -336,7 +352,7 @@ def _profile_meta(*, backend: str, hosts: list[str | None], num_nodes: int, devi
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "repeats": repeats,  # the minimum; small messages get up to 8x more timed calls
         "warmup": warmup,
-        "statistic": "median over repeats of the max over ranks",
+        "statistic": "mean over repeats of the max over ranks",
         "overlap_measured": measure_overlap,
         "measure_s": round(time.perf_counter() - t_start, 2),
     }

@@ -41,7 +41,7 @@ _PROFILE_HINT = "create one with `wrapopt profile-fabric --out {path}`"
 def _pava(values: list[float]) -> list[float]:
     """Isotonic (non-decreasing) least-squares fit: pool adjacent violators.
 
-    Raw medians are noisy; the interpolator must not let a larger message be
+    Raw per-size figures are noisy; the interpolator must not let a larger message be
     predicted faster than a smaller one (the search would exploit the noise).
     """
     blocks: list[list[float]] = []  # [sum, count]
@@ -62,7 +62,7 @@ class CollectiveCurve:
     """Latency of one collective on one axis, per message size."""
 
     sizes_bytes: tuple[int, ...]
-    latency_s: tuple[float, ...]  # median over repeats of the max over ranks
+    latency_s: tuple[float, ...]  # mean over repeats of the max over ranks (measured; older files: the median)
     spread: tuple[float, ...] = ()  # (p90 - p10) / median over repeats, per size
     # Derived, not serialised: isotonic fit in log-log space and alpha-beta.
     _log_sizes: tuple[float, ...] = field(default=(), compare=False, repr=False)
