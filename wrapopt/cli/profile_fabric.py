@@ -167,7 +167,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "locally")
     parser.add_argument("--sizes", type=_sizes_arg, default=None, help="message sizes, e.g. 4KiB,64KiB,1MiB")
     parser.add_argument("--max-size", type=_size_arg, default=None, help="drop default sizes above this, e.g. 4MiB")
-    parser.add_argument("--repeats", type=positive_int, default=7, help="timed calls per size (their mean kept; default 7)")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="timed calls per size (mean kept; default 7)")
     parser.add_argument("--warmup", type=count_int, default=2, help="untimed calls per size (default 2)")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
                         help="seconds before a stuck rank is reported")
