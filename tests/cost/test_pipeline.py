@@ -244,3 +244,48 @@ def test_held_moment_counts_a_backwards_units_until_the_stages_next_forward():
     assert held_moment(schedule_order("GPipe", p, p, m)[0], st) == (3.0, 10.0, 1.0)
     # nothing resharded, nothing held: the peak keeps its bound
     assert held_moment(one[0], [replace(s, gathered_bytes=0.0) for s in st]) == (0.0, 0.0, 0.0)
+
+
+def test_a_microbatch_in_flight_holds_its_stages_output(llama):
+    """[Note: a stage keeps its output]: torch's stage keeps each micro-batch's output until its backward;
+    the last stage's is the logits, which a plain step frees once the loss has run."""
+    from wrapopt.cost.pipeline import held_bytes, price_stage, stage_simulators
+
+    g, sim = llama
+    plan = _pp_plan(g, "GPipe", 4)
+    views = stage_simulators(sim, plan)
+    for s, (ssim, units) in enumerate(views):
+        last = s == len(views) - 1
+        st = price_stage(ssim, units, plan, last=last)
+        scale = ssim.options.batch_scale
+        kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale
+                   if not u.is_root else 0 for u in units]
+        saved = held_bytes(st.estimate, units, kept_in, ssim.graph.loss_saved_bytes * scale if last else 0.0)
+        out = (g.root.output_bytes if last else g.info("layers.2").output_bytes) * scale
+        assert st.activation_bytes == pytest.approx(saved + out)
+        assert st.send_bytes == (0.0 if last else pytest.approx(out))
+        # the transient is the plain step's peak less the saved activations: the output is not in it twice
+        static = sum(v for k, v in st.estimate.peak_breakdown if k in ("sharded_params", "optimizer_state",
+                                                                       "accumulated_grads"))
+        assert st.transient_bytes == pytest.approx(max(0.0, st.estimate.peak_bytes - static - st.kept_bytes - saved))
+
+
+def test_a_stage_holds_a_copy_of_a_tied_parameter_it_uses():
+    """[Note: tied copies on stages]: gpt-tiny's head shares the embedding's weight; a last stage
+    with the head and not the embedding holds a copy (parameters, gradients, optimizer state)."""
+    from wrapopt.cost.stage_view import stage_graph
+
+    model, x = zoo.build("gpt-tiny", "meta")
+    g = trace_model(model, x)
+    (weight,) = [s for s in g.param_shapes if s[0] == "wte.weight"]
+    numel = weight[1][0] * weight[1][1]
+    assert g.info("lm_head").own_numel == 0  # the model counts it once, at the embedding
+    first = stage_graph(g, ("wte", "wpe", "layers.0", "layers.1"), first=True, last=False)
+    last = stage_graph(g, ("layers.2", "layers.3", "ln_f", "lm_head"), first=False, last=True)
+    assert last.info("lm_head").own_numel == last.info("lm_head").own_trainable_numel == numel
+    assert ("lm_head.weight", weight[1], weight[2]) in last.param_shapes
+    assert first.num_params + last.num_params == g.num_params + numel
+    both = stage_graph(g, ("wte", "wpe", "layers.0", "layers.1", "layers.2", "layers.3", "ln_f", "lm_head"),
+                       first=True, last=True)
+    assert both.num_params == g.num_params and both.info("lm_head").own_numel == 0
+    assert both.tied_groups == (("wte.weight", "lm_head.weight"),)

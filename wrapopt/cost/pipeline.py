@@ -69,6 +69,17 @@ the makespan (its last action, REDUCE_GRAD included) plus the slowest rank's opt
 ``compute_s`` is the busiest rank's compute; ``exposed_comm_s`` the rest of its step, pipeline
 bubble included.
 
+[Note: a stage keeps its output] torch's ``PipelineStage`` keeps each micro-batch's output (and
+inputs, which its first module saves anyway) in its ``fwd_cache`` until that micro-batch's backward,
+where a plain step frees it once used (cross-entropy saves its log-softmax, not the logits). So a
+micro-batch in flight holds its saved activations and the stage's output (``activation_bytes``; the
+last stage's: the logits), and the transient is the rest of the plain step's peak, without it.
+Measured, gpt-tiny in 2 stages x 2 gloo ranks (the head's tied copy on the last stage: [Note: tied
+copies on stages] in ``cost/stage_view.py``), peak per pipeline rank, predicted / measured MiB: 1F1B
+of 4 micro-batches 6.92 / 6.93 and 6.78 / 6.75 (4.03 predicted without the output and the copy),
+Interleaved1F1B of 4 on 4 stages 5.85 / 6.13 and 8.52 / 8.61 (5.71), GPipe of 2 10.17 / 9.01 and
+16.44 / 15.56.
+
 [Note: pipeline actions] torch's schedule does host work for every forward and backward action
 (the stage's bookkeeping, its receive buffers and point-to-point calls, autograd's call into the
 stage): measured on 2 gloo ranks, a 2-stage pipeline with nothing to compute steps about 1.1-1.4
@@ -337,11 +348,12 @@ def held_bytes(est: CostEstimate, units: tuple[UnitSpec, ...], kept_inputs: list
 
 
 def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float, send_bytes: float,
-               held: float | None = None, action_s: float = 0.0) -> StageCost:
+               held: float | None = None, action_s: float = 0.0, output_bytes: float = 0.0) -> StageCost:
     """A stage's per-micro-batch figures from its simulator's estimate (accumulation 2, sync
     "last"); ``held``: a micro-batch's activations kept from forward to backward (``held_bytes``;
     None: the activations at the estimate's peak); ``action_s``: the schedule's host work per
-    action, on each forward and backward ([Note: pipeline actions]). See [Note: pipeline stages]."""
+    action, on each forward and backward ([Note: pipeline actions]); ``output_bytes``: the stage's
+    output, kept beside them ([Note: a stage keeps its output]). See [Note: pipeline stages]."""
     costs = list(est.units)
     gathered = sum(c.param_bytes for c in costs) or 1
     resharded = [u.reshard_after_forward is not False for u in units]
@@ -365,7 +377,7 @@ def stage_cost(est: CostEstimate, units: tuple[UnitSpec, ...], *, loss_s: float,
     bwd = max(floor, est.bwd_s - sum(c.reduce_scatter_s for c in costs))
     return StageCost(fwd_s=fwd_compute + gather_exposed * share + action_s, bwd_s=bwd + action_s,
                      first_extra_s=gather_exposed * (1 - share), reduce_s=reduce_s, optim_s=est.optim_s,
-                     static_bytes=static, kept_bytes=kept, activation_bytes=acts,
+                     static_bytes=static, kept_bytes=kept, activation_bytes=acts + output_bytes,
                      transient_bytes=max(0.0, est.peak_bytes - static - kept - acts), compute_s=compute,
                      mb_comm_s=ag_resharded + regather, once_comm_s=ag - ag_resharded + reduce_s,
                      send_bytes=send_bytes, estimate=est, fwd_gathered_s=fwd_compute + action_s,
@@ -391,12 +403,12 @@ def price_stage(ssim: Any, units: tuple[UnitSpec, ...], plan: PlanSpec, *, last:
     """One stage's ``StageCost`` with ``units`` (the root's last) on ``ssim`` (``stage_simulators``)."""
     est = ssim.simulate(PlanSpec(units=units, mesh=plan.mesh.data_parallel(), forward_prefetch=plan.forward_prefetch))
     scale = ssim.options.batch_scale
-    out = ssim.graph.root.output_bytes * scale if not last else 0.0
+    out = ssim.graph.root.output_bytes * scale  # the activation sent on; the last stage's: the model's output
     kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale if not u.is_root else 0
                for u in units]  # a checkpointed unit keeps its input: cost/layout.py's ``_input_bytes``
     held = held_bytes(est, units, kept_in, ssim.graph.loss_saved_bytes * scale if last else 0.0)
-    return stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=out, held=held,
-                      action_s=ssim.compute.pipeline_action_s)
+    return stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=0.0 if last else out,
+                      held=held, action_s=ssim.compute.pipeline_action_s, output_bytes=out)
 
 
 def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> CostEstimate:

@@ -7,6 +7,15 @@ A stage's graph keeps the root, the ancestors of the stage's modules (containers
 stage lists. The root's own ops (and the model's inputs) belong to the first stage; the loss,
 its saved bytes and its time to the last. A stage that is not the last ends with the
 activation it sends on: its root's output is that of the stage's last module in forward order.
+
+[Note: tied copies on stages] A parameter the model shares between two modules (a tied
+embedding and head) is counted once, at the first module that registers it. When the two sit
+on different stages, applying the plan gives the later stage a copy of its own and sums the
+copies' gradients after each step (See [Note: applying a pipeline plan] in
+``wrapopt/plan/pipeline.py``), so that stage holds the copy's parameters, gradients and
+optimizer state too: its graph gives the copy's bytes to the module that uses it there. The
+search never splits a tied pair (``search/stages.py``), but a plan file or a benchmark's stated
+layout can (``benchmarks/fidelity_pp.py``'s gpt-tiny).
 """
 
 from __future__ import annotations
@@ -29,6 +38,39 @@ def _kept(graph: ModelGraph, modules: tuple[str, ...]) -> set[str]:
     return keep
 
 
+def _module_of(param: str) -> str:
+    """The module that registers parameter ``param`` (its path less the last name)."""
+    return param.rsplit(".", 1)[0] if "." in param else ROOT
+
+
+_Copy = tuple[int, int, str, tuple[int, ...], bool]  # elements, bytes, dtype, shape, trainable
+
+
+def _tied_copy_params(graph: ModelGraph, inside: set[str]) -> dict[str, _Copy]:
+    """The tied parameters this stage holds a copy of (See [Note: tied copies on stages]): per
+    parameter path, the shared parameter's figures."""
+    shapes = {s[0]: s for s in graph.param_shapes}
+    out: dict[str, _Copy] = {}
+    for group in graph.tied_groups:
+        if _module_of(group[0]) in inside or group[0] not in shapes:
+            continue  # counted where the model registers it first
+        here = [p for p in group[1:] if _module_of(p) in inside]
+        if here:
+            _, shape, dtype = shapes[group[0]]
+            numel = 1
+            for d in shape:
+                numel *= d
+            owner = graph.info(_module_of(group[0]))
+            per = owner.own_bytes / owner.own_numel if owner.own_numel else 4
+            out[here[0]] = (numel, round(numel * per), dtype, tuple(shape), owner.own_trainable_numel > 0)
+    return out
+
+
+def _tied_copies(graph: ModelGraph, inside: set[str]) -> dict[str, _Copy]:
+    """``_tied_copy_params`` by the module that holds each copy."""
+    return {_module_of(p): v for p, v in _tied_copy_params(graph, inside).items()}
+
+
 def boundary_bytes(graph: ModelGraph, modules: tuple[str, ...]) -> int:
     """Bytes of the activation a stage hands on (as traced, one traced batch): the output of
     its last module in forward order."""
@@ -49,6 +91,15 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
             m = replace(m, fwd_flops=0.0, bwd_flops=0.0, saved_bytes=0, fwd_bytes=0, bwd_bytes=0, matmuls=(),
                         attention_flops=0.0, attention_run_flops=0.0, fwd_ops=0)
         infos[m.fqn] = replace(m, children=tuple(c for c in m.children if c in keep))
+    copies = _tied_copies(graph, inside)
+    for fqn, (numel, nbytes, dtype, _shape, trainable) in copies.items():  # See [Note: tied copies on stages]
+        m = infos[fqn]
+        by_dtype = dict(m.own_bytes_by_dtype)
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+        infos[fqn] = replace(m, own_numel=m.own_numel + numel, own_bytes=m.own_bytes + nbytes,
+                             own_trainable_numel=m.own_trainable_numel + (numel if trainable else 0),
+                             own_trainable_bytes=m.own_trainable_bytes + (nbytes if trainable else 0),
+                             own_bytes_by_dtype=tuple(sorted(by_dtype.items())))
     # totals over what the stage holds, deepest first
     for fqn in sorted(infos, key=lambda f: -infos[f].depth):
         m = infos[fqn]
@@ -62,8 +113,10 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
     for fqn, m in infos.items():
         tree.nodes[fqn]["info"] = m
     chains = tuple(c for c in (tuple(b for b in chain if b in keep) for chain in graph.block_chains) if c)
-    tied = tuple(g for g in (tuple(f for f in grp if f in keep) for grp in graph.tied_groups) if len(g) > 1)
-    shapes = tuple(s for s in graph.param_shapes if (s[0].rsplit(".", 1)[0] if "." in s[0] else ROOT) in keep)
+    tied = tuple(g for g in (tuple(f for f in grp if _module_of(f) in keep) for grp in graph.tied_groups)
+                 if len(g) > 1)
+    shapes = tuple(s for s in graph.param_shapes if _module_of(s[0]) in keep) + tuple(
+        (p, c[3], c[2]) for p, c in _tied_copy_params(graph, inside).items())
     heads = tuple(a for a in graph.attention_heads if a[0] in keep)
     users = tuple(pu for pu in graph.param_users if pu[0] in keep and pu[1] in keep)
     called = [graph.info(m) for m in modules if graph.info(m).order >= 0]
