@@ -24,7 +24,8 @@ entering it within 0.1 ms of each other (timed inside gpt-tiny's FSDP2 step
 and right after it), and the medians left those stalls out of every step:
 ``make demo``'s worst plan (no-shard, mostly) ran 1.30-1.40x its prediction in
 5 runs with the median, 1.26-1.35x with the mean (within 1.30 in 4 runs of 5;
-Spearman 1.00 in all 5 against 3), runs interleaved. NCCL's times on a GPU have
+Spearman 1.00 in all 5 against 3), runs interleaved; six runs after, at a later
+commit, 1.26-1.41x (within 1.30 in 3): the rest of the gap is not the statistic. NCCL's times on a GPU have
 little tail, so there the two agree. The spread stays relative to the
 median. The per-unit overhead (``measure_fsdp.measure_unit_overhead``) is a
 median of paired differences and takes out the medians of its tiny
