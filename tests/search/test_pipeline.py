@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.driver import SearchOptions
-from wrapopt.search.pipeline import resolve_pp, search_pipeline_degree
+from wrapopt.search.pipeline import pipeline_plan, resolve_pp, search_pipeline_degree
 from wrapopt.search.run import run_search
 from wrapopt.search.stages import balanced_split, check_stage_count, pipeline_layout, stage_modules, weights
 from wrapopt.spec import MeshSpec
@@ -91,9 +92,32 @@ def test_auto_on_a_model_that_cannot_be_pipelined_searches_without(graphs):
     assert found.result.best.plan.pipeline is None and any("pipelining not tried" in n for n in found.notes)
 
 
-def test_tied_embedding_and_head_refused(graphs):
-    with pytest.raises(PlanError, match="tied parameters .* different pipeline stages"):
-        pipeline_layout(graphs["gpt-tiny"])
+def test_a_tied_embedding_and_head_split_across_stages_pay_their_gradient_sum(graphs):
+    """[Note: tied copies on stages]: the head on the last stage holds a copy of the embedding's weight;
+    each step sums the copies' gradients over the two pipeline ranks."""
+    from wrapopt.cost.pipeline import compose_pipeline, price_stage, stage_simulators
+    from wrapopt.cost.stage_view import tied_sync_s
+
+    g = graphs["gpt-tiny"]
+    layout = pipeline_layout(g)
+    assert layout.before == ("wte", "wpe") and layout.after == ("ln_f", "lm_head")
+    sim = _sim(g)
+    mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, pp_size=2)
+    plan = pipeline_plan(layout, (2, 2), mesh, schedule="1F1B", microbatches=4, reshard=True, checkpoint="none",
+                         tp=None, label="pp2")
+    sync = tied_sync_s(g, plan, sim.fabric)
+    (shape,) = [s[1] for s in g.param_shapes if s[0] == "wte.weight"]
+    want = sim.fabric.collective_s("all_reduce", 2, 2, shape[0] * shape[1] * 4 / 2)[0]
+    assert sync == pytest.approx(want) and sync > 0
+    views = stage_simulators(sim, plan)
+    stages = [price_stage(ssim, units, plan, last=i == len(views) - 1) for i, (ssim, units) in enumerate(views)]
+    assert sim.simulate(plan).step_s == pytest.approx(compose_pipeline(sim.fabric, plan, stages).step_s + sync)
+    assert stages[1].static_bytes > price_stage(*stage_simulators(Simulator(replace(g, tied_groups=()), sim.fabric,
+                                                                            sim.compute), plan)[1], plan,
+                                                last=True).static_bytes  # the copy's parameters and state
+    found = run_search(g, sim, MeshSpec(world_size=4, ranks_per_node=4, shard_size=4), train=TrainConfig(), tp="1",
+                       tp_plan=None, pp=2, global_batch=None, memory_budget=None, options=SearchOptions(trials=0))
+    assert found.result.best.plan.pipeline is not None
 
 
 def test_forced_degree_that_cannot_give_each_stage_a_block(graphs):

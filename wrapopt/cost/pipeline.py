@@ -64,30 +64,27 @@ A send of B bytes costs the link's latency + B / bandwidth (``send_s``: the fabr
 all-gather of 2B, which is that on the ring model), inter-node when ``mesh.stages_cross_nodes``.
 Peak memory per rank: its stages' static and kept bytes, plus the activations of the
 micro-batches in flight at the worst moment of its order (1F1B: at most ``p - r`` on rank r),
-plus the largest transient; or, when larger, its worst moment with units held (above). Step:
-the makespan (its last action, REDUCE_GRAD included) plus the slowest rank's optimizer steps.
-``compute_s`` is the busiest rank's compute; ``exposed_comm_s`` the rest of its step, pipeline
-bubble included.
+plus the largest transient; or, when larger, its worst moment with units held (above). Step: the
+makespan (its last action, REDUCE_GRAD included), the tied copies' gradient sum if any, and the
+slowest rank's optimizer steps. ``compute_s``: the busiest rank's compute; ``exposed_comm_s``: the rest.
 
 [Note: a stage keeps its output] torch's ``PipelineStage`` keeps each micro-batch's output (and
 inputs, which its first module saves anyway) in its ``fwd_cache`` until that micro-batch's backward,
 where a plain step frees it once used (cross-entropy saves its log-softmax, not the logits). So a
 micro-batch in flight holds its saved activations and the stage's output (``activation_bytes``; the
 last stage's: the logits), and the transient is the rest of the plain step's peak, without it.
-Measured, gpt-tiny in 2 stages x 2 gloo ranks (the head's tied copy on the last stage: [Note: tied
-copies on stages] in ``cost/stage_view.py``), peak per pipeline rank, predicted / measured MiB: 1F1B
-of 4 micro-batches 6.92 / 6.93 and 6.78 / 6.75 (4.03 predicted without the output and the copy),
-Interleaved1F1B of 4 on 4 stages 5.85 / 6.13 and 8.52 / 8.61 (5.71), GPipe of 2 10.17 / 9.01 and
-16.44 / 15.56.
+Measured, gpt-tiny in 2 stages x 2 gloo ranks (its head's tied copy: [Note: tied copies on stages]
+in ``cost/stage_view.py``), peak per pipeline rank, predicted / measured MiB: 1F1B of 4 micro-batches
+6.92 / 6.93 and 6.78 / 6.75 (4.03 without the output and the copy), Interleaved1F1B of 4 on 4 stages
+5.85 / 6.13 and 8.52 / 8.61 (5.71), GPipe of 2 10.17 / 9.01 and 16.44 / 15.56.
 
-[Note: pipeline actions] torch's schedule does host work for every forward and backward action
-(the stage's bookkeeping, its receive buffers and point-to-point calls, autograd's call into the
-stage): measured on 2 gloo ranks, a 2-stage pipeline with nothing to compute steps about 1.1-1.4
-ms slower per micro-batch. A measured profile carries it per action (``pipeline_action_s``,
-``measure_pipeline_action``: a 1F1B of 2 and of 8 micro-batches on rank pairs, less the two
-sends each micro-batch adds, which ``send_s`` charges), and every forward and backward of a stage
-pays it. Analytical profiles leave it 0 (host work a GPU's run-ahead may hide; not measured on a
-GPU here).
+[Note: pipeline actions] torch's schedule does host work for every forward and backward action (the
+stage's bookkeeping, receive buffers and point-to-point calls, autograd's call into it): on 2 gloo
+ranks, a 2-stage pipeline with nothing to compute steps about 1.1-1.4 ms slower per micro-batch. A
+measured profile carries it per action (``pipeline_action_s``, ``measure_pipeline_action``: a 1F1B of
+2 and of 8 micro-batches on rank pairs, less the two sends each micro-batch adds, which ``send_s``
+charges), and every forward and backward of a stage pays it. Analytical profiles leave it 0 (host
+work a GPU's run-ahead may hide; not measured here).
 """
 
 from __future__ import annotations
@@ -99,6 +96,7 @@ from typing import Any, Protocol
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from wrapopt.cost.stage_view import tied_sync_s
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCost, UnitSpec
 
@@ -416,7 +414,9 @@ def simulate_pipeline(sim: Any, plan: PlanSpec, *, record: bool = False) -> Cost
     model's simulator (``Simulator.for_stage`` and ``for_tp`` give the stages')."""
     views = stage_simulators(sim, plan)
     stages = [price_stage(ssim, units, plan, last=s == len(views) - 1) for s, (ssim, units) in enumerate(views)]
-    return compose_pipeline(sim.fabric, plan, stages, record=record)
+    est, sync = compose_pipeline(sim.fabric, plan, stages, record=record), tied_sync_s(sim.graph, plan, sim.fabric)
+    return replace(est, step_s=est.step_s + sync, comm_s=est.comm_s + sync,  # See [Note: tied copies on stages]
+                   exposed_comm_s=est.exposed_comm_s + sync) if sync else est
 
 
 def compose_pipeline(fabric: FabricProfile, plan: PlanSpec, stages: list[StageCost], *,

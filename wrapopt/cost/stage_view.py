@@ -13,19 +13,21 @@ embedding and head) is counted once, at the first module that registers it. When
 on different stages, applying the plan gives the later stage a copy of its own and sums the
 copies' gradients after each step (See [Note: applying a pipeline plan] in
 ``wrapopt/plan/pipeline.py``), so that stage holds the copy's parameters, gradients and
-optimizer state too: its graph gives the copy's bytes to the module that uses it there. The
-search never splits a tied pair (``search/stages.py``), but a plan file or a benchmark's stated
-layout can (``benchmarks/fidelity_pp.py``'s gpt-tiny).
+optimizer state too: its graph gives the copy's bytes to the module that uses it there. The sum
+is an all-reduce of the copy's local gradient shard (its bytes over the shard group) over the
+pipeline ranks holding a copy, once a step before the optimizer (``tied_sync_s``, on the
+inter-node link when stages cross nodes), which the step pays after the schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 
-__all__ = ["stage_graph", "stage_compute", "boundary_bytes"]
+__all__ = ["stage_graph", "stage_compute", "boundary_bytes", "tied_sync_s"]
 
 
 def _kept(graph: ModelGraph, modules: tuple[str, ...]) -> set[str]:
@@ -128,6 +130,33 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
                    loss_saved_bytes=graph.loss_saved_bytes if last else 0,
                    loss_peak_bytes=graph.loss_peak_bytes if last else 0,
                    loss_grad_bytes=graph.loss_grad_bytes if last else 0)
+
+
+def tied_sync_s(graph: ModelGraph, plan: Any, fabric: Any) -> float:
+    """Seconds a step of pipeline ``plan`` spends summing its tied copies' gradients: See [Note: tied
+    copies on stages]. 0 when no tied parameter spans two pipeline ranks."""
+    pipe, mesh = plan.pipeline, plan.mesh
+    owner = pipe.stage_of()
+    shapes = {sh[0]: sh for sh in graph.param_shapes}
+
+    def stage(fqn: str) -> int | None:
+        parts = _module_of(fqn).split(".")
+        return next((owner[".".join(parts[:i])] for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in owner),
+                    None)
+
+    total = 0.0
+    for group in graph.tied_groups:
+        ranks = {s % mesh.pp_size for s in map(stage, group) if s is not None}
+        if len(ranks) < 2 or group[0] not in shapes:
+            continue
+        own = graph.info(_module_of(group[0]))
+        numel = 1
+        for d in shapes[group[0]][1]:
+            numel *= d
+        nbytes = numel * (own.own_bytes / own.own_numel if own.own_numel else 4) / mesh.shard_size
+        group_rpn = 1 if mesh.stages_cross_nodes else len(ranks)
+        total += fabric.collective_s("all_reduce", len(ranks), group_rpn, nbytes)[0]
+    return total
 
 
 def stage_compute(compute: ComputeProfile, graph: ModelGraph, *, last: bool) -> ComputeProfile:

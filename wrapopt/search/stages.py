@@ -3,9 +3,11 @@
 [Note: stage split] Stages are contiguous runs of the model's one block chain
 (``ModelGraph.block_chains``): the modules that run before the first block (embeddings) go to
 the first stage, those after the last block (final norm, head) to the last. A model whose
-blocks are not one chain (an encoder and a decoder), with a module running between blocks, or
-with tied parameters that would sit on two stages (a tied embedding and head) is refused for
-pipelining, saying why. The split minimises the slowest stage: each block and each end module
+blocks are not one chain (an encoder and a decoder), or with a module running between blocks, is
+refused for pipelining, saying why. Tied parameters that sit on two stages (a tied embedding and
+head) give the later stage a copy, whose memory and the gradient sum each step are priced ([Note:
+tied copies on stages] in cost/stage_view.py) and which applying the plan keeps in step. The split
+minimises the slowest stage: each block and each end module
 weighs its forward and backward compute as the simulator prices it (one unit per block and per
 end module, ``weights``; the loss on the last stage), and an exact DP over the block boundaries
 (``balanced_split``) finds the cut with the smallest maximum; every stage gets at least one block.
@@ -51,20 +53,7 @@ def pipeline_layout(graph: ModelGraph) -> PipelineLayout:
                         "stages must be contiguous runs of blocks; search without pipelining (--pp 1)")
     before = tuple(m.fqn for m in others if m.order < lo)
     after = tuple(m.fqn for m in others if m.order > hi)
-    for group in graph.tied_groups:
-        sides = {_side(f, before, chain, after) for f in group} - {None}
-        if len(sides) > 1:
-            raise PlanError(f"{graph.model_class}: tied parameters ({', '.join(group)}) would sit on different "
-                            "pipeline stages; untie them or search without pipelining (--pp 1)")
     return PipelineLayout(tuple(chain), before, after)
-
-
-def _side(fqn: str, before: tuple[str, ...], chain: tuple[str, ...], after: tuple[str, ...]) -> str | None:
-    """Where ``fqn`` sits: "before", "after", the block holding it, or None (a container)."""
-    for name, mods in (("before", before), ("after", after), *((b, (b,)) for b in chain)):
-        if any(fqn == m or fqn.startswith(m + ".") for m in mods):
-            return name
-    return None
 
 
 def check_stage_count(layout: PipelineLayout, pp_size: int, virtual: int, world_size: int) -> None:
