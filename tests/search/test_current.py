@@ -102,3 +102,26 @@ def test_cli_search_current(capsys, tmp_path):
     assert data["search"]["current"]["speedup"] == pytest.approx(1.0)  # its own plan: no gain
     assert main([*args, "--current", "per-block, fast"]) == 1
     assert "cannot read 'fast'" in capsys.readouterr().err
+
+
+def test_a_pipeline_chosen_is_compared_whole(capsys, tmp_path):
+    """[Note: the current configuration and a pipeline]: with --pp the chosen plan may be a pipeline;
+    it is compared whole, at the same global batch, with the search's own estimate."""
+    args = ["search", "zoo:llama-tiny", "--world-size", "8", "--gpus-per-node", "4", "--gpu", "h100-sxm",
+            "--network", "ib400", "--pp", "2", "--global-batch", "64", "--trials", "0"]
+    assert main([*args, "--json", "--current", "per-block", "--out", str(tmp_path / "pp.json")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    cur = data["search"]["current"]
+    (choice,) = cur["choices"]
+    assert choice["dimension"] == "pipeline" and choice["current"] == "none" and choice["wrapopt"].startswith("pp2 ")
+    assert "not taken apart" in choice["why_not"]
+    plan = json.loads((tmp_path / "pp.json").read_text())
+    m = plan["pipeline"]["microbatches"]
+    # the same 64 sequences a step: the current plan's 8 ranks x micro-batch x accumulation, the pipeline's
+    # 4 pipelines x micro-batch x its micro-batches
+    assert cur["current"]["micro_batch"] * cur["current"]["accumulation"] * 8 == 64
+    assert cur["wrapopt"]["micro_batch"] * m * 4 == 64 and cur["wrapopt"]["accumulation"] == m
+    assert cur["speedup"] == pytest.approx(cur["current"]["step_s"] / cur["wrapopt"]["step_s"])
+    # a plan file with stages as the current configuration: one line naming what to do
+    assert main([*args, "--current", str(tmp_path / "pp.json")]) == 1
+    assert "a plan with pipeline stages is not compared here" in capsys.readouterr().err

@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                                               f"node), {fabric.name} ({fabric.kind})")
     compared = None if current is None else compare_current(
         graph, sim, current, plan.spec, train=with_global_batch(args, train_from_args(args)),
-        chosen_micro_batch=plan.train_config.micro_batch, global_batch=args.global_batch)
+        chosen_micro_batch=plan.train_config.micro_batch, global_batch=args.global_batch,
+        chosen_estimate=result.best.estimate)
     syncs = None  # under gradient accumulation, the choice scored with each sync mode
     if train.grad_accumulation > 1:
         syncs = both_syncs(result, graph, sim, train, budget)

@@ -43,7 +43,7 @@ CURRENT_FORMS = (
     'Example: "per-block, full AC, micro-batch 2"'
 )
 # The choices compared one at a time, in the report's order.
-DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing")
+DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing", "pipeline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,12 +212,25 @@ def _describe_units(plan: PlanSpec) -> str:
                                          not plan.label.startswith("current") else "")
 
 
+# [Note: the current configuration and a pipeline] A search with ``--pp`` may choose a pipeline
+# plan. The current configuration (a description or a plan file without stages) has none, and a
+# pipeline changes the mesh, the units per stage and the batch split at once, so no single choice
+# of it applies alone to the current plan: the two are compared whole, at the same global batch.
+# The pipeline plan keeps the search's own estimate; its throughput counts a step's sequences as
+# its micro-batch x its micro-batches x its pipelines (``Config`` with the micro-batches as the
+# accumulation). At a fixed global batch without a given micro-batch, the current plan takes the
+# pipeline's per-rank share of a step: its micro-batch x micro-batches / pp.
 def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen: PlanSpec, *,
-                    train: TrainConfig, chosen_micro_batch: int | None, global_batch: int | None) -> Comparison:
+                    train: TrainConfig, chosen_micro_batch: int | None, global_batch: int | None,
+                    chosen_estimate: CostEstimate | None = None) -> Comparison:
     """The current configuration and the search's (``chosen`` at ``chosen_micro_batch``),
     scored by ``sim``'s fabric and compute at the same global batch, and each differing choice
-    alone. See [Note: the current configuration]."""
+    alone. A pipeline plan chosen is compared whole, with the search's own ``chosen_estimate``
+    (See [Note: the current configuration and a pipeline]). See [Note: the current configuration]."""
     traced = graph.batch_size or 1
+    if current.plan.pipeline is not None:
+        raise OptionError(f"--current {current.text!r}: a plan with pipeline stages is not compared here; score it "
+                          f"with `wrapopt estimate --plan {current.text}` beside the search's plan file")
 
     def split_of(plan: PlanSpec, mb: int | None) -> tuple[int, int] | None:
         mb = mb or traced
@@ -236,15 +249,25 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         est = Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host).simulate(plan)
         return Config(plan, sp[0], sp[1], est)
 
+    pipe = chosen.pipeline
     cur_mb = current.micro_batch
     if cur_mb is None and global_batch is not None:
-        cur_mb = chosen_micro_batch if split_of(current.plan, chosen_micro_batch) else None
+        want = chosen_micro_batch  # a pipeline's: its share per rank (See the note above)
+        if pipe is not None and want:
+            want = max(1, want * pipe.microbatches // chosen.mesh.pp_size)
+        cur_mb = want if split_of(current.plan, want) else None
     cur = score(current.plan, cur_mb)
     if cur is None:
         dp = current.plan.mesh.dp_size
         raise OptionError(f"--current {current.text!r}: micro-batch {cur_mb or traced} x {dp} data-parallel ranks "
                           f"does not divide the global batch {global_batch}; give a micro-batch N with "
                           f"N x {dp} dividing it")
+    if pipe is not None:  # See [Note: the current configuration and a pipeline]
+        assert chosen_estimate is not None, "a pipeline plan is compared with the search's own estimate"
+        whole = Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate)
+        what = f"pp{chosen.mesh.pp_size} {pipe.schedule} m{pipe.microbatches}"
+        return Comparison(cur, whole, (ChoiceGain("pipeline", "none", what, None, "a pipeline changes every "
+                                                  "choice at once; not taken apart"),), current.text)
     best = score(chosen, chosen_micro_batch)
     assert best is not None, "the search's own split divides its global batch"
     cp, bp = current.plan, chosen
