@@ -45,7 +45,7 @@ from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.launch import spawn
 from wrapopt.models import zoo
 from wrapopt.search.pipeline import pipeline_plan
-from wrapopt.search.stages import PipelineLayout, balanced_split, pipeline_layout, weights
+from wrapopt.search.stages import balanced_split, pipeline_layout, weights
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
 from wrapopt.trace.meta import trace_model
 
@@ -64,20 +64,13 @@ def target_loss(loss: Any, output: torch.Tensor, target: torch.Tensor) -> torch.
     return loss(output, (target,))
 
 
-def layout_of(name: str, graph: ModelGraph) -> PipelineLayout:
-    """The search's layout (gpt-tiny's tied head on the last stage holds a copy: See [Note: tied
-    copies on stages] in wrapopt/cost/stage_view.py)."""
-    del name
-    return pipeline_layout(graph)
-
-
 def plan_set(name: str, graph: ModelGraph, sim: Simulator, world: int = WORLD) -> list[PlanSpec]:
     """The PP 1 plans, then the PP 2 plans (stages: the balanced split the search uses)."""
     mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
     by_label = {p.label: p for p in PLAN_SETS["variants"](graph, mesh)}
     plans = [by_label[k] for k in PP1_LABELS]
     pp_mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world // 2, pp_size=2)
-    layout = layout_of(name, graph)
+    layout = pipeline_layout(graph)  # gpt-tiny's tied head: See [Note: tied copies on stages]
     w, first, last = weights(graph, sim, pp_mesh.data_parallel(), layout)
     for schedule, virtual, m, reshard in PP2_SHAPES:
         sizes = balanced_split(w, first, last, 2 * virtual)

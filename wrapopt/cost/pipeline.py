@@ -96,7 +96,7 @@ from typing import Any, Protocol
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from wrapopt.cost.stage_view import tied_sync_s
+from wrapopt.cost.stage_view import stage_of, tied_sync_s
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCost, UnitSpec
 
@@ -321,21 +321,12 @@ def stage_units(plan: PlanSpec) -> list[tuple[UnitSpec, ...]]:
     owner = plan.pipeline.stage_of()
     per: list[list[UnitSpec]] = [[] for _ in plan.pipeline.stages]
     for u in plan.units[:-1]:
-        s = {_stage_of(m, owner) for m in u.modules}
+        s = {stage_of(m, owner) for m in u.modules}
         if len(s) != 1 or None in s:
             raise ValueError(f"unit {u.name} is not inside one pipeline stage; each unit's modules must belong to "
                              "one stage (PipelineSpec.stages)")
         per[s.pop()].append(u)
     return [(*units, plan.root) for units in per]
-
-
-def _stage_of(fqn: str, owner: dict[str, int]) -> int | None:
-    parts = fqn.split(".")
-    for i in range(len(parts), 0, -1):
-        s = owner.get(".".join(parts[:i]))
-        if s is not None:
-            return s
-    return None
 
 
 def held_bytes(est: CostEstimate, units: tuple[UnitSpec, ...], kept_inputs: list[float], loss_saved: float) -> float:

@@ -21,13 +21,14 @@ inter-node link when stages cross nodes), which the step pays after the schedule
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 
-__all__ = ["stage_graph", "stage_compute", "boundary_bytes", "tied_sync_s"]
+__all__ = ["stage_graph", "stage_compute", "boundary_bytes", "stage_of", "tied_sync_s"]
 
 
 def _kept(graph: ModelGraph, modules: tuple[str, ...]) -> set[str]:
@@ -45,32 +46,40 @@ def _module_of(param: str) -> str:
     return param.rsplit(".", 1)[0] if "." in param else ROOT
 
 
-_Copy = tuple[int, int, str, tuple[int, ...], bool]  # elements, bytes, dtype, shape, trainable
+def stage_of(fqn: str, owner: dict[str, int]) -> int | None:
+    """The stage of module ``fqn`` by ``owner`` (``PipelineSpec.stage_of()``: the listed modules),
+    through its nearest listed ancestor; None when none is listed (a container)."""
+    parts = fqn.split(".")
+    for i in range(len(parts), 0, -1):
+        s = owner.get(".".join(parts[:i]))
+        if s is not None:
+            return s
+    return None
 
 
-def _tied_copy_params(graph: ModelGraph, inside: set[str]) -> dict[str, _Copy]:
-    """The tied parameters this stage holds a copy of (See [Note: tied copies on stages]): per
-    parameter path, the shared parameter's figures."""
-    shapes = {s[0]: s for s in graph.param_shapes}
-    out: dict[str, _Copy] = {}
+_Tied = tuple[int, int, str, tuple[int, ...], bool]  # elements, bytes, dtype, shape, trainable
+
+
+def _tied_param(graph: ModelGraph, param: str) -> _Tied | None:
+    """A shared parameter's figures, from where the model registers it (None: no shape traced)."""
+    shape = next((sh for sh in graph.param_shapes if sh[0] == param), None)
+    if shape is None:
+        return None
+    owner = graph.info(_module_of(param))
+    numel = math.prod(shape[1])
+    per = owner.own_bytes / owner.own_numel if owner.own_numel else 4
+    return numel, round(numel * per), shape[2], tuple(shape[1]), owner.own_trainable_numel > 0
+
+
+def _tied_copies(graph: ModelGraph, inside: set[str]) -> dict[str, _Tied]:
+    """The tied parameters this stage holds a copy of (See [Note: tied copies on stages]), by the
+    path the copy takes here (the first member the stage holds)."""
+    out: dict[str, _Tied] = {}
     for group in graph.tied_groups:
-        if _module_of(group[0]) in inside or group[0] not in shapes:
-            continue  # counted where the model registers it first
         here = [p for p in group[1:] if _module_of(p) in inside]
-        if here:
-            _, shape, dtype = shapes[group[0]]
-            numel = 1
-            for d in shape:
-                numel *= d
-            owner = graph.info(_module_of(group[0]))
-            per = owner.own_bytes / owner.own_numel if owner.own_numel else 4
-            out[here[0]] = (numel, round(numel * per), dtype, tuple(shape), owner.own_trainable_numel > 0)
+        if _module_of(group[0]) not in inside and here and (tied := _tied_param(graph, group[0])) is not None:
+            out[here[0]] = tied
     return out
-
-
-def _tied_copies(graph: ModelGraph, inside: set[str]) -> dict[str, _Copy]:
-    """``_tied_copy_params`` by the module that holds each copy."""
-    return {_module_of(p): v for p, v in _tied_copy_params(graph, inside).items()}
 
 
 def boundary_bytes(graph: ModelGraph, modules: tuple[str, ...]) -> int:
@@ -94,7 +103,8 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
                         attention_flops=0.0, attention_run_flops=0.0, fwd_ops=0)
         infos[m.fqn] = replace(m, children=tuple(c for c in m.children if c in keep))
     copies = _tied_copies(graph, inside)
-    for fqn, (numel, nbytes, dtype, _shape, trainable) in copies.items():  # See [Note: tied copies on stages]
+    for param, (numel, nbytes, dtype, _shape, trainable) in copies.items():  # See [Note: tied copies on stages]
+        fqn = _module_of(param)
         m = infos[fqn]
         by_dtype = dict(m.own_bytes_by_dtype)
         by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
@@ -118,7 +128,7 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
     tied = tuple(g for g in (tuple(f for f in grp if _module_of(f) in keep) for grp in graph.tied_groups)
                  if len(g) > 1)
     shapes = tuple(s for s in graph.param_shapes if _module_of(s[0]) in keep) + tuple(
-        (p, c[3], c[2]) for p, c in _tied_copy_params(graph, inside).items())
+        (p, c[3], c[2]) for p, c in copies.items())
     heads = tuple(a for a in graph.attention_heads if a[0] in keep)
     users = tuple(pu for pu in graph.param_users if pu[0] in keep and pu[1] in keep)
     called = [graph.info(m) for m in modules if graph.info(m).order >= 0]
@@ -135,27 +145,14 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
 def tied_sync_s(graph: ModelGraph, plan: Any, fabric: Any) -> float:
     """Seconds a step of pipeline ``plan`` spends summing its tied copies' gradients: See [Note: tied
     copies on stages]. 0 when no tied parameter spans two pipeline ranks."""
-    pipe, mesh = plan.pipeline, plan.mesh
-    owner = pipe.stage_of()
-    shapes = {sh[0]: sh for sh in graph.param_shapes}
-
-    def stage(fqn: str) -> int | None:
-        parts = _module_of(fqn).split(".")
-        return next((owner[".".join(parts[:i])] for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in owner),
-                    None)
-
+    mesh, owner = plan.mesh, plan.pipeline.stage_of()
     total = 0.0
     for group in graph.tied_groups:
-        ranks = {s % mesh.pp_size for s in map(stage, group) if s is not None}
-        if len(ranks) < 2 or group[0] not in shapes:
-            continue
-        own = graph.info(_module_of(group[0]))
-        numel = 1
-        for d in shapes[group[0]][1]:
-            numel *= d
-        nbytes = numel * (own.own_bytes / own.own_numel if own.own_numel else 4) / mesh.shard_size
-        group_rpn = 1 if mesh.stages_cross_nodes else len(ranks)
-        total += fabric.collective_s("all_reduce", len(ranks), group_rpn, nbytes)[0]
+        ranks = {s % mesh.pp_size for s in (stage_of(_module_of(p), owner) for p in group) if s is not None}
+        tied = _tied_param(graph, group[0]) if len(ranks) > 1 else None
+        if tied is not None:
+            group_rpn = 1 if mesh.stages_cross_nodes else len(ranks)
+            total += fabric.collective_s("all_reduce", len(ranks), group_rpn, tied[1] / mesh.shard_size)[0]
     return total
 
 

@@ -5,32 +5,32 @@ same measured ``FabricProfile`` on each. The ``wrapopt profile-fabric`` command
 that spawns ranks and writes the file lives in ``wrapopt.cli.profile_fabric``; the
 printed report in ``wrapopt.report.fabric``.
 
-[Note: fabric timing protocol] Per size: a barrier on the world group,
-warm-up calls, then ``repeats`` timed repeats back to back (a collective
-synchronises its group, so back-to-back calls stay aligned). Small messages get
-more timed calls than ``repeats`` (``_samples_for``), so that their figure
-survives scheduler ticks. Each
-repeat's figure is the *max over ranks* of that repeat (the slowest rank is
-what a training step waits for); the curve keeps the *mean over repeats*
-(See [Note: mean collective times]) and the spread ``(p90 - p10) / median``. One ``all_reduce(MAX)`` at the end
-carries every rank's table, so measuring adds no collectives between sizes.
+[Note: fabric timing protocol] Per size: a barrier on the world group, warm-up
+calls, then ``repeats`` timed repeats back to back (a collective synchronises
+its group, so back-to-back calls stay aligned). Small messages get more timed
+calls than ``repeats`` (``_samples_for``), so that their figure survives
+scheduler ticks. Each repeat's figure is the *max over ranks* of that repeat
+(the slowest rank is what a training step waits for); the curve keeps the
+*mean over repeats* (See [Note: mean collective times]) and the spread
+``(p90 - p10) / median``. One ``all_reduce(MAX)`` at the end carries every
+rank's table, so measuring adds no collectives between sizes.
 
 [Note: mean collective times] The simulator adds a step's collectives up, so
-the figure it needs per message size is a collective's expected time: the
-mean over repeats, not the median. Where ranks stall now and then the two
-differ: on this VM (2 shared cores, 2 gloo ranks) a 1.3 MB all-gather takes
-0.8-1.2 ms at the median and 4-6 ms about one time in five, with both ranks
-entering it within 0.1 ms of each other (timed inside gpt-tiny's FSDP2 step
-and right after it), and the medians left those stalls out of every step:
-``make demo``'s worst plan (no-shard, mostly) ran 1.30-1.40x its prediction in
-5 runs with the median, 1.26-1.35x with the mean (within 1.30 in 4 runs of 5;
-Spearman 1.00 in all 5 against 3), runs interleaved; six runs after, at a later
-commit, 1.26-1.41x (within 1.30 in 3): the rest of the gap is not the statistic. NCCL's times on a GPU have
-little tail, so there the two agree. The spread stays relative to the
-median. The per-unit overhead (``measure_fsdp.measure_unit_overhead``) is a
-median of paired differences and takes out the medians of its tiny
-collectives, as before (with their means the demo's every-leaf plan ran
-0.85x to 1.29x its prediction between 3 runs).
+the figure it needs per message size is a collective's expected time: the mean
+over repeats, not the median. Where ranks stall now and then the two differ:
+on this VM (2 shared cores, 2 gloo ranks) a 1.3 MB all-gather takes 0.8-1.2 ms
+at the median and 4-6 ms about one time in five, with both ranks entering it
+within 0.1 ms of each other (timed inside gpt-tiny's FSDP2 step and right
+after it), and the medians left those stalls out of every step:
+``make demo``'s worst plan (no-shard, mostly) ran 1.30-1.40x its prediction in 5 runs
+with the median, 1.26-1.35x with the mean (within 1.30 in 4 runs of 5;
+Spearman 1.00 in all 5 against 3), runs interleaved; six runs after, at a
+later commit, 1.26-1.41x (within 1.30 in 3): the rest of the gap is not the
+statistic. NCCL's times on a GPU have little tail, so there the two agree. The
+spread stays relative to the median. The per-unit overhead
+(``measure_fsdp.measure_unit_overhead``) is a median of paired differences and
+takes out the medians of its tiny collectives, as before (with their means the
+demo's every-leaf plan ran 0.85x to 1.29x its prediction between 3 runs).
 
 [Note: concurrent axis groups] The "intra" axis runs one group per node,
 the "inter" axis one group per local rank index, and a "tp{d}" axis (when
