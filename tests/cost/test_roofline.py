@@ -50,6 +50,31 @@ def test_causal_attention_costs_half():
     assert kernel_times(full, comp)["attention"][0] == pytest.approx(full.attention_flops / comp.attention_flops_per_s)
 
 
+class _Sdpa(nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = x.view(b, s, 4, d // 4).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=self.causal).transpose(1, 2).reshape(b, s, d)
+
+
+def test_attention_backward_counts_the_fused_kernels_recompute():
+    """torch's formula counts four backward matmuls (twice the forward); the fused kernel runs five (it
+    recomputes QK^T): 2.5x the forward, causal or not."""
+    comp = analytical_compute("h100-sxm", dtype="bfloat16")
+    for causal in (True, False):
+        model = nn.Sequential(nn.Linear(64, 64), _Sdpa(causal), nn.Linear(64, 64)).to("meta")
+        g = trace_model(model, (torch.zeros(1, 256, 64, device="meta"),), loss_fn=lambda out, _x: out.float().sum())
+        att = {m.fqn: m for m in g.modules}["1"]
+        assert att.fwd_flops == att.attention_flops > 0
+        att = dataclasses.replace(att, bwd_flops=2 * att.fwd_flops)  # torch's formula: dS, dV, dQ, dK
+        fwd, bwd = kernel_times(att, comp)["attention"]
+        assert bwd == pytest.approx(2.5 * fwd)
+
+
 def test_a_narrow_matmul_pays_its_bytes_and_a_wide_one_barely():
     comp = analytical_compute("a100-80gb-sxm", dtype="bfloat16")
     share = {}

@@ -29,8 +29,18 @@ Backward reuses the forward's shapes: a linear layer's two backward GEMMs (input
 and weight gradient) move the same three matrices and run as many FLOPs as its
 forward, so backward matmul FLOPs are priced at the forward's effective rate
 (its time / FLOPs), attention's backward at the attention rate with the same
-causal share. The table is the traced forward's; a module whose FLOPs a later
-stage divides (tensor parallel) scales its table's times by the same factor.
+causal share and the fused kernel's own FLOPs: torch's formula counts four
+matmuls (dS, dV, dQ, dK: twice the forward), but every fused kernel
+(FlashAttention 2, torch's flash and memory-efficient SDPA, cuDNN) keeps no
+score matrix and recomputes ``S = QK^T`` in its backward, a fifth: 2.5x the
+forward (FlashAttention 2's own FLOP count, ``FLASH_BWD_RECOMPUTE``). Counting
+four had priced a checkpointed row's attention (forward, recompute, backward:
+1 + 1 + 2 at a rate fitted where most rows run 1 + 2) too slow against its
+uncheckpointed neighbours: A100 80GB's checkpointed rows at a median of 0.943
+of published, 0.954 with the fifth (refit, ``results/published.md``).
+
+The table is the traced forward's; a module whose FLOPs a later stage divides
+(tensor parallel) scales its table's times by the same factor.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from wrapopt.spec import ModuleInfo
 __all__ = ["kernel_times", "KERNEL_CLASSES"]
 
 KERNEL_CLASSES = ("GEMM", "attention", "memory-bound")
+FLASH_BWD_RECOMPUTE = 1.25  # the fused kernel's backward FLOPs / torch's formula's: 5 matmuls to 4 (the note)
 
 
 def _matmul_s(m: ModuleInfo, compute: ComputeProfile, elem_bytes: int | None) -> tuple[float, float]:
@@ -79,4 +90,4 @@ def kernel_times(m: ModuleInfo, compute: ComputeProfile) -> dict[str, tuple[floa
     bwd_att = m.bwd_flops * m.attention_flops / m.fwd_flops if m.fwd_flops else 0.0
     bwd_rest = m.bwd_flops - bwd_att
     return {"GEMM": (mm_s, bwd_rest * rest_rate if rest else bwd_rest / compute.matmul_flops_per_s),
-            "attention": (att_s, bwd_att * run / att_rate), "memory-bound": mem}
+            "attention": (att_s, bwd_att * FLASH_BWD_RECOMPUTE * run / att_rate), "memory-bound": mem}

@@ -82,21 +82,21 @@ _CARRIED = "no published rows: the H100 SXM's fitted constants (same Hopper tens
 
 # Fitted constants: See [Note: GPU and network presets]; `python -m benchmarks.published --refit` refits them.
 GPUS: dict[str, GpuPreset] = {p.name: p for p in (
-    GpuPreset("a100-40gb-sxm", "NVIDIA A100 SXM 40GB", _A100, 1.555e12, 40 * 2**30, "nvlink3", 0.717, 0.300,
+    GpuPreset("a100-40gb-sxm", "NVIDIA A100 SXM 40GB", _A100, 1.555e12, 40 * 2**30, "nvlink3", 0.717, 0.350,
               "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2 1,555 GB/s; 40 GB; 108 SMs",
               _FIT.format(n="A100 40GB"), 108, ("a100-40gb",), "pcie4", 51.2e9, _DGX_A100),
-    GpuPreset("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", _A100, 2.039e12, 80 * 2**30, "nvlink3", 0.756, 0.300,
+    GpuPreset("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", _A100, 2.039e12, 80 * 2**30, "nvlink3", 0.757, 0.350,
               "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2e 2,039 GB/s; 80 GB; 108 SMs",
               _FIT.format(n="A100 80GB"), 108, ("a100-80gb", "a100"), "pcie4", 51.2e9, _DGX_A100),
-    GpuPreset("h100-sxm", "NVIDIA H100 SXM5 80GB", _H100_SXM, 3.35e12, 80 * 2**30, "nvlink4", 0.563, 0.200,
+    GpuPreset("h100-sxm", "NVIDIA H100 SXM5 80GB", _H100_SXM, 3.35e12, 80 * 2**30, "nvlink4", 0.593, 0.200,
               "H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3 3.35 TB/s; 80 GB; 132 SMs",
               _FIT.format(n="H100 80GB"), 132, ("h100", "h100-80gb"), "pcie5", 76.8e9, _DGX_H100),
     GpuPreset("h100-nvl", "NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
-              _H100_NVL, 3.9e12, 94 * 10**9, "pcie5", 0.563, 0.200,
+              _H100_NVL, 3.9e12, 94 * 10**9, "pcie5", 0.593, 0.200,
               "H100 NVL datasheet: 835 TFLOP/s dense BF16/FP16 (1,671 with sparsity), 417.5 TF32; HBM3 3.9 TB/s; "
               "94 GB; 132 SMs", _CARRIED, 132, ("h100-96gb",), "pcie5", 76.8e9,
               "PCIe Gen5 x16 card; host DRAM per GPU taken as a DGX H100's (the host varies: state yours in a file)"),
-    GpuPreset("h200", "NVIDIA H200 SXM 141GB", _H100_SXM, 4.8e12, 141 * 10**9, "nvlink4", 0.563, 0.200,
+    GpuPreset("h200", "NVIDIA H200 SXM 141GB", _H100_SXM, 4.8e12, 141 * 10**9, "nvlink4", 0.593, 0.200,
               "H200 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3e 4.8 TB/s; 141 GB; 132 SMs",
               _CARRIED, 132, ("h200-sxm",), "pcie5", 76.8e9, _DGX_H100),
 )}
@@ -156,7 +156,7 @@ def network_links(name: str, gpu: GpuPreset | None) -> tuple[AnalyticalLink, Ana
 GPU_FORMAT = "wrapopt.gpu/1"
 GPU_TEMPLATE: dict[str, Any] = {
     "format": GPU_FORMAT, "name": "my-gpu", "description": "as the H100 SXM preset",
-    "peak_flops_per_s": dict(_H100_SXM), "matmul_fraction": 0.563, "attention_fraction": 0.2,
+    "peak_flops_per_s": dict(_H100_SXM), "matmul_fraction": 0.593, "attention_fraction": 0.2,
     "hbm_bytes_per_s": 3.35e12, "memory_capacity_bytes": 80 * 2**30, "intra": "nvlink4", "num_sms": 132,
     "source": "H100 SXM datasheet; fractions from wrapopt's h100-sxm preset",
 }
