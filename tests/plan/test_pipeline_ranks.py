@@ -129,6 +129,11 @@ def _parity(rank: int, world: int, out: dict) -> None:
             "losses": every, "ref": ref_losses, "diffs": diffs, "stages": list(run.stage_indices),
             "first": run.is_first, "last": run.is_last,
             "names": sorted(diffs), "tied": len(run.tied), "kept_outputs": kept_outputs,
+            # See [Note: stage modules as code]: (graph modules run node by node, run as code)
+            "interpreted": [sum(bool(getattr(m, "_run_with_interpreter", False)) for m in mod.modules())
+                            for mod in run.modules],
+            "as_code": [sum(getattr(m, "_run_with_interpreter", True) is False for m in mod.modules())
+                        for mod in run.modules],
         }
 
 
@@ -210,6 +215,10 @@ def test_pipeline_training_matches_the_unsharded_model(four_ranks, case):
         assert max(diffs.values()) < limit, (rank, sorted(diffs.items(), key=lambda kv: -kv[1])[:3])
     # See [Note: the last stage's outputs] in wrapopt/plan/pipeline.py: the step keeps no micro-batch's output
     assert [four_ranks[k][case_key(case)]["kept_outputs"] for k in range(4)] == [0] * 4
+    # See [Note: stage modules as code]: the parity above is of stages run as generated code
+    for k in range(4):
+        assert all(n == 0 for n in four_ranks[k][case_key(case)]["interpreted"])
+        assert all(n > 0 for n in four_ranks[k][case_key(case)]["as_code"])
     per_rank = 2 if schedule == "Interleaved1F1B" else 1
     assert [len(four_ranks[k][case_key(case)]["stages"]) for k in range(4)] == [per_rank] * 4
     # Every parameter of the model is on some stage; a tied one on both ends (gpt-tiny).
