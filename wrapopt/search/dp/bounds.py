@@ -90,7 +90,7 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
     f, m = tb.f, tb.m
     nw = tb.w_R.size
     L = lams.size
-    o, fo = cc.overhead_s, cc.fwd_overhead_s
+    o = fo = cc.overhead_s  # per group, in forward and in backward
     H = np.full((L, n + 1, nw, G + 1, C), np.inf)
     # The cheapest next choice from each state, per next size: a group's
     # collectives (A, S) and gradient bytes do not depend on its choice (see
@@ -136,7 +136,7 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
 def _start_value(tb: GroupTables, cc: ChainCosts, H: np.ndarray) -> np.ndarray:
     """The bound at the chain's start (before its first group), per multiplier, without the A term."""
     AX = tb.f["A"][0, 1:tb.G + 1, :]
-    fw = np.maximum(cc.fwd_overhead_s, AX) if cc.runs_ahead else cc.fwd_overhead_s + AX
+    fw = np.maximum(cc.overhead_s, AX) if cc.runs_ahead else cc.overhead_s + AX
     s = np.arange(1, tb.G + 1)
     return (fw[None] + H[:, s, 0, s, :]).min(axis=(1, 2))
 

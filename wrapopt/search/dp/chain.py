@@ -73,7 +73,7 @@ class ChainCosts:
     act: tuple[float, ...]  # saved activation bytes
     inp: tuple[float, ...]  # what a checkpointed block keeps
     work: float
-    overhead_s: float  # per group per backward
+    overhead_s: float  # per group per forward and per backward (See [Note: shard group of one])
     ckpt_overhead_s: float  # per checkpointed block, beyond its recomputed forward
     runs_ahead: bool
     shard_size: int
@@ -94,11 +94,6 @@ class ChainCosts:
     # Per block, what full checkpointing recomputes: its forward up to the early stop (See [Note:
     # early stop] in wrapopt/trace/record.py); empty: all of ``F``.
     ck_F: tuple[float, ...] = ()
-
-    @property
-    def fwd_overhead_s(self) -> float:
-        """Per group per forward: none for a shard group of one (See [Note: shard group of one])."""
-        return self.overhead_s if self.shard_size > 1 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +200,7 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
 
 
 def _fw(cc: ChainCosts, V: tuple, X: tuple) -> float:
-    o = cc.fwd_overhead_s
+    o = cc.overhead_s
     return max(V[0] + o, X[2]) if cc.runs_ahead else V[0] + o + X[2]
 
 

@@ -120,7 +120,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
     f, m = tb.f, tb.m
     use_mem = math.isfinite(mem_allowance)
     allow = mem_allowance if use_mem else 0.0
-    o, fo = cc.overhead_s, cc.fwd_overhead_s
+    o = fo = cc.overhead_s  # per group, in forward and in backward
     two_work = 2 * int(cc.work)
     ahead = cc.runs_ahead
     cis = np.arange(C)
@@ -183,7 +183,7 @@ def _first_groups(tb: GroupTables, cc: ChainCosts, start: tuple[np.ndarray, np.n
 
     ``pending[end]`` lists arrays (t, a, wid, s_last, ci_last, parent) of labels whose last group ends at ``end``."""
     n, G, C = tb.n, tb.G, tb.C
-    fo, ahead, cis = cc.fwd_overhead_s, cc.runs_ahead, np.arange(C)
+    fo, ahead, cis = cc.overhead_s, cc.runs_ahead, np.arange(C)
     pending: list[list] = [[] for _ in range(n + 1)]
     t0, a0, id0 = start
     for s in range(1, G + 1):
