@@ -177,7 +177,8 @@ def main() -> int:
         f"`demo/report.md`; the cost model's fidelity in `fidelity.md` (every run's verdicts side by side in "
         "`fidelity_history.md`); the tracer in `trace.md`; the search in `search.md`; pipeline plans' fidelity "
         "in `fidelity_pp.md` and, at 2 ranks with a core each, `fidelity_pp_w2.md` (`python -m benchmarks.fidelity_pp "
-        "[--world-size 2]`); bf16 activations against real bf16 steps in `bf16.md` "
+        "[--world-size 2]`); FSDP2's step on 2 CPU ranks taken apart in `fsdp_in_step.md` (`python -m "
+        "benchmarks.fsdp_in_step`); bf16 activations against real bf16 steps in `bf16.md` "
         "(`python -m benchmarks.bf16_check`); "
         "GPU rows in `published.md` (`python -m benchmarks.published [--search]`); none of these run by `make bench`.",
         "",
