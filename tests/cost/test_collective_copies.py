@@ -102,3 +102,28 @@ def test_a_shard_group_of_one_pays_the_per_unit_overhead_in_forward_too(llama):
         assert b.bwd_s - a.bwd_s >= units * 1e-3 * (1 - 1e-6)
         cc = chain_costs(Simulator(llama, fabric, slow), mesh, llama.block_chains[0], max_group=2)
         assert cc.overhead_s == 1e-3
+
+
+def test_a_unit_pays_for_its_parameter_tensors_at_each_gather_and_reduction(llama):
+    """[Note: per-parameter overhead] in hardware/measure_fsdp.py: a unit is charged
+    ``param_overhead_s`` per parameter tensor it owns at its forward all-gather, at its backward
+    re-gather (resharded units) and at its reduction; the chain DP's blocks carry the same."""
+    from wrapopt.search.dp.chain import chain_costs
+
+    fabric = analytical_fabric(world_size=2)
+    base = replace(analytical_compute(), runs_ahead=False, unit_overhead_s=1e-3)
+    per = replace(base, param_overhead_s=1e-5)
+    tensors = len(llama.param_shapes)
+    root_only = baselines(llama, MESH)["size-1e8"]  # one unit: the root owns every parameter
+    assert len(root_only.units) == 1
+    a, b = (Simulator(llama, fabric, c).simulate(root_only) for c in (base, per))
+    assert b.fwd_s - a.fwd_s == pytest.approx(tensors * 1e-5, rel=1e-6)  # the root is not resharded: one gather
+    assert b.bwd_s - a.bwd_s == pytest.approx(tensors * 1e-5, rel=1e-6)  # and one reduction
+    per_block = baselines(llama, MESH)["per-block"]  # every block resharded: gathered twice, reduced once
+    a, b = (Simulator(llama, fabric, c).simulate(per_block) for c in (base, per))
+    block = sum(1 for f, _s, _d in llama.param_shapes if f.startswith("layers.0."))
+    blocks = sum(1 for f, _s, _d in llama.param_shapes if f.startswith("layers."))
+    assert b.fwd_s - a.fwd_s == pytest.approx(tensors * 1e-5, rel=1e-6)
+    assert b.bwd_s - a.bwd_s == pytest.approx((tensors + blocks) * 1e-5, rel=1e-6)
+    lo, hi = (chain_costs(Simulator(llama, fabric, c), MESH, llama.block_chains[0], max_group=2) for c in (base, per))
+    assert hi.F[0] - lo.F[0] == pytest.approx(block * 1e-5) and hi.B[0] - lo.B[0] == pytest.approx(block * 1e-5)

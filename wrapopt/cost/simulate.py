@@ -78,6 +78,7 @@ from wrapopt.errors import OptionError
 from wrapopt.hardware.host import HostSpec
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import (
+    ROOT,
     SELECTIVE_OP,
     SYNC_MODES,
     CostEstimate,
@@ -91,6 +92,7 @@ from wrapopt.spec import (
     UnitSpec,
 )
 from wrapopt.tp import TPSpec
+from wrapopt.units import ancestors, owner_by_ancestors, owner_index
 
 __all__ = ["Simulator"]
 
@@ -152,6 +154,7 @@ class _UnitSet(NamedTuple):
     trainable_bytes: int
     compute_s: float  # forward and backward, once
     per_mesh: dict[Any, _MeshCosts]
+    param_overhead_s: np.ndarray  # per unit: See [Note: per-parameter overhead] in hardware/measure_fsdp.py
 
 
 class Simulator:
@@ -187,6 +190,8 @@ class Simulator:
         self.collectives = CollectiveTimes(fabric, self.backend)  # collective times by size
         self._sets: dict[tuple[tuple[str, ...], ...], _UnitSet] = {}  # per set of units (and mesh)
         self._num_tensors = trainable_tensors(graph)  # the optimizer steps these only
+        self._param_ancestors = tuple(ancestors(f.rsplit(".", 1)[0] if "." in f else ROOT) for f, _s, _d in
+                                      graph.param_shapes)  # each parameter's module and its ancestors
         self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
         self._gather_elem = self.options.param_dtype_bytes or self._elem  # bytes per element all-gathered
         self._reduce_elem = self.options.reduce_dtype_bytes or self._gather_elem  # and reduce-scattered
@@ -292,6 +297,16 @@ class Simulator:
 
     # -- cache lookups: what every plan of these units (and mesh) shares
 
+    def _param_overhead(self, units: tuple[UnitSpec, ...]) -> np.ndarray:
+        """Per unit: the profile's ``param_overhead_s`` x its parameter tensors (those of its modules no
+        inner unit owns). See [Note: per-parameter overhead] in hardware/measure_fsdp.py."""
+        counts = np.zeros(len(units))
+        if self.compute.param_overhead_s:
+            owner = owner_by_ancestors(owner_index(units), len(units))
+            for anc in self._param_ancestors:
+                counts[owner(anc)] += 1
+        return counts * self.compute.param_overhead_s
+
     def _unit_set(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...]) -> _UnitSet:
         """Per set of units: its layout and sums. See [Note: simulator speed]."""
         per_set = self._sets.get(mods)
@@ -302,7 +317,8 @@ class Simulator:
             storage, trainable = lay.counts[STORAGE:TRAINABLE_BYTES + 1:TRAINABLE_BYTES - STORAGE].sum(1).tolist()
             fwd, bwd = lay.times[:2].tolist()
             # in _UnitSet's field order
-            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {}))
+            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {},
+                                                         self._param_overhead(units)))
         return per_set
 
     def _mesh_costs(self, per_set: _UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec,
@@ -370,7 +386,8 @@ class Simulator:
         backend = self.backend
         compiled = backend.kernels is not None
         seg_cols, lay_cols = self._columns(lay, mods, compiled)
-        unit_cols = (*per_mesh.columns, choices.regather_s, choices.kept_bytes, choices.checkpoint)  # UnitPlan's
+        unit_cols = (*per_mesh.columns, choices.regather_s, choices.kept_bytes, choices.checkpoint,
+                     per_set.param_overhead_s)  # UnitPlan's
         unit_cols = _new(UnitPlan, unit_cols if compiled else [c.tolist() for c in unit_cols])
         depth = max(plan.forward_prefetch, 1 if self._runs_ahead else 0)
         runs = []

@@ -170,7 +170,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
     # against ~1.9 us to name them again and read the names. See [Note: step loop inputs].
     seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep, seg_sf, seg_sk, seg_so, seg_rf = segs
     order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
-    P, G, ag, rs, ar, rag, keep, ck = units  # UnitPlan
+    P, G, ag, rs, ar, rag, keep, ck, poh = units  # UnitPlan
     static, shard, depth, record, gathers = plan  # PlanScalars
     reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, loss_dur, loss_work, out_b, loss_saved, loss_grads, copy = k
     n = len(P)
@@ -211,7 +211,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 comm_total += d
                 ag_end[u] = c
                 issued[u] = True
-            t = max(t, ag_end[u]) + unit_oh  # See [Note: shard group of one]
+            t = max(t, ag_end[u]) + unit_oh + poh[u]  # See [Note: shard group of one]
             # copy-out: the output beside the unsharded parameters, the previous one freed first
             # (See [Note: all-gather buffer])
             if gathers:
@@ -271,7 +271,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
                 comm_total += d
                 bag_end[u] = c
                 bissued[u] = True
-            t = max(t, bag_end[u]) + (unit_oh if rag[u] > 0 else 0.0)
+            t = max(t, bag_end[u]) + (unit_oh + poh[u] if rag[u] > 0 else 0.0)
             if rag[u] > 0:  # copy-out transient; freed at once in backward
                 m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + arriving + P[u]
                 if m > peak:
@@ -322,7 +322,7 @@ def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalar
             held, held_end, held_bytes = True, c, G[u] * 1.0
             if record and d > 0:
                 ne = _rec(ev, ne, COMM, REDUCE_SCATTER, u, start, c, 0.0)
-            t += unit_oh
+            t += unit_oh + poh[u]
     bwd_end = t
     return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne  # StepResult's fields
 
@@ -333,7 +333,7 @@ assert Segments._fields == ("unit", "fwd_s", "bwd_s", "saved", "work", "grad_num
 assert UnitLayout._fields == ("forward", "backward", "last_fwd", "fwd_pos", "bwd_pos", "num_segments", "seg_grad_numel",
                               "trainable_bytes")
 assert UnitPlan._fields == ("gathered_bytes", "grad_bytes", "all_gather_s", "reduce_scatter_s", "all_reduce_s",
-                            "regather_s", "kept_bytes", "checkpoint")
+                            "regather_s", "kept_bytes", "checkpoint", "param_overhead_s")
 assert PlanScalars._fields == ("static_bytes", "shard_size", "prefetch_depth", "record", "gathers")
 assert StepConstants._fields == ("reduce_elem_bytes", "overlap_compute", "overlap_comm", "unit_overhead_s",
                                  "checkpoint_overhead_s", "loss_s", "loss_work_bytes", "output_bytes",

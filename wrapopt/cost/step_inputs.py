@@ -83,6 +83,7 @@ class UnitPlan(NamedTuple):
     regather_s: Any  # backward all-gather (0: kept since forward): See [Note: reshard after forward]
     kept_bytes: Any  # what it keeps of its parameters between forward and backward
     checkpoint: Any  # int: CK_NONE, CK_FULL or CK_SELECTIVE
+    param_overhead_s: Any  # its parameter tensors' part of FSDP2's work per all-gather and reduction
 
 
 class StepConstants(NamedTuple):
@@ -92,7 +93,7 @@ class StepConstants(NamedTuple):
     reduce_elem_bytes: float  # bytes per gradient element in the reduce-scatter
     overlap_compute: float  # 1 + slowdown of overlapped compute: See [Note: overlap]
     overlap_comm: float  # 1 + slowdown of overlapped collectives
-    unit_overhead_s: float  # FSDP2's work per unit per all-gather
+    unit_overhead_s: float  # FSDP2's work per unit per all-gather and reduction (UnitPlan adds its parameters')
     checkpoint_overhead_s: float  # per checkpointed block
     loss_s: float  # See [Note: loss]
     loss_work_bytes: float  # what memory holds while the loss runs

@@ -12,7 +12,7 @@ import torch.nn as nn
 from wrapopt.errors import ProfileError
 from wrapopt.hardware.timing import median, paired_difference, sync_for, time_reps
 
-__all__ = ["measure_unit_overhead", "measure_optimizer", "measure_pipeline_action"]
+__all__ = ["measure_unit_overhead", "measure_param_overhead", "measure_optimizer", "measure_pipeline_action"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -86,6 +86,50 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     per_unit_step = median(estimates)
     # Ranks must agree: the slowest rank's overhead is what every rank waits for.
     out = torch.tensor([max(per_unit_step / 2, 0.0)], dtype=torch.float64,
+                       device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out[0])
+
+
+def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 5, warmup: int = 2) -> float:
+    """Seconds FSDP2 adds per parameter tensor of a unit per all-gather or reduction; collective.
+
+    [Note: per-parameter overhead] FSDP2's work per unit grows with its parameter count: the
+    copy-out registers every unsharded parameter, the reduction makes every sharded gradient a
+    DTensor. ``measure_unit_overhead`` times units of 2 parameters (``nn.Linear(8, 8)``), so a
+    unit of many (a group of blocks, the root of a one-unit plan) paid more than it priced: on 2
+    gloo ranks a root-only ``fully_shard`` of k such layers ran 2.9 ms over the plain ones at 8
+    parameters and 6.6 ms at 128 (``results/fsdp_in_step.md``). Here: a root-only model of
+    ``layers[0]`` and of ``layers[1]`` layers (one all-gather and one reduce-scatter a step; the
+    root is not resharded), each against the same layers without FSDP, paired per round; the
+    difference of the two excesses over the difference in parameters, per collective (two a step).
+    The messages are a few KiB, latency-bound alike. The cost model charges a unit
+    ``unit_overhead_s + param_overhead_s x its parameters`` at each all-gather and reduction, and
+    the profile's ``unit_overhead_s`` is ``measure_unit_overhead``'s less two parameters' worth.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise ProfileError("measure_param_overhead needs a process group; call it on every rank")
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    sync = sync_for(device)
+    mesh = init_device_mesh(dev_type, (dist.get_world_size(),))
+    x = torch.randn(4, 8, device=device)
+
+    def step(k: int, sharded: bool) -> Callable[[], None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(8, 8, device=device) for _ in range(k)))
+        if sharded:
+            fully_shard(model, mesh=mesh)
+        return lambda: model(x).sum().backward()
+
+    few, many = layers
+    excess = [paired_difference(step(k, True), step(k, False), repeats=4 * repeats, warmup=warmup, sync=sync)
+              for k in (few, many)]
+    per_param = (excess[1] - excess[0]) / (2 * 2 * (many - few))  # 2 tensors a layer, 2 collectives a step
+    out = torch.tensor([max(per_param, 0.0)], dtype=torch.float64,
                        device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return float(out[0])

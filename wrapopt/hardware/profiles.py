@@ -125,9 +125,8 @@ def _fit_alpha_beta(sizes: tuple[int, ...], lat: tuple[float, ...]) -> tuple[flo
     sxy = sum(wi * wi * n * t for wi, n, t in zip(w, sizes, lat))
     det = sw * sxx - sx * sx
     if len(sizes) < 2 or det <= 0:
-        # One size cannot separate latency from bandwidth. Extrapolation must not be free:
-        # take the whole time of the size as transfer, a lower bound on the bandwidth.
-        return lat[0], sizes[-1] / lat[-1], 0.0
+        # One size cannot separate latency from bandwidth; extrapolation must not be free: the
+        return lat[0], sizes[-1] / lat[-1], 0.0  # whole time of the size as transfer (a bound)
     slope = (sw * sxy - sx * sy) / det
     alpha = (sy - slope * sx) / sw
     if slope <= 0:
@@ -387,12 +386,12 @@ class ComputeProfile:
     memory_bandwidth_bytes_per_s: float
     memory_capacity_bytes: int | None = None
     unit_overhead_s: float = 0.0  # fixed cost per FSDP unit per all-gather (hooks, copy-in, copy-out), seconds
+    param_overhead_s: float = 0.0  # and per parameter tensor of the unit: [Note: per-parameter overhead]
     module_overhead_s: float = 0.0  # fixed cost per module call (kernel launches / op dispatch), seconds
-    # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters:
-    # on small models the step is bound by per-tensor dispatch, not by bytes.
+    # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters (small models:
+    # per-tensor dispatch, not bytes); on a 2-D (replicate, shard) mesh (HSDP and no-shard plans)
+    # DTensor dispatch costs more per op. 0: use optimizer_tensor_s.
     optimizer_tensor_s: float = 0.0
-    # The same on a 2-D (replicate, shard) mesh (HSDP and no-shard plans): DTensor
-    # dispatch costs more per op with two mesh dims. 0: use optimizer_tensor_s.
     optimizer_tensor_2d_s: float = 0.0
     # Effective bandwidth of the optimizer step, counted as (2 + 2 * states) bytes
     # per parameter byte: AdamW's foreach ops stream the tensors more times than
@@ -437,6 +436,7 @@ class ComputeProfile:
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "unit_overhead_s": self.unit_overhead_s,
+            "param_overhead_s": self.param_overhead_s,
             "module_overhead_s": self.module_overhead_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "optimizer_tensor_2d_s": self.optimizer_tensor_2d_s,
@@ -470,6 +470,7 @@ class ComputeProfile:
             memory_bandwidth_bytes_per_s=r.num("memory_bandwidth_bytes_per_s", positive=True),
             memory_capacity_bytes=cap,
             unit_overhead_s=r.num("unit_overhead_s", 0.0),
+            param_overhead_s=r.num("param_overhead_s", 0.0),
             module_overhead_s=r.num("module_overhead_s", 0.0),
             optimizer_tensor_s=r.num("optimizer_tensor_s", 0.0),
             optimizer_tensor_2d_s=r.num("optimizer_tensor_2d_s", 0.0),

@@ -141,9 +141,13 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
     for sgm in lay.segments:
         if sgm.unit < n:
             sel_extra[sgm.unit] += sgm.sel_keep - sgm.keep
+    # A group's parameters' part of FSDP2's work is its blocks' (See [Note: per-parameter overhead]),
+    # charged with their forward and their backward as the group's overhead_s is.
+    poh = sim._param_overhead(per_block)[:n].tolist()
     return ChainCosts(
         blocks=chain,
-        F=lay.fwd_s[:n], B=lay.bwd_s[:n], P=tuple(P), G=tuple(G),
+        F=tuple(f + o for f, o in zip(lay.fwd_s[:n], poh)), B=tuple(b + o for b, o in zip(lay.bwd_s[:n], poh)),
+        P=tuple(P), G=tuple(G),
         SG=tuple(lay.trainable_bytes[i] / shard for i in range(n)),
         act=tuple(float(x) for x in lay.saved[:n]),
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
