@@ -14,6 +14,19 @@ from wrapopt.hardware.timing import median, paired_difference, sync_for, time_re
 
 __all__ = ["measure_unit_overhead", "measure_param_overhead", "measure_optimizer", "measure_pipeline_action"]
 
+
+def _device() -> tuple[str, torch.device]:
+    """The device type the ranks measure on and this rank's device."""
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return dev_type, torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+
+
+def _slowest(*values: float, device: torch.device) -> list[float]:
+    """Each value's max over ranks (collective): the slowest rank's figure is what every rank waits for."""
+    out = torch.tensor(values, dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.tolist()
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -48,8 +61,7 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     if num_layers < 2:
         raise ValueError(f"num_layers must be at least 2, got {num_layers}")
     world = dist.get_world_size()
-    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    dev_type, device = _device()
     sync = sync_for(device)
     mesh = init_device_mesh(dev_type, (world,))
     x = torch.randn(4, 8, device=device)
@@ -85,10 +97,7 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
         estimates.append((many_minus_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (n - 1))
     per_unit_step = median(estimates)
     # Ranks must agree: the slowest rank's overhead is what every rank waits for.
-    out = torch.tensor([max(per_unit_step / 2, 0.0)], dtype=torch.float64,
-                       device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out[0])
+    return _slowest(max(per_unit_step / 2, 0.0), device=device)[0]
 
 
 def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 5, warmup: int = 2) -> float:
@@ -112,8 +121,7 @@ def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 
 
     if not dist.is_initialized():
         raise ProfileError("measure_param_overhead needs a process group; call it on every rank")
-    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    dev_type, device = _device()
     sync = sync_for(device)
     mesh = init_device_mesh(dev_type, (dist.get_world_size(),))
     x = torch.randn(4, 8, device=device)
@@ -129,10 +137,7 @@ def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 
     excess = [paired_difference(step(k, True), step(k, False), repeats=4 * repeats, warmup=warmup, sync=sync)
               for k in (few, many)]
     per_param = (excess[1] - excess[0]) / (2 * 2 * (many - few))  # 2 tensors a layer, 2 collectives a step
-    out = torch.tensor([max(per_param, 0.0)], dtype=torch.float64,
-                       device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out[0])
+    return _slowest(max(per_param, 0.0), device=device)[0]
 
 
 def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float, float, float]:
@@ -150,8 +155,7 @@ def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float
 
     if not dist.is_initialized():
         raise ProfileError("measure_optimizer needs a process group")
-    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    dev_type, device = _device()
     world = dist.get_world_size()
     sync = sync_for(device)
 
@@ -186,10 +190,8 @@ def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float
     t_big = step_time(big, mesh1) - 4 * per_tensor
     counted = 2 + 2 * 2  # bytes per parameter byte as cost/simulate.py counts AdamW (two states)
     bandwidth = local_bytes * counted / t_big if t_big > 0 else 0.0
-    out = torch.tensor([per_tensor, per_tensor_2d, -bandwidth], dtype=torch.float64,
-                       device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # slowest rank: max time, min bandwidth
-    return float(out[0]), float(out[1]), -float(out[2])
+    per_tensor, per_tensor_2d, neg_bw = _slowest(per_tensor, per_tensor_2d, -bandwidth, device=device)
+    return per_tensor, per_tensor_2d, -neg_bw  # slowest rank: max time, min bandwidth
 
 
 def measure_pipeline_action(*, repeats: int = 5, width: int = 8) -> float:
@@ -212,8 +214,7 @@ def measure_pipeline_action(*, repeats: int = 5, width: int = 8) -> float:
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2 or world % 2 or world > 8:
         return 0.0
-    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    dev_type, device = _device()
     sync = sync_for(device)
     groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank makes every group
     group, stage_index, peer = groups[rank // 2], rank % 2, rank ^ 1
@@ -246,9 +247,7 @@ def measure_pipeline_action(*, repeats: int = 5, width: int = 8) -> float:
             pairs.append((t2, t8))
     send = time_reps(ping_pong, repeats=4 * repeats, warmup=2, sync=sync) / 2
     slope = median([(t8 - t2) / 6 for t2, t8 in pairs])
-    out = torch.tensor([max(0.0, (slope - 2 * send) / 2)], dtype=torch.float64,
-                       device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    action = _slowest(max(0.0, (slope - 2 * send) / 2), device=device)[0]
     for g in groups:
         dist.destroy_process_group(g)
-    return float(out[0])
+    return action

@@ -125,8 +125,8 @@ def _fit_alpha_beta(sizes: tuple[int, ...], lat: tuple[float, ...]) -> tuple[flo
     sxy = sum(wi * wi * n * t for wi, n, t in zip(w, sizes, lat))
     det = sw * sxx - sx * sx
     if len(sizes) < 2 or det <= 0:
-        # One size cannot separate latency from bandwidth; extrapolation must not be free: the
-        return lat[0], sizes[-1] / lat[-1], 0.0  # whole time of the size as transfer (a bound)
+        # One size cannot separate latency from bandwidth, and extrapolation must not be free:
+        return lat[0], sizes[-1] / lat[-1], 0.0  # all of its time as transfer, a bound on the bandwidth
     slope = (sw * sxy - sx * sy) / det
     alpha = (sy - slope * sx) / sw
     if slope <= 0:

@@ -90,7 +90,7 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
     f, m = tb.f, tb.m
     nw = tb.w_R.size
     L = lams.size
-    o = fo = cc.overhead_s  # per group, in forward and in backward
+    o = cc.overhead_s  # per group, in forward and in backward
     H = np.full((L, n + 1, nw, G + 1, C), np.inf)
     # The cheapest next choice from each state, per next size: a group's
     # collectives (A, S) and gradient bytes do not depend on its choice (see
@@ -125,7 +125,7 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
         for s_next in range(1, min(G, n - i) + 1):
             SX, AX = f["S"][i, s_next, 0], f["A"][i, s_next, 0]
             bw = np.maximum(BV[None] + o, R_W + SX)  # (w, s, c)
-            fw = np.maximum(FV + fo, AX) if cc.runs_ahead else FV + fo + AX  # (s, c)
+            fw = np.maximum(FV + o, AX) if cc.runs_ahead else FV + o + AX  # (s, c)
             rest = Hmin[:, i + s_next, vw, s_next]  # (l, s, c)
             np.minimum(best, bw[None] + (fw[None] + rest)[:, None], out=best)
         H[:, i, :, 1:smax + 1, :] = best + lam * grow[None, None]

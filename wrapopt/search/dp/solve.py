@@ -120,7 +120,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
     f, m = tb.f, tb.m
     use_mem = math.isfinite(mem_allowance)
     allow = mem_allowance if use_mem else 0.0
-    o = fo = cc.overhead_s  # per group, in forward and in backward
+    o = cc.overhead_s  # per group, in forward and in backward
     two_work = 2 * int(cc.work)
     ahead = cc.runs_ahead
     cis = np.arange(C)
@@ -157,7 +157,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
             final_p.append(ids[ok])
             continue
         v_wid = tb.wid[st, sl, cl]
-        fw_comp = FV + fo
+        fw_comp = FV + o
         L = t.size
         for s_next in range(1, min(G, n - i) + 1):
             SX, AX, GX = f["S"][i, s_next], f["A"][i, s_next], m["G"][i, s_next]
@@ -183,12 +183,12 @@ def _first_groups(tb: GroupTables, cc: ChainCosts, start: tuple[np.ndarray, np.n
 
     ``pending[end]`` lists arrays (t, a, wid, s_last, ci_last, parent) of labels whose last group ends at ``end``."""
     n, G, C = tb.n, tb.G, tb.C
-    fo, ahead, cis = cc.overhead_s, cc.runs_ahead, np.arange(C)
+    o, ahead, cis = cc.overhead_s, cc.runs_ahead, np.arange(C)
     pending: list[list] = [[] for _ in range(n + 1)]
     t0, a0, id0 = start
     for s in range(1, G + 1):
         AX = tb.f["A"][0, s]
-        dt = np.maximum(fo, AX) if ahead else fo + AX
+        dt = np.maximum(o, AX) if ahead else o + AX
         L = t0.size
         pending[s].append((
             (t0[:, None] + dt[None, :]).ravel(), np.repeat(a0, C), np.zeros(L * C, dtype=np.int64),
