@@ -107,17 +107,25 @@ def test_gradient_accumulation_costs_micro_batches(llama):
     assert dict(four.peak_breakdown).get("accumulated_grads", 0) > 0
 
 
-def test_cpu_without_prefetch_exposes_all_gathers():
+def test_cpu_collectives_block_and_a_gpu_overlaps_them():
+    """[Note: blocking collectives] in cost/step.py: on a CPU every collective holds the rank, so
+    the step is its compute, its collectives and FSDP2's overheads one after the other, and an
+    explicit prefetch gains nothing; on a GPU the comm lane runs beside compute."""
     e = zoo.get_entry("gpt-tiny")
     g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
     mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
     cpu = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10,
-                         memory_bandwidth_bytes_per_s=1e10)
+                         memory_bandwidth_bytes_per_s=1e10, unit_overhead_s=1e-4)
     fab = analytical_fabric(world_size=2)
     plan = baselines(g, mesh)["per-block"]
     implicit = simulate(g, plan, fab, cpu)
     explicit = simulate(g, dataclasses.replace(plan, forward_prefetch=1), fab, cpu)
-    assert explicit.fwd_s < implicit.fwd_s
+    assert explicit.fwd_s == pytest.approx(implicit.fwd_s) and explicit.step_s == pytest.approx(implicit.step_s)
+    serial = implicit.compute_s + implicit.comm_s + implicit.optim_s
+    assert implicit.step_s >= serial * (1 - 1e-9)  # nothing overlaps (overheads on top)
+    gpu = dataclasses.replace(cpu, runs_ahead=True)
+    ahead = simulate(g, plan, fab, gpu)
+    assert ahead.step_s < implicit.step_s
 
 
 def test_illegal_plans_are_rejected_with_names():

@@ -101,6 +101,7 @@ class StepConstants(NamedTuple):
     loss_saved_bytes: float  # what the loss saves for its backward
     loss_grad_bytes: float  # the gradients its backward holds at once: See [Note: loss] in step.py
     collective_copy: float  # See [Note: collective copies]
+    serial: float  # 1.0: each collective holds the issuing thread until it ends (See [Note: blocking collectives])
 
 
 class PlanScalars(NamedTuple):

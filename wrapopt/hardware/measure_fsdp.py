@@ -43,15 +43,17 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     work per unit (hooks, copy-in/copy-out, stream and state bookkeeping)
     plus the extra collectives, whose latency is measured directly and
     taken out (``t_many - t_one`` is the median of the two steps' differences,
-    timed back to back per round: ``timing.paired_difference``)::
-        per_unit_step = (t_many - t_one - (2N - 1) * t_all_gather - (N - 1) * t_reduce_scatter) / (N - 1)
+    timed back to back per round: ``timing.paired_difference``). The cost
+    model charges ``unit_overhead_s`` at each of a unit's all-gathers and at
+    its reduction: 3 a step for a resharded unit (gather, re-gather, reduce),
+    2 for the root, so "many" holds ``3N - 2`` more of them than "one"::
+        per_event = (t_many - t_one - (2N - 1) * t_all_gather - (N - 1) * t_reduce_scatter) / (3N - 2)
 
-    ``per_unit_step`` is what one resharding unit adds to a training step
-    (its pre/post-forward and pre/post-backward work, the reduce-scatter's
-    bookkeeping included). The result is ``per_unit_step / 2``, floored at
-    0 and the max over ranks: the ``unit_overhead_s`` the cost model adds
-    once per all-gather, so twice per step for a unit resharded after
-    forward, which reproduces the measured step.
+    The result is ``per_event``, floored at 0 and the max over ranks, which
+    reproduces the measured step. (Until 2026-12-06 it was the step's per-unit
+    figure halved, ``(3N - 2) / (2N - 2)`` times this, which the model then
+    charged three times per resharded unit: gpt-tiny's every-leaf plan, 35 units,
+    was priced 15% over its measured step in the demo.)
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -94,10 +96,9 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
         # cheap). Timed one after the other, the demo's quick profile put gpt-tiny's every-leaf plan at
         # 64 ms in one run and 155 ms in the next, against 181 ms measured (issue 34).
         many_minus_one = paired_difference(many, one, repeats=4 * repeats, warmup=warmup, sync=sync)
-        estimates.append((many_minus_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (n - 1))
-    per_unit_step = median(estimates)
+        estimates.append((many_minus_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (3 * n - 2))
     # Ranks must agree: the slowest rank's overhead is what every rank waits for.
-    return _slowest(max(per_unit_step / 2, 0.0), device=device)[0]
+    return _slowest(max(median(estimates), 0.0), device=device)[0]
 
 
 def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 5, warmup: int = 2) -> float:

@@ -98,6 +98,9 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
     Hmin = np.full((L, n + 1, nw, G + 1), np.inf)
     lam = lams[:, None, None, None]  # (l, w, s, c)
     R_W = tb.w_R[:, None, None]
+    ahead = cc.runs_ahead
+    if not ahead:  # See [Note: chain model]: W's re-gather blocks and pays its overhead
+        R_W = R_W + o * (R_W > 0)
     reg_W = tb.w_reg[:, None, None].astype(float)
     cs = np.arange(C)[None, :]
     for i in range(n, 0, -1):
@@ -116,7 +119,7 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
                 mem = np.maximum(local[None] + reg_W, loss[None])
             else:
                 mem = np.broadcast_to(grow[None], (nw,) + grow.shape)
-            base = np.maximum(BV[None] + o, R_W) + FV[None]  # (w, s, c)
+            base = (np.maximum(BV[None] + o, R_W) if ahead else BV[None] + o + R_W) + FV[None]  # (w, s, c)
             H[:, i, :, 1:smax + 1, :] = base[None] + tails[:, None, None, None] + lam * mem[None]
             Hmin[:, i] = H[:, i].min(axis=-1)
             continue
@@ -124,8 +127,8 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
         best = np.full((L, nw, smax, C), np.inf)
         for s_next in range(1, min(G, n - i) + 1):
             SX, AX = f["S"][i, s_next, 0], f["A"][i, s_next, 0]
-            bw = np.maximum(BV[None] + o, R_W + SX)  # (w, s, c)
-            fw = np.maximum(FV + o, AX) if cc.runs_ahead else FV + o + AX  # (s, c)
+            bw = np.maximum(BV[None] + o, R_W + SX) if ahead else BV[None] + o + R_W + SX  # (w, s, c)
+            fw = np.maximum(FV + o, AX) if ahead else FV + o + AX  # (s, c)
             rest = Hmin[:, i + s_next, vw, s_next]  # (l, s, c)
             np.minimum(best, bw[None] + (fw[None] + rest)[:, None], out=best)
         H[:, i, :, 1:smax + 1, :] = best + lam * grow[None, None]

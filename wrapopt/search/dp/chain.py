@@ -13,6 +13,9 @@ time splits into windows that couple only neighbouring units:
   lane carries X's reduce-scatter (issued just before) and W's prefetched
   re-gather (``R_W`` = 0 when W kept its parameters, the intra-node
   all-gather when W resharded to one node), and W cannot start before both land.
+  On a CPU, whose collectives block (See [Note: blocking collectives] in
+  cost/step.py), the window is their sum, plus W's re-gather's overhead ``o``
+  when it re-gathers.
 
 Memory is checked in every backward window, following the simulator's
 accounting (``cost/step.py``, [Note: memory]). In V's window it is
@@ -111,8 +114,7 @@ class ChainAnswer:
         return tuple(ch for c, _st, _s, ch in self.groups if c == chain)
 
 
-def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_group: int, *,
-                forward_prefetch: int = 0) -> ChainCosts:
+def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_group: int) -> ChainCosts:
     per_block = tuple(UnitSpec((b,)) for b in chain) + (UnitSpec((ROOT,)),)
     lay = sim.layout(per_block)
     opt = sim.options
@@ -136,7 +138,8 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
                           + sim.collectives.time("all_reduce", rep, rpn_rep, g / shard, notes))
             for r in node_rafs:
                 rag[(i, s, r)] = sim.collectives.time("all_gather", r, min(r, mesh.ranks_per_node), p, notes)
-    runs_ahead = sim.compute.runs_ahead or forward_prefetch > 0  # See [Note: all-gather issue]
+    # See [Note: all-gather issue]; on a CPU a prefetch blocks too: See [Note: blocking collectives] in cost/step.py
+    runs_ahead = sim.compute.runs_ahead
     sel_extra = [0.0] * n
     for sgm in lay.segments:
         if sgm.unit < n:
@@ -209,7 +212,10 @@ def _fw(cc: ChainCosts, V: tuple, X: tuple) -> float:
 
 
 def _bw(cc: ChainCosts, W: tuple, V: tuple, X: tuple) -> float:
-    return max(V[1] + cc.overhead_s, W[3] + X[4])
+    if cc.runs_ahead:
+        return max(V[1] + cc.overhead_s, W[3] + X[4])
+    # one after the other, W's re-gather paying its overhead: See [Note: blocking collectives] in cost/step.py
+    return V[1] + cc.overhead_s + W[3] + X[4] + (cc.overhead_s if W[3] > 0 else 0.0)
 
 
 def sharded_grads_after(cc: ChainCosts) -> list[int]:

@@ -72,7 +72,7 @@ class ChainDP:
         self.sim, self.mesh, self.chains = sim, mesh, chains
         self.max_group, self.forward_prefetch = max_group, forward_prefetch
         self.static_bytes = chain_static_bytes(sim, mesh, chains) if static_bytes is None else static_bytes
-        costs = [chain_costs(sim, mesh, c, max_group, forward_prefetch=forward_prefetch) for c in chains]
+        costs = [chain_costs(sim, mesh, c, max_group) for c in chains]  # a prefetch changes no window's time
         tail = 0.0
         for k in range(len(costs) - 1, -1, -1):  # later chains' sharded gradients land before this one's backward
             costs[k] = replace(costs[k], sg_tail=tail)

@@ -143,6 +143,8 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
         ids = store.add(par, chain_index, st, sl, cl)
         FV, BV = f["F"][st, sl, cl], f["B"][st, sl, cl]
         R_W, reg_W = tb.w_R[wid], tb.w_reg[wid]
+        if not ahead:  # See [Note: chain model]: W's re-gather blocks and pays its overhead
+            R_W = R_W + o * (R_W > 0)
         base_mem = a + m["P"][st, sl, cl] + reg_W + m["saved"][st, sl, cl] + m["G"][st, sl, cl] + two_work
         a_next = a + m["keep"][st, sl, cl] + m["act"][st, sl, cl]
         bw_comp = BV + o
@@ -152,7 +154,7 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
                 ok &= a_next + round(cc.loss_mem) + m["reg"][st, sl, cl] <= allow
             else:
                 ok = np.ones(t.size, dtype=bool)
-            final_t.append((t + np.maximum(bw_comp, R_W) + FV)[ok])
+            final_t.append((t + (np.maximum(bw_comp, R_W) if ahead else bw_comp + R_W) + FV)[ok])
             final_a.append(a_next[ok])
             final_p.append(ids[ok])
             continue
@@ -161,7 +163,8 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
         L = t.size
         for s_next in range(1, min(G, n - i) + 1):
             SX, AX, GX = f["S"][i, s_next], f["A"][i, s_next], m["G"][i, s_next]
-            dt = np.maximum(bw_comp[:, None], R_W[:, None] + SX[None, :])
+            dt = (np.maximum(bw_comp[:, None], R_W[:, None] + SX[None, :]) if ahead
+                  else bw_comp[:, None] + R_W[:, None] + SX[None, :])
             dt = dt + (np.maximum(fw_comp[:, None], AX[None, :]) if ahead else fw_comp[:, None] + AX[None, :])
             nt = t[:, None] + dt
             ok = np.ones((L, C), dtype=bool)

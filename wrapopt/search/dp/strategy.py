@@ -40,16 +40,13 @@ class PerBlockDP(Strategy):
         if not problem.graph.block_chains:
             return Proposal()
         sim, mesh, budget = problem.sim, problem.mesh, problem.memory_budget
-        prefetches = (0,) if sim.compute.runs_ahead else (0, 1)
-        plans = []
-        for pf in prefetches:
-            dp = ChainDP(sim, mesh, problem.graph.block_chains, max_group=1, forward_prefetch=pf,
-                         checkpoint_modes=problem.options.checkpoint_modes)
-            if dp.static_bytes >= budget:
-                break
-            plans += [replace(a.plan, label=f"per-block,dp{',prefetch' if pf else ''}")
-                      for a in dp.answers(budget, uniform=False)]
-        return Proposal(plans=tuple(plans))
+        # No explicit prefetch: a GPU's all-gathers run ahead by themselves, and a CPU's prefetch blocks as its
+        # other collectives do (See [Note: blocking collectives] in cost/step.py): it would gain nothing.
+        dp = ChainDP(sim, mesh, problem.graph.block_chains, max_group=1,
+                     checkpoint_modes=problem.options.checkpoint_modes)
+        if dp.static_bytes >= budget:
+            return Proposal()
+        return Proposal(plans=tuple(replace(a.plan, label="per-block,dp") for a in dp.answers(budget, uniform=False)))
 
 
 def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
@@ -78,16 +75,13 @@ def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
     """
     sim, mesh, budget = problem.sim, problem.mesh, problem.memory_budget
     chains = problem.graph.block_chains
-    prefetches = (0,) if sim.compute.runs_ahead else (0, 1)
     jobs = []
-    for s in problem.shard_sizes:
+    for s in problem.shard_sizes:  # no explicit prefetch: See PerBlockDP.propose
         m = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=s)
-        for pf in prefetches:
-            dp = ChainDP(sim, m, chains, max_group=problem.options.max_group, forward_prefetch=pf,
-                         checkpoint_modes=problem.options.checkpoint_modes)
-            if dp.static_bytes >= budget:
-                break
-            jobs.append((dp.lower_bound(budget, tuned=False), s == mesh.shard_size and pf == 0, dp))
+        dp = ChainDP(sim, m, chains, max_group=problem.options.max_group,
+                     checkpoint_modes=problem.options.checkpoint_modes)
+        if dp.static_bytes < budget:
+            jobs.append((dp.lower_bound(budget, tuned=False), s == mesh.shard_size, dp))
     jobs.sort(key=lambda j: (not j[1], j[0]))  # the requested mesh first: its uniform answers always come
     plans: list[PlanSpec] = []
     best_t, shrink = math.inf, 0.0
