@@ -128,6 +128,31 @@ def test_cpu_collectives_block_and_a_gpu_overlaps_them():
     assert ahead.step_s < implicit.step_s
 
 
+def test_a_checkpointed_block_pays_its_forward_part_of_the_overhead_in_forward():
+    """[Note: checkpoint overhead] in cost/step.py: of ``checkpoint_overhead_s`` per checkpointed
+    block, ``checkpoint_forward_s`` moves from the recompute to the forward; the step's total
+    stays (CPU: nothing overlaps), and the chain DP's group figures move alike."""
+    from wrapopt.search.dp.chain import chain_costs, group_figures
+
+    e = zoo.get_entry("gpt-tiny")
+    g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+    mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+    cpu = ComputeProfile(kind="measured", device="cpu", runs_ahead=False, flops_per_s=5e10,
+                         memory_bandwidth_bytes_per_s=1e10, unit_overhead_s=1e-4, checkpoint_overhead_s=1e-3)
+    split = dataclasses.replace(cpu, checkpoint_forward_s=4e-4)
+    fab = analytical_fabric(world_size=2)
+    plan = baselines(g, mesh)["per-block,ckpt"]
+    blocks = len(g.block_chains[0])
+    a, b = simulate(g, plan, fab, cpu), simulate(g, plan, fab, split)
+    assert b.fwd_s - a.fwd_s == pytest.approx(blocks * 4e-4, rel=1e-6)
+    assert a.bwd_s - b.bwd_s == pytest.approx(blocks * 4e-4, rel=1e-6)
+    assert b.step_s == pytest.approx(a.step_s, rel=1e-9)
+    ca, cb = (chain_costs(Simulator(g, fab, c), mesh, g.block_chains[0], max_group=2) for c in (cpu, split))
+    fa, fb = group_figures(ca, 0, 2, (True, True)), group_figures(cb, 0, 2, (True, True))
+    assert fb[0] - fa[0] == pytest.approx(2 * 4e-4) and fa[1] - fb[1] == pytest.approx(2 * 4e-4)
+    assert group_figures(cb, 0, 2, (True, False))[:2] == group_figures(ca, 0, 2, (True, False))[:2]
+
+
 def test_illegal_plans_are_rejected_with_names():
     e = zoo.get_entry("gpt-tiny")
     g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)

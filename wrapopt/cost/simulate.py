@@ -208,7 +208,8 @@ class Simulator:
             output_bytes=float(out_b), loss_saved_bytes=float(graph.loss_saved_bytes * scale),
             loss_grad_bytes=float(max(2 * out_b, graph.loss_grad_bytes * scale)),
             collective_copy=float(fabric.collective_copies),  # See [Note: collective copies]
-            serial=0.0 if compute.runs_ahead else 1.0)  # See [Note: blocking collectives] in cost/step.py
+            serial=0.0 if compute.runs_ahead else 1.0,  # See [Note: blocking collectives] in cost/step.py
+            checkpoint_forward_s=min(compute.checkpoint_forward_s, compute.checkpoint_overhead_s))
         self._cols: dict[tuple[Any, bool], tuple[Segments, UnitLayout]] = {}  # per layout
 
     def _columns(self, lay: Layout, mods: tuple[tuple[str, ...], ...], arrays: bool) -> tuple[Segments, UnitLayout]:

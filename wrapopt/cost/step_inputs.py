@@ -102,6 +102,7 @@ class StepConstants(NamedTuple):
     loss_grad_bytes: float  # the gradients its backward holds at once: See [Note: loss] in step.py
     collective_copy: float  # See [Note: collective copies]
     serial: float  # 1.0: each collective holds the issuing thread until it ends (See [Note: blocking collectives])
+    checkpoint_forward_s: float  # of that, its forward's part: See [Note: checkpoint overhead] in cost/step.py
 
 
 class PlanScalars(NamedTuple):

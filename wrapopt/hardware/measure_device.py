@@ -254,17 +254,16 @@ def _fwd_bwd(b: nn.Module, fresh: Callable[[], tuple[Any, ...]], kwargs: dict[st
 
 
 def measure_checkpoint_overhead(model: nn.Module, example_inputs: tuple[Any, ...] | Any, *,
-                                repeats: int = 5) -> float:
-    """Seconds activation checkpointing adds to one block beyond re-running its forward.
+                                repeats: int = 5) -> tuple[float, float]:
+    """Seconds activation checkpointing adds to one block beyond re-running its forward, and the
+    part of them its first forward pays: See [Note: checkpoint overhead] in cost/step.py.
 
-    Takes the model's first repeated block (None: 0.0), captures its inputs in
-    one forward, and times forward+backward of a copy of the block plain
-    (``t_plain``), checkpointed with the composable ``checkpoint`` as
-    ``apply_plan`` does (``t_ckpt``), and its forward alone (``t_fwd``)::
+    Takes the model's first repeated block (None: zeros), captures its inputs in one forward, and
+    times forward+backward of a copy of the block plain (``t_plain``), checkpointed with the
+    composable ``checkpoint`` as ``apply_plan`` does (``t_ckpt``), and the forward alone of each
+    (``t_fwd``, ``t_ckpt_fwd``)::
         overhead = max(0, t_ckpt - t_plain - t_fwd)
-
-    On CPU this is milliseconds per block (saved-tensor hooks and the
-    recompute's bookkeeping), larger than a tiny block's forward.
+        forward part = min(overhead, max(0, t_ckpt_fwd - t_fwd))
     """
     import copy
 
@@ -272,13 +271,15 @@ def measure_checkpoint_overhead(model: nn.Module, example_inputs: tuple[Any, ...
 
     found = _block_call(model, example_inputs)
     if found is None:
-        return 0.0
+        return 0.0, 0.0
     block, fresh, kwargs, sync = found
     plain, ckpt = copy.deepcopy(block), copy.deepcopy(block)
     checkpoint(ckpt)
-    t_plain, t_ckpt, t_fwd = _interleaved((_fwd_bwd(plain, fresh, kwargs), _fwd_bwd(ckpt, fresh, kwargs),
-                                           _fwd_bwd(plain, fresh, kwargs, False)), repeats, sync)
-    return max(0.0, t_ckpt - t_plain - t_fwd)
+    t_plain, t_ckpt, t_fwd, t_ckpt_fwd = _interleaved(
+        (_fwd_bwd(plain, fresh, kwargs), _fwd_bwd(ckpt, fresh, kwargs), _fwd_bwd(plain, fresh, kwargs, False),
+         _fwd_bwd(ckpt, fresh, kwargs, False)), repeats, sync)
+    total = max(0.0, t_ckpt - t_plain - t_fwd)
+    return total, min(total, max(0.0, t_ckpt_fwd - t_fwd))
 
 
 class _OpCount(TorchDispatchMode):
@@ -409,8 +410,7 @@ def measure_compute(
     # The model's own runs are local: a rank whose forward fails tells the others before they wait for it in
     # the collectives below (See [Note: every rank explains] in wrapopt/consensus.py).
     with every_rank("running the model to time its modules"):
-        module_times, loss_s, checkpoint_overhead_s, selective_s = _model_figures(model, example_inputs, loss_fn,
-                                                                                  repeats, meta)
+        module_times, loss_s, ckpt_s, selective_s = _model_figures(model, example_inputs, loss_fn, repeats, meta)
         fixed_share = 0.0
         if model is not None:  # See [Note: batch scaling] in cost/calls.py
             fixed_share = measure_batch_fixed_share(model, example_inputs, loss_fn, repeats=repeats)
@@ -441,7 +441,8 @@ def measure_compute(
         optimizer_tensor_2d_s=optimizer_tensor_2d_s,
         optimizer_bandwidth_bytes_per_s=optimizer_bandwidth,
         loss_s=loss_s,
-        checkpoint_overhead_s=checkpoint_overhead_s,
+        checkpoint_overhead_s=ckpt_s[0],
+        checkpoint_forward_s=ckpt_s[1],
         selective_op_overhead_s=selective_s,
         module_times=module_times,
         batch_fixed_share=fixed_share,
@@ -465,10 +466,10 @@ def _resolve_device(device: torch.device | str | None, model: nn.Module | None) 
 
 
 def _model_figures(model: nn.Module | None, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None,
-                   repeats: int, meta: dict[str, Any]) -> tuple[tuple[tuple[str, float, float], ...], float, float,
-                                                                 float]:
-    """What the model itself adds, when given: its module times, its loss's time (with a
-    ``loss_fn``), the overhead of checkpointing its first repeated block and selective-op's per-op cost."""
+                   repeats: int, meta: dict[str, Any]) -> tuple[tuple[tuple[str, float, float], ...], float,
+                                                                 tuple[float, float], float]:
+    """What the model itself adds, when given: its module times, its loss's time (with a ``loss_fn``), the
+    overhead of checkpointing its first repeated block (and its forward's part) and selective-op's per-op cost."""
     module_times: tuple[tuple[str, float, float], ...] = ()
     if model is not None:
         module_times = measure_module_times(model, example_inputs, loss_fn=loss_fn, repeats=repeats)
@@ -476,13 +477,13 @@ def _model_figures(model: nn.Module | None, example_inputs: Any, loss_fn: Callab
     loss_s = 0.0
     if model is not None and loss_fn is not None:
         loss_s = measure_loss_time(model, example_inputs, loss_fn, repeats=repeats)
-    checkpoint_overhead_s = selective_s = 0.0
+    ckpt_s, selective_s = (0.0, 0.0), 0.0
     if model is not None:
-        checkpoint_overhead_s = measure_checkpoint_overhead(model, example_inputs, repeats=repeats)
-        meta["checkpoint_overhead"] = "first repeated block: checkpointed - plain - forward"
+        ckpt_s = measure_checkpoint_overhead(model, example_inputs, repeats=repeats)
+        meta["checkpoint_overhead"] = "first repeated block: checkpointed - plain - forward (forward: its own)"
         selective_s = measure_selective_overhead(model, example_inputs, repeats=repeats)
         meta["selective_op_overhead"] = "first repeated block: (selective, recompute all - full) / (2 * forward ops)"
-    return module_times, loss_s, checkpoint_overhead_s, selective_s
+    return module_times, loss_s, ckpt_s, selective_s
 
 
 def _unit_overhead(repeats: int, meta: dict[str, Any]) -> tuple[float, float]:

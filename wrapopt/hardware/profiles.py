@@ -388,29 +388,27 @@ class ComputeProfile:
     unit_overhead_s: float = 0.0  # fixed cost per FSDP unit per all-gather (hooks, copy-in, copy-out), seconds
     param_overhead_s: float = 0.0  # and per parameter tensor of the unit: [Note: per-parameter overhead]
     module_overhead_s: float = 0.0  # fixed cost per module call (kernel launches / op dispatch), seconds
-    # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters (small models:
-    # per-tensor dispatch, not bytes); on a 2-D (replicate, shard) mesh (HSDP and no-shard plans)
-    # DTensor dispatch costs more per op. 0: use optimizer_tensor_s.
+    # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters (small models: per-tensor
+    # dispatch, not bytes); on a 2-D (replicate, shard) mesh (HSDP, no-shard) more per op. 0: optimizer_tensor_s.
     optimizer_tensor_s: float = 0.0
     optimizer_tensor_2d_s: float = 0.0
-    # Effective bandwidth of the optimizer step, counted as (2 + 2 * states) bytes
-    # per parameter byte: AdamW's foreach ops stream the tensors more times than
-    # that count, so the step runs below the copy bandwidth. 0: memory bandwidth.
+    # Effective bandwidth of the optimizer step, counted as (2 + 2 * states) bytes per parameter byte: AdamW's
+    # foreach ops stream the tensors more times than that, so it runs below the copy bandwidth. 0: memory bandwidth.
     optimizer_bandwidth_bytes_per_s: float = 0.0
-    # Bandwidth at which ops without a FLOP formula (norms, activations, adds, copies)
-    # move their bytes: See [Note: memory-bound ops] in trace/op_bytes.py. 0: they cost only
-    # module_overhead_s (measured CPU profiles, whose per-module times include them).
+    # Bandwidth at which ops without a FLOP formula (norms, activations, adds, copies) move their bytes: See [Note:
+    # memory-bound ops] in trace/op_bytes.py. 0: only module_overhead_s (measured CPU profiles' module times hold them).
     op_bandwidth_bytes_per_s: float = 0.0
     loss_s: float = 0.0  # forward + backward of the loss, which runs outside the model's modules
-    # What activation checkpointing adds per checkpointed module beyond re-running its
-    # forward (saved-tensor hooks, the recompute's bookkeeping), seconds.
+    # What activation checkpointing adds per checkpointed module beyond re-running its forward (saved-tensor hooks,
+    # the recompute's bookkeeping), seconds, and of that what its first forward pays (the rest: its recompute).
     checkpoint_overhead_s: float = 0.0
+    checkpoint_forward_s: float = 0.0
     selective_op_overhead_s: float = 0.0  # per forward op of a selective-op unit, forward and recompute (selective.py)
     module_times: tuple[tuple[str, float, float], ...] = ()  # (fqn, fwd_s, bwd_s)
     batch_fixed_share: float = 0.0  # of module_times, the share a batch's size does not scale: [Note: batch scaling]
     pipeline_action_s: float = 0.0  # host work per forward or backward action of torch's pipeline schedule
-    # Whether the host runs ahead of the device, so that a unit's all-gather is issued while the previous
-    # unit computes (a GPU stream); False on a CPU. See [Note: all-gather issue] in cost/step.py.
+    # Whether the host runs ahead of the device, so that a unit's all-gather is issued while the previous unit
+    # computes (a GPU stream); False on a CPU, whose collectives block: [Note: blocking collectives] in cost/step.py.
     runs_ahead: bool = True
     # (tensor-parallel degree, throughput of a projection split that many ways / unsplit):
     # measured on the model's largest projection; none: split matmuls are taken to run
@@ -444,6 +442,7 @@ class ComputeProfile:
             "op_bandwidth_bytes_per_s": self.op_bandwidth_bytes_per_s,
             "loss_s": self.loss_s,
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
+            "checkpoint_forward_s": self.checkpoint_forward_s,
             "selective_op_overhead_s": self.selective_op_overhead_s,
             "module_times": [list(t) for t in self.module_times],
             "batch_fixed_share": self.batch_fixed_share,
@@ -478,6 +477,7 @@ class ComputeProfile:
             op_bandwidth_bytes_per_s=r.num("op_bandwidth_bytes_per_s", 0.0),
             loss_s=r.num("loss_s", 0.0),
             checkpoint_overhead_s=r.num("checkpoint_overhead_s", 0.0),
+            checkpoint_forward_s=r.num("checkpoint_forward_s", 0.0),
             selective_op_overhead_s=r.num("selective_op_overhead_s", 0.0),
             module_times=tuple((str(a), float(b), float(c)) for a, b, c in d.get("module_times", [])),
             batch_fixed_share=r.num("batch_fixed_share", 0.0),

@@ -97,6 +97,8 @@ class ChainCosts:
     # Per block, what full checkpointing recomputes: its forward up to the early stop (See [Note:
     # early stop] in wrapopt/trace/record.py); empty: all of ``F``.
     ck_F: tuple[float, ...] = ()
+    # Of ckpt_overhead_s, what the checkpointed forward pays: See [Note: checkpoint overhead] in cost/step.py.
+    ckpt_forward_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,7 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
         act=tuple(float(x) for x in lay.saved[:n]),
         inp=tuple(float(x) for x in lay.input_bytes[:n]), work=float(max(lay.work[:n], default=0)),
         overhead_s=sim.compute.unit_overhead_s, ckpt_overhead_s=sim.compute.checkpoint_overhead_s,
+        ckpt_forward_s=sim._constants.checkpoint_forward_s,
         runs_ahead=runs_ahead, shard_size=shard, ag=ag, rs=rs, rag=rag,
         sel_F=tuple(lay.times[2][:n].tolist()), sel_extra=tuple(sel_extra), sel_O=tuple(lay.times[3][:n].tolist()),
         ck_F=tuple(lay.times[4][:n].tolist()),
@@ -173,12 +176,14 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
     sl = slice(start, start + size)
     F = sum(cc.F[sl])
     sel = ckpt == SELECTIVE_OP
+    ck_b = size * (cc.ckpt_overhead_s - cc.ckpt_forward_s)  # the recompute's part: See [Note: checkpoint overhead]
     if sel:  # recomputes its other ops only; its dispatch modes' work in both passes
         oh = sum(cc.sel_O[sl])
-        F += oh
-        B = sum(cc.B[sl]) + sum(cc.sel_F[sl]) + oh + size * cc.ckpt_overhead_s
+        B = sum(cc.B[sl]) + sum(cc.sel_F[sl]) + oh + ck_b
+        F += oh + size * cc.ckpt_forward_s
     else:
-        B = sum(cc.B[sl]) + ((sum(cc.ck_F[sl]) if cc.ck_F else F) + size * cc.ckpt_overhead_s if ckpt else 0.0)
+        B = sum(cc.B[sl]) + ((sum(cc.ck_F[sl]) if cc.ck_F else F) + ck_b if ckpt else 0.0)
+        F += size * cc.ckpt_forward_s if ckpt else 0.0
     A = cc.ag[(start, size)]
     # Memory in whole bytes, so that the DP's sums are exact.
     P = round(sum(cc.P[sl]))
