@@ -127,3 +127,23 @@ def test_a_unit_pays_for_its_parameter_tensors_at_each_gather_and_reduction(llam
     assert b.bwd_s - a.bwd_s == pytest.approx((tensors + blocks) * 1e-5, rel=1e-6)
     lo, hi = (chain_costs(Simulator(llama, fabric, c), MESH, llama.block_chains[0], max_group=2) for c in (base, per))
     assert hi.F[0] - lo.F[0] == pytest.approx(block * 1e-5) and hi.B[0] - lo.B[0] == pytest.approx(block * 1e-5)
+
+
+def test_a_unit_pays_for_its_gathered_bytes_at_each_gather_and_reduction(llama):
+    """[Note: per-byte overhead] in hardware/measure_fsdp.py: a unit is charged ``byte_overhead_s`` per
+    byte it gathers at its forward all-gather, its re-gather and its reduction; the DP's blocks alike."""
+    import math
+
+    from wrapopt.search.dp.chain import chain_costs
+
+    fabric = analytical_fabric(world_size=2)
+    base = replace(analytical_compute(), runs_ahead=False, unit_overhead_s=1e-3)
+    per = replace(base, byte_overhead_s=1e-9)
+    nbytes = 4 * sum(math.prod(s) for _f, s, _d in llama.param_shapes)  # float32
+    root_only = baselines(llama, MESH)["size-1e8"]
+    a, b = (Simulator(llama, fabric, c).simulate(root_only) for c in (base, per))
+    assert b.fwd_s - a.fwd_s == pytest.approx(nbytes * 1e-9, rel=1e-6)  # one gather
+    assert b.bwd_s - a.bwd_s == pytest.approx(nbytes * 1e-9, rel=1e-6)  # one reduction
+    block = 4 * sum(math.prod(s) for f, s, _d in llama.param_shapes if f.startswith("layers.0."))
+    lo, hi = (chain_costs(Simulator(llama, fabric, c), MESH, llama.block_chains[0], max_group=2) for c in (base, per))
+    assert hi.F[0] - lo.F[0] == pytest.approx(block * 1e-9) and hi.B[0] - lo.B[0] == pytest.approx(block * 1e-9)

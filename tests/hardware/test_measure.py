@@ -16,7 +16,7 @@ import torch.nn as nn
 from wrapopt.errors import ModelError, ProfileError
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute, measure_unit_overhead
-from wrapopt.hardware.measure_fsdp import measure_param_overhead
+from wrapopt.hardware.measure_fsdp import measure_byte_overhead, measure_param_overhead
 from wrapopt.hardware.profiles import COLLECTIVES, ComputeProfile, FabricProfile
 from wrapopt.launch import spawn
 from wrapopt.models import zoo
@@ -32,7 +32,9 @@ def _two_rank_worker(rank: int, world: int) -> dict:
     fabric = measure_fabric(sizes_bytes=SMALL_SIZES, repeats=3, progress=False, measure_overlap=True)
     unit_s = measure_unit_overhead(num_layers=4, repeats=2, warmup=1)
     param_s = measure_param_overhead(layers=(2, 16), repeats=2, warmup=1)
-    return {"fabric": fabric.to_json(), "unit_overhead_s": unit_s, "param_overhead_s": param_s}
+    byte_s = measure_byte_overhead(width=4096, repeats=2, warmup=1)
+    return {"fabric": fabric.to_json(), "unit_overhead_s": unit_s, "param_overhead_s": param_s,
+            "byte_overhead_s": byte_s}
 
 
 def _two_by_two_worker(rank: int, world: int) -> dict:
@@ -94,7 +96,7 @@ def test_measured_profile_json_round_trip(two_rank_results: list[dict], tmp_path
 
 @pytest.mark.multiprocess
 def test_unit_overhead_is_measured_under_a_group(two_rank_results: list[dict]) -> None:
-    for key in ("unit_overhead_s", "param_overhead_s"):  # See [Note: per-parameter overhead]
+    for key in ("unit_overhead_s", "param_overhead_s", "byte_overhead_s"):  # the notes in hardware/measure_fsdp.py
         values = [r[key] for r in two_rank_results]
         assert values[0] == values[1]  # max over ranks: the ranks agree
         assert 0 <= values[0] < 1.0

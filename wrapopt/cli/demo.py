@@ -19,7 +19,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "recorded run)")
     p.add_argument("--model", default="gpt-tiny", help="a trainable zoo model")
     p.add_argument("--world-size", type=local_ranks, default=2)
-    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=11)
     p.add_argument("--memory", default=None, help="budget (default: midway between the baselines' peaks)")
     add_train_arguments(p)
     p.set_defaults(batch=None, seq=None)

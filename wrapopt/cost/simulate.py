@@ -38,6 +38,7 @@ How it stays fast is [Note: simulator speed] in backend.py.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -192,6 +193,7 @@ class Simulator:
         self._num_tensors = trainable_tensors(graph)  # the optimizer steps these only
         self._param_ancestors = tuple(ancestors(f.rsplit(".", 1)[0] if "." in f else ROOT) for f, _s, _d in
                                       graph.param_shapes)  # each parameter's module and its ancestors
+        self._param_numels = tuple(math.prod(s) for _f, s, _d in graph.param_shapes)
         self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
         self._gather_elem = self.options.param_dtype_bytes or self._elem  # bytes per element all-gathered
         self._reduce_elem = self.options.reduce_dtype_bytes or self._gather_elem  # and reduce-scattered
@@ -300,14 +302,16 @@ class Simulator:
     # -- cache lookups: what every plan of these units (and mesh) shares
 
     def _param_overhead(self, units: tuple[UnitSpec, ...]) -> np.ndarray:
-        """Per unit: the profile's ``param_overhead_s`` x its parameter tensors (those of its modules no
-        inner unit owns). See [Note: per-parameter overhead] in hardware/measure_fsdp.py."""
-        counts = np.zeros(len(units))
-        if self.compute.param_overhead_s:
+        """Per unit: the profile's ``param_overhead_s`` x its parameter tensors (those of its modules no inner
+        unit owns) and ``byte_overhead_s`` x the bytes it gathers. See [Note: per-parameter overhead] and
+        [Note: per-byte overhead] in hardware/measure_fsdp.py."""
+        out = np.zeros(len(units))
+        per_param, per_byte = self.compute.param_overhead_s, self.compute.byte_overhead_s * self._gather_elem
+        if per_param or per_byte:
             owner = owner_by_ancestors(owner_index(units), len(units))
-            for anc in self._param_ancestors:
-                counts[owner(anc)] += 1
-        return counts * self.compute.param_overhead_s
+            for anc, numel in zip(self._param_ancestors, self._param_numels):
+                out[owner(anc)] += per_param + per_byte * numel
+        return out
 
     def _unit_set(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...]) -> _UnitSet:
         """Per set of units: its layout and sums. See [Note: simulator speed]."""

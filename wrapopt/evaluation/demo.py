@@ -84,7 +84,7 @@ def _pictures(out_dir: str, res: dict[str, Any]) -> tuple[list[str], str]:
         "against memory](pareto.png)\n")
 
 
-def run_demo(*, out_dir: str = DEMO_OUT_DIR, model: str = "gpt-tiny", world_size: int = 2, repeats: int = 5,
+def run_demo(*, out_dir: str = DEMO_OUT_DIR, model: str = "gpt-tiny", world_size: int = 2, repeats: int = 11,
              memory_budget: str | None = None, train: TrainConfig | None = None, verbose: bool = False) -> int:
     """``train``: run every plan in that mixed precision and accumulation (default fp32, one batch);
     ``verbose``: the ranks' own output on the terminal instead of in the log folder."""

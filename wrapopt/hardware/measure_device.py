@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from wrapopt.consensus import every_rank
 from wrapopt.errors import ModelError
 from wrapopt.hardware.measure_fsdp import (
-    measure_optimizer, measure_param_overhead, measure_pipeline_action, measure_unit_overhead,
+    measure_byte_overhead, measure_optimizer, measure_param_overhead, measure_pipeline_action, measure_unit_overhead,
 )
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.hardware.timing import median, sync_for, time_reps
@@ -419,9 +419,9 @@ def measure_compute(
     if dist.is_initialized():
         optimizer_tensor_s, optimizer_tensor_2d_s, optimizer_bandwidth = measure_optimizer(repeats=repeats)
         meta["optimizer"] = "AdamW steps on fully_shard parameters: per tensor (1-D and 2-D mesh), bandwidth"
-    param_overhead_s = 0.0
+    param_overhead_s = byte_overhead_s = 0.0
     if unit_overhead_s is None:
-        unit_overhead_s, param_overhead_s = _unit_overhead(repeats, meta)
+        unit_overhead_s, param_overhead_s, byte_overhead_s = _unit_overhead(repeats, meta)
     action_s = 0.0
     if dist.is_initialized() and dist.get_world_size() > 1:  # See [Note: pipeline actions] in cost/pipeline.py
         action_s = measure_pipeline_action(repeats=repeats)
@@ -436,6 +436,7 @@ def measure_compute(
         memory_capacity_bytes=_memory_capacity_bytes(device),
         unit_overhead_s=unit_overhead_s,
         param_overhead_s=param_overhead_s,
+        byte_overhead_s=byte_overhead_s,
         module_overhead_s=measure_module_overhead(device=device, repeats=repeats),
         optimizer_tensor_s=optimizer_tensor_s,
         optimizer_tensor_2d_s=optimizer_tensor_2d_s,
@@ -486,13 +487,14 @@ def _model_figures(model: nn.Module | None, example_inputs: Any, loss_fn: Callab
     return module_times, loss_s, ckpt_s, selective_s
 
 
-def _unit_overhead(repeats: int, meta: dict[str, Any]) -> tuple[float, float]:
-    """The FSDP overhead per unit and per parameter tensor, measured under a process group of 2+ ranks,
-    else 0: See [Note: per-parameter overhead] in measure_fsdp.py (the unit's, less its 2 parameters)."""
+def _unit_overhead(repeats: int, meta: dict[str, Any]) -> tuple[float, float, float]:
+    """The FSDP overhead per unit, per parameter tensor and per gathered byte, measured under a process group
+    of 2+ ranks, else 0: See [Note: per-parameter overhead] in measure_fsdp.py (the unit's, less its 2
+    parameters) and [Note: per-byte overhead] there (a 4 MiB wider unit)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         per_param = measure_param_overhead(repeats=repeats)
         unit_overhead_s = max(measure_unit_overhead(repeats=repeats) - 2 * per_param, 0.0)
         meta["unit_overhead"] = f"measured with fully_shard on {dist.get_world_size()} ranks, less 2 parameters'"
-        return unit_overhead_s, per_param
+        return unit_overhead_s, per_param, measure_byte_overhead(width=65536, repeats=repeats)
     meta["unit_overhead"] = "not measured (no process group); call measure_unit_overhead() under one"
-    return 0.0, 0.0
+    return 0.0, 0.0, 0.0

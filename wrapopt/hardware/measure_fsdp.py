@@ -12,7 +12,8 @@ import torch.nn as nn
 from wrapopt.errors import ProfileError
 from wrapopt.hardware.timing import median, paired_difference, sync_for, time_reps
 
-__all__ = ["measure_unit_overhead", "measure_param_overhead", "measure_optimizer", "measure_pipeline_action"]
+__all__ = ["measure_unit_overhead", "measure_param_overhead", "measure_byte_overhead", "measure_optimizer",
+           "measure_pipeline_action"]
 
 
 def _device() -> tuple[str, torch.device]:
@@ -139,6 +140,72 @@ def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 
               for k in (few, many)]
     per_param = (excess[1] - excess[0]) / (2 * 2 * (many - few))  # 2 tensors a layer, 2 collectives a step
     return _slowest(max(per_param, 0.0), device=device)[0]
+
+
+def measure_byte_overhead(*, width: int = 16384, repeats: int = 5, warmup: int = 2) -> float:
+    """Seconds per gathered byte that FSDP2 adds to an all-gather beyond the collective itself
+    (collective: every rank calls it).
+
+    [Note: per-byte overhead] FSDP2's work per unit also grows with its bytes: the all-gather's
+    copy-in, its output buffer allocated afresh, the copy-out into the unsharded parameters, and
+    gloo's own buffer of the unsharded size (See [Note: collective copies] in cost/step.py); a
+    reduction copies the gradients in and allocates its output alike. The fabric times the
+    collective alone, on buffers allocated once. Measured on 2 gloo ranks (60 rounds, a barrier
+    before each forward): a root-only unit 1 and 2 MiB wider ran its forward 0.77 and 0.58 ms
+    per MiB over the plain model and the wider all-gather, which one-unit plans of gpt-tiny
+    (1.3 MiB) paid unpriced at every gather and reduction. Here: a root-only unit of two
+    bias-free ``Linear`` layers 8 wide and ``width`` wide (the same tensor count), forward
+    without gradients (one all-gather each), each round timing, paired and in alternating order,
+    ``fsdp(wide) + plain(narrow) + all-gather(narrow)`` against ``fsdp(narrow) + plain(wide) +
+    all-gather(wide)``, a barrier before each part; the difference over the bytes between the
+    two widths. The cost model charges it with ``param_overhead_s`` at each all-gather, re-gather
+    and reduction (``Simulator._param_overhead``), on the unit's gathered bytes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise ProfileError("measure_byte_overhead needs a process group; call it on every rank")
+    dev_type, device = _device()
+    sync = sync_for(device)
+    world = dist.get_world_size()
+    mesh = init_device_mesh(dev_type, (world,))
+    x = torch.randn(4, 8, device=device)
+
+    def forward(w: int, sharded: bool) -> Callable[[], None]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, w, bias=False, device=device), nn.Linear(w, 8, bias=False, device=device))
+        if sharded:  # resharded after forward, the root too: one all-gather a forward
+            fully_shard(m, mesh=mesh, reshard_after_forward=True)
+
+        def run() -> None:
+            dist.barrier()
+            with torch.no_grad():
+                m(x)
+        return run
+
+    def gather(w: int) -> Callable[[], None]:
+        n = -(-2 * 8 * w // world) * world
+        full, shard = torch.zeros(n, device=device), torch.zeros(n // world, device=device)
+
+        def run() -> None:
+            dist.barrier()
+            _all_gather(full, shard)
+        return run
+
+    fsdp = {w: forward(w, True) for w in (8, width)}
+    plain = {w: forward(w, False) for w in (8, width)}
+    ag = {w: gather(w) for w in (8, width)}
+
+    def wide() -> None:
+        fsdp[width](), plain[8](), ag[8]()
+
+    def narrow() -> None:
+        fsdp[8](), plain[width](), ag[width]()
+
+    excess = paired_difference(wide, narrow, repeats=4 * repeats, warmup=warmup, sync=sync)
+    per_byte = excess / (2 * 8 * (width - 8) * 4)  # the float32 bytes between the two widths
+    return _slowest(max(per_byte, 0.0), device=device)[0]
 
 
 def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float, float, float]:

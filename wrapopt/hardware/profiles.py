@@ -22,15 +22,8 @@ from typing import Any
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import JsonReader, atomic_write_json, read_json
 
-__all__ = [
-    "COLLECTIVES",
-    "CollectiveCurve",
-    "AxisProfile",
-    "FabricProfile",
-    "ComputeProfile",
-    "AnalyticalLink",
-    "ring_time",
-]
+__all__ = ["COLLECTIVES", "CollectiveCurve", "AxisProfile", "FabricProfile", "ComputeProfile", "AnalyticalLink",
+           "ring_time"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 FABRIC_FORMAT = "wrapopt.fabric/1"
@@ -387,6 +380,7 @@ class ComputeProfile:
     memory_capacity_bytes: int | None = None
     unit_overhead_s: float = 0.0  # fixed cost per FSDP unit per all-gather (hooks, copy-in, copy-out), seconds
     param_overhead_s: float = 0.0  # and per parameter tensor of the unit: [Note: per-parameter overhead]
+    byte_overhead_s: float = 0.0  # and per byte it gathers: See [Note: per-byte overhead] in hardware/measure_fsdp.py
     module_overhead_s: float = 0.0  # fixed cost per module call (kernel launches / op dispatch), seconds
     # Optimizer step cost per parameter tensor on FSDP2-sharded (DTensor) parameters (small models: per-tensor
     # dispatch, not bytes); on a 2-D (replicate, shard) mesh (HSDP, no-shard) more per op. 0: optimizer_tensor_s.
@@ -435,6 +429,7 @@ class ComputeProfile:
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "unit_overhead_s": self.unit_overhead_s,
             "param_overhead_s": self.param_overhead_s,
+            "byte_overhead_s": self.byte_overhead_s,
             "module_overhead_s": self.module_overhead_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "optimizer_tensor_2d_s": self.optimizer_tensor_2d_s,
@@ -470,6 +465,7 @@ class ComputeProfile:
             memory_capacity_bytes=cap,
             unit_overhead_s=r.num("unit_overhead_s", 0.0),
             param_overhead_s=r.num("param_overhead_s", 0.0),
+            byte_overhead_s=r.num("byte_overhead_s", 0.0),
             module_overhead_s=r.num("module_overhead_s", 0.0),
             optimizer_tensor_s=r.num("optimizer_tensor_s", 0.0),
             optimizer_tensor_2d_s=r.num("optimizer_tensor_2d_s", 0.0),
