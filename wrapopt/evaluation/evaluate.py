@@ -198,7 +198,7 @@ def measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inp
     quiet = cfg["quiet"]
     tp = cfg.get("tp", 1)
     _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {backend} ranks ...")
-    fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=5, progress=not quiet,
+    fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=15, progress=not quiet,
                             ranks_per_node=cfg["ranks_per_node"], tp_sizes=(tp,) if tp > 1 else ())
     _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, "
                       "per-module times) ...")
