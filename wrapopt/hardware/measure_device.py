@@ -495,6 +495,6 @@ def _unit_overhead(repeats: int, meta: dict[str, Any]) -> tuple[float, float, fl
         per_param = measure_param_overhead(repeats=repeats)
         unit_overhead_s = max(measure_unit_overhead(repeats=repeats) - 2 * per_param, 0.0)
         meta["unit_overhead"] = f"measured with fully_shard on {dist.get_world_size()} ranks, less 2 parameters'"
-        return unit_overhead_s, per_param, measure_byte_overhead(width=65536, repeats=repeats)
+        return unit_overhead_s, per_param, measure_byte_overhead(repeats=repeats)
     meta["unit_overhead"] = "not measured (no process group); call measure_unit_overhead() under one"
     return 0.0, 0.0, 0.0

@@ -142,7 +142,7 @@ def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 
     return _slowest(max(per_param, 0.0), device=device)[0]
 
 
-def measure_byte_overhead(*, width: int = 16384, repeats: int = 5, warmup: int = 2) -> float:
+def measure_byte_overhead(*, width: int = 65536, repeats: int = 5, warmup: int = 2) -> float:
     """Seconds per gathered byte that FSDP2 adds to an all-gather beyond the collective itself
     (collective: every rank calls it).
 

@@ -99,8 +99,6 @@ def _lower_bounds(tb: GroupTables, cc: ChainCosts, tails: np.ndarray, lams: np.n
     lam = lams[:, None, None, None]  # (l, w, s, c)
     R_W = tb.w_R[:, None, None]
     ahead = cc.runs_ahead
-    if not ahead:  # See [Note: chain model]: W's re-gather blocks and pays its overhead
-        R_W = R_W + o * (R_W > 0)
     reg_W = tb.w_reg[:, None, None].astype(float)
     cs = np.arange(C)[None, :]
     for i in range(n, 0, -1):

@@ -165,7 +165,8 @@ def chain_costs(sim: Simulator, mesh: MeshSpec, chain: tuple[str, ...], max_grou
 
 
 # A group's figures (``group_figures``), as a plain tuple for speed:
-# (F, B + recompute, A, R, S, P, G, act kept in forward, acts in its backward, kept params, re-gathered bytes)
+# (F, B + recompute, A, R, S, P, G, act kept in forward, acts in its backward, kept params, re-gathered bytes);
+# R is what the re-gather costs the backward window: on a CPU its overhead too (See [Note: chain model]).
 _EMPTY = (0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0)
 
 
@@ -208,6 +209,8 @@ def group_figures(cc: ChainCosts, start: int, size: int, choice: Choice) -> tupl
         R = cc.rag[(start, size, raf)] if raf > 1 else 0.0
         keep = P // max(1, raf) if raf < cc.shard_size else P  # each rank keeps 1/N
     regather = P - keep if R > 0 else 0
+    if R > 0 and not cc.runs_ahead:  # a CPU's re-gather blocks, then pays its overhead
+        R += cc.overhead_s
     return (F, B, A, R, cc.rs[(start, size)], P, round(sum(cc.G[sl])), act_fwd, act_bwd, keep, regather)
 
 
@@ -217,10 +220,8 @@ def _fw(cc: ChainCosts, V: tuple, X: tuple) -> float:
 
 
 def _bw(cc: ChainCosts, W: tuple, V: tuple, X: tuple) -> float:
-    if cc.runs_ahead:
-        return max(V[1] + cc.overhead_s, W[3] + X[4])
-    # one after the other, W's re-gather paying its overhead: See [Note: blocking collectives] in cost/step.py
-    return V[1] + cc.overhead_s + W[3] + X[4] + (cc.overhead_s if W[3] > 0 else 0.0)
+    # on a CPU one after the other: See [Note: blocking collectives] in cost/step.py
+    return max(V[1] + cc.overhead_s, W[3] + X[4]) if cc.runs_ahead else V[1] + cc.overhead_s + W[3] + X[4]
 
 
 def sharded_grads_after(cc: ChainCosts) -> list[int]:

@@ -143,8 +143,6 @@ def _solve_front(tb: GroupTables, cc: ChainCosts, chain_index: int, start: tuple
         ids = store.add(par, chain_index, st, sl, cl)
         FV, BV = f["F"][st, sl, cl], f["B"][st, sl, cl]
         R_W, reg_W = tb.w_R[wid], tb.w_reg[wid]
-        if not ahead:  # See [Note: chain model]: W's re-gather blocks and pays its overhead
-            R_W = R_W + o * (R_W > 0)
         base_mem = a + m["P"][st, sl, cl] + reg_W + m["saved"][st, sl, cl] + m["G"][st, sl, cl] + two_work
         a_next = a + m["keep"][st, sl, cl] + m["act"][st, sl, cl]
         bw_comp = BV + o
