@@ -91,7 +91,8 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     inputs = entry.inputs()
     t0 = time.perf_counter()
     if cfg.get("measure", True):
-        hw = {"quiet": cfg.get("quiet", True), "model": name, "ranks_per_node": world}
+        # the stages' groups too: See [Note: pipeline fabric] in wrapopt/search/pipeline.py
+        hw = {"quiet": cfg.get("quiet", True), "model": name, "ranks_per_node": world, "pp": 2}
         fabric, compute, _ = measure_hardware(rank, world, hw, entry, inputs, None, backend=dist.get_backend())
     else:
         fabric, compute = analytical_fabric(world_size=world), analytical_compute()

@@ -49,7 +49,7 @@ from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
 from wrapopt.search.offload import choose_offload, mark_offload
-from wrapopt.search.pipeline import pipeline_estimate
+from wrapopt.search.pipeline import pipeline_estimate, pp_group_sizes
 from wrapopt.search.run import SearchRun, run_search
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
 from wrapopt.tp import TPSpec
@@ -234,7 +234,7 @@ def optimize_wrap(
     mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
                                      loss_fn=loss_fn, plan=plan, seed=seed, train=train,
                                      options=(memory_budget, tp, train, global_batch, pp))
-    fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp,
+    fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp, pp=pp,
                              measure=in_group and given_plan is None)
     budget = resolve_budget(memory_budget, compute)
     result: SearchResult | None = None
@@ -310,7 +310,7 @@ def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpu
 
 def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: ComputeProfile | str | None, *,
               mesh: MeshSpec, graph: ModelGraph, model: nn.Module, train: TrainConfig | None, tp: int | str | None,
-              measure: bool) -> tuple[FabricProfile | None, ComputeProfile]:
+              pp: int | str | None, measure: bool) -> tuple[FabricProfile | None, ComputeProfile]:
     """The fabric and compute profiles: given, stated (analytical), or, with ``measure`` (under a
     process group, searching), measured on every rank. The fabric stays None only under a process
     group with a plan given and no fabric: nothing is searched, nothing measured."""
@@ -322,10 +322,12 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
     if compute is None and fab is not None and fab.kind == "analytical":
         compute = compute_for(fab, None, train or TrainConfig(), model_dtype(model))  # as `wrapopt search` does
     if measure:
-        # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs])
+        # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs]);
+        # with a pipeline, its stages' groups (See [Note: pipeline fabric] in search/pipeline.py)
         tp_sizes = tp_sizes_to_measure(tp, mesh.ranks_per_node)
+        groups = tuple(sorted({*tp_sizes, *pp_group_sizes(pp, mesh.world_size, mesh.ranks_per_node)}))
         if fab is None:
-            fab = measure_fabric(progress=dist.get_rank() == 0, tp_sizes=tp_sizes)
+            fab = measure_fabric(progress=dist.get_rank() == 0, group_sizes=groups)
         if compute is None:
             compute = with_tp_measurements(measure_compute(), graph, tp_sizes)
             compute = broadcast_json(compute.to_json(), ComputeProfile.from_json)

@@ -49,7 +49,7 @@ def test_tensor_parallel_groups_are_an_axis_of_their_own(tmp_path) -> None:
     assert run(args) == 0
     fabric = FabricProfile.load(str(out))
     axes = {a.name: (a.group_size, a.ranks_per_node_in_group) for a in fabric.axes}
-    assert axes == {"tp2": (2, 2), "world": (4, 4)}
+    assert axes == {"sub2": (2, 2), "world": (4, 4)}
     t, caveat = fabric.collective_s("all_reduce", 2, 2, 4096)
     assert t > 0 and caveat is None  # measured, not rescaled from the world axis
     # gloo's all-gather allocates a copy of its output while it runs: See [Note: collective copies]
@@ -88,3 +88,16 @@ def test_a_rank_dying_mid_profile_is_named_and_no_file_is_written(tmp_path) -> N
     with pytest.raises(DistributedError, match="rank 1"):
         profile_fabric._measure_spawned(str(out), worker=_dying_worker, world_size=2, timeout_s=60, kwargs=kwargs)
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, sizes", [
+    (["--world-size", "4", "--pp", "2"], (2,)),
+    (["--world-size", "4", "--pp", "auto", "--tp", "4"], (2, 4)),
+    (["--world-size", "8", "--ranks-per-node", "4", "--pp", "2"], ()),  # stages are nodes
+    (["--world-size", "4"], ()),
+])
+def test_pp_asks_for_the_stage_groups(argv, sizes, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    parser = profile_fabric.add_parser(argparse.ArgumentParser().add_subparsers())
+    assert profile_fabric.group_sizes(parser.parse_args(["--out", "f.json", *argv])) == sizes

@@ -17,7 +17,7 @@ from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.driver import SearchOptions
-from wrapopt.search.pipeline import pipeline_plan, resolve_pp, search_pipeline_degree
+from wrapopt.search.pipeline import pipeline_plan, pp_group_sizes, resolve_pp, search_pipeline_degree
 from wrapopt.search.run import run_search
 from wrapopt.search.stages import balanced_split, check_stage_count, pipeline_layout, stage_modules, weights
 from wrapopt.spec import MeshSpec
@@ -202,3 +202,36 @@ def test_combine_prefers_plans_within_the_memory_margin():
     # nothing within the margin: the fastest that fits the budget
     res = combine(None, {4: past}, {}, [past], None, budget)
     assert res.best is past
+
+
+@pytest.mark.parametrize("pp, world, rpn, sizes", [
+    (None, 4, 4, ()), ("1", 4, 4, ()),
+    (2, 4, 4, (2,)),  # a stage is 2 consecutive ranks, its sends a pair inside the node
+    ("auto", 4, 4, (2,)),  # degree 4: stages of one rank, sends between pairs
+    ("auto", 16, 8, (2, 4)),  # degree 2: stages of whole nodes (the intra axis); 4 and 8: 4 and 2 ranks
+    (2, 16, 8, ()),  # stages are nodes: measured already, sends over the inter axis
+    (3, 4, 4, ()), ("x", 4, 4, ()),  # resolve_pp explains these
+])
+def test_pp_group_sizes_are_the_stages_inside_a_node(pp, world, rpn, sizes):
+    assert pp_group_sizes(pp, world, rpn) == sizes
+
+
+def test_a_measured_search_with_a_pipeline_measures_its_stage_groups(monkeypatch):
+    from wrapopt import api
+
+    seen = {}
+
+    def fake_fabric(**kwargs):
+        seen.update(kwargs)
+        return analytical_fabric(world_size=4)
+
+    monkeypatch.setattr(api.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(api.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(api, "measure_fabric", fake_fabric)
+    mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
+    fab, _ = api._profiles(None, analytical_compute(), mesh=mesh, graph=None, model=None, train=None, tp=None,
+                           pp="auto", measure=True)
+    assert seen["group_sizes"] == (2,) and fab.world_size == 4
+    api._profiles(None, analytical_compute(), mesh=mesh, graph=None, model=None, train=None, tp=None, pp=None,
+                  measure=True)
+    assert seen["group_sizes"] == ()

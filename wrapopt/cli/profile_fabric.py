@@ -22,12 +22,13 @@ import torch.distributed as dist
 from wrapopt import launch
 from wrapopt.checks import check_count
 from wrapopt.cli.logs import logs_line, rank_log_dir
-from wrapopt.cli.options import count_int, local_ranks, positive_float, positive_int
+from wrapopt.cli.options import count_int, local_ranks, positive_float, positive_int, tp_degree
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
 from wrapopt.hardware.measure_collectives import DEFAULT_TIMEOUT_S, barrier, default_sizes, measure_fabric
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.report.fabric import format_fabric
+from wrapopt.search.pipeline import pp_group_sizes
 
 __all__ = ["profile_fabric_main", "add_parser", "run"]
 
@@ -72,7 +73,7 @@ def profile_fabric_main(
     progress: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     log_dir: str | None = None,
-    tp_sizes: tuple[int, ...] = (),
+    group_sizes: tuple[int, ...] = (),
 ) -> FabricProfile:
     """Measure the fabric and write it to ``out_path`` (the body of ``wrapopt profile-fabric``).
 
@@ -87,7 +88,7 @@ def profile_fabric_main(
         world_size: ranks to spawn when not under torchrun (ignored under it).
         ranks_per_node: ranks per node; under spawn, fewer than ``world_size``
             simulates several nodes on this host (labelled ``simulated_nodes``).
-        sizes_bytes, repeats, warmup, measure_overlap, progress, tp_sizes: as in ``measure_fabric``.
+        sizes_bytes, repeats, warmup, measure_overlap, progress, group_sizes: as in ``measure_fabric``.
         timeout_s: limit on every collective, and on the whole spawned run (+30 s start-up).
         log_dir: spawned ranks only: their own output goes to log files here, not to the
             terminal (See [Note: quiet ranks] in wrapopt/launch.py).
@@ -99,7 +100,7 @@ def profile_fabric_main(
         >>> profile_fabric_main("fabric.json", world_size=2)  # doctest: +SKIP
     """
     kwargs = dict(sizes_bytes=sizes_bytes, repeats=repeats, warmup=warmup, ranks_per_node=ranks_per_node,
-                  measure_overlap=measure_overlap, progress=progress, tp_sizes=tuple(tp_sizes))
+                  measure_overlap=measure_overlap, progress=progress, group_sizes=tuple(group_sizes))
     if not _under_torchrun():
         check_count(world_size, "world_size (--world-size: local ranks to spawn)", minimum=2)
         _check_out(out_path)
@@ -176,7 +177,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=_tp_arg, default=(), metavar="2,4",
                         help="also measure tensor-parallel groups of these many consecutive ranks "
                              "(for --tp searches)")
+    parser.add_argument("--pp", type=tp_degree, default="1", metavar="auto|2|4",
+                        help="also measure the groups a pipeline of this degree uses inside a node: each stage's "
+                             "consecutive ranks and rank pairs for its sends (for --pp searches)")
     return parser
+
+
+def group_sizes(args: argparse.Namespace) -> tuple[int, ...]:
+    """The sub-groups ``--tp`` and ``--pp`` ask for: See [Note: pipeline fabric] in search/pipeline.py.
+    The world and ranks per node are torchrun's where it started this process, else the options'."""
+    world = int(os.environ.get("WORLD_SIZE", args.world_size)) if _under_torchrun() else args.world_size
+    rpn = args.ranks_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world)
+    return tuple(sorted({*args.tp, *pp_group_sizes(args.pp, world, rpn)}))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -191,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_fabric_main(
         args.out, world_size=args.world_size, ranks_per_node=args.ranks_per_node, sizes_bytes=sizes,
         repeats=args.repeats, warmup=args.warmup, measure_overlap=not args.no_overlap,
-        progress=not args.quiet, timeout_s=args.timeout, log_dir=log_dir, tp_sizes=args.tp,
+        progress=not args.quiet, timeout_s=args.timeout, log_dir=log_dir, group_sizes=group_sizes(args),
     )
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
     if rank0:

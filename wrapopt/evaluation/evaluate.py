@@ -64,6 +64,7 @@ from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 from wrapopt.progress import Progress, say
 from wrapopt.search.driver import search_plan
+from wrapopt.search.pipeline import pp_group_sizes
 from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
 from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
 from wrapopt.tp import builtin_tp_plan
@@ -197,9 +198,11 @@ def measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inp
     and the dtype the step computes in."""
     quiet = cfg["quiet"]
     tp = cfg.get("tp", 1)
+    # tensor-parallel groups, and pipeline stages' (cfg "pp": See [Note: pipeline fabric] in search/pipeline.py)
+    groups = {tp} - {1} | set(pp_group_sizes(cfg.get("pp"), world, cfg["ranks_per_node"]))
     _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {backend} ranks ...")
     fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=15, progress=not quiet,
-                            ranks_per_node=cfg["ranks_per_node"], tp_sizes=(tp,) if tp > 1 else ())
+                            ranks_per_node=cfg["ranks_per_node"], group_sizes=tuple(sorted(groups)))
     _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, "
                       "per-module times) ...")
     # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.

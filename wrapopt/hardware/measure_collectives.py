@@ -33,8 +33,9 @@ takes out the medians of its tiny collectives, as before (with their means the
 demo's every-leaf plan ran 0.85x to 1.29x its prediction between 3 runs).
 
 [Note: concurrent axis groups] The "intra" axis runs one group per node,
-the "inter" axis one group per local rank index, and a "tp{d}" axis (when
-asked) one group per d consecutive ranks, all groups of an axis at the
+the "inter" axis one group per local rank index, and a "sub{d}" axis (when
+asked: tensor-parallel groups, a pipeline stage's ranks) one group per d
+consecutive ranks, all groups of an axis at the
 same time, as HSDP's shard and replicate groups do in training: concurrent
 inter-node groups share the nodes' NICs, and that contention belongs in the
 measurement.
@@ -91,13 +92,13 @@ class _Axis:
     ranks_per_node_in_group: int
 
 
-def _build_axes(world: int, rank: int, ranks_per_node: int, tp_sizes: tuple[int, ...] = ()) -> list[_Axis]:
+def _build_axes(world: int, rank: int, ranks_per_node: int, group_sizes: tuple[int, ...] = ()) -> list[_Axis]:
     """The axes to measure; every rank creates every group, in the same order (new_group's rule).
-    ``tp_sizes``: tensor-parallel groups of that many consecutive ranks inside a node (an axis
-    "tp{d}" per size the intra and world axes do not already measure)."""
+    ``group_sizes``: groups of that many consecutive ranks inside a node (an axis "sub{d}" per
+    size the intra and world axes do not already measure)."""
     num_nodes = world // ranks_per_node
     axes: list[_Axis] = []
-    for d in sorted(set(tp_sizes)):
+    for d in sorted(set(group_sizes)):
         if d < 2 or d >= min(ranks_per_node, world) or ranks_per_node % d:
             continue  # a group of one measures nothing; a whole node is the intra (or world) axis
         mine = None
@@ -105,7 +106,7 @@ def _build_axes(world: int, rank: int, ranks_per_node: int, tp_sizes: tuple[int,
             g = dist.new_group(list(range(start, start + d)))
             if start <= rank < start + d:
                 mine = g
-        axes.append(_Axis(f"tp{d}", mine, d, d))
+        axes.append(_Axis(f"sub{d}", mine, d, d))
     if num_nodes > 1:
         mine = None
         for node in range(num_nodes):
@@ -186,7 +187,7 @@ def measure_fabric(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     measure_overlap: bool = True,
-    tp_sizes: tuple[int, ...] = (),
+    group_sizes: tuple[int, ...] = (),
 ) -> FabricProfile:
     """Time collectives per message size on each mesh axis; collective: every rank calls it.
 
@@ -204,8 +205,9 @@ def measure_fabric(
         dtype: element type of the messages.
         progress: show progress on rank 0's console (``wrapopt.progress``).
         measure_overlap: also measure the compute/communication overlap factors.
-        tp_sizes: tensor-parallel degrees to measure too, each as concurrent groups of that
-            many consecutive ranks (axis "tp{d}"): See [Note: tensor parallel costs] in cost/tp.py.
+        group_sizes: sizes to measure too, each as concurrent groups of that many consecutive ranks
+            (axis "sub{d}"): tensor-parallel groups (See [Note: tensor parallel costs] in cost/tp.py)
+            and pipeline stages (``search.pipeline.pp_group_sizes``).
 
     Returns:
         The same ``FabricProfile`` (kind ``"measured"``) on every rank.
@@ -222,7 +224,7 @@ def measure_fabric(
         raise ValueError(f"message sizes must be positive, got {sizes_bytes}")
 
     t_start = time.perf_counter()
-    axes = _build_axes(world, rank, rpn, tuple(tp_sizes))
+    axes = _build_axes(world, rank, rpn, tuple(group_sizes))
     bar = Progress(len(axes) * len(collectives) * len(sizes), desc="profile fabric", unit="message size",
                    enabled=progress and rank == 0)
     cells, times = _time_cells(axes, collectives, sizes, dtype=dtype, device=device, sync=sync, reduce_dev=reduce_dev,

@@ -53,7 +53,7 @@ from wrapopt.train import TrainConfig
 
 __all__ = ["AUTO_PP", "VIRTUAL_STAGES", "CHECKPOINTS", "TORCHTITAN_PP_LABEL", "resolve_pp", "pipeline_plan",
            "search_pipeline_degree", "combine", "microbatch_counts", "torchtitan_plan", "pipeline_for",
-           "pipeline_estimate"]
+           "pipeline_estimate", "pp_group_sizes"]
 
 AUTO_PP = (2, 4, 8, 16)  # pipeline degrees --pp auto tries (with 1)
 VIRTUAL_STAGES = (2, 4)  # stages per rank tried for Interleaved1F1B
@@ -98,6 +98,38 @@ def resolve_pp(graph: ModelGraph, mesh: MeshSpec, pp: Any) -> tuple[tuple[int, .
     layout = pipeline_layout(graph)
     check_stage_count(layout, d, 1, mesh.world_size)
     return (d,), layout, []
+
+
+def pp_group_sizes(pp: Any, world: int, ranks_per_node: int) -> tuple[int, ...]:
+    """The groups of consecutive ranks a measured fabric needs for ``pp`` (None, a degree or
+    "auto"): See [Note: pipeline fabric]."""
+    if pp is None or str(pp) in ("1", ""):
+        return ()
+    try:
+        degrees = AUTO_PP if str(pp) == "auto" else (int(pp),)
+    except (TypeError, ValueError):
+        return ()  # resolve_pp explains a bad value
+    sizes: set[int] = set()
+    for d in degrees:
+        stage = world // d
+        if d < 2 or world % d or stage >= ranks_per_node:
+            continue  # stages of whole nodes: the intra, inter and world axes price them
+        sizes.update(x for x in (stage, 2) if x >= 2 and ranks_per_node % x == 0)
+    return tuple(sorted(sizes))
+
+
+# [Note: pipeline fabric] Pipeline stages are consecutive ranks (the pipeline axis is the mesh's
+# outermost), so a stage inside a node is a group of ``world / pp`` consecutive ranks: its FSDP
+# collectives run on that group, all stages at once, and neighbouring stages' sends cross a link
+# inside the node. A measured fabric has only the world axis on one node (intra and inter across
+# nodes), and ``FabricProfile.collective_s`` rescales any other group from the nearest axis with
+# the ring model, never below that axis's latency. On 4 gloo ranks of this VM a stage's 2-rank
+# collectives and every send were so priced at the world's latency (all-gather 3.6-4.1 ms) where a
+# 2-rank group measures 0.4-1.4 ms, and the pipeline plans ran 0.60-0.71x their predictions
+# (``benchmarks/fidelity_pp.py``, 2026-12-06). So wherever wrapopt measures the fabric for a
+# pipeline search (``optimize_wrap(pp=...)`` under a process group, ``wrapopt profile-fabric
+# --pp``, the fidelity bench), it also measures groups of each tried degree's stage size, and of 2
+# (the sends, priced as a 2-rank all-gather by ``cost.pipeline.send_s``), inside a node.
 
 
 def microbatch_counts(graph: ModelGraph, pp: int, tp: int, accumulation: int) -> tuple[int, ...]:
