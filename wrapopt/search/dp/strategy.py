@@ -86,7 +86,7 @@ def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
     plans: list[PlanSpec] = []
     best_t, shrink = math.inf, 0.0
     for _order, main, dp in jobs:
-        if not main and dp.lower_bound(budget) >= best_t:
+        if not main and dp.lower_bound(budget - min(shrink, 0.0)) >= best_t:  # a raised allowance: a lower bound
             continue
         for answer in dp.answers(budget, uniform=main, give_up_above=math.inf if main else best_t, shrink=shrink):
             plans.append(answer.plan)
