@@ -133,7 +133,7 @@ class ChainDP:
             cache = self._cache if per_unit else {}
             cap = give_up_above if per_unit else math.inf
 
-            def solve(allowed: float) -> ChainAnswer | None:
+            def solve(allowed: float, cap: float = cap) -> ChainAnswer | None:
                 return solve_chains(self.costs, choices=choices, max_group=self.max_group, mem_allowance=allowed,
                                     cache=cache, give_up_above=cap)
 
@@ -162,7 +162,7 @@ class ChainDP:
             slack = memory_budget - peak
             if slack <= SLACK_MIN * memory_budget:
                 break
-            more = solve(allow + slack)
+            more = solve(allow + slack, ans.time_s)  # only a faster answer is of use
             if more is None or more.time_s >= ans.time_s:
                 break
             more_peak = self.sim.simulate(self._plan(more, label)).peak_bytes
