@@ -325,7 +325,7 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
         # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs]);
         # with a pipeline, its stages' groups (See [Note: pipeline fabric] in search/pipeline.py)
         tp_sizes = tp_sizes_to_measure(tp, mesh.ranks_per_node)
-        groups = tuple(sorted({*tp_sizes, *pp_group_sizes(pp, mesh.world_size, mesh.ranks_per_node)}))
+        groups = pp_group_sizes(pp, mesh.world_size, mesh.ranks_per_node, also=tp_sizes)
         if fab is None:
             fab = measure_fabric(progress=dist.get_rank() == 0, group_sizes=groups)
         if compute is None:

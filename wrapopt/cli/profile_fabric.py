@@ -188,7 +188,7 @@ def group_sizes(args: argparse.Namespace) -> tuple[int, ...]:
     The world and ranks per node are torchrun's where it started this process, else the options'."""
     world = int(os.environ.get("WORLD_SIZE", args.world_size)) if _under_torchrun() else args.world_size
     rpn = args.ranks_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world)
-    return tuple(sorted({*args.tp, *pp_group_sizes(args.pp, world, rpn)}))
+    return pp_group_sizes(args.pp, world, rpn, also=args.tp)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -199,10 +199,10 @@ def measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inp
     quiet = cfg["quiet"]
     tp = cfg.get("tp", 1)
     # tensor-parallel groups, and pipeline stages' (cfg "pp": See [Note: pipeline fabric] in search/pipeline.py)
-    groups = {tp} - {1} | set(pp_group_sizes(cfg.get("pp"), world, cfg["ranks_per_node"]))
+    groups = pp_group_sizes(cfg.get("pp"), world, cfg["ranks_per_node"], also=(tp,))
     _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {backend} ranks ...")
     fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=15, progress=not quiet,
-                            ranks_per_node=cfg["ranks_per_node"], group_sizes=tuple(sorted(groups)))
+                            ranks_per_node=cfg["ranks_per_node"], group_sizes=groups)
     _log(rank, quiet, "[2/5] measuring compute (matmul, bandwidth, FSDP2 per-unit cost, optimizer, "
                       "per-module times) ...")
     # Module times in the dtype the step computes in: See [Note: compute dtype] in cost/dtypes.py.

@@ -100,16 +100,15 @@ def resolve_pp(graph: ModelGraph, mesh: MeshSpec, pp: Any) -> tuple[tuple[int, .
     return (d,), layout, []
 
 
-def pp_group_sizes(pp: Any, world: int, ranks_per_node: int) -> tuple[int, ...]:
+def pp_group_sizes(pp: Any, world: int, ranks_per_node: int, *, also: Sequence[int] = ()) -> tuple[int, ...]:
     """The groups of consecutive ranks a measured fabric needs for ``pp`` (None, a degree or
-    "auto"): See [Note: pipeline fabric]."""
-    if pp is None or str(pp) in ("1", ""):
-        return ()
+    "auto"), with the sizes in ``also`` (tensor-parallel groups; 1 is dropped), sorted: See [Note:
+    pipeline fabric]."""
+    sizes = {d for d in also if d >= 2}
     try:
-        degrees = AUTO_PP if str(pp) == "auto" else (int(pp),)
+        degrees = () if pp is None or str(pp) in ("1", "") else AUTO_PP if str(pp) == "auto" else (int(pp),)
     except (TypeError, ValueError):
-        return ()  # resolve_pp explains a bad value
-    sizes: set[int] = set()
+        degrees = ()  # resolve_pp explains a bad value
     for d in degrees:
         stage = world // d
         if d < 2 or world % d or stage >= ranks_per_node:

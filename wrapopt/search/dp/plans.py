@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Callable
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.search.dp.chain import ChainAnswer, chain_costs, unit_choices
@@ -137,25 +137,28 @@ class ChainDP:
                 return solve_chains(self.costs, choices=choices, max_group=self.max_group, mem_allowance=allowed,
                                     cache=cache, give_up_above=cap)
 
-            ans, peak = None, 0.0
+            ans, plan, peak = None, None, 0.0
             for attempt in range(8 if check and per_unit else 1):
                 ans = solve(allow)
-                if ans is None or not (check and per_unit):
+                if ans is None:
                     break
-                peak = self.sim.simulate(self._plan(ans, label)).peak_bytes
+                plan = self._plan(ans, label + self.tag)
+                if not (check and per_unit):
+                    break
+                peak = self.sim.simulate(plan).peak_bytes
                 over = peak - memory_budget
                 if over <= 0:
                     break
                 allow -= over * (1 + attempt) + 1e-4 * memory_budget
                 ans = None
             if ans is not None and check and per_unit:
-                ans, allow = self._use_slack(solve, ans, allow, peak, memory_budget, label)
+                ans, plan, allow = self._use_slack(solve, ans, plan, allow, peak, memory_budget)
             if ans is not None:
-                out.append(DPAnswer(self._plan(ans, label + self.tag), ans.time_s, per_unit, allowance - allow))
+                out.append(DPAnswer(plan, ans.time_s, per_unit, allowance - allow))
         return out
 
-    def _use_slack(self, solve: Any, ans: ChainAnswer, allow: float, peak: float, memory_budget: float,
-                   label: str) -> tuple[ChainAnswer, float]:
+    def _use_slack(self, solve: Callable[[float, float], ChainAnswer | None], ans: ChainAnswer, plan: PlanSpec,
+                   allow: float, peak: float, memory_budget: float) -> tuple[ChainAnswer, PlanSpec, float]:
         """The per-unit answer again with the allowance raised by what the simulator left under the
         budget, while that is faster and the simulator says it fits: See [Note: chain model slack]."""
         for _ in range(SLACK_TRIES):
@@ -165,11 +168,12 @@ class ChainDP:
             more = solve(allow + slack, ans.time_s)  # only a faster answer is of use
             if more is None or more.time_s >= ans.time_s:
                 break
-            more_peak = self.sim.simulate(self._plan(more, label)).peak_bytes
+            more_plan = self._plan(more, plan.label)
+            more_peak = self.sim.simulate(more_plan).peak_bytes
             if more_peak > memory_budget:
                 break
-            ans, allow, peak = more, allow + slack, more_peak
-        return ans, allow
+            ans, plan, allow, peak = more, more_plan, allow + slack, more_peak
+        return ans, plan, allow
 
     def plans(self, memory_budget: float, *, uniform: bool = True, rescore: bool = True,
               give_up_above: float = math.inf) -> list[tuple[str, PlanSpec, float]]:
