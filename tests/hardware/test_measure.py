@@ -8,6 +8,7 @@ several things at once. No assertion here is about wall time (see STYLE.md).
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from wrapopt.errors import ModelError, ProfileError
 from wrapopt.hardware.measure_collectives import measure_fabric
-from wrapopt.hardware.measure_device import measure_compute, measure_unit_overhead
+from wrapopt.hardware.measure_device import measure_compute, measure_module_times, measure_unit_overhead
 from wrapopt.hardware.measure_fsdp import measure_byte_overhead, measure_param_overhead
 from wrapopt.hardware.profiles import COLLECTIVES, ComputeProfile, FabricProfile
 from wrapopt.launch import spawn
@@ -153,6 +154,42 @@ def test_module_times_cover_every_module_of_gpt_tiny() -> None:
         assert times[fqn][0] > 0 and times[fqn][1] > 0, fqn
     assert times["layers"] == (0.0, 0.0)
     assert all(p.grad is None for p in model.parameters())  # the model is left as it was given
+
+
+class _Pausing(nn.Linear):
+    """A linear layer that pauses 30 ms inside its forward on the steps ``step[0] % 4 == turn``."""
+
+    def __init__(self, turn: int, step: list[int]) -> None:
+        super().__init__(4, 4)
+        self.turn, self.step = turn, step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step[0] % 4 == self.turn:
+            time.sleep(0.03)
+        return super().forward(x)
+
+
+class _Paused(nn.Module):
+    """Four ``_Pausing`` layers: every step's forward pauses 30 ms, in each layer one step in four."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = [0]
+        self.layers = nn.ModuleList(_Pausing(i, self.step) for i in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        self.step[0] += 1
+        return x
+
+
+def test_module_times_add_up_to_the_whole_forward_when_each_call_pauses_now_and_then() -> None:
+    # See [Note: measured module times]: each layer's median misses the pause, the whole forward does not.
+    times = {fqn: f for fqn, f, _ in measure_module_times(_Paused(), (torch.ones(2, 4),), repeats=8, warmup=0)}
+    assert sum(times.values()) >= 0.025
+    layers = [times[f"layers.{i}"] for i in range(4)]
+    assert max(layers) < 2 * min(layers) + 1e-3  # the shares are the medians': the pause is no layer's
 
 
 def test_module_times_need_real_weights() -> None:
