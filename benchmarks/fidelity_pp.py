@@ -2,7 +2,10 @@
 plans without a pipeline (FSDP over the 4 ranks) and with one (2 stages x 2 data-parallel ranks)
 in one interleaved bench. ``--world-size 2`` runs the same at 2 ranks (FSDP over 2; 2 stages x 1),
 where each rank has a core of its own on a 2-core machine, so a rank idle in the bubble lends its
-core to no one.
+core to no one. At 4 ranks on 2 cores each stage's two ranks are pinned to a core of their own
+(``--pin stages``, the default; ``--pin none`` leaves them to the scheduler): unpinned, a stage
+idle in the bubble lent its core to the other, whose ranks then ran at twice the speed they were
+profiled at, and the PP 2 plans ran 0.80-0.95x their prediction.
 
 Per zoo model (llama-tiny, gpt-tiny; fp32, AdamW as ``benchmarks/fidelity.py``), on 4 local gloo
 ranks: the fabric and compute measured on the same ranks first (``evaluate.measure_hardware``, as
@@ -80,12 +83,33 @@ def plan_set(name: str, graph: ModelGraph, sim: Simulator, world: int = WORLD) -
     return plans
 
 
+PIN_TEXT = (", each pipeline stage's ranks pinned to one core of their own (`--pin stages`: ranks 0 and 1 on one "
+            "core, 2 and 3 on the other), so ranks idle in the bubble lend their core to no one")
+
+
+def pin_stage_cores(rank: int, world: int) -> list[int] | None:
+    """Pin this rank's threads to one core, consecutive ranks sharing a core (ranks 0, 1 on core 0 and
+    2, 3 on core 1 for 4 ranks on 2 cores), so a pipeline stage's ranks have a core of their own and a
+    stage idle in the bubble lends it to no one, as on a cluster. Returns the cores, or None (no
+    more ranks than cores: each rank has a core of its own already, or no affinity on this OS)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if world <= len(cores) or world % len(cores):
+        return None
+    mine = {cores[rank * len(cores) // world]}
+    for tid in os.listdir("/proc/self/task"):  # every thread: gloo's and the intra-op pool's exist already
+        os.sched_setaffinity(int(tid), mine)
+    return sorted(mine)
+
+
 def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """One model's bench on this rank; rank 0 returns the rows. ``cfg``: model, repeats, warmup,
     memory (measure peaks), only (plan labels to keep, None: all), measure (False: analytical
-    profiles instead of measured ones, for the structure test)."""
+    profiles instead of measured ones, for the structure test), pin (See ``pin_stage_cores``)."""
     import torch.distributed as dist
 
+    pinned = pin_stage_cores(rank, world) if cfg.get("pin") else None
     name = cfg["model"]
     entry = zoo.get_entry(name)
     inputs = entry.inputs()
@@ -134,7 +158,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             "fabric": fabric.to_json(), "compute": compute.to_json(), "profiles_s": t_hw,
             "machine": {"host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__,
                         "backend": dist.get_backend(), "world_size": world,
-                        "threads_per_rank": torch.get_num_threads()}}
+                        "threads_per_rank": torch.get_num_threads(), "pinned_by_stage": pinned is not None}}
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +221,8 @@ def render(runs: list[dict], summaries: list[dict], *, date: str, wall: float, c
     lines = [
         f"# Cost-model fidelity: pipeline plans at {w} ranks (PP 1 and PP 2 mixed)", "",
         f"Machine: {m['host']}, {m['cores']} cores, no GPU; backend {m['backend']}, world size {m['world_size']}, "
-        f"one thread per rank; torch {m['torch']}; {date}. Regenerate: `{command}` ({wall:.0f} s). Load average "
+        f"one thread per rank{PIN_TEXT if m.get('pinned_by_stage') else ''}; torch {m['torch']}; {date}. "
+        f"Regenerate: `{command}` ({wall:.0f} s). Load average "
         f"(1, 5, 15 min) at the start: {load['start']}; at the end: {load['end']}.", "",
         f"Each model: fabric and compute measured on the same {w} ranks first (as `evaluate` does); then every plan "
         "predicted by the simulator (a pipeline plan priced by `wrapopt/cost/pipeline.py`) and run for real, "
@@ -261,6 +286,8 @@ def main() -> int:
     ap.add_argument("--out", default="results")
     ap.add_argument("--world-size", type=int, default=WORLD, choices=(2, 4),
                     help="local ranks (2: one core per rank on this machine)")
+    ap.add_argument("--pin", choices=("stages", "none"), default="stages",
+                    help="stages: where ranks outnumber cores, each pipeline stage's ranks share one core")
     args = ap.parse_args()
     load = {"start": _load()}
     logs = tempfile.mkdtemp(prefix="fidelity_pp_logs_")
@@ -269,7 +296,7 @@ def main() -> int:
     runs = []
     for name in args.models.split(","):
         cfg = {"model": name, "repeats": args.repeats, "warmup": args.warmup, "memory": not args.no_memory,
-               "quiet": False}
+               "quiet": False, "pin": args.pin == "stages"}
         # The ranks' own output (profiler lines, library warnings) to log files: See [Note: quiet ranks] in launch.py.
         runs.append(spawn(worker, world_size=args.world_size, args=(cfg,), timeout_s=1800, log_dir=logs)[0])
         print(f"{name}: done at {time.perf_counter() - t0:.0f} s, load {_load()}", file=sys.stderr, flush=True)
