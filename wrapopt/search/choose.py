@@ -36,14 +36,16 @@ from wrapopt.spec import ModelGraph, PlanSpec
 __all__ = ["STEP_ERROR", "MEMORY_ERROR", "ERROR_SOURCE", "Choice", "choose", "is_per_block"]
 
 # The largest |paired ratio - 1| of the measured step of the predicted-fastest plan to the
-# measured-fastest plan, over the 12 fidelity cases of results/fidelity.md (8: 1.000 x6, 0.990,
-# 1.032) and results/fidelity_train.md (4: 1.000, 1.029, 1.000, 1.000): the worst case, 3.2%,
-# since the median is 0 and would call every prediction exact. See [Note: plans within the error].
-STEP_ERROR = 0.032
+# measured-fastest plan, over the 12 fidelity cases of results/fidelity.md (8: 1.000 x5, 0.977,
+# 1.043, 1.048) and results/fidelity_train.md (4: 1.000, 1.029, 1.000, 1.000): the worst case, 4.8%
+# (vit-tiny on 2 ranks), since the median is 0 and would call every prediction exact. It was 3.2%
+# from the run before the module times became shares of the whole forward (2026-12-06), where
+# runs beside it gave 4.4% and 3.6%. See [Note: plans within the error].
+STEP_ERROR = 0.048
 # The worst peak-memory error of results/fidelity.md (zoo:t5-tiny on 2 ranks, +4.0%; the
 # FSDPMemTracker comparison on llama-7b is within 0.9%, fidelity_train.md within 2.3%).
 MEMORY_ERROR = 0.04
-ERROR_SOURCE = ("worst measured miss: step 3.2% (predicted- vs measured-fastest, paired, results/fidelity.md "
+ERROR_SOURCE = ("worst measured miss: step 4.8% (predicted- vs measured-fastest, paired, results/fidelity.md "
                 "and fidelity_train.md), peak 4.0% (results/fidelity.md)")
 
 
