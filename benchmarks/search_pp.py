@@ -66,6 +66,8 @@ def _cell(model: str, world: int, row: dict) -> str:
 def pp_section() -> list[str]:
     import torch
 
+    from wrapopt.search.choose import STEP_ERROR
+
     lines = [BEGIN, "## 3-D plans: `--pp auto --tp auto` (pipeline stages, tensor parallel inside the node, FSDP)", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared with other work, Python "
              f"{platform.python_version()}, torch {torch.__version__}. Command: `wrapopt search zoo:MODEL "
@@ -77,8 +79,8 @@ def pp_section() -> list[str]:
              "pipeline: today's search); the stages first share one FSDP shape (one unit per block; `keep` = not "
              "resharded after forward; `ckpt` = every block checkpointed, `ckpt-half` every other), then each "
              "stage of the best two is searched apart (*per-stage*: its units, kept units and checkpointed blocks "
-             "counted over all stages, and its gain over the shared shape; kept only beyond the 3.2% error). "
-             "TorchTitan's "
+             f"counted over all stages, and its gain over the shared shape; kept only beyond the {STEP_ERROR:.1%} "
+             "error). TorchTitan's "
              "405B layout: tp 8, pp 8, Interleaved1F1B with 2 stages per rank, micro-batches of one sequence, one "
              "FSDP unit per block kept unsharded after forward (TorchTitan's default under pipelining), every "
              "block checkpointed; wrapopt prices it without sequence parallelism and with fp32 gradient reduction "
