@@ -145,7 +145,6 @@ def measure_module_times(
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     per_step: list[dict[str, float]] = []
     bwd_total: list[float] = []
-    fwd_total: list[float] = []
     try:
         for step in range(warmup + repeats):
             model.zero_grad(set_to_none=True)  # every step allocates its gradients alike
@@ -160,14 +159,14 @@ def measure_module_times(
             if step >= warmup:
                 bwd_total.append(time.perf_counter() - t0)
                 per_step.append(dict(fwd))
-                fwd_total.append(sum(fwd.values()))  # the root's inclusive time
     finally:
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
     fwd_med = {fqn: median([s.get(fqn, 0.0) for s in per_step]) for fqn in names.values()}
     total = sum(fwd_med.values()) or 1.0
-    t_fwd, t_bwd = median(fwd_total) or total, median(bwd_total)  # the medians' shares of the whole: See the Note
+    # the medians' shares of the whole forward (a step's self times add up to the root's inclusive time): See the Note
+    t_fwd, t_bwd = median([sum(s.values()) for s in per_step]) or total, median(bwd_total)
     return tuple((fqn, max(f, 0.0) / total * t_fwd, max(f, 0.0) / total * t_bwd) for fqn, f in fwd_med.items())
 
 
