@@ -33,13 +33,13 @@ moved there (``Recorder.meta_wins``). FLOPs and saved bytes are the same as
 on meta: they depend on shapes only.
 
 [Note: fx graph and dataflow] ``trace.fx.export_fx`` keeps the model's fx
-graph (``torch.export`` on fake tensors) when it is cheap: export costs 1-2 ms
-per op on a 2-core CPU (llama-7b: 2.8 k ops, 4-7 s; llama-70b: 7 k ops, 7-14 s), so by
-default (``fx=None``) only models of at most ``_FX_AUTO_MAX_MODULES`` modules
-are exported, and ``estimates`` says when it was skipped or failed. The
-module dataflow (who feeds whom, see [Note: dataflow] in trace/fx.py) comes
-from the fx graph when there is one, else from the ops the tracer's own
-forward ran, which is free and follows the same definition.
+graph (``torch.export`` on fake tensors) when it is cheap: export's time grows
+with the op count (seconds on a 7B model), so by default (``fx=None``) only
+models of at most ``_FX_AUTO_MAX_MODULES`` modules are exported, and
+``estimates`` says when it was skipped or failed. The module dataflow (who
+feeds whom, see [Note: dataflow] in trace/fx.py) comes from the fx graph when
+there is one, else from the ops the tracer's own forward ran, which is free
+and follows the same definition.
 
 [Note: who reads a parameter] The dispatch mode also sees every parameter
 that a forward op takes as input, and which module is innermost on the stack
