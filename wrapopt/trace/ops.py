@@ -102,9 +102,9 @@ def _mha_forward(*args: Any, **kwargs: Any) -> Any:
     off, so the ``scaled_dot_product_attention`` inside (``need_weights=False``, as
     ``nn.TransformerEncoderLayer`` and ``DecoderLayer`` call it) would run on the math
     path and the trace would save the seq x seq matrix that the real CPU kernel does not
-    (tx-encoder: 380 KiB per layer, 1.5 MiB of its 3.2 MiB of activations). The
-    function reads ``scaled_dot_product_attention`` from ``torch.nn.functional``'s
-    globals, so for this one call that name is the fused routing.
+    (a large share of an encoder layer's activations). The function reads
+    ``scaled_dot_product_attention`` from ``torch.nn.functional``'s globals, so for
+    this one call that name is the fused routing.
     """
     fn = torch.nn.functional
     fn.scaled_dot_product_attention = _fused_sdpa

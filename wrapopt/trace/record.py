@@ -29,41 +29,33 @@ default), on the forward's floating inputs cast too; buffers stay as they are
 (meta, or real copies in the real fallback) and the forward's floating inputs
 are in that dtype, so every activation is in the dtype the step makes it. Where
 a model upcasts on purpose, its tensors stay float32: Hugging Face's RMSNorm
-computes in float32 and saves float32 tensors, the loss upcasts the logits. A
-float32 trace rescaled by 2/4 halved those too (a tiny Llama through ``hf:``:
-7% under on saved bytes; Llama 3.1 8B: about 8% of its activations, issue 34).
-The parameter figures (own and total bytes, ``param_shapes``) are read from the
-parameters themselves: the storage (master) dtype, as FSDP2 keeps it. What else
-depends on the dtype comes out as the step runs it: the memory-bound ops' bytes
-(the upcasts' copies among them), the matmuls' bytes per element,
-selective-op's kept bytes, the loss on low-precision logits. One trace in the
-step's dtype, rather than a float32 trace and a second one in the compute dtype
-merged by module name: the same tracing time, one code path, nothing matched by
-name. ``ModelGraph.compute_dtype`` records the dtype; a step in another one
-rescales the graph uniformly ([Note: compute dtype] in cost/dtypes.py).
-``results/bf16.md`` (``benchmarks/bf16_check.py``): saved bytes within 0.4% of
-real bf16 runs (a tiny Llama through ``hf:``: exact, 7% under rescaled), and
-real bf16 FSDP2 steps on one gloo rank within 0.3% of the predicted peak for
-gpt-, llama-, t5-tiny and that Llama (vit-tiny 3% under, checkpointed t5-tiny
-10% over, either way). Left out: FSDP2 casts the floating inputs of every
-unit's forward, so a float32 tensor one unit hands to another is cast down at
-the boundary; the trace casts at the root only (the blocks of the zoo and of
-Hugging Face models hand on the compute dtype).
+computes in float32 and saves float32 tensors, the loss upcasts the logits; a
+float32 trace rescaled by 2/4 would halve those too. The parameter figures (own
+and total bytes, ``param_shapes``) are read from the parameters themselves: the
+storage (master) dtype, as FSDP2 keeps it. What else depends on the dtype comes
+out as the step runs it: the memory-bound ops' bytes (the upcasts' copies among
+them), the matmuls' bytes per element, selective-op's kept bytes, the loss on
+low-precision logits. One trace in the step's dtype, rather than a float32 trace
+and a second one in the compute dtype merged by module name: the same tracing
+time, one code path, nothing matched by name. ``ModelGraph.compute_dtype``
+records the dtype; a step in another one rescales the graph uniformly
+([Note: compute dtype] in cost/dtypes.py). ``benchmarks/bf16_check.py`` checks
+the trace against real bf16 steps (``results/bf16.md``). Left out: FSDP2 casts
+the floating inputs of every unit's forward, so a float32 tensor one unit hands
+to another is cast down at the boundary; the trace casts at the root only (the
+blocks of the zoo and of Hugging Face models hand on the compute dtype).
 
-[Note: the loss's gradients] The loss's backward holds gradients beside what
-the loss saved: cross-entropy's log_softmax backward holds the gradient
-arriving from nll_loss and the one it makes, each the size of the loss's input
-in the dtype the loss computes in. A loss that upcasts bf16 logits (the zoo's,
-Hugging Face's, TorchTitan's) makes them float32: twice the bytes of the output
-each, where the simulator had counted two gradients of the output's size
-(gpt-tiny's per-block plan, a real bf16 FSDP2 step on one gloo rank: peak 12.09
-MiB measured, there; 11.13 predicted from a bf16 trace without them, 12.10
-with). The tracer measures them: from the start of the backward until the
-model's output has its gradient (a hook on each output tensor), the most bytes
-of tensors the backward's ops create alive at once
-(``ModelGraph.loss_grad_bytes``; storages alive before it, the saved ones among
-them, are not counted). The simulator takes the larger of that and two of the
-output's size ([Note: loss] in cost/step.py).
+[Note: the loss's gradients] The loss's backward holds gradients beside what the
+loss saved: cross-entropy's log_softmax backward holds the gradient arriving
+from nll_loss and the one it makes, each the size of the loss's input in the
+dtype the loss computes in. A loss that upcasts bf16 logits (the zoo's, Hugging
+Face's, TorchTitan's) makes them float32: twice the bytes of the output each,
+more than two gradients of the output's size. The tracer measures them: from the
+start of the backward until the model's output has its gradient (a hook on each
+output tensor), the most bytes of tensors the backward's ops create alive at
+once (``ModelGraph.loss_grad_bytes``; storages alive before it, the saved ones
+among them, are not counted). The simulator takes the larger of that and two of
+the output's size ([Note: loss] in cost/step.py).
 """
 
 from __future__ import annotations
