@@ -96,8 +96,8 @@ def one_microbatch(inputs: Any, microbatches: int) -> tuple[Any, ...]:
 #    then an all-reduce over the pipeline ranks holding a copy at this rank's data-parallel
 #    position (``mesh["pp"]``'s group when every pipeline rank holds one, else a group of those
 #    ranks). Every copy then steps with the gradient of the tied parameter, and starting equal they
-#    stay equal (without the sum, gpt-tiny's ``wte.weight`` ends 3.6e-3 off the unsharded model's
-#    after 3 SGD steps; with it, 3e-8). ``PipelineRun.step`` does this; a caller that runs
+#    stay equal (without the sum each copy steps with its own stage's share and they drift apart).
+#    ``PipelineRun.step`` does this; a caller that runs
 #    ``schedule.step`` itself calls ``PipelineRun.sync_tied_grads()`` before the optimizer step;
 # 5. the schedule (``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``) with the
 #    plan's micro-batches and ``loss_fn(output, target)``, torch's loss signature.
@@ -111,10 +111,9 @@ def one_microbatch(inputs: Any, microbatches: int) -> tuple[Any, ...]:
 # node, unless their ``_run_with_interpreter`` is off (what torch does itself under dynamo, and
 # what ``torch.export.unflatten._disable_interpreter`` sets): then the same graph runs as the
 # ``GraphModule``'s generated code. The ops, and so the results, are the same; the host work per op
-# is not: llama-tiny's first 4 blocks at its zoo batch, forward, one CPU thread, eager 4.9-5.2 ms,
-# interpreted 11.7-12.0 ms, as code 6.1 ms, outputs equal; a pipeline stage's forward had run
-# 2-2.5x its modules' measured times on 2 gloo ranks. ``_as_code`` turns it off on every such
-# module of a stage (a torch without the attribute runs them as it does).
+# is not: the interpreter's Python call per node can cost more than a small block's kernels, so an
+# interpreted stage would run well above the module times the plan was priced with. ``_as_code``
+# turns it off on every such module of a stage (a torch without the attribute runs them as it does).
 def _as_code(module: nn.Module) -> None:
     """Run ``module``'s ``InterpreterModule``s as generated code."""
     for sub in module.modules():
@@ -126,10 +125,9 @@ def _as_code(module: nn.Module) -> None:
 # micro-batch (``PipelineStage.output_chunks``) to concatenate and return them when the step ends,
 # unless ``return_outputs=False`` (torch 2.7+), and clears them only when the next step starts.
 # ``PipelineRun.step`` returns the loss only, so it asks for no outputs. Kept, a step ends holding m
-# micro-batches' logits on the last stage (gpt-tiny's 1F1B of 4 micro-batches of 2 sequences: 4 MiB)
-# into the optimizer step and the next forward; the bench's memory tracker, which counts one step's
-# allocations, saw them freed inside the next step and put that stage's peak at 5.75 MiB, against
-# 6.75 MiB without them (6.78 predicted; 2 stages x 2 gloo ranks). A torch without the argument keeps them.
+# micro-batches' logits on the last stage into the optimizer step and the next forward: memory the
+# cost model does not price, which a tracker counting one step's allocations sees freed inside the
+# next step (reading that step's peak low). A torch without the argument keeps them.
 _RETURN_OUTPUTS = "return_outputs" in inspect.signature(_schedules.PipelineScheduleSingle.step).parameters
 
 
