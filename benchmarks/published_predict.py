@@ -252,11 +252,11 @@ def refit(predictor: Predictor, rows: list[PublishedRow], gpu: GpuPreset, *, tie
         lo, hi = 0.2, 1.0
         for _ in range(iterations):
             mid = (lo + hi) / 2
-            p = dataclasses.replace(gpu, matmul_fraction=mid, attention_fraction=mid if att is None else att)
+            p = gpu.with_fitted(matmul_fraction=mid, attention_fraction=mid if att is None else att)
             med = statistics.median(predictor.tokens_per_s(r, preset=p) / r.tokens_per_s_per_gpu for r in rows)
             lo, hi = (mid, hi) if med < 1.0 else (lo, mid)
         mid = (lo + hi) / 2
-        return dataclasses.replace(gpu, matmul_fraction=mid, attention_fraction=mid if att is None else att)
+        return gpu.with_fitted(matmul_fraction=mid, attention_fraction=mid if att is None else att)
 
     def err(p: GpuPreset) -> float:
         return statistics.median(abs(predictor.tokens_per_s(r, preset=p) / r.tokens_per_s_per_gpu - 1) for r in rows)

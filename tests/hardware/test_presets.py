@@ -97,3 +97,23 @@ def test_gpu_and_network_flags_name_a_pair_and_refuse_unknown_names() -> None:
         fabric_name(fabric=None, gpu="h100", network="ib300")
     with pytest.raises(ProfileError, match="not both"):
         fabric_name(fabric="h100-nvlink-ib400", gpu="h100", network=None)
+
+
+# -- issue 49: the tables keep datasheet figures apart from fitted constants -------------------
+
+
+def test_fitted_constants_name_their_rows_apart_from_the_datasheet() -> None:
+    from wrapopt.hardware.catalog import BUSBW_ACHIEVED, Datasheet, Fitted
+
+    for g in GPUS.values():
+        assert isinstance(g.datasheet, Datasheet) and isinstance(g.fitted, Fitted)
+        assert "datasheet" in g.datasheet.source and "rows" in g.fitted.fitted_on
+        assert (g.matmul_fraction, g.attention_fraction) == (g.fitted.matmul_fraction, g.fitted.attention_fraction)
+    # a GPU without published rows says whose constants it carries
+    assert "H100 SXM" in GPUS["h200"].fitted.fitted_on and GPUS["h200"].fitted.matmul_fraction == 0.593
+    refit = GPUS["h100-sxm"].with_fitted(matmul_fraction=0.5, attention_fraction=0.25)
+    assert refit.fitted.fitted_on == GPUS["h100-sxm"].fitted.fitted_on and refit.datasheet is GPUS["h100-sxm"].datasheet
+    assert refit.compute_spec()["achievable_fraction"] == 0.5 and GPUS["h100-sxm"].matmul_fraction == 0.593
+    # links: the stated line rate at the busbw convention, shared by the GPUs behind one NIC
+    assert INTRA_LINKS["nvlink4"].bandwidth_bytes_per_s == 450e9 * BUSBW_ACHIEVED == 360e9
+    assert INTER_LINKS["eth100"].bandwidth_bytes_per_s == 12.5e9 * BUSBW_ACHIEVED / 8

@@ -14,119 +14,237 @@ usual NCCL busbw; HBM likewise ~80% of the stated bandwidth. A GPU without
 published rows carries the constants of the GPU of its generation it shares
 tensor cores with, and says so. Compute is priced per kernel from these
 numbers: See [Note: kernel roofline] in ``cost/roofline.py``.
+
+The tables keep the two kinds of number apart: each ``GpuPreset`` holds a
+``Datasheet`` (stated figures and their source) and a ``Fitted`` part (the two
+fractions and ``fitted_on``, the rows and rule they were fitted on); each
+``LinkPreset`` holds a line rate and a ring-step latency, turned into an
+achieved link by the stated conventions (``BUSBW_ACHIEVED``), never fitted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from wrapopt.errors import ProfileError
 from wrapopt.hardware.profiles import AnalyticalLink
 
-__all__ = ["GpuPreset", "GPUS", "INTRA_LINKS", "INTER_LINKS", "NETWORKS", "HBM_ACHIEVED", "network_links",
-           "gpu_from_json", "GPU_FORMAT", "GPU_TEMPLATE", "stated_number", "stated_peaks"]
+__all__ = [
+    "GpuPreset",
+    "Datasheet",
+    "Fitted",
+    "HostSystem",
+    "LinkPreset",
+    "GPUS",
+    "INTRA_LINKS",
+    "INTER_LINKS",
+    "NETWORKS",
+    "HBM_ACHIEVED",
+    "BUSBW_ACHIEVED",
+    "find_gpu",
+    "network_links",
+    "gpu_from_json",
+    "GPU_FORMAT",
+    "GPU_TEMPLATE",
+    "stated_number",
+    "stated_peaks",
+]
 
 HBM_ACHIEVED = 0.8  # achieved / stated HBM bandwidth: the streaming-kernel convention (not fitted)
+BUSBW_ACHIEVED = 0.8  # achieved bus bandwidth / line rate: the usual NCCL busbw convention (not fitted)
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Datasheet:
+    """What one GPU's datasheet states; nothing here is fitted."""
+
+    peak_flops_per_s: dict[str, float]  # dense peak per compute dtype; float32 is the TF32 tensor-core rate
+    hbm_bytes_per_s: float  # stated HBM bandwidth (the achieved one is HBM_ACHIEVED of it)
+    memory_capacity_bytes: int
+    num_sms: int = 0  # streaming multiprocessors: a GEMM's tiles fill them in waves
+    source: str  # the datasheet, with the figures it gives
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fitted:
+    """The two constants fitted per GPU type, and the rows they were fitted on: See [Note: GPU and network
+    presets]. ``benchmarks.published --refit`` refits both on the same rows."""
+
+    matmul_fraction: float  # achieved / peak tensor-core rate of a compute-bound GEMM
+    attention_fraction: float  # achieved / peak rate of the attention kernels' executed FLOPs
+    fitted_on: str  # the rows and the rule that chose them, or the GPU whose constants these are
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostSystem:
+    """The reference system's host side, for CPU offload (See [Note: CPU offload] in cost/state.py)."""
+
+    link: str  # the INTRA_LINKS PCIe link between the host and one GPU
+    dram_bytes_per_s: float  # one GPU's share of the host DRAM bandwidth: sockets x channels x rate / GPUs per node
+    source: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GpuPreset:
-    """One GPU type's stated numbers and its fitted constants. See [Note: GPU and network presets]."""
+    """One GPU type: its datasheet, its fitted constants, the link inside its nodes and its host.
+    See [Note: GPU and network presets]."""
 
     name: str
     description: str
-    # Dense peak FLOP/s per compute dtype (datasheet; float32 is the TF32 tensor-core rate).
-    peak_flops_per_s: dict[str, float]
-    hbm_bytes_per_s: float  # stated HBM bandwidth (datasheet)
-    memory_capacity_bytes: int
     intra: str  # the INTRA_LINKS name its nodes use inside
-    matmul_fraction: float  # fitted: achieved / peak tensor-core rate of a compute-bound GEMM
-    attention_fraction: float  # fitted: achieved / peak rate of the attention kernels' executed FLOPs
-    source: str  # the datasheet numbers
-    fit_source: str  # where the two fitted constants come from
-    num_sms: int = 0  # streaming multiprocessors (datasheet): a GEMM's tiles fill them in waves
-    aliases: tuple[str, ...] = field(default=())
-    # CPU offload (See [Note: CPU offload] in cost/state.py): the INTRA_LINKS PCIe link between
-    # the host and one GPU, and one GPU's share of the host DRAM bandwidth (the reference system's
-    # sockets x channels x rate / GPUs per node), with their source. "": not stated.
-    host_link: str = ""
-    host_dram_bytes_per_s: float = 0.0
-    host_source: str = ""
+    datasheet: Datasheet
+    fitted: Fitted
+    host: HostSystem | None = None  # None: not stated
+    aliases: tuple[str, ...] = ()
+
+    # The fields read most, by their old names.
+    peak_flops_per_s = property(lambda self: self.datasheet.peak_flops_per_s)
+    hbm_bytes_per_s = property(lambda self: self.datasheet.hbm_bytes_per_s)
+    memory_capacity_bytes = property(lambda self: self.datasheet.memory_capacity_bytes)
+    num_sms = property(lambda self: self.datasheet.num_sms)
+    source = property(lambda self: self.datasheet.source)
+    matmul_fraction = property(lambda self: self.fitted.matmul_fraction)
+    attention_fraction = property(lambda self: self.fitted.attention_fraction)
+    fit_source = property(lambda self: self.fitted.fitted_on)
+
+    def with_fitted(self, **changes: Any) -> GpuPreset:
+        """This GPU with some of its fitted constants replaced (a refit): ``matmul_fraction=``,
+        ``attention_fraction=``, ``fitted_on=``."""
+        return dataclasses.replace(self, fitted=dataclasses.replace(self.fitted, **changes))
 
     def compute_spec(self) -> dict[str, Any]:
         """The dict an analytical fabric's ``meta["compute"]`` holds (as a file of stated numbers gives it)."""
         peak = self.peak_flops_per_s
         head = peak.get("bfloat16") or next(iter(peak.values()))
+        host = self.host
         return {"flops_per_s": head * self.matmul_fraction, "peak_flops_per_s": dict(peak),
                 "achievable_fraction": self.matmul_fraction, "attention_fraction": self.attention_fraction,
                 "memory_bandwidth_bytes_per_s": self.hbm_bytes_per_s * HBM_ACHIEVED,
                 "memory_capacity_bytes": self.memory_capacity_bytes, "gpu": self.name, "num_sms": self.num_sms,
                 "source": f"{self.source}; HBM at {HBM_ACHIEVED:.0%}; {self.fit_source}",
-                **({"host_link_bytes_per_s": INTRA_LINKS[self.host_link].bandwidth_bytes_per_s,
-                    "host_memory_bandwidth_bytes_per_s": self.host_dram_bytes_per_s * HBM_ACHIEVED,
-                    "host_source": f"{self.host_source}; DRAM at {HBM_ACHIEVED:.0%}"} if self.host_link else {})}
+                **({"host_link_bytes_per_s": INTRA_LINKS[host.link].bandwidth_bytes_per_s,
+                    "host_memory_bandwidth_bytes_per_s": host.dram_bytes_per_s * HBM_ACHIEVED,
+                    "host_source": f"{host.source}; DRAM at {HBM_ACHIEVED:.0%}"} if host else {})}
 
 
 _A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
 _H100_SXM = {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12}
 _H100_NVL = {"bfloat16": 835e12, "float16": 835e12, "float32": 417.5e12}
-_FIT = ("fitted on the fit half of results/published.md's {n} rows (llm-foundry MPT, every second usable row; "
-        "`python -m benchmarks.published --refit`)")
-_DGX_A100 = ("DGX A100: each GPU on PCIe Gen4 x16; 2x AMD EPYC 7742, 8 channels DDR4-3200 each = 409.6 GB/s per node, "
-             "51.2 GB/s per GPU")
-_DGX_H100 = ("DGX H100/H200: each GPU on PCIe Gen5 x16; 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "
-             "614.4 GB/s per node, 76.8 GB/s per GPU")
-_CARRIED = "no published rows: the H100 SXM's fitted constants (same Hopper tensor cores and attention kernels)"
 
-# Fitted constants: See [Note: GPU and network presets]; `python -m benchmarks.published --refit` refits them.
+
+def _fit_half(rows: str) -> str:
+    """The rows a shipped pair of constants was fitted on, and the rule that picked them."""
+    return (f"fitted on the fit half of results/published.md's {rows} rows (llm-foundry MPT, every second usable "
+            "row; `python -m benchmarks.published --refit`)")
+
+
+# No published rows: the constants of the GPU of the generation it shares tensor cores with.
+_CARRIED_H100 = "no published rows: the H100 SXM's fitted constants (same Hopper tensor cores and attention kernels)"
+_DGX_A100 = HostSystem(link="pcie4", dram_bytes_per_s=51.2e9, source=(
+    "DGX A100: each GPU on PCIe Gen4 x16; 2x AMD EPYC 7742, 8 channels DDR4-3200 each = 409.6 GB/s per node, "
+    "51.2 GB/s per GPU"))
+_DGX_H100 = HostSystem(link="pcie5", dram_bytes_per_s=76.8e9, source=(
+    "DGX H100/H200: each GPU on PCIe Gen5 x16; 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "
+    "614.4 GB/s per node, 76.8 GB/s per GPU"))
+_H100_FITTED = Fitted(matmul_fraction=0.593, attention_fraction=0.200, fitted_on=_fit_half("H100 80GB"))
+
+# See [Note: GPU and network presets]; `python -m benchmarks.published --refit` refits the Fitted parts.
 GPUS: dict[str, GpuPreset] = {p.name: p for p in (
-    GpuPreset("a100-40gb-sxm", "NVIDIA A100 SXM 40GB", _A100, 1.555e12, 40 * 2**30, "nvlink3", 0.717, 0.350,
-              "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2 1,555 GB/s; 40 GB; 108 SMs",
-              _FIT.format(n="A100 40GB"), 108, ("a100-40gb",), "pcie4", 51.2e9, _DGX_A100),
-    GpuPreset("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", _A100, 2.039e12, 80 * 2**30, "nvlink3", 0.757, 0.350,
-              "A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2e 2,039 GB/s; 80 GB; 108 SMs",
-              _FIT.format(n="A100 80GB"), 108, ("a100-80gb", "a100"), "pcie4", 51.2e9, _DGX_A100),
-    GpuPreset("h100-sxm", "NVIDIA H100 SXM5 80GB", _H100_SXM, 3.35e12, 80 * 2**30, "nvlink4", 0.593, 0.200,
-              "H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3 3.35 TB/s; 80 GB; 132 SMs",
-              _FIT.format(n="H100 80GB"), 132, ("h100", "h100-80gb"), "pcie5", 76.8e9, _DGX_H100),
-    GpuPreset("h100-nvl", "NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
-              _H100_NVL, 3.9e12, 94 * 10**9, "pcie5", 0.593, 0.200,
-              "H100 NVL datasheet: 835 TFLOP/s dense BF16/FP16 (1,671 with sparsity), 417.5 TF32; HBM3 3.9 TB/s; "
-              "94 GB; 132 SMs", _CARRIED, 132, ("h100-96gb",), "pcie5", 76.8e9,
-              "PCIe Gen5 x16 card; host DRAM per GPU taken as a DGX H100's (the host varies: state yours in a file)"),
-    GpuPreset("h200", "NVIDIA H200 SXM 141GB", _H100_SXM, 4.8e12, 141 * 10**9, "nvlink4", 0.593, 0.200,
-              "H200 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3e 4.8 TB/s; 141 GB; 132 SMs",
-              _CARRIED, 132, ("h200-sxm",), "pcie5", 76.8e9, _DGX_H100),
+    GpuPreset(
+        name="a100-40gb-sxm", description="NVIDIA A100 SXM 40GB", intra="nvlink3", aliases=("a100-40gb",),
+        datasheet=Datasheet(
+            peak_flops_per_s=_A100, hbm_bytes_per_s=1.555e12, memory_capacity_bytes=40 * 2**30, num_sms=108,
+            source="A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2 1,555 GB/s; 40 GB; 108 SMs"),
+        fitted=Fitted(matmul_fraction=0.717, attention_fraction=0.350, fitted_on=_fit_half("A100 40GB")),
+        host=_DGX_A100),
+    GpuPreset(
+        name="a100-80gb-sxm", description="NVIDIA A100 SXM 80GB", intra="nvlink3", aliases=("a100-80gb", "a100"),
+        datasheet=Datasheet(
+            peak_flops_per_s=_A100, hbm_bytes_per_s=2.039e12, memory_capacity_bytes=80 * 2**30, num_sms=108,
+            source="A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2e 2,039 GB/s; 80 GB; 108 SMs"),
+        fitted=Fitted(matmul_fraction=0.757, attention_fraction=0.350, fitted_on=_fit_half("A100 80GB")),
+        host=_DGX_A100),
+    GpuPreset(
+        name="h100-sxm", description="NVIDIA H100 SXM5 80GB", intra="nvlink4", aliases=("h100", "h100-80gb"),
+        datasheet=Datasheet(
+            peak_flops_per_s=_H100_SXM, hbm_bytes_per_s=3.35e12, memory_capacity_bytes=80 * 2**30, num_sms=132,
+            source="H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3 3.35 TB/s; 80 GB; 132 SMs"),
+        fitted=_H100_FITTED,
+        host=_DGX_H100),
+    GpuPreset(
+        name="h100-nvl", description="NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
+        intra="pcie5", aliases=("h100-96gb",),
+        datasheet=Datasheet(
+            peak_flops_per_s=_H100_NVL, hbm_bytes_per_s=3.9e12, memory_capacity_bytes=94 * 10**9, num_sms=132,
+            source="H100 NVL datasheet: 835 TFLOP/s dense BF16/FP16 (1,671 with sparsity), 417.5 TF32; HBM3 3.9 "
+                   "TB/s; 94 GB; 132 SMs"),
+        fitted=dataclasses.replace(_H100_FITTED, fitted_on=_CARRIED_H100),
+        host=HostSystem(link="pcie5", dram_bytes_per_s=76.8e9, source=(
+            "PCIe Gen5 x16 card; host DRAM per GPU taken as a DGX H100's (the host varies: state yours in a file)"))),
+    GpuPreset(
+        name="h200", description="NVIDIA H200 SXM 141GB", intra="nvlink4", aliases=("h200-sxm",),
+        datasheet=Datasheet(
+            peak_flops_per_s=_H100_SXM, hbm_bytes_per_s=4.8e12, memory_capacity_bytes=141 * 10**9, num_sms=132,
+            source="H200 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3e 4.8 TB/s; 141 GB; 132 SMs"),
+        fitted=dataclasses.replace(_H100_FITTED, fitted_on=_CARRIED_H100),
+        host=_DGX_H100),
 )}
 GPU_ALIASES = {a: p.name for p in GPUS.values() for a in p.aliases}
 
-# Links inside a node: achieved busbw per GPU (~80% of one direction's line rate) and one ring step.
-INTRA_LINKS: dict[str, AnalyticalLink] = {
-    "nvlink3": AnalyticalLink(5e-6, 240e9, "NVLink 3: 300 GB/s per direction per GPU (NVIDIA A100 datasheet); "
-                                           "~80% achieved busbw; ~5 us per ring step (nccl-tests small messages)"),
-    "nvlink4": AnalyticalLink(5e-6, 360e9, "NVLink 4: 450 GB/s per direction per GPU (NVIDIA H100/H200 SXM "
-                                           "datasheets); ~80% achieved busbw; ~5 us per ring step (nccl-tests)"),
-    "pcie5": AnalyticalLink(10e-6, 64e9 * 0.8, "PCIe Gen5 x16: 64 GB/s per direction (a ring over more than the "
-                                               "NVLink-bridged pair crosses PCIe); ~80% achieved; ~10 us per step"),
-    "pcie4": AnalyticalLink(10e-6, 32e9 * 0.8, "PCIe Gen4 x16: 32 GB/s per direction; ~80% achieved; ~10 us per "
-                                               "step"),
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkPreset:
+    """One link as stated: its line rate (datasheet) and the latency of one ring step; the achieved
+    bandwidth is BUSBW_ACHIEVED of the line rate, shared by the GPUs behind it. Nothing is fitted."""
+
+    line_rate_bytes_per_s: float  # one direction, per GPU (per NIC when GPUs share one)
+    latency_s: float  # one ring step (nccl-tests small messages; TCP for Ethernet)
+    gpus_sharing: int = 1  # GPUs behind one such NIC
+    source: str
+
+    def link(self) -> AnalyticalLink:
+        """The achieved link the ring model prices collectives on."""
+        return AnalyticalLink(latency_s=self.latency_s, source=self.source,
+                              bandwidth_bytes_per_s=self.line_rate_bytes_per_s * BUSBW_ACHIEVED / self.gpus_sharing)
+
+
+# Links inside a node, per GPU.
+_INTRA: dict[str, LinkPreset] = {
+    "nvlink3": LinkPreset(line_rate_bytes_per_s=300e9, latency_s=5e-6, source=(
+        "NVLink 3: 300 GB/s per direction per GPU (NVIDIA A100 datasheet); ~80% achieved busbw; ~5 us per ring "
+        "step (nccl-tests small messages)")),
+    "nvlink4": LinkPreset(line_rate_bytes_per_s=450e9, latency_s=5e-6, source=(
+        "NVLink 4: 450 GB/s per direction per GPU (NVIDIA H100/H200 SXM datasheets); ~80% achieved busbw; ~5 us "
+        "per ring step (nccl-tests)")),
+    "pcie5": LinkPreset(line_rate_bytes_per_s=64e9, latency_s=10e-6, source=(
+        "PCIe Gen5 x16: 64 GB/s per direction (a ring over more than the NVLink-bridged pair crosses PCIe); ~80% "
+        "achieved; ~10 us per step")),
+    "pcie4": LinkPreset(line_rate_bytes_per_s=32e9, latency_s=10e-6, source=(
+        "PCIe Gen4 x16: 32 GB/s per direction; ~80% achieved; ~10 us per step")),
 }
-# Links between nodes, per GPU (one NIC per GPU unless said): achieved ~80% of line rate.
-INTER_LINKS: dict[str, AnalyticalLink] = {
-    "ib800": AnalyticalLink(10e-6, 100e9 * 0.8, "800 Gb/s XDR InfiniBand (ConnectX-8) per GPU = 100 GB/s; ~80% "
-                                                "achieved; ~10 us per inter-node ring step"),
-    "ib400": AnalyticalLink(10e-6, 40e9, "one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s (DGX H100 datasheet); "
-                                         "~80% achieved; ~10 us per inter-node ring step"),
-    "ib200": AnalyticalLink(12e-6, 20e9, "200 Gb/s HDR = 25 GB/s per GPU (DGX A100 datasheet); ~80% achieved; "
-                                         "~12 us per inter-node ring step"),
-    "ib100": AnalyticalLink(12e-6, 10e9, "100 Gb/s EDR = 12.5 GB/s per GPU; ~80% achieved; ~12 us per step"),
-    "roce400": AnalyticalLink(15e-6, 40e9, "400 GbE RoCE v2 per GPU = 50 GB/s; ~80% achieved; ~15 us per step"),
-    "roce200": AnalyticalLink(15e-6, 20e9, "200 GbE RoCE v2 per GPU = 25 GB/s; ~80% achieved; ~15 us per step"),
-    "eth100": AnalyticalLink(30e-6, 12.5e9 * 0.8 / 8, "one 100 Gb/s Ethernet NIC per node = 12.5 GB/s shared by 8 "
-                                                      "GPUs; ~80% achieved; TCP ~30 us per step"),
+# Links between nodes, per GPU (one NIC per GPU unless gpus_sharing says otherwise).
+_INTER: dict[str, LinkPreset] = {
+    "ib800": LinkPreset(line_rate_bytes_per_s=100e9, latency_s=10e-6, source=(
+        "800 Gb/s XDR InfiniBand (ConnectX-8) per GPU = 100 GB/s; ~80% achieved; ~10 us per inter-node ring step")),
+    "ib400": LinkPreset(line_rate_bytes_per_s=50e9, latency_s=10e-6, source=(
+        "one ConnectX-7 400 Gb/s NDR NIC per GPU = 50 GB/s (DGX H100 datasheet); ~80% achieved; ~10 us per "
+        "inter-node ring step")),
+    "ib200": LinkPreset(line_rate_bytes_per_s=25e9, latency_s=12e-6, source=(
+        "200 Gb/s HDR = 25 GB/s per GPU (DGX A100 datasheet); ~80% achieved; ~12 us per inter-node ring step")),
+    "ib100": LinkPreset(line_rate_bytes_per_s=12.5e9, latency_s=12e-6, source=(
+        "100 Gb/s EDR = 12.5 GB/s per GPU; ~80% achieved; ~12 us per step")),
+    "roce400": LinkPreset(line_rate_bytes_per_s=50e9, latency_s=15e-6, source=(
+        "400 GbE RoCE v2 per GPU = 50 GB/s; ~80% achieved; ~15 us per step")),
+    "roce200": LinkPreset(line_rate_bytes_per_s=25e9, latency_s=15e-6, source=(
+        "200 GbE RoCE v2 per GPU = 25 GB/s; ~80% achieved; ~15 us per step")),
+    "eth100": LinkPreset(line_rate_bytes_per_s=12.5e9, latency_s=30e-6, gpus_sharing=8, source=(
+        "one 100 Gb/s Ethernet NIC per node = 12.5 GB/s shared by 8 GPUs; ~80% achieved; TCP ~30 us per step")),
 }
+INTRA_LINKS: dict[str, AnalyticalLink] = {k: p.link() for k, p in _INTRA.items()}
+INTER_LINKS: dict[str, AnalyticalLink] = {k: p.link() for k, p in _INTER.items()}
 # Network presets: "INTRA-INTER" names (nvlink4-ib400) and INTER names alone (ib400: the GPU's own NVLink).
 NETWORKS: tuple[str, ...] = tuple([f"{a}-{b}" for a in INTRA_LINKS for b in INTER_LINKS] + list(INTER_LINKS))
 
@@ -156,8 +274,9 @@ def network_links(name: str, gpu: GpuPreset | None) -> tuple[AnalyticalLink, Ana
 GPU_FORMAT = "wrapopt.gpu/1"
 GPU_TEMPLATE: dict[str, Any] = {
     "format": GPU_FORMAT, "name": "my-gpu", "description": "as the H100 SXM preset",
-    "peak_flops_per_s": dict(_H100_SXM), "matmul_fraction": 0.593, "attention_fraction": 0.2,
-    "hbm_bytes_per_s": 3.35e12, "memory_capacity_bytes": 80 * 2**30, "intra": "nvlink4", "num_sms": 132,
+    "peak_flops_per_s": dict(_H100_SXM), "matmul_fraction": _H100_FITTED.matmul_fraction,
+    "attention_fraction": _H100_FITTED.attention_fraction, "hbm_bytes_per_s": GPUS["h100-sxm"].hbm_bytes_per_s,
+    "memory_capacity_bytes": GPUS["h100-sxm"].memory_capacity_bytes, "intra": "nvlink4", "num_sms": 132,
     "source": "H100 SXM datasheet; fractions from wrapopt's h100-sxm preset",
 }
 _UNITS = {"hbm_bytes_per_s": "bytes/s, the stated HBM bandwidth", "memory_capacity_bytes": "bytes",
@@ -207,9 +326,12 @@ def gpu_from_json(d: Any, *, source: str) -> GpuPreset:
     intra = str(d.get("intra", "nvlink4"))
     if intra not in INTRA_LINKS:
         raise ProfileError(f"{source}: field 'intra' is {intra!r}; choose one of {', '.join(INTRA_LINKS)}")
-    return GpuPreset(str(d.get("name", source)), str(d.get("description", "")), peaks,
-                     stated_number(d, "hbm_bytes_per_s", source, positive=True),
-                     int(stated_number(d, "memory_capacity_bytes", source, positive=True)), intra,
-                     fr["matmul_fraction"], fr["attention_fraction"], str(d.get("source", "stated in " + source)),
-                     "stated in " + source, int(stated_number(d, "num_sms", source, "multiprocessors"))
-                     if "num_sms" in d else 0)
+    sms = int(stated_number(d, "num_sms", source, "multiprocessors")) if "num_sms" in d else 0
+    return GpuPreset(
+        name=str(d.get("name", source)), description=str(d.get("description", "")), intra=intra,
+        datasheet=Datasheet(peak_flops_per_s=peaks, hbm_bytes_per_s=stated_number(d, "hbm_bytes_per_s", source,
+                                                                                  positive=True),
+                            memory_capacity_bytes=int(stated_number(d, "memory_capacity_bytes", source, positive=True)),
+                            num_sms=sms, source=str(d.get("source", "stated in " + source))),
+        fitted=Fitted(matmul_fraction=fr["matmul_fraction"], attention_fraction=fr["attention_fraction"],
+                      fitted_on="stated in " + source))

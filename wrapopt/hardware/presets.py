@@ -220,7 +220,8 @@ def _links(d: Any, source: str) -> tuple[int, dict[str, AnalyticalLink]]:
         where = f"{source}: {key}"
         bw = stated_number(sub, "bandwidth_bytes_per_s", where, positive=True)
         lat = stated_number(sub, "latency_s", where)
-        links[key] = AnalyticalLink(lat, bw, str(sub.get("source", "stated in " + source)))
+        links[key] = AnalyticalLink(latency_s=lat, bandwidth_bytes_per_s=bw,
+                                    source=str(sub.get("source", "stated in " + source)))
     return int(gpn), links
 
 
