@@ -9,24 +9,20 @@ branch and bound prunes, never its answer. The global bound
 ``g(lam) = root(lam) + lam * (a0 - allowance)`` is a minimum over
 completions of functions linear in ``lam``, hence concave, and its maximum
 sits at the exchange rate of time for memory at that allowance; it moves
-with the allowance and with the costs. A fixed factor-4 grid (the bound
-before) could miss it by far: on llama-70b at 1024 ranks under the
-default budget its best point was 4.93 s for an optimum of 5.247 s, so
-every label within 6% of the optimum survived (25M generated per cap
-round, 40 s in all, every HSDP shard size disproved under the cap). So
-the grid only brackets the maximum (extended upwards while its largest
-multiplier is the best); the bracket around the best point is then zoomed
-into (a few interior points per round; by concavity the maximum stays
-between the best point's neighbours), which finds 5.225 s (0.4% under the
-optimum), and labels are pruned with the tuned multiplier and ``lam = 0``
-(the better of the two per label; adding the grid's best and its
-neighbours kept 0.1% fewer labels on llama-70b for 2.5 times the work per
-label). Whether a shard-group size can beat an answer found
-(``strategy.py``) is judged on the tuned bound too; a size skipped so
-would have been solved under a cap below its optimum and given nothing. The order in which the sizes are solved stays
-the fixed grid's bound, as before: which slower sizes still get an answer
-(each is one more candidate for the simulator, which has the last word)
-depends on that order, and keeping it keeps the proposals the same.
+with the allowance and with the costs. A fixed factor-4 grid can miss it
+by far, and a loose bound prunes little: every label near the optimum
+survives. So the grid only brackets the maximum (extended upwards while its
+largest multiplier is the best); the bracket around the best point is then
+zoomed into (a few interior points per round; by concavity the maximum stays
+between the best point's neighbours), and labels are pruned with the tuned
+multiplier and ``lam = 0`` (the better of the two per label; more multipliers
+per label cost more work than they prune). Whether a shard-group size can
+beat an answer found (``strategy.py``) is judged on the tuned bound too; a
+size skipped so would have been solved under a cap below its optimum and
+given nothing. The order in which the sizes are solved stays the fixed
+grid's bound: which slower sizes still get an answer (each is one more
+candidate for the simulator, which has the last word) depends on that
+order, and keeping it keeps the proposals the same.
 """
 
 from __future__ import annotations

@@ -16,17 +16,16 @@ from wrapopt.spec import ROOT, SELECTIVE_OP, MeshSpec, PlanSpec, UnitSpec
 
 __all__ = ["ChainDP", "DPAnswer", "dp_plans", "chain_static_bytes"]
 
-# [Note: chain model slack] The chain model's memory is a bound: it counts two working sets and
-# both neighbours' unsharded gradients in every backward window (See [Note: chain model]), where
-# the simulator's peak holds less. Where that bound binds, the DP answered below what the budget
-# allows: on vit-tiny at 16 ranks under a 4.45 MiB allowance it found no plan on shard groups of
-# 8 (its bound for one checkpointed unit per block: 4.50 MiB), where the simulator puts that plan
-# at 4.02 MiB and 1.19 ms, so the DP's best was a 1.92 ms plan (results/search.md, 2026-12-06).
-# So a per-unit answer that fits with more than ``SLACK_MIN`` of the budget to spare is solved
-# again with the allowance raised by the spare, and kept while it is faster and the simulator
-# says it fits (at most ``SLACK_TRIES`` times). The allowance it ends with carries to the next
-# shard-group size as a negative shrink (See [Note: carried shrink] in strategy.py), so a size
-# whose bound the model over-counts starts from where the last size's answer ended.
+# [Note: chain model slack] The chain model's memory is a bound: it counts two working sets and both
+# neighbours' unsharded gradients in every backward window (See [Note: chain model]), where the
+# simulator's peak holds less. Where that bound binds, the DP answers below what the budget allows:
+# it can find no plan on a shard-group size where the simulator puts one well under the budget, and
+# settle for a slower plan. So a per-unit answer that fits with more than ``SLACK_MIN`` of the
+# budget to spare is solved again with the allowance raised by the spare, and kept while it is
+# faster and the simulator says it fits (at most ``SLACK_TRIES`` times). The allowance it ends with
+# carries to the next shard-group size as a negative shrink (See [Note: carried shrink] in
+# strategy.py), so a size whose bound the model over-counts starts from where the last size's answer
+# ended.
 SLACK_MIN = 0.02
 SLACK_TRIES = 3
 

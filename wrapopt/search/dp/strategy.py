@@ -63,15 +63,11 @@ def _dp_candidates(problem: SearchProblem) -> list[PlanSpec]:
     The terms it leaves out (large groups' backward working set, reduce-scatters
     queued behind a slow fabric) change little with the shard-group size, so each
     size starts from the shrink the previous size's answer needed rather than
-    from none: one solve instead of two or three where each costs seconds. On
-    llama-70b at 1024 H100s, bf16, the requested mesh's answer needed 13.2 GB
-    and the next sizes 10.3-10.8 GB; the whole --global-batch 2048 search went
-    from 70 s to 45 s of CPU (results/search.md) and chose the same split and
-    plan (1 x 4 x 512, tp 2, 9.85 s, 68.9 GiB). An answer found this way may
-    sit a little below the budget where the re-scoring loop would have landed
-    a little higher (on that search the 512-rank shard group's answer was 0.4%
-    slower in the chain model, the 256-rank one found none under the previous
-    best). The requested mesh always starts from none.
+    from none: one solve instead of two or three where each costs seconds. An
+    answer found this way may sit a little below the budget where the
+    re-scoring loop would have landed a little higher, so a size's answer can
+    be a little slower in the chain model. The requested mesh always starts
+    from none.
     """
     sim, mesh, budget = problem.sim, problem.mesh, problem.memory_budget
     chains = problem.graph.block_chains
