@@ -15,25 +15,24 @@ first heartbeat stays RUNNING for good and is not counted; one whose worker
 dies when no other worker has trials left to run is failed and retried by the
 next search on the study that has. A simulated trial takes milliseconds, so ``GRACE_S`` only has to
 cover a worker's pauses (garbage collection, a slow network to the database).
-The heartbeat costs each trial a thread and about 4 more SQL statements (some
-120 without it on gpt-tiny's 23 parameters); SQLite files, shared by the
-workers of one host, go without it.
+The heartbeat costs each trial a thread and a few more SQL statements, a small
+share of a trial's; SQLite files, shared by the workers of one host, go
+without it.
 
-[Note: seeds enqueued twice] Workers that start together each find the
-study without its seeds and each enqueue them (``skip_if_exists`` reads, then
+[Note: seeds enqueued twice] Workers that start together each find the study
+without its seeds and each enqueue them (``skip_if_exists`` reads, then
 writes; nothing makes the two steps atomic), so every seed may be evaluated
-twice: measured here, two workers with 10 seeds and ``--trials 20`` spent all
-20 trials on the 10 seeds twice in 2 of 3 runs. After enqueueing, each worker
-therefore drops the queued (WAITING) copies of a seed that is already done,
-and every queued copy but the one with the lowest trial number. Dropping
-claims a copy the way a worker takes a trial from the queue (WAITING to
-RUNNING, which only one process can do) and then marks it FAIL with the user
-attribute ``duplicate_seed``. The lowest-numbered copy is never dropped by
-anyone (a worker that sees only some copies still sees no copy below it), so
-no seed is lost; a copy that a worker took in the meantime still runs, so a
-seed may rarely still run twice. (A first version also dropped the queued
-copies of a seed whose other copy was RUNNING; a copy being dropped is briefly
-RUNNING, and two workers cleaning up at once dropped both copies of a seed.)
+twice, and a small trial budget can go on the seeds alone. After enqueueing,
+each worker therefore drops the queued (WAITING) copies of a seed that is
+already done, and every queued copy but the one with the lowest trial number.
+Dropping claims a copy the way a worker takes a trial from the queue (WAITING
+to RUNNING, which only one process can do) and then marks it FAIL with the
+user attribute ``duplicate_seed``. The lowest-numbered copy is never dropped
+by anyone (a worker that sees only some copies still sees no copy below it),
+so no seed is lost; a copy that a worker took in the meantime still runs, so a
+seed may rarely still run twice. The queued copies of a seed whose other copy
+is RUNNING are kept: a copy being dropped is briefly RUNNING, so two workers
+cleaning up at once would drop both copies of the seed.
 
 A plain ``postgresql://`` URL is given the ``psycopg`` (version 3) driver when
 it is installed (``pip install 'wrapopt[db]'``): SQLAlchemy 2.1 picks it by

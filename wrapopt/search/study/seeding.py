@@ -3,14 +3,14 @@
 [Note: per-trial seeds] An Optuna sampler draws from one random stream seeded once, so a
 study resumed after ``kill -9`` starts the stream again from the seed (the trials after the
 resume differ from an uninterrupted run's), and two workers started with one seed draw the
-same stream (measured: 36 identical trials). Here the stream is reseeded before every trial
-from (seed, the trial's *place*): the number of earlier trials that did not fail. Two workers
-never share a place (a running trial of the other worker counts), so they draw different
-streams; and a resumed study whose killed trial is failed (``fail_dead_workers``) gives the
-next trial the place the killed one had, so with the same finished history the sampler
-proposes what the uninterrupted run did. Each trial records its ``sampler_seed``.
-Reseeding uses the samplers' private ``_rng`` and ``_random_sampler`` (Optuna 4-5 TPE, NSGA-II,
-Random); a sampler without them keeps its one stream.
+same stream (they propose the same trials). Here the stream is reseeded before every trial
+from (seed, the trial's *place*): the number of earlier trials that did not fail. Two
+workers never share a place (a running trial of the other worker counts), so they draw
+different streams; and a resumed study whose killed trial is failed (``fail_dead_workers``)
+gives the next trial the place the killed one had, so with the same finished history the
+sampler proposes what the uninterrupted run did. Each trial records its ``sampler_seed``.
+Reseeding uses the samplers' private ``_rng`` and ``_random_sampler`` (Optuna 4-5 TPE,
+NSGA-II, Random); a sampler without them keeps its one stream.
 """
 
 from __future__ import annotations
