@@ -17,18 +17,16 @@ start figure plus the highest running sum of those events.
 where it is enabled. A collective's buffer whose last reference drops on the
 backend's worker thread (gloo's async work object dies there, a moment after
 the main thread's ``wait()``) is freed without an event, so the running sum
-stays too high from then on: 10-20% of steps of a checkpointed 4-rank run read
-0.4-0.8 MiB high, and their events do not sum to zero. A steady-state step
-leaves memory as it found it, so ``steady_step_peak`` runs a few steps and
-keeps the one whose events balance (net sum nearest zero; every rank runs the
-same number, so collectives stay matched), running more (up to 8) until every
-rank has a balanced one: wide-shallow's prefetching plan (2 ranks) balanced in
-none of 3 steps on rank 0, and one bench run read its peak 0.37 MiB (1%) over
-the 38.61 MiB that reruns gave. Profiling all threads
-(``profile_all_threads``) drops memory events altogether in torch 2.13.
-A step of several micro-batches runs several collectives' worth of missed
-frees: ``steady_phases_peak`` tracks each micro-batch (and the optimizer
-step) on its own, from the live bytes at its start, so they do not add up.
+stays too high from then on, and the step's events do not sum to zero. A
+steady-state step leaves memory as it found it, so ``steady_step_peak`` runs a
+few steps and keeps the one whose events balance (net sum nearest zero; every
+rank runs the same number, so collectives stay matched), running more (up to
+8) until every rank has a balanced one: a few steps can all miss a free on
+some rank. Profiling all threads (``profile_all_threads``) drops memory events
+altogether in torch 2.13. A step of several micro-batches runs several
+collectives' worth of missed frees: ``steady_phases_peak`` tracks each
+micro-batch (and the optimizer step) on its own, from the live bytes at its
+start, so they do not add up.
 
 [Note: profiler lines] Kineto prints "USDT ... profiler_start" and "...
 profiler_stop" from C++ each time the profiler starts and stops: two lines a
