@@ -18,23 +18,20 @@ holds each ``MUST_SAVE`` output: an attention block's output projection, which o
 residual add reads, is kept too); in backward it recomputes the forward time of the
 other ops.
 
-It also costs per op: torch runs the unit's forward under a caching ``TorchDispatchMode`` and
-its recompute under another, each calling the Python policy for every aten op (a full
-checkpoint has neither). Measured paired on a 2-core CPU (torch 2.13, one thread, medians of
-150 interleaved runs, fp32): a chain of k ``sin`` ops costs 20 us per op more than under full
-checkpointing (slope over k = 0..200; ~9 us in forward, ~11 in the recompute), and
-llama-tiny's block (~105 ops) 7.1 ms forward+backward against full's 4.6 ms and 2.6 ms
-unchecked: the modes cost more than the block's whole forward, so on small CPU models
-selective-op is slower than full. ``ComputeProfile.selective_op_overhead_s`` is that cost per
-forward op and pass (``measure_selective_overhead``: the first repeated block checkpointed
-through the selective contexts with a recompute-everything policy, minus full, over 2 x its
-forward ops; ~12-13 us on that CPU; caching the kept outputs, one detach each, is left out);
-the tracer counts each module's forward ops (``ModuleInfo.fwd_ops``: 102 for llama-tiny's
-block against 105 seen in a real CPU forward), and the step loop charges overhead x ops to a
-selective-op segment's forward and again to its recompute (``_compute_s`` and the chain DP
-alike). Analytical (GPU) profiles leave it 0: it is host work, which a GPU's run-ahead hides
-while its kernels take longer; it is not measured on a GPU here, so where kernels are tiny
-(launch-bound steps) selective-op is priced too cheap there.
+It also costs per op: torch runs the unit's forward under a caching ``TorchDispatchMode``
+and its recompute under another, each calling the Python policy for every aten op (a full
+checkpoint has neither). That is microseconds of Python per op in forward and again in the
+recompute; on a small block it adds up to more than the block's whole forward, so on small
+CPU models selective-op is slower than full. ``ComputeProfile.selective_op_overhead_s`` is
+that cost per forward op and pass (``measure_selective_overhead``: the first repeated block
+checkpointed through the selective contexts with a recompute-everything policy, minus full,
+over 2 x its forward ops; caching the kept outputs, one detach each, is left out); the
+tracer counts each module's forward ops (``ModuleInfo.fwd_ops``, about the ops a real
+forward dispatches), and the step loop charges overhead x ops to a selective-op segment's
+forward and again to its recompute (``_compute_s`` and the chain DP alike). Analytical (GPU)
+profiles leave it 0: it is host work, which a GPU's run-ahead hides while its kernels take
+longer; it is not measured on a GPU here, so where kernels are tiny (launch-bound steps)
+selective-op is priced too cheap there.
 
 Where this differs from TorchTitan's op-level SAC (``apply_ac``, ``mode = "selective"``,
 ``selective_ac_option = "op"``): TorchTitan saves every *second* ``mm`` (it recomputes the
@@ -47,18 +44,18 @@ selective-op yet) are recomputed.
 
 [Note: selective checkpointing under mixed precision] Torch 2.13's selective checkpoint
 requires every op its recompute runs to have run in the checkpointed forward (its cache is
-keyed by op and call count). FSDP2's pre-forward hook is registered ahead of the checkpoint's
-(``prepend=True``), so in forward it casts the unit's inputs outside the checkpointed region;
-in the recompute it runs again inside it, and its ``record_function("FSDP::cast_forward_inputs")``
-is an aten op the cache never saw: "profiler._record_function_enter_new.default encountered
-during backward but not found in storage", on the first backward of any plan with selective-op
-and a ``param_dtype`` (bf16, and even fp32 policies; measured on CPU, gpt-tiny, 1 gloo rank).
-So ``plan.apply`` gives a selective-op unit's modules ``cast_forward_inputs=False`` and casts
-their floating inputs itself (``cast_inputs_hook``), in a pre-hook registered after the
-checkpoint's: it runs inside the checkpointed region in forward and in the recompute alike, and
-without a ``record_function``. An ``output_dtype`` cast has the same problem in the post-forward
-hook and no such way around it: a selective-op unit under a policy with ``output_dtype`` is
-refused (no preset sets one).
+keyed by op and call count). FSDP2's pre-forward hook is registered ahead of the
+checkpoint's (``prepend=True``), so in forward it casts the unit's inputs outside the
+checkpointed region; in the recompute it runs again inside it, and its
+``record_function("FSDP::cast_forward_inputs")`` is an aten op the cache never saw:
+"profiler._record_function_enter_new.default encountered during backward but not found in
+storage", on the first backward of any plan with selective-op and a ``param_dtype`` (float32
+included). So ``plan.apply`` gives a selective-op unit's modules
+``cast_forward_inputs=False`` and casts their floating inputs itself (``cast_inputs_hook``),
+in a pre-hook registered after the checkpoint's: it runs inside the checkpointed region in
+forward and in the recompute alike, and without a ``record_function``. An ``output_dtype``
+cast has the same problem in the post-forward hook and no such way around it: a selective-op
+unit under a policy with ``output_dtype`` is refused (no preset sets one).
 """
 
 from __future__ import annotations
