@@ -35,7 +35,7 @@ MAX_LINES = 500
 # The bottom layer: imported by every layer, importing only each other.
 SHARED = {"spec", "errors", "tp", "fileio", "units", "fingerprint", "losses",
           "launch", "version", "assumptions", "train",
-          "progress", "consensus", "wrapped", "checks", "selective"}
+          "progress", "consensus", "wrapped", "checks", "selective", "rank_faults"}
 
 # The stages: each may import the shared modules, its own package, and the modules named
 # here (a name covers its submodules). Written from what the code imports, and no wider.
