@@ -58,7 +58,7 @@ DEFAULT_TIMEOUT_S = 120.0
 #   ranks start with. C++ warnings below ERROR are then dropped, not logged. A variable the user
 #   set already is left as it is;
 # - errors still reach the parent through the result queue, and a failure names the log folder.
-# ``log_dir=None`` (``wrapopt -v``) leaves every line on the terminal, as before.
+# ``log_dir=None`` (``wrapopt -v``) leaves every line on the terminal.
 QUIET_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 _STARTED_BY_SPAWN = "WRAPOPT_SPAWNED_RANK"  # set in every rank spawn starts
 
