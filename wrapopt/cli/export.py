@@ -1,4 +1,5 @@
-"""``wrapopt export``: a plan as an Accelerate config or a Lightning strategy (FSDP2 or FSDP1)."""
+"""``wrapopt export``: a plan as the configuration of a framework; the targets are the rows of
+``wrapopt.interop.registry.EXPORTERS`` (an Accelerate config, Lightning strategies for FSDP2 and FSDP1)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import sys
 from typing import Any
 
 from wrapopt.fileio import atomic_write_text, check_writable
-from wrapopt.interop.export import TARGETS, export_plan
-from wrapopt.models.sources import resolve_model
-from wrapopt.plan.file import WrapPlan
+from wrapopt.interop.registry import TARGETS, targets_help
 
 __all__ = ["add_parser", "run"]
 
@@ -21,10 +20,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               description="Write the configuration Accelerate or Lightning reads for a plan; "
                                           "what the tool cannot express is listed under LOSSES.")
     p.add_argument("plan", help="a plan file (wrapopt search --out)")
-    p.add_argument("--to", required=True, choices=TARGETS,
-                   help="accelerate: a config for `accelerate launch --config_file` (FSDP2, wraps the block class); "
-                        "lightning (= lightning-fsdp2): a module with ModelParallelStrategy whose configure_model "
-                        "applies the plan itself; lightning-fsdp1: an FSDPStrategy wrapping the closest classes")
+    p.add_argument("--to", required=True, choices=TARGETS, help=targets_help())
     p.add_argument("--out", default=None, help="write here (default: print to stdout)")
     p.add_argument("--model", default=None,
                    help="the planned MODEL (zoo:NAME, package.module:callable, hf:config.json); needed only for "
@@ -36,6 +32,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt export``; library errors propagate (the CLI turns them into exit 1)."""
+    from wrapopt.interop.export import export_plan
+    from wrapopt.models.sources import resolve_model
+    from wrapopt.plan.file import WrapPlan
+
     plan = WrapPlan.load(args.plan)
     model = None
     if args.model:

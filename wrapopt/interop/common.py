@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import keyword
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wrapopt.errors import PlanError
+from wrapopt.fingerprint import module_classes
 from wrapopt.plan.file import WrapPlan
 from wrapopt.version import __version__
 
-__all__ = ["ClassPolicy", "Export", "bare", "check_classes", "comment", "few", "header", "module_order"]
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+__all__ = ["ClassPolicy", "Export", "bare", "check_classes", "classes_for", "comment", "few", "header",
+           "module_order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +104,20 @@ def header(plan: WrapPlan, source: str, what: str, losses: list[str]) -> str:
     else:
         lines += ["The plan is reproduced exactly."]
     return "".join(f"# {comment(ln)}".rstrip() + "\n" for ln in lines) + "\n"
+
+
+def classes_for(plan: WrapPlan, model: nn.Module | None) -> tuple[dict[str, list[str]], list[str] | None]:
+    """The planned model's ``module_classes`` and parameter names (None when unknown)."""
+    if model is not None:
+        plan.check_model(model)
+        recorded = module_classes(model)
+        params = [n for n, _ in model.named_parameters()]
+    else:
+        recorded = plan.model.get("module_classes")
+        if not isinstance(recorded, dict) or not recorded:
+            raise PlanError("this plan file does not record its model's module classes (it was written by an older "
+                            "wrapopt); give the model: `wrapopt export PLAN --to ... --model zoo:NAME`")
+        params = plan.model.get("params")
+        params = list(params) if isinstance(params, dict) else None
+    check_classes(recorded)
+    return recorded, params
