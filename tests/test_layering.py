@@ -34,7 +34,7 @@ MAX_LINES = 500
 
 # The bottom layer: imported by every layer, importing only each other.
 SHARED = {"spec", "errors", "tp", "fileio", "units", "fingerprint", "losses",
-          "launch", "version", "assumptions", "train",
+          "launch", "version", "assumptions", "train", "choices",
           "progress", "consensus", "wrapped", "checks", "selective", "rank_faults"}
 
 # The stages: each may import the shared modules, its own package, and the modules named
@@ -66,6 +66,9 @@ WIRING: dict[str, tuple[str, ...]] = {
 
 # (file, imported module): imports inside a function that must stay there, and why.
 LAZY: dict[tuple[str, str], str] = {}
+# Layers whose modules import the library inside their functions: the CLI's parsers load no torch,
+# and each command imports what it runs in its body (See [Note: first contact] in wrapopt/cli/main.py).
+LAZY_LAYERS = {"cli"}
 
 # Breaks known when this test was written, each being fixed elsewhere (issue 18). Remove an
 # entry with its fix: an entry that no longer matches anything fails.
@@ -215,7 +218,7 @@ def test_imports_point_down():
 def test_no_wrapopt_import_inside_a_function():
     problems, used = [], set()
     for imp in IMPORTS:
-        if imp.in_function:
+        if imp.in_function and _top(imp.importer) not in LAZY_LAYERS:
             key = (imp.path, imp.target)
             if key in LAZY:
                 used.add(key)

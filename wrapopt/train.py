@@ -22,9 +22,10 @@ from typing import Any, Iterable
 import torch
 
 from wrapopt.checks import check_count
+from wrapopt.choices import OPTIMIZERS, PRECISIONS
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.fileio import JsonReader
-from wrapopt.spec import SYNC_MODES, OptimizerKind, SimOptions
+from wrapopt.spec import SYNC_MODES, SimOptions
 
 __all__ = ["TrainConfig", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES", "SYNC_MODES", "dtype_name",
            "model_dtype"]
@@ -35,30 +36,6 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Presets: (param_dtype, reduce_dtype, output_dtype); None keeps the model's own dtype. Without
-# one (``TrainConfig()``, ``--precision none``) no policy is applied: the model's own dtype.
-# A policy casts the gathered copies, the compute and the reduction only: the sharded parameters
-# (master weights), their gradients and the optimizer state stay in the model's dtype (float32 for
-# hf: and zoo: models), as FSDP2's MixedPrecisionPolicy keeps them. Pure bf16 training (bf16 master
-# weights and optimizer state too) is a model stored in bf16 (``model.to(torch.bfloat16)``) under
-# ``--precision none`` or ``bf16-pure``. See [Note: stored dtype is not the training dtype] in models/hf.py.
-PRECISIONS: dict[str, tuple[str | None, str | None, str | None]] = {
-    "fp32": ("float32", "float32", None),  # float32 compute and reduction, whatever the model is stored in
-    # bf16 compute and all-gathers, fp32 gradient reduction (TorchTitan's default)
-    "bf16": ("bfloat16", "float32", None),
-    # bf16 reduction too (half the reduce-scatter bytes); master weights still the model's dtype
-    "bf16-pure": ("bfloat16", "bfloat16", None),
-    "fp16": ("float16", "float32", None),  # fp16 compute; needs loss scaling (a GradScaler) to train
-}
-
-# Optimizer names -> (kind, torch class, extra keyword arguments).
-OPTIMIZERS: dict[str, tuple[OptimizerKind, str, dict[str, Any]]] = {
-    "adamw": (OptimizerKind.ADAMW, "AdamW", {}),
-    "adam": (OptimizerKind.ADAM, "Adam", {}),
-    "sgd": (OptimizerKind.SGD, "SGD", {}),
-    "sgd-momentum": (OptimizerKind.SGD_MOMENTUM, "SGD", {"momentum": 0.9}),
-    "adafactor": (OptimizerKind.ADAFACTOR, "Adafactor", {}),
-}
 
 
 def dtype_name(value: Any, *, what: str = "dtype") -> str | None:

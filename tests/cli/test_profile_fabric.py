@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from wrapopt import launch
 from wrapopt.cli import profile_fabric
 from wrapopt.cli.profile_fabric import profile_fabric_main, run
 from wrapopt.errors import DistributedError, ProfileError
@@ -71,7 +72,7 @@ def test_unwritable_output_fails_before_measuring(monkeypatch) -> None:
     def no_spawn(*a, **k):
         raise AssertionError("ranks were spawned although the output cannot be written")
 
-    monkeypatch.setattr(profile_fabric.launch, "spawn", no_spawn)
+    monkeypatch.setattr(launch, "spawn", no_spawn)
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ProfileError, match="/proc/nope/f.json"):

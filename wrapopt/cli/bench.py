@@ -7,11 +7,10 @@ import os
 import tempfile
 from typing import Any
 
-from wrapopt.cli.logs import logs_line, rank_log_dir
+from wrapopt.choices import PLAN_SET_NAMES
+from wrapopt.cli.logs import rank_log_dir
 from wrapopt.cli.options import count_int, local_ranks, positive_int
 from wrapopt.errors import ModelError
-from wrapopt.evaluation.evaluate import PLAN_SETS, evaluate, noise_floor
-from wrapopt.evaluation.evidence import format_judgement, judge
 from wrapopt.fileio import atomic_write_json
 
 __all__ = ["add_parser", "run"]
@@ -23,7 +22,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model", help="a trainable zoo model, e.g. zoo:gpt-tiny")
     p.add_argument("--world-size", type=local_ranks, default=2)
     p.add_argument("--ranks-per-node", type=positive_int, default=None)
-    p.add_argument("--plans", default="exhaustive", choices=sorted(PLAN_SETS))
+    p.add_argument("--plans", default="exhaustive", choices=sorted(PLAN_SET_NAMES))
     p.add_argument("--budgets", default="tight,loose", help="comma list: tight, loose, midway or sizes like 12MiB")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--confirm", type=count_int, default=4, metavar="K",
@@ -35,6 +34,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt bench``."""
+    from wrapopt.evaluation.evaluate import evaluate, noise_floor
+    from wrapopt.evaluation.evidence import format_judgement, judge
+    from wrapopt.launch import logs_line
+
     if not args.model.startswith("zoo:"):
         raise ModelError("wrapopt bench runs real steps of zoo models: give zoo:NAME (see `wrapopt trace --list`)")
     # The ranks' own output goes beside --out, else to a folder in the temporary directory.

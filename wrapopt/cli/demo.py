@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from wrapopt.choices import DEMO_OUT_DIR
 from wrapopt.cli.options import add_train_arguments, local_ranks, positive_int, train_from_args
-from wrapopt.evaluation.demo import DEMO_OUT_DIR, run_demo
 
 __all__ = ["add_parser", "run"]
 
@@ -28,6 +28,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt demo``: a training step is passed on only when a training flag is given."""
+    from wrapopt.evaluation.demo import run_demo
+
     given = (args.precision is not None or args.accumulation != 1 or args.optimizer != "adamw"
              or args.sync != "auto")
     train = train_from_args(args) if given else None

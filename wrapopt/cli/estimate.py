@@ -8,18 +8,19 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from wrapopt.api import estimate
+from wrapopt.choices import BASELINE_NAMES
 from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_pp_argument, add_train_arguments,
                                  fabric_from_args, model_from_args, train_from_args, with_global_batch)
 from wrapopt.errors import OptionError
-from wrapopt.report.estimate import format_estimate
-from wrapopt.search.baselines import BASELINE_NAMES
 
 __all__ = ["add_parser", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt estimate``: a plan file brings its own training step unless a flag is given."""
+    from wrapopt.api import estimate
+    from wrapopt.report.estimate import format_estimate
+
     given_flags = {"--precision": args.precision is not None, "--accumulation": args.accumulation != 1,
                    "--optimizer": args.optimizer != "adamw", "--sync": args.sync != "auto"}
     train = with_global_batch(args, train_from_args(args))

@@ -6,22 +6,22 @@ import argparse
 import json
 from typing import Any
 
-from wrapopt.hardware.catalog import GPU_TEMPLATE, GPUS, INTER_LINKS, INTRA_LINKS
-from wrapopt.hardware.presets import (
-    ANALYTICAL_FABRICS,
-    DEFAULT_ANALYTICAL,
-    NETWORK_TEMPLATE,
-    TEMPLATE,
-    analytical_fabric,
-    load_analytical,
-)
-from wrapopt.report.fabric import format_stated
-
 __all__ = ["add_parser", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt fabric``: the template, a file checked, or the built-in fabrics."""
+    from wrapopt.hardware.catalog import GPU_TEMPLATE, GPUS, INTER_LINKS, INTRA_LINKS
+    from wrapopt.hardware.presets import (
+        ANALYTICAL_FABRICS,
+        DEFAULT_ANALYTICAL,
+        NETWORK_TEMPLATE,
+        TEMPLATE,
+        analytical_fabric,
+        load_analytical,
+    )
+    from wrapopt.report.fabric import format_stated
+
     for flag, template in ((args.template, TEMPLATE), (args.template_gpu, GPU_TEMPLATE),
                            (args.template_network, NETWORK_TEMPLATE)):
         if flag:

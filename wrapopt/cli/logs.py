@@ -4,7 +4,7 @@ By default the commands that start ranks (``demo``, ``bench``,
 ``profile-fabric``) send the ranks' own output (library warnings, profiler
 and C++ log lines) to ``<folder>/logs/rank{r}.log`` beside what they write,
 and print only wrapopt's lines; ``wrapopt -v`` leaves everything on the
-terminal. See [Note: quiet ranks] in wrapopt/launch.py.
+terminal (``wrapopt.launch.logs_line`` is that line). See [Note: quiet ranks] in wrapopt/launch.py.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from wrapopt.launch import logs_line
-
-__all__ = ["rank_log_dir", "logs_line", "VERBOSE_HELP"]
+__all__ = ["rank_log_dir", "VERBOSE_HELP"]
 
 VERBOSE_HELP = "show everything the ranks and libraries print (default: only wrapopt's lines; the rest goes to a log)"
 

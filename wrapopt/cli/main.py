@@ -11,6 +11,17 @@ argparse's convention, also with one line, naming the argument and pointing to
 ``--help`` (the usage of a sub-command is many lines, and would bury the error).
 """
 
+# [Note: first contact]
+# Importing torch takes seconds, and ``wrapopt --help``, ``wrapopt CMD --help`` and an argument
+# error only build the parsers. So the modules a parser needs import no torch: this package's
+# modules import, at their top, only argparse and light wrapopt modules (``errors``, ``fileio``,
+# ``checks``, ``spec``, ``tp``, ``choices``, ``interop.registry``), and each ``run`` imports the
+# library it calls in its body. The names and defaults a parser shows (precisions, optimizers,
+# baselines, plan sets, export targets) are defined in those light modules, and the library
+# modules that use them import them from there. The root package imports nothing heavy either
+# (See [Note: a lazy root package] in wrapopt/__init__.py). tests/cli/test_first_contact.py
+# checks that every command's --help and an argument error leave torch out of sys.modules.
+
 from __future__ import annotations
 
 import argparse

@@ -1,22 +1,28 @@
 """Flags shared by ``wrapopt search`` and ``wrapopt estimate``: the mesh, the fabric, the budget
-and the training step (``--precision``, ``--accumulation``, ``--optimizer``, ``--sync``)."""
+and the training step (``--precision``, ``--accumulation``, ``--optimizer``, ``--sync``).
+
+The ``add_*`` and ``type=`` functions need no torch; the ``*_from_args`` builders import the
+library when a command runs (See [Note: first contact] in wrapopt/cli/main.py)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from wrapopt.api import default_mesh
 from wrapopt.checks import MAX_SEED
+from wrapopt.choices import OPTIMIZERS, PRECISIONS
 from wrapopt.errors import OptionError
 from wrapopt.fileio import parse_bytes
-from wrapopt.hardware.host import HostSpec, host_for
-from wrapopt.hardware.profiles import FabricProfile
-from wrapopt.hardware.resolve import fabric_name
-from wrapopt.models.sources import ModelSource, resolve_model, with_master_dtype
-from wrapopt.spec import MeshSpec
-from wrapopt.train import OPTIMIZERS, PRECISIONS, SYNC_MODES, TrainConfig
+from wrapopt.spec import SYNC_MODES
+
+if TYPE_CHECKING:
+    from wrapopt.hardware.host import HostSpec
+    from wrapopt.hardware.profiles import FabricProfile
+    from wrapopt.models.sources import ModelSource
+    from wrapopt.spec import MeshSpec
+    from wrapopt.train import TrainConfig
 
 __all__ = ["add_mesh_arguments", "add_offload_arguments", "host_from_args",
            "add_train_arguments", "train_from_args", "mesh_from_args",
@@ -105,6 +111,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, optional: bool = False) -
 
 def model_from_args(args: argparse.Namespace) -> ModelSource:
     """The ``ModelSource`` of MODEL, ``--batch``, ``--seq`` and ``--master-dtype``."""
+    from wrapopt.models.sources import resolve_model, with_master_dtype
+
     src = resolve_model(args.model, batch=args.batch, seq=args.seq)
     return with_master_dtype(src, args.master_dtype)
 
@@ -156,12 +164,16 @@ def host_from_args(args: argparse.Namespace, fabric: FabricProfile, mesh: MeshSp
         if getattr(args, "host_memory", None):
             raise OptionError("--host-memory is only read with --offload; add --offload to search CPU offload")
         return None
+    from wrapopt.hardware.host import host_for
+
     size = parse_bytes(args.host_memory) if args.host_memory else None
     return host_for(fabric, host_memory_bytes=size, ranks_per_node=mesh.ranks_per_node)
 
 
 def fabric_from_args(args: argparse.Namespace) -> str | None:
     """``--fabric``, or the ``GPU+NETWORK`` fabric that ``--gpu`` and ``--network`` name."""
+    from wrapopt.hardware.resolve import fabric_name
+
     return fabric_name(fabric=args.fabric, gpu=args.gpu, network=args.network)
 
 
@@ -186,6 +198,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def train_from_args(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` of the flags; a bad value raises ValueError naming what is accepted."""
+    from wrapopt.train import TrainConfig
+
     return TrainConfig.parse(precision=args.precision, accumulation=args.accumulation, optimizer=args.optimizer,
                              sync=args.sync)
 
@@ -193,6 +207,8 @@ def train_from_args(args: argparse.Namespace) -> TrainConfig:
 def mesh_from_args(args: argparse.Namespace) -> MeshSpec:
     """The mesh of ``--world-size`` and ``--gpus-per-node`` (defaults: ``api.default_mesh``);
     a world that is not whole nodes raises ValueError (``positive_int`` refused sizes below 1)."""
+    from wrapopt.api import default_mesh
+
     world = args.world_size
     if world is not None:
         per_node = min(world, 8) if args.gpus_per_node is None else args.gpus_per_node

@@ -8,32 +8,33 @@ complete measurement. ``add_parser()`` and ``run()`` plug it into
 ``wrapopt.cli``, as every command module does.
 
 The spawned worker ``_profile_worker`` stays module-level: ``launch.spawn``
-pickles the target by module path.
+pickles the target by module path. torch and the measurement load inside the
+functions that run them, so ``add_parser`` needs none (See [Note: first
+contact] in wrapopt/cli/main.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch.distributed as dist
-
-from wrapopt import launch
 from wrapopt.checks import check_count
-from wrapopt.cli.logs import logs_line, rank_log_dir
+from wrapopt.choices import FABRIC_TIMEOUT_S
+from wrapopt.cli.logs import rank_log_dir
 from wrapopt.cli.options import count_int, local_ranks, positive_float, positive_int, tp_degree
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import check_writable, fmt_bytes, parse_bytes
-from wrapopt.hardware.measure_collectives import DEFAULT_TIMEOUT_S, barrier, default_sizes, measure_fabric
-from wrapopt.hardware.profiles import FabricProfile
-from wrapopt.report.fabric import format_fabric
-from wrapopt.search.pipeline import pp_group_sizes
+
+if TYPE_CHECKING:
+    from wrapopt.hardware.profiles import FabricProfile
 
 __all__ = ["profile_fabric_main", "add_parser", "run"]
 
 
 def _under_torchrun() -> bool:
+    import torch.distributed as dist
+
     return dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
@@ -46,6 +47,8 @@ def _check_out(out_path: str) -> None:
 
 
 def _profile_worker(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    from wrapopt.hardware.measure_collectives import measure_fabric
+
     profile = measure_fabric(**kwargs)
     return profile.to_json() if rank == 0 else None  # one copy through the result queue is enough
 
@@ -55,6 +58,9 @@ def _measure_spawned(
     log_dir: str | None = None,
 ) -> FabricProfile:
     """Spawn local ranks running ``worker``; save rank 0's profile only if every rank finished."""
+    from wrapopt import launch
+    from wrapopt.hardware.profiles import FabricProfile
+
     results = launch.spawn(worker, world_size=world_size, args=(kwargs,), timeout_s=timeout_s, log_dir=log_dir)
     profile = FabricProfile.from_json(results[0], source="rank 0")
     profile.save(out_path)
@@ -71,7 +77,7 @@ def profile_fabric_main(
     warmup: int = 2,
     measure_overlap: bool = True,
     progress: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = FABRIC_TIMEOUT_S,
     log_dir: str | None = None,
     group_sizes: tuple[int, ...] = (),
 ) -> FabricProfile:
@@ -99,6 +105,11 @@ def profile_fabric_main(
     Example:
         >>> profile_fabric_main("fabric.json", world_size=2)  # doctest: +SKIP
     """
+    import torch.distributed as dist
+
+    from wrapopt import launch
+    from wrapopt.hardware.measure_collectives import barrier, measure_fabric
+
     kwargs = dict(sizes_bytes=sizes_bytes, repeats=repeats, warmup=warmup, ranks_per_node=ranks_per_node,
                   measure_overlap=measure_overlap, progress=progress, group_sizes=tuple(group_sizes))
     if not _under_torchrun():
@@ -170,7 +181,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-size", type=_size_arg, default=None, help="drop default sizes above this, e.g. 4MiB")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed calls per size (mean kept; default 7)")
     parser.add_argument("--warmup", type=count_int, default=2, help="untimed calls per size (default 2)")
-    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
+    parser.add_argument("--timeout", type=positive_float, default=FABRIC_TIMEOUT_S,
                         help="seconds before a stuck rank is reported")
     parser.add_argument("--no-overlap", action="store_true", help="skip the compute/communication overlap measurement")
     parser.add_argument("--quiet", action="store_true", help="no progress line and no summary table")
@@ -186,13 +197,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def group_sizes(args: argparse.Namespace) -> tuple[int, ...]:
     """The sub-groups ``--tp`` and ``--pp`` ask for: See [Note: pipeline fabric] in search/pipeline.py.
     The world and ranks per node are torchrun's where it started this process, else the options'."""
+    from wrapopt.search.pipeline import pp_group_sizes
+    from wrapopt.spec import MeshSpec, ParallelRequest
+
     world = int(os.environ.get("WORLD_SIZE", args.world_size)) if _under_torchrun() else args.world_size
     rpn = args.ranks_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world)
-    return pp_group_sizes(args.pp, world, rpn, also=args.tp)
+    mesh = MeshSpec(world_size=world, ranks_per_node=rpn, shard_size=world)
+    return pp_group_sizes(ParallelRequest(mesh=mesh, pp=args.pp), also=args.tp)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``profile-fabric`` from parsed arguments; library errors propagate to ``cli.main``."""
+    import torch.distributed as dist
+
+    from wrapopt.hardware.measure_collectives import default_sizes
+    from wrapopt.launch import logs_line
+    from wrapopt.report.fabric import format_fabric
+
     sizes = args.sizes or default_sizes()
     if args.max_size is not None:
         sizes = tuple(s for s in sizes if s <= args.max_size)

@@ -7,12 +7,6 @@ import json
 from typing import Any
 
 from wrapopt.fileio import read_json
-from wrapopt.hardware.presets import analytical_from_json
-from wrapopt.hardware.profiles import FabricProfile
-from wrapopt.plan.file import WrapPlan
-from wrapopt.report.fabric import format_fabric, format_stated
-from wrapopt.report.plots import draw_timeline
-from wrapopt.report.text import format_plan
 
 __all__ = ["add_parser", "run"]
 
@@ -28,6 +22,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt show``: a fabric profile or a file of stated numbers by its format, else a plan."""
+    from wrapopt.hardware.presets import analytical_from_json
+    from wrapopt.hardware.profiles import FabricProfile
+    from wrapopt.plan.file import WrapPlan
+    from wrapopt.report.fabric import format_fabric, format_stated
+    from wrapopt.report.plots import draw_timeline
+    from wrapopt.report.text import format_plan
+
     data: Any = read_json(args.file)
     fmt = data.get("format") if isinstance(data, dict) else None
     if isinstance(fmt, str) and fmt.startswith("wrapopt.analytical/"):  # the reader names the version it reads

@@ -8,9 +8,6 @@ from typing import Any
 
 from wrapopt.cli.options import add_model_arguments, count_int, model_from_args
 from wrapopt.errors import OptionError
-from wrapopt.models import zoo
-from wrapopt.report.text import format_graph, graph_to_json
-from wrapopt.trace.meta import trace_model
 
 __all__ = ["add_parser", "run"]
 
@@ -27,6 +24,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt trace``: the zoo with ``--list``, else MODEL's tree."""
+    from wrapopt.models import zoo
+    from wrapopt.report.text import format_graph, graph_to_json
+    from wrapopt.trace.meta import trace_model
+
     if args.list:
         width = max(map(len, zoo.ZOO))
         for name, entry in zoo.ZOO.items():

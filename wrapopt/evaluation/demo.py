@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any
 
+from wrapopt.choices import DEMO_OUT_DIR
 from wrapopt.errors import WrapoptError
 from wrapopt.evaluation.evaluate import evaluate, spearman
 from wrapopt.evaluation.pictures import PICTURES, write_pictures
@@ -30,9 +31,6 @@ __all__ = ["run_demo", "format_rows", "DEMO_OUT_DIR"]
 
 # Where ``make demo`` and ``wrapopt demo`` write: a folder .gitignore lists, so a run leaves
 # the tree clean. ``results/demo/`` is the recorded run, committed (results/README.md).
-DEMO_OUT_DIR = "results/demo-latest"
-
-
 def format_rows(res: dict[str, Any]) -> str:
     """The predicted-vs-measured table of an ``evaluate`` result, with its summary lines."""
     m = res["machine"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from wrapopt.choices import PICTURES
 from wrapopt.cost.simulate import Simulator
 from wrapopt.report.plots import PlanPoint, TimelinePanel, draw_pareto, draw_timelines
 from wrapopt.search.driver import SearchResult
@@ -20,7 +21,6 @@ from wrapopt.spec import PlanSpec
 
 __all__ = ["pictures_json", "picture_parts", "write_pictures", "PICTURES", "REFERENCE_BASELINE"]
 
-PICTURES = ("timeline.png", "pareto.png")
 REFERENCE_BASELINE = "per-block"  # the hand-written plan the chosen one is drawn beside, when the model has blocks
 
 

@@ -19,6 +19,7 @@ import itertools
 from dataclasses import replace
 from typing import Callable
 
+from wrapopt.choices import PLAN_SET_NAMES
 from wrapopt.search.baselines import baselines
 from wrapopt.search.uniform import CHECKPOINT_EVERY, every_kth_plan
 from wrapopt.spec import SELECTIVE_OP, MeshSpec, ModelGraph, PlanSpec, UnitSpec
@@ -142,3 +143,4 @@ PLAN_SETS: dict[str, Callable[[ModelGraph, MeshSpec], list[PlanSpec]]] = {
     "exhaustive": _exhaustive,
     "contenders": _contenders,
 }
+assert tuple(PLAN_SETS) == PLAN_SET_NAMES, "wrapopt/choices.py names the plan sets `wrapopt bench` offers"

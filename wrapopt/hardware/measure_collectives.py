@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from wrapopt import launch
+from wrapopt.choices import FABRIC_TIMEOUT_S
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import COLLECTIVES, AxisProfile, CollectiveCurve, FabricProfile
@@ -65,7 +66,7 @@ __all__ = ["default_sizes", "measure_fabric"]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = FABRIC_TIMEOUT_S
 _MAX_SAMPLES_PER_REPEAT = 8  # small messages: see _samples_for
 
 

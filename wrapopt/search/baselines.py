@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from wrapopt.choices import BASELINE_NAMES
 from wrapopt.errors import PlanError
 from wrapopt.search.strategy import History, Proposal, SearchProblem, Strategy
 from wrapopt.spec import ROOT, SELECTIVE_OP, MeshSpec, ModelGraph, PlanSpec, UnitSpec
@@ -39,7 +40,6 @@ from wrapopt.units import together_groups, validate_plan
 __all__ = ["baselines", "make_plan", "checkpointed", "BASELINE_NAMES", "Baselines", "SmallestMemory",
            "BaselinesOnShardGroups"]
 
-BASELINE_NAMES = ("per-block", "per-block,ckpt", "size-1e8", "every-leaf", "root-only", "no-shard")
 _NEVER_WRAP = ("ModuleList", "ModuleDict")
 
 

@@ -22,6 +22,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
+from wrapopt.choices import CURRENT_FORMS
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import OptionError
 from wrapopt.search.baselines import baselines, with_choices
@@ -34,14 +35,6 @@ from wrapopt.train import TrainConfig
 __all__ = ["CURRENT_FORMS", "DIMENSIONS", "Current", "Config", "ChoiceGain", "Comparison", "parse_current",
            "compare_current"]
 
-CURRENT_FORMS = (
-    "a plan file (PATH.json, as `wrapopt search --out` writes), or items separated by commas, in any order: "
-    "the units (per-block, every-leaf, size-1e8, root-only, no-shard); checkpointing (no AC, full AC, "
-    "selective AC: matmul and attention outputs kept, AC every K: every K-th block); micro-batch N; "
-    "reshard or no reshard (after forward, every unit but the root); "
-    "shard N (HSDP with shard groups of N ranks); tp N (tensor parallelism inside each node). "
-    'Example: "per-block, full AC, micro-batch 2"'
-)
 # The choices compared one at a time, in the report's order.
 DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing", "pipeline")
 

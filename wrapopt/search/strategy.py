@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+from wrapopt.choices import DEFAULT_TRIALS
 from wrapopt.cost.simulate import Simulator
 from wrapopt.spec import CHECKPOINT_MODES, SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, PlanSpec
 
@@ -39,9 +40,6 @@ __all__ = [
     "dp_shard_sizes",
     "DEFAULT_TRIALS",
 ]
-
-DEFAULT_TRIALS = 200  # Optuna trials of `wrapopt search` and `plan_model` (the simulator scores ~1000/s)
-
 
 @dataclass(kw_only=True)
 class SearchOptions:
