@@ -52,7 +52,8 @@ def test_old_import_paths_and_lazy_names():
              "from wrapopt import optimize_wrap, zoo, WrapPlan, TrainConfig; import wrapopt.types, wrapopt.apply; "
              "from wrapopt.fabric import FabricProfile; import wrapopt.plan.apply as a, wrapopt.spec as s; "
              "import json; print(json.dumps([before, wrapopt.types is s, wrapopt.apply is a, a.__spec__.name, "
-             "FabricProfile is wrapopt.FabricProfile, zoo.__name__, sorted(set(wrapopt.__all__) - set(dir(wrapopt)))]))")
+             "FabricProfile is wrapopt.FabricProfile, zoo.__name__, "
+             "sorted(set(wrapopt.__all__) - set(dir(wrapopt)))]))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     before, types_ok, apply_ok, spec_name, fabric_ok, zoo_name, missing = json.loads(done.stdout.strip())
