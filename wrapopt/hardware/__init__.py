@@ -1,9 +1,12 @@
 """hardware: what the cost model knows of the cluster, measured or stated.
 
-``profiles`` holds the data (``FabricProfile``, ``ComputeProfile``), ``presets``
-the analytical fabrics built from stated numbers, ``measure_collectives``,
-``measure_device`` and ``measure_fsdp`` measure them under a live process group
-(``timing`` holds their shared timing helpers).
+``profiles`` and ``compute_profile`` hold the data (``FabricProfile``,
+``ComputeProfile``), ``catalog`` the GPU and network presets and ``presets``
+the analytical fabrics built from them or from stated numbers;
+``measure_collectives`` (with ``measure_overlap``), ``measure_device`` (with
+``measure_overheads``), ``measure_fsdp`` and ``measure_split`` measure them
+under a live process group (``timing`` and ``collective_ops`` hold their shared
+helpers).
 """
 
 from wrapopt.hardware.presets import (

@@ -17,20 +17,15 @@ rank's table, so measuring adds no collectives between sizes.
 
 [Note: mean collective times] The simulator adds a step's collectives up, so
 the figure it needs per message size is a collective's expected time: the mean
-over repeats, not the median. Where ranks stall now and then the two differ:
-on this VM (2 shared cores, 2 gloo ranks) a 1.3 MB all-gather takes 0.8-1.2 ms
-at the median and 4-6 ms about one time in five, with both ranks entering it
-within 0.1 ms of each other (timed inside gpt-tiny's FSDP2 step and right
-after it), and the medians left those stalls out of every step:
-``make demo``'s worst plan (no-shard, mostly) ran 1.30-1.40x its prediction in 5 runs
-with the median, 1.26-1.35x with the mean (within 1.30 in 4 runs of 5;
-Spearman 1.00 in all 5 against 3), runs interleaved; six runs after, at a
-later commit, 1.26-1.41x (within 1.30 in 3): the rest of the gap is not the
-statistic. NCCL's times on a GPU have little tail, so there the two agree. The
-spread stays relative to the median. The per-unit overhead
-(``measure_fsdp.measure_unit_overhead``) is a median of paired differences and
-takes out the medians of its tiny collectives, as before (with their means the
-demo's every-leaf plan ran 0.85x to 1.29x its prediction between 3 runs).
+over repeats, not the median. Where ranks stall now and then (ranks sharing
+cores: a small all-gather takes several times its median about one time in
+five, with both ranks entering it together) the two differ, and the median
+leaves those stalls out of every step. NCCL's times on a GPU have little tail,
+so there the two agree. The spread stays relative to the median. The per-unit
+overhead (``measure_fsdp.measure_unit_overhead``) is a median of paired
+differences and takes out the medians of its tiny collectives (with their
+means, the plans it priced moved against their prediction from run to run).
+The runs behind this note are in docs/history.md, "## hardware".
 
 [Note: concurrent axis groups] The "intra" axis runs one group per node,
 the "inter" axis one group per local rank index, and a "sub{d}" axis (when
@@ -57,14 +52,12 @@ from wrapopt import launch
 from wrapopt.choices import FABRIC_TIMEOUT_S
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import fmt_bytes
+from wrapopt.hardware.collective_ops import all_gather_single, barrier, reduce_scatter_single
+from wrapopt.hardware.measure_overlap import measure_overlap_factors
 from wrapopt.hardware.profiles import COLLECTIVES, AxisProfile, CollectiveCurve, FabricProfile
 from wrapopt.progress import Progress
 
-__all__ = ["default_sizes", "measure_fabric"]
-
-# torch 2.13 deprecates the *_into_tensor / *_tensor names; keep both working (torch>=2.6).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+__all__ = ["default_sizes", "measure_fabric", "barrier", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = FABRIC_TIMEOUT_S
 _MAX_SAMPLES_PER_REPEAT = 8  # small messages: see _samples_for
@@ -136,9 +129,9 @@ def _collective_fn(name: str, nbytes: int, p: int, group: Any, dtype: torch.dtyp
     shard = torch.zeros(numel // p, dtype=dtype, device=device)
     match name:
         case "all_gather":
-            return (lambda: _all_gather(full, shard, group=group)), numel * elem
+            return (lambda: all_gather_single(full, shard, group=group)), numel * elem
         case "reduce_scatter":
-            return (lambda: _reduce_scatter(shard, full, group=group)), numel * elem
+            return (lambda: reduce_scatter_single(shard, full, group=group)), numel * elem
         case "all_reduce":
             return (lambda: dist.all_reduce(full, group=group)), numel * elem
         case _:
@@ -161,14 +154,6 @@ def _samples_for(fn: Callable[[], Any], sync: Callable[[], None], reduce_dev: to
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=reduce_dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank must make the same number of calls
     return int(min(repeats * _MAX_SAMPLES_PER_REPEAT, max(repeats, budget_s // max(float(t[0]), 1e-9))))
-
-
-def barrier() -> None:
-    # NCCL wants the device named, else it guesses (and warns) from the rank.
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
 
 
 def _stats(times: torch.Tensor) -> tuple[float, float]:
@@ -231,7 +216,8 @@ def measure_fabric(
     cells, times = _time_cells(axes, collectives, sizes, dtype=dtype, device=device, sync=sync, reduce_dev=reduce_dev,
                                warmup=warmup, repeats=repeats, bar=bar)
 
-    overlap = _measure_overlap(device=device, sync=sync, reduce_device=reduce_dev) if measure_overlap else (0.0, 0.0)
+    overlap = (measure_overlap_factors(device=device, sync=sync, reduce_device=reduce_dev) if measure_overlap
+               else (0.0, 0.0))
     copies = _collective_copies(device, world)
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
@@ -368,133 +354,8 @@ def _profile_meta(*, backend: str, hosts: list[str | None], num_nodes: int, devi
 
 def _collective_copies(device: torch.device, world: int) -> float:
     """What a collective allocates beside its input and output, in copies of its unsharded size.
-    gloo's all-gather and reduce-scatter copy (1: measured once with the profiler's memory events,
-    10 MiB for 10 MiB on 2 ranks); NCCL works in its own buffers (0). Stated per backend rather
-    than profiled here: a profiler started inside a training job can abort its ranks at exit.
-    See [Note: collective copies] in cost/step.py."""
+    gloo's all-gather and reduce-scatter copy their buffer once (1); NCCL works in its own buffers (0).
+    Stated per backend rather than profiled here: a profiler started inside a training job can abort
+    its ranks at exit. See [Note: collective copies] in cost/step.py."""
     del world
     return 1.0 if device.type == "cpu" and dist.get_backend() == "gloo" else 0.0
-
-
-# --- overlap factor ------------------------------------------------------------------------------
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
-def _measure_overlap(*, device: torch.device, sync: Callable[[], None], reduce_device: torch.device,
-                     target_s: float = 0.03, repeats: int = 3) -> tuple[float, float]:
-    """(compute slowdown, collective slowdown) when both run at once, max over ranks; see [Note: overlap factor].
-
-    compute slowdown = t(compute while all-gathers are in flight) / t(compute alone) - 1,
-    with the all-gathers sized to outlast the compute so it is covered throughout.
-    collective slowdown = t(all-gathers while compute runs) / t(all-gathers alone) - 1,
-    with the compute sized to outlast the all-gathers; i.e. how much longer a
-    collective takes when the device is busy computing. Both floored at 0.
-    The collective is a 4 MiB all-gather on the world group, the compute a
-    matmul loop (fp32 256x256 on CPU, bf16 4096x4096 on GPU) of ~``target_s``.
-    """
-    cuda = device.type == "cuda"
-    n, dt = (4096, torch.bfloat16) if cuda else (256, torch.float32)
-    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
-    c = torch.empty_like(a)
-    world = dist.get_world_size()
-    full = torch.zeros(2**20 // world * world, device=device)  # ~4 MiB unsharded, fp32
-    shard = torch.zeros(full.numel() // world, device=device)
-
-    def gather(k: int, async_op: bool) -> list[Any]:
-        return [_all_gather(full, shard, async_op=async_op) for _ in range(k)]
-
-    def timed(fn: Callable[[], Any], reps: int = repeats) -> float:
-        ts = []
-        for _ in range(reps):
-            barrier()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t0)
-        return _median(ts)
-
-    # Calibrate on one matmul and one all-gather; every rank must agree on the number of all-gathers.
-    per = torch.tensor([timed(lambda: torch.mm(a, b, out=c), 5), timed(lambda: gather(1, False), 5)],
-                       dtype=torch.float64, device=reduce_device)
-    dist.all_reduce(per, op=dist.ReduceOp.MAX)
-    steps = max(1, round(target_s / float(per[0])))
-    k = max(1, round(target_s / float(per[1])))
-
-    def compute(m: int) -> None:
-        for _ in range(m):
-            torch.mm(a, b, out=c)
-
-    t_compute = timed(lambda: compute(steps))
-    # Issued the same way as under compute (async, then wait): gloo may overlap queued ops.
-    t_comm = timed(lambda: [w.wait() for w in gather(k, True)])
-    compute_under, comm_under = [], []
-    for _ in range(repeats):
-        # (a) compute while twice its length of all-gathers is in flight.
-        barrier()
-        sync()
-        works = gather(2 * k, True)
-        compute_under.append(_timed_compute(lambda: compute(steps), cuda, sync))
-        for w in works:
-            w.wait()
-        sync()
-        # (b) all-gathers while twice their length of compute runs.
-        barrier()
-        sync()
-        comm_under.append(_comm_under_compute(lambda: gather(k, True), lambda: compute(1), 2 * steps, cuda, sync))
-    out = torch.tensor([_median(compute_under) / t_compute - 1, _median(comm_under) / t_comm - 1],
-                       dtype=torch.float64, device=reduce_device)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return max(0.0, float(out[0])), max(0.0, float(out[1]))
-
-
-def _timed_compute(fn: Callable[[], None], cuda: bool, sync: Callable[[], None]) -> float:
-    """Seconds of ``fn``'s own work; on a GPU timed by events on its stream, not by a device sync
-    (which would also wait for the collectives in flight)."""
-    if not cuda:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) / 1e3
-
-
-def _comm_under_compute(issue: Callable[[], list[Any]], step: Callable[[], None], steps: int,
-                        cuda: bool, sync: Callable[[], None]) -> float:
-    """Seconds from issuing the collectives to the last one landing, while ``steps`` compute steps run."""
-    if cuda:
-        # The CPU runs ahead of the GPU, so polling would time the launches; time the landing on a
-        # side stream that waits for the collectives while the compute stream stays busy.
-        side = torch.cuda.Stream()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        works = issue()
-        with torch.cuda.stream(side):
-            for w in works:
-                w.wait()
-            e1.record(side)
-        for _ in range(steps):
-            step()
-        sync()
-        return e0.elapsed_time(e1) / 1e3
-    t0 = time.perf_counter()
-    works = issue()
-    landed = None
-    for _ in range(steps):
-        step()
-        # Poll between steps (one step's resolution); gloo may run two queued ops at once, so ask all.
-        if landed is None and all(w.is_completed() for w in works):
-            landed = time.perf_counter() - t0
-    for w in works:
-        w.wait()
-    return landed if landed is not None else time.perf_counter() - t0
-
-
-# --- names that moved ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.errors import ProfileError
+from wrapopt.hardware.collective_ops import all_gather_single, reduce_scatter_single
 from wrapopt.hardware.timing import median, paired_difference, sync_for, time_reps
 
 __all__ = ["measure_unit_overhead", "measure_param_overhead", "measure_byte_overhead", "measure_optimizer",
@@ -27,9 +28,6 @@ def _slowest(*values: float, device: torch.device) -> list[float]:
     out = torch.tensor(values, dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out.tolist()
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int = 2) -> float:
@@ -51,10 +49,7 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
         per_event = (t_many - t_one - (2N - 1) * t_all_gather - (N - 1) * t_reduce_scatter) / (3N - 2)
 
     The result is ``per_event``, floored at 0 and the max over ranks, which
-    reproduces the measured step. (Until 2026-12-06 it was the step's per-unit
-    figure halved, ``(3N - 2) / (2N - 2)`` times this, which the model then
-    charged three times per resharded unit: gpt-tiny's every-leaf plan, 35 units,
-    was priced 15% over its measured step in the demo.)
+    reproduces the measured step: each charged event gets one share.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -88,14 +83,13 @@ def measure_unit_overhead(*, num_layers: int = 16, repeats: int = 5, warmup: int
     n = num_layers
     estimates = []
     # Three estimates, the median kept: (2n - 1) all-gather latencies are taken out of each, so a
-    # noisy all-gather timing moves one estimate by 31x its error; one such estimate (floored at 0)
-    # put every unit's overhead at nothing in a demo run (issue 34).
+    # noisy all-gather timing moves one estimate by 31x its error, and one such estimate (floored at 0)
+    # can put every unit's overhead at nothing.
     for _ in range(3):
-        t_ag = time_reps(lambda: _all_gather(full, shard), repeats=repeats * 4, warmup=warmup, sync=sync)
-        t_rs = time_reps(lambda: _reduce_scatter(shard, full), repeats=repeats * 4, warmup=warmup, sync=sync)
+        t_ag = time_reps(lambda: all_gather_single(full, shard), repeats=repeats * 4, warmup=warmup, sync=sync)
+        t_rs = time_reps(lambda: reduce_scatter_single(shard, full), repeats=repeats * 4, warmup=warmup, sync=sync)
         # The two steps interleaved, their difference paired per round (a step is a few ms: rounds are
-        # cheap). Timed one after the other, the demo's quick profile put gpt-tiny's every-leaf plan at
-        # 64 ms in one run and 155 ms in the next, against 181 ms measured (issue 34).
+        # cheap); timed one after the other, the load's drift between them lands in the difference.
         many_minus_one = paired_difference(many, one, repeats=4 * repeats, warmup=warmup, sync=sync)
         estimates.append((many_minus_one - (2 * n - 1) * t_ag - (n - 1) * t_rs) / (3 * n - 2))
     # Ranks must agree: the slowest rank's overhead is what every rank waits for.
@@ -108,9 +102,8 @@ def measure_param_overhead(*, layers: tuple[int, int] = (4, 64), repeats: int = 
     [Note: per-parameter overhead] FSDP2's work per unit grows with its parameter count: the
     copy-out registers every unsharded parameter, the reduction makes every sharded gradient a
     DTensor. ``measure_unit_overhead`` times units of 2 parameters (``nn.Linear(8, 8)``), so a
-    unit of many (a group of blocks, the root of a one-unit plan) paid more than it priced: on 2
-    gloo ranks a root-only ``fully_shard`` of k such layers ran 2.9 ms over the plain ones at 8
-    parameters and 6.6 ms at 128 (``results/fsdp_in_step.md``). Here: a root-only model of
+    unit of many (a group of blocks, the root of a one-unit plan) pays more than 2 parameters'
+    worth (``results/fsdp_in_step.md``). Here: a root-only model of
     ``layers[0]`` and of ``layers[1]`` layers (one all-gather and one reduce-scatter a step; the
     root is not resharded), each against the same layers without FSDP, paired per round; the
     difference of the two excesses over the difference in parameters, per collective (two a step).
@@ -150,10 +143,8 @@ def measure_byte_overhead(*, width: int = 65536, repeats: int = 5, warmup: int =
     copy-in, its output buffer allocated afresh, the copy-out into the unsharded parameters, and
     gloo's own buffer of the unsharded size (See [Note: collective copies] in cost/step.py); a
     reduction copies the gradients in and allocates its output alike. The fabric times the
-    collective alone, on buffers allocated once. Measured on 2 gloo ranks (60 rounds, a barrier
-    before each forward): a root-only unit 1 and 2 MiB wider ran its forward 0.77 and 0.58 ms
-    per MiB over the plain model and the wider all-gather, which one-unit plans of gpt-tiny
-    (1.3 MiB) paid unpriced at every gather and reduction. Here: a root-only unit of two
+    collective alone, on buffers allocated once, so a unit's bytes cost beyond it, at every
+    gather and reduction. Here: a root-only unit of two
     bias-free ``Linear`` layers 8 wide and ``width`` wide (the same tensor count), forward
     without gradients (one all-gather each), each round timing, paired and in alternating order,
     ``fsdp(wide) + plain(narrow) + all-gather(narrow)`` against ``fsdp(narrow) + plain(wide) +
@@ -190,7 +181,7 @@ def measure_byte_overhead(*, width: int = 65536, repeats: int = 5, warmup: int =
 
         def run() -> None:
             dist.barrier()
-            _all_gather(full, shard)
+            all_gather_single(full, shard)
         return run
 
     fsdp = {w: forward(w, True) for w in (8, width)}
@@ -243,7 +234,7 @@ def measure_optimizer(*, num_tensors: int = 32, repeats: int = 5) -> tuple[float
     mesh1 = init_device_mesh(dev_type, (world,))
     per_tensor_2d = 0.0
     if world > 1:  # the 2-D extra decides no-shard against one unit: timed interleaved with the 1-D
-        # step and taken as the median paired ratio (sequential medians moved it 2x between runs here)
+        # step and taken as the median paired ratio (sequential medians carry the load's drift between them)
         mesh2 = init_device_mesh(dev_type, (world, 1), mesh_dim_names=("replicate", "shard"))
         one, two = stepper(tiny(), mesh1), stepper(tiny(), mesh2)
         pairs = [(time_reps(one, repeats=1, warmup=0, sync=sync), time_reps(two, repeats=1, warmup=0, sync=sync))
