@@ -1,5 +1,6 @@
 """``wrapopt export``: a plan as the configuration of a framework; the targets are the rows of
-``wrapopt.interop.registry.EXPORTERS`` (an Accelerate config, Lightning strategies for FSDP2 and FSDP1)."""
+``wrapopt.interop.registry.EXPORTERS`` (an Accelerate config, Lightning strategies for FSDP2 and FSDP1,
+a module wrapping with FSDP1)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt export`` to the CLI's sub-commands; it runs ``run``."""
-    p = subparsers.add_parser("export", help="write a plan as an Accelerate config or a Lightning strategy",
-                              description="Write the configuration Accelerate or Lightning reads for a plan; "
+    p = subparsers.add_parser("export", help="write a plan for Accelerate, Lightning or plain FSDP1",
+                              description="Write the configuration or module a training tool reads for a plan; "
                                           "what the tool cannot express is listed under LOSSES.")
     p.add_argument("plan", help="a plan file (wrapopt search --out)")
     p.add_argument("--to", required=True, choices=TARGETS, help=targets_help())

@@ -1,4 +1,4 @@
-"""interop: a plan in the configuration formats of frameworks (Accelerate, Lightning).
+"""interop: a plan in the formats of the tools that train with it (Accelerate, Lightning, plain FSDP1).
 
 The targets' table (``registry``) loads no torch, so ``TARGETS`` is read at once; the exporters
 load when first used (See [Note: the exporter table] in wrapopt/interop/registry.py).

@@ -1,10 +1,11 @@
-"""``wrapopt export``: a plan as the configuration a framework reads (Accelerate, Lightning).
+"""``wrapopt export``: a plan in the format a training tool reads (Accelerate, Lightning, plain FSDP1).
 
 ``export_plan`` refuses what no target can express (pipeline stages, tensor parallelism),
 then runs the target's exporter from the one table of targets, ``EXPORTERS``; see
 [Note: the exporter table] in ``interop/registry.py``. Accelerate and Lightning's
 ``FSDPStrategy`` (FSDP1) wrap by class and list under LOSSES what they do not reproduce;
-Lightning's ``ModelParallelStrategy`` (FSDP2) runs the plan itself.
+Lightning's ``ModelParallelStrategy`` (FSDP2) runs the plan itself, and the ``fsdp1`` module wraps
+the plan's own units with FSDP1.
 
 Example:
     >>> from wrapopt.interop import export_plan
@@ -29,11 +30,12 @@ __all__ = ["TARGETS", "EXPORTERS", "ClassPolicy", "Export", "class_policy", "exp
 
 
 def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, source: str = "plan.json") -> Export:
-    """The plan in the format of the target ``to``: an Accelerate config (YAML) or a Lightning strategy (Python).
+    """The plan in the format of the target ``to``: an Accelerate config (YAML) or a Python module.
 
     Args:
         to: one of ``TARGETS``: "accelerate", "lightning" (= "lightning-fsdp2": ModelParallelStrategy,
-            whose ``configure_model`` applies the plan) or "lightning-fsdp1" (FSDPStrategy).
+            whose ``configure_model`` applies the plan), "lightning-fsdp1" (FSDPStrategy) or "fsdp1"
+            (a module whose ``wrap(model)`` applies the plan with FullyShardedDataParallel).
         model: the planned model, needed only for plan files without module classes.
         source: the plan file's path, quoted in the header and loaded by the Lightning module.
     """

@@ -50,6 +50,9 @@ EXPORTERS: dict[str, Exporter] = {e.name: e for e in (
              help="a module with ModelParallelStrategy whose configure_model applies the plan (FSDP2, exact)"),
     Exporter(name="lightning-fsdp1", function="wrapopt.interop.lightning_fsdp1:export_lightning_fsdp1",
              help="an FSDPStrategy (FSDP1) wrapping the closest classes"),
+    Exporter(name="fsdp1", function="wrapopt.interop.fsdp1:export_fsdp1",
+             help="a module whose wrap(model) applies the plan with FullyShardedDataParallel (FSDP1, one unit "
+                  "per planned module)"),
 )}
 
 TARGETS = tuple(EXPORTERS)  # the names, in the order --help lists them

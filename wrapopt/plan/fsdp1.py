@@ -73,7 +73,7 @@ def fsdp1_policy(
         raise PlanError(f"this plan runs tensor parallelism (degree {mesh.tp_size}) under FSDP; wrapopt's FSDP1 export "
                         "does not support FSDP1 + tensor parallelism: apply it with plan.apply(model) (FSDP2)")
     refuse_selective(spec, "an FSDP1 policy")
-    notes: list[str] = []
+    losses: list[str] = []  # what FSDP1's wrapping cannot reproduce of the plan
     mp = mixed_precision or {}
     mp_kwargs: dict[str, Any] = {}
     if mp.get("param_dtype") or mp.get("reduce_dtype"):
@@ -101,14 +101,15 @@ def fsdp1_policy(
             "to wrap each module of a group on its own"
         )
     if groups:
-        notes.append("grouped units become one FSDP1 unit per module: "
-                     + ", ".join(" + ".join(g) for g, _ in groups[:4]) + (" ..." if len(groups) > 4 else ""))
+        losses.append("grouped units become one FSDP1 unit per module: "
+                      + ", ".join(" + ".join(g) for g, _ in groups[:4]) + (" ..." if len(groups) > 4 else ""))
     if hpz:
-        notes.append("reshard_after_forward=N (reshard to groups of N ranks) has no FSDP1 equivalent; "
-                     f"these units use FULL_SHARD instead: {', '.join(hpz[:4])}")
+        losses.append("reshard_after_forward=N (reshard to groups of N ranks) has no FSDP1 equivalent; "
+                      f"these units use FULL_SHARD instead: {', '.join(hpz[:4])}")
     if spec.forward_prefetch > 1:
-        notes.append(f"FSDP1 prefetches one unit ahead at most: forward prefetch depth {spec.forward_prefetch} "
-                     "becomes 1")
+        losses.append(f"FSDP1 prefetches one unit ahead at most: forward prefetch depth {spec.forward_prefetch} "
+                      "becomes 1")
+    notes = list(losses)  # and what the caller does besides wrapping
     ckpt = [n for u in spec.units if u.checkpoint and not u.is_root for n in u.modules]
     if ckpt:
         notes.append("activation checkpointing is not part of an FSDP1 wrap policy: after FSDP(...), call "
@@ -120,7 +121,8 @@ def fsdp1_policy(
                      "mesh_dim_names=('replicate', 'shard')) to FullyShardedDataParallel")
     root_kwargs = {"sharding_strategy": _fsdp1_strategy(True, mesh), "use_orig_params": True, **mp_kwargs,
                    **prefetch_kwargs}
-    policy = PlanPolicy(singles, groups, root_kwargs=root_kwargs, notes=tuple(notes), world_size=mesh.world_size)
+    policy = PlanPolicy(singles, groups, root_kwargs=root_kwargs, notes=tuple(notes), losses=tuple(losses),
+                        world_size=mesh.world_size)
     if notes:
         warnings.warn("FSDP1 cannot express all of this plan: " + "; ".join(notes), stacklevel=3)
     return policy
@@ -136,14 +138,16 @@ class PlanPolicy(CustomPolicy):
     """
 
     def __init__(self, singles: dict[str, dict[str, Any]], groups: list[tuple[tuple[str, ...], dict[str, Any]]],
-                 *, root_kwargs: dict[str, Any], notes: tuple[str, ...], world_size: int):
+                 *, root_kwargs: dict[str, Any], notes: tuple[str, ...], losses: tuple[str, ...] = (),
+                 world_size: int):
         super().__init__(self._kwargs_for)
         self.world_size = world_size  # the plan's; checked against the job's before FSDP1 wraps anything
         self.singles = singles  # module name -> FSDP1 kwargs of its unit
         self.groups = groups  # grouped units, split per module when resolved
         self.names = frozenset(singles) | frozenset(n for g, _ in groups for n in g)
         self.root_kwargs = root_kwargs  # pass to FullyShardedDataParallel(...) for the root unit
-        self.notes = notes  # what FSDP1 could not express, in words
+        self.notes = notes  # what FSDP1 could not express, and what to call besides (checkpointing, HSDP mesh)
+        self.losses = losses  # the notes on what the wrapping itself loses (what `wrapopt export --to fsdp1` lists)
         self._by_id: dict[int, dict[str, Any]] | None = None
 
     def resolve(self, root: nn.Module) -> None:
