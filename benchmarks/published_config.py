@@ -39,7 +39,7 @@ from wrapopt.search.batch import global_batch_search
 from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.current import Current, compare_current
 from wrapopt.search.driver import SearchOptions
-from wrapopt.spec import SELECTIVE_OP, MeshSpec
+from wrapopt.spec import SELECTIVE_OP, MeshSpec, ParallelRequest
 
 __all__ = ["ConfigRow", "search_config", "MODES"]
 
@@ -81,15 +81,14 @@ def search_config(pred: Predictor, row: PublishedRow, *, max_group: int) -> Conf
     t0 = time.perf_counter()
     own = Current(row_plan(g, row), row.micro_batch, "the row's")
     try:
-        found = global_batch_search(g, sim, mesh, train=train, global_batch=global_batch, degrees=(1,), spec=None,
-                                    memory_budget=budget,
+        request = ParallelRequest(mesh=mesh, train=train, global_batch=global_batch)
+        found = global_batch_search(g, sim, request, degrees=(1,), spec=None, memory_budget=budget,
                                     options=SearchOptions(trials=0, max_group=max_group, checkpoint_modes=MODES))
     except InfeasibleError as e:
         return ConfigRow(row, global_batch, math.nan, f"nothing fits: {str(e).splitlines()[0][:80]}", "-", math.nan,
                          (), False, False, False, time.perf_counter() - t0)
     best = found.result.best.plan
-    cmp = compare_current(g, sim, own, best, train=train, chosen_micro_batch=found.split.micro_batch,
-                          global_batch=global_batch)
+    cmp = compare_current(g, sim, own, best, request=request, chosen_micro_batch=found.split.micro_batch)
     seconds = time.perf_counter() - t0
     row_fits = cmp.current.estimate.peak_bytes <= budget
     own_is_best = row_fits and cmp.speedup < 1.0

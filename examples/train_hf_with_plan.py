@@ -50,7 +50,7 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
     largest predicted peak of the baselines, so that the plan has to shard
     (this model is small enough to fit anywhere unsharded).
     """
-    from wrapopt.api import plan_model
+    from wrapopt.api import ParallelRequest, plan_model, prepare
     from wrapopt.fileio import fmt_bytes, parse_bytes
     from wrapopt.hardware.presets import analytical_compute, analytical_fabric
     from wrapopt.spec import MeshSpec
@@ -62,12 +62,14 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
     mesh = MeshSpec(world_size=world_size, ranks_per_node=world_size, shard_size=world_size)
     fabric, compute = analytical_fabric(world_size=world_size), analytical_compute()
     if memory is None:
-        _, probe = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=None)
-        peaks = [s.estimate.peak_bytes for s in probe.baselines.values()]
+        probe_job = prepare(ParallelRequest(mesh=mesh, memory_budget="none"), model, graph=graph, fabric=fabric,
+                            compute=compute)
+        peaks = [s.estimate.peak_bytes for s in plan_model(probe_job)[1].baselines.values()]
         budget = (min(peaks) + max(peaks)) / 2
     else:
         budget = float(parse_bytes(memory))
-    plan, _ = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget)
+    job = prepare(ParallelRequest(mesh=mesh, memory_budget=budget), model, graph=graph, fabric=fabric, compute=compute)
+    plan, _ = plan_model(job)
     plan.save(path)
     print(f"wrote {path}: {len(plan.units)} units ({plan.spec.label}) for {world_size} ranks, "
           f"budget {fmt_bytes(budget)} per rank")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from wrapopt.api import assumptions_for, budget_source, plan_model
+from wrapopt.api import ParallelRequest, assumptions_for, budget_source, plan_model, prepare
 from wrapopt.assumptions import LOSS_SHARE_WARN, state_assumptions
 from wrapopt.cli.main import main
 from wrapopt.cost import Simulator
@@ -111,8 +111,8 @@ def test_budget_and_its_source_are_stated(gpt):
              (None, "auto: 90% of the device's")]  # the default is auto when the capacity is known
     for raw, expect in cases:
         budget = None if raw == "none" else (64 * 2**20 if raw == "64MiB" else gpu.memory_capacity_bytes * 0.9)
-        plan, _ = plan_model(graph, model, mesh=MESH, fabric=FAB, compute=gpu, memory_budget=budget,
-                             search=quick, memory_budget_source=budget_source(raw, gpu))
+        job = prepare(ParallelRequest(mesh=MESH, memory_budget=raw), model, graph=graph, fabric=FAB, compute=gpu)
+        plan, _ = plan_model(job, search=quick)
         assert expect in _line(plan.assumptions, "memory")
         assert plan.assumptions.memory_budget_bytes == budget
     assert budget_source("none", gpu).startswith("none")
@@ -165,8 +165,8 @@ def test_a_large_loss_is_flagged_with_the_peak_under_the_smallest_loss():
 
 def test_report_cli_and_plan_file_carry_the_block(gpt, tmp_path, capsys):
     model, _, graph = gpt
-    plan, result = plan_model(graph, model, mesh=MESH, fabric=FAB, compute=GPU, memory_budget=None,
-                              search=SearchOptions(trials=0))
+    job = prepare(ParallelRequest(mesh=MESH, memory_budget="none"), model, graph=graph, fabric=FAB, compute=GPU)
+    plan, result = plan_model(job, search=SearchOptions(trials=0))
     assert plan.assumptions.peak_bytes == result.best.estimate.peak_bytes
     path = tmp_path / "plan.json"
     plan.save(path)

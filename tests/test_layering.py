@@ -58,6 +58,7 @@ STAGES: dict[str, tuple[str, ...]] = {
 # The wiring: may import anything except the wiring named here (the arrows point down
 # here too: cli -> evaluation -> api). The root package (__init__.py) re-exports for users.
 WIRING: dict[str, tuple[str, ...]] = {
+    "job": ("api", "cli", "evaluation", "testing"),  # prepare(): the one wiring of the stages, below every entry point
     "api": ("cli", "evaluation", "testing"),
     "evaluation": ("cli", "testing"),
     "testing": ("cli", "evaluation"),

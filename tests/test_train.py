@@ -252,7 +252,7 @@ def test_the_model_is_traced_in_the_steps_compute_dtype(tmp_path, capsys, monkey
     """``wrapopt search``/``estimate`` and ``optimize_wrap`` (a plan file's step when none is given)
     trace in the step's ``param_dtype``: See [Note: tracing in the compute dtype] in wrapopt/trace/record.py."""
     import wrapopt.api
-    import wrapopt.cli.search
+    import wrapopt.job
     from wrapopt import optimize_wrap, zoo
 
     seen = []
@@ -264,7 +264,7 @@ def test_the_model_is_traced_in_the_steps_compute_dtype(tmp_path, capsys, monkey
             return graph
         return trace
 
-    for module in (wrapopt.api, wrapopt.cli.search):
+    for module in (wrapopt.api, wrapopt.job):  # optimize_wrap traces in api (before measuring), the rest in job
         monkeypatch.setattr(module, "trace_model", traced(module.trace_model))
     plan = str(tmp_path / "p.json")
     assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--precision", "bf16", "--trials", "0",
@@ -278,14 +278,15 @@ def test_the_model_is_traced_in_the_steps_compute_dtype(tmp_path, capsys, monkey
 
 
 def test_nothing_fits_names_the_knobs(llama_tiny):
-    from wrapopt.api import plan_model
+    from wrapopt.api import ParallelRequest, plan_model, prepare
 
     model, _x, g = llama_tiny
     fab = analytical_fabric(world_size=8)
     comp = analytical_compute(dtype="float32")
     with pytest.raises(InfeasibleError) as e:
-        plan_model(g, model, mesh=MESH8, fabric=fab, compute=comp, memory_budget=2**20,
-                   train=TrainConfig(grad_accumulation=2, accumulation_sync="last"))
+        request = ParallelRequest(mesh=MESH8, memory_budget=2**20,
+                                  train=TrainConfig(grad_accumulation=2, accumulation_sync="last"))
+        plan_model(prepare(request, model, graph=g, fabric=fab, compute=comp))
     msg = str(e.value)
     assert "smallest predicted peak" in msg and "--precision bf16" in msg and "--sync every" in msg
 

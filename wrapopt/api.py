@@ -29,13 +29,12 @@ from wrapopt.errors import InfeasibleError, ModelError, OptionError, PlanError, 
 from wrapopt.fileio import check_writable
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
-from wrapopt.hardware.host import HostSpec
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import tp_sizes_to_measure, with_tp_measurements
-from wrapopt.hardware.presets import analytical_fabric
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
+from wrapopt.job import Job, prepare
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
@@ -51,13 +50,14 @@ from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchR
 from wrapopt.search.offload import choose_offload, mark_offload
 from wrapopt.search.pipeline import pipeline_estimate, pp_group_sizes
 from wrapopt.search.run import SearchRun, run_search
-from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec, SimOptions
+from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.tp import TPSpec
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig, model_dtype
 from wrapopt.units import validate_plan
 
-__all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "resolve_fabric", "auto_memory_budget", "resolve_budget",
+__all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "prepare", "Job", "ParallelRequest",
+           "resolve_fabric", "auto_memory_budget", "resolve_budget",
            "MEMORY_HEADROOM", "budget_source", "assumptions_for", "estimate", "compute_for", "budget_line",
            "check_fabric_fits", "default_mesh"]
 
@@ -108,73 +108,46 @@ def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSp
     return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
 
 
-def plan_model(
-    graph: ModelGraph,
-    model_for_fingerprint: nn.Module,
-    *,
-    mesh: MeshSpec,
-    fabric: FabricProfile,
-    compute: ComputeProfile,
-    memory_budget: float | None,
-    options: SimOptions | None = None,
-    notes: list[str] | None = None,
-    search: SearchOptions | None = None,
-    memory_budget_source: str | None = None,
-    train: TrainConfig | None = None,
-    tp: int | str | None = None,
-    tp_plan: TPSpec | None = None,
-    global_batch: int | None = None,
-    pp: int | str | None = None,
-    host: HostSpec | None = None,
-) -> tuple[WrapPlan, SearchResult]:
-    """Search and package the answer as a WrapPlan (no process group needed).
+def plan_model(job: Job, *, search: SearchOptions | None = None) -> tuple[WrapPlan, SearchResult]:
+    """Search ``job`` (``wrapopt.job.prepare``) and package the answer as a WrapPlan (no process group needed).
 
-    ``search`` defaults to the CLI's defaults: the exact DP on every shard
-    group and an in-memory Optuna study of ``DEFAULT_TRIALS`` trials, seed 0.
-    ``memory_budget_source`` says where the budget came from (``budget_source``);
-    the plan's ``assumptions`` state it. ``train`` (default: fp32, one micro-batch,
-    AdamW) sets the simulator's options unless ``options`` are given, and is
-    recorded in the plan with the sync mode the search chose. ``tp``: the tensor-parallel
-    degree (1 or None: FSDP alone; an int; "auto": every degree ``tp_degrees`` accepts, chosen
-    with the rest: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised,
-    ``builtin_tp_plan``). ``global_batch``: sequences per optimizer step, fixed; the micro-batch and
-    the accumulation are chosen with the plan and recorded in its ``train`` (See [Note: global
-    batch search] in search/batch.py). ``pp``: the pipeline degree (1 or None: none; an int;
-    "auto"), chosen with its stages, schedule and micro-batches (See [Note: pipeline search]).
-    ``host``: CPU offload searched too, chosen only where it is the fastest plan that fits (See
-    [Note: offload search] in search/offload.py).
+    ``search`` defaults to the CLI's defaults: the exact DP on every shard group and an in-memory
+    Optuna study of ``DEFAULT_TRIALS`` trials, seed 0. What is searched is the job's request: its
+    tensor-parallel degree (See [Note: 2-D search]), pipeline degree (See [Note: pipeline search]),
+    global batch (the micro-batch and accumulation chosen with the plan and recorded in its
+    ``train``: See [Note: global batch search] in search/batch.py) and CPU offload (chosen only
+    where it is the fastest plan that fits: See [Note: offload search] in search/offload.py). The
+    plan records the training step with the sync mode the search chose, and its ``assumptions``
+    say where the budget came from.
     """
-    train = train or TrainConfig()
-    if options is None:
-        options = train.sim_options(memory_budget=memory_budget)
-    sim = Simulator(graph, fabric, compute, options, host=host)
+    request, graph, budget = job.request, job.graph, job.budget
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
 
     def run(s: Simulator) -> SearchRun:
-        found = run_search(graph, s, mesh, train=train, tp=tp, tp_plan=tp_plan, pp=pp, global_batch=global_batch,
-                           memory_budget=memory_budget, options=search)
+        found = run_search(graph, s, request, memory_budget=budget, options=search)
         return replace(found, result=mark_offload(found.result)) if s.options.offload else found
 
     try:
-        found, offload_note = choose_offload(run, sim, lambda f: f.result)
+        found, offload_note = choose_offload(run, job.sim, lambda f: f.result)
     except InfeasibleError as e:
-        raise InfeasibleError(f"{e} {knobs_sentence(graph, sim, mesh, train, memory_budget)}") from None
+        raise InfeasibleError(f"{e} {knobs_sentence(graph, job.sim, request.mesh, request.train, budget)}") from None
     result, train, sim = found.result, found.train, found.sim
-    notes = [*(notes or []), *found.notes, *([offload_note] if offload_note else [])]
+    notes = [*job.notes, *found.notes, *([offload_note] if offload_note else [])]
     result = replace(result, notes=(offload_note, *result.notes)) if offload_note else result
     best = result.best
-    source = memory_budget_source or ("given" if memory_budget else "none given: every plan fits")
+    fabric, compute = job.fabric, job.compute
     plan = WrapPlan.from_search(
         best.plan,
-        model_for_fingerprint,
+        job.model,
         sim.simulate(best.plan, record=True),  # the same estimate, with its timeline
         fabric={"name": fabric.name, "kind": fabric.kind, "backend": fabric.backend, "world_size": fabric.world_size,
                 "ranks_per_node": fabric.ranks_per_node, "compute": compute.device, "compute_kind": compute.kind,
-                "notes": list(notes or [])},
+                "notes": notes},
         baselines={k: {"num_units": len(s.plan.units), "fits": s.fits, **s.estimate.summary_json()}
                    for k, s in result.baselines.items()},
         param_users=graph.param_users,
-        assumptions=assumptions_for(graph, sim, best.plan, best.estimate, memory_budget=memory_budget, source=source),
+        assumptions=assumptions_for(graph, sim, best.plan, best.estimate, memory_budget=budget,
+                                    source=job.budget_source),
         train=train.with_sync(best.estimate.accumulation_sync) if train.grad_accumulation > 1 else train,
     )
     return plan, result
@@ -231,46 +204,40 @@ def optimize_wrap(
         >>> print(res.report())  # doctest: +SKIP
     """
     in_group = dist.is_initialized()
-    mesh, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
-                                     loss_fn=loss_fn, plan=plan, seed=seed, train=train,
-                                     options=(memory_budget, tp, train, global_batch, pp))
-    fab, compute = _profiles(fabric, compute, mesh=mesh, graph=graph, model=model, train=train, tp=tp, pp=pp,
+    request, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
+                                        loss_fn=loss_fn, plan=plan, seed=seed, train=train, request=dict(
+                                            tp=tp, tp_plan=tp_plan, pp=pp, global_batch=global_batch,
+                                            memory_budget=memory_budget))
+    fab, compute = _profiles(fabric, compute, request=request, graph=graph, model=model,
                              measure=in_group and given_plan is None)
-    budget = resolve_budget(memory_budget, compute)
     result: SearchResult | None = None
     if given_plan is not None:
+        job = prepare(request, model, graph=graph, fabric=fab, compute=compute)
         wplan = given_plan
     else:
-        wplan, result = _plan_on_rank_0(graph, model, mesh=mesh, fabric=fab, compute=compute,  # type: ignore[arg-type]
-                                        budget=budget, memory_budget=memory_budget,
-                                        search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed), train=train,
-                                        tp=tp, tp_plan=tp_plan, save_plan=save_plan, rescale_fabric=rescale_fabric,
-                                        global_batch=global_batch, pp=pp)
-        train = wplan.train_config if global_batch is not None else train  # the micro-batch chosen
+        job = prepare(request, model, graph=graph, fabric=fab, compute=compute, rescale_fabric=rescale_fabric)
+        wplan, result = _plan_on_rank_0(job, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
+                                        save_plan=save_plan)
+        train = wplan.train_config if request.global_batch is not None else train  # the micro-batch chosen
     if save_plan is not None and (not in_group or dist.get_rank() == 0):  # rank 0 writes
         wplan.save(save_plan)
     sharded = wplan.apply(model, train=train, **pipeline_kwargs(wplan.spec, example_inputs, pipeline_loss_fn)
                           ) if in_group else None
-    fab = fab or analytical_fabric(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
     if result is None:  # a given or received plan: score it beside the baselines, no search
-        result, stated = _score_plan(graph, wplan, fabric=fab, compute=compute, train=train, budget=budget,
-                                     memory_budget=memory_budget)
+        result, stated = _score_plan(job, wplan, train=train)
     else:
         stated = wplan.assumptions
     return OptimizeResult(plan=wplan, model=sharded, baselines=result.baselines, search=result, graph=graph,
-                          fabric=fab, compute=compute, assumptions=stated)
+                          fabric=job.fabric, compute=job.compute, assumptions=stated)
 
 
-def _score_plan(graph: ModelGraph, wplan: WrapPlan, *, fabric: FabricProfile, compute: ComputeProfile,
-                train: TrainConfig | None, budget: float | None,
-                memory_budget: int | float | str | None) -> tuple[SearchResult, Assumptions]:
+def _score_plan(job: Job, wplan: WrapPlan, *, train: TrainConfig | None) -> tuple[SearchResult, Assumptions]:
     """A plan not searched here, scored beside the baselines, and the assumptions of its score."""
     step = train or wplan.train_config  # a plan that records its micro-batch is scored at it
-    sim = Simulator(graph, fabric, compute, step.sim_options(
-        memory_budget=budget, batch_scale=recorded_scale(graph, step, wplan.spec)))
-    result = score_given(graph, sim, wplan.spec, budget)
-    stated = assumptions_for(graph, sim, wplan.spec, result.best.estimate, memory_budget=budget,
-                             source=budget_source(memory_budget, compute))
+    sim = job.simulator(step, batch_scale=recorded_scale(job.graph, step, wplan.spec))
+    result = score_given(job.graph, sim, wplan.spec, job.budget)
+    stated = assumptions_for(job.graph, sim, wplan.spec, result.best.estimate, memory_budget=job.budget,
+                             source=job.budget_source)
     return result, stated
 
 
@@ -290,32 +257,35 @@ def _job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
 
 def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpus_per_node: int | None,
            loss_fn: Callable[..., torch.Tensor] | None, plan: WrapPlan | str | os.PathLike | None, seed: int,
-           train: TrainConfig | None, options: tuple[Any, ...]) -> tuple[MeshSpec, ModelGraph, WrapPlan | None]:
-    """The local work of optimize_wrap (mesh, trace, a given plan), then the ranks compare what they were
-    given: a failure or a difference is raised on every rank before any collective (See [Note: every rank
-    explains] in wrapopt/consensus.py)."""
+           train: TrainConfig | None, request: dict[str, Any],
+           ) -> tuple[ParallelRequest, ModelGraph, WrapPlan | None]:
+    """The local work of optimize_wrap (the request, the trace, a given plan), then the ranks compare
+    what they were given: a failure or a difference is raised on every rank before any collective (See
+    [Note: every rank explains] in wrapopt/consensus.py)."""
     with every_rank("tracing the model and reading the plan"):
         check_seed(seed)
         mesh = _job_mesh(world_size, gpus_per_node)
         given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         step = train or (given_plan.train_config if given_plan is not None else TrainConfig())
+        req = ParallelRequest(mesh=mesh, train=step, **request)
         # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
         graph = trace_model(model, example_inputs, loss_fn=loss_fn, compute_dtype=step.param_dtype)
         given_plan = WrapPlan.given(given_plan, model, graph)
     agree("starting optimize_wrap", {
         "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
-        "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr((seed, *options))})
-    return mesh, graph, given_plan
+        "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr((seed, req))})
+    return req, graph, given_plan
 
 
 def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: ComputeProfile | str | None, *,
-              mesh: MeshSpec, graph: ModelGraph, model: nn.Module, train: TrainConfig | None, tp: int | str | None,
-              pp: int | str | None, measure: bool) -> tuple[FabricProfile | None, ComputeProfile]:
+              request: ParallelRequest, graph: ModelGraph, model: nn.Module,
+              measure: bool) -> tuple[FabricProfile | None, ComputeProfile]:
     """The fabric and compute profiles: given, stated (analytical), or, with ``measure`` (under a
     process group, searching), measured on every rank. The fabric stays None only under a process
     group with a plan given and no fabric: nothing is searched, nothing measured."""
     if isinstance(compute, str):
         compute = ComputeProfile.load(compute)
+    mesh, train = request.mesh, request.train
     in_group = dist.is_initialized()
     fab = None if (fabric is None and in_group) else resolve_fabric(fabric, world_size=mesh.world_size,
                                                                     ranks_per_node=mesh.ranks_per_node)
@@ -324,8 +294,8 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
     if measure:
         # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs]);
         # with a pipeline, its stages' groups (See [Note: pipeline fabric] in search/pipeline.py)
-        tp_sizes = tp_sizes_to_measure(tp, mesh.ranks_per_node)
-        groups = pp_group_sizes(pp, mesh.world_size, mesh.ranks_per_node, also=tp_sizes)
+        tp_sizes = tp_sizes_to_measure(request.tp, mesh.ranks_per_node)
+        groups = pp_group_sizes(request, also=tp_sizes)
         if fab is None:
             fab = measure_fabric(progress=dist.get_rank() == 0, group_sizes=groups)
         if compute is None:
@@ -336,16 +306,12 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
     return fab, compute
 
 
-def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabric: FabricProfile,
-                    compute: ComputeProfile, budget: float | None, memory_budget: int | float | str | None,
-                    search: SearchOptions, train: TrainConfig | None, tp: int | str | None, tp_plan: TPSpec | None,
-                    save_plan: str | os.PathLike | None, rescale_fabric: bool, global_batch: int | None,
-                    pp: int | str | None = None) -> tuple[WrapPlan, SearchResult | None]:
+def _plan_on_rank_0(job: Job, *, search: SearchOptions,
+                    save_plan: str | os.PathLike | None) -> tuple[WrapPlan, SearchResult | None]:
     """Rank 0 searches (``plan_model``) and the plan travels to every rank as JSON text; the
     search's result stays on rank 0 (None elsewhere). Outside a process group: just the search."""
     in_group = dist.is_initialized()
     rank = dist.get_rank() if in_group else 0
-    notes = check_fabric_fits(fabric, mesh, rescale=rescale_fabric)
     text: dict[str, Any] | None = None
     failure: Exception | None = None
     wplan, result = None, None
@@ -354,10 +320,7 @@ def _plan_on_rank_0(graph: ModelGraph, model: nn.Module, *, mesh: MeshSpec, fabr
         try:
             if save_plan is not None:
                 check_writable(save_plan)
-            wplan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
-                                       notes=notes, search=search, train=train, tp=tp, tp_plan=tp_plan,
-                                       memory_budget_source=budget_source(memory_budget, compute),
-                                       global_batch=global_batch, pp=pp)
+            wplan, result = plan_model(job, search=search)
             text = {"plan": wplan.to_json()}
         except (WrapoptError, ValueError, OSError) as e:
             if not in_group:
@@ -427,20 +390,17 @@ def estimate(
     train = train or TrainConfig()
     if checkpoint not in (None, "none", "blocks"):
         raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
-    fab = resolve_fabric(fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
-    notes += check_fabric_fits(fab, mesh, rescale=rescale_fabric)
-    comp = compute_for(fab, compute, train, model_dtype(model))
-    budget = resolve_budget(memory_budget, comp)
-    # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
-    graph = trace_model(model, example_inputs, loss_fn=loss_fn, compute_dtype=train.param_dtype)
+    world = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
+    request = ParallelRequest(mesh=world, pp=pp, global_batch=global_batch, memory_budget=memory_budget, train=train)
+    job = prepare(request, model, example_inputs, fabric=fabric, compute=compute, loss_fn=loss_fn,
+                  rescale_fabric=rescale_fabric, notes=tuple(notes))
+    graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, list(job.notes)
     spec = _spec_of(given, graph, mesh, checkpoint)
-    sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget,
-                                                        batch_scale=recorded_scale(graph, train, spec)))
-    spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, pp, train=train, global_batch=global_batch,
-                                                   memory_budget=budget)
+    sim = job.simulator(train, batch_scale=recorded_scale(graph, train, spec))
+    spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, request, memory_budget=budget)
     notes += pp_notes
     if global_batch is not None and spec.pipeline is None:
-        split, sim, rows = score_splits(graph, sim, spec, train=train, global_batch=global_batch, memory_budget=budget)
+        split, sim, rows = score_splits(graph, sim, spec, request, memory_budget=budget)
         train = train_for(train, split)
         notes += batch_lines(rows, split)
     est = sim.simulate(spec)
@@ -453,7 +413,7 @@ def estimate(
                           estimate=est, flops=scale_flops(infer_model_flops(model, example_inputs, graph),
                                                           sim.options.batch_scale), peak_flops_per_s=peak,
                           peak_source=source, memory_budget=budget, notes=tuple(notes),
-                          model_dtype=model_dtype(model), budget_note=budget_line(memory_budget, comp, budget),
+                          model_dtype=model_dtype(model), budget_note=job.budget_note,
                           pipeline_microbatches=spec.pipeline.microbatches if spec.pipeline is not None else None)
 
 

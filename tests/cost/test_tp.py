@@ -10,13 +10,13 @@ import pytest
 from wrapopt import zoo
 from wrapopt.cost.simulate import Simulator
 from wrapopt.cost.tp import tp_view
-from wrapopt.errors import PlanError
+from wrapopt.errors import OptionError, PlanError
 from wrapopt.cost.calls import module_time
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import SearchOptions
 from wrapopt.search.tp import resolve_tp, search_tp
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, ParallelRequest
 from wrapopt.tp import builtin_tp_plan
 from wrapopt.trace import trace_model
 
@@ -93,16 +93,19 @@ def test_search_chooses_the_degree_with_the_units(llama):
 
 def test_resolve_tp(llama):
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
-    assert resolve_tp(llama, mesh, None)[0] == (1,)
-    degrees, spec, notes = resolve_tp(llama, mesh, "auto")
+    def request(tp):
+        return ParallelRequest(mesh=mesh, tp=tp)
+
+    assert resolve_tp(llama, request(None))[0] == (1,)
+    degrees, spec, notes = resolve_tp(llama, request("auto"))
     assert degrees == (1, 2) and spec is not None and not notes
-    assert resolve_tp(llama, mesh, 2)[0] == (2,)
-    with pytest.raises(PlanError, match="--tp 3 does not divide the 8 GPUs per node"):
-        resolve_tp(llama, mesh, 3)
+    assert resolve_tp(llama, request(2))[0] == (2,)
+    with pytest.raises(OptionError, match="--tp 3 does not divide the 8 GPUs per node"):
+        request(3)
     with pytest.raises(PlanError, match="heads"):
-        resolve_tp(llama, mesh, 4)
-    with pytest.raises(PlanError, match="auto or a positive integer"):
-        resolve_tp(llama, mesh, "two")
+        resolve_tp(llama, request(4))
+    with pytest.raises(OptionError, match="auto or a positive integer"):
+        request("two")
 
 
 def test_tp_overhead_is_charged_per_split_projection_call(llama):

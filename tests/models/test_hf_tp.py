@@ -13,7 +13,7 @@ from wrapopt.errors import PlanError  # noqa: E402
 from wrapopt.models.sources import resolve_model  # noqa: E402
 from wrapopt.plan.apply import apply_plan  # noqa: E402
 from wrapopt.search.tp import resolve_tp  # noqa: E402
-from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec  # noqa: E402
+from wrapopt.spec import ROOT, MeshSpec, ParallelRequest, PlanSpec, UnitSpec  # noqa: E402
 from wrapopt.tp import TPSpec  # noqa: E402
 from wrapopt.trace.meta import trace_model  # noqa: E402
 
@@ -35,9 +35,11 @@ def test_the_search_refuses_a_degree_not_dividing_the_heads(llama):
     _model, graph = llama
     assert ("model.layers.0.self_attn", 2, 1) in graph.attention_heads
     with pytest.raises(PlanError) as err:
-        resolve_tp(graph, MeshSpec(world_size=2, ranks_per_node=2, shard_size=1, tp_size=2), 2, USER_TP)
+        resolve_tp(graph, ParallelRequest(mesh=MeshSpec(world_size=2, ranks_per_node=2, shard_size=2), tp=2,
+                                          tp_plan=USER_TP))
     assert WORDS in str(err.value)
-    degrees, _spec, _notes = resolve_tp(graph, MeshSpec(world_size=4, ranks_per_node=4, shard_size=4), "auto", USER_TP)
+    auto = ParallelRequest(mesh=MeshSpec(world_size=4, ranks_per_node=4, shard_size=4), tp="auto", tp_plan=USER_TP)
+    degrees, _spec, _notes = resolve_tp(graph, auto)
     assert degrees == (1,)  # auto drops the degree instead
 
 

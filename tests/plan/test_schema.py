@@ -22,7 +22,7 @@ from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 def written_plans():
     """Plans as the code writes them: every baseline of every zoo model, a search result,
     a rich hand-made plan (group, hpZ, checkpointing, HSDP, prefetch, mixed precision)."""
-    from wrapopt.api import plan_model
+    from wrapopt.api import ParallelRequest, plan_model, prepare
     from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 
     out = {}
@@ -31,8 +31,9 @@ def written_plans():
         graph = zoo_graph(name)
         for label, spec in baselines(graph, MESH2).items():
             out[f"{name}/{label}"] = WrapPlan(spec=spec, model=model_fingerprint(model))
-        plan, _ = plan_model(graph, model, mesh=MESH2, fabric=analytical_fabric(world_size=2),
-                             compute=analytical_compute(), memory_budget=None)
+        job = prepare(ParallelRequest(mesh=MESH2, memory_budget="none"), model, graph=graph,
+                      fabric=analytical_fabric(world_size=2), compute=analytical_compute())
+        plan, _ = plan_model(job)
         out[f"{name}/searched"] = plan
     gpt = zoo.get_entry("gpt-tiny").build("meta")
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=8)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from wrapopt.api import optimize_wrap, plan_model
+from wrapopt.api import optimize_wrap, plan_model, prepare
 from wrapopt.cli.main import main
 from wrapopt.cost import Simulator
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
@@ -15,7 +15,7 @@ from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.batch import BatchSplit, batch_scale, batch_splits, check_global_batch
 from wrapopt.search.driver import SearchOptions
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, ParallelRequest
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig
 
@@ -64,8 +64,9 @@ def _setup(name: str, world: int, per_node: int):
 def test_the_search_picks_a_feasible_split_and_the_plan_records_it(name, world, per_node, n, tp, tmp_path):
     model, g, fab, mesh = _setup(name, world, per_node)
     comp = analytical_compute()
-    plan, res = plan_model(g, model, mesh=mesh, fabric=fab, compute=comp, memory_budget=72 * 2**30,
-                           search=SearchOptions(trials=0), tp=tp, global_batch=n, train=TrainConfig.preset("bf16"))
+    request = ParallelRequest(mesh=mesh, memory_budget=72 * 2**30, tp=tp, global_batch=n,
+                              train=TrainConfig.preset("bf16"))
+    plan, res = plan_model(prepare(request, model, graph=g, fabric=fab, compute=comp), search=SearchOptions(trials=0))
     dp = plan.mesh.dp_size
     assert plan.micro_batch * plan.accumulation * dp == n == plan.global_batch
     assert res.best.fits and res.best.estimate.peak_bytes <= 72 * 2**30
@@ -86,8 +87,9 @@ def test_the_search_picks_a_feasible_split_and_the_plan_records_it(name, world, 
 
 def test_old_plan_files_without_a_micro_batch_still_load(tmp_path):
     model, g, fab, mesh = _setup("gpt-tiny", 2, 2)
-    plan, _ = plan_model(g, model, mesh=mesh, fabric=fab, compute=analytical_compute(), memory_budget=None,
-                         search=SearchOptions(trials=0))
+    job = prepare(ParallelRequest(mesh=mesh, memory_budget="none"), model, graph=g, fabric=fab,
+                  compute=analytical_compute())
+    plan, _ = plan_model(job, search=SearchOptions(trials=0))
     data = plan.to_json()
     assert "micro_batch" not in data["train"]  # nothing new is written without a global batch
     assert WrapPlan.from_json(data).micro_batch is None and WrapPlan.from_json(data).accumulation == 1
@@ -136,8 +138,9 @@ def test_each_split_searched_whole_gets_its_own_study_in_the_storage(tmp_path):
     optuna = pytest.importorskip("optuna")
     model, g, fab, mesh = _setup("gpt-tiny", 2, 2)
     path = tmp_path / "s.journal"
-    plan_model(g, model, mesh=mesh, fabric=fab, compute=analytical_compute(), memory_budget=None, global_batch=8,
-               search=SearchOptions(trials=4, storage=str(path)))
+    job = prepare(ParallelRequest(mesh=mesh, memory_budget="none", global_batch=8), model, graph=g, fabric=fab,
+                  compute=analytical_compute())
+    plan_model(job, search=SearchOptions(trials=4, storage=str(path)))
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
     names = sorted(s.study_name for s in optuna.get_all_study_summaries(JournalStorage(JournalFileBackend(str(path)))))

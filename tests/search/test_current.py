@@ -15,7 +15,7 @@ from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.report.current import current_json, format_current
 from wrapopt.search.current import CURRENT_FORMS, compare_current, parse_current
 from wrapopt.search.driver import SearchOptions, search_plan
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, ParallelRequest
 from wrapopt.train import TrainConfig
 
 MESH = MeshSpec(world_size=8, ranks_per_node=4, shard_size=8)
@@ -65,7 +65,8 @@ def test_the_comparison_scores_each_differing_choice_alone(llama_a100):
     graph, sim, train = llama_a100
     cur = parse_current("per-block, full AC", graph, MESH)
     best = search_plan(graph, sim, MESH, options=SearchOptions(trials=0)).best
-    cmp = compare_current(graph, sim, cur, best.plan, train=train, chosen_micro_batch=None, global_batch=None)
+    cmp = compare_current(graph, sim, cur, best.plan, request=ParallelRequest(mesh=MESH, train=train),
+                          chosen_micro_batch=None)
     # the current one scored as the simulator scores it directly
     assert cmp.current.estimate.step_s == pytest.approx(sim.simulate(cur.plan).step_s)
     assert cmp.chosen.estimate.step_s == pytest.approx(best.estimate.step_s)
@@ -82,13 +83,14 @@ def test_at_a_global_batch_both_cover_the_same_sequences(llama_a100):
     graph, sim, train = llama_a100
     cur = parse_current("per-block, micro-batch 1", graph, MESH)
     best = search_plan(graph, sim, MESH, options=SearchOptions(trials=0)).best
-    cmp = compare_current(graph, sim, cur, best.plan, train=train, chosen_micro_batch=4, global_batch=32)
+    at_32 = ParallelRequest(mesh=MESH, train=train, global_batch=32)
+    cmp = compare_current(graph, sim, cur, best.plan, request=at_32, chosen_micro_batch=4)
     assert (cmp.current.micro_batch, cmp.current.accumulation) == (1, 4)
     assert (cmp.chosen.micro_batch, cmp.chosen.accumulation) == (4, 1)
     assert any(g.dimension == "micro-batch" and g.current == "1" and g.chosen == "4" for g in cmp.gains)
     with pytest.raises(OptionError, match="micro-batch 3 x 8 data-parallel ranks does not divide the global batch"):
-        compare_current(graph, sim, parse_current("micro-batch 3", graph, MESH), best.plan, train=train,
-                        chosen_micro_batch=4, global_batch=32)
+        compare_current(graph, sim, parse_current("micro-batch 3", graph, MESH), best.plan, request=at_32,
+                        chosen_micro_batch=4)
 
 
 def test_cli_search_current(capsys, tmp_path):

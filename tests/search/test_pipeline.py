@@ -12,7 +12,7 @@ import pytest
 
 from wrapopt.cli.main import main
 from wrapopt.cost.simulate import Simulator
-from wrapopt.errors import PlanError
+from wrapopt.errors import OptionError, PlanError
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
@@ -20,7 +20,7 @@ from wrapopt.search.driver import SearchOptions
 from wrapopt.search.pipeline import pipeline_plan, pp_group_sizes, resolve_pp, search_pipeline_degree
 from wrapopt.search.run import run_search
 from wrapopt.search.stages import balanced_split, check_stage_count, pipeline_layout, stage_modules, weights
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, ParallelRequest, Shape
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig
 
@@ -79,16 +79,16 @@ def test_encoder_decoder_is_refused_for_pipelining_and_auto_searches_without(gra
         pipeline_layout(g)
     mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
     with pytest.raises(PlanError, match="2 block chains"):
-        resolve_pp(g, mesh, 2)
-    degrees, layout, notes = resolve_pp(g, mesh, "auto")
+        resolve_pp(g, ParallelRequest(mesh=mesh, pp=2))
+    degrees, layout, notes = resolve_pp(g, ParallelRequest(mesh=mesh, pp="auto"))
     assert degrees == (1,) and layout is None and "pipelining not tried" in notes[0]
 
 
 def test_auto_on_a_model_that_cannot_be_pipelined_searches_without(graphs):
     g = graphs["t5-tiny"]
     mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
-    found = run_search(g, _sim(g), mesh, train=TrainConfig(), tp="1", tp_plan=None, pp="auto", global_batch=None,
-                       memory_budget=None, options=SearchOptions(trials=0))
+    found = run_search(g, _sim(g), ParallelRequest(mesh=mesh, train=TrainConfig(), pp="auto"), memory_budget=None,
+                       options=SearchOptions(trials=0))
     assert found.result.best.plan.pipeline is None and any("pipelining not tried" in n for n in found.notes)
 
 
@@ -115,8 +115,9 @@ def test_a_tied_embedding_and_head_split_across_stages_pay_their_gradient_sum(gr
     assert stages[1].static_bytes > price_stage(*stage_simulators(Simulator(replace(g, tied_groups=()), sim.fabric,
                                                                             sim.compute), plan)[1], plan,
                                                 last=True).static_bytes  # the copy's parameters and state
-    found = run_search(g, sim, MeshSpec(world_size=4, ranks_per_node=4, shard_size=4), train=TrainConfig(), tp="1",
-                       tp_plan=None, pp=2, global_batch=None, memory_budget=None, options=SearchOptions(trials=0))
+    found = run_search(g, sim, ParallelRequest(mesh=MeshSpec(world_size=4, ranks_per_node=4, shard_size=4),
+                                               train=TrainConfig(), pp=2),
+                       memory_budget=None, options=SearchOptions(trials=0))
     assert found.result.best.plan.pipeline is not None
 
 
@@ -124,18 +125,18 @@ def test_forced_degree_that_cannot_give_each_stage_a_block(graphs):
     g = graphs["llama-tiny"]
     mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
     with pytest.raises(PlanError, match=r"--pp 8: 6 blocks cannot give each of 8 stages a block; .*: 2, 4"):
-        resolve_pp(g, mesh, 8)
-    with pytest.raises(PlanError, match="does not divide the world of 8"):
-        resolve_pp(g, mesh, 3)
+        resolve_pp(g, ParallelRequest(mesh=mesh, pp=8))
+    with pytest.raises(OptionError, match="does not divide the world of 8"):
+        ParallelRequest(mesh=mesh, pp=3)
     with pytest.raises(PlanError, match=r"needs 8 stages, more than the 6 blocks; virtual stages that fit: 1"):
         check_stage_count(pipeline_layout(g), 4, 2, 8)
-    assert resolve_pp(g, mesh, "auto")[0] == (1, 2, 4)
+    assert resolve_pp(g, ParallelRequest(mesh=mesh, pp="auto"))[0] == (1, 2, 4)
 
 
 def test_degree_search_returns_its_fastest_fitting_plan(graphs):
     g = graphs["llama-tiny"]
     mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
-    best, scored, why = search_pipeline_degree(g, _sim(g), mesh, pipeline_layout(g), pp=2, tp=1, spec=None,
+    best, scored, why = search_pipeline_degree(g, _sim(g), mesh, pipeline_layout(g), shape=Shape(pp=2), spec=None,
                                                memory_budget=None)
     assert why == "fits" and best.plan.mesh.pp_size == 2 and best.plan.pipeline is not None
     assert best.estimate.step_s == min(s.estimate.step_s for s in scored)
@@ -143,7 +144,7 @@ def test_degree_search_returns_its_fastest_fitting_plan(graphs):
     assert all(s.plan.pipeline.microbatches >= 2 for s in scored)
     # a budget below the pipeline's smallest peak: nothing fits, and it says so
     low = min(s.estimate.peak_bytes for s in scored) * 0.5
-    none, _, why = search_pipeline_degree(g, _sim(g), mesh, pipeline_layout(g), pp=2, tp=1, spec=None,
+    none, _, why = search_pipeline_degree(g, _sim(g), mesh, pipeline_layout(g), shape=Shape(pp=2), spec=None,
                                           memory_budget=low)
     assert none is None and why.startswith("nothing fits")
 
@@ -153,11 +154,11 @@ def test_pp_1_is_todays_search(graphs):
     mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
     sim = _sim(g)
     opts = SearchOptions(trials=0)
-    kw = dict(train=TrainConfig(), tp="1", tp_plan=None, global_batch=None, memory_budget=None, options=opts)
-    plain = run_search(g, sim, mesh, pp=None, **kw).result
-    one = run_search(g, sim, mesh, pp="1", **kw).result
+    kw = dict(memory_budget=None, options=opts)
+    plain = run_search(g, sim, ParallelRequest(mesh=mesh, train=TrainConfig(), pp=None), **kw).result
+    one = run_search(g, sim, ParallelRequest(mesh=mesh, train=TrainConfig(), pp="1"), **kw).result
     assert one.best.plan == plain.best.plan and one.best.estimate == plain.best.estimate and not one.pp_rows
-    auto = run_search(g, sim, mesh, pp="auto", **kw).result
+    auto = run_search(g, sim, ParallelRequest(mesh=mesh, train=TrainConfig(), pp="auto"), **kw).result
     assert {d for d, _ in auto.pp_tried} == {1, 2, 4}
     rows = dict(auto.pp_rows)
     assert rows["best pp1 (no pipeline)"].estimate == plain.best.estimate
@@ -210,10 +211,10 @@ def test_combine_prefers_plans_within_the_memory_margin():
     ("auto", 4, 4, (2,)),  # degree 4: stages of one rank, sends between pairs
     ("auto", 16, 8, (2, 4)),  # degree 2: stages of whole nodes (the intra axis); 4 and 8: 4 and 2 ranks
     (2, 16, 8, ()),  # stages are nodes: measured already, sends over the inter axis
-    (3, 4, 4, ()), ("x", 4, 4, ()),  # resolve_pp explains these
 ])
 def test_pp_group_sizes_are_the_stages_inside_a_node(pp, world, rpn, sizes):
-    assert pp_group_sizes(pp, world, rpn) == sizes
+    mesh = MeshSpec(world_size=world, ranks_per_node=rpn, shard_size=world)
+    assert pp_group_sizes(ParallelRequest(mesh=mesh, pp=pp)) == sizes
 
 
 def test_a_measured_search_with_a_pipeline_measures_its_stage_groups(monkeypatch):
@@ -229,9 +230,9 @@ def test_a_measured_search_with_a_pipeline_measures_its_stage_groups(monkeypatch
     monkeypatch.setattr(api.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(api, "measure_fabric", fake_fabric)
     mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
-    fab, _ = api._profiles(None, analytical_compute(), mesh=mesh, graph=None, model=None, train=None, tp=None,
-                           pp="auto", measure=True)
+    fab, _ = api._profiles(None, analytical_compute(), request=ParallelRequest(mesh=mesh, pp="auto"), graph=None,
+                           model=None, measure=True)
     assert seen["group_sizes"] == (2,) and fab.world_size == 4
-    api._profiles(None, analytical_compute(), mesh=mesh, graph=None, model=None, train=None, tp=None, pp=None,
+    api._profiles(None, analytical_compute(), request=ParallelRequest(mesh=mesh), graph=None, model=None,
                   measure=True)
     assert seen["group_sizes"] == ()

@@ -20,7 +20,7 @@ from wrapopt.report.batch import format_batch
 from wrapopt.search.batch import BatchRow, BatchSplit, recorded_scale
 from wrapopt.search.driver import SearchOptions
 from wrapopt.search.run import run_search
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, ParallelRequest
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig
 
@@ -37,8 +37,8 @@ def llama():
 def _search(llama, global_batch, pp="2", train=None):
     g, sim = llama
     mesh = MeshSpec(world_size=WORLD, ranks_per_node=WORLD, shard_size=WORLD)
-    return run_search(g, sim, mesh, train=train or TrainConfig(), tp="1", tp_plan=None, pp=pp,
-                      global_batch=global_batch, memory_budget=None, options=SearchOptions(trials=0))
+    request = ParallelRequest(mesh=mesh, train=train or TrainConfig(), pp=pp, global_batch=global_batch)
+    return run_search(g, sim, request, memory_budget=None, options=SearchOptions(trials=0))
 
 
 def test_pp_2_splits_the_global_batch_into_its_micro_batches(llama):

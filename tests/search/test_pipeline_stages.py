@@ -17,7 +17,7 @@ from wrapopt.search.choose import MEMORY_ERROR, STEP_ERROR
 from wrapopt.search.pipeline import search_pipeline_degree
 from wrapopt.search.pipeline_stages import REFINED
 from wrapopt.search.stages import pipeline_layout
-from wrapopt.spec import MeshSpec
+from wrapopt.spec import MeshSpec, Shape
 from wrapopt.trace.meta import trace_model
 from wrapopt.units import validate_plan
 
@@ -35,9 +35,10 @@ def _search(g, world, budget_of_smallest):
     """Degree 2's answer at ``budget_of_smallest`` times the smallest peak it reaches without a budget."""
     mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
     sim = Simulator(g, analytical_fabric(world_size=world, ranks_per_node=world), analytical_compute())
-    _, scored, _ = search_pipeline_degree(g, sim, mesh, pipeline_layout(g), pp=2, tp=1, spec=None, memory_budget=None)
+    _, scored, _ = search_pipeline_degree(g, sim, mesh, pipeline_layout(g), shape=Shape(pp=2), spec=None,
+                                          memory_budget=None)
     budget = min(s.estimate.peak_bytes for s in scored) * budget_of_smallest
-    best, scored, why = search_pipeline_degree(g, sim, mesh, pipeline_layout(g), pp=2, tp=1, spec=None,
+    best, scored, why = search_pipeline_degree(g, sim, mesh, pipeline_layout(g), shape=Shape(pp=2), spec=None,
                                                memory_budget=budget)
     aim = budget * (1 - MEMORY_ERROR)
     shared = min((s for s in scored if s.strategy == "pipeline" and s.estimate.peak_bytes <= aim),

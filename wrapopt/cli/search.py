@@ -8,17 +8,9 @@ import json
 import os
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wrapopt.api import (
-    budget_line,
-    budget_source,
-    check_fabric_fits,
-    compute_for,
-    plan_model,
-    resolve_budget,
-    resolve_fabric,
-)
+from wrapopt.choices import CURRENT_FORMS, DEFAULT_TRIALS, PICTURES
 from wrapopt.cli.options import (
     add_mesh_arguments,
     add_model_arguments,
@@ -27,7 +19,6 @@ from wrapopt.cli.options import (
     add_train_arguments,
     count_int,
     fabric_from_args,
-    host_from_args,
     mesh_from_args,
     model_from_args,
     positive_float,
@@ -37,26 +28,14 @@ from wrapopt.cli.options import (
     train_from_args,
     with_global_batch,
 )
-from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
-from wrapopt.evaluation.pictures import PICTURES, pictures_json, write_pictures
-from wrapopt.fileio import check_writable, read_json
-from wrapopt.plan.file import WrapPlan
-from wrapopt.plan.tp import tp_from_json
-from wrapopt.report.batch import batch_json, format_batch
-from wrapopt.report.choice import format_report, format_search, format_sync, search_json, sync_json
-from wrapopt.report.current import current_json, format_current
-from wrapopt.report.pipeline import format_pipeline, pipeline_json
-from wrapopt.report.plots import require_matplotlib
-from wrapopt.search.batch import recorded_scale
-from wrapopt.search.current import CURRENT_FORMS, compare_current, parse_current
-from wrapopt.search.diagnosis import both_syncs
-from wrapopt.search.driver import DEFAULT_TRIALS, SearchOptions, SearchResult
-from wrapopt.search.study.space import shard_sizes
-from wrapopt.spec import SELECTIVE_OP, MeshSpec, PlanSpec
+from wrapopt.fileio import check_writable, parse_bytes, read_json
+from wrapopt.spec import SELECTIVE_OP, MeshSpec, ParallelRequest, PlanSpec
 from wrapopt.tp import TPSpec
-from wrapopt.trace.meta import trace_model
-from wrapopt.train import model_dtype
+
+if TYPE_CHECKING:
+    from wrapopt.plan.file import WrapPlan
+    from wrapopt.search.driver import SearchOptions, SearchResult
 
 __all__ = ["add_parser", "run"]
 
@@ -112,6 +91,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _search_options(args: argparse.Namespace, mesh: MeshSpec) -> SearchOptions:
+    from wrapopt.search.driver import SearchOptions
+    from wrapopt.search.study.space import shard_sizes
+
     shard = None
     if args.shard_size is not None:
         legal = shard_sizes(mesh)
@@ -144,6 +126,8 @@ def _tp_plan(path: str | None) -> TPSpec | None:
     """A user's tensor-parallel plan: a JSON file {"layers": {block class: {path: "colwise" | "rowwise"}}}."""
     if path is None:
         return None
+    from wrapopt.plan.tp import tp_from_json
+
     data = read_json(path)
     if not isinstance(data, dict):
         raise PlanError(f"{path}: a tensor-parallel plan is a JSON object "
@@ -153,39 +137,40 @@ def _tp_plan(path: str | None) -> TPSpec | None:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt search``: flags are checked, and the output writable, before the search."""
-    train = with_global_batch(args, train_from_args(args))  # bad training flags fail before anything runs
-    tp_plan = _tp_plan(args.tp_plan)
+    from wrapopt.api import plan_model, prepare
+    from wrapopt.evaluation.pictures import pictures_json, write_pictures
+    from wrapopt.report.batch import format_batch
+    from wrapopt.report.choice import format_report, format_search, format_sync
+    from wrapopt.report.current import current_json, format_current
+    from wrapopt.report.pipeline import format_pipeline
+    from wrapopt.report.plots import require_matplotlib
+    from wrapopt.search.batch import recorded_scale
+    from wrapopt.search.current import compare_current, parse_current
+    from wrapopt.search.diagnosis import both_syncs
+    from wrapopt.train import model_dtype
+
     mesh = mesh_from_args(args)
     options = _search_options(args, mesh)
-    if options.shard_sizes:
-        mesh = replace(mesh, shard_size=options.shard_sizes[0])
+    request = _request(args, mesh)  # bad flags fail before anything runs, each named on its own line
     if args.out:
         check_writable(args.out)
     if args.plot:
         require_matplotlib()  # before the search, not after it
         os.makedirs(args.plot, exist_ok=True)
-    fabric = resolve_fabric(fabric_from_args(args), world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
-    notes = check_fabric_fits(fabric, mesh, rescale=args.rescale_fabric)
-    host = host_from_args(args, fabric, mesh)  # before tracing: --offload without --host-memory fails at once
     src = model_from_args(args)
-    notes = [*src.notes, *notes]
     model = src.build("meta")
-    compute = compute_for(fabric, args.compute, train, model_dtype(model))
-    budget = resolve_budget(args.memory, compute)  # before tracing: a bad budget fails at once
-    budget_note = budget_line(args.memory, compute, budget)
-    graph = trace_model(model, src.inputs, loss_fn=src.loss, compute_dtype=train.param_dtype)  # the step's dtype
-    current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=tp_plan, load_plan=_plan_and_batch)
+    job = prepare(request, model, src.inputs, fabric=fabric_from_args(args), compute=args.compute,
+                  loss_fn=src.loss, rescale_fabric=args.rescale_fabric, notes=tuple(src.notes))
+    graph, fabric, compute, budget, train = job.graph, job.fabric, job.compute, job.budget, request.train
+    current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=request.tp_plan,
+                             load_plan=_plan_and_batch)
                if args.current else None)  # a bad description fails before the search
-    # One simulator's options for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
-    sim = Simulator(graph, fabric, compute, train.sim_options(memory_budget=budget))
-    plan, result = plan_model(graph, model, mesh=mesh, fabric=fabric, compute=compute, memory_budget=budget,
-                              options=sim.options, notes=notes, search=options, train=train, tp=args.tp,
-                              memory_budget_source=budget_source(args.memory, compute), tp_plan=tp_plan,
-                              global_batch=args.global_batch, host=host, pp=args.pp)
-    if args.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
+    # One simulator for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
+    sim = job.sim
+    plan, result = plan_model(job, search=options)
+    if request.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
         train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
-        scale = recorded_scale(graph, train, plan.spec)
-        sim = Simulator(graph, fabric, compute, train.sim_options(memory_budget=budget, batch_scale=scale))
+        sim = job.simulator(train, batch_scale=recorded_scale(graph, train, plan.spec))
     if args.out:
         plan.save(args.out)
     if args.plot:
@@ -193,19 +178,18 @@ def run(args: argparse.Namespace) -> int:
         write_pictures(args.plot, pics, title=f"{args.model} on {mesh.world_size} ranks ({mesh.ranks_per_node} per "
                                               f"node), {fabric.name} ({fabric.kind})")
     compared = None if current is None else compare_current(
-        graph, sim, current, plan.spec, train=with_global_batch(args, train_from_args(args)),
-        chosen_micro_batch=plan.train_config.micro_batch, global_batch=args.global_batch,
+        graph, sim, current, plan.spec, request=request, chosen_micro_batch=plan.train_config.micro_batch,
         chosen_estimate=result.best.estimate)
     syncs = None  # under gradient accumulation, the choice scored with each sync mode
     if train.grad_accumulation > 1:
         syncs = both_syncs(result, graph, sim, train, budget)
     if args.json:
-        out = _plan_json(plan, result, budget_note, syncs)
+        out = _plan_json(plan, result, job.budget_note, syncs)
         if compared is not None:
             out["search"]["current"] = current_json(compared)
         print(json.dumps(out, indent=1))
     else:
-        print(budget_note)
+        print(job.budget_note)
         count = plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
         print(f"training: {plan.train_config.describe(model_dtype(model), pipeline_microbatches=count)}")
         print("".join(f"note: {n}\n" for n in src.notes), end="")
@@ -225,14 +209,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _request(args: argparse.Namespace, mesh: MeshSpec) -> ParallelRequest:
+    """The parallel request the flags make: the shape, the batch, the budget and the step."""
+    train = with_global_batch(args, train_from_args(args))
+    host_memory = parse_bytes(args.host_memory) if args.host_memory else None
+    if args.shard_size is not None:  # checked against the mesh by _search_options
+        mesh = replace(mesh, shard_size=args.shard_size)
+    return ParallelRequest(mesh=mesh, dp_shard=args.shard_size, tp=args.tp, tp_plan=_tp_plan(args.tp_plan),
+                           pp=args.pp, global_batch=args.global_batch, memory_budget=args.memory, train=train,
+                           offload=bool(getattr(args, "offload", False)), host_memory=host_memory)
+
+
 def _plan_and_batch(path: str) -> tuple[PlanSpec, int | None]:
     """A plan file given as ``--current``: its plan and recorded micro-batch."""
+    from wrapopt.plan.file import WrapPlan
+
     plan = WrapPlan.load(path)
     return plan.spec, plan.micro_batch
 
 
 def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: Any) -> dict[str, Any]:
     """What ``--json`` prints: the plan (the model without its parameter list) and the search."""
+    from wrapopt.report.batch import batch_json
+    from wrapopt.report.choice import search_json, sync_json
+    from wrapopt.report.pipeline import pipeline_json
+
     out = plan.to_json()
     out.pop("model", None)
     out["model"] = {k: v for k, v in plan.model.items() if k not in ("params", "module_classes")}

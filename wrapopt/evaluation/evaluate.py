@@ -48,7 +48,6 @@ from typing import Any
 import torch
 
 from wrapopt.checks import check_count
-from wrapopt.cost import Simulator
 from wrapopt.errors import OptionError
 from wrapopt.evaluation.bench import PHASES, measure_plans, round_order
 from wrapopt.evaluation.evidence import BASELINES
@@ -59,6 +58,7 @@ from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import measure_split_efficiency, measure_tp_overhead
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.job import prepare
 from wrapopt.launch import broadcast_json, spawn
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
@@ -66,9 +66,8 @@ from wrapopt.progress import Progress, say
 from wrapopt.search.driver import search_plan
 from wrapopt.search.pipeline import pp_group_sizes
 from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
-from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
+from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.tp import builtin_tp_plan
-from wrapopt.trace.meta import trace_model
 from wrapopt.train import TORCH_DTYPES, TrainConfig
 
 __all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "fmt_steal", "measure_hardware", "noise_floor", "paired_ratio",
@@ -146,16 +145,18 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     tp = cfg.get("tp", 1)
     fabric, compute, dt = measure_hardware(rank, world, cfg, entry, inputs, train, backend=dist.get_backend())
     _log(rank, quiet, "[3/5] tracing on the meta device and searching ...")
-    # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
-    graph = trace_model(entry.build("meta"), inputs, loss_fn=entry.loss,
-                        compute_dtype=train.param_dtype if train is not None else None)
     mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
+    # the budgets are resolved per search below (_resolve_budget): the job's own is none
+    request = ParallelRequest(mesh=mesh, tp=tp, memory_budget="none", train=train)
+    job = prepare(request, entry.build("meta"), inputs, fabric=fabric, compute=compute, loss_fn=entry.loss)
+    graph = job.graph
     tp_spec = builtin_tp_plan(graph) if tp > 1 else None
     if tp_spec is not None:  # See [Note: tensor parallel costs] in cost/tp.py
         eff, oh = measure_split_efficiency(graph, tp_spec, (tp,), dtype=dt), measure_tp_overhead(tp)
         compute = broadcast_json(replace(compute, split_efficiency=eff, tp_overhead_s=oh).to_json(),
                                  ComputeProfile.from_json)
-    sim = Simulator(graph, fabric, compute, train.sim_options() if train is not None else None)
+        job = prepare(request, job.model, graph=graph, fabric=fabric, compute=compute)
+    sim = job.sim
     plans, budgets, chosen_for = _plans_to_run(cfg, graph, sim, mesh, tp_spec, tp)
     preds = [sim.simulate(p) for p in plans]
     _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats "
@@ -199,7 +200,8 @@ def measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inp
     quiet = cfg["quiet"]
     tp = cfg.get("tp", 1)
     # tensor-parallel groups, and pipeline stages' (cfg "pp": See [Note: pipeline fabric] in search/pipeline.py)
-    groups = pp_group_sizes(cfg.get("pp"), world, cfg["ranks_per_node"], also=(tp,))
+    mesh = MeshSpec(world_size=world, ranks_per_node=cfg["ranks_per_node"], shard_size=world)
+    groups = pp_group_sizes(ParallelRequest(mesh=mesh, pp=cfg.get("pp")), also=(tp,))
     _log(rank, quiet, f"[1/5] {cfg['model']}: measuring the fabric on {world} {backend} ranks ...")
     fabric = measure_fabric(sizes_bytes=tuple(4 ** k * 1024 for k in range(0, 7)), repeats=15, progress=not quiet,
                             ranks_per_node=cfg["ranks_per_node"], group_sizes=groups)

@@ -40,7 +40,7 @@ from wrapopt.search.baselines import smallest_plan
 from wrapopt.search.driver import SearchResult, search_plan
 from wrapopt.search.strategy import Scored, SearchOptions
 from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
-from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
+from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.train import TrainConfig
 from wrapopt.tp import TPSpec
 
@@ -217,12 +217,13 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
                        train=train_for(train, chosen), sim=sims[chosen], notes=tuple(failed[:3]))
 
 
-def global_batch_search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: TrainConfig, global_batch: int,
-                        degrees: Sequence[int], spec: TPSpec | None, memory_budget: float | None,
-                        options: SearchOptions) -> BatchSearch:
-    """``search_batch`` over every split of ``global_batch`` for the tensor-parallel ``degrees``;
-    a micro-batch (``train.micro_batch``) or an accumulation above 1 given in ``train`` is kept.
+def global_batch_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, degrees: Sequence[int],
+                        spec: TPSpec | None, memory_budget: float | None, options: SearchOptions) -> BatchSearch:
+    """``search_batch`` over every split of the request's global batch for the tensor-parallel
+    ``degrees``; a micro-batch or an accumulation above 1 given in the request's step is kept.
     A global batch with no split raises ValueError naming the nearest that work."""
+    mesh, train, global_batch = request.mesh, request.train, request.global_batch
+    assert global_batch is not None, "global_batch_search needs a request with a global batch"
     dp_sizes = {d: mesh.world_size // d for d in degrees}
     fixed = {"micro_batch": train.micro_batch,
              "accumulation": train.grad_accumulation if train.grad_accumulation > 1 else None}
@@ -235,10 +236,12 @@ def global_batch_search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, tr
     return replace(found, notes=found.notes + notes)
 
 
-def score_splits(graph: ModelGraph, sim: Simulator, plan: PlanSpec, *, train: TrainConfig, global_batch: int,
+def score_splits(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: ParallelRequest, *,
                  memory_budget: float | None) -> tuple[BatchSplit, Simulator, tuple[BatchRow, ...]]:
-    """A given plan at every split of ``global_batch`` on its mesh: the fastest that fits (the
-    smallest peak when none does), its simulator and every split's row (for ``wrapopt estimate``)."""
+    """A given plan at every split of the request's global batch on its mesh: the fastest that fits
+    (the smallest peak when none does), its simulator and every split's row (for ``wrapopt estimate``)."""
+    train, global_batch = request.train, request.global_batch
+    assert global_batch is not None, "score_splits needs a request with a global batch"
     dp = plan.mesh.dp_size
     fixed = {"micro_batch": train.micro_batch,
              "accumulation": train.grad_accumulation if train.grad_accumulation > 1 else None}

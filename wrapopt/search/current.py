@@ -28,9 +28,8 @@ from wrapopt.errors import OptionError
 from wrapopt.search.baselines import baselines, with_choices
 from wrapopt.search.batch import batch_scale
 from wrapopt.search.tp import dp_mesh, lift_plan
-from wrapopt.spec import SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, PlanSpec
+from wrapopt.spec import SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
-from wrapopt.train import TrainConfig
 
 __all__ = ["CURRENT_FORMS", "DIMENSIONS", "Current", "Config", "ChoiceGain", "Comparison", "parse_current",
            "compare_current"]
@@ -214,12 +213,14 @@ def _describe_units(plan: PlanSpec) -> str:
 # accumulation). At a fixed global batch without a given micro-batch, the current plan takes the
 # pipeline's per-rank share of a step: its micro-batch x micro-batches / pp.
 def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen: PlanSpec, *,
-                    train: TrainConfig, chosen_micro_batch: int | None, global_batch: int | None,
+                    request: ParallelRequest, chosen_micro_batch: int | None,
                     chosen_estimate: CostEstimate | None = None) -> Comparison:
     """The current configuration and the search's (``chosen`` at ``chosen_micro_batch``),
-    scored by ``sim``'s fabric and compute at the same global batch, and each differing choice
-    alone. A pipeline plan chosen is compared whole, with the search's own ``chosen_estimate``
-    (See [Note: the current configuration and a pipeline]). See [Note: the current configuration]."""
+    scored by ``sim``'s fabric and compute at the request's step and global batch, and each
+    differing choice alone. A pipeline plan chosen is compared whole, with the search's own
+    ``chosen_estimate`` (See [Note: the current configuration and a pipeline]). See [Note: the
+    current configuration]."""
+    train, global_batch = request.train, request.global_batch
     traced = graph.batch_size or 1
     if current.plan.pipeline is not None:
         raise OptionError(f"--current {current.text!r}: a plan with pipeline stages is not compared here; score it "

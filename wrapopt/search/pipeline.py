@@ -35,7 +35,7 @@ every block checkpointed) when the mesh has it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
@@ -46,7 +46,7 @@ from wrapopt.search.pipeline_stages import REFINE_TOP, refine_stages, refined_ov
 from wrapopt.search.stages import (PipelineLayout, balanced_split, check_stage_count, pipeline_layout,
                                    stage_modules, weights)
 from wrapopt.search.strategy import Scored
-from wrapopt.spec import ROOT, MeshSpec, ModelGraph, PlanSpec, UnitSpec
+from wrapopt.spec import AUTO, ROOT, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape, UnitSpec
 from wrapopt.spec.plan import PipelineSpec
 from wrapopt.tp import TPSpec
 from wrapopt.train import TrainConfig
@@ -63,52 +63,41 @@ _REFINE = 3  # (virtual stages, schedule, micro-batches) that get every shape
 
 
 @dataclass(frozen=True, slots=True)
-class _Shape:
+class _StageFsdp:
     """The FSDP choice every stage shares."""
 
     reshard: bool
     checkpoint: str  # one of CHECKPOINTS
 
 
-def resolve_pp(graph: ModelGraph, mesh: MeshSpec, pp: Any) -> tuple[tuple[int, ...], PipelineLayout | None, list[str]]:
-    """(degrees, the model's pipeline layout, notes) for ``pp``: None / 1, an int, or "auto".
-    A forced degree the model or mesh cannot take raises ``PlanError`` saying what works; "auto"
-    on a model that cannot be pipelined searches degree 1 and says why."""
-    if pp is None or str(pp) == "1":
+def resolve_pp(graph: ModelGraph, request: ParallelRequest,
+               ) -> tuple[tuple[int, ...], PipelineLayout | None, list[str]]:
+    """(degrees, the model's pipeline layout, notes) for the request's pipeline degree (its syntax
+    and the world checked by the request). A forced degree the model cannot take raises
+    ``PlanError`` saying what works; "auto" on a model that cannot be pipelined searches degree 1
+    and says why."""
+    mesh, pp = request.mesh, request.pp
+    if pp == 1:
         return (1,), None, []
-    if str(pp) == "auto":
+    if pp == AUTO:
         try:
             layout = pipeline_layout(graph)
         except PlanError as e:
             return (1,), None, [f"--pp auto: pipelining not tried: {e}"]
         n = len(layout.blocks)
         return (1, *(d for d in AUTO_PP if mesh.world_size % d == 0 and d <= n)), layout, []
-    try:
-        d = int(pp)
-    except (TypeError, ValueError):
-        raise PlanError(f"--pp must be auto or a positive integer, got {pp!r}") from None
-    if d < 1 or str(d) != str(pp).strip():
-        raise PlanError(f"--pp must be auto or a positive integer, got {pp!r}")
-    if d == 1:
-        return (1,), None, []
-    if mesh.world_size % d:
-        works = [k for k in range(2, mesh.world_size + 1) if mesh.world_size % k == 0][:8]
-        raise PlanError(f"--pp {d} does not divide the world of {mesh.world_size} ranks; degrees that do: "
-                        f"{', '.join(map(str, works))}")
     layout = pipeline_layout(graph)
-    check_stage_count(layout, d, 1, mesh.world_size)
-    return (d,), layout, []
+    check_stage_count(layout, pp, 1, mesh.world_size)
+    return (pp,), layout, []
 
 
-def pp_group_sizes(pp: Any, world: int, ranks_per_node: int, *, also: Sequence[int] = ()) -> tuple[int, ...]:
-    """The groups of consecutive ranks a measured fabric needs for ``pp`` (None, a degree or
-    "auto"), with the sizes in ``also`` (tensor-parallel groups; 1 is dropped), sorted: See [Note:
-    pipeline fabric]."""
+def pp_group_sizes(request: ParallelRequest, *, also: Sequence[int] = ()) -> tuple[int, ...]:
+    """The groups of consecutive ranks a measured fabric needs for the request's pipeline degree,
+    with the sizes in ``also`` (tensor-parallel groups; 1 is dropped), sorted: See [Note: pipeline
+    fabric]."""
     sizes = {d for d in also if d >= 2}
-    try:
-        degrees = () if pp is None or str(pp) in ("1", "") else AUTO_PP if str(pp) == "auto" else (int(pp),)
-    except (TypeError, ValueError):
-        degrees = ()  # resolve_pp explains a bad value
+    world, ranks_per_node = request.mesh.world_size, request.mesh.ranks_per_node
+    degrees = AUTO_PP if request.pp == AUTO else (request.pp,)
     for d in degrees:
         stage = world // d
         if d < 2 or world % d or stage >= ranks_per_node:
@@ -131,10 +120,11 @@ def pp_group_sizes(pp: Any, world: int, ranks_per_node: int, *, also: Sequence[i
 # (the sends, priced as a 2-rank all-gather by ``cost.pipeline.send_s``), inside a node.
 
 
-def microbatch_counts(graph: ModelGraph, pp: int, tp: int, accumulation: int) -> tuple[int, ...]:
+def microbatch_counts(graph: ModelGraph, shape: Shape) -> tuple[int, ...]:
     """Micro-batch counts tried: ``pp`` x 1, 2, 4, 8 where they divide the pipeline's batch of
     ``pp x tp x accumulation`` ranks' batches (sequences)."""
-    batch = max(1, graph.batch_size) * pp * tp * accumulation
+    pp = shape.pp
+    batch = max(1, graph.batch_size) * pp * shape.tp * shape.accumulation
     return tuple(k * pp for k in (1, 2, 4, 8) if batch % (k * pp) == 0)
 
 
@@ -153,34 +143,37 @@ def pipeline_plan(layout: PipelineLayout, sizes: tuple[int, ...], mesh: MeshSpec
                     pipeline=PipelineSpec(stages=stages, schedule=schedule, microbatches=microbatches))
 
 
-def _mesh(mesh: MeshSpec, pp: int, tp: int) -> MeshSpec:
-    dp = mesh.world_size // (pp * tp)
-    return MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=dp, tp_size=tp,
-                    pp_size=pp)
+def _mesh(mesh: MeshSpec, shape: Shape) -> MeshSpec:
+    """``shape`` on the world of ``mesh``: FSDP over each stage's data-parallel ranks."""
+    return MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node,
+                    shard_size=shape.dp(mesh.world_size), tp_size=shape.tp, pp_size=shape.pp)
 
 
-def _label(schedule: str, virtual: int, m: int, shape: _Shape, tp: int, pp: int) -> str:
+def _label(schedule: str, virtual: int, m: int, fsdp: _StageFsdp, shape: Shape) -> str:
     v = f" x{virtual}" if virtual > 1 else ""
-    ck = {"none": "", "half": ",ckpt-half", "all": ",ckpt"}[shape.checkpoint]
-    return f"per-block{'' if shape.reshard else ',keep'}{ck} + pp{pp} {schedule}{v} m{m}" + (f" + tp{tp}" if tp > 1
-                                                                                              else "")
+    ck = {"none": "", "half": ",ckpt-half", "all": ",ckpt"}[fsdp.checkpoint]
+    tp = f" + tp{shape.tp}" if shape.tp > 1 else ""
+    return f"per-block{'' if fsdp.reshard else ',keep'}{ck} + pp{shape.pp} {schedule}{v} m{m}{tp}"
 
 
-def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout, *, pp: int,
-                           tp: int, spec: TPSpec | None, memory_budget: float | None,
-                           shapes: Sequence[_Shape] | None = None,
+def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout, *,
+                           shape: Shape, spec: TPSpec | None, memory_budget: float | None,
+                           fsdp: Sequence[_StageFsdp] | None = None,
                            counts: Sequence[int] | None = None) -> tuple[Scored | None, list[Scored], str]:
-    """The fastest plan of pipeline degree ``pp`` at tensor-parallel degree ``tp`` (None: none fits),
-    every plan scored, and what became of the degree. ``counts``: the micro-batch counts to try
-    (default ``microbatch_counts``; at a fixed global batch, [Note: pipeline global batch] in
-    search/pipeline_batch.py). See [Note: pipeline search]."""
+    """The fastest plan of ``shape`` (its pipeline and tensor-parallel degrees; None: none fits),
+    every plan scored, and what became of the shape. ``fsdp``: the stages' FSDP shape, kept
+    (default: searched). ``counts``: the micro-batch counts to try (default ``microbatch_counts``;
+    at a fixed global batch, [Note: pipeline global batch] in search/pipeline_batch.py). See
+    [Note: pipeline search]."""
+    pp, tp = shape.pp, shape.tp
     budget = float(memory_budget) if memory_budget else float("inf")
     aim = budget * (1 - MEMORY_ERROR)
-    ms = tuple(counts) if counts is not None else microbatch_counts(graph, pp, tp, sim.options.grad_accumulation)
+    ms = tuple(counts) if counts is not None else microbatch_counts(
+        graph, replace(shape, accumulation=sim.options.grad_accumulation))
     if not ms:
         return None, [], (f"dropped: the pipeline's batch of {max(1, graph.batch_size) * pp * tp} sequences is "
                           f"smaller than its {pp} stages (at least one micro-batch per stage)")
-    full = _mesh(mesh, pp, tp)
+    full = _mesh(mesh, shape)
     wsim = sim.for_tp(spec, tp)[0] if tp > 1 else sim
     w, first, last = weights(graph, wsim, full.data_parallel(), layout)
     combos = []
@@ -192,24 +185,24 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
             combos += [(sizes, schedule, v, m) for m in ms if schedule != "Interleaved1F1B" or m % max(1, m // pp) == 0]
     scored: list[Scored] = []
 
-    def score(combo: tuple, shape: _Shape) -> Scored:
+    def score(combo: tuple, stage: _StageFsdp) -> Scored:
         sizes, schedule, v, m = combo
-        plan = pipeline_plan(layout, sizes, full, schedule=schedule, microbatches=m, reshard=shape.reshard,
-                             checkpoint=shape.checkpoint, tp=spec if tp > 1 else None,
-                             label=_label(schedule, v, m, shape, tp, pp))
+        plan = pipeline_plan(layout, sizes, full, schedule=schedule, microbatches=m, reshard=stage.reshard,
+                             checkpoint=stage.checkpoint, tp=spec if tp > 1 else None,
+                             label=_label(schedule, v, m, stage, shape))
         est = sim.simulate(plan)
         s = Scored(plan, est, est.peak_bytes <= budget, strategy="pipeline")
         scored.append(s)
         return s
 
-    screen = tuple(shapes) if shapes else (_Shape(False, "none"), _Shape(True, "all"))
+    screen = tuple(fsdp) if fsdp else (_StageFsdp(False, "none"), _StageFsdp(True, "all"))
     firsts = {c: [score(c, sh) for sh in screen] for c in combos}
     rank = sorted(combos, key=lambda c: min((s.estimate.step_s if s.estimate.peak_bytes <= aim else float("inf"),
                                              s.estimate.peak_bytes) for s in firsts[c]))
-    for c in rank[:0 if shapes else _REFINE]:
-        for shape in (_Shape(r, k) for r in (False, True) for k in CHECKPOINTS):
-            if shape not in screen:
-                score(c, shape)
+    for c in rank[:0 if fsdp else _REFINE]:
+        for stage in (_StageFsdp(r, k) for r in (False, True) for k in CHECKPOINTS):
+            if stage not in screen:
+                score(c, stage)
     # within the memory model's error of the budget; else any that fits it (See [Note: plans within the error])
     fitting = [s for s in scored if s.estimate.peak_bytes <= aim] or [s for s in scored if s.fits]
     if not fitting:
@@ -217,22 +210,22 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
         return None, scored, (f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB "
                               f"({small.plan.label})")
     top = sorted(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes))
-    if shapes:  # a shape given (``pipeline_for``): kept on every stage
+    if fsdp:  # an FSDP shape given (``pipeline_for``): kept on every stage
         return top[0], scored, "fits"
     refined = [r for r in (refine_stages(sim, s, memory_budget=memory_budget) for s in top[:REFINE_TOP]) if r]
     scored += refined
     return refined_over(top[0], refined, memory_budget=memory_budget), scored, "fits"
 
 
-def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *, memory_budget: float | None,
-                 fixed: PipelineBatch | None = None) -> tuple[PlanSpec, list[str]]:
-    """``plan`` (one unit per block) on a pipeline of degree ``pp`` (an int or "auto"): its
+def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: ParallelRequest, *,
+                 memory_budget: float | None, fixed: PipelineBatch | None = None) -> tuple[PlanSpec, list[str]]:
+    """``plan`` (one unit per block) on a pipeline of the request's degree (an int or "auto"): its
     stages, schedule and micro-batches chosen as the search does, its FSDP shape kept (for
     ``wrapopt estimate --pp``); ``fixed``: at that global batch ([Note: pipeline global batch] in
     search/pipeline_batch.py). Raises ``PlanError`` for a plan or degree that cannot be pipelined."""
     mesh = plan.mesh
     base = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
-    degrees, layout, notes = resolve_pp(graph, base, pp)
+    degrees, layout, notes = resolve_pp(graph, replace(request, mesh=base))
     if layout is None or degrees == (1,):
         return plan, notes
     blocks = [u for u in plan.units if not u.is_root]
@@ -240,18 +233,19 @@ def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *, 
         raise PlanError(f"--pp takes a plan of one unit per block (--plan per-block); {plan.label or 'this plan'} "
                         "has other units")
     cks = [u.checkpoint for u in blocks]
-    shape = _Shape(blocks[0].reshard_after_forward is not False, "all" if all(cks) else "half" if any(cks) else "none")
-    tp = mesh.tp_size
+    kept = _StageFsdp(blocks[0].reshard_after_forward is not False,
+                      "all" if all(cks) else "half" if any(cks) else "none")
     found = {}
     for d in degrees:
-        if d > 1 and mesh.world_size % (d * tp) == 0:
-            counts, why = fixed.counts(d, tp) if fixed is not None else (None, "")
+        if d > 1 and mesh.world_size % (d * mesh.tp_size) == 0:
+            shape = Shape(pp=d, tp=mesh.tp_size)
+            counts, why = fixed.counts(shape) if fixed is not None else (None, "")
             if counts == ():
                 notes.append(f"pp{d}: {why}")
                 continue
             top, _all, why = search_pipeline_degree(graph, fixed.sim if fixed is not None else sim, base, layout,
-                                                    pp=d, tp=tp, spec=plan.tp, memory_budget=memory_budget,
-                                                    shapes=(shape,), counts=counts)
+                                                    shape=shape, spec=plan.tp, memory_budget=memory_budget,
+                                                    fsdp=(kept,), counts=counts)
             if top is not None:
                 found[d] = top
             else:
@@ -262,31 +256,37 @@ def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *, 
     return best.plan, notes
 
 
-def pipeline_estimate(graph: ModelGraph, sim: Simulator, plan: PlanSpec, pp: Any, *, train: TrainConfig,
-                      global_batch: int | None,
+def pipeline_estimate(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: ParallelRequest, *,
                       memory_budget: float | None) -> tuple[PlanSpec, Simulator, TrainConfig, list[str]]:
     """``wrapopt estimate``'s plan, simulator, training step and notes: ``plan`` put on a pipeline
-    of degree ``pp`` when asked (``pipeline_for``; None or 1: as it is), and a pipeline plan
-    priced at ``global_batch`` when one is fixed ([Note: pipeline global batch] in
-    search/pipeline_batch.py); else ``plan``, ``sim`` and ``train`` as given."""
+    of the request's degree when one is asked (``pipeline_for``), and a pipeline plan priced at the
+    request's global batch when one is fixed ([Note: pipeline global batch] in
+    search/pipeline_batch.py); else ``plan``, ``sim`` and the request's step as given."""
     notes: list[str] = []
-    if pp is not None and str(pp) != "1" and plan.pipeline is None:
-        fixed = None if global_batch is None else pipeline_batch(
-            graph, sim, train, global_batch=global_batch, world_size=plan.mesh.world_size, memory_budget=memory_budget)
-        plan, notes = pipeline_for(graph, sim, plan, pp, memory_budget=memory_budget, fixed=fixed)
-    if global_batch is not None and plan.pipeline is not None:
-        sim, train = pipeline_at_batch(graph, sim, plan, train=train, global_batch=global_batch,
+    train = request.train
+    if request.asks_pp and plan.pipeline is None:
+        fixed = None if request.global_batch is None else pipeline_batch(
+            graph, sim, replace(request, mesh=_world_mesh(plan.mesh)), memory_budget=memory_budget)
+        plan, notes = pipeline_for(graph, sim, plan, request, memory_budget=memory_budget, fixed=fixed)
+    if request.global_batch is not None and plan.pipeline is not None:
+        sim, train = pipeline_at_batch(graph, sim, plan, replace(request, mesh=_world_mesh(plan.mesh)),
                                        memory_budget=memory_budget)
     return plan, sim, train, notes
 
 
+def _world_mesh(mesh: MeshSpec) -> MeshSpec:
+    """FSDP over the whole world of ``mesh`` (the world size is all the pipeline batch reads)."""
+    return MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
+
+
 def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout,
                     spec: TPSpec | None, memory_budget: float | None, *,
-                    global_batch: int | None = None) -> Scored | None:
+                    fixed: PipelineBatch | None = None) -> Scored | None:
     """TorchTitan's 405B layout on ``mesh`` (None when the mesh or the model cannot take it), in
-    micro-batches of one sequence (``global_batch``: of that global batch, ``sim`` pricing it as
-    [Note: pipeline global batch] in search/pipeline_batch.py says). See [Note: pipeline search]."""
+    micro-batches of one sequence (``fixed``: of its global batch, ``sim`` pricing it as [Note:
+    pipeline global batch] in search/pipeline_batch.py says). See [Note: pipeline search]."""
     pp, tp, v = 8, 8, 2
+    global_batch = fixed.global_batch if fixed is not None else None
     if spec is None or mesh.ranks_per_node % tp or mesh.world_size % (pp * tp) or pp * v > len(layout.blocks):
         return None
     dp = mesh.world_size // (pp * tp)
@@ -298,7 +298,7 @@ def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: P
         return None
     if m < pp or m % pp or m % max(1, m // pp):  # as the search's counts; Interleaved1F1B's rounds
         return None
-    full = _mesh(mesh, pp, tp)
+    full = _mesh(mesh, Shape(pp=pp, tp=tp))
     w, first, last = weights(graph, sim.for_tp(spec, tp)[0], full.data_parallel(), layout)
     plan = pipeline_plan(layout, balanced_split(w, first, last, pp * v), full, schedule="Interleaved1F1B",
                          microbatches=m, reshard=False, checkpoint="all", tp=spec,

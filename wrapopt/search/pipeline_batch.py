@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import OptionError
 from wrapopt.search.batch import nearest_batches
-from wrapopt.spec import ModelGraph, PlanSpec
+from wrapopt.spec import ModelGraph, ParallelRequest, PlanSpec, Shape
 from wrapopt.train import TrainConfig
 
 __all__ = ["PipelineBatch", "pipeline_batch", "pipeline_at_batch"]
@@ -52,10 +52,11 @@ class PipelineBatch:
     micro_batch: int | None = None  # fixed by --batch: sequences per pipeline micro-batch
     accumulation: int | None = None  # fixed by --accumulation K > 1: the micro-batch count
 
-    def counts(self, pp: int, tp: int) -> tuple[tuple[int, ...], str]:
-        """The micro-batch counts that split the global batch at pipeline degree ``pp`` and
-        tensor-parallel degree ``tp``, smallest first, and why there are none ("" when there are)."""
-        dp = self.world_size // (pp * tp)
+    def counts(self, shape: Shape) -> tuple[tuple[int, ...], str]:
+        """The micro-batch counts that split the global batch at ``shape``'s pipeline and
+        tensor-parallel degrees, smallest first, and why there are none ("" when there are)."""
+        pp = shape.pp
+        dp = shape.dp(self.world_size)
         n, mb, k = self.global_batch, self.micro_batch, self.accumulation
         per = n // dp if n % dp == 0 else 0  # sequences per pipeline per step
         if k:
@@ -69,7 +70,7 @@ class PipelineBatch:
         if found:
             return found, ""
         fixed = (f", micro-batch {mb}" if mb else "") + (f", {k} micro-batches (--accumulation)" if k else "")
-        unit = self.unit(pp, tp)
+        unit = self.unit(shape)
         works = f"; multiples of {unit} work" if unit else f"; --accumulation {k} is not a multiple of {pp}"
         if per and per < pp:
             return (), (f"dropped: global batch {n} gives each of its {dp} pipelines {per} sequences, fewer than "
@@ -77,17 +78,16 @@ class PipelineBatch:
         return (), (f"dropped: global batch {n} is not micro-batch x micro-batches x {dp} pipelines with the "
                     f"micro-batches a multiple of {pp}{fixed}{works}")
 
-    def unit(self, pp: int, tp: int) -> int | None:
-        """The global batches degree ``pp`` at ``tp`` runs are the multiples of this (None: none)."""
-        if self.accumulation and self.accumulation % pp:
+    def unit(self, shape: Shape) -> int | None:
+        """The global batches ``shape`` runs are the multiples of this (None: none)."""
+        if self.accumulation and self.accumulation % shape.pp:
             return None
-        dp = self.world_size // (pp * tp)
-        return dp * (self.micro_batch or 1) * (self.accumulation or pp)
+        return shape.dp(self.world_size) * (self.micro_batch or 1) * (self.accumulation or shape.pp)
 
-    def nearest(self, pairs: list[tuple[int, int]], degree_one: list[int]) -> list[int]:
-        """The nearest global batches that some pipeline degree (``pairs``: (pp, tp)) or degree 1
-        (``degree_one``: its units, multiples of which work) runs."""
-        units = sorted({u for u in (self.unit(p, t) for p, t in pairs) if u} | set(degree_one))
+    def nearest(self, shapes: list[Shape], degree_one: list[int]) -> list[int]:
+        """The nearest global batches that some pipeline shape or degree 1 (``degree_one``: its
+        units, multiples of which work) runs."""
+        units = sorted({u for u in map(self.unit, shapes) if u} | set(degree_one))
         return nearest_batches(self.global_batch, units, exact=bool(self.micro_batch and self.accumulation))
 
     def check_plan(self, plan: PlanSpec) -> None:
@@ -119,21 +119,22 @@ class PipelineBatch:
                        global_batch=self.global_batch)
 
 
-def pipeline_at_batch(graph: ModelGraph, sim: Simulator, plan: PlanSpec, *, train: TrainConfig, global_batch: int,
+def pipeline_at_batch(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: ParallelRequest, *,
                       memory_budget: float | None) -> tuple[Simulator, TrainConfig]:
-    """The simulator and training step of pipeline ``plan`` at ``global_batch`` (for ``wrapopt
-    estimate``); ``OptionError`` when the plan's micro-batch count does not split it."""
-    fixed = pipeline_batch(graph, sim, train, global_batch=global_batch, world_size=plan.mesh.world_size,
-                           memory_budget=memory_budget)
+    """The simulator and training step of pipeline ``plan`` at the request's global batch (for
+    ``wrapopt estimate``); ``OptionError`` when the plan's micro-batch count does not split it."""
+    fixed = pipeline_batch(graph, sim, request, memory_budget=memory_budget)
     fixed.check_plan(plan)
-    return fixed.sim, fixed.train_for(train, plan)
+    return fixed.sim, fixed.train_for(request.train, plan)
 
 
-def pipeline_batch(graph: ModelGraph, sim: Simulator, train: TrainConfig, *, global_batch: int, world_size: int,
+def pipeline_batch(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *,
                    memory_budget: float | None) -> PipelineBatch:
-    """The pipeline degrees' view of ``global_batch``: its simulator (``sim``'s fabric, compute and
-    offload; ``train``'s step without accumulation, at each rank's share of the global batch) and
-    the micro-batch or accumulation ``train`` fixes. See [Note: pipeline global batch]."""
+    """The pipeline degrees' view of the request's global batch: its simulator (``sim``'s fabric,
+    compute and offload; the request's step without accumulation, at each rank's share of the global
+    batch) and the micro-batch or accumulation the step fixes. See [Note: pipeline global batch]."""
+    train, global_batch, world_size = request.train, request.global_batch, request.mesh.world_size
+    assert global_batch is not None, "pipeline_batch needs a request with a global batch"
     step = replace(train, grad_accumulation=1, micro_batch=None, global_batch=None)
     scale = global_batch / (world_size * max(1, graph.batch_size))
     opts = replace(step.sim_options(batch_scale=scale, memory_budget=memory_budget), offload=sim.options.offload)

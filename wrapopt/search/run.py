@@ -1,24 +1,26 @@
-"""Which search runs for the options given: a fixed global batch (``search/batch.py``), the
-tensor-parallel degrees (``search/tp.py``), the pipeline degrees (``search/pipeline.py``; at a
-fixed global batch, ``search/pipeline_batch.py``) or the 1-D search alone. ``api.plan_model``
-calls ``run_search``; it packages the answer."""
+"""``run_search``: one search over the shapes a request allows, and one combine step.
+
+``search/shapes.py`` generates the shapes (See [Note: shapes tried]); each group is searched
+the way its shape needs (no pipeline: the 1-D search on each tensor-parallel view, at every split
+of a fixed global batch; a pipeline: the pipeline search per degree); ``combine`` in
+search/pipeline.py picks the answer over the pipeline degrees and keeps every shape's row.
+``api.plan_model`` calls ``run_search`` with the job's request; it packages the answer.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
-from wrapopt.search.batch import BatchSearch, global_batch_search
+from wrapopt.search.batch import global_batch_search
 from wrapopt.search.driver import SearchOptions, SearchResult, search_plan
-from wrapopt.search.pipeline import combine, resolve_pp, search_pipeline_degree, torchtitan_plan
+from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_batch
-from wrapopt.search.stages import PipelineLayout
+from wrapopt.search.shapes import ShapeSpace, shape_space
 from wrapopt.search.strategy import Scored
-from wrapopt.search.tp import auto_degrees, resolve_tp, search_tp
-from wrapopt.spec import MeshSpec, ModelGraph
-from wrapopt.tp import TPSpec
+from wrapopt.search.tp import search_tp
+from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, Shape
 from wrapopt.train import TrainConfig
 
 __all__ = ["SearchRun", "run_search"]
@@ -34,52 +36,58 @@ class SearchRun:
     notes: tuple[str, ...] = ()
 
 
-def run_search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: TrainConfig, tp: Any,
-               tp_plan: TPSpec | None, pp: Any, global_batch: int | None, memory_budget: float | None,
+def run_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, memory_budget: float | None,
                options: SearchOptions) -> SearchRun:
-    """The search the options ask for: See [Note: 2-D search], [Note: global batch search],
-    [Note: pipeline search] and [Note: pipeline global batch]. Raises ``InfeasibleError`` when
-    nothing fits, ``OptionError`` for a global batch no degree can run."""
-    degrees, spec, notes = resolve_tp(graph, mesh, tp, tp_plan)
-    pp_degrees, layout, pp_notes = resolve_pp(graph, mesh, pp)
-    notes = [*notes, *pp_notes]
-
-    def at_batch() -> BatchSearch:
-        assert global_batch is not None
-        return global_batch_search(graph, sim, mesh, train=train, global_batch=global_batch, degrees=degrees,
-                                   spec=spec, memory_budget=memory_budget, options=options)
-
-    def one_d() -> SearchResult:
-        if degrees == (1,) and str(tp) != "auto":
-            return search_plan(graph, sim, mesh, memory_budget=memory_budget, options=options)
-        dropped = auto_degrees(graph, mesh, tp_plan)[2] if str(tp) == "auto" else ()  # say what became of each
-        return search_tp(graph, sim, mesh, spec=spec, degrees=degrees, memory_budget=memory_budget,
-                         options=options, dropped=dropped)
-
-    if layout is None:  # no pipeline asked for, or --pp auto on a model that cannot be pipelined (a note says why)
-        if global_batch is not None:
-            found = at_batch()
-            return SearchRun(found.result, found.train, found.sim, (*notes, *found.notes))
-        return SearchRun(one_d(), train, sim, tuple(notes))
-    if global_batch is None:
-        return SearchRun(_with_pipelines(graph, sim, mesh, layout, one_d, pp_degrees, degrees, spec, memory_budget),
-                         train, sim, tuple(notes))
-    fixed = pipeline_batch(graph, sim, train, global_batch=global_batch, world_size=mesh.world_size,
-                           memory_budget=memory_budget)
-    first: list[BatchSearch] = []  # degree 1's search at the global batch, when it ran
-
-    def one_d_at_batch() -> SearchResult:
-        first.append(at_batch())
-        return first[0].result
-
-    result = _with_pipelines(graph, sim, mesh, layout, one_d_at_batch, pp_degrees, degrees, spec, memory_budget,
-                             fixed=fixed)
-    found_notes = first[0].notes if first else ()
+    """The search the request asks for: See [Note: shapes tried], [Note: 2-D search], [Note: global
+    batch search], [Note: pipeline search] and [Note: pipeline global batch]. Raises
+    ``InfeasibleError`` when nothing fits, ``OptionError`` for a global batch no shape can run."""
+    space = shape_space(graph, request)
+    if not space.piped:  # no pipeline asked for, or --pp auto on a model that cannot be pipelined (a note says why)
+        flat = search_flat(graph, sim, request, space, memory_budget=memory_budget, options=options)
+        return replace(flat, notes=(*space.notes, *flat.notes))
+    fixed = pipeline_batch(graph, sim, request, memory_budget=memory_budget) if request.global_batch else None
+    flat, tried, one_units = None, {}, []
+    flat_runs = bool(space.flat)  # a flat shape can run the request (a global batch: has a split)
+    if space.flat:
+        try:
+            flat = search_flat(graph, sim, request, space, memory_budget=memory_budget, options=options)
+        except InfeasibleError as e:
+            tried[1] = "nothing fits: " + str(e).split(":")[0]
+        except ValueError as e:  # at a global batch: no split without a pipeline (check_global_batch)
+            if fixed is None:
+                raise
+            tried[1], flat_runs = f"dropped: {e}", False
+            one_units = [request.mesh.world_size // t * (fixed.micro_batch or 1) * (fixed.accumulation or 1)
+                         for t in space.tp_degrees]
+    result = _with_pipelines(graph, sim if fixed is None else fixed.sim, request, space, flat, tried,
+                             one_units if not flat_runs else None, memory_budget=memory_budget, fixed=fixed)
+    notes = (*space.notes, *(flat.notes if flat is not None else ()))
     if result.best.plan.pipeline is None:
-        return SearchRun(result, first[0].train, first[0].sim, (*notes, *found_notes))
-    rows = tuple(replace(r, chosen=False) for r in result.batch_rows)  # degree 1's splits; the answer is below them
-    return SearchRun(replace(result, batch_rows=rows), fixed.train_for(train, result.best.plan), fixed.sim,
-                     (*notes, *found_notes))
+        assert flat is not None
+        return SearchRun(result, flat.train, flat.sim, notes)
+    if fixed is None:
+        return SearchRun(result, request.train, sim, notes)
+    rows = tuple(replace(r, chosen=False) for r in result.batch_rows)  # the flat splits; the answer is below them
+    return SearchRun(replace(result, batch_rows=rows), fixed.train_for(request.train, result.best.plan), fixed.sim,
+                     notes)
+
+
+def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, space: ShapeSpace, *,
+                memory_budget: float | None, options: SearchOptions) -> SearchRun:
+    """The shapes without a pipeline: at a fixed global batch every split of each (See [Note:
+    global batch search]), else the 1-D search on each tensor-parallel degree (See [Note: 2-D
+    search]; FSDP alone when that is all the request asks)."""
+    degrees = tuple(s.tp for s in space.flat)
+    if request.global_batch is not None:
+        found = global_batch_search(graph, sim, request, degrees=degrees, spec=space.tp_spec,
+                                    memory_budget=memory_budget, options=options)
+        return SearchRun(found.result, found.train, found.sim, found.notes)
+    if degrees == (1,) and request.tp != AUTO:
+        result = search_plan(graph, sim, request.mesh, memory_budget=memory_budget, options=options)
+    else:
+        result = search_tp(graph, sim, request.mesh, spec=space.tp_spec, degrees=degrees, memory_budget=memory_budget,
+                           options=options, dropped=space.tp_dropped)
+    return SearchRun(result, request.train, sim)
 
 
 def _why_none(whys: dict[int, str], scored: list[Scored]) -> str:
@@ -90,61 +98,46 @@ def _why_none(whys: dict[int, str], scored: list[Scored]) -> str:
     return "; ".join(f"tp{t}: {w}" for t, w in whys.items()) or "no tensor-parallel degree divides the ranks left"
 
 
-def _with_pipelines(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout,
-                    one_d: Callable[[], SearchResult], pp_degrees: tuple[int, ...], tp_degrees: tuple[int, ...],
-                    spec: TPSpec | None, memory_budget: float | None, *,
-                    fixed: PipelineBatch | None = None) -> SearchResult:
-    """Degree 1 by today's search, every other pipeline degree at every tensor-parallel degree:
-    See [Note: pipeline search]; ``fixed``: at a global batch, [Note: pipeline global batch]."""
-    first: SearchResult | None = None
-    tried: dict[int, str] = {}
-    runs: list[tuple[int, int]] = []  # (pp, tp) that can run the global batch (all of them without one)
-    one_units: list[int] = []  # without a split of the global batch at degree 1: what would work there
-    one_runs = 1 in pp_degrees
-    if one_runs:
-        try:
-            first = one_d()
-        except InfeasibleError as e:
-            tried[1] = "nothing fits: " + str(e).split(":")[0]
-        except ValueError as e:  # at a global batch: no split at degree 1 (check_global_batch)
-            if fixed is None:
-                raise
-            tried[1], one_runs = f"dropped: {e}", False
-            one_units = [mesh.world_size // t * (fixed.micro_batch or 1) * (fixed.accumulation or 1)
-                         for t in tp_degrees]
-    psim = fixed.sim if fixed is not None else sim
+def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest, space: ShapeSpace,
+                    flat: SearchRun | None, tried: dict[int, str], one_units: list[int] | None, *,
+                    memory_budget: float | None, fixed: PipelineBatch | None) -> SearchResult:
+    """Every pipeline shape of ``space`` beside the flat answer (``flat``; ``tried`` says why there
+    is none), combined: See [Note: pipeline search]; ``fixed``: at a global batch, [Note: pipeline
+    global batch]. ``one_units``: when no flat shape can run the global batch, the global batches
+    they would run (multiples of these), for the error that no shape can."""
+    mesh, layout = request.mesh, space.layout
+    assert layout is not None
     best: dict[int, Scored] = {}
     scored: list[Scored] = []
-    pairs: list[tuple[int, int]] = []
-    for pp in pp_degrees:
-        if pp == 1:
-            continue
-        whys: dict[int, str] = {}
-        for tp in tp_degrees:
-            if mesh.world_size % (pp * tp):
+    whys: dict[int, dict[int, str]] = {}
+    runs: list[Shape] = []  # the pipeline shapes that can run the global batch (all of them without one)
+    for shape, _why in space.dropped:
+        if shape.pp > 1:
+            whys.setdefault(shape.pp, {})  # a degree no tensor-parallel degree divides the world with
+    for shape in space.piped:
+        why_pp = whys.setdefault(shape.pp, {})
+        counts = None
+        if fixed is not None:
+            counts, why = fixed.counts(shape)
+            if not counts:
+                why_pp[shape.tp] = why
                 continue
-            pairs.append((pp, tp))
-            counts = None
-            if fixed is not None:
-                counts, why = fixed.counts(pp, tp)
-                if not counts:
-                    whys[tp] = why
-                    continue
-            runs.append((pp, tp))
-            top, mine, why = search_pipeline_degree(graph, psim, mesh, layout, pp=pp, tp=tp, spec=spec,
-                                                    memory_budget=memory_budget, counts=counts)
-            scored += mine
-            whys[tp] = why
-            if top is not None and (pp not in best or top.estimate.step_s < best[pp].estimate.step_s):
-                best[pp] = top
+        runs.append(shape)
+        top, mine, why = search_pipeline_degree(graph, psim, mesh, layout, shape=shape, spec=space.tp_spec,
+                                                memory_budget=memory_budget, counts=counts)
+        scored += mine
+        why_pp[shape.tp] = why
+        if top is not None and (shape.pp not in best or top.estimate.step_s < best[shape.pp].estimate.step_s):
+            best[shape.pp] = top
+    for pp, why_pp in whys.items():
         if pp not in best:
-            tried[pp] = _why_none(whys, [s for s in scored if s.plan.mesh.pp_size == pp])
-    if fixed is not None and not runs and not one_runs:
-        near = fixed.nearest(pairs, one_units)
+            tried[pp] = _why_none(why_pp, [s for s in scored if s.plan.mesh.pp_size == pp])
+    if fixed is not None and not runs and one_units is not None:
+        near = fixed.nearest(list(space.piped), one_units)
         raise OptionError(f"--global-batch {fixed.global_batch}: no degree can run it ("
                           + "; ".join(f"pp{d}: {why}" for d, why in sorted(tried.items()))
                           + f"); global batches that work: {' and '.join(map(str, near)) or 'none'}")
-    ref = (torchtitan_plan(graph, psim, mesh, layout, spec, memory_budget,
-                           global_batch=fixed.global_batch if fixed is not None else None)
-           if spec is not None else None)
-    return combine(first, best, tried, scored, ref, memory_budget, tuple(graph.blocks))
+    ref = torchtitan_plan(graph, psim, mesh, layout, space.tp_spec, memory_budget,
+                          fixed=fixed) if space.tp_spec is not None else None
+    return combine(flat.result if flat is not None else None, best, tried, scored, ref, memory_budget,
+                   tuple(graph.blocks))

@@ -21,14 +21,14 @@ is not in wrapopt's space).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.driver import SearchResult, search_plan
 from wrapopt.search.strategy import Round, Scored, SearchOptions
-from wrapopt.spec import MeshSpec, ModelGraph, PlanSpec
+from wrapopt.spec import AUTO, MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 
 __all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp", "auto_degrees"]
@@ -172,14 +172,15 @@ def auto_degrees(graph: ModelGraph, mesh: MeshSpec, tp_plan: TPSpec | None = Non
     return tuple(kept), spec, tuple(dropped)
 
 
-def resolve_tp(graph: ModelGraph, mesh: MeshSpec, tp: Any, tp_plan: TPSpec | None = None,
-               ) -> tuple[tuple[int, ...], TPSpec | None, list[str]]:
-    """(degrees to search, the TPSpec, notes) for ``tp``: None / 1 / "1", an int, or "auto".
-    A degree that cannot be used raises ``PlanError`` naming the module or the mesh, and what
-    to pass; "auto" on a model wrapopt cannot split searches FSDP alone and says why."""
-    if tp is None or str(tp) == "1":
+def resolve_tp(graph: ModelGraph, request: ParallelRequest) -> tuple[tuple[int, ...], TPSpec | None, list[str]]:
+    """(degrees to search, the TPSpec, notes) for the request's tensor-parallel degree (its
+    syntax and the mesh checked by the request). A degree the model cannot take raises
+    ``PlanError`` naming the module and what to pass; "auto" on a model wrapopt cannot split
+    searches FSDP alone and says why."""
+    mesh, tp, tp_plan = request.mesh, request.tp, request.tp_plan
+    if tp == 1:
         return (1,), None, []
-    if str(tp) == "auto":
+    if tp == AUTO:
         degrees, spec, _dropped = auto_degrees(graph, mesh, tp_plan)
         if spec is None:
             try:
@@ -189,17 +190,6 @@ def resolve_tp(graph: ModelGraph, mesh: MeshSpec, tp: Any, tp_plan: TPSpec | Non
         return degrees, spec, [] if len(degrees) > 1 else [
             f"--tp auto: no degree above 1 divides the {mesh.ranks_per_node} ranks per node "
             "and every attention's heads"]
-    try:
-        d = int(tp)
-    except (TypeError, ValueError):
-        raise PlanError(f"--tp must be auto or a positive integer, got {tp!r}") from None
-    if d < 1 or str(d) != str(tp).strip():  # 2.5 is not cut to 2, nor True read as 1
-        raise PlanError(f"--tp must be auto or a positive integer, got {tp!r}")
-    if d == 1:
-        return (1,), None, []
-    if mesh.ranks_per_node % d or mesh.world_size % d:
-        raise PlanError(f"--tp {d} does not divide the {mesh.ranks_per_node} GPUs per node (world {mesh.world_size}): "
-                        "tensor parallelism runs inside a node; pass --tp with a divisor of --gpus-per-node, or auto")
     spec = tp_plan or builtin_tp_plan(graph)
-    check_tp(graph, spec, d)
-    return (d,), spec, []
+    check_tp(graph, spec, tp)
+    return (tp,), spec, []

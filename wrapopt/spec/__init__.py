@@ -27,8 +27,13 @@ from wrapopt.spec.plan import (
     UnitSpec,
     checkpoint_label,
 )
+from wrapopt.spec.request import AUTO, ParallelRequest, Shape, parse_degree
 
 __all__ = [
+    "ParallelRequest",
+    "Shape",
+    "AUTO",
+    "parse_degree",
     "ModuleInfo",
     "ModelGraph",
     "TraceRecord",

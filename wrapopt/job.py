@@ -1,0 +1,104 @@
+"""``prepare(request, model, inputs) -> Job``: the one wiring of fabric -> compute -> budget -> trace -> simulator.
+
+Every entry point that scores plans (``optimize_wrap``, ``estimate``, ``wrapopt search``, the
+fidelity bench) builds its ``ParallelRequest`` and calls ``prepare``; the search and the
+reports take the ``Job``. Before it, each wired the stages its own way and drifted (a second
+``Simulator`` built with other options, a budget resolved after the trace in one place and
+before it in another).
+
+The order is the user's: what can be refused without the model (a fabric file, a budget, the
+offload host) is refused before the model is traced, so a bad flag fails in a second, not after
+the trace of a 70B model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.hardware.budget import budget_line, budget_source, resolve_budget
+from wrapopt.hardware.host import HostSpec, host_for
+from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
+from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
+from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest
+from wrapopt.trace.meta import trace_model
+from wrapopt.train import TrainConfig, model_dtype
+
+__all__ = ["Job", "prepare"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a search or an estimate needs, wired once: the request, the traced model, the
+    profiles, the budget in bytes and the simulator of the step asked for (its batch as traced)."""
+
+    request: ParallelRequest
+    model: nn.Module = field(repr=False)  # real or meta: its fingerprint goes into the plan
+    graph: ModelGraph = field(repr=False)
+    fabric: FabricProfile
+    compute: ComputeProfile
+    budget: float | None  # bytes; None: every plan fits
+    budget_source: str  # where the budget came from, as the plan's assumptions state it
+    budget_note: str  # one line for the user: "memory budget: 72.0 GiB (90% of ...)"
+    sim: Simulator = field(repr=False)
+    host: HostSpec | None = None  # the host CPU offload goes to (``request.offload``)
+    notes: tuple[str, ...] = ()  # what wiring noticed (a rescaled fabric, the model's source)
+
+    @property
+    def train(self) -> TrainConfig:
+        """The training step asked for."""
+        return self.request.train
+
+    @property
+    def mesh(self) -> MeshSpec:
+        """The mesh asked for, FSDP over the world unless ``request.dp_shard`` says otherwise."""
+        return self.request.mesh
+
+    def simulator(self, train: TrainConfig | None = None, *, batch_scale: float = 1.0) -> Simulator:
+        """The job's fabric, compute and host pricing another step: a chosen micro-batch and
+        accumulation (``batch_scale``, See [Note: global batch search] in search/batch.py) or a plan
+        file's own step (default: the request's)."""
+        step = train if train is not None else self.train
+        return Simulator(self.graph, self.fabric, self.compute,
+                         step.sim_options(memory_budget=self.budget, batch_scale=batch_scale), host=self.host)
+
+
+def prepare(request: ParallelRequest, model: nn.Module, example_inputs: Any = None, *,
+            fabric: FabricProfile | str | os.PathLike | None = None, compute: ComputeProfile | str | None = None,
+            loss_fn: Callable[..., Any] | None = None, graph: ModelGraph | None = None,
+            rescale_fabric: bool = False, notes: tuple[str, ...] = ()) -> Job:
+    """Wire the stages for ``request``: the fabric (given, a file, a named analytical one, else
+    the default H100 + InfiniBand), the compute (given, else the analytical fabric's device in the
+    step's dtype), the budget, the offload host, the trace of ``model`` on ``example_inputs`` in
+    the step's compute dtype (unless ``graph`` is given: already traced) and the simulator.
+
+    Example:
+        >>> from wrapopt import zoo
+        >>> from wrapopt.spec import MeshSpec, ParallelRequest
+        >>> model, x = zoo.build("gpt-tiny", "meta")
+        >>> job = prepare(ParallelRequest(mesh=MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)), model, x)
+        >>> job.budget is not None and job.sim.simulate is not None
+        True
+    """
+    train = request.train if request.train is not None else TrainConfig()
+    if request.train is None:
+        request = replace(request, train=train)
+    mesh = request.mesh
+    fab = resolve_fabric(fabric, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node)
+    said = [*notes, *check_fabric_fits(fab, mesh, rescale=rescale_fabric)]
+    host = (host_for(fab, host_memory_bytes=request.host_memory, ranks_per_node=mesh.ranks_per_node)
+            if request.offload else None)  # before tracing: --offload on a fabric without a host fails at once
+    comp = compute_for(fab, compute, train, model_dtype(model))
+    budget = resolve_budget(request.memory_budget, comp)  # before tracing: a bad budget fails at once
+    if graph is None:
+        # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
+        graph = trace_model(model, example_inputs, loss_fn=loss_fn, compute_dtype=train.param_dtype)
+    sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget), host=host)
+    return Job(request=request, model=model, graph=graph, fabric=fab, compute=comp, budget=budget,
+               budget_source=budget_source(request.memory_budget, comp),
+               budget_note=budget_line(request.memory_budget, comp, budget), sim=sim, host=host, notes=tuple(said))
+

@@ -1,0 +1,76 @@
+"""The shapes a search tries: every parallel layout the request and the model allow, and why not the others.
+
+[Note: shapes tried] The search is one loop over shapes (``spec.request.Shape``: the degree of
+every axis), not a nest of searches per axis. ``shape_space`` is its generator: it reads each
+axis of the request (a degree, or ``auto``: every degree the mesh and the model allow), checks
+what only the model can tell (heads divisible by a tensor-parallel degree, blocks enough for a
+pipeline's stages) and returns the cross product of the degrees left, in two groups:
+
+- ``flat``: no pipeline. Each is one mesh ``dp x tp`` searched by the 1-D search (the exact DP,
+  uniform groupings, the study) on the simulator of one tensor-parallel rank's model (See
+  [Note: 2-D search] in search/tp.py); at a fixed global batch, every micro-batch x accumulation
+  split of each (See [Note: global batch search] in search/batch.py).
+- ``piped``: a pipeline degree above 1 with its tensor-parallel degree, searched by the pipeline
+  search (See [Note: pipeline search] in search/pipeline.py).
+
+A shape left out is kept in ``dropped`` with the reason, for the report. Context and expert
+parallelism enter as two more loops of the cross product when they exist (each fixed at 1 by the
+request today); a new axis adds a degree loop here, a cost view and an apply step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wrapopt.search.pipeline import resolve_pp
+from wrapopt.search.stages import PipelineLayout
+from wrapopt.search.tp import auto_degrees, resolve_tp
+from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, Shape
+from wrapopt.tp import TPSpec
+
+__all__ = ["ShapeSpace", "shape_space"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeSpace:
+    """The shapes a search tries (See [Note: shapes tried]) and what it needs to build their plans."""
+
+    flat: tuple[Shape, ...]  # pipeline degree 1, one per tensor-parallel degree (none when a pipeline is forced)
+    piped: tuple[Shape, ...]  # pipeline degree above 1 x tensor-parallel degree, dividing the world
+    tp_spec: TPSpec | None  # how blocks split (None: no tensor-parallel degree above 1 is tried)
+    layout: PipelineLayout | None  # the model's pipeline layout (None: no pipeline is tried)
+    dropped: tuple[tuple[Shape, str], ...] = ()  # shapes not tried, with why
+    notes: tuple[str, ...] = ()  # what the request became on this model ("--tp auto: ... not tried: ...")
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees tried (with and without a pipeline)."""
+        return tuple(sorted({s.tp for s in (*self.flat, *self.piped)} or {1}))
+
+    @property
+    def tp_dropped(self) -> tuple[tuple[int, str], ...]:
+        """(degree, why) for each tensor-parallel degree ``--tp auto`` left out."""
+        return tuple((s.tp, why) for s, why in self.dropped if s.pp == 1)
+
+
+def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
+    """The shapes to search for ``request`` on ``graph``: See [Note: shapes tried]. A degree given
+    that the model cannot take raises ``PlanError`` naming the module and what to pass; ``auto``
+    leaves such degrees out and says why."""
+    tp_degrees, spec, tp_notes = resolve_tp(graph, request)
+    pp_degrees, layout, pp_notes = resolve_pp(graph, request)
+    dropped = [(Shape(tp=d), why) for d, why in auto_degrees(graph, request.mesh, request.tp_plan)[2]
+               ] if request.tp == AUTO else []
+    world = request.mesh.world_size
+    flat = tuple(Shape(tp=t) for t in tp_degrees) if 1 in pp_degrees else ()
+    piped = []
+    for p in pp_degrees:
+        for t in tp_degrees:
+            if p == 1:
+                continue
+            if world % (p * t):
+                dropped.append((Shape(pp=p, tp=t), f"pp{p} x tp{t} does not divide the world of {world} ranks"))
+                continue
+            piped.append(Shape(pp=p, tp=t))
+    return ShapeSpace(flat=flat, piped=tuple(piped), tp_spec=spec, layout=layout, dropped=tuple(dropped),
+                      notes=(*tp_notes, *pp_notes))
