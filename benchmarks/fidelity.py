@@ -33,8 +33,8 @@ import time
 
 from benchmarks.sim_speed import simulator_speed
 from wrapopt.evaluation.bench import PHASES
-from wrapopt.evaluation.evaluate import (
-    evaluate,
+from wrapopt.evaluation.evaluate import evaluate
+from wrapopt.evaluation.stats import (
     fmt_ratio,
     fmt_steal,
     noise_floor,

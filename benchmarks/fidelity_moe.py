@@ -27,7 +27,8 @@ import torch
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.evaluation.bench import measure_plans
-from wrapopt.evaluation.evaluate import PLAN_SETS, spearman
+from wrapopt.evaluation.evaluate import PLAN_SETS
+from wrapopt.evaluation.stats import spearman
 from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute

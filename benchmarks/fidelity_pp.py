@@ -42,7 +42,8 @@ import torch
 
 from wrapopt.cost import Simulator
 from wrapopt.evaluation.bench import measure_plans
-from wrapopt.evaluation.evaluate import PLAN_SETS, fmt_ratio, measure_hardware, paired_ratio, spearman
+from wrapopt.evaluation.evaluate import PLAN_SETS, measure_hardware
+from wrapopt.evaluation.stats import fmt_ratio, paired_ratio, spearman
 from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.launch import spawn

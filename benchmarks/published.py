@@ -339,7 +339,7 @@ def _h100_sensitivity(preds: list[Prediction], sens: dict) -> list[str]:
            "| inter-node per GPU | all rows: median error | max | Spearman | multi-node rows: median pred/pub | max "
            "error |",
            "|---|---|---|---|---|---|"]
-    from wrapopt.evaluation.evaluate import spearman
+    from wrapopt.evaluation.stats import spearman
 
     for gbit in H100_SENSITIVITY_GBIT:
         ratios = [sens[("h100_80gb", p.row.line, gbit)] for p in preds]

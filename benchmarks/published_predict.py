@@ -36,7 +36,7 @@ from benchmarks.published_rows import (
 )
 from wrapopt.cost import Simulator
 from wrapopt.cost.roofline import kernel_times
-from wrapopt.evaluation.evaluate import spearman
+from wrapopt.evaluation.stats import spearman
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 from wrapopt.hardware.catalog import GPUS as GPUS_PRESETS
 from wrapopt.hardware.catalog import GpuPreset

@@ -24,7 +24,8 @@ import platform
 import sys
 import time
 
-from wrapopt.evaluation.evaluate import evaluate, fmt_ratio, fmt_steal, noise_floor, spearman
+from wrapopt.evaluation.evaluate import evaluate
+from wrapopt.evaluation.stats import fmt_ratio, fmt_steal, noise_floor, spearman
 from wrapopt.evaluation.evidence import BASELINES, CAUSES, fmt_diagnosis, judge
 from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
 from wrapopt.models import zoo

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from wrapopt.evaluation.evaluate import _cpu_times, _steal, fmt_steal
+from wrapopt.evaluation.stats import cpu_steal, cpu_times, fmt_steal
 from wrapopt.fileio import atomic_write_json, atomic_write_text
 
 MESH = dict(world_size=64, ranks_per_node=8, shard_size=64)
@@ -184,10 +184,10 @@ def main() -> int:
         cold_s = cold_compile_s()
     else:
         loop = "Python (numba is not installed: `pip install wrapopt[fast]`)"
-    cpu0 = _cpu_times()
+    cpu0 = cpu_times()
     load0 = os.getloadavg()[0]
     rows = simulator_speed(graph)
-    steal = _steal(cpu0, _cpu_times())
+    steal = cpu_steal(cpu0, cpu_times())
     load1 = os.getloadavg()[0]
     busy = max(load0, load1) > 1.5  # this benchmark is one busy process
     share = search_share(graph)

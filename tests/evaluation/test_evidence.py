@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from wrapopt.evaluation.bench import Measured
-from wrapopt.evaluation.evaluate import _confirm_set, paired_ratio, spearman
+from wrapopt.evaluation.evaluate import _confirm_set
+from wrapopt.evaluation.stats import paired_ratio, spearman
 from wrapopt.evaluation.evidence import CAUSES, diagnose, fmt_diagnosis, judge
 from wrapopt.spec import MeshSpec, PlanSpec
 
@@ -152,7 +153,7 @@ def test_paired_ratio_cancels_drift_between_rounds():
 
 
 def test_noise_floor_compares_the_a_a_copy_with_the_original_round_by_round():
-    from wrapopt.evaluation.evaluate import noise_floor
+    from wrapopt.evaluation.stats import noise_floor
 
     assert noise_floor({"rows": []}) is None  # no confirmation round, no A/A copy
     base = [1.0, 2.0, 1.5, 3.0, 1.2]  # the machine's speed drifts between rounds
@@ -178,7 +179,7 @@ def test_round_order_puts_every_plan_in_every_place_and_after_every_other(n):
 
 def test_place_effect_finds_a_slow_first_place_and_nothing_where_there_is_none():
     from wrapopt.evaluation.bench import round_order
-    from wrapopt.evaluation.evaluate import place_effect
+    from wrapopt.evaluation.stats import place_effect
 
     n, warmup, repeats = 5, 2, 10
     base = [0.1 * (i + 1) for i in range(n)]  # plans of different speeds

@@ -34,7 +34,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt bench``."""
-    from wrapopt.evaluation.evaluate import evaluate, noise_floor
+    from wrapopt.evaluation.evaluate import evaluate
+    from wrapopt.evaluation.stats import noise_floor
     from wrapopt.evaluation.evidence import format_judgement, judge
     from wrapopt.launch import logs_line
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from wrapopt.choices import DEMO_OUT_DIR
 from wrapopt.errors import WrapoptError
-from wrapopt.evaluation.evaluate import evaluate, spearman
+from wrapopt.evaluation.evaluate import evaluate
+from wrapopt.evaluation.stats import spearman
 from wrapopt.evaluation.pictures import PICTURES, write_pictures
 from wrapopt.fileio import atomic_write_json, atomic_write_text, fmt_bytes
 from wrapopt.train import TrainConfig

@@ -1,4 +1,4 @@
-"""Predicted against measured: the loop shared by the demo, the fidelity and plan benchmarks.
+"""The fidelity bench's rank worker: predicted against measured, the loop shared by the demo and benchmarks.
 
 [Note: confirmation round] The screening round runs every plan a few times;
 the fastest of dozens of noisy medians is biased low (the winner's curse),
@@ -17,7 +17,7 @@ original's). The two are the same plan, so any difference between them is
 the bench's own resolution on this machine at this moment: a predicted
 fastest that misses the measured fastest by less than the A/A difference is
 a miss the bench cannot tell from noise. ``paired_ratio`` of the two is the
-noise floor that ``benchmarks/fidelity.py`` reports beside its verdict.
+noise floor (``stats.noise_floor``) that ``benchmarks/fidelity.py`` reports beside its verdict.
 
 [Note: phases] Each row also splits the step, predicted and measured (the
 screening round's medians, slowest rank per phase), into forward with the
@@ -30,16 +30,16 @@ phases say where.
 measure the fabric and the device, trace the model, let wrapopt choose a plan
 under the budget, build the requested comparison plans, predict every plan
 with the simulator, and run real steps of all of them interleaved. Rank 0
-returns one row per plan with both figures, and the profiles it used.
+returns one row per plan with both figures, and the profiles it used. The
+statistics of those rows (paired ratios, rank correlation, CPU steal) live in
+``stats.py``.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import random
 import re
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -49,10 +49,11 @@ import torch
 
 from wrapopt.checks import check_count
 from wrapopt.errors import OptionError
-from wrapopt.evaluation.bench import PHASES, measure_plans, round_order
+from wrapopt.evaluation.bench import PHASES, measure_plans
 from wrapopt.evaluation.evidence import BASELINES
 from wrapopt.evaluation.pictures import pictures_json
 from wrapopt.evaluation.plan_sets import PLAN_SETS
+from wrapopt.evaluation.stats import cpu_steal, cpu_times, noise_floor, paired_ratio
 from wrapopt.fileio import parse_bytes
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
@@ -70,8 +71,8 @@ from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.tp import builtin_tp_plan
 from wrapopt.train import TORCH_DTYPES, TrainConfig
 
-__all__ = ["evaluate", "PLAN_SETS", "fmt_ratio", "fmt_steal", "measure_hardware", "noise_floor", "paired_ratio",
-           "place_effect", "spearman"]
+# noise_floor and paired_ratio: re-exported where docs/design.md names them (evaluate.noise_floor)
+__all__ = ["evaluate", "PLAN_SETS", "measure_hardware", "noise_floor", "paired_ratio"]
 
 
 def _log(rank: int, quiet: bool, msg: str) -> None:
@@ -369,107 +370,9 @@ def evaluate(model: str, *, world_size: int = 2, ranks_per_node: int | None = No
            "train": None if train is None else (train if train.sync_chosen else train.with_sync("last")).to_json()}
     env = {"LOCAL_WORLD_SIZE": str(rpn)}
     t0 = time.perf_counter()
-    cpu0 = _cpu_times()
+    cpu0 = cpu_times()
     res = spawn(_worker, world_size=world_size, args=(cfg,), timeout_s=timeout_s, env=env, log_dir=log_dir)[0]
     res["wall_s"] = time.perf_counter() - t0
-    res["machine"]["steal"] = _steal(cpu0, _cpu_times())
+    res["machine"]["steal"] = cpu_steal(cpu0, cpu_times())
     return res
 
-
-def _cpu_times() -> list[int] | None:
-    """The machine's CPU time counters (Linux ``/proc/stat``), or None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return [int(x) for x in fields[1:9]] if fields and fields[0] == "cpu" else None
-    except (OSError, ValueError):
-        return None
-
-
-def _steal(before: list[int] | None, after: list[int] | None) -> float | None:
-    """Share of CPU time the hypervisor gave to other guests between two readings: on a
-    shared VM, the part of the noise that comes from outside (None where unknown)."""
-    if not before or not after or len(before) < 8 or len(after) < 8:
-        return None
-    d = [b - a for a, b in zip(before, after)]
-    return d[7] / sum(d) if sum(d) > 0 else None
-
-
-def paired_ratio(a: list[float], b: list[float], *, level: float = 0.9, resamples: int = 2000,
-                 seed: int = 0) -> tuple[float, float, float]:
-    """Median over rounds of ``a[k] / b[k]`` and its bootstrap ``level`` interval.
-
-    ``a`` and ``b`` are one plan's and another's step times from the same
-    interleaved rounds (``measure_plans`` keeps them in round order), so each
-    ratio compares two steps taken moments apart: the machine's drift between
-    rounds cancels, which a ratio of the two medians does not do.
-    """
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired_ratio needs two equal, non-empty series of round times, got {len(a)} and {len(b)}")
-    ratios = [x / y for x, y in zip(a, b)]
-    rng = random.Random(seed)
-    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    tail = int(resamples * (1 - level) / 2)
-    return statistics.median(ratios), boots[tail], boots[resamples - 1 - tail]
-
-
-def fmt_ratio(r: tuple[float, float, float] | list[float], digits: int = 3, ci_digits: int | None = None) -> str:
-    """``median [low, high]`` of a ``paired_ratio`` result, for the reports."""
-    c = digits if ci_digits is None else ci_digits
-    return f"{r[0]:.{digits}f} [{r[1]:.{c}f}, {r[2]:.{c}f}]"
-
-
-def place_effect(run: dict[str, Any]) -> list[float] | None:
-    """Per place in the round (first, second, ...), the median over the screening
-    round's steps taken there of step time / that plan's median: 1.0 everywhere
-    when a plan's place does not matter (See [Note: round order] in bench.py).
-    None for runs that did not record it (from before the order changed every round)."""
-    if "screen_warmup" not in run or not all(r.get("screen_times_s") for r in run["rows"]):
-        return None
-    rows = run["rows"]
-    n = len(rows)
-    medians = [statistics.median(r["screen_times_s"]) for r in rows]
-    by_place: list[list[float]] = [[] for _ in range(n)]
-    for k in range(len(rows[0]["screen_times_s"])):
-        for place, i in enumerate(round_order(n, k + run["screen_warmup"])):
-            by_place[place].append(rows[i]["screen_times_s"][k] / medians[i])
-    return [statistics.median(v) for v in by_place]
-
-
-def fmt_steal(steal: float | None) -> str:
-    """The CPU steal ``evaluate`` records over a case (``machine["steal"]``), for the reports."""
-    return f"{steal:.1%}" if steal is not None else "not known"
-
-
-def noise_floor(run: dict[str, Any]) -> tuple[float, float, float] | None:
-    """The A/A ratio of an ``evaluate`` result: the predicted fastest's second copy
-    against itself, round by round (See [Note: A/A copy]); None without a
-    confirmation round."""
-    aa = run.get("aa")
-    return paired_ratio(aa["times_s"], aa["of_times_s"]) if aa else None
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    n = len(xs)
-    if n < 2:
-        return float("nan")
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / n, sum(ry) / n
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
-    vy = sum((b - my) ** 2 for b in ry) ** 0.5
-    return cov / (vx * vy) if vx and vy else float("nan")
