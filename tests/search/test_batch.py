@@ -15,21 +15,21 @@ from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
 from wrapopt.search.batch import BatchSplit, batch_scale, batch_splits, check_global_batch
 from wrapopt.search.driver import SearchOptions
-from wrapopt.spec import MeshSpec, ParallelRequest
+from wrapopt.spec import GlobalBatch, MeshSpec, ParallelRequest
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig
 
 
 def test_splits_are_every_divisor_per_degree():
-    splits = batch_splits(16, {1: 4, 2: 2})
+    splits = batch_splits(GlobalBatch(16), {1: 4, 2: 2})
     assert [(s.tp_size, s.micro_batch, s.accumulation) for s in splits] == [
         (1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 8, 1)]
     assert all(s.global_batch == 16 for s in splits)
-    assert batch_splits(12, {1: 4}, micro_batch=3) == (BatchSplit(1, 3, 1, 4),)
-    assert batch_splits(12, {1: 2}, accumulation=2) == (BatchSplit(1, 3, 2, 2),)
-    assert batch_splits(10, {1: 4}) == ()
+    assert batch_splits(GlobalBatch(12, micro_batch=3), {1: 4}) == (BatchSplit(1, 3, 1, 4),)
+    assert batch_splits(GlobalBatch(12, accumulation=2), {1: 2}) == (BatchSplit(1, 3, 2, 2),)
+    assert batch_splits(GlobalBatch(10), {1: 4}) == ()
     # tp2 alone when the global batch is a multiple of its 2 data-parallel ranks but not of 4
-    assert {s.tp_size for s in batch_splits(10, {1: 4, 2: 2})} == {2}
+    assert {s.tp_size for s in batch_splits(GlobalBatch(10), {1: 4, 2: 2})} == {2}
 
 
 @pytest.mark.parametrize("args, words", [
@@ -39,12 +39,11 @@ def test_splits_are_every_divisor_per_degree():
     ((8, {1: 2}, 2, 3), ["micro-batch 2, accumulation 3", "are 12"]),
 ])
 def test_a_global_batch_with_no_split_names_the_nearest_that_work(args, words):
-    kw = {"micro_batch": args[2], "accumulation": args[3]} if len(args) > 2 else {}
     with pytest.raises(ValueError) as e:
-        check_global_batch(args[0], args[1], **kw)
+        check_global_batch(GlobalBatch(args[0], *args[2:]), args[1])
     assert all(w in str(e.value) for w in words), str(e.value)
     with pytest.raises(ValueError, match="positive integer"):
-        check_global_batch(0, {1: 2})
+        GlobalBatch(0)
 
 
 def test_batch_scale_is_per_data_parallel_rank():

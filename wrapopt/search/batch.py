@@ -40,7 +40,7 @@ from wrapopt.search.baselines import smallest_plan
 from wrapopt.search.driver import SearchResult, search_plan
 from wrapopt.search.strategy import Scored, SearchOptions
 from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
-from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
+from wrapopt.spec import GlobalBatch, MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.train import TrainConfig
 from wrapopt.tp import TPSpec
 
@@ -98,47 +98,41 @@ def batch_scale(micro_batch: int, traced_batch: int, tp_size: int = 1) -> float:
     return micro_batch / (max(1, traced_batch) * tp_size)
 
 
-def batch_splits(global_batch: int, dp_sizes: dict[int, int], *, micro_batch: int | None = None,
-                 accumulation: int | None = None) -> tuple[BatchSplit, ...]:
-    """Every split of ``global_batch`` over ``dp_sizes`` (tensor-parallel degree -> data-parallel
-    ranks), sorted by degree then micro-batch; ``micro_batch`` or ``accumulation`` keeps only the
-    splits with that value."""
+def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int]) -> tuple[BatchSplit, ...]:
+    """Every split of ``batch`` over ``dp_sizes`` (tensor-parallel degree -> data-parallel ranks),
+    sorted by degree then micro-batch; a micro-batch or an accumulation the batch fixes keeps only
+    the splits with that value."""
+    micro_batch, accumulation = batch.micro_batch, batch.accumulation
     out = []
     for tp, dp in sorted(dp_sizes.items()):
-        if global_batch % dp:
+        if batch.sequences % dp:
             continue
-        per_rank = global_batch // dp
+        per_rank = batch.sequences // dp
         for m in range(1, per_rank + 1):
             if per_rank % m == 0 and micro_batch in (None, m) and accumulation in (None, per_rank // m):
                 out.append(BatchSplit(tp, m, per_rank // m, dp))
     return tuple(out)
 
 
-def check_global_batch(global_batch: int, dp_sizes: dict[int, int], *, micro_batch: int | None = None,
-                       accumulation: int | None = None) -> tuple[BatchSplit, ...]:
+def check_global_batch(batch: GlobalBatch, dp_sizes: dict[int, int]) -> tuple[BatchSplit, ...]:
     """``batch_splits``, or ValueError naming the nearest global batches that have a split."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"the global batch must be a positive integer (sequences per step), got {global_batch!r}")
-    splits = batch_splits(global_batch, dp_sizes, micro_batch=micro_batch, accumulation=accumulation)
+    splits = batch_splits(batch, dp_sizes)
     if splits:
         return splits
-    units = sorted({dp * (micro_batch or 1) * (accumulation or 1) for dp in dp_sizes.values()})
-    near = nearest_batches(global_batch, units, exact=bool(micro_batch and accumulation))
-    fixed = (f", micro-batch {micro_batch}" if micro_batch else "") + (
-        f", accumulation {accumulation}" if accumulation else "")
+    units = sorted({dp * (batch.micro_batch or 1) * (batch.accumulation or 1) for dp in dp_sizes.values()})
+    near = nearest_batches(batch.sequences, units, exact=bool(batch.micro_batch and batch.accumulation))
     ranks = " or ".join(str(dp) for dp in sorted(set(dp_sizes.values())))
-    raise ValueError(f"global batch {global_batch} is not micro-batch x accumulation x data-parallel ranks "
-                     f"({ranks} data-parallel ranks{fixed}): it must be a multiple of "
+    raise ValueError(f"global batch {batch.sequences} is not micro-batch x accumulation x data-parallel ranks "
+                     f"({ranks} data-parallel ranks{batch.describe_fixed()}): it must be a multiple of "
                      f"{' or '.join(map(str, units))}; the nearest that work are {' and '.join(map(str, near))}")
 
 
-def nearest_batches(global_batch: int, units: Sequence[int], *, exact: bool = False) -> list[int]:
-    """The nearest global batches below and above ``global_batch`` that are a multiple of one of
+def nearest_batches(n: int, units: Sequence[int], *, exact: bool = False) -> list[int]:
+    """The nearest global batches below and above ``n`` sequences that are a multiple of one of
     ``units`` (``exact``: that are one of ``units``, when the micro-batch and accumulation are both fixed)."""
-    works = list(units) if exact else [b for u in units for b in ((global_batch // u) * u, (global_batch // u + 1) * u)
-                                       if b >= 1]
-    below = [b for b in works if b < global_batch]
-    above = [b for b in works if b > global_batch]
+    works = list(units) if exact else [b for u in units for b in ((n // u) * u, (n // u + 1) * u) if b >= 1]
+    below = [b for b in works if b < n]
+    above = [b for b in works if b > n]
     return ([max(below)] if below else []) + ([min(above)] if above else [])
 
 
@@ -222,16 +216,14 @@ def global_batch_search(graph: ModelGraph, sim: Simulator, request: ParallelRequ
     """``search_batch`` over every split of the request's global batch for the tensor-parallel
     ``degrees``; a micro-batch or an accumulation above 1 given in the request's step is kept.
     A global batch with no split raises ValueError naming the nearest that work."""
-    mesh, train, global_batch = request.mesh, request.train, request.global_batch
-    assert global_batch is not None, "global_batch_search needs a request with a global batch"
+    mesh, train, batch = request.mesh, request.train, request.batch
+    assert batch is not None, "global_batch_search needs a request with a global batch"
     dp_sizes = {d: mesh.world_size // d for d in degrees}
-    fixed = {"micro_batch": train.micro_batch,
-             "accumulation": train.grad_accumulation if train.grad_accumulation > 1 else None}
-    splits = check_global_batch(global_batch, dp_sizes, **fixed)
+    splits = check_global_batch(batch, dp_sizes)
     found = search_batch(graph, sim, mesh, train=train, splits=splits, spec=spec, memory_budget=memory_budget,
                          options=options)
     left = sorted(d for d in degrees if not any(s.tp_size == d for s in splits))
-    notes = tuple(f"tp{d}: global batch {global_batch} has no split over its {dp_sizes[d]} data-parallel ranks"
+    notes = tuple(f"tp{d}: global batch {batch.sequences} has no split over its {dp_sizes[d]} data-parallel ranks"
                   for d in left)
     return replace(found, notes=found.notes + notes)
 
@@ -240,12 +232,9 @@ def score_splits(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: Par
                  memory_budget: float | None) -> tuple[BatchSplit, Simulator, tuple[BatchRow, ...]]:
     """A given plan at every split of the request's global batch on its mesh: the fastest that fits
     (the smallest peak when none does), its simulator and every split's row (for ``wrapopt estimate``)."""
-    train, global_batch = request.train, request.global_batch
-    assert global_batch is not None, "score_splits needs a request with a global batch"
-    dp = plan.mesh.dp_size
-    fixed = {"micro_batch": train.micro_batch,
-             "accumulation": train.grad_accumulation if train.grad_accumulation > 1 else None}
-    splits = check_global_batch(global_batch, {plan.mesh.tp_size: dp}, **fixed)
+    train, batch = request.train, request.batch
+    assert batch is not None, "score_splits needs a request with a global batch"
+    splits = check_global_batch(batch, {plan.mesh.tp_size: plan.mesh.dp_size})
     limit = float(memory_budget) if memory_budget else float("inf")
     rows, sims = [], {}
     for split in splits:

@@ -133,12 +133,11 @@ def pipeline_batch(graph: ModelGraph, sim: Simulator, request: ParallelRequest, 
     """The pipeline degrees' view of the request's global batch: its simulator (``sim``'s fabric,
     compute and offload; the request's step without accumulation, at each rank's share of the global
     batch) and the micro-batch or accumulation the step fixes. See [Note: pipeline global batch]."""
-    train, global_batch, world_size = request.train, request.global_batch, request.mesh.world_size
-    assert global_batch is not None, "pipeline_batch needs a request with a global batch"
+    train, batch, world_size = request.train, request.batch, request.mesh.world_size
+    assert batch is not None, "pipeline_batch needs a request with a global batch"
     step = replace(train, grad_accumulation=1, micro_batch=None, global_batch=None)
-    scale = global_batch / (world_size * max(1, graph.batch_size))
+    scale = batch.sequences / (world_size * max(1, graph.batch_size))
     opts = replace(step.sim_options(batch_scale=scale, memory_budget=memory_budget), offload=sim.options.offload)
-    return PipelineBatch(global_batch=global_batch, world_size=world_size,
+    return PipelineBatch(global_batch=batch.sequences, world_size=world_size,
                          sim=Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host),
-                         micro_batch=train.micro_batch,
-                         accumulation=train.grad_accumulation if train.grad_accumulation > 1 else None)
+                         micro_batch=batch.micro_batch, accumulation=batch.accumulation)

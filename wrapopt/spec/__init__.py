@@ -27,10 +27,11 @@ from wrapopt.spec.plan import (
     UnitSpec,
     checkpoint_label,
 )
-from wrapopt.spec.request import AUTO, ParallelRequest, Shape, parse_degree
+from wrapopt.spec.request import AUTO, GlobalBatch, ParallelRequest, Shape, parse_degree
 
 __all__ = [
     "ParallelRequest",
+    "GlobalBatch",
     "Shape",
     "AUTO",
     "parse_degree",

@@ -23,7 +23,7 @@ from typing import Any
 from wrapopt.errors import OptionError
 from wrapopt.spec.plan import MeshSpec
 
-__all__ = ["AUTO", "ParallelRequest", "Shape", "parse_degree"]
+__all__ = ["AUTO", "GlobalBatch", "ParallelRequest", "Shape", "parse_degree"]
 
 AUTO = "auto"  # a degree the search chooses
 
@@ -65,6 +65,26 @@ class Shape:
         axes = [f"{name}{d}" for name, d in (("pp", self.pp), ("tp", self.tp), ("cp", self.cp), ("ep", self.ep))
                 if d > 1]
         return " ".join(axes) or "1-D"
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalBatch:
+    """A fixed global batch, ``sequences = micro_batch x accumulation x data-parallel ranks``, and
+    the part of that split the user fixed (None: chosen by the search). See [Note: global batch
+    search] in search/batch.py."""
+
+    sequences: int  # per optimizer step, over every data-parallel rank
+    micro_batch: int | None = None  # sequences per data-parallel rank per micro-batch
+    accumulation: int | None = None  # micro-batches per optimizer step
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sequences, bool) or not isinstance(self.sequences, int) or self.sequences < 1:
+            raise OptionError(f"--global-batch must be a positive integer (sequences per step), got {self.sequences!r}")
+
+    def describe_fixed(self) -> str:
+        """", micro-batch 2, accumulation 4": what the user fixed, for messages."""
+        return (f", micro-batch {self.micro_batch}" if self.micro_batch else "") + (
+            f", accumulation {self.accumulation}" if self.accumulation else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +173,14 @@ class ParallelRequest:
     def asks_pp(self) -> bool:
         """A pipeline is asked for (a degree above 1, or auto)."""
         return self.pp != 1
+
+    @property
+    def batch(self) -> GlobalBatch | None:
+        """The fixed global batch and what of its split the step fixes (None: no global batch fixed):
+        the step's micro-batch, and its accumulation when above 1."""
+        if self.global_batch is None:
+            return None
+        return GlobalBatch(self.global_batch, self.micro_batch, self.accumulation if self.accumulation > 1 else None)
 
     @property
     def micro_batch(self) -> int | None:
