@@ -80,7 +80,7 @@ def plan_set(name: str, graph: ModelGraph, sim: Simulator, world: int = WORLD) -
         sizes = balanced_split(w, first, last, 2 * virtual)
         label = f"pp2 {schedule}" + (f" x{virtual}" if virtual > 1 else "") + f" m{m}" + ("" if reshard else ",keep")
         plans.append(pipeline_plan(layout, sizes, pp_mesh, schedule=schedule, microbatches=m, reshard=reshard,
-                                   checkpoint="none", tp=None, label=label))
+                                   checkpoint="none", tp_spec=None, label=label))
     return plans
 
 

@@ -31,7 +31,7 @@ from wrapopt.fingerprint import model_fingerprint
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
-from wrapopt.hardware.measure_split import tp_sizes_to_measure, with_tp_measurements
+from wrapopt.hardware.measure_split import with_tp_measurements
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
 from wrapopt.job import Job, prepare
@@ -50,6 +50,7 @@ from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchR
 from wrapopt.search.offload import choose_offload, mark_offload
 from wrapopt.search.pipeline import pipeline_estimate, pp_group_sizes
 from wrapopt.search.run import SearchRun, run_search
+from wrapopt.search.shapes import tp_group_sizes
 from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.tp import TPSpec
 from wrapopt.trace.meta import trace_model
@@ -294,7 +295,7 @@ def _profiles(fabric: FabricProfile | str | os.PathLike | None, compute: Compute
     if measure:
         # with tensor parallelism asked for, its groups and split matmuls too (See [Note: tensor parallel costs]);
         # with a pipeline, its stages' groups (See [Note: pipeline fabric] in search/pipeline.py)
-        tp_sizes = tp_sizes_to_measure(request.tp, mesh.ranks_per_node)
+        tp_sizes = tp_group_sizes(request)
         groups = pp_group_sizes(request, also=tp_sizes)
         if fab is None:
             fab = measure_fabric(progress=dist.get_rank() == 0, group_sizes=groups)

@@ -218,7 +218,7 @@ def test_units_held_gathered_from_a_backward_to_the_next_forward_are_in_the_peak
     g, sim = llama_7b
     mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=8, pp_size=2)
     plan = pipeline_plan(pipeline_layout(g), (16, 16), mesh, schedule="1F1B", microbatches=8, reshard=True,
-                         checkpoint="all", tp=None)
+                         checkpoint="all", tp_spec=None)
     est = sim.simulate(plan)
     parts = dict(est.peak_breakdown)
     cost = {u.name: c for u, c in zip(plan.units, est.units)}

@@ -104,7 +104,7 @@ def test_a_tied_embedding_and_head_split_across_stages_pay_their_gradient_sum(gr
     sim = _sim(g)
     mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, pp_size=2)
     plan = pipeline_plan(layout, (2, 2), mesh, schedule="1F1B", microbatches=4, reshard=True, checkpoint="none",
-                         tp=None, label="pp2")
+                         tp_spec=None, label="pp2")
     sync = tied_sync_s(g, plan, sim.fabric)
     (shape,) = [s[1] for s in g.param_shapes if s[0] == "wte.weight"]
     want = sim.fabric.collective_s("all_reduce", 2, 2, shape[0] * shape[1] * 4 / 2)[0]

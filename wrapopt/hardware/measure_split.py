@@ -24,15 +24,7 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ModelGraph
 from wrapopt.tp import TPSpec, builtin_tp_plan, tp_blocks
 
-__all__ = ["measure_split_efficiency", "measure_tp_overhead", "with_tp_measurements", "tp_sizes_to_measure"]
-
-
-def tp_sizes_to_measure(tp: int | str | None, ranks_per_node: int) -> tuple[int, ...]:
-    """The tensor-parallel group sizes to measure for ``tp`` (a degree, "auto" or None): See
-    [Note: tensor parallel costs] in cost/tp.py."""
-    if tp is None or str(tp) == "1":
-        return ()
-    return tuple(d for d in (2, 4, 8, 16) if ranks_per_node % d == 0 and (str(tp) == "auto" or str(d) == str(tp)))
+__all__ = ["measure_split_efficiency", "measure_tp_overhead", "with_tp_measurements"]
 
 
 def _shapes(graph: ModelGraph, spec: TPSpec, elem: int) -> dict[tuple[int, int, int, str], int]:

@@ -129,7 +129,8 @@ def microbatch_counts(graph: ModelGraph, shape: Shape) -> tuple[int, ...]:
 
 
 def pipeline_plan(layout: PipelineLayout, sizes: tuple[int, ...], mesh: MeshSpec, *, schedule: str,
-                  microbatches: int, reshard: bool, checkpoint: str, tp: TPSpec | None, label: str = "") -> PlanSpec:
+                  microbatches: int, reshard: bool, checkpoint: str, tp_spec: TPSpec | None,
+                  label: str = "") -> PlanSpec:
     """One unit per block on every stage (``checkpoint``: none, every other block of a stage, all)."""
     stages = stage_modules(layout, sizes)
     units, at = [], 0
@@ -139,7 +140,7 @@ def pipeline_plan(layout: PipelineLayout, sizes: tuple[int, ...], mesh: MeshSpec
             units.append(UnitSpec((b,), reshard, ck))
         at += k
     units.append(UnitSpec((ROOT,), False))
-    return PlanSpec(units=tuple(units), mesh=mesh, tp=tp, label=label,
+    return PlanSpec(units=tuple(units), mesh=mesh, tp=tp_spec, label=label,
                     pipeline=PipelineSpec(stages=stages, schedule=schedule, microbatches=microbatches))
 
 
@@ -188,7 +189,7 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
     def score(combo: tuple, stage: _StageFsdp) -> Scored:
         sizes, schedule, v, m = combo
         plan = pipeline_plan(layout, sizes, full, schedule=schedule, microbatches=m, reshard=stage.reshard,
-                             checkpoint=stage.checkpoint, tp=spec if tp > 1 else None,
+                             checkpoint=stage.checkpoint, tp_spec=spec if tp > 1 else None,
                              label=_label(schedule, v, m, stage, shape))
         est = sim.simulate(plan)
         s = Scored(plan, est, est.peak_bytes <= budget, strategy="pipeline")
@@ -301,7 +302,7 @@ def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: P
     full = _mesh(mesh, Shape(pp=pp, tp=tp))
     w, first, last = weights(graph, sim.for_tp(spec, tp)[0], full.data_parallel(), layout)
     plan = pipeline_plan(layout, balanced_split(w, first, last, pp * v), full, schedule="Interleaved1F1B",
-                         microbatches=m, reshard=False, checkpoint="all", tp=spec,
+                         microbatches=m, reshard=False, checkpoint="all", tp_spec=spec,
                          label=f"{TORCHTITAN_PP_LABEL}: tp8 pp8 Interleaved1F1B x2 m{m}, per-block,keep,ckpt")
     est = sim.simulate(plan)
     budget = float(memory_budget) if memory_budget else float("inf")

@@ -28,7 +28,7 @@ from wrapopt.search.tp import auto_degrees, resolve_tp
 from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, Shape
 from wrapopt.tp import TPSpec
 
-__all__ = ["ShapeSpace", "shape_space"]
+__all__ = ["ShapeSpace", "shape_space", "tp_group_sizes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +74,13 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
             piped.append(Shape(pp=p, tp=t))
     return ShapeSpace(flat=flat, piped=tuple(piped), tp_spec=spec, layout=layout, dropped=tuple(dropped),
                       notes=(*tp_notes, *pp_notes))
+
+
+def tp_group_sizes(request: ParallelRequest) -> tuple[int, ...]:
+    """The tensor-parallel group sizes a measured profile needs for the request (its degree, or
+    every power of two dividing a node for ``auto``): their collectives and split matmuls, See
+    [Note: tensor parallel costs] in cost/tp.py."""
+    if request.tp == 1:
+        return ()
+    per_node = request.mesh.ranks_per_node
+    return tuple(d for d in (2, 4, 8, 16) if per_node % d == 0 and request.tp in (AUTO, d))
