@@ -11,7 +11,12 @@ The same holds for ``kernels.py``'s layout kernel and size tables. numba is
 imported when the first plan is scored, not with wrapopt; compiling costs
 7-10 s once per machine (cached on disk, See [Note: numba cache]; loading it
 ~0.5 s per process), and compiled code that fails falls back to Python with
-a warning (for the ``Backend`` it failed in). No modelling decision here.
+a warning (for the ``Backend`` it failed in). The loop keeps its state (memory parts,
+peak, lane clocks) in one sequence, ``step.new_state()``: a list as Python, whose
+numbers stay Python floats, and an array compiled. Its per-event helpers allocate
+nothing and compile without reference counting (``register_jitable(_nrt=False)``):
+numba otherwise counts each array argument in and out on every call, and with a
+call per event that doubled the loop's time. No modelling decision here.
 
 [Note: numba cache] numba caches compiled code beside the source by default
 (``__pycache__`` of the installed package), which may be read-only or shared
@@ -51,8 +56,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from wrapopt.cost.kernels import layout_kernel, lookup, merge
-from wrapopt.cost.step import LOOP_HELPERS, step_loop
+from wrapopt.cost.step import EVENT_HELPERS, PHASES, STATE_SIZE, new_state, step_loop
 from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 
 __all__ = ["Backend", "Kernels", "compile_kernels", "numba_cache_dir"]
@@ -97,10 +104,14 @@ def compile_kernels() -> Kernels:
     lazy import of this package. Raises ``ImportError`` without numba."""
     if not _COMPILED:
         import numba
-        from numba.extending import register_jitable
+        from numba.extending import overload, register_jitable
 
-        for helper in LOOP_HELPERS:  # step_loop calls them: numba compiles them with it
-            register_jitable(helper)
+        # step_loop calls them: numba compiles them with it (the per-event ones without reference counting)
+        for helper in EVENT_HELPERS:
+            register_jitable(_nrt=False)(helper)
+        for phase in PHASES:
+            register_jitable(phase)
+        overload(new_state)(lambda: lambda: np.zeros(STATE_SIZE))  # the loop's state as an array
         cache_dir = numba_cache_dir()
         jit = numba.njit(cache=cache_dir is not None)
         # numba fixes each function's cache directory when it is jitted: See [Note: numba cache].

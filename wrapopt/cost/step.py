@@ -2,9 +2,11 @@
 on how FSDP2 runs a step that it applies.
 
 Two lanes: *compute* (the default stream / the Python thread on CPU) and
-*comm* (collectives). ``step_loop`` walks the forward in execution order and
-the backward in reverse, placing each unit's all-gather, compute and
-reduce-scatter where FSDP2 places them, and tracks memory at every event. The
+*comm* (collectives). ``step_loop`` walks the forward in execution order
+(``_forward``), the loss (``_loss``) and the backward in reverse
+(``_backward``), placing each unit's all-gather, compute and reduce-scatter
+where FSDP2 places them, and tracks memory at every event (``_hold``) in one
+state array: the memory parts, the peak, the lanes' clocks. The
 notes below are its modelling decisions; code cites them as
 ``# See [Note: ...]``. It records events as rows of ``ev``: lane, kind, unit,
 start, end, memory, with the codes below. Its inputs are the named tuples of
@@ -132,240 +134,275 @@ measured/predicted from 0.87 to 0.95, the one-unit plans' from 1.16-1.20 to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from wrapopt.cost.step_inputs import CK_FULL, CK_SELECTIVE, PlanScalars, Segments, StepConstants, UnitLayout, UnitPlan
 
-__all__ = ["KINDS", "LANES", "LOOP_HELPERS", "step_loop"]
+__all__ = ["EVENT_HELPERS", "KINDS", "LANES", "PHASES", "STATE_SIZE", "new_state", "step_loop"]
 
 COMPUTE, COMM = 0, 1
 LANES = ("compute", "comm")
 FWD, LOSS, RECOMPUTE, BWD, ALL_GATHER, REDUCE_SCATTER = range(6)
 KINDS = ("fwd", "loss", "recompute", "bwd", "all_gather", "reduce_scatter")
 
-
-def _rec(ev: Any, ne: int, lane: int, kind: int, u: int, start: float, end: float, m: float) -> int:
-    ev[ne, 0] = lane
-    ev[ne, 1] = kind
-    ev[ne, 2] = u
-    ev[ne, 3] = start
-    ev[ne, 4] = end
-    ev[ne, 5] = m
-    return ne + 1
+# The loop's state, one array ``st``. First the parts of memory that persist between events (See
+# [Note: memory]; what an event holds beyond them is its ``extra``), then the peak and the parts at
+# it (``StepResult.peak_parts``), the two lanes' clocks, all collectives' time so far, events recorded.
+STATIC, SHARDED_GRADS, GATHERED, AG_BUFFER, ACTIVATIONS, GRADS_PENDING = range(6)
+PEAK, PEAK_PARTS = 6, 7  # PEAK_PARTS: 6 places
+COMPUTE_AT, COMM_AT, COMM_BUSY, NUM_EVENTS = 13, 14, 15, 16
+STATE_SIZE = 17
 
 
-def _all_gather(u, at, dur, nbytes, c, t, ovl_m, static, sharded_grads, gathered, ag_buffer, acts,  # noqa: ANN001
-                grads_pending, peak, parts, record, ev, ne, work, copy):
-    """Issue unit ``u``'s all-gather (``dur`` seconds, ``nbytes`` gathered) at ``at`` on
-    the comm lane, behind what is queued there (See [Note: overlap]), while compute
-    holds ``work`` bytes beyond the rest and the collective its own ``copy`` (See
-    [Note: collective copies]). Returns (its end, its duration, gathered bytes, peak,
-    peak parts, events recorded)."""
-    start = at if at > c else c
-    d = dur * (ovl_m if t > start else 1.0)
-    gathered += nbytes
-    held = work + copy * nbytes
-    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + held
-    if m > peak:
-        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, held)
-    if record and d > 0:
-        ne = _rec(ev, ne, COMM, ALL_GATHER, u, start, start + d, m)
-    return start + d, d, gathered, peak, parts, ne
+def new_state() -> Any:
+    """The loop's state ``st``, all zeros: a list as Python (its numbers stay Python floats), an
+    array compiled (``backend.compile_kernels`` gives numba this one: See [Note: compiled step loop])."""
+    return [0.0] * STATE_SIZE
 
 
-def _compute(t, dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts, grads_pending, work,  # noqa: ANN001
-             peak, parts, record, ev, ne, kind, u):
-    """Compute of ``dur`` seconds from ``t``, slowed where the comm lane is busy until
-    ``c`` (See [Note: overlap]), holding ``work`` bytes beyond the rest. Returns (its
-    end, peak, peak parts, events recorded)."""
-    start = t
-    t += dur
-    if c > start:
-        t += ((c if c < t else t) - start) * ovl_c1
-    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + work
-    if m > peak:
-        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, work)
-    if record and t > start:
-        ne = _rec(ev, ne, COMPUTE, kind, u, start, t, m)
-    return t, peak, parts, ne
+def _hold(st: Any, extra: float, more: float = 0.0) -> float:
+    """Memory now: the parts, then ``extra`` and ``more`` bytes beyond them (added in this
+    order); recorded if a peak."""
+    total = (st[STATIC] + st[SHARDED_GRADS] + st[GATHERED] + st[AG_BUFFER] + st[ACTIVATIONS]
+             + st[GRADS_PENDING] + extra + more)
+    if total > st[PEAK]:
+        st[PEAK] = total
+        st[PEAK_PARTS + 0] = st[SHARDED_GRADS]
+        st[PEAK_PARTS + 1] = st[GATHERED]
+        st[PEAK_PARTS + 2] = st[AG_BUFFER]
+        st[PEAK_PARTS + 3] = st[GRADS_PENDING]
+        st[PEAK_PARTS + 4] = st[ACTIVATIONS]
+        st[PEAK_PARTS + 5] = extra + more
+    return total
 
 
-# Exempt from the 80-line cap: numba compiles one function, and splitting the loop into
-# functions would cost a call per segment in the hot loop (See [Note: compiled step loop]).
+class _Trace(NamedTuple):
+    """Where the loop records its events: See [Note: step loop inputs]."""
+
+    on: bool  # PlanScalars.record
+    rows: Any  # ev: lane, kind, unit, start, end, memory; st[NUM_EVENTS] of them written
+
+
+def _record(st: Any, trace: _Trace, lane: int, kind: int, unit: int, start: float, end: float,  # noqa: PLR0913
+            held: float) -> None:
+    """One event row (callers check ``trace.on``)."""
+    rows, i = trace.rows, int(st[NUM_EVENTS])
+    rows[i, 0] = lane
+    rows[i, 1] = kind
+    rows[i, 2] = unit
+    rows[i, 3] = start
+    rows[i, 4] = end
+    rows[i, 5] = held
+    st[NUM_EVENTS] = i + 1
+
+
+def _all_gather(unit: int, at: float, duration_s: float, nbytes: float, extra: float, copy: float,  # noqa: PLR0913
+                overlap_comm: float, st: Any, trace: _Trace) -> float:
+    """Issue ``unit``'s all-gather of ``nbytes`` at ``at`` on the comm lane, behind what is
+    queued there, slowed while compute runs (See [Note: overlap]); meanwhile compute holds
+    ``extra`` bytes and the collective its ``copy`` share of ``nbytes`` (See [Note:
+    collective copies]). Returns when it lands."""
+    start = at if at > st[COMM_AT] else st[COMM_AT]
+    duration = duration_s * (overlap_comm if st[COMPUTE_AT] > start else 1.0)
+    st[GATHERED] += nbytes
+    total = _hold(st, extra + copy * nbytes)
+    if trace.on and duration > 0:
+        _record(st, trace, COMM, ALL_GATHER, unit, start, start + duration, total)
+    st[COMM_AT] = start + duration
+    st[COMM_BUSY] += duration
+    return start + duration
+
+
+def _compute(duration_s: float, extra: float, kind: int, unit: int, overlap_compute_extra: float,  # noqa: PLR0913
+             st: Any, trace: _Trace) -> None:
+    """Compute of ``duration_s`` on the compute lane, slowed where the comm lane is busy
+    (See [Note: overlap]), holding ``extra`` bytes beyond the parts."""
+    start, comm = st[COMPUTE_AT], st[COMM_AT]
+    end = start + duration_s
+    if comm > start:
+        end += ((comm if comm < end else end) - start) * overlap_compute_extra
+    total = _hold(st, extra)
+    if trace.on and end > start:
+        _record(st, trace, COMPUTE, kind, unit, start, end, total)
+    st[COMPUTE_AT] = end
+
+
+def _reduce(unit: int, duration_s: float, overlap_comm: float, st: Any, trace: _Trace) -> float:
+    """``unit``'s reduce-scatter and replicate all-reduce on the comm lane (See [Note:
+    overlap]). Returns when they land."""
+    start = st[COMPUTE_AT] if st[COMPUTE_AT] > st[COMM_AT] else st[COMM_AT]
+    duration = duration_s * (overlap_comm if st[COMPUTE_AT] > start else 1.0)
+    st[COMM_AT] = start + duration
+    st[COMM_BUSY] += duration
+    if trace.on and duration > 0:
+        _record(st, trace, COMM, REDUCE_SCATTER, unit, start, start + duration, 0.0)
+    return start + duration
+
+
+def _wait(st: Any) -> None:
+    """The compute lane waits for the comm lane: See [Note: blocking collectives]."""
+    st[COMPUTE_AT] = max(st[COMPUTE_AT], st[COMM_AT])
+
+
+# step_loop and its phases unpack their inputs by position (asserted below): See [Note: step loop inputs].
+def _forward(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars, k: StepConstants,  # noqa: PLR0913
+             st: Any, trace: _Trace) -> None:
+    """Forward over the segments: See [Note: segments], [Note: all-gather issue]."""
+    seg_unit, fwd_s, _, saved, work, _, _, keep, _, sel_keep, sel_ops_s, _ = segs
+    forward, _, last_fwd, fwd_pos, _, _, _, _ = lay
+    gathered_bytes, _, all_gather_s, _, _, _, kept_bytes, checkpoint, param_overhead_s = units
+    _, _, depth, _, gathers = plan
+    _, overlap_compute, overlap_comm, unit_overhead_s, _, _, _, _, _, _, collective_copy, serial, \
+        checkpoint_forward_s = k
+    overlap_compute_extra = overlap_compute - 1.0
+    copy = collective_copy if gathers else 0.0  # See [Note: shard group of one]
+    n = len(gathered_bytes)
+    ag_end = [0.0] * n  # when each unit's all-gather lands
+    issued = [False] * n
+    seen = [False] * n
+    st[AG_BUFFER] = 0.0  # See [Note: all-gather buffer]: the previous step's last was freed at its forward's end
+    u = forward[0]
+    ag_end[u] = _all_gather(u, 0.0, all_gather_s[u], gathered_bytes[u], 0.0, copy, overlap_comm, st, trace)
+    issued[u] = True
+    for si in range(len(seg_unit)):
+        u = seg_unit[si]
+        if not seen[u]:  # the unit's pre-forward
+            seen[u] = True
+            if not issued[u]:  # issued when compute reaches the unit
+                ag_end[u] = _all_gather(u, st[COMPUTE_AT], all_gather_s[u], gathered_bytes[u], 0.0, copy,
+                                        overlap_comm, st, trace)
+                issued[u] = True
+            # See [Note: shard group of one]
+            st[COMPUTE_AT] = max(st[COMPUTE_AT], ag_end[u]) + unit_overhead_s + param_overhead_s[u]
+            # copy-out: the output beside the unsharded parameters, the previous one freed first
+            # (See [Note: all-gather buffer])
+            if gathers:
+                st[AG_BUFFER] = 0.0
+            _hold(st, gathered_bytes[u] * 1.0)
+            if gathers:
+                st[AG_BUFFER] = gathered_bytes[u] * 1.0
+            ahead = fwd_pos[u] + depth  # prefetch `depth` units ahead, issued at this unit's pre-forward
+            if depth and ahead < len(forward) and not issued[forward[ahead]]:
+                x = forward[ahead]
+                ag_end[x] = _all_gather(x, st[COMPUTE_AT], all_gather_s[x], gathered_bytes[x], 0.0, copy,
+                                        overlap_comm, st, trace)
+                issued[x] = True
+                if serial:
+                    _wait(st)
+        # selective-op: its dispatch modes' per-op work on top (See [Note: selective checkpointing]); a checkpointed
+        # block's start: its forward's part of the checkpoint's overhead (See [Note: checkpoint overhead])
+        ck = checkpoint[u]
+        _compute(fwd_s[si] + (sel_ops_s[si] if ck == CK_SELECTIVE else 0.0)
+                 + (checkpoint_forward_s if ck and keep[si] else 0.0),
+                 work[si] * 1.0, FWD, u, overlap_compute_extra, st, trace)
+        # Checkpointing wraps each of the unit's blocks: each keeps only its boundary tensor (full),
+        # or that and its saved ops' outputs (selective-op).
+        st[ACTIVATIONS] += saved[si] if not ck else (keep[si] if ck == CK_FULL else sel_keep[si])
+        if si == last_fwd[u]:
+            st[GATHERED] -= gathered_bytes[u] - kept_bytes[u]  # reshard after forward
+    st[AG_BUFFER] = 0.0  # the root's post-forward frees the last all-gather output: See [Note: all-gather buffer]
+
+
+def _loss(k: StepConstants, unit: int, st: Any, trace: _Trace) -> None:
+    """The loss, forward and backward: See [Note: loss]."""
+    _, overlap_compute, _, _, _, loss_s, loss_work_bytes, _, loss_saved_bytes, loss_grad_bytes, _, _, _ = k
+    # forward holds the model's output beside what the loss creates
+    _compute(loss_s, loss_work_bytes, LOSS, unit, overlap_compute - 1.0, st, trace)
+    st[ACTIVATIONS] += loss_saved_bytes
+    # its backward: its gradients (the one arriving, the one leaving), beside what it saved
+    _hold(st, loss_grad_bytes)
+    st[ACTIVATIONS] -= loss_saved_bytes
+
+
+def _backward(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars, k: StepConstants,  # noqa: PLR0913
+              st: Any, trace: _Trace) -> None:
+    """Backward over the segments in reverse: See [Note: backward schedule]."""
+    seg_unit, _, bwd_s, saved, work, grad_numel, bwd_work, keep, sel_fwd_s, sel_keep, sel_ops_s, ckpt_fwd_s = segs
+    _, backward, _, _, bwd_pos, num_segments, seg_grad_numel, trainable_bytes = lay
+    gathered_bytes, grad_bytes, _, reduce_scatter_s, all_reduce_s, regather_s, kept_bytes, checkpoint, \
+        param_overhead_s = units
+    _, shard_size, _, _, gathers = plan
+    reduce_elem_bytes, overlap_compute, overlap_comm, unit_overhead_s, checkpoint_overhead_s, _, _, output_bytes, \
+        _, _, collective_copy, serial, checkpoint_forward_s = k
+    overlap_compute_extra = overlap_compute - 1.0
+    copy = collective_copy if gathers else 0.0  # See [Note: shard group of one]
+    n = len(gathered_bytes)
+    ag_end = [0.0] * n  # when each unit's backward all-gather lands
+    issued = [False] * n
+    started = [False] * n
+    done = [0] * n  # its segments' backward done
+    held, held_end, held_bytes = False, 0.0, 0.0  # the reduce-scatter input FSDP2 still holds
+    last = len(seg_unit) - 1
+    for si in range(last, -1, -1):
+        u = seg_unit[si]
+        if not started[u]:  # the unit's pre-backward
+            started[u] = True
+            # See [Note: pre-backward]: the first segment's all-gathers run beside the output's gradient.
+            arriving = output_bytes * 1.0 if si == last else 0.0
+            if regather_s[u] > 0 and not issued[u]:
+                ag_end[u] = _all_gather(u, st[COMPUTE_AT], regather_s[u], gathered_bytes[u] - kept_bytes[u], arriving,
+                                        copy, overlap_comm, st, trace)
+                issued[u] = True
+            st[COMPUTE_AT] = max(st[COMPUTE_AT], ag_end[u]) + (unit_overhead_s + param_overhead_s[u]
+                                                               if regather_s[u] > 0 else 0.0)
+            if regather_s[u] > 0:  # copy-out transient; freed at once in backward
+                _hold(st, arriving, gathered_bytes[u])
+            ahead = bwd_pos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
+            x = backward[ahead] if ahead < len(backward) else -1
+            if x >= 0 and regather_s[x] > 0 and not issued[x]:
+                ag_end[x] = _all_gather(x, st[COMPUTE_AT], regather_s[x], gathered_bytes[x] - kept_bytes[x], arriving,
+                                        copy, overlap_comm, st, trace)
+                issued[x] = True
+                if serial:
+                    _wait(st)
+        ck = checkpoint[u]
+        if ck:  # recompute this block's forward (selective-op: its other ops), re-saving its activations
+            full = ck == CK_FULL
+            st[ACTIVATIONS] += saved[si] - (keep[si] if full else sel_keep[si])
+            _compute((ckpt_fwd_s[si] if full else sel_fwd_s[si] + sel_ops_s[si])
+                     + (checkpoint_overhead_s - checkpoint_forward_s if keep[si] else 0.0),
+                     work[si] * 1.0, RECOMPUTE, u, overlap_compute_extra, st, trace)
+        # See [Note: progressive backward] for the working set.
+        _compute(bwd_s[si], bwd_work[si] * 1.0, BWD, u, overlap_compute_extra, st, trace)
+        st[GRADS_PENDING] += grad_numel[si] * reduce_elem_bytes
+        st[ACTIVATIONS] -= saved[si]
+        done[u] += 1
+        if done[u] == num_segments[u]:  # the unit's post-backward
+            st[GRADS_PENDING] += grad_bytes[u] - seg_grad_numel[u] * reduce_elem_bytes
+            st[GATHERED] -= kept_bytes[u] if not regather_s[u] > 0 else gathered_bytes[u]
+            # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
+            # See [Note: collective copies]: the gradients are freed before the collective's copy.
+            _hold(st, grad_bytes[u] * (copy if copy > 1.0 else 1.0))
+            if held:
+                st[COMPUTE_AT] = max(st[COMPUTE_AT], held_end)
+                st[GRADS_PENDING] -= held_bytes
+            # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
+            held, held_bytes = True, grad_bytes[u] * 1.0
+            held_end = _reduce(u, reduce_scatter_s[u] + all_reduce_s[u], overlap_comm, st, trace)
+            st[SHARDED_GRADS] += trainable_bytes[u] / shard_size
+            if serial:
+                _wait(st)
+            st[COMPUTE_AT] += unit_overhead_s + param_overhead_s[u]
+
+
 def step_loop(segs: Segments, lay: UnitLayout, units: UnitPlan, plan: PlanScalars, k: StepConstants,  # noqa: PLR0913
               ev: Any) -> tuple[Any, ...]:
     """One step's forward and backward over ``segs``, recording events into ``ev`` when
     ``plan.record`` (its rows: at least ``3 * units + 3 * segments + 2``). Takes the named
     tuples or plain tuples in their field order, and returns ``StepResult``'s fields as a
     plain tuple: See [Note: step loop inputs]."""
-    # The inputs unpacked in their fields' order (checked below the function): in Python ~0.3 us,
-    # against ~1.9 us to name them again and read the names. See [Note: step loop inputs].
-    seg_u, seg_f, seg_b, seg_saved, seg_work, seg_gn, seg_bw, seg_keep, seg_sf, seg_sk, seg_so, seg_rf = segs
-    order, border, last_fwd, pos, bpos, nseg, seg_grads, tbytes = lay  # UnitLayout
-    P, G, ag, rs, ar, rag, keep, ck, poh = units  # UnitPlan
-    static, shard, depth, record, gathers = plan  # PlanScalars
-    reduce_elem, ovl_c, ovl_m, unit_oh, ck_oh, loss_dur, loss_work, out_b, loss_saved, loss_grads, copy, serial, \
-        ck_f = k
-    n = len(P)
-    nsg = len(seg_u)
-    norder = len(order)
-    ovl_c1 = ovl_c - 1.0
-    sharded_grads = 0.0
-    gathered = 0.0
-    acts = 0.0
-    grads_pending = 0.0
-    peak = 0.0
-    parts = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    ne = 0
-    t = 0.0  # compute lane
-    c = 0.0  # comm lane
-    comm_total = 0.0
-
-    # ---- forward: See [Note: segments], [Note: all-gather issue] --------------------
-    ag_buffer = 0.0  # See [Note: all-gather buffer]: the previous step's last was freed at its forward's end
-    # A shard group of one gathers nothing: no output to keep, no copy (See [Note: collective copies]).
-    copy = copy if gathers else 0.0
-    ag_end = [0.0] * n
-    issued = [False] * n
-    seen = [False] * n
-    u = order[0]
-    c, d, gathered, peak, parts, ne = _all_gather(u, 0.0, ag[u], P[u], c, t, ovl_m, static,
-        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, 0.0, copy)
-    comm_total += d
-    ag_end[u] = c
-    issued[u] = True
-    for si in range(nsg):
-        u = seg_u[si]
-        if not seen[u]:
-            seen[u] = True
-            if not issued[u]:  # issued when compute reaches the unit
-                c, d, gathered, peak, parts, ne = _all_gather(u, t, ag[u], P[u], c, t, ovl_m, static,
-                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, 0.0, copy)
-                comm_total += d
-                ag_end[u] = c
-                issued[u] = True
-            t = max(t, ag_end[u]) + unit_oh + poh[u]  # See [Note: shard group of one]
-            # copy-out: the output beside the unsharded parameters, the previous one freed first
-            # (See [Note: all-gather buffer])
-            if gathers:
-                ag_buffer = 0.0
-            m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + P[u]
-            if m > peak:
-                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, P[u] * 1.0)
-            if gathers:
-                ag_buffer = P[u] * 1.0
-            if depth:  # prefetch `depth` units ahead, issued at this unit's pre-forward
-                k = pos[u] + depth
-                if k < norder and not issued[order[k]]:
-                    x = order[k]
-                    c, d, gathered, peak, parts, ne = _all_gather(x, t, ag[x], P[x], c, t, ovl_m, static,
-                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, 0.0, copy)
-                    comm_total += d
-                    ag_end[x] = c
-                    issued[x] = True
-                    if serial:  # See [Note: blocking collectives]
-                        t = max(t, c)
-        # selective-op: its dispatch modes' per-op work on top (See [Note: selective checkpointing]); a checkpointed
-        # block's start: its forward's part of the checkpoint's overhead (See [Note: checkpoint overhead])
-        t, peak, parts, ne = _compute(t, seg_f[si] + (seg_so[si] if ck[u] == CK_SELECTIVE else 0.0)
-                                      + (ck_f if ck[u] and seg_keep[si] else 0.0), c, ovl_c1,
-                                      static, sharded_grads, gathered, ag_buffer, acts, grads_pending,
-                                      seg_work[si] * 1.0, peak, parts, record, ev, ne, FWD, u)
-        # Checkpointing wraps each of the unit's blocks: each keeps only its boundary tensor (full),
-        # or that and its saved ops' outputs (selective-op).
-        acts += seg_saved[si] if not ck[u] else (seg_keep[si] if ck[u] == CK_FULL else seg_sk[si])
-        if si == last_fwd[u]:
-            gathered -= P[u] - keep[u]  # reshard after forward
-    ag_buffer = 0.0  # the root's post-forward frees the last all-gather output: See [Note: all-gather buffer]
-    # See [Note: loss]: forward holds the model's output beside what the loss creates.
-    t, peak, parts, ne = _compute(t, loss_dur, c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
-                                  grads_pending, loss_work, peak, parts, record, ev, ne, LOSS, n - 1)
-    acts += loss_saved
-    # the loss's backward: its gradients (the one arriving, the one leaving), beside what it saved
-    m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + loss_grads
-    if m > peak:
-        peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, loss_grads)
-    acts -= loss_saved
-    fwd_end = t
-
-    # ---- backward: See [Note: backward schedule] --------------------------------------
-    bag_end = [0.0] * n
-    bissued = [False] * n
-    first = [False] * n
-    done = [0] * n
-    nborder = len(border)
-    held, held_end, held_bytes = False, 0.0, 0.0  # the reduce-scatter input FSDP2 still holds
-    for si in range(nsg - 1, -1, -1):
-        u = seg_u[si]
-        if not first[u]:
-            first[u] = True
-            # See [Note: pre-backward]: the first segment's all-gathers run beside the output's gradient.
-            arriving = out_b * 1.0 if si == nsg - 1 else 0.0
-            if rag[u] > 0 and not bissued[u]:
-                c, d, gathered, peak, parts, ne = _all_gather(u, t, rag[u], P[u] - keep[u], c, t, ovl_m, static,
-                    sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving,
-                    copy)
-                comm_total += d
-                bag_end[u] = c
-                bissued[u] = True
-            t = max(t, bag_end[u]) + (unit_oh + poh[u] if rag[u] > 0 else 0.0)
-            if rag[u] > 0:  # copy-out transient; freed at once in backward
-                m = static + sharded_grads + gathered + ag_buffer + acts + grads_pending + arriving + P[u]
-                if m > peak:
-                    peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts, arriving + P[u])
-            k = bpos[u] + 1  # backward prefetch of the next unit (FSDP2 default)
-            if k < nborder:
-                x = border[k]
-                if rag[x] > 0 and not bissued[x]:
-                    c, d, gathered, peak, parts, ne = _all_gather(x, t, rag[x], P[x] - keep[x], c, t, ovl_m, static,
-                        sharded_grads, gathered, ag_buffer, acts, grads_pending, peak, parts, record, ev, ne, arriving,
-                        copy)
-                    comm_total += d
-                    bag_end[x] = c
-                    bissued[x] = True
-                    if serial:  # See [Note: blocking collectives]
-                        t = max(t, c)
-        if ck[u]:  # recompute this block's forward (selective-op: its other ops), re-saving its activations
-            full = ck[u] == CK_FULL
-            acts += seg_saved[si] - (seg_keep[si] if full else seg_sk[si])
-            t, peak, parts, ne = _compute(t, (seg_rf[si] if full else seg_sf[si] + seg_so[si])
-                                          + (ck_oh - ck_f if seg_keep[si] else 0.0),
-                                          c, ovl_c1, static,
-                                          sharded_grads, gathered, ag_buffer, acts, grads_pending, seg_work[si] * 1.0,
-                                          peak, parts, record, ev, ne, RECOMPUTE, u)
-        # See [Note: progressive backward] for the working set.
-        t, peak, parts, ne = _compute(t, seg_b[si], c, ovl_c1, static, sharded_grads, gathered, ag_buffer, acts,
-                                      grads_pending, seg_bw[si] * 1.0, peak, parts, record, ev, ne, BWD, u)
-        grads_pending += seg_gn[si] * reduce_elem
-        acts -= seg_saved[si]
-        done[u] += 1
-        if done[u] == nseg[u]:
-            grads_pending += G[u] - seg_grads[u] * reduce_elem
-            gathered -= keep[u] if not rag[u] > 0 else P[u]
-            # See [Note: reduce-scatter buffer]: copy-in, then wait for and free the previous one.
-            # See [Note: collective copies]: the gradients are freed before the collective's copy.
-            m = (static + sharded_grads + gathered + ag_buffer + acts + grads_pending
-                 + G[u] * (copy if copy > 1.0 else 1.0))
-            if m > peak:
-                peak, parts = m, (sharded_grads, gathered, ag_buffer, grads_pending, acts,
-                                  G[u] * (copy if copy > 1.0 else 1.0))
-            if held:
-                t = max(t, held_end)
-                grads_pending -= held_bytes
-            # Reduce-scatter, then all-reduce across the replicas (HSDP; shard size 1 is DDP-like).
-            start = t if t > c else c
-            d = (rs[u] + ar[u]) * (ovl_m if t > start else 1.0)
-            c = start + d
-            comm_total += d
-            sharded_grads += tbytes[u] / shard
-            held, held_end, held_bytes = True, c, G[u] * 1.0
-            if record and d > 0:
-                ne = _rec(ev, ne, COMM, REDUCE_SCATTER, u, start, c, 0.0)
-            if serial:  # See [Note: blocking collectives]
-                t = max(t, c)
-            t += unit_oh + poh[u]
-    bwd_end = t
-    return fwd_end, bwd_end, max(t, c), comm_total, peak, parts, ne  # StepResult's fields
+    static_bytes, _, _, record, _ = plan
+    st = new_state()
+    st[STATIC] = static_bytes
+    trace = _Trace(record, ev)
+    _forward(segs, lay, units, plan, k, st, trace)
+    _loss(k, len(units[0]) - 1, st, trace)
+    fwd_end = st[COMPUTE_AT]
+    _backward(segs, lay, units, plan, k, st, trace)
+    bwd_end, end = st[COMPUTE_AT], max(st[COMPUTE_AT], st[COMM_AT])
+    parts = (st[PEAK_PARTS], st[PEAK_PARTS + 1], st[PEAK_PARTS + 2], st[PEAK_PARTS + 3], st[PEAK_PARTS + 4],
+             st[PEAK_PARTS + 5])
+    return fwd_end, bwd_end, end, st[COMM_BUSY], st[PEAK], parts, int(st[NUM_EVENTS])  # StepResult's fields
 
 
 # step_loop unpacks its inputs by position: these are the orders it reads.
@@ -381,5 +418,8 @@ assert StepConstants._fields == ("reduce_elem_bytes", "overlap_compute", "overla
                                  "loss_saved_bytes", "loss_grad_bytes", "collective_copy", "serial",
                                  "checkpoint_forward_s")
 
-# The functions step_loop calls: numba compiles them with it (``backend.compile_kernels``).
-LOOP_HELPERS = (_rec, _all_gather, _compute)
+# The functions step_loop calls; numba compiles them with it (``backend.compile_kernels``). Those called
+# per event allocate nothing and compile without reference counting: their array arguments would
+# otherwise be counted in and out on every call, which doubles the loop's time.
+EVENT_HELPERS = (_hold, _record, _all_gather, _compute, _reduce, _wait, _loss)
+PHASES = (_forward, _backward)
