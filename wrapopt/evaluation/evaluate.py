@@ -158,7 +158,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
                                  ComputeProfile.from_json)
         job = prepare(request, job.model, graph=graph, fabric=fabric, compute=compute)
     sim = job.sim
-    plans, budgets, chosen_for = _plans_to_run(cfg, graph, sim, mesh, tp_spec, tp)
+    plans, budgets, chosen_for = _plans_to_run(cfg, graph, sim, request, tp_spec)
     preds = [sim.simulate(p) for p in plans]
     _log(rank, quiet, f"[4/5] running real steps of {len(plans)} plans, interleaved, {cfg['repeats']} repeats "
                       "after warm-up ...")
@@ -216,12 +216,14 @@ def measure_hardware(rank: int, world: int, cfg: dict[str, Any], entry: Any, inp
     return fabric, broadcast_json(compute.to_json(), ComputeProfile.from_json), dt
 
 
-def _plans_to_run(cfg: dict[str, Any], graph: ModelGraph, sim: Any, mesh: MeshSpec, tp_spec: Any,
-                  tp: int) -> tuple[list[PlanSpec], list[dict[str, Any]], dict[int, list[str]]]:
-    """wrapopt's plan for each budget (first, once each), then the plan set's plans not among them.
+def _plans_to_run(cfg: dict[str, Any], graph: ModelGraph, sim: Any, request: ParallelRequest, tp_spec: Any,
+                  ) -> tuple[list[PlanSpec], list[dict[str, Any]], dict[int, list[str]]]:
+    """wrapopt's plan for each budget (first, once each), then the plan set's plans not among them
+    (at the request's tensor-parallel degree too, when above 1).
 
     Returns the plans, the budgets (with each search's result and the plans it scored), and
     for each of wrapopt's plans the budgets it was chosen for."""
+    mesh, tp = request.mesh, request.tp
     budgets = []
     plans: list[PlanSpec] = []
     index: dict[tuple, int] = {}

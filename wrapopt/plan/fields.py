@@ -145,16 +145,16 @@ def _mesh_from_json(mesh: Any, source: str) -> MeshSpec:
     return mesh_spec
 
 
-def _tp_from_json(tp: Any, mesh_spec: MeshSpec, source: str) -> TPSpec | None:
+def _tp_from_json(value: Any, mesh_spec: MeshSpec, source: str) -> TPSpec | None:
     """The plan's tensor-parallel plan: present exactly when ``mesh.tp_size > 1``."""
-    if mesh_spec.tp_size > 1 and tp is None:
+    if mesh_spec.tp_size > 1 and value is None:
         raise _field_error(source, "tp", f"is missing: a plan with mesh.tp_size {mesh_spec.tp_size} needs its "
                                          "tensor-parallel plan ({\"layers\": {block class: {submodule path: "
                                          "\"colwise\" | \"rowwise\"}}})")
-    if mesh_spec.tp_size == 1 and tp is not None:
+    if mesh_spec.tp_size == 1 and value is not None:
         raise _field_error(source, "tp", "is set but mesh.tp_size is 1; set mesh.tp_size to the tensor-parallel "
                                          "degree, or drop tp")
-    return tp_from_json(tp, source=source) if mesh_spec.tp_size > 1 else None
+    return tp_from_json(value, source=source) if mesh_spec.tp_size > 1 else None
 
 
 def _pipeline_from_json(pipe: Any, mesh_spec: MeshSpec, source: str) -> PipelineSpec | None:
