@@ -6,8 +6,10 @@ holds the notes on how FSDP2 schedules a step and what memory holds
 ([Note: all-gather issue], [Note: backward schedule], [Note: memory],
 [Note: overlap] and the rest); ``calls.py`` holds [Note: gradient sites],
 [Note: progressive backward]. This file prepares the loop's inputs for a plan
-(per-unit bytes and collective times, cached; the plan's per-unit choices),
-runs it once per accumulation mode, and adds the optimizer step. Its
+(per-unit bytes and collective times, cached; the plan's per-unit choices)
+and runs it once per accumulation mode; ``estimate.py`` holds the records it
+caches and turns the chosen run into a ``CostEstimate`` (the optimizer step,
+the earlier micro-batches, the peak's breakdown). Its
 modelling decisions are the notes below; code cites them as
 ``# See [Note: ...]``.
 
@@ -41,15 +43,15 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from wrapopt.cost.backend import Backend
 from wrapopt.cost.collectives import CollectiveTimes
+from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
 from wrapopt.cost.layout import (
-    KEEPS,
     NUMEL,
     SAVED,
     STORAGE,
@@ -62,7 +64,6 @@ from wrapopt.cost.layout import (
 from wrapopt.cost.pipeline import simulate_pipeline
 from wrapopt.cost.stage_view import stage_compute, stage_graph
 from wrapopt.cost.state import copy_times, cpu_optimizer_s, host_bytes_per_rank, optimizer_s, static_bytes
-from wrapopt.cost.step import KINDS, LANES
 from wrapopt.cost.step_inputs import (
     CK_FULL,
     CK_NONE,
@@ -70,7 +71,6 @@ from wrapopt.cost.step_inputs import (
     PlanScalars,
     Segments,
     StepConstants,
-    StepResult,
     UnitLayout,
     UnitPlan,
 )
@@ -88,7 +88,6 @@ from wrapopt.spec import (
     OptimizerKind,
     PlanSpec,
     SimOptions,
-    TimelineEvent,
     UnitCosts,
     UnitSpec,
 )
@@ -106,57 +105,6 @@ _NO_EVENTS = np.zeros((0, 6))  # the step loop's events when none are recorded: 
 # Builds a named tuple from a tuple of its fields in order: ~0.15 us against ~0.3 us for keywords and
 # ~0.2 us for ``_make``. The per-plan records below are built this way: See [Note: simulator speed].
 _new = tuple.__new__
-
-_PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
-               "all_gather_buffer", "unsharded_grads", "activations", "working_set")
-
-
-class _MeshCosts(NamedTuple):
-    """Per set of units and mesh: the units' bytes and collective times, static memory, the optimizer step."""
-
-    gathered_bytes: np.ndarray
-    grad_bytes: np.ndarray
-    all_gather_s: np.ndarray
-    units: UnitCosts  # what ``CostEstimate.units`` reports
-    notes: frozenset[str]
-    # the first five columns of ``UnitPlan`` (gathered and gradient bytes, all-gather, reduce-scatter,
-    # all-reduce times), as rows of one float64 array
-    columns: tuple[np.ndarray, ...]
-    sharded_params_bytes: float  # See [Note: memory]
-    optimizer_bytes: float  # optimizer state, sharded
-    optim_s: float  # the optimizer step: See ``state.optimizer_s`` or ``state.cpu_optimizer_s``
-
-
-class _Run(NamedTuple):
-    """One scoring of a plan in one accumulation mode: See [Note: accumulation sync]."""
-
-    mode: str | None  # 'every', 'last', or None (no accumulation)
-    static_bytes: float  # the step loop's static memory
-    held_bytes: float  # unsharded gradients held across micro-batches
-    sharded_grads_bytes: float  # sharded gradients in place before backward
-    events: np.ndarray  # the step loop's recorded events
-    result: StepResult
-
-
-class _Choices(NamedTuple):
-    """One plan's per-unit choices as the step loop reads them: See [Note: reshard after forward]."""
-
-    regather_s: np.ndarray  # backward all-gather (0: kept since forward)
-    kept_bytes: np.ndarray  # parameters kept from forward to backward
-    checkpoint: np.ndarray  # int: 0 none, 1 full, 2 selective-op (CK_CODES)
-    any_checkpoint: bool
-
-
-class _UnitSet(NamedTuple):
-    """Per set of units: what every plan of these units shares. See [Note: simulator speed]."""
-
-    layout: Layout
-    storage_bytes: int
-    trainable_bytes: int
-    compute_s: float  # forward and backward, once
-    per_mesh: dict[Any, _MeshCosts]
-    param_overhead_s: np.ndarray  # per unit: See [Note: per-parameter overhead] in hardware/measure_fsdp.py
-
 
 class Simulator:
     """Scores plans for one model, fabric, compute profile and step options.
@@ -189,7 +137,7 @@ class Simulator:
         self.layout = Layouts(graph, compute, self.options, backend=self.backend)
         self._elem = self.layout.elem  # storage bytes per element
         self.collectives = CollectiveTimes(fabric, self.backend)  # collective times by size
-        self._sets: dict[tuple[tuple[str, ...], ...], _UnitSet] = {}  # per set of units (and mesh)
+        self._sets: dict[tuple[tuple[str, ...], ...], UnitSet] = {}  # per set of units (and mesh)
         self._num_tensors = trainable_tensors(graph)  # the optimizer steps these only
         self._param_ancestors = tuple(ancestors(f.rsplit(".", 1)[0] if "." in f else ROOT) for f, _s, _d in
                                       graph.param_shapes)  # each parameter's module and its ancestors
@@ -313,7 +261,7 @@ class Simulator:
                 out[owner(anc)] += per_param + per_byte * numel
         return out
 
-    def _unit_set(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...]) -> _UnitSet:
+    def _unit_set(self, units: tuple[UnitSpec, ...], mods: tuple[tuple[str, ...], ...]) -> UnitSet:
         """Per set of units: its layout and sums. See [Note: simulator speed]."""
         per_set = self._sets.get(mods)
         if per_set is None:
@@ -322,13 +270,13 @@ class Simulator:
                 self._sets.clear()
             storage, trainable = lay.counts[STORAGE:TRAINABLE_BYTES + 1:TRAINABLE_BYTES - STORAGE].sum(1).tolist()
             fwd, bwd = lay.times[:2].tolist()
-            # in _UnitSet's field order
-            per_set = self._sets[mods] = _new(_UnitSet, (lay, storage, trainable, sum(fwd) + sum(bwd), {},
-                                                         self._param_overhead(units)))
+            per_set = self._sets[mods] = UnitSet(layout=lay, storage_bytes=storage, trainable_bytes=trainable,
+                                                 compute_s=sum(fwd) + sum(bwd), per_mesh={},
+                                                 param_overhead_s=self._param_overhead(units))
         return per_set
 
-    def _mesh_costs(self, per_set: _UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec,
-                    offload: bool = False) -> _MeshCosts:
+    def _mesh_costs(self, per_set: UnitSet, units: tuple[UnitSpec, ...], mesh: MeshSpec,
+                    offload: bool = False) -> MeshCosts:
         """Per set of units and mesh (and offload): bytes and collective times of every unit,
         static memory and the optimizer step. See [Note: CPU offload] in state.py."""
         key = (mesh, True) if offload else mesh
@@ -356,14 +304,15 @@ class Simulator:
             optim_s = (cpu_optimizer_s(trainable, states, shard, self.host) if offload else
                        optimizer_s(trainable, states, mesh, self.compute, num_tensors=self._num_tensors,
                                    stepping=self._stepping))
-            cached = per_set.per_mesh[key] = _new(_MeshCosts, (  # in _MeshCosts' field order
-                P, G, ag, unit_costs, frozenset(cn), columns, sharded_params, optim, optim_s))
+            cached = per_set.per_mesh[key] = MeshCosts(
+                gathered_bytes=P, grad_bytes=G, all_gather_s=ag, units=unit_costs, notes=frozenset(cn),
+                columns=columns, sharded_params_bytes=sharded_params, optimizer_bytes=optim, optim_s=optim_s)
         return cached
 
     # -- reshard and checkpoint choices
 
-    def _reshard_choices(self, units: tuple[UnitSpec, ...], mesh: MeshSpec, per_mesh: _MeshCosts,
-                         notes: set[str]) -> _Choices:
+    def _reshard_choices(self, units: tuple[UnitSpec, ...], mesh: MeshSpec, per_mesh: MeshCosts,
+                         notes: set[str]) -> Choices:
         """Per unit: backward re-gather time, bytes kept from forward to backward, checkpointing.
         See [Note: reshard after forward]."""
         P, ag, shard = per_mesh.gathered_bytes, per_mesh.all_gather_s, mesh.shard_size
@@ -377,12 +326,12 @@ class Simulator:
                 if raf > 1:
                     rag[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
         cks = [_CK_CODES[c] for c in map(_CHECKPOINT, units)]
-        return _new(_Choices, (rag, keep, np.array(cks, dtype=np.int64), any(cks)))  # in _Choices' field order
+        return _new(Choices, (rag, keep, np.array(cks, dtype=np.int64), any(cks)))  # in Choices' field order
 
     # -- the step loop, once per accumulation mode, on the backend
 
-    def _run(self, plan: PlanSpec, per_set: _UnitSet, mods: tuple[tuple[str, ...], ...], per_mesh: _MeshCosts,
-             choices: _Choices, record: bool) -> _Run | None:
+    def _run(self, plan: PlanSpec, per_set: UnitSet, mods: tuple[tuple[str, ...], ...], per_mesh: MeshCosts,
+             choices: Choices, record: bool) -> Run | None:
         """The step loop in each accumulation mode (See [Note: accumulation sync]) and the run
         the estimate reports; None when compiled code failed (See [Note: compiled step loop]
         and [Note: step loop inputs] in step_inputs.py)."""
@@ -417,84 +366,19 @@ class Simulator:
                     raise
                 backend.fall_back(f"{type(e).__name__}: {e}")
                 return None
-            runs.append(_new(_Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in _Run's field order
-        return runs[0] if len(runs) == 1 else self._choose(runs)
-
-    def _choose(self, runs: list[_Run]) -> _Run:
-        """Of the runs in modes 'last' and 'every', the faster that fits the memory budget,
-        else the smaller peak: See [Note: accumulation sync]."""
-        opt, micro = self.options, self.options.grad_accumulation
-        limit = opt.memory_budget_bytes if opt.memory_budget_bytes is not None else float("inf")
-        fit = [r for r in runs if r.result.peak_bytes <= limit]
-        last, every = runs
-        times = {"last": last.result.bwd_end * (micro - 1) + last.result.end, "every": every.result.end * micro}
-        return min(fit, key=lambda r: times[r.mode]) if fit else min(runs, key=lambda r: r.result.peak_bytes)
+            runs.append(_new(Run, (mode, static, held, sharded_grads, ev_rows, res)))  # in Run's field order
+        return runs[0] if len(runs) == 1 else choose_run(runs, self.options)
 
     # -- event decoding, the optimizer, the result
-
-    @staticmethod
-    def _timeline(run: _Run, units: tuple[UnitSpec, ...]) -> list[TimelineEvent]:
-        """The step loop's recorded rows as events (codes: ``step.LANES``, ``step.KINDS``)."""
-        return [TimelineEvent(LANES[int(r[0])], KINDS[int(r[1])], units[int(r[2])].name, float(r[3]), float(r[4]),
-                              int(r[5])) for r in run.events[:run.result.num_events]]
 
     def host_bytes_per_rank(self, plan: PlanSpec) -> float:
         """Host memory one rank of ``plan`` fills under CPU offload: See [Note: CPU offload] in state.py."""
         return host_bytes_per_rank(self.graph.param_bytes, self.graph.trainable_bytes, self._states,
                                    plan.mesh.shard_size)
 
-    def _compute_s(self, per_set: _UnitSet, choices: _Choices) -> float:
-        """Compute of all micro-batches: forward and backward, recomputed forwards and their
-        overhead, and the loss."""
-        lay, codes, any_ck = per_set.layout, choices.checkpoint, choices.any_checkpoint
-        compute_s = per_set.compute_s
-        if any_ck:  # full: the forward again, up to its early stop (Segment.ckpt_fwd_s); selective-op: its other
-            # ops (Segment.sel_fwd_s), and its dispatch modes' work in forward and in the recompute (sel_ops_s, twice)
-            full, sel = codes == CK_FULL, codes == CK_SELECTIVE
-            compute_s += (sum(lay.times[4][full].tolist()) + sum(lay.times[2][sel].tolist())  # sum([]) is 0
-                          + 2.0 * sum(lay.times[3][sel].tolist()))
-            ck_oh = self._constants.checkpoint_overhead_s
-            if ck_oh:
-                compute_s += ck_oh * int(lay.counts[KEEPS][codes > 0].sum())
-        compute_s += self.compute.loss_s * self.options.batch_scale
-        return compute_s * self.options.grad_accumulation
-
-    def _estimate(self, plan: PlanSpec, per_set: _UnitSet, per_mesh: _MeshCosts, choices: _Choices, run: _Run,
+    def _estimate(self, plan: PlanSpec, per_set: UnitSet, per_mesh: MeshCosts, choices: Choices, run: Run,
                   notes: set[str], record: bool) -> CostEstimate:
-        """The ``CostEstimate`` of ``run``: the step's time with the optimizer and the earlier
-        micro-batches (See [Note: accumulation sync]), and the peak's breakdown."""
-        res, micro, mode = run.result, self.options.grad_accumulation, run.mode
-        ev = self._timeline(run, plan.units) if record else []
-        optim_s = per_mesh.optim_s
-        step = res.end + optim_s
-        if record:
-            ev.append(TimelineEvent("compute", "optim", "<all>", res.end, step, int(run.static_bytes)))
-        comm_total = res.comm_s
-        if micro > 1:
-            if mode == "every":  # every micro-batch: forward, backward and its reduce-scatters
-                step += (micro - 1) * res.end
-                comm_total *= micro
-            else:
-                # Earlier micro-batches: the same forward and backward without the
-                # reduce-scatters (set_requires_gradient_sync(False)).
-                step += (micro - 1) * res.bwd_end
-        compute_s = self._compute_s(per_set, choices)
-        sharded_params, optim = per_mesh.sharded_params_bytes, per_mesh.optimizer_bytes
-        grads_before, peak_parts = run.sharded_grads_bytes, res.peak_parts
-        parts = (sharded_params, peak_parts[0] + grads_before if grads_before else peak_parts[0], optim, run.held_bytes)
-        return CostEstimate(
-            step_s=step,
-            fwd_s=res.fwd_end,
-            bwd_s=res.bwd_end - res.fwd_end,
-            compute_s=compute_s,
-            comm_s=comm_total,
-            exposed_comm_s=max(0.0, step - compute_s - optim_s),
-            peak_bytes=int(res.peak_bytes),
-            peak_breakdown=tuple(zip(_PEAK_PARTS, map(int, parts + peak_parts[1:]))),
-            units=per_mesh.units,
-            timeline=tuple(ev),
-            notes=tuple(sorted(notes)),
-            optim_s=optim_s,
-            accumulation_sync=mode,
-        )
-
+        """The ``CostEstimate`` of ``run`` (``estimate.make_estimate``)."""
+        return make_estimate(plan, per_set, per_mesh, choices, run, notes, record=record,
+                             checkpoint_overhead_s=self._constants.checkpoint_overhead_s, loss_s=self.compute.loss_s,
+                             options=self.options)
