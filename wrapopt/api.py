@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.assumptions import Assumptions
-from wrapopt.checks import check_count, check_seed
+from wrapopt.checks import check_seed
 from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.cost import Simulator
 from wrapopt.errors import InfeasibleError, ModelError, OptionError, PlanError, ProfileError, WrapoptError
@@ -34,7 +34,7 @@ from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import with_tp_measurements
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
-from wrapopt.job import Job, prepare
+from wrapopt.job import Job, default_mesh, job_mesh, prepare
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.file import WrapPlan
@@ -94,19 +94,6 @@ class OptimizeResult:
         text = format_report(self.search, self.fabric, self.compute, self.plan.mesh, assumptions=self.assumptions)
         text += "\n" + format_pipeline(self.search) if self.search.pp_rows else ""  # per pipeline degree
         return text + ("\n" + format_batch(self.search) if self.search.batch_rows else "")
-
-
-def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
-    """The mesh asked for, FSDP over the world: ``gpus_per_node`` defaults to ``world_size``
-    up to 8, ``world_size`` to ``gpus_per_node`` (8 ranks on one node when neither is given).
-    A size given is checked, never replaced: 0 is an ``OptionError`` naming the argument."""
-    if world_size is not None:
-        check_count(world_size, "world_size (--world-size)")
-    if gpus_per_node is not None:
-        check_count(gpus_per_node, "gpus_per_node (--gpus-per-node)")
-    gpn = min(8 if world_size is None else world_size, 8) if gpus_per_node is None else gpus_per_node
-    world = gpn if world_size is None else world_size
-    return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
 
 
 def plan_model(job: Job, *, search: SearchOptions | None = None) -> tuple[WrapPlan, SearchResult]:
@@ -242,20 +229,6 @@ def _score_plan(job: Job, wplan: WrapPlan, *, train: TrainConfig | None) -> tupl
     return result, stated
 
 
-def _job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
-    """``default_mesh``; under a process group its world, with torchrun's LOCAL_WORLD_SIZE
-    ranks per node unless ``gpus_per_node`` says otherwise."""
-    if not dist.is_initialized():
-        return default_mesh(world_size=world_size, gpus_per_node=gpus_per_node)
-    if world_size is not None:
-        check_count(world_size, "world_size")
-    world = dist.get_world_size()
-    if world_size is not None and world_size != world:
-        raise ModelError(f"world_size={world_size} but the process group has {world} ranks")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if gpus_per_node is None else gpus_per_node
-    return default_mesh(world_size=world, gpus_per_node=per_node)
-
-
 def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpus_per_node: int | None,
            loss_fn: Callable[..., torch.Tensor] | None, plan: WrapPlan | str | os.PathLike | None, seed: int,
            train: TrainConfig | None, request: dict[str, Any],
@@ -265,7 +238,7 @@ def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpu
     [Note: every rank explains] in wrapopt/consensus.py)."""
     with every_rank("tracing the model and reading the plan"):
         check_seed(seed)
-        mesh = _job_mesh(world_size, gpus_per_node)
+        mesh = job_mesh(world_size, gpus_per_node)
         given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         step = train or (given_plan.train_config if given_plan is not None else TrainConfig())
         req = ParallelRequest(mesh=mesh, train=step, **request)

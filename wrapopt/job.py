@@ -17,9 +17,12 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+import torch.distributed as dist
 import torch.nn as nn
 
+from wrapopt.checks import check_count
 from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import ModelError
 from wrapopt.hardware.budget import budget_line, budget_source, resolve_budget
 from wrapopt.hardware.host import HostSpec, host_for
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
@@ -28,7 +31,7 @@ from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig, model_dtype
 
-__all__ = ["Job", "prepare"]
+__all__ = ["Job", "prepare", "default_mesh", "job_mesh"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +105,29 @@ def prepare(request: ParallelRequest, model: nn.Module, example_inputs: Any = No
                budget_source=budget_source(request.memory_budget, comp),
                budget_note=budget_line(request.memory_budget, comp, budget), sim=sim, host=host, notes=tuple(said))
 
+
+def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
+    """The mesh asked for, FSDP over the world: ``gpus_per_node`` defaults to ``world_size``
+    up to 8, ``world_size`` to ``gpus_per_node`` (8 ranks on one node when neither is given).
+    A size given is checked, never replaced: 0 is an ``OptionError`` naming the argument."""
+    if world_size is not None:
+        check_count(world_size, "world_size (--world-size)")
+    if gpus_per_node is not None:
+        check_count(gpus_per_node, "gpus_per_node (--gpus-per-node)")
+    gpn = min(8 if world_size is None else world_size, 8) if gpus_per_node is None else gpus_per_node
+    world = gpn if world_size is None else world_size
+    return MeshSpec(world_size=world, ranks_per_node=min(gpn, world), shard_size=world)
+
+
+def job_mesh(world_size: int | None, gpus_per_node: int | None) -> MeshSpec:
+    """``default_mesh``; under a process group its world, with torchrun's LOCAL_WORLD_SIZE
+    ranks per node unless ``gpus_per_node`` says otherwise."""
+    if not dist.is_initialized():
+        return default_mesh(world_size=world_size, gpus_per_node=gpus_per_node)
+    if world_size is not None:
+        check_count(world_size, "world_size")
+    world = dist.get_world_size()
+    if world_size is not None and world_size != world:
+        raise ModelError(f"world_size={world_size} but the process group has {world} ranks")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if gpus_per_node is None else gpus_per_node
+    return default_mesh(world_size=world, gpus_per_node=per_node)
