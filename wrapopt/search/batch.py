@@ -7,9 +7,8 @@ prices a split by ``SimOptions.batch_scale = micro_batch / (traced batch x t)`` 
 saved activations, the working set and the loss all scale linearly with it; the tensor-parallel
 view multiplies it by t again: a group runs its data-parallel rank's micro-batch) and
 ``grad_accumulation``; its step covers the whole global batch, so step times of different
-splits compare directly (tokens/s/GPU = N x seq / (step x world)). Scaling one trace is
-accurate: traced at batch 1 and scaled to 2 or 8, per-block plans of gpt-tiny and llama-7b
-land within 0.6% (step) and 0.2% (peak) of a trace at that batch, so no split retraces.
+splits compare directly (tokens/s/GPU = N x seq / (step x world)). No split retraces: a
+trace at one batch, scaled, prices another batch about as a trace at that batch would.
 
 The search runs in two passes, so that a dozen splits cost little more than one search:
 
@@ -18,8 +17,7 @@ The search runs in two passes, so that a dozen splits cost little more than one 
    larger micro-batch of that degree, and they are skipped. Otherwise a screen: the whole
    search without the study, FSDP over the data-parallel ranks only (the shard group asked
    for, if one is), units of at most ``SCREEN_MAX_GROUP`` blocks (the exact DP's cost grows
-   with the group size; on llama-70b at 1024 GPUs, --tp auto, 15 splits, the screen at 8 cost
-   ~60 s of CPU and at 2 ~15 s, and refined the same two splits to the same answer);
+   with the group size, and a screen only ranks the splits);
 2. the ``REFINE`` fastest splits of the screen get the whole search (every shard group, HSDP,
    the study's trials shared out among them); the fastest fitting plan of those wins.
 

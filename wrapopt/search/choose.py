@@ -1,8 +1,9 @@
 """Which fitting plan a search hands back: the simplest within the simulator's error.
 
-[Note: plans within the error] The simulator misses. A plan predicted 0.3%
-faster than one unit per block, for 12 GiB more memory and a cut nobody has
-run, is not a better plan: it is noise in the prediction bought with memory.
+[Note: plans within the error] The simulator misses. A plan predicted a
+fraction of a percent faster than one unit per block, for gigabytes more
+memory and a cut nobody has run, is not a better plan: it is noise in the
+prediction bought with memory.
 So ``choose`` does not return the fastest fitting plan. It returns:
 
 1. among the plans that fit the budget less ``MEMORY_ERROR`` (the memory
@@ -36,14 +37,11 @@ from wrapopt.spec import ModelGraph, PlanSpec
 __all__ = ["STEP_ERROR", "MEMORY_ERROR", "ERROR_SOURCE", "Choice", "choose", "is_per_block"]
 
 # The largest |paired ratio - 1| of the measured step of the predicted-fastest plan to the
-# measured-fastest plan, over the 12 fidelity cases of results/fidelity.md (8: 1.000 x5, 0.977,
-# 1.043, 1.048) and results/fidelity_train.md (4: 1.000, 1.029, 1.000, 1.000): the worst case, 4.8%
-# (vit-tiny on 2 ranks), since the median is 0 and would call every prediction exact. It was 3.2%
-# from the run before the module times became shares of the whole forward (2026-12-06), where
-# runs beside it gave 4.4% and 3.6%. See [Note: plans within the error].
+# measured-fastest plan over the fidelity cases (results/fidelity.md, results/fidelity_train.md):
+# the worst case, since the median is 0 and would call every prediction exact. See [Note: plans
+# within the error].
 STEP_ERROR = 0.048
-# The worst peak-memory error of results/fidelity.md (zoo:t5-tiny on 2 ranks, +4.0%; the
-# FSDPMemTracker comparison on llama-7b is within 0.9%, fidelity_train.md within 2.3%).
+# The worst peak-memory error of results/fidelity.md.
 MEMORY_ERROR = 0.04
 ERROR_SOURCE = (f"worst measured miss: step {STEP_ERROR:.1%} (predicted- vs measured-fastest, paired, "
                 f"results/fidelity.md and fidelity_train.md), peak {MEMORY_ERROR:.1%} (results/fidelity.md)")

@@ -111,13 +111,11 @@ def pp_group_sizes(request: ParallelRequest, *, also: Sequence[int] = ()) -> tup
 # collectives run on that group, all stages at once, and neighbouring stages' sends cross a link
 # inside the node. A measured fabric has only the world axis on one node (intra and inter across
 # nodes), and ``FabricProfile.collective_s`` rescales any other group from the nearest axis with
-# the ring model, never below that axis's latency. On 4 gloo ranks of this VM a stage's 2-rank
-# collectives and every send were so priced at the world's latency (all-gather 3.6-4.1 ms) where a
-# 2-rank group measures 0.4-1.4 ms, and the pipeline plans ran 0.60-0.71x their predictions
-# (``benchmarks/fidelity_pp.py``, 2026-12-06). So wherever wrapopt measures the fabric for a
-# pipeline search (``optimize_wrap(pp=...)`` under a process group, ``wrapopt profile-fabric
-# --pp``, the fidelity bench), it also measures groups of each tried degree's stage size, and of 2
-# (the sends, priced as a 2-rank all-gather by ``cost.pipeline.send_s``), inside a node.
+# the ring model, never below that axis's latency: a stage's smaller group and every send would be
+# priced at the world's latency, well above what a small group takes. So wherever wrapopt measures
+# the fabric for a pipeline search (``optimize_wrap(pp=...)`` under a process group, ``wrapopt
+# profile-fabric --pp``, the fidelity bench), it also measures groups of each tried degree's stage
+# size, and of 2 (the sends, priced as a 2-rank all-gather by ``cost.pipeline.send_s``), inside a node.
 
 
 def microbatch_counts(graph: ModelGraph, shape: Shape) -> tuple[int, ...]:

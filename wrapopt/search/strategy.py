@@ -58,8 +58,8 @@ class SearchOptions:
     progress: bool = False  # a progress line on stderr
     # Per-unit checkpointing the DP, the uniform groupings and the study choose from: False (none),
     # True (full) and, when listed, SELECTIVE_OP ("selective-op": See [Note: selective checkpointing]
-    # in wrapopt/selective.py). The default leaves selective-op out, so that searches without it
-    # answer as before; the CLI's --checkpoint-modes none,full,selective-op adds it.
+    # in wrapopt/selective.py). The default leaves selective-op out; the CLI's
+    # --checkpoint-modes none,full,selective-op adds it.
     checkpoint_modes: tuple[bool | str, ...] = (False, True)
 
     def __post_init__(self) -> None:
