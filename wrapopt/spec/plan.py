@@ -15,8 +15,8 @@ __all__ = ["MeshSpec", "UnitSpec", "TP_STYLES", "TPSpec", "PP_SCHEDULES", "Pipel
 
 # Activation checkpointing of a unit, a closed set: False (none), True (full: every activation
 # recomputed) or SELECTIVE_OP (the outputs of matmuls and attention kept, the rest recomputed:
-# See [Note: selective checkpointing] in selective.py). True and False stay the plain booleans
-# they always were, so plan files and golden answers written before are unchanged.
+# See [Note: selective checkpointing] in selective.py). True and False are plain booleans, so plan
+# files and golden answers that hold them read unchanged.
 SELECTIVE_OP = "selective-op"
 CHECKPOINT_MODES: tuple[bool | str, ...] = (False, True, SELECTIVE_OP)
 
