@@ -3,7 +3,7 @@
 [Note: pipeline search] For each pipeline degree asked for (``--pp auto``: 1 and 2, 4, 8, 16
 where they divide the world and leave every stage a block), and each tensor-parallel degree:
 
-- degree 1 is today's search (``search_plan`` / ``search_tp``, [Note: 2-D search]);
+- degree 1 is the search without a pipeline (``search_plan`` / ``search_tp``, [Note: 2-D search]);
 - above 1, on the mesh ``pp x (world / (pp x tp)) x tp`` with FSDP over each stage's
   data-parallel ranks: the virtual stages per rank (1 for GPipe and 1F1B; 2 and 4 for
   Interleaved1F1B), each giving a balanced split ([Note: stage split]); the schedule; the
@@ -15,7 +15,7 @@ where they divide the world and leave every stage a block), and each tensor-para
   the three best of those. The shape is shared by the stages in those passes, not searched per
   stage: a pipeline plan is scored by simulating each of its stages, and the DP per stage for
   every micro-batch count and schedule would multiply the search's time. Then a third pass
-  searches each stage's FSDP plan apart (today's ``search_plan``, the exact DP included, on the
+  searches each stage's FSDP plan apart (the 1-D ``search_plan``, the exact DP included, on the
   stage's simulator) for the ``REFINE_TOP`` fastest plans that fit, and keeps the result only
   where it fits and beats the shared shape by more than the simulator's error: See [Note:
   per-stage refinement] in search/pipeline_stages.py.

@@ -1,4 +1,4 @@
-"""Per-stage refinement of a pipeline plan: each stage's FSDP plan searched by today's search.
+"""Per-stage refinement of a pipeline plan: each stage's FSDP plan searched by the 1-D search.
 
 [Note: per-stage refinement] The two passes of [Note: pipeline search] give every stage of a
 pipeline plan one shared shape. After them, the ``REFINE_TOP`` fastest plans of a pipeline
