@@ -19,9 +19,9 @@ than ``LOSS_SHARE_WARN`` of the chosen plan's predicted peak, the block says
 so and gives that plan's peak re-simulated under the smallest plausible
 loss, the bound a user with a leaner loss can expect.
 
-Later step options (issue 19's training configuration: accumulation, sync
-mode) add fields with defaults here and a line in ``lines()``; a reader of a
-plan file ignores fields it does not know (``from_json``).
+A new step option adds a field with a default here and a line in
+``lines()``; a reader of a plan file ignores fields it does not know
+(``from_json``).
 """
 
 from __future__ import annotations

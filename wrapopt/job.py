@@ -2,9 +2,8 @@
 
 Every entry point that scores plans (``optimize_wrap``, ``estimate``, ``wrapopt search``, the
 fidelity bench) builds its ``ParallelRequest`` and calls ``prepare``; the search and the
-reports take the ``Job``. Before it, each wired the stages its own way and drifted (a second
-``Simulator`` built with other options, a budget resolved after the trace in one place and
-before it in another).
+reports take the ``Job``. One wiring keeps them agreeing: one ``Simulator`` with one set of
+options, and the budget resolved at one point.
 
 The order is the user's: what can be refused without the model (a fabric file, a budget, the
 offload host) is refused before the model is traced, so a bad flag fails in a second, not after
