@@ -2,8 +2,10 @@
 
 Everything here depends only on which modules each unit owns, not on the
 per-unit choices (resharding, checkpointing) or the mesh, so ``Layouts``
-builds it once per set of units and caches it. The step itself is walked in
-``step.py``, for a plan that ``simulate.py`` prepares.
+builds it once per set of units and caches it. This module's one concern is
+that build, in its two forms (fragments in Python, ``kernels.layout_kernel``
+compiled), which must agree. The step itself is walked in ``step.py``, for a
+plan that ``simulate.py`` prepares.
 
 [Note: segments] Forward compute is a sequence of *segments*: runs of
 consecutive module calls owned by the same unit and inside the same block
