@@ -97,8 +97,7 @@ def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece
 # measures that part on the model itself (``measure_batch_fixed_share``: forward + loss + backward
 # of the whole model at its batch and at half of it, interleaved; the share k with
 # t(s) = t(1) x (k + (1 - k) s) through both), and ``module_time`` prices every measured module
-# by it; on this CPU llama-tiny gives about 0.3 and gpt-tiny 0.1 (forward + backward cost 4.9 ms
-# per sequence at batch 8 and 7.2 at 2 on llama-tiny). Profiles without it (0, as every file
+# by it. Profiles without it (0, as every file
 # written before it, and the analytical ones: their kernels are priced from shapes, with a fixed
 # per-call overhead) scale linearly. The loss stays linear (one large op on the logits).
 def module_time(m: ModuleInfo, compute: ComputeProfile, scale: float,

@@ -22,18 +22,15 @@ bf16: a ``Simulator`` built by hand, the "--precision bf16" what-if of
 ``search.diagnosis``) is rescaled uniformly: ``in_compute_dtype`` multiplies its
 activation figures (saved, input, output and selective-op kept bytes, the
 memory-bound ops' bytes) by (bytes of the step's dtype) / (bytes of the traced
-one) before any layout is built. That halves float32 upcasts too (issue 34:
-Llama 3.1 8B at 8192 tokens, its blocks' saved bytes 8.3% under the bf16
-trace's, its RMSNorms' float32 tensors halved; a tiny Llama through ``hf:``, 7%
-under on all saved bytes). The loss is then taken to compute in float32, as the
+one) before any layout is built. That halves float32 upcasts too (a block's
+float32 norm tensors), so such a what-if reads saved bytes a little under a
+trace in the step's dtype. The loss is then taken to compute in float32, as the
 cross-entropy of the zoo, TorchTitan and Hugging Face do (they upcast the
 logits): what it creates, saves and holds as gradients stays as traced. A loss
 that upcasts the whole output before anything else holds one float32 copy of
-the output more than a float32 trace shows (it was a no-op there). Before the
-loss's gradients were measured ([Note: the loss's gradients] in
-trace/record.py), this rescale added one copy of the output in its own dtype to
-the loss's live bytes, which stood in for the float32 gradients of its
-backward; it is gone. Other time is the compute profile's business (measure
+the output more than a float32 trace shows (it was a no-op there); its
+gradients are the tracer's ([Note: the loss's gradients] in trace/record.py).
+Other time is the compute profile's business (measure
 it, or state its rate, in the dtype the step runs in).
 """
 

@@ -385,7 +385,7 @@ class Layouts:
             ids = np.fromiter(map(mid.__getitem__, chain.from_iterable(mods)), dtype=np.int64)
         except KeyError:
             return None
-        listed = np.fromiter(map(len, mods), dtype=np.int64, count=len(mods))  # ~25% faster than np.array(list(...))
+        listed = np.fromiter(map(len, mods), dtype=np.int64, count=len(mods))  # no intermediate list
         seg_u, seg_f, s, u_i, u_f, runs = kernel(ids, listed, *tables)  # the tables in the kernel's order
         # As Simulator._columns makes them; the rows of u_i and u_f: See layout_kernel.
         new = tuple.__new__  # the named tuples from their fields in order (faster than keywords)

@@ -73,18 +73,15 @@ slowest rank's optimizer steps. ``compute_s``: the busiest rank's compute; ``exp
 inputs, which its first module saves anyway) in its ``fwd_cache`` until that micro-batch's backward,
 where a plain step frees it once used (cross-entropy saves its log-softmax, not the logits). So a
 micro-batch in flight holds its saved activations and the stage's output (``activation_bytes``; the
-last stage's: the logits), and the transient is the rest of the plain step's peak, without it.
-Measured, gpt-tiny in 2 stages x 2 gloo ranks (its head's tied copy: [Note: tied copies on stages]
-in ``cost/stage_view.py``), peak per pipeline rank, predicted / measured MiB: 1F1B of 4 micro-batches
-6.92 / 6.93 and 6.78 / 6.75 (4.03 without the output and the copy), Interleaved1F1B of 4 on 4 stages
-5.85 / 6.13 and 8.52 / 8.61 (5.71), GPipe of 2 10.17 / 9.01 and 16.44 / 15.56.
+last stage's: the logits), and the transient is the rest of the plain step's peak, without it
+(a tied head's copy: [Note: tied copies on stages] in ``cost/stage_view.py``).
 
 [Note: pipeline actions] torch's schedule does host work for every forward and backward action (the
-stage's bookkeeping, receive buffers and point-to-point calls, autograd's call into it): on 2 gloo
-ranks, a 2-stage pipeline with nothing to compute steps about 1.1-1.4 ms slower per micro-batch. A
-measured profile carries it per action (``pipeline_action_s``, ``measure_pipeline_action``: a 1F1B of
-2 and of 8 micro-batches on rank pairs, less the two sends each micro-batch adds, which ``send_s``
-charges), and every forward and backward of a stage pays it. Analytical profiles leave it 0 (host
+stage's bookkeeping, receive buffers and point-to-point calls, autograd's call into it), a cost
+per micro-batch even when a stage computes nothing. A measured profile carries it per action
+(``pipeline_action_s``, ``measure_pipeline_action``: a 1F1B of 2 and of 8 micro-batches on rank
+pairs, less the two sends each micro-batch adds, which ``send_s`` charges), and every forward and
+backward of a stage pays it. Analytical profiles leave it 0 (host
 work a GPU's run-ahead may hide; not measured here).
 """
 

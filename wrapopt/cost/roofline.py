@@ -13,8 +13,8 @@ FLOPs / their measured rate):
   the tiles' re-reads hit L2). The sum charges what a kernel does not hide of
   its loads behind its math: nearly nothing for a wide GEMM (d = 4096: the bytes
   term is ~5% of the FLOPs term), a quarter for a 768-wide one, whose few
-  k-steps leave the pipeline's fill and drain exposed; the max (the strict
-  roofline) had left the 125m-760m rows 17-32% too fast. ``waves`` is wave
+  k-steps leave the pipeline's fill and drain exposed, which the max (the
+  strict roofline) misses. ``waves`` is wave
   quantization: a GEMM of ``t`` output tiles of 128 x 128 on ``s``
   multiprocessors runs ``ceil(t / s)`` waves, busy ``t / (s ceil(t / s))`` of
   the time; it matters for few tiles (a 768-wide layer at a small

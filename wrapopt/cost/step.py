@@ -27,8 +27,8 @@ run in issue order.
 [Note: backward schedule] Backward walks the segments in reverse. At a
 unit's pre-backward FSDP2 issues its all-gather (if resharded) and prefetches
 the next unit's in backward order ([Note: pre-backward] the first of these
-beside the output's gradient, on which FSDP2's hook fires; measured: moe-tiny's
-4-block unit peaked in that prefetch). A checkpointed unit first recomputes
+run beside the output's gradient, on which FSDP2's hook fires, so that
+gradient is held while they gather). A checkpointed unit first recomputes
 its forward, each checkpointed block paying the profile's measured
 ``checkpoint_overhead_s`` on top, less the part its forward paid (See
 [Note: checkpoint overhead]). After the unit's last backward segment its
@@ -72,15 +72,13 @@ forward all-gather's output after its copy-out, to overlap the copy-out with
 the next collective, and frees it just before the next unit's copy-out; the
 root's post-forward frees the last one. So while forward computes, the unit
 before holds its gathered size once more (the whole model for a root-only
-plan), on every device (measured, 2 gloo ranks: wide-shallow's one unit peaked
-in a forward matmul beside that buffer). Backward all-gathers free theirs at
-once; a shard group of one gathers nothing.
+plan), on every device. Backward all-gathers free theirs at once; a shard
+group of one gathers nothing.
 
 [Note: collective copies] gloo's all-gather and reduce-scatter allocate a
 buffer of the collective's unsharded size while they run, free again by the
-time the collective is waited on (measured with the profiler's memory events,
-2 ranks: 10 MiB for a 10 MiB all-gather output or reduce-scatter input);
-``FabricProfile.collective_copies`` states it per backend (NCCL and
+time the collective is waited on; ``FabricProfile.collective_copies`` states
+it per backend (NCCL and
 analytical fabrics: 0). So an all-gather holds its output and that copy while
 it runs; by its copy-out the copy is gone. A reduce-scatter's copy adds
 nothing to its copy-in: FSDP2 frees the unsharded gradients once copied into
@@ -89,11 +87,7 @@ the input buffer (``foreach_reduce``), before it runs.
 [Note: shard group of one] A shard group of one gathers and reduce-scatters
 nothing: no collective copy, no all-gather output kept. It pays the per-unit
 overhead all the same: FSDP2's unshard still runs its copy-in, its "all-gather"
-of one rank and its copy-out into every parameter. Measured against the plain
-model (2 gloo ranks, 40 interleaved steps, max over ranks): no-shard's forward
-ran 1.40-1.75 ms over the plain forward (gpt-tiny, llama-tiny) with a unit
-overhead of 1.48-1.62 ms. An earlier exemption read a paired comparison with
-size-1e8 as no-shard's error, when size-1e8's own forward ran that much over.
+of one rank and its copy-out into every parameter.
 
 [Note: overlap] Collectives are not free when overlapped: a compute segment
 that starts while the comm lane is busy runs ``1 + overlap_compute_slowdown``
@@ -105,13 +99,10 @@ measured by the profiler.
 recomputed forward: ``ComputeProfile.checkpoint_overhead_s`` per checkpointed
 block, measured on the model's first block (``measure_checkpoint_overhead``).
 Part of it runs in the first forward (the checkpoint's forward hooks and
-saved-tensor hooks), ``checkpoint_forward_s``, and the rest in the recompute.
-Charged all to the recompute, gpt-tiny's checkpointed plans in ``make demo``
-(2 gloo ranks) ran their forward 3.4-3.6 ms over the prediction and their
-backward up to 4 ms under it, 4 checkpointed blocks each. Measured on its
-block alone the forward's part is 0.24-0.26 of 0.73-0.79 ms (two demo runs):
-less than those phases suggest, so some of the checkpointed forward's excess
-inside an FSDP step is still not priced; the step's total is unchanged.
+saved-tensor hooks), ``checkpoint_forward_s``, and the rest in the recompute,
+so each phase is charged its own part. The part is measured on the block
+alone; inside an FSDP step the checkpointed forward runs slower still, which
+is not priced (the step's total is).
 
 [Note: blocking collectives] On a CPU (``ComputeProfile.runs_ahead`` False) a
 rank computes nothing while its collectives run: FSDP2 (torch 2.13) issues
@@ -121,15 +112,8 @@ called so returns only when it has ended. So there (``StepConstants.serial``)
 compute waits for every collective it issued: a prefetched all-gather, and a
 unit's reduction before the unit's post-reduction work; nothing overlaps and
 [Note: overlap]'s factors never apply. A GPU's streams run collectives beside
-the kernels; there the lanes overlap as above. Measured on 2 gloo ranks
-(torch 2.13.0+cpu, 60 paired rounds, twice): gpt-tiny's per-block forward
-with an explicit forward prefetch ran +0.04 and +0.31 ms against none, where
-the overlapping model had priced the four all-gathers hidden. Replayed on 14
-recorded ``make demo`` runs with their own profiles (together with the unit
-overhead counted per event: See ``measure_unit_overhead``), the runs whose
-every plan lies within 30% went from 8 to 10 of 14; every-leaf's median
-measured/predicted from 0.87 to 0.95, the one-unit plans' from 1.16-1.20 to
-1.14-1.17.
+the kernels; there the lanes overlap as above. So on a CPU an explicit
+forward prefetch hides nothing: it only moves the wait earlier.
 """
 
 from __future__ import annotations

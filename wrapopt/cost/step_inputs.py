@@ -12,19 +12,17 @@ notes. No modelling decision here.
 and the simulator's ``StepConstants`` (built once); ``Backend.step`` returns
 a ``StepResult``. numba (0.68) compiles named tuples of arrays and scalars as
 they are, but types a named tuple argument in Python on every call, where a
-plain tuple's type is found in C: with arguments of these sizes and a
-trivial body, a call took ~7.5 us against ~4 us, and returning a named
-tuple ~1.9 us against ~0.4 us, while scoring a plan whose layout is cached
-takes ~25 us in all. So the compiled ``step_loop`` is given plain tuples
-(``x[:]``, in field order) and returns one. Its first lines unpack the five
-inputs by position, in their fields' order (asserted against ``_fields`` at
-import): named or plain, the same line reads both, for free in compiled code
-and in ~0.3 us as Python, where naming them again (``Segments(*segs)``) and
-reading the names took ~1.9 us (a separate compiled entry building them cost
-~0.4 us; inlining it doubled the compile time). The per-plan named tuples
-are built by ``tuple.__new__(Cls, fields)`` (~0.15 us, against ~0.3 us with
-keywords and ~0.2 us by ``Cls._make``): these records are built on every
-scoring, so their cost is the simulator's speed.
+plain tuple's type is found in C, and boxes a returned named tuple field by
+field; against the few microseconds a cached plan takes to score, both show.
+So the compiled ``step_loop`` is given plain tuples (``x[:]``, in field
+order) and returns one. The loop and its phases unpack the inputs by
+position, in their fields' order (asserted against ``_fields`` at import),
+into variables named as the fields: named or plain, the same line reads
+both, free in compiled code and cheaper as Python than naming them again
+(``Segments(*segs)``) and reading attributes. The per-plan named tuples are
+built by ``tuple.__new__(Cls, fields)``, which skips the keyword parsing of
+``Cls(...)``: these records are built on every scoring, so their cost is the
+simulator's speed; records built once per set of units or mesh use keywords.
 """
 
 from __future__ import annotations
