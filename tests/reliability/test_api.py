@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from tests.reliability.common import assert_api_refuses, case
 from wrapopt.api import default_mesh, estimate, optimize_wrap
-from wrapopt.errors import ModelError, OptionError, PlanError
+from wrapopt.errors import ModelError, OptionError
 from wrapopt.hardware.presets import analytical_fabric
 from wrapopt.models import zoo
 from wrapopt.models.sources import resolve_model
