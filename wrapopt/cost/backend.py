@@ -58,7 +58,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from wrapopt.cost.kernels import layout_kernel, lookup, merge
+from wrapopt.cost.kernels import LAYOUT_HELPERS, PER_SEGMENT_HELPERS, layout_kernel, lookup, merge
 from wrapopt.cost.step import EVENT_HELPERS, PHASES, STATE_SIZE, new_state, step_loop
 from wrapopt.cost.step_inputs import PlanScalars, Segments, StepConstants, StepResult, UnitLayout, UnitPlan
 
@@ -107,10 +107,12 @@ def compile_kernels() -> Kernels:
         from numba.extending import overload, register_jitable
 
         # step_loop calls them: numba compiles them with it (the per-event ones without reference counting)
-        for helper in EVENT_HELPERS:
+        for helper in EVENT_HELPERS + PER_SEGMENT_HELPERS:
             register_jitable(_nrt=False)(helper)
         for phase in PHASES:
             register_jitable(phase)
+        for helper in LAYOUT_HELPERS:  # layout_kernel's, called a few times per layout
+            register_jitable(helper)
         overload(new_state)(lambda: lambda: np.zeros(STATE_SIZE))  # the loop's state as an array
         cache_dir = numba_cache_dir()
         jit = numba.njit(cache=cache_dir is not None)

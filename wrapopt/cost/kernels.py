@@ -18,7 +18,7 @@ import numpy as np
 
 from wrapopt.spec import ROOT
 
-__all__ = ["LayoutTables", "layout_tables", "layout_kernel", "lookup", "merge"]
+__all__ = ["LAYOUT_HELPERS", "PER_SEGMENT_HELPERS", "LayoutTables", "layout_tables", "layout_kernel", "lookup", "merge"]
 
 
 class LayoutTables(NamedTuple):
@@ -88,26 +88,42 @@ def layout_tables(runs: Any, param_modules: Any, out_bytes: dict[str, float], ke
 
 
 
-# Exempt from the 80-line cap: numba compiles one function, and splitting it into
-# functions would cost a call per module call in its loops (See [Note: layout kernel]).
 def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p_anc, p_vals, m_out,  # noqa: ANN001
                   root_id, scale, reduce_elem):
-    """``Layouts.build`` on module ids, for numba: See [Note: layout kernel].
+    """``Layouts.build`` on module ids, for numba: See [Note: layout kernel] in layout.py.
 
     Units list modules ``ids``, ``listed[u]`` of them for unit ``u``. Module calls in forward order:
     ancestor ids ``e_anc`` (innermost first, -1 padded) and the share of its forward a checkpoint around
-    each does not rerun ``e_skip``, piece ``e_piece``, times
-    ``e_time`` (forward, backward, selective recompute and per-pass overhead, per-call overhead) and ``e_int`` (saved,
-    output, gradient
-    elements, accumulated elements, input bytes, selective kept); ``keep_of`` per piece. Parameter modules:
+    each does not rerun ``e_skip``, piece ``e_piece``, times ``e_time`` (forward, backward, selective
+    recompute and per-pass overhead, per-call overhead) and ``e_int`` (saved, output, gradient elements,
+    accumulated elements, input bytes, selective kept); ``keep_of`` per piece. Parameter modules:
     ancestors ``p_anc`` and ``p_vals`` (elements, bytes, trainable elements and bytes).
     ``m_out``: each module's output bytes. Returns the segments (their units and
     the other 11 columns of ``Segment``; the first ``s`` are used), ``s``, per-unit
     integer rows (``Layout.counts``, then the step loop's) and float rows (times,
     then the step loop's), and how many units run."""
     n = listed.shape[0]
+    unit_of, widest = _unit_of_modules(ids, listed, m_out)
+    own, rerun, sel_rerun = _call_owners(e_anc, e_skip, e_time, unit_of, n)
+    seg_u, seg_f, s, u_i, u_f, runs = _segments(e_piece, e_time, e_int, keep_of, own, rerun, sel_rerun, n,
+                                                reduce_elem)
+    _add_parameters(p_anc, p_vals, unit_of, u_i)
+    k = 0
+    for u in range(n):
+        u_f[6, u] = u_i[3, u]
+        u_i[6, u] = int(widest[u] * scale)
+        if listed[u] == 1 and ids[k] == root_id:  # UnitSpec.is_root keeps nothing
+            u_i[6, u] = 0
+        k += listed[u]
+    _backward_order(seg_u, s, u_i)
+    return seg_u, seg_f, s, u_i, u_f, runs
+
+
+def _unit_of_modules(ids, listed, m_out):  # noqa: ANN001, ANN202
+    """Per module id, the unit that lists it (-1: none), and per unit its largest module output."""
+    n = listed.shape[0]
     unit_of = np.full(m_out.shape[0], -1, np.int64)
-    widest = np.zeros(n, np.float64)  # largest output among a unit's modules
+    widest = np.zeros(n, np.float64)
     k = 0
     for u in range(n):
         for _ in range(listed[u]):
@@ -115,16 +131,22 @@ def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p
             if m_out[ids[k]] > widest[u]:
                 widest[u] = m_out[ids[k]]
             k += 1
+    return unit_of, widest
+
+
+def _call_owners(e_anc, e_skip, e_time, unit_of, n):  # noqa: ANN001, ANN202
+    """Per module call: its unit (the innermost ancestor a unit lists; else the root, ``n - 1``) and
+    what a checkpoint around that unit's module recomputes of it, full and selective-op: its kernels
+    less those after the early stop, and its per-call overhead (See [Note: early stop] in
+    wrapopt/trace/record.py)."""
     ne, depth = e_anc.shape
     own = np.empty(ne, np.int64)
-    # What a checkpoint around its unit's module recomputes of it, full and selective-op: its kernels
-    # less those after the early stop, and its per-call overhead (See [Note: early stop])
     rerun = np.empty(ne, np.float64)
-    srerun = np.empty(ne, np.float64)
+    sel_rerun = np.empty(ne, np.float64)
     for i in range(ne):
         own[i] = n - 1
         rerun[i] = e_time[0, i]
-        srerun[i] = e_time[2, i]
+        sel_rerun[i] = e_time[2, i]
         for d in range(depth):
             a = e_anc[i, d]
             if a < 0:
@@ -132,8 +154,28 @@ def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p
             if unit_of[a] >= 0:
                 own[i] = unit_of[a]
                 rerun[i] = e_time[0, i] - e_skip[i, d] * (e_time[0, i] - e_time[4, i])
-                srerun[i] = e_time[2, i] - e_skip[i, d] * (e_time[2, i] - e_time[4, i])
+                sel_rerun[i] = e_time[2, i] - e_skip[i, d] * (e_time[2, i] - e_time[4, i])
                 break
+    return own, rerun, sel_rerun
+
+
+def _backward_work(e_int, i, j, reduce_elem):  # noqa: ANN001, ANN202
+    """The most calls ``i..j-1`` hold in backward beyond their saved activations and earlier
+    gradients: See [Note: progressive backward] in calls.py, as ``backward_working_set``."""
+    freed = grads = best = 0.0
+    for k in range(j - 1, i - 1, -1):
+        grads += e_int[2, k] * reduce_elem
+        leaving = e_int[4, k] if e_int[4, k] else e_int[1, k]
+        x = grads - freed + e_int[1, k] + leaving + 2 * e_int[3, k] * reduce_elem
+        if x > best:
+            best = x
+        freed += e_int[0, k]
+    return best
+
+
+def _segments(e_piece, e_time, e_int, keep_of, own, rerun, sel_rerun, n, reduce_elem):  # noqa: ANN001, ANN202, PLR0913
+    """The segments (runs of calls of one piece and one unit) and the per-unit sums over them."""
+    ne = own.shape[0]
     seg_u = np.empty(ne, np.int64)
     seg_f = np.empty((11, ne), np.float64)  # the other columns of Segment
     # Layout.counts' rows (numel, storage bytes, trainable numel, trainable bytes, saved, working
@@ -156,10 +198,10 @@ def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p
         while j < ne and e_piece[j] == pc and own[j] == u:
             j += 1
         f, b, sv, out, gn = e_time[0, i], e_time[1, i], e_int[0, i], e_int[1, i], e_int[2, i]
-        sf, so, sk, rf = srerun[i], e_time[3, i], e_int[5, i], rerun[i]
+        sf, so, sk, rf = sel_rerun[i], e_time[3, i], e_int[5, i], rerun[i]
         for k in range(i + 1, j):
             rf += rerun[k]
-            sf += srerun[k]
+            sf += sel_rerun[k]
             so += e_time[3, k]
             sk += e_int[5, k]
             f += e_time[0, k]
@@ -168,21 +210,13 @@ def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p
             if e_int[1, k] > out:
                 out = e_int[1, k]
             gn += e_int[2, k]
-        freed = grads = best = 0.0  # See [Note: progressive backward], as _backward_working_set
-        for k in range(j - 1, i - 1, -1):
-            grads += e_int[2, k] * reduce_elem
-            leaving = e_int[4, k] if e_int[4, k] else e_int[1, k]
-            x = grads - freed + e_int[1, k] + leaving + 2 * e_int[3, k] * reduce_elem
-            if x > best:
-                best = x
-            freed += e_int[0, k]
         keep = 0
         if not seen[pc]:
             keep = keep_of[pc]
             seen[pc] = True
         seg_u[s] = u
         seg_f[0, s], seg_f[1, s], seg_f[2, s], seg_f[3, s] = f, b, sv, out
-        seg_f[4, s], seg_f[5, s], seg_f[6, s] = gn, int(best), keep
+        seg_f[4, s], seg_f[5, s], seg_f[6, s] = gn, int(_backward_work(e_int, i, j, reduce_elem)), keep
         seg_f[7, s], seg_f[8, s], seg_f[9, s], seg_f[10, s] = sf, sk + keep, so, rf
         u_f[0, u] += f
         u_f[1, u] += b
@@ -203,6 +237,13 @@ def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p
             runs += 1
         s += 1
         i = j
+    return seg_u, seg_f, s, u_i, u_f, runs
+
+
+def _add_parameters(p_anc, p_vals, unit_of, u_i):  # noqa: ANN001, ANN202
+    """Each parameter module's (elements, bytes, trainable elements and bytes) to the unit that
+    owns it: its innermost ancestor a unit lists, else the root."""
+    n, depth = u_i.shape[1], p_anc.shape[1]
     for p in range(p_anc.shape[0]):
         o = n - 1
         for d in range(depth):
@@ -214,14 +255,11 @@ def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p
                 break
         for c in range(4):
             u_i[c, o] += p_vals[c, p]
-    k = 0
-    for u in range(n):
-        u_f[6, u] = u_i[3, u]
-        u_i[6, u] = int(widest[u] * scale)
-        if listed[u] == 1 and ids[k] == root_id:  # UnitSpec.is_root keeps nothing
-            u_i[6, u] = 0
-        k += listed[u]
-    # Backward order: post-forward order reversed (last forward segment, latest first).
+
+
+def _backward_order(seg_u, s, u_i):  # noqa: ANN001, ANN202
+    """Backward order: post-forward order reversed (last forward segment, latest first)."""
+    n = u_i.shape[1]
     k = 0
     for t in range(s - 1, -1, -1):
         u = seg_u[t]
@@ -232,7 +270,13 @@ def layout_kernel(ids, listed, e_anc, e_skip, e_piece, e_time, e_int, keep_of, p
     if u_i[11, n - 1] < 0:  # a root without segments comes last
         u_i[11, n - 1] = k
         u_i[13, k] = n - 1
-    return seg_u, seg_f, s, u_i, u_f, runs
+
+
+# The functions layout_kernel calls: numba compiles them with it (``backend.compile_kernels``), the one
+# called per segment without reference counting, as the step loop's per-event helpers (See [Note:
+# compiled step loop] in backend.py).
+LAYOUT_HELPERS = (_unit_of_modules, _call_owners, _segments, _add_parameters, _backward_order)
+PER_SEGMENT_HELPERS = (_backward_work,)
 
 
 def lookup(keys, values, x):  # noqa: ANN001
