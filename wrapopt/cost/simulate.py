@@ -285,19 +285,21 @@ class Simulator:
             lay, shard = per_set.layout, mesh.shard_size
             rpn_shard = min(shard, mesh.ranks_per_node)
             rpn_rep = 1 if shard >= mesh.ranks_per_node else max(1, mesh.ranks_per_node // shard)
-            P = lay.counts[NUMEL] * self._gather_elem  # gathered bytes
-            G = lay.counts[TRAINABLE_NUMEL] * self._reduce_elem  # unsharded grad bytes
-            cn: set[str] = set()
-            ag = self.collectives.times("all_gather", shard, rpn_shard, P, cn)
-            rs = self.collectives.times("reduce_scatter", shard, rpn_shard, G, cn)
-            ar = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep, G / shard, cn)
+            gathered = lay.counts[NUMEL] * self._gather_elem  # gathered bytes
+            grads = lay.counts[TRAINABLE_NUMEL] * self._reduce_elem  # unsharded grad bytes
+            caveats: set[str] = set()
+            all_gather_s = self.collectives.times("all_gather", shard, rpn_shard, gathered, caveats)
+            reduce_scatter_s = self.collectives.times("reduce_scatter", shard, rpn_shard, grads, caveats)
+            all_reduce_s = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep, grads / shard,
+                                                  caveats)
             if offload:  # the host-device copies ride the collectives' streams
-                h2d, d2h = copy_times(lay.counts[STORAGE], G, shard, self.host)
-                ag, rs = ag + h2d, rs + d2h
-            columns = (P, G, ag, rs, ar)
-            if not all(c.dtype == np.float64 for c in columns):  # P and G are integers for an integer dtype size
+                h2d, d2h = copy_times(lay.counts[STORAGE], grads, shard, self.host)
+                all_gather_s, reduce_scatter_s = all_gather_s + h2d, reduce_scatter_s + d2h
+            columns = (gathered, grads, all_gather_s, reduce_scatter_s, all_reduce_s)
+            if not all(c.dtype == np.float64 for c in columns):  # integers for an integer dtype size
                 columns = tuple(np.array(columns, dtype=np.float64))
-            unit_costs = UnitCosts(units, P, lay.times[0], lay.times[1], ag, rs, lay.counts[SAVED])
+            unit_costs = UnitCosts(units, gathered, lay.times[0], lay.times[1], all_gather_s, reduce_scatter_s,
+                                   lay.counts[SAVED])
             trainable, states = per_set.trainable_bytes, self._states
             sharded_params, optim = (0.0, 0.0) if offload else static_bytes(per_set.storage_bytes, trainable,
                                                                             states, shard)
@@ -305,8 +307,9 @@ class Simulator:
                        optimizer_s(trainable, states, mesh, self.compute, num_tensors=self._num_tensors,
                                    stepping=self._stepping))
             cached = per_set.per_mesh[key] = MeshCosts(
-                gathered_bytes=P, grad_bytes=G, all_gather_s=ag, units=unit_costs, notes=frozenset(cn),
-                columns=columns, sharded_params_bytes=sharded_params, optimizer_bytes=optim, optim_s=optim_s)
+                gathered_bytes=gathered, grad_bytes=grads, all_gather_s=all_gather_s, units=unit_costs,
+                notes=frozenset(caveats), columns=columns, sharded_params_bytes=sharded_params,
+                optimizer_bytes=optim, optim_s=optim_s)
         return cached
 
     # -- reshard and checkpoint choices
@@ -315,18 +318,19 @@ class Simulator:
                          notes: set[str]) -> Choices:
         """Per unit: backward re-gather time, bytes kept from forward to backward, checkpointing.
         See [Note: reshard after forward]."""
-        P, ag, shard = per_mesh.gathered_bytes, per_mesh.all_gather_s, mesh.shard_size
+        gathered, all_gather_s, shard = per_mesh.gathered_bytes, per_mesh.all_gather_s, mesh.shard_size
         code = np.array([-1 if r is True else r for r in map(_RESHARD, units)], dtype=np.int64)  # True: -1, False: 0
-        rag = np.where(code < 0, ag, 0.0)  # backward re-gather cost per unit
-        keep = np.where(code == 0, P, 0.0)  # bytes kept between forward and backward
+        regather_s = np.where(code < 0, all_gather_s, 0.0)  # backward re-gather cost per unit
+        keep = np.where(code == 0, gathered, 0.0)  # bytes kept between forward and backward
         if code.max() > 0:  # N: each rank keeps 1/N and re-gathers within N ranks
             for raf in np.unique(code[code > 0]).tolist():
                 at = np.flatnonzero(code == raf)
-                keep[at] = P[at] // raf if raf < shard else P[at]
+                keep[at] = gathered[at] // raf if raf < shard else gathered[at]
                 if raf > 1:
-                    rag[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node), P[at], notes)
+                    regather_s[at] = self.collectives.times("all_gather", raf, min(raf, mesh.ranks_per_node),
+                                                            gathered[at], notes)
         cks = [_CK_CODES[c] for c in map(_CHECKPOINT, units)]
-        return _new(Choices, (rag, keep, np.array(cks, dtype=np.int64), any(cks)))  # in Choices' field order
+        return _new(Choices, (regather_s, keep, np.array(cks, dtype=np.int64), any(cks)))  # in Choices' field order
 
     # -- the step loop, once per accumulation mode, on the backend
 
