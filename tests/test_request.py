@@ -104,3 +104,23 @@ def test_prepare_checks_a_measured_fabric_against_the_mesh():
         prepare(req, model, x, fabric=measured)
     job = prepare(req, model, x, fabric=measured, rescale_fabric=True)
     assert any("rescaled" in n for n in job.notes)
+
+
+def test_a_shape_has_one_cost_view():
+    from wrapopt.cost import Simulator
+    from wrapopt.tp import builtin_tp_plan
+    from wrapopt.trace.meta import trace_model
+
+    model, x = zoo.build("llama-tiny", "meta")
+    g = trace_model(model, x)
+    sim = Simulator(g, analytical_fabric(world_size=8), analytical_compute())
+    spec = builtin_tp_plan(g)
+    assert sim.view(Shape()) is sim  # 1-D: the model's own simulator
+    assert sim.view(Shape(pp=2)) is sim  # a pipeline's stages are views of it (for_stage)
+    two = sim.view(Shape(tp=2), spec)
+    assert two is sim.for_tp(spec, 2)[0]  # one tensor-parallel rank's share, cached
+    assert two.traced.root.total_numel < g.root.total_numel  # the split projections hold half
+    with pytest.raises(ValueError, match="needs the TPSpec"):
+        sim.view(Shape(tp=2))
+    with pytest.raises(ValueError, match="no cost view yet"):
+        sim.view(Shape(cp=2))

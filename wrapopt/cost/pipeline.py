@@ -93,7 +93,7 @@ from typing import Any, Protocol
 from wrapopt.cost.pipeline_schedule import StageCost, Timeline, held_moment, run_timeline, schedule_order
 from wrapopt.cost.stage_view import stage_of, tied_sync_s
 from wrapopt.hardware.profiles import FabricProfile
-from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCost, UnitSpec
+from wrapopt.spec import CostEstimate, PlanSpec, Shape, SimOptions, TimelineEvent, UnitCost, UnitSpec
 
 __all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", "stage_cost", "held_bytes",
            "held_moment", "stage_units", "simulate_pipeline", "stage_options", "stage_simulators", "price_stage",
@@ -191,7 +191,7 @@ def stage_simulators(sim: Any, plan: PlanSpec) -> list[tuple[Any, tuple[UnitSpec
     ``simulate_pipeline`` prices them. ``sim`` is the model's simulator."""
     pipe, mesh = plan.pipeline, plan.mesh
     assert pipe is not None
-    base = sim.for_tp(plan.tp, mesh.tp_size)[0] if plan.tp is not None else sim
+    base = sim.view(Shape(tp=mesh.tp_size), plan.tp)
     options = stage_options(base.options, mesh.pp_size, pipe.microbatches)  # the tp view scales its batch
     n = len(pipe.stages)
     return [(base.for_stage(tuple(mods), first=s == 0, last=s == n - 1, options=options), units)

@@ -87,6 +87,7 @@ from wrapopt.spec import (
     ModelGraph,
     OptimizerKind,
     PlanSpec,
+    Shape,
     SimOptions,
     UnitCosts,
     UnitSpec,
@@ -185,7 +186,21 @@ class Simulator:
             hit = self._cols[key] = (segs, cols)
         return hit
 
-    # -- tensor parallelism -------------------------------------------------------------------
+    # -- views: one rank of a shape ------------------------------------------------------------
+
+    def view(self, shape: Shape, tp_spec: TPSpec | None = None) -> "Simulator":
+        """The simulator of one rank of ``shape`` outside its pipeline, scoring plans on the shape's
+        data-parallel mesh: this simulator for a 1-D shape, one tensor-parallel rank's share for
+        ``shape.tp > 1`` (``for_tp``, blocks split as ``tp_spec`` says). A pipeline stage of it is
+        ``view(shape, tp_spec).for_stage(...)``. A new axis adds its view here. See [Note: shapes
+        tried] in search/shapes.py."""
+        if shape.cp != 1 or shape.ep != 1:
+            raise ValueError(f"{shape.describe()}: context and expert parallelism have no cost view yet")
+        if shape.tp == 1:
+            return self
+        if tp_spec is None:
+            raise ValueError(f"{shape.describe()}: a tensor-parallel view needs the TPSpec its blocks split by")
+        return self.for_tp(tp_spec, shape.tp)[0]
 
     def for_tp(self, spec: TPSpec, size: int) -> tuple["Simulator", frozenset[str]]:
         """The simulator of one tensor-parallel rank's share of the model (scores plans on the

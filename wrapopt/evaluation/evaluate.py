@@ -67,7 +67,7 @@ from wrapopt.progress import Progress, say
 from wrapopt.search.driver import search_plan
 from wrapopt.search.pipeline import pp_group_sizes
 from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
-from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
+from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
 from wrapopt.tp import builtin_tp_plan
 from wrapopt.train import TORCH_DTYPES, TrainConfig
 
@@ -241,8 +241,9 @@ def _plans_to_run(cfg: dict[str, Any], graph: ModelGraph, sim: Any, request: Par
         budgets.append({"name": str(spec), "bytes": budget_bytes, "why": budget_why, "chosen": plans[index[key]].label,
                         "result": result, "scored": {(s.plan.units, s.plan.mesh, s.plan.forward_prefetch)
                                                      for s in result.candidates}})
-    more = [] if tp_spec is None else [lift_plan(p, tp, tp_spec) for p in
-                                       PLAN_SETS[cfg["plan_set"]](sim.for_tp(tp_spec, tp)[0].traced, dp_mesh(mesh, tp))]
+    more = [] if tp_spec is None else [
+        lift_plan(p, tp, tp_spec) for p in PLAN_SETS[cfg["plan_set"]](sim.view(Shape(tp=tp), tp_spec).traced,
+                                                                       dp_mesh(mesh, tp))]
     for p in PLAN_SETS[cfg["plan_set"]](graph, mesh) + more:
         key = (p.units, p.mesh, p.forward_prefetch)
         if key not in index:

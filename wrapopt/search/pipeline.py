@@ -173,7 +173,7 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
         return None, [], (f"dropped: the pipeline's batch of {max(1, graph.batch_size) * pp * tp} sequences is "
                           f"smaller than its {pp} stages (at least one micro-batch per stage)")
     full = _mesh(mesh, shape)
-    wsim = sim.for_tp(spec, tp)[0] if tp > 1 else sim
+    wsim = sim.view(Shape(tp=tp), spec)
     w, first, last = weights(graph, wsim, full.data_parallel(), layout)
     combos = []
     for v in (1, *VIRTUAL_STAGES):
@@ -298,7 +298,7 @@ def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: P
     if m < pp or m % pp or m % max(1, m // pp):  # as the search's counts; Interleaved1F1B's rounds
         return None
     full = _mesh(mesh, Shape(pp=pp, tp=tp))
-    w, first, last = weights(graph, sim.for_tp(spec, tp)[0], full.data_parallel(), layout)
+    w, first, last = weights(graph, sim.view(Shape(tp=tp), spec), full.data_parallel(), layout)
     plan = pipeline_plan(layout, balanced_split(w, first, last, pp * v), full, schedule="Interleaved1F1B",
                          microbatches=m, reshard=False, checkpoint="all", tp_spec=spec,
                          label=f"{TORCHTITAN_PP_LABEL}: tp8 pp8 Interleaved1F1B x2 m{m}, per-block,keep,ckpt")

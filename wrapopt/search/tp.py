@@ -28,7 +28,7 @@ from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.driver import SearchResult, search_plan
 from wrapopt.search.strategy import Round, Scored, SearchOptions
-from wrapopt.spec import AUTO, MeshSpec, ModelGraph, ParallelRequest, PlanSpec
+from wrapopt.spec import AUTO, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 
 __all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp", "auto_degrees"]
@@ -99,7 +99,7 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
                 res = search_plan(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group,
                                   options=_per_degree(options, 1, len(degrees)))
             else:
-                sub, _notes = sim.for_tp(spec, d)
+                sub = sim.view(Shape(tp=d), spec)
                 dp = dp_mesh(mesh, d)
                 opts = _per_degree(options, d, len(degrees))
                 if opts is not None and opts.shard_sizes:
