@@ -131,13 +131,12 @@ def search_plan(
 
     Example:
         >>> from wrapopt import zoo
-        >>> from wrapopt.trace import trace_model
-        >>> from wrapopt.hardware import analytical_compute, analytical_fabric
+        >>> from wrapopt.job import prepare
+        >>> from wrapopt.spec import ParallelRequest
         >>> model, x = zoo.build("llama-tiny", "meta")
-        >>> g = trace_model(model, x)
         >>> mesh = MeshSpec(world_size=16, ranks_per_node=8, shard_size=16)
-        >>> sim = Simulator(g, analytical_fabric(world_size=16), analytical_compute())
-        >>> res = search_plan(g, sim, mesh, options=SearchOptions(trials=50, seed=0))
+        >>> job = prepare(ParallelRequest(mesh=mesh, memory_budget="none"), model, x)  # trace, profiles, simulator
+        >>> res = search_plan(job.graph, job.sim, mesh, options=SearchOptions(trials=50, seed=0))
         >>> from wrapopt.search.choose import STEP_ERROR
         >>> res.best.estimate.step_s <= res.fastest.estimate.step_s * (1 + STEP_ERROR)
         True
