@@ -39,16 +39,17 @@ def test_the_request_normalises_each_axis_once():
 
 def test_every_bad_field_is_named_on_its_own_line():
     with pytest.raises(OptionError) as e:
-        ParallelRequest(mesh=MESH, tp=3, pp=5, cp=2, ep=4, global_batch=0, dp_shard=3, host_memory=2**30)
+        ParallelRequest(mesh=MESH, tp=3, pp=5, cp=2, ep=4, global_batch=0, dp_shard=3, host_memory=2**30,
+                        memory_budget="lots")
     lines = str(e.value).splitlines()
     assert lines[0] == "the parallel request has bad fields:"
     body = "\n".join(lines[1:])
     for words in ("--tp 3 does not divide the 8 GPUs per node", "--pp 5 does not divide the world of 16",
                   "--cp 2: context parallelism is not in wrapopt yet", "--ep 4: expert parallelism",
                   "--global-batch must be at least 1", "--shard-size 3 must divide the world of 16",
-                  "--host-memory is only read with --offload"):
+                  "--host-memory is only read with --offload", "memory_budget (--memory) 'lots' is not a memory size"):
         assert words in body
-    assert len(lines) == 8  # the heading and seven fields, one line each
+    assert len(lines) == 9  # the heading and eight fields, one line each
 
 
 def test_one_bad_field_is_one_line():
@@ -83,7 +84,7 @@ def test_prepare_wires_the_request_once():
     assert prepare(ParallelRequest(mesh=req.mesh), model, graph=job.graph).request.train == TrainConfig()
 
 
-def test_prepare_refuses_a_bad_budget_before_tracing(monkeypatch):
+def test_prepare_refuses_a_budget_the_device_cannot_resolve_before_tracing(monkeypatch):
     import wrapopt.job
 
     def no_trace(*_a, **_k):
@@ -91,9 +92,10 @@ def test_prepare_refuses_a_bad_budget_before_tracing(monkeypatch):
 
     monkeypatch.setattr(wrapopt.job, "trace_model", no_trace)
     model, x = zoo.build("gpt-tiny", "meta")
-    req = ParallelRequest(mesh=MeshSpec(world_size=2, ranks_per_node=2, shard_size=2), memory_budget="lots")
-    with pytest.raises(ValueError, match="lots"):
-        prepare(req, model, x)
+    req = ParallelRequest(mesh=MeshSpec(world_size=2, ranks_per_node=2, shard_size=2), memory_budget="auto")
+    no_capacity = dataclasses.replace(analytical_compute(), memory_capacity_bytes=None)
+    with pytest.raises(ValueError, match="--memory auto needs a device capacity"):
+        prepare(req, model, x, compute=no_capacity)
 
 
 def test_prepare_checks_a_measured_fabric_against_the_mesh():

@@ -9,7 +9,7 @@ import re
 import tempfile
 from typing import Any
 
-from wrapopt.errors import WrapoptError
+from wrapopt.errors import OptionError, WrapoptError
 
 __all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "field_unit",
            "write_between",
@@ -173,3 +173,20 @@ def parse_bytes(text: str | int | float) -> int:
     if value <= 0:
         raise ValueError(f"memory budget must be at least one byte, got {text!r}")
     return value
+
+
+_BUDGET_FORMS = ("a positive number of bytes (85899345920), a size such as 80GiB or 80GB, \"auto\" (90% of the device) "
+                 "or \"none\" (no limit)")
+
+
+def given_budget(memory_budget: Any) -> float:
+    """A memory budget the user wrote as a size, in bytes; ``OptionError`` naming the argument and
+    the accepted forms (the words "auto" and "none" are read by ``hardware.budget.resolve_budget``)."""
+    finite = not isinstance(memory_budget, float) or math.isfinite(memory_budget)
+    try:
+        value = parse_bytes(memory_budget) if finite else 0
+    except (ValueError, OverflowError, TypeError):  # "abc", "1e999" (inf), a list
+        value = 0
+    if value <= 0:
+        raise OptionError(f"memory_budget (--memory) {memory_budget!r} is not a memory size: give {_BUDGET_FORMS}")
+    return float(value)

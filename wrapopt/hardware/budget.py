@@ -6,11 +6,10 @@ One place for how a budget is read (``resolve_budget``) and how it is stated
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from wrapopt.errors import ModelError, OptionError
-from wrapopt.fileio import fmt_bytes, parse_bytes
+from wrapopt.errors import ModelError
+from wrapopt.fileio import fmt_bytes, given_budget
 from wrapopt.hardware.profiles import ComputeProfile
 
 __all__ = ["MEMORY_HEADROOM", "auto_memory_budget", "budget_line", "budget_source", "resolve_budget"]
@@ -64,20 +63,5 @@ def resolve_budget(memory_budget: int | float | str | None, compute: ComputeProf
         if b is None:
             raise ModelError("--memory auto needs a device capacity; the compute profile has none: give bytes or 80GiB")
         return b
-    return _given_budget(memory_budget)
+    return given_budget(memory_budget)
 
-
-_ACCEPTED = ("a positive number of bytes (85899345920), a size such as 80GiB or 80GB, \"auto\" (90% of the device) "
-             "or \"none\" (no limit)")
-
-
-def _given_budget(memory_budget: Any) -> float:
-    """A budget the user wrote, in bytes; ``OptionError`` naming the argument and the accepted forms."""
-    finite = not isinstance(memory_budget, float) or math.isfinite(memory_budget)
-    try:
-        value = parse_bytes(memory_budget) if finite else 0
-    except (ValueError, OverflowError, TypeError):  # "abc", "1e999" (inf), a list
-        value = 0
-    if value <= 0:
-        raise OptionError(f"memory_budget (--memory) {memory_budget!r} is not a memory size: give {_ACCEPTED}")
-    return float(value)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wrapopt.errors import OptionError
+from wrapopt.fileio import given_budget
 from wrapopt.spec.plan import MeshSpec
 
 __all__ = ["AUTO", "GlobalBatch", "ParallelRequest", "Shape", "parse_degree"]
@@ -129,6 +130,11 @@ class ParallelRequest:
                             f"got {self.global_batch!r}")
         if self.dp_shard is not None and (self.dp_shard < 1 or self.mesh.world_size % self.dp_shard):
             problems.append(f"--shard-size {self.dp_shard} must divide the world of {self.mesh.world_size} ranks")
+        if not _budget_word(self.memory_budget):
+            try:
+                given_budget(self.memory_budget)
+            except OptionError as e:
+                problems.append(str(e))
         if self.host_memory is not None and not self.offload:
             problems.append("--host-memory is only read with --offload; add --offload to search CPU offload")
         if problems:
@@ -191,3 +197,8 @@ class ParallelRequest:
     def accumulation(self) -> int:
         """Micro-batches per optimizer step (the training step's)."""
         return getattr(self.train, "grad_accumulation", 1)
+
+
+def _budget_word(budget: Any) -> bool:
+    """None, "auto" or "none": a budget resolved against the device, not a size."""
+    return budget is None or (isinstance(budget, str) and budget.strip().lower() in ("auto", "none"))
