@@ -15,7 +15,7 @@ from tests.ranks import MESH2, TOL, batches, mean_over_ranks, train, two_rank_ca
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
-from wrapopt.search import run as search_run
+from wrapopt.search import tp as search_tp
 from wrapopt.search.baselines import baselines
 
 
@@ -66,11 +66,11 @@ def _reuse_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
     however it ends (the shared spawn runs other cases after it)."""
     import wrapopt.api as api
 
-    kept = (WrapPlan.save, api.plan_model, search_run.search_plan, api.measure_fabric)
+    kept = (WrapPlan.save, api.plan_model, search_tp.search_plan, api.measure_fabric)
     try:
         return _reuse(rank, world, tmp, budget)
     finally:
-        WrapPlan.save, api.plan_model, search_run.search_plan, api.measure_fabric = kept  # type: ignore[method-assign]
+        WrapPlan.save, api.plan_model, search_tp.search_plan, api.measure_fabric = kept  # type: ignore[method-assign]
 
 
 def _reuse(rank: int, world: int, tmp: str, budget: float) -> dict:
@@ -104,15 +104,15 @@ def _reuse(rank: int, world: int, tmp: str, budget: float) -> dict:
     WrapPlan.save = original_save  # type: ignore[method-assign]
     dist.barrier()  # rank 0 has written the plan
 
-    counters = {"plan_model": _Counter(api.plan_model), "search_plan": _Counter(search_run.search_plan),
+    counters = {"plan_model": _Counter(api.plan_model), "search_plan": _Counter(search_tp.search_plan),
                 "measure_fabric": _Counter(None)}
-    api.plan_model, search_run.search_plan, api.measure_fabric = (counters["plan_model"], counters["search_plan"],
+    api.plan_model, search_tp.search_plan, api.measure_fabric = (counters["plan_model"], counters["search_plan"],
                                                                        counters["measure_fabric"])
     res2 = optimize_wrap(copy.deepcopy(ref), e.inputs(), loss_fn=e.loss, plan=plan_path)
     out["reuse_units"] = [list(u.modules) for u in res2.plan.units]
     out["reuse_sharded"] = isinstance(res2.model, FSDPModule)
     out["reuse_calls"] = {k: c.calls for k, c in counters.items()}
-    api.plan_model, search_run.search_plan = counters["plan_model"].fn, counters["search_plan"].fn
+    api.plan_model, search_tp.search_plan = counters["plan_model"].fn, counters["search_plan"].fn
 
     api.measure_fabric = measure_fabric
     fab = api.measure_fabric(sizes_bytes=(4096, 65536), repeats=2, progress=False, measure_overlap=False)

@@ -10,7 +10,7 @@ import pytest
 from wrapopt import api
 from wrapopt.models import zoo
 from wrapopt.errors import InfeasibleError
-from wrapopt.search import run as search_run
+from wrapopt.search import tp as search_tp
 from wrapopt.search.driver import search_plan
 from wrapopt.search.registry import STRATEGIES, get_strategy
 from wrapopt.search.strategy import History, Proposal, SearchOptions, SearchProblem, Strategy
@@ -107,7 +107,7 @@ def test_optimize_wrap_seeds_the_search(monkeypatch):
         seen.append(options)
         raise _Stop
 
-    monkeypatch.setattr(search_run, "search_plan", capture)  # the search api.plan_model runs (search/run.py)
+    monkeypatch.setattr(search_tp, "search_plan", capture)  # the 1-D search of a flat shape (search_shape)
     model, x = zoo.build("gpt-tiny", "meta")
     for seed in (0, 7):
         with pytest.raises(_Stop):

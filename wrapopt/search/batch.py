@@ -35,10 +35,10 @@ from typing import Sequence
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError
 from wrapopt.search.baselines import smallest_plan
-from wrapopt.search.driver import SearchResult, search_plan
+from wrapopt.search.driver import SearchResult
 from wrapopt.search.strategy import Scored, SearchOptions
-from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
-from wrapopt.spec import GlobalBatch, MeshSpec, ModelGraph, ParallelRequest, PlanSpec
+from wrapopt.search.tp import combine_tp, dp_mesh, lift_plan, search_shape
+from wrapopt.spec import GlobalBatch, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
 from wrapopt.train import TrainConfig
 from wrapopt.tp import TPSpec
 
@@ -151,9 +151,9 @@ def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit
     if options.storage:  # one study per split in the storage (a study's identity does not hold the batch)
         stem = options.study_name or f"wrapopt-{graph.model_class}-w{mesh.world_size}"
         options = replace(options, study_name=f"{stem}-tp{split.tp_size}-mb{split.micro_batch}-acc{split.accumulation}")
-    if split.tp_size == 1:
-        return search_plan(graph, sim, mesh, memory_budget=budget, options=options)
-    return search_tp(graph, sim, mesh, spec=spec, degrees=(split.tp_size,), memory_budget=budget, options=options)
+    shape = Shape(tp=split.tp_size)  # the split's batch is in ``sim`` (``_sim``)
+    res = search_shape(graph, sim, mesh, shape, spec=spec, memory_budget=budget, options=options)
+    return res if shape.tp == 1 else combine_tp(sim, {shape.tp: res}, {}, degrees=(shape.tp,))
 
 
 def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: TrainConfig,

@@ -14,12 +14,12 @@ from dataclasses import dataclass, replace
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.batch import global_batch_search
-from wrapopt.search.driver import SearchOptions, SearchResult, search_plan
+from wrapopt.search.driver import SearchOptions, SearchResult
 from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_batch
 from wrapopt.search.shapes import ShapeSpace, shape_space
 from wrapopt.search.strategy import Scored
-from wrapopt.search.tp import search_tp
+from wrapopt.search.tp import search_shape, search_tp
 from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, Shape
 from wrapopt.train import TrainConfig
 
@@ -82,8 +82,9 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
         found = global_batch_search(graph, sim, request, degrees=degrees, spec=space.tp_spec,
                                     memory_budget=memory_budget, options=options)
         return SearchRun(found.result, found.train, found.sim, found.notes)
-    if degrees == (1,) and request.tp != AUTO:
-        result = search_plan(graph, sim, request.mesh, memory_budget=memory_budget, options=options)
+    if degrees == (1,) and request.tp != AUTO:  # FSDP alone, as asked: no degree to compare
+        result = search_shape(graph, sim, request.mesh, space.flat[0], spec=None, memory_budget=memory_budget,
+                              options=options)
     else:
         result = search_tp(graph, sim, request.mesh, spec=space.tp_spec, degrees=degrees, memory_budget=memory_budget,
                            options=options, dropped=space.tp_dropped)

@@ -1,17 +1,18 @@
 """2-D search: the tensor-parallel degree chosen together with the FSDP plan.
 
-[Note: 2-D search] For each tensor-parallel degree asked for (``--tp auto``: 1 and
-every degree ``wrapopt.tp.tp_degrees`` accepts), the whole 1-D search
-(``search_plan``: baselines, the exact DP on every shard group with HSDP, uniform
-groupings, the study) runs on that degree's data-parallel mesh with the
-simulator of one tensor-parallel rank's model (``Simulator.for_tp``, See
-[Note: tensor parallel costs] in cost/tp.py), at the same global batch. Its
-plans are lifted onto the full mesh (``MeshSpec.with_tp``, ``PlanSpec.tp``), and
-the fastest fitting plan over all degrees wins (the Optuna study's trials are
-shared out over the degrees); so units, reshard,
-checkpointing, HSDP and the degree are chosen jointly, each degree's answer
-being exact under the DP's chain model as in 1-D. Beside the answer the result
-keeps, for the report, the best plan of every degree and TorchTitan's default:
+[Note: 2-D search] Each flat shape (``--tp auto``: degree 1 and every degree
+``wrapopt.tp.tp_degrees`` accepts) gets the whole 1-D search (``search_shape``:
+baselines, the exact DP on every shard group with HSDP, uniform groupings, the
+study) on its data-parallel mesh with its cost view, one tensor-parallel rank's
+model (``Simulator.view``, See [Note: tensor parallel costs] in cost/tp.py), at
+the same global batch. Its plans are lifted onto the full mesh
+(``MeshSpec.with_tp``, ``PlanSpec.tp``), and ``combine_tp`` keeps the smallest
+degree within the simulator's error of the fastest (See [Note: plans within the
+error]; the Optuna study's trials are shared out over the degrees); so units,
+reshard, checkpointing, HSDP and the degree are chosen jointly, each degree's
+answer being exact under the DP's chain model as in 1-D. A fixed global batch
+searches each split's shape the same way (search/batch.py). Beside the answer
+the result keeps, for the report, the best plan of every degree and TorchTitan's default:
 the largest degree (tensor parallelism across the node), one FSDP unit per
 block, every block checkpointed (full activation checkpointing, as
 TorchTitan's Llama training configs run; its selective, per-op checkpointing
@@ -31,7 +32,8 @@ from wrapopt.search.strategy import Round, Scored, SearchOptions
 from wrapopt.spec import AUTO, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 
-__all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp", "auto_degrees"]
+__all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp", "search_shape", "combine_tp",
+           "auto_degrees"]
 
 TORCHTITAN_LABEL = "TorchTitan default"
 
@@ -92,23 +94,37 @@ def search_tp(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, spec: TPSpec
     results: dict[int, SearchResult] = {}
     failed: dict[int, str] = {}
     for d in degrees:
-        if d > 1 and spec is None:
-            raise ValueError("tensor-parallel degrees above 1 need a TPSpec")
         try:
-            if d == 1:
-                res = search_plan(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group,
-                                  options=_per_degree(options, 1, len(degrees)))
-            else:
-                sub = sim.view(Shape(tp=d), spec)
-                dp = dp_mesh(mesh, d)
-                opts = _per_degree(options, d, len(degrees))
-                if opts is not None and opts.shard_sizes:
-                    opts = replace(opts,
-                                   shard_sizes=tuple(s for s in opts.shard_sizes if dp.world_size % s == 0) or None)
-                res = search_plan(sub.traced, sub, dp, memory_budget=memory_budget, max_group=max_group, options=opts)
-            results[d] = _lift_result(res, d, spec)
+            results[d] = search_shape(graph, sim, mesh, Shape(tp=d), spec=spec, memory_budget=memory_budget,
+                                      max_group=max_group, options=_per_degree(options, d, len(degrees)))
         except InfeasibleError as e:
             failed[d] = str(e)
+    return combine_tp(sim, results, failed, degrees=degrees, dropped=dropped)
+
+
+def search_shape(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, shape: Shape, *, spec: TPSpec | None,
+                 memory_budget: float | None = None, max_group: int | None = None,
+                 options: SearchOptions | None = None) -> SearchResult:
+    """The 1-D search of one flat shape on its cost view (``Simulator.view``): FSDP over the shape's
+    data-parallel ranks, its plans lifted onto ``mesh``, the whole mesh without tensor parallelism.
+    ``spec``: how blocks split (needed above degree 1). See [Note: 2-D search]."""
+    if shape.tp == 1:
+        return search_plan(graph, sim, mesh, memory_budget=memory_budget, max_group=max_group, options=options)
+    if spec is None:
+        raise ValueError("tensor-parallel degrees above 1 need a TPSpec")
+    sub = sim.view(shape, spec)
+    dp = dp_mesh(mesh, shape.tp)
+    if options is not None and options.shard_sizes:
+        options = replace(options, shard_sizes=tuple(s for s in options.shard_sizes if dp.world_size % s == 0) or None)
+    res = search_plan(sub.traced, sub, dp, memory_budget=memory_budget, max_group=max_group, options=options)
+    return _lift_result(res, shape.tp, spec)
+
+
+def combine_tp(sim: Simulator, results: dict[int, SearchResult], failed: dict[int, str], *, degrees: Sequence[int],
+               dropped: Sequence[tuple[int, str]] = ()) -> SearchResult:
+    """The answer over the flat shapes' tensor-parallel degrees (``results``: each degree's lifted
+    search; ``failed``: why the others found nothing): the smallest degree within the simulator's
+    error of the fastest, with the report's rows (each degree's best and TorchTitan's default)."""
     if not results:
         raise InfeasibleError(failed.get(1) or next(iter(failed.values())))
     # The smallest degree within the simulator's error of the fastest: See [Note: plans within the error].
