@@ -17,7 +17,7 @@ degree, blocks to pipeline) is checked where the model is known (``search/tp.py`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from wrapopt.errors import OptionError
@@ -114,7 +114,6 @@ class ParallelRequest:
     train: Any = None  # ``TrainConfig``: precision, accumulation, micro-batch, optimizer (None: the default step)
     offload: bool = False  # FSDP2's CPU offload searched too (See [Note: offload search] in search/offload.py)
     host_memory: int | None = None  # bytes of host memory per node for ``offload`` (None: the GPU preset's)
-    notes: tuple[str, ...] = field(default=(), compare=False)  # what the builder noticed, for the plan's record
 
     def __post_init__(self) -> None:
         problems: list[str] = []
