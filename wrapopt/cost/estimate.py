@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from wrapopt.cost.layout import KEEPS, Layout
+from wrapopt.cost.layout_types import KEEPS, Layout
 from wrapopt.cost.step import KINDS, LANES
 from wrapopt.cost.step_inputs import CK_FULL, CK_SELECTIVE, StepResult
 from wrapopt.spec import CostEstimate, PlanSpec, SimOptions, TimelineEvent, UnitCosts, UnitSpec

@@ -90,6 +90,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Protocol
 
+from wrapopt.cost.estimate import PEAK_PARTS
 from wrapopt.cost.pipeline_schedule import StageCost, Timeline, held_moment, run_timeline, schedule_order
 from wrapopt.cost.stage_view import stage_of, tied_sync_s
 from wrapopt.hardware.profiles import FabricProfile
@@ -99,8 +100,6 @@ __all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", 
            "held_moment", "stage_units", "simulate_pipeline", "stage_options", "stage_simulators", "price_stage",
            "compose_pipeline", "rank_peaks"]
 
-_PEAK_PARTS = ("sharded_params", "sharded_grads", "optimizer_state", "accumulated_grads", "unsharded_params",
-               "all_gather_buffer", "unsharded_grads", "activations", "working_set")
 
 class _StageSimulator(Protocol):  # what this module asks of ``cost.simulate.Simulator``
     options: SimOptions
@@ -249,7 +248,7 @@ def _rank_memory(stages: list[StageCost], tl: Timeline, r: int) -> tuple[float, 
     sts = [stages[s] for s in range(len(stages)) if s % p == r]
     acts = sum(n * stages[s].activation_bytes for s, n in enumerate(tl.inflight[r]) if n)
     transient = max(st.transient_bytes for st in sts)
-    parts = {k: 0.0 for k in _PEAK_PARTS}
+    parts = {k: 0.0 for k in PEAK_PARTS}
     for st in sts:
         for k, v in st.estimate.peak_breakdown:
             if k in ("sharded_params", "optimizer_state", "accumulated_grads"):

@@ -51,16 +51,8 @@ from wrapopt.cost.backend import Backend
 from wrapopt.cost.collectives import CollectiveTimes
 from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
-from wrapopt.cost.layout import (
-    NUMEL,
-    SAVED,
-    STORAGE,
-    TRAINABLE_BYTES,
-    TRAINABLE_NUMEL,
-    Layout,
-    Layouts,
-    unit_modules,
-)
+from wrapopt.cost.layout import Layouts
+from wrapopt.cost.layout_types import NUMEL, SAVED, STORAGE, TRAINABLE_BYTES, TRAINABLE_NUMEL, Layout, unit_modules
 from wrapopt.cost.pipeline import simulate_pipeline
 from wrapopt.cost.stage_view import stage_compute, stage_graph
 from wrapopt.cost.state import copy_times, cpu_optimizer_s, host_bytes_per_rank, optimizer_s, static_bytes
