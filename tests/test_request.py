@@ -58,9 +58,13 @@ def test_one_bad_field_is_one_line():
     assert str(e.value) == "--tp must be auto or a positive integer, got 'two'"
 
 
-def test_sequence_parallel_waits_for_its_issue():
-    with pytest.raises(OptionError, match="sequence parallelism is not in wrapopt yet"):
-        ParallelRequest(mesh=MESH, tp=2, sequence_parallel=True)
+def test_tp_switches_are_checked():
+    req = ParallelRequest(mesh=MESH, tp=2)
+    assert req.sequence_parallel and req.loss_parallel and req.async_tp == "auto"
+    with pytest.raises(OptionError, match="async_tp must be True, False or \"auto\", got 'yes'"):
+        ParallelRequest(mesh=MESH, tp=2, async_tp="yes")
+    with pytest.raises(OptionError, match="sequence_parallel must be True or False"):
+        ParallelRequest(mesh=MESH, tp=2, sequence_parallel=1)
 
 
 def test_a_shape_counts_its_data_parallel_ranks():

@@ -132,4 +132,9 @@ def tp_from_json(raw: Any, *, source: str) -> TPSpec:
             if style not in TP_STYLES:
                 raise fail(f"tp.layers.{cls}.{path}", f"style must be {' or '.join(TP_STYLES)}, got {style!r}")
         out.append((cls, tuple(pairs.items())))
-    return TPSpec(layers=tuple(out), source=src)
+    flags = {}
+    for key in ("sequence_parallel", "loss_parallel", "async_tp"):
+        flags[key] = raw.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise fail(f"tp.{key}", f"must be true or false, got {flags[key]!r}")
+    return TPSpec(layers=tuple(out), source=src, **flags)

@@ -209,13 +209,24 @@ class TPSpec:
     (``ColwiseParallel``: output features split, input replicated) or ``"rowwise"``
     (``RowwiseParallel``: input features split, output all-reduced). Every module of
     a listed class is parallelised; other modules (embeddings, the head, norms)
-    are replicated over the tensor-parallel ranks. ``source``: "builtin" (recognised
-    by wrapopt) or "user". See [Note: tensor parallel] in tp.py (which recognises
-    and checks these plans).
+    are replicated over the tensor-parallel ranks unless ``sequence_parallel``.
+    ``source``: "builtin" (recognised by wrapopt) or "user". See [Note: tensor
+    parallel] in tp.py (which recognises and checks these plans).
+
+    ``sequence_parallel``: TorchTitan's sequence parallelism around the split
+    projections (norms and residuals on 1/tp of the sequence, the embedding split
+    over the vocabulary, the head column-wise); ``loss_parallel``: the logits stay
+    split over the vocabulary and the loss runs on the shards; ``async_tp``: the
+    tensor-parallel collectives micro-pipelined with the projections' matmuls
+    (torch's symmetric memory, NVLink GPUs only). Each is False where absent (plan
+    files from before they existed ran without). See [Note: sequence parallel].
     """
 
     layers: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
     source: str = "builtin"
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         for cls, pairs in self.layers:
@@ -231,7 +242,9 @@ class TPSpec:
         return dict(next((p for c, p in self.layers if c == cls), ()))
 
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "layers": {cls: dict(pairs) for cls, pairs in self.layers}}
+        return {"source": self.source, "layers": {cls: dict(pairs) for cls, pairs in self.layers},
+                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel,
+                "async_tp": self.async_tp}
 
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")

@@ -102,7 +102,12 @@ class ParallelRequest:
     mesh: MeshSpec  # the world and its nodes; FSDP over every data-parallel rank unless ``dp_shard`` says otherwise
     dp_shard: int | None = None  # the shard group (HSDP below the data-parallel ranks); None: searched
     tp: int | str = 1  # tensor-parallel degree inside a node, or "auto"
-    sequence_parallel: bool = False  # norms and residuals split on the sequence under TP (not built yet)
+    # Under TP (See [Note: sequence parallel] in tp.py): norms and residuals split on the sequence,
+    # logits split over the vocabulary, TP's collectives micro-pipelined with the matmuls ("auto": where
+    # the GPU supports it). Each is read only when tp is not 1.
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    async_tp: bool | str = AUTO
     tp_plan: Any = None  # ``TPSpec``: how blocks split (None: the recognised one, ``tp.builtin_tp_plan``)
     pp: int | str = 1  # pipeline degree, or "auto"
     cp: int | str = 1  # context-parallel degree (not built yet: 1)
@@ -155,8 +160,11 @@ class ParallelRequest:
             if getattr(self, name) != 1:
                 out.append(f"--{name} {getattr(self, name)}: {what} parallelism is not in wrapopt yet "
                            f"(issue {issue}); pass --{name} 1")
-        if self.sequence_parallel:
-            out.append("sequence_parallel: sequence parallelism is not in wrapopt yet (issue 50); leave it off")
+        for name in ("sequence_parallel", "loss_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.async_tp not in (True, False, AUTO):
+            out.append(f"async_tp must be True, False or \"auto\", got {self.async_tp!r}")
         return out
 
     @property
