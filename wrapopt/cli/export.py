@@ -1,6 +1,6 @@
 """``wrapopt export``: a plan as the configuration of a framework; the targets are the rows of
 ``wrapopt.interop.registry.EXPORTERS`` (an Accelerate config, Lightning strategies for FSDP2 and FSDP1,
-a module wrapping with FSDP1)."""
+a module wrapping with FSDP1, a TorchTitan job config)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt export`` to the CLI's sub-commands; it runs ``run``."""
-    p = subparsers.add_parser("export", help="write a plan for Accelerate, Lightning or plain FSDP1",
+    p = subparsers.add_parser("export", help="write a plan for Accelerate, Lightning, plain FSDP1 or TorchTitan",
                               description="Write the configuration or module a training tool reads for a plan; "
                                           "what the tool cannot express is listed under LOSSES.")
     p.add_argument("plan", help="a plan file (wrapopt search --out)")

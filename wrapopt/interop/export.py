@@ -1,9 +1,10 @@
-"""``wrapopt export``: a plan in the format a training tool reads (Accelerate, Lightning, plain FSDP1).
+"""``wrapopt export``: a plan in the format a training tool reads (Accelerate, Lightning, plain FSDP1,
+TorchTitan).
 
-``export_plan`` refuses what no target can express (pipeline stages, tensor parallelism),
-then runs the target's exporter from the one table of targets, ``EXPORTERS``; see
-[Note: the exporter table] in ``interop/registry.py``. Accelerate and Lightning's
-``FSDPStrategy`` (FSDP1) wrap by class and list under LOSSES what they do not reproduce;
+``export_plan`` refuses a 2-D or 3-D plan (tensor parallelism, pipeline stages) for the targets
+that run FSDP alone, naming ``--to torchtitan``, then runs the target's exporter from the one
+table of targets, ``EXPORTERS``; see [Note: the exporter table] in ``interop/registry.py``.
+Accelerate and Lightning's ``FSDPStrategy`` (FSDP1) wrap by class and list under LOSSES what they do not reproduce;
 Lightning's ``ModelParallelStrategy`` (FSDP2) runs the plan itself, and the ``fsdp1`` module wraps
 the plan's own units with FSDP1.
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from wrapopt.errors import PlanError
 from wrapopt.interop.common import ClassPolicy, Export
 from wrapopt.interop.policy import class_policy
-from wrapopt.interop.registry import EXPORTERS, TARGETS, get_exporter
+from wrapopt.interop.registry import EXPORTERS, MULTI_D_TARGETS, TARGETS, get_exporter
 from wrapopt.plan.file import WrapPlan
 
 if TYPE_CHECKING:
@@ -30,20 +31,29 @@ __all__ = ["TARGETS", "EXPORTERS", "ClassPolicy", "Export", "class_policy", "exp
 
 
 def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, source: str = "plan.json") -> Export:
-    """The plan in the format of the target ``to``: an Accelerate config (YAML) or a Python module.
+    """The plan in the format of the target ``to``: an Accelerate config (YAML), a Python module or a TOML file.
 
     Args:
         to: one of ``TARGETS``: "accelerate", "lightning" (= "lightning-fsdp2": ModelParallelStrategy,
-            whose ``configure_model`` applies the plan), "lightning-fsdp1" (FSDPStrategy) or "fsdp1"
-            (a module whose ``wrap(model)`` applies the plan with FullyShardedDataParallel).
+            whose ``configure_model`` applies the plan), "lightning-fsdp1" (FSDPStrategy), "fsdp1"
+            (a module whose ``wrap(model)`` applies the plan with FullyShardedDataParallel) or
+            "torchtitan" (a TorchTitan job config, the only one for 2-D and 3-D plans).
         model: the planned model, needed only for plan files without module classes.
         source: the plan file's path, quoted in the header and loaded by the Lightning module.
     """
     exporter = get_exporter(to)
-    if plan.spec.pipeline is not None:
-        raise PlanError(f"this plan runs {len(plan.spec.pipeline.stages)} pipeline stages, which wrapopt cannot "
-                        f"export to {to}: apply it with plan.apply(model) (FSDP2 + torch.distributed.pipelining)")
-    if plan.spec.tp is not None:
-        raise PlanError(f"this plan runs tensor parallelism (degree {plan.mesh.tp_size}) under FSDP, which wrapopt "
-                        f"cannot export to {to}: apply it with plan.apply(model) (FSDP2)")
+    if to not in MULTI_D_TARGETS:
+        _refuse_multi_d(plan, to)
     return exporter(plan, model=model, source=source)
+
+
+def _refuse_multi_d(plan: WrapPlan, to: str) -> None:
+    """One line for a 2-D or 3-D plan sent to a target that runs FSDP alone, naming the one that carries it."""
+    mesh = plan.mesh
+    what = ", ".join(x for x in (f"tensor parallelism (degree {mesh.tp_size})" if plan.spec.tp is not None else "",
+                                 f"{len(plan.spec.pipeline.stages)} pipeline stages (degree {mesh.pp_size})"
+                                 if plan.spec.pipeline is not None else "") if x)
+    if what:
+        dims = "3-D" if plan.spec.tp is not None and plan.spec.pipeline is not None else "2-D"
+        raise PlanError(f"this {dims} plan runs {what} under FSDP, which wrapopt cannot export to {to}: export it "
+                        "with `--to torchtitan` (a TorchTitan job config), or apply it with plan.apply(model)")

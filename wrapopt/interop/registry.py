@@ -5,8 +5,8 @@ Each target is an ``Exporter``: its name, the one line ``wrapopt export --help``
 the function that writes it, named as ``"module:function"``. The function is imported only
 when the target is used, so the table (and the CLI's help and choices, built from it) loads
 no torch; See [Note: first contact] in wrapopt/cli/main.py. Every function takes
-``(plan, *, model, source)`` and returns an ``Export``; ``export_plan`` refuses what no target
-can express (pipeline stages, tensor parallelism) before it calls one.
+``(plan, *, model, source)`` and returns an ``Export``; ``export_plan`` refuses a 2-D or 3-D plan
+(tensor parallelism, pipeline stages) for every target but those in ``MULTI_D_TARGETS``.
 
 A new target is a module under ``wrapopt/interop/`` with one such function, and one row here.
 """
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from wrapopt.interop.common import Export
 
-__all__ = ["Exporter", "EXPORTERS", "TARGETS", "get_exporter", "targets_help"]
+__all__ = ["Exporter", "EXPORTERS", "MULTI_D_TARGETS", "TARGETS", "get_exporter", "targets_help"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,9 +53,13 @@ EXPORTERS: dict[str, Exporter] = {e.name: e for e in (
     Exporter(name="fsdp1", function="wrapopt.interop.fsdp1:export_fsdp1",
              help="a module whose wrap(model) applies the plan with FullyShardedDataParallel (FSDP1, one unit "
                   "per planned module)"),
+    Exporter(name="torchtitan", function="wrapopt.interop.torchtitan:export_torchtitan",
+             help="a TorchTitan job config (TOML, torchtitan 0.2.x --job.config_file): the 1-D, 2-D or 3-D "
+                  "degrees, pipeline schedule, checkpointing and batch sizes"),
 )}
 
 TARGETS = tuple(EXPORTERS)  # the names, in the order --help lists them
+MULTI_D_TARGETS = ("torchtitan",)  # the targets that carry tensor and pipeline parallelism
 
 
 def get_exporter(name: str) -> Exporter:

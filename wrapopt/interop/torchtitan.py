@@ -1,0 +1,335 @@
+"""``wrapopt export --to torchtitan``: a TorchTitan job config (TOML) for a 1-D, 2-D or 3-D plan.
+
+[Note: the TorchTitan job config]
+TorchTitan 0.2.x reads a TOML job config (``torchrun ... -m torchtitan.train --job.config_file
+THIS``; ``torchtitan.config.ConfigManager`` parses it into ``JobConfig``). TorchTitan 0.3.0 (PyPI,
+Feb 2026) dropped TOML for Python config functions; its ``--parallelism.*`` and ``--training.*``
+command-line keys are the same names, so the file's values carry over, but the file itself is for
+0.2.x (0.2.0-0.2.2). TorchTitan builds the mesh ``pp x dp_replicate x dp_shard x tp`` as wrapopt's
+``MeshSpec`` lays it out, so the degrees are the plan's. What it does to the model is fixed: TP
+with sequence parallel on every block (loss parallel unless disabled), one FSDP unit each for
+``tok_embeddings``, every block, ``[norm, output]`` and the root, one ``reshard_after_forward`` for
+all ("default": blocks reshard, ``[norm, output]`` not, nothing under PP), one checkpointing
+mode for every block ("full", "selective" per op or every N-th block, "none"). Whatever of the
+plan that cannot say is listed under LOSSES (in the file and on stderr), never silently dropped.
+
+Batch sizes follow TorchTitan's trainer: ``training.local_batch_size`` is the sequences one
+data-parallel rank takes per gradient-accumulation step (a pipeline splits it into micro-batches
+of ``pipeline_parallel_microbatch_size``), and the accumulation steps are ``global_batch_size /
+(local_batch_size x data-parallel degree)``. So ``local_batch_size`` is the plan's micro-batch,
+times its pipeline micro-batches under a pipeline plan; the plan's accumulation is carried by
+``global_batch_size``.
+
+Stages are written as ``module_fqns_per_model_part`` in TorchTitan's module names (``tok_embeddings``,
+``layers.N``, ``norm``, ``output``, which all its LLMs use), block ``i`` of the plan's block chain
+being ``layers.i``: the stage boundaries are the plan's, on a TorchTitan model with as many layers.
+Strings reach the file as JSON strings (valid TOML) or through ``comment``; see [Note: plan strings
+in generated text] in ``interop/common.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from wrapopt.interop.common import Export, classes_for, comment, few, header
+from wrapopt.interop.policy import block_chains
+from wrapopt.plan.file import WrapPlan
+from wrapopt.spec import SELECTIVE_OP
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+__all__ = ["TORCHTITAN_VERSIONS", "export_torchtitan", "toml_text"]
+
+TORCHTITAN_VERSIONS = "0.2.x"  # the releases whose ConfigManager reads --job.config_file (TOML)
+
+_PARAM_DTYPES = {None: "float32", "float32": "float32", "bfloat16": "bfloat16"}  # training.mixed_precision_param
+
+
+def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str) -> Export:
+    """The plan as a TorchTitan job config (TOML): degrees, schedule, checkpointing, batch sizes."""
+    classes, params = classes_for(plan, model)
+    losses: list[str] = []
+    layout = _BlockLayout(classes, params if params is not None else _params_of(plan))
+    sections: dict[str, dict[str, Any]] = {
+        "parallelism": _parallelism(plan, layout, losses),
+        "activation_checkpoint": _checkpointing(plan, layout, losses),
+        "training": _training(plan, losses),
+    }
+    layout.unit_losses(plan, losses)
+    _other_losses(plan, losses)
+    what = (f"TorchTitan job config (torchtitan {TORCHTITAN_VERSIONS}): torchrun ... -m torchtitan.train "
+            "--job.config_file THIS_FILE")
+    text = header(plan, source, what, losses) + _guidance(plan, layout) + toml_text(sections)
+    return Export("torchtitan", text, sections, tuple(losses))
+
+
+# -- the model's blocks ----------------------------------------------------------------------------
+
+
+class _BlockLayout:
+    """The planned model's block chain and what lies before and after it, as TorchTitan sees a model:
+    ``tok_embeddings``, ``layers``, ``norm`` + ``output``."""
+
+    def __init__(self, classes: dict[str, list[str]], params: list[str]) -> None:
+        chains = block_chains(classes, params or None)
+        self.num_chains = len(chains)
+        self.blocks: tuple[str, ...] = chains[0] if len(chains) == 1 else ()
+        self.index = {b: i for i, b in enumerate(self.blocks)}
+        first = {}  # module -> index of its first parameter
+        for i, p in enumerate(params):
+            parts = p.split(".")
+            for k in range(len(parts)):
+                first.setdefault(".".join(parts[:k]), i)
+        self.first = first
+        self.lo = min((first.get(b, 0) for b in self.blocks), default=0)
+        self.hi = max((first.get(b, 0) for b in self.blocks), default=0)
+
+    def before(self, module: str) -> bool:
+        """Whether ``module``'s parameters come before the blocks' (an embedding's side)."""
+        return self.first.get(module, self.lo) < self.lo
+
+    def after(self, module: str) -> bool:
+        """Whether ``module``'s parameters come after the blocks' (the final norm and head's side)."""
+        return self.first.get(module, self.hi) > self.hi
+
+    def block_of(self, module: str) -> str | None:
+        """The block ``module`` is or lies in; None outside the blocks."""
+        return next((b for b in self.blocks if module == b or module.startswith(b + ".")), None)
+
+    def titan_names(self, modules: tuple[str, ...]) -> list[str] | None:
+        """A stage's modules in TorchTitan's names; None when one has no TorchTitan counterpart."""
+        out: list[str] = []
+        for m in modules:
+            b = self.block_of(m)
+            name = (f"layers.{self.index[b]}" if b == m else None) if b else (
+                "tok_embeddings" if self.before(m) else None)
+            if b is None and self.after(m):
+                out += [n for n in ("norm", "output") if n not in out]
+                continue
+            if name is None:
+                return None
+            if name not in out:
+                out.append(name)
+        return out
+
+    def unit_losses(self, plan: WrapPlan, losses: list[str]) -> None:
+        """What of the plan's units TorchTitan's fixed units (embedding, each block, [norm, output],
+        root) do not reproduce; see [Note: the TorchTitan job config]."""
+        if not self.blocks:
+            return
+        units = [u for u in plan.units if not u.is_root]
+        covered = {m for u in units for m in u.modules}
+        groups = [u.name for u in units if len(u.modules) > 1 and all(m in self.index for m in u.modules)]
+        if groups:
+            losses.append(f"grouped units of several blocks ({few(groups)}) become one unit per block: "
+                          "TorchTitan wraps each block on its own")
+        inside = [u.name for u in units if any(self.block_of(m) not in (None, m) for m in u.modules)]
+        if inside:
+            losses.append(f"units inside blocks ({few(inside)}) become part of their block's unit: TorchTitan "
+                          "wraps whole blocks")
+        loose = [b for b in self.blocks if b not in covered]
+        if loose:
+            losses.append(f"{len(loose)} block(s) the plan leaves to the root unit ({few(loose)}) are wrapped "
+                          "each on its own: TorchTitan wraps every block")
+        outside = [u for u in units if all(self.block_of(m) is None for m in u.modules)]
+        mixed = [u.name for u in outside if not (all(map(self.before, u.modules)) or all(map(self.after, u.modules)))]
+        if mixed:
+            losses.append(f"units spanning both ends of the model ({few(mixed)}, e.g. a tied embedding and head) "
+                          "cannot be said: TorchTitan wraps tok_embeddings and [norm, output] apart")
+        for side, test, what in (("embedding", self.before, "tok_embeddings"),
+                                 ("final norm and head", self.after, "[norm, output]")):
+            if not any(all(map(test, u.modules)) for u in outside):
+                losses.append(f"TorchTitan wraps {what} as a unit of its own; the plan leaves the {side} to the root "
+                              "unit")
+
+
+def _params_of(plan: WrapPlan) -> list[str]:
+    params = plan.model.get("params")
+    return list(params) if isinstance(params, dict) else []
+
+
+# -- the sections ------------------------------------------------------------------------------------
+
+
+def _parallelism(plan: WrapPlan, layout: _BlockLayout, losses: list[str]) -> dict[str, Any]:
+    """[parallelism]: the degrees, FSDP's resharding, TP's switches and the pipeline."""
+    mesh, tp, pipe = plan.mesh, plan.spec.tp, plan.spec.pipeline
+    out: dict[str, Any] = {
+        "data_parallel_replicate_degree": mesh.replicate_size,
+        "data_parallel_shard_degree": mesh.shard_size,
+        "tensor_parallel_degree": mesh.tp_size,
+        "pipeline_parallel_degree": mesh.pp_size,
+        "fsdp_reshard_after_forward": _reshard_policy(plan, layout, losses),
+    }
+    if mesh.shard_size == 1 and mesh.replicate_size > 1 and (mesh.tp_size > 1 or mesh.pp_size > 1):
+        losses.append("data parallelism without sharding (DDP) under tensor or pipeline parallelism: TorchTitan "
+                      "refuses it (\"DDP has not supported > 1D parallelism\"); use a shard group of 2 or more")
+    if tp is not None:
+        out["disable_loss_parallel"] = not tp.loss_parallel
+        out["enable_async_tensor_parallel"] = False
+        if not tp.sequence_parallel:
+            losses.append("sequence parallelism off: TorchTitan applies SequenceParallel to the norms with every "
+                          "TP plan (norms and residuals on 1/tp of the sequence), so it holds less than the plan")
+        if tp.async_tp:
+            losses.append("async TP is written off: TorchTitan runs it only under torch.compile ([compile] enable "
+                          "= true), which wrapopt does not price; set both to run it")
+        if tp.source != "builtin":
+            losses.append("the plan's own TP plan (--tp-plan) is not written: TorchTitan applies its model's TP plan")
+    if pipe is not None:
+        out["pipeline_parallel_schedule"] = pipe.schedule
+        micro = plan.micro_batch
+        if micro is not None:
+            out["pipeline_parallel_microbatch_size"] = micro
+        parts = [layout.titan_names(s) for s in pipe.stages] if layout.blocks else [None]
+        if all(p for p in parts):
+            out["module_fqns_per_model_part"] = parts
+        else:
+            losses.append("the plan's stage boundaries are not written (its modules have no TorchTitan names: one "
+                          "chain of blocks between an embedding and a head); TorchTitan splits the layers itself")
+    return out
+
+
+def _reshard_policy(plan: WrapPlan, layout: _BlockLayout, losses: list[str]) -> str:
+    """``fsdp_reshard_after_forward``: the blocks' setting ("default" is TorchTitan's own for FSDP
+    alone: blocks reshard, [norm, output] and the root do not)."""
+    blocks = [u for u in plan.units if not u.is_root and any(m in layout.index for m in u.modules)]
+    if not blocks:
+        return "default"
+    hpz = [u.name for u in blocks if not isinstance(u.reshard_after_forward, bool)]
+    if hpz:
+        losses.append(f"reshard_after_forward=N (reshard to groups of N ranks) has no TorchTitan setting and "
+                      f"becomes true: {few(hpz)}")
+    on = [u for u in blocks if u.reshard_after_forward is not False]
+    raf = len(on) * 2 >= len(blocks)
+    odd = [u.name for u in blocks if (u.reshard_after_forward is not False) != raf]
+    if odd:
+        losses.append(f"one reshard_after_forward for every block ({raf}); the plan has {not raf} for {few(odd)}")
+    if not raf:
+        return "never"
+    return "always" if plan.mesh.pp_size > 1 else "default"
+
+
+def _checkpointing(plan: WrapPlan, layout: _BlockLayout, losses: list[str]) -> dict[str, Any]:
+    """[activation_checkpoint]: one mode for every block, or TorchTitan's every N-th block."""
+    root = plan.spec.root
+    if root.checkpoint:
+        losses.append("the root unit is checkpointed in the plan: TorchTitan checkpoints blocks only")
+    units = [u for u in plan.units if not u.is_root]
+    not_blocks = [u.name for u in units if u.checkpoint and any(layout.block_of(m) != m for m in u.modules)]
+    if not_blocks:
+        losses.append(f"checkpointing of units that are not whole blocks is lost ({few(not_blocks)}): TorchTitan "
+                      "checkpoints whole blocks")
+    mode_of = {m: u.checkpoint for u in units for m in u.modules}
+    modes = [mode_of.get(b, False) for b in layout.blocks]
+    kinds = set(modes)
+    if not modes or kinds == {False}:
+        return {"mode": "none"}
+    if kinds == {True}:
+        return {"mode": "full"}
+    if kinds == {SELECTIVE_OP}:
+        losses.append("selective-op keeps every matmul's output; TorchTitan's op-level selective checkpointing "
+                      "keeps every second one (and recomputes the rest), holding less and recomputing more")
+        return {"mode": "selective", "selective_ac_option": "op"}
+    every = _every_nth(modes)
+    if every and plan.mesh.pp_size == 1:
+        return {"mode": "selective", "selective_ac_option": str(every)}
+    full = modes.count(True) * 2 >= len(modes)
+    mode = "full" if full else "none"
+    odd = [b for b, m in zip(layout.blocks, modes) if (m is True) != full]
+    losses.append(f"one checkpointing mode for every block ({mode}); the plan differs for {few(odd)} (TorchTitan "
+                  "mixes only every N-th block, counted per pipeline rank)")
+    return {"mode": mode}
+
+
+def _every_nth(modes: list[bool | str]) -> int | None:
+    """N when exactly the blocks ``i`` with ``(i + 1) % N == 0`` are fully checkpointed (TorchTitan's
+    ``selective_ac_option = "N"``: its counter checkpoints the N-th, 2N-th, ... block)."""
+    if set(modes) - {True, False}:
+        return None
+    for n in range(2, len(modes) + 1):
+        if all((m is True) == ((i + 1) % n == 0) for i, m in enumerate(modes)):
+            return n
+    return None
+
+
+def _training(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
+    """[training]: batch sizes, sequence length, mixed precision and offload."""
+    out: dict[str, Any] = {}
+    mesh, pipe = plan.mesh, plan.spec.pipeline
+    micro = plan.micro_batch
+    if micro is None and pipe is None and plan.assumptions is not None and float(plan.assumptions.batch).is_integer():
+        micro = int(plan.assumptions.batch) or None
+    if micro is not None:
+        local = micro * (pipe.microbatches if pipe is not None else 1)
+        out["local_batch_size"] = local
+        out["global_batch_size"] = plan.global_batch or local * plan.accumulation * mesh.dp_size
+    else:
+        losses.append("the plan records no micro-batch: set training.local_batch_size (sequences per data-parallel "
+                      "rank per accumulation step) and global_batch_size; TorchTitan's default is 8")
+    seq = plan.assumptions.seq if plan.assumptions is not None else 0
+    if seq:
+        out["seq_len"] = seq
+        if seq % mesh.tp_size:
+            losses.append(f"seq_len {seq} is not a multiple of the TP degree {mesh.tp_size}, which TorchTitan needs")
+    else:
+        losses.append("the plan records no sequence length: set training.seq_len (TorchTitan's default is 2048)")
+    train = plan.train_config
+    param = train.param_dtype
+    if param in _PARAM_DTYPES:
+        out["mixed_precision_param"] = _PARAM_DTYPES[param]
+    else:
+        losses.append(f"param_dtype {param} has no TorchTitan setting (bfloat16 or float32); bfloat16 is written")
+        out["mixed_precision_param"] = "bfloat16"
+    reduce = train.reduce_dtype or param
+    out["mixed_precision_reduce"] = "float32"
+    if reduce not in (None, "float32"):
+        losses.append(f"gradients reduce in {reduce} in the plan; TorchTitan reduces in float32 only")
+    if train.output_dtype:
+        losses.append(f"output_dtype {train.output_dtype} has no TorchTitan setting")
+    if plan.spec.offload:
+        out["enable_cpu_offload"] = True
+    return out
+
+
+def _other_losses(plan: WrapPlan, losses: list[str]) -> None:
+    if plan.spec.forward_prefetch:
+        losses.append(f"explicit forward prefetch of {plan.spec.forward_prefetch} unit(s) has no TorchTitan setting; "
+                      "FSDP2's implicit prefetch applies")
+    opt = plan.train_config.optimizer
+    if opt not in ("adamw", "adam"):
+        losses.append(f"the plan was scored for {opt}; set [optimizer] name to TorchTitan's counterpart")
+
+
+def _guidance(plan: WrapPlan, layout: _BlockLayout) -> str:
+    """The comment lines a user needs before running the file: what to fill in."""
+    lines = ["Set [model] name, flavor and hf_assets_path to TorchTitan's definition of this model"
+             f" ({plan.model.get('class')}" + (f", {len(layout.blocks)} layers)" if layout.blocks else ")"),
+             "and [job] dump_folder; the keys below are the plan's."]
+    if layout.num_chains != 1:
+        lines.append(f"This model has {layout.num_chains} chains of blocks; TorchTitan's models have one (layers).")
+    return "".join(f"# {comment(x)}\n" for x in lines) + "\n"
+
+
+# -- TOML ----------------------------------------------------------------------------------------------
+
+
+def toml_text(sections: dict[str, dict[str, Any]]) -> str:
+    """``[section]`` tables of scalars and (nested) lists, written by hand (no TOML dependency)."""
+    out = []
+    for name, table in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a TOML basic string
