@@ -51,8 +51,13 @@ CURRENT_FORMS = (
     "the units (per-block, every-leaf, size-1e8, root-only, no-shard); checkpointing (no AC, full AC, "
     "selective AC: matmul and attention outputs kept, AC every K: every K-th block); micro-batch N; "
     "reshard or no reshard (after forward, every unit but the root); "
-    "shard N (HSDP with shard groups of N ranks); tp N (tensor parallelism inside each node). "
-    'Example: "per-block, full AC, micro-batch 2"'
+    "shard N (HSDP with shard groups of N ranks); tp N (tensor parallelism inside each node) and its switches "
+    "(async TP, no sequence parallel, no loss parallel); "
+    "local batch N (TorchTitan's training.local_batch_size: sequences per data-parallel rank per forward and "
+    "backward); pp N (pipeline stages, one unit per block) with a schedule (1F1B, Interleaved1F1B, GPipe), "
+    "N stages per rank, and micro-batch N (the pipeline's, default 1). "
+    'Example: "per-block, full AC, micro-batch 2" or "per-block, full AC, local batch 32, tp 8, pp 8, '
+    'Interleaved1F1B"'
 )
 
 PICTURES = ("timeline.png", "pareto.png")  # what `--plot DIR` and the demo draw (evaluation/pictures.py)

@@ -124,6 +124,8 @@ def test_a_pipeline_chosen_is_compared_whole(capsys, tmp_path):
     assert cur["current"]["micro_batch"] * cur["current"]["accumulation"] * 8 == 64
     assert cur["wrapopt"]["micro_batch"] * m * 4 == 64 and cur["wrapopt"]["accumulation"] == m
     assert cur["speedup"] == pytest.approx(cur["current"]["step_s"] / cur["wrapopt"]["step_s"])
-    # a plan file with stages as the current configuration: one line naming what to do
-    assert main([*args, "--current", str(tmp_path / "pp.json")]) == 1
-    assert "a plan with pipeline stages is not compared here" in capsys.readouterr().err
+    # a plan file with stages as the current configuration: compared whole too; its own plan gains nothing
+    assert main([*args, "--json", "--current", str(tmp_path / "pp.json")]) == 0
+    again = json.loads(capsys.readouterr().out)["search"]["current"]
+    assert again["choices"][0]["current"] == again["choices"][0]["wrapopt"] == choice["wrapopt"]
+    assert again["speedup"] == pytest.approx(1.0, rel=1e-6)

@@ -21,14 +21,23 @@ def _signed(delta: float) -> str:
     return ("+" if delta >= 0 else "-") + fmt_bytes(abs(delta))
 
 
+def _split(c: Any) -> str:
+    """How ``c`` runs a step: its micro-batch and accumulation, or a pipeline's micro-batches."""
+    m = c.plan.mesh
+    if c.plan.pipeline is None:
+        return f"micro-batch {c.micro_batch} x {c.accumulation} accumulation"
+    return (f"{c.accumulation} micro-batches of {c.micro_batch} on each of {m.dp_size} pipelines "
+            f"(pp {m.pp_size}{f', tp {m.tp_size}' if m.tp_size > 1 else ''})")
+
+
 def format_current(cmp: Any, budget: float | None = None) -> str:
     """The current configuration, the search's, and each choice that differs, applied alone
     to the current one: step (the whole global batch), tokens/s/GPU against the current, peak."""
     cur, best = cmp.current, cmp.chosen
     fits = "" if budget is None or cur.estimate.peak_bytes <= budget else " (over the memory budget)"
     name = f"wrapopt ({best.plan.label or 'searched'}, mb {best.micro_batch})"[:34]
-    out = [f"Current configuration ({cmp.current_text}){fits}: micro-batch {cur.micro_batch} x {cur.accumulation} "
-           f"accumulation on {cur.plan.mesh.world_size} ranks; wrapopt's is x{cmp.speedup:.3f} tokens/s/GPU.",
+    out = [f"Current configuration ({cmp.current_text}){fits}: {_split(cur)} on {cur.plan.mesh.world_size} ranks; "
+           f"wrapopt's is x{cmp.speedup:.3f} tokens/s/GPU.",
            "  configuration                      step (whole batch)  tokens/s/GPU  peak (vs current)",
            _line("current", cur, cur), _line(name, best, cur)]
     if cmp.gains:

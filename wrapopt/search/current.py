@@ -24,9 +24,12 @@ from dataclasses import dataclass, replace
 
 from wrapopt.choices import CURRENT_FORMS
 from wrapopt.cost.simulate import Simulator
-from wrapopt.errors import OptionError
+from wrapopt.errors import OptionError, PlanError
 from wrapopt.search.baselines import baselines, with_choices
 from wrapopt.search.batch import batch_scale
+from wrapopt.search.current_pp import PipelineWords, block_checkpoints, pipeline_current, read_schedule
+from wrapopt.search.pipeline_batch import pipeline_at_batch
+from wrapopt.search.stages import pipeline_layout
 from wrapopt.search.tp import dp_mesh, lift_plan
 from wrapopt.spec import SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
@@ -44,8 +47,10 @@ class Current:
     batch, or at a fixed global batch the search's)."""
 
     plan: PlanSpec
-    micro_batch: int | None
+    micro_batch: int | None  # a pipeline's: sequences per pipeline micro-batch
     text: str  # what the user wrote, for the report
+    local_batch: int | None = None  # TorchTitan's training.local_batch_size, when said
+    microbatches_said: bool = False  # a pipeline's micro-batch count was said (not set by the global batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,51 +98,45 @@ def _fail(text: str, why: str) -> OptionError:
 
 def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSpec | None = None,
                   load_plan=None) -> Current:
-    """``text`` (See [Note: the current configuration]) on ``mesh`` (the whole mesh, without
-    tensor parallelism). ``load_plan(path) -> (PlanSpec, micro_batch)`` reads a plan file (the
-    caller's: the plan file format lives above search). Raises ``OptionError`` naming the item
-    and the accepted forms."""
+    """``text`` (See [Note: the current configuration]; a pipeline: [Note: a pipeline described] in
+    search/current_pp.py) on ``mesh`` (the whole mesh, without tensor parallelism). ``load_plan(path)
+    -> (PlanSpec, micro_batch)`` reads a plan file (the caller's: the plan file format lives above
+    search). Raises ``OptionError`` naming the item and the accepted forms."""
     text = text.strip()
     if text.lower().endswith(".json") or os.path.sep in text:
         if load_plan is None:
             raise _fail(text, "plan files are read by the CLI and optimize_wrap, not here")
         plan, micro_batch = load_plan(text)
-        return Current(plan, micro_batch, text)
+        return Current(plan, micro_batch, text, microbatches_said=plan.pipeline is not None)
     if not text:
         raise _fail(text, "nothing given")
     base = baselines(graph, mesh)
-    units_name, ckpt_every, reshard, micro_batch, shard, tp = None, 0, True, None, None, 1
-    for raw in (s for s in re.split(r"[,;]", text) if s.strip()):
-        item = " ".join(raw.lower().replace("_", "-").split())
-        if item in base:
-            units_name = item
-        elif item in ("no ac", "no ckpt", "no checkpointing", "ac none", "none ac"):
-            ckpt_every = 0
-        elif item in ("full ac", "ac", "ckpt", "full ckpt", "checkpointing", "full checkpointing", "ac full"):
-            ckpt_every = 1
-        elif item in ("selective ac", "selective-op", "selective-op ac", "sac", "selective checkpointing"):
-            ckpt_every = -1
-        elif m := re.fullmatch(r"(?:ac|ckpt|checkpoint(?:ing)?) every (\d+)(?:st|nd|rd|th)?(?: blocks?)?", item):
-            ckpt_every = int(m.group(1))
-        elif m := re.fullmatch(r"(?:micro-?batch|micro batch|mbs)\s*[=:]?\s*(\d+)", item):
-            micro_batch = int(m.group(1))
-        elif item in ("reshard", "reshard after forward"):
-            reshard = True
-        elif item in ("no reshard", "no reshard after forward", "zero2", "zero-2"):
-            reshard = False
-        elif m := re.fullmatch(r"shard\s*=?\s*(\d+)", item):
-            shard = int(m.group(1))
-        elif m := re.fullmatch(r"tp\s*=?\s*(\d+)", item):
-            tp = int(m.group(1))
-        else:
-            raise _fail(text, f"cannot read {raw.strip()!r}")
-        if micro_batch == 0 or tp == 0 or shard == 0 or (ckpt_every == 0 and "every" in item):
-            raise _fail(text, f"{raw.strip()!r} needs a positive count")
-    if units_name is None:
-        units_name = "per-block" if "per-block" in base else "every-leaf"
-    plan = base[units_name]
+    said = _read_items(text, base)
+    units_name = said.get("units") or ("per-block" if "per-block" in base else "every-leaf")
+    ckpt_every, reshard, tp, shard = said.get("ckpt", 0), said.get("reshard"), said.get("tp", 1), said.get("shard")
+    local_batch, micro_batch = said.get("local"), said.get("micro")
     if mesh.ranks_per_node % tp or mesh.world_size % tp:
         raise _fail(text, f"tp {tp} does not divide the {mesh.ranks_per_node} ranks per node")
+    spec = None
+    if tp > 1:
+        spec = tp_spec or builtin_tp_plan(graph)
+        check_tp(graph, spec, tp)
+        spec = replace(spec, **said.get("switches", {}))
+        if spec.async_tp and not spec.sequence_parallel:
+            if said.get("switches", {}).get("async_tp"):
+                raise _fail(text, "async tp overlaps sequence parallelism's collectives, which are off here: "
+                                  "add sequence parallel")
+            spec = replace(spec, async_tp=False)
+    elif said.get("switches"):
+        raise _fail(text, f"{', '.join(said['switch_words'])} needs tensor parallelism: add tp N")
+    if "pp" in said or "schedule" in said:
+        return _pipeline(text, graph, mesh, said, units_name, spec)
+    if local_batch is not None:  # TorchTitan's local batch: one forward and backward's sequences per rank
+        if micro_batch not in (None, local_batch):
+            raise _fail(text, f"local batch {local_batch} is the micro-batch without a pipeline (TorchTitan's "
+                              f"training.local_batch_size); micro-batch {micro_batch} says otherwise: give one")
+        micro_batch = local_batch
+    plan = base[units_name]
     dp = dp_mesh(mesh, tp)
     if shard is not None:
         if dp.world_size % shard:
@@ -145,7 +144,7 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
         dp = replace(dp, shard_size=shard)
     if plan.mesh.shard_size != 1:  # no-shard keeps its own mesh
         plan = replace(plan, mesh=dp)
-    units = with_choices(plan, reshard=reshard).units
+    units = with_choices(plan, reshard=reshard is not False).units
     if ckpt_every < 0:  # selective-op on every unit but the root
         units = tuple(u if u.is_root else replace(u, checkpoint=SELECTIVE_OP) for u in units)
     elif ckpt_every:
@@ -156,10 +155,94 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
         units = tuple(replace(u, checkpoint=True) if i in every else u for i, u in enumerate(units))
     plan = replace(plan, units=units, label=f"current: {text}")
     if tp > 1:
-        spec = tp_spec or builtin_tp_plan(graph)
-        check_tp(graph, spec, tp)
         plan = lift_plan(plan, tp, spec)
-    return Current(plan, micro_batch, text)
+    return Current(plan, micro_batch, text, local_batch=local_batch)
+
+
+def _pipeline(text: str, graph: ModelGraph, mesh: MeshSpec, said: dict, units_name: str,
+              spec: TPSpec | None) -> Current:
+    """The described pipeline's plan: See [Note: a pipeline described] in search/current_pp.py."""
+    if "pp" not in said:
+        raise _fail(text, f"schedule {said['schedule']} needs a pipeline degree: add pp N")
+    if units_name != "per-block":
+        raise _fail(text, f"a pipeline (pp {said['pp']}) takes one unit per block (per-block), not {units_name}")
+    words = PipelineWords(said["pp"], said.get("schedule", "1F1B"), said.get("virtual"), said.get("count"))
+    try:
+        layout_blocks = len(pipeline_layout(graph).blocks)
+        plan = pipeline_current(graph, mesh, words, tp=said.get("tp", 1), shard=said.get("shard"),
+                                reshard=said.get("reshard"),
+                                checkpoints=block_checkpoints(layout_blocks, said.get("ckpt", 0)),
+                                micro_batch=said.get("micro") or 1, local_batch=said.get("local"), tp_spec=spec,
+                                label=f"current: {text}")
+    except (ValueError, PlanError) as e:
+        raise _fail(text, str(e)) from None
+    return Current(plan, said.get("micro") or 1, text, local_batch=said.get("local"),
+                   microbatches_said=said.get("count") is not None)
+
+
+# Each item's forms: (field, pattern); the first that matches the item (lower case, ``_`` as ``-``,
+# spaces single) says it. A pattern's group is the field's count.
+_COUNTS = (
+    ("ckpt", r"(?:ac|ckpt|checkpoint(?:ing)?) every (\d+)(?:st|nd|rd|th)?(?: blocks?| layers?)?"),
+    ("local", r"(?:training\.)?local[- ]batch(?:[- ]size)?\s*[=:]?\s*(\d+)|lbs\s*[=:]?\s*(\d+)"),
+    ("count", r"(\d+) micro-?batches|(?:n-)?micro-?batches\s*[=:]?\s*(\d+)"),
+    ("micro", r"(?:pp |pipeline(?:-parallel)? )?(?:micro-?batch|micro batch)(?:[- ]size)?\s*[=:]?\s*(\d+)"
+              r"|mbs\s*[=:]?\s*(\d+)"),
+    ("shard", r"shard\s*=?\s*(\d+)"),
+    ("tp", r"(?:tp|tensor-parallel(?:[- ]degree)?)\s*[=:]?\s*(\d+)"),
+    ("pp", r"(?:pp|pipeline(?:-parallel)?(?:[- ]degree)?)\s*[=:]?\s*(\d+)"),
+    ("virtual", r"(\d+) (?:virtual )?stages? per rank|(?:virtual )?stages per rank\s*[=:]?\s*(\d+)"),
+)
+_NO_AC = ("no ac", "no ckpt", "no checkpointing", "ac none", "none ac", "no activation checkpointing")
+_FULL_AC = ("full ac", "ac", "ckpt", "full ckpt", "checkpointing", "full checkpointing", "ac full",
+            "full activation checkpointing")
+_SELECTIVE_AC = ("selective ac", "selective-op", "selective-op ac", "sac", "selective checkpointing", "selective",
+                 "selective op", "selective op ac", "op sac", "ac selective", "selective ac op")
+
+# TorchTitan's tensor-parallel switches (TPSpec's fields): async TP (enable_async_tensor_parallel,
+# off by default), and sequence and loss parallelism, on in TorchTitan's TP plan.
+_SWITCHES = {"async tp": ("async_tp", True), "async-tp": ("async_tp", True), "no async tp": ("async_tp", False),
+             "enable-async-tensor-parallel": ("async_tp", True), "no sequence parallel": ("sequence_parallel", False),
+             "no sp": ("sequence_parallel", False), "sequence parallel": ("sequence_parallel", True),
+             "sp": ("sequence_parallel", True), "no loss parallel": ("loss_parallel", False),
+             "loss parallel": ("loss_parallel", True)}
+
+
+def _read_items(text: str, base: dict) -> dict:
+    """The fields the description's items say (``units``, ``ckpt`` (0 none, -1 selective-op, K every
+    K-th block), ``reshard``, ``schedule`` and the counts of ``_COUNTS``)."""
+    said: dict = {}
+    for raw in (s for s in re.split(r"[,;]", text) if s.strip()):
+        item = " ".join(raw.lower().replace("_", "-").split())
+        found: tuple[str, object] | None = None
+        if item in base:
+            found = ("units", item)
+        elif item in _NO_AC or item in _FULL_AC or item in _SELECTIVE_AC:
+            found = ("ckpt", 0 if item in _NO_AC else 1 if item in _FULL_AC else -1)
+        elif item in _SWITCHES:
+            said.setdefault("switches", {}).update([_SWITCHES[item]])
+            said.setdefault("switch_words", []).append(raw.strip())
+            continue
+        elif item in ("reshard", "reshard after forward", "no reshard", "no reshard after forward", "zero2",
+                      "zero-2"):
+            found = ("reshard", item.startswith("reshard"))
+        else:
+            for name, pattern in _COUNTS:
+                if m := re.fullmatch(pattern, item):
+                    found = (name, int(next(g for g in m.groups() if g is not None)))
+                    if found[1] == 0:
+                        raise _fail(text, f"{raw.strip()!r} needs a positive count")
+                    break
+        if found is None:
+            try:
+                schedule = read_schedule(item)
+            except ValueError as e:
+                raise _fail(text, f"{raw.strip()!r}: {e}") from None
+            if schedule is None:
+                raise _fail(text, f"cannot read {raw.strip()!r}")
+            found = ("schedule", schedule)
+        said[found[0]] = found[1]
+    return said
 
 
 def _choices_by_module(plan: PlanSpec) -> dict[str, tuple[bool | int, object]]:
@@ -205,13 +288,20 @@ def _describe_units(plan: PlanSpec) -> str:
 
 
 # [Note: the current configuration and a pipeline] A search with ``--pp`` may choose a pipeline
-# plan. The current configuration (a description or a plan file without stages) has none, and a
-# pipeline changes the mesh, the units per stage and the batch split at once, so no single choice
-# of it applies alone to the current plan: the two are compared whole, at the same global batch.
-# The pipeline plan keeps the search's own estimate; its throughput counts a step's sequences as
-# its micro-batch x its micro-batches x its pipelines (``Config`` with the micro-batches as the
-# accumulation). At a fixed global batch without a given micro-batch, the current plan takes the
-# pipeline's per-rank share of a step: its micro-batch x micro-batches / pp.
+# plan, and the current configuration may be one (``pp N`` in the description, or a plan file with
+# stages). A pipeline changes the mesh, the units per stage and the batch split at once, so no
+# single choice of it applies alone to the other plan: the two are compared whole, at the same
+# global batch. A pipeline chosen keeps the search's own estimate; its throughput counts a step's
+# sequences as its micro-batch x its micro-batches x its pipelines (``Config`` with the
+# micro-batches as the accumulation). At a fixed global batch without a given micro-batch, a
+# current plan without a pipeline takes the pipeline's per-rank share of a step: its micro-batch x
+# micro-batches / pp. A current pipeline is scored as the search scores a pipeline at a global
+# batch (``pipeline_at_batch``): the global batch N is ``--global-batch``, else its local batch x
+# its data-parallel ranks, else its pipeline's share of the traced batch on every rank; each of its
+# ``dp`` pipelines runs ``N / dp`` sequences (its local batch) a step, in micro-batches of its
+# micro-batch (the plan file's, or the description's, default 1, as TorchTitan's
+# pipeline_parallel_microbatch_size). A pipeline's micro-batches are its accumulation, so a local
+# batch said must be ``N / dp``.
 def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen: PlanSpec, *,
                     request: ParallelRequest, chosen_micro_batch: int | None,
                     chosen_estimate: CostEstimate | None = None) -> Comparison:
@@ -222,9 +312,6 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
     current configuration]."""
     train, global_batch = request.train, request.global_batch
     traced = graph.batch_size or 1
-    if current.plan.pipeline is not None:
-        raise OptionError(f"--current {current.text!r}: a plan with pipeline stages is not compared here; score it "
-                          f"with `wrapopt estimate --plan {current.text}` beside the search's plan file")
 
     def split_of(plan: PlanSpec, mb: int | None) -> tuple[int, int] | None:
         mb = mb or traced
@@ -244,6 +331,11 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         return Config(plan, sp[0], sp[1], est)
 
     pipe = chosen.pipeline
+    if current.plan.pipeline is not None:  # See [Note: the current configuration and a pipeline]
+        whole = (Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate) if pipe is not None
+                 else score(chosen, chosen_micro_batch))
+        assert whole is not None, "the search's own split divides its global batch"
+        return _whole(_score_pipeline(graph, sim, current, request), whole, current.text)
     cur_mb = current.micro_batch
     if cur_mb is None and global_batch is not None:
         want = chosen_micro_batch  # a pipeline's: its share per rank (See the note above)
@@ -258,10 +350,8 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
                           f"N x {dp} dividing it")
     if pipe is not None:  # See [Note: the current configuration and a pipeline]
         assert chosen_estimate is not None, "a pipeline plan is compared with the search's own estimate"
-        whole = Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate)
-        what = f"pp{chosen.mesh.pp_size} {pipe.schedule} m{pipe.microbatches}"
-        return Comparison(cur, whole, (ChoiceGain("pipeline", "none", what, None, "a pipeline changes every "
-                                                  "choice at once; not taken apart"),), current.text)
+        return _whole(cur, Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate),
+                      current.text)
     best = score(chosen, chosen_micro_batch)
     assert best is not None, "the search's own split divides its global batch"
     cp, bp = current.plan, chosen
@@ -292,3 +382,55 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
     add("checkpointing", _describe_ckpt(cp), _describe_ckpt(_take(cp, bp, reshard=False, checkpoint=True)),
         _take(cp, bp, reshard=False, checkpoint=True), cur.micro_batch)
     return Comparison(cur, best, tuple(gains), current.text)
+
+
+def _whole(cur: Config, chosen: Config, text: str) -> Comparison:
+    """Two configurations, one of them a pipeline, compared whole (See [Note: the current
+    configuration and a pipeline])."""
+    gain = ChoiceGain("pipeline", _describe_pipeline(cur.plan), _describe_pipeline(chosen.plan), None,
+                      "a pipeline changes every choice at once; not taken apart")
+    return Comparison(cur, chosen, (gain,), text)
+
+
+def _describe_pipeline(plan: PlanSpec) -> str:
+    pipe = plan.pipeline
+    if pipe is None:
+        return "none"
+    v = pipe.virtual_stages(plan.mesh.pp_size)
+    return (f"pp{plan.mesh.pp_size} {pipe.schedule}{f' x{v}' if v > 1 else ''} m{pipe.microbatches}"
+            + (f" tp{plan.mesh.tp_size}" if plan.mesh.tp_size > 1 else ""))
+
+
+def _score_pipeline(graph: ModelGraph, sim: Simulator, current: Current, request: ParallelRequest) -> Config:
+    """A current pipeline plan at its global batch: See [Note: the current configuration and a pipeline]."""
+    plan, pipe = current.plan, current.plan.pipeline
+    assert pipe is not None
+    dp, mb = plan.mesh.dp_size, current.micro_batch or 1
+    n = request.global_batch
+    local = current.local_batch
+    if n is None:  # its local batch, its micro-batches said, else its pipeline's share of the traced batch
+        per = local or (pipe.microbatches * mb if current.microbatches_said else
+                        max(1, graph.batch_size) * plan.mesh.pp_size * plan.mesh.tp_size)
+        n = dp * per
+    if local is not None and local * dp != n:
+        raise OptionError(f"--current {current.text!r}: local batch {local} x {dp} data-parallel ranks is "
+                          f"{local * dp} sequences a step, not the global batch {n} (a pipeline's micro-batches "
+                          f"are its accumulation); say local batch {n // dp if n % dp == 0 else 'N'} or "
+                          f"--global-batch {local * dp}")
+    if n % (dp * mb):
+        raise OptionError(f"--current {current.text!r}: the global batch {n} is not micro-batches of {mb} on each "
+                          f"of its {dp} pipelines; a global batch that is a multiple of {dp * mb}")
+    m = n // (dp * mb)
+    if current.microbatches_said and m != pipe.microbatches:
+        raise OptionError(f"--current {current.text!r}: {pipe.microbatches} micro-batches of {mb} on each of {dp} "
+                          f"pipelines run {pipe.microbatches * mb * dp} sequences a step, not the global batch {n}")
+    try:
+        plan = replace(plan, pipeline=replace(pipe, microbatches=m))
+        train = replace(request.train, micro_batch=mb, grad_accumulation=1, global_batch=None)
+        at = replace(request, mesh=MeshSpec(world_size=plan.mesh.world_size, ranks_per_node=plan.mesh.ranks_per_node,
+                                            shard_size=plan.mesh.world_size), global_batch=n, train=train, pp=1, tp=1)
+        psim, _train = pipeline_at_batch(graph, sim, plan, at, memory_budget=sim.options.memory_budget_bytes)
+        est = psim.simulate(plan)
+    except (OptionError, PlanError, ValueError) as e:
+        raise OptionError(f"--current {current.text!r}: {e}") from None
+    return Config(plan, mb, m, est)
