@@ -127,6 +127,9 @@ def test_what_torchtitan_cannot_say_is_listed(llama_tiny, plans):
                   "no sequence length", "forward prefetch"):
         assert words in text, words
     assert "seq_len" not in _toml(out)["training"]
+    odd = _plan(model, plans["2d"].spec, micro_batch=4, global_batch=36)  # 4 x 4 data-parallel ranks: 16 per step
+    assert any("global batch 36 is not a multiple of local_batch_size 4 x 4" in x
+               for x in export_plan(odd, to="torchtitan").losses)
     assert all(f"#   - {x}" in out.text for x in out.losses)
 
 

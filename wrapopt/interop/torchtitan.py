@@ -265,6 +265,9 @@ def _training(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
         local = micro * (pipe.microbatches if pipe is not None else 1)
         out["local_batch_size"] = local
         out["global_batch_size"] = plan.global_batch or local * plan.accumulation * mesh.dp_size
+        if out["global_batch_size"] % (local * mesh.dp_size):
+            losses.append(f"global batch {out['global_batch_size']} is not a multiple of local_batch_size {local} x "
+                          f"{mesh.dp_size} data-parallel ranks, which TorchTitan needs for its accumulation steps")
     else:
         losses.append("the plan records no micro-batch: set training.local_batch_size (sequences per data-parallel "
                       "rank per accumulation step) and global_batch_size; TorchTitan's default is 8")
