@@ -17,6 +17,7 @@ records every case's seconds under ``case_s``: where the spawn's time goes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 
@@ -159,15 +160,21 @@ def batches(name: str, world: int, rank: int):
     return full, mine
 
 
-def train(model, batches, loss_fn, *, sgd: bool = False) -> list[float]:
+def train(model, batches, loss_fn, *, sgd: bool = False, loss_context=contextlib.nullcontext) -> list[float]:
     """``STEPS`` steps of AdamW (lr 1e-2), or of plain SGD (lr 0.1): SGD's update is the gradient
     itself, so its final parameters compare gradients, where AdamW's normalisation turns
-    rounding-level differences of gradients near zero into steps of size lr."""
+    rounding-level differences of gradients near zero into steps of size lr. The loss and its
+    backward run under ``loss_context()`` (``WrapPlan.loss_context``: loss parallel's context)."""
+    from torch.distributed.tensor import DTensor
+
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if sgd else torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x in batches:
-        loss = loss_fn(model(*x), x)
-        loss.backward()
+        with loss_context():
+            loss = loss_fn(model(*x), x)
+            loss.backward()
+        if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
+            loss = loss.full_tensor()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())

@@ -4,10 +4,14 @@ The multi-process side (parity, collective counts, meta init, bench) is test_tp_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from dataclasses import replace
 
 import pytest
+import torch
+import torch.nn as nn
 
 from tests.plan.common import load_data
 from tests.ranks import MESH_2X2, tp_plan_specs
@@ -18,6 +22,7 @@ from wrapopt.launch import dp_rank_size
 from wrapopt.models import zoo
 from wrapopt.plan.apply import apply_plan
 from wrapopt.plan.file import WrapPlan
+from wrapopt.plan.tp import tp_layout
 from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.tp import TPSpec
 
@@ -85,8 +90,8 @@ def _tp(cls: str, *pairs: tuple[str, str]) -> TPSpec:
     return TPSpec(layers=((cls, pairs),), source="user")
 
 
-def _apply(name: str, mesh: MeshSpec, tp: TPSpec) -> str:
-    model = zoo.get_entry(name).build("meta")
+def _apply(name: str, mesh: MeshSpec, tp: TPSpec, model=None) -> str:
+    model = zoo.get_entry(name).build("meta") if model is None else model
     blocks = tuple(n for n, m in model.named_modules() if n.count(".") == 1 and n.startswith("layers."))
     spec = PlanSpec((UnitSpec(blocks), UnitSpec((ROOT,), False)), mesh, tp=tp)
     with pytest.raises(PlanError) as exc:
@@ -117,6 +122,70 @@ def test_a_missing_path_and_a_non_linear_path_are_refused():
 def test_a_tp_plan_for_a_class_the_model_lacks_is_refused():
     msg = _apply("gpt-tiny", MESH_2X2, _tp("LlamaBlock", ("self_attn.q_proj", "colwise")))
     assert "block class LlamaBlock, which this GPT does not have" in msg and "GPTBlock" in msg
+
+
+def _switched(plan: WrapPlan, **flags) -> TPSpec:
+    return replace(plan.spec.tp, **{"sequence_parallel": True, "loss_parallel": True, **flags})
+
+
+def test_a_degree_not_dividing_the_vocabulary_is_refused_with_the_degrees_that_work(llama_plan):
+    with torch.device("meta"):
+        odd = zoo.Llama(vocab=2047, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn=176)  # 2047 = 23 x 89
+    msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan, sequence_parallel=False), odd)
+    assert msg.startswith("tensor-parallel degree 2 does not divide the vocabulary (2047 output features of "
+                          "lm_head), which loss parallel split"), msg
+    assert "dividing it (1, 23)" in msg and msg.endswith("loss_parallel=False (--no-loss-parallel)")
+    msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan), odd)
+    assert "which loss parallel and sequence parallel split" in msg and "--no-sequence-parallel" in msg
+
+
+def test_a_norm_sequence_parallel_cannot_place_is_named_with_the_option_to_turn_it_off(llama_plan):
+    model = zoo.get_entry("llama-tiny").build("meta")
+    model.layers[3].post_attention_layernorm = nn.Sequential(zoo.RMSNorm(64))  # one level down
+    msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan), model)
+    assert msg.startswith("block layers.3: norm post_attention_layernorm.0 (RMSNorm) is not a direct child"), msg
+    assert "sequence_parallel=False (--no-sequence-parallel)" in msg
+    # the same model without sequence parallel: only the vocabulary's split is asked for, and allowed
+    blocks = tuple(f"layers.{i}" for i in range(6))
+    spec = PlanSpec((UnitSpec(blocks), UnitSpec((ROOT,), False)), MESH_2X2,
+                    tp=_switched(llama_plan, sequence_parallel=False))
+    assert tp_layout(model, spec.tp, 2, "cpu").head == "lm_head"
+
+
+def test_parameters_outside_the_blocks_and_hugging_face_models_are_refused_for_sequence_parallel(llama_plan):
+    model = zoo.get_entry("llama-tiny").build("meta")
+    model.scale = nn.Parameter(torch.ones(64, device="meta"))
+    msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan), model)
+    assert "Llama holds parameters of its own (scale)" in msg and "--no-sequence-parallel" in msg
+    hf_class = type("LlamaForCausalLM", (zoo.Llama,), {"__module__": "transformers.models.llama.modeling_llama"})
+    with torch.device("meta"):
+        hf = hf_class(vocab=2048, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn=176)
+    msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan), hf)
+    assert msg.startswith("embed_tokens: Hugging Face's LlamaForCausalLM computes positions") and "--no-seq" in msg
+
+
+def test_async_tp_is_refused_on_cpu(llama_plan):
+    msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan, async_tp=True))
+    assert "async tensor parallelism (tp.async_tp), which is GPU-only" in msg and "these ranks run on cpu" in msg
+
+
+def test_the_layout_places_gpt_tinys_tied_embedding_positions_norms_and_head(gpt_tiny):
+    model, _inputs, graph = gpt_tiny
+    tp = replace(tp_plan_specs(graph)["groups-of-2"].tp, sequence_parallel=True, loss_parallel=True)
+    got = tp_layout(model, tp, 2, "cpu")
+    assert (got.head, got.embed, got.positions, got.final_norm) == ("lm_head", "wte", ("wpe",), "ln_f")
+    assert got.block_norms == tuple(f"layers.{i}.{n}" for i in range(4) for n in ("ln_1", "ln_2"))
+    assert got.gathers == tuple(f"layers.{i}.{n}" for i in range(4) for n in ("attn", "mlp"))
+    assert tp_layout(model, replace(tp, sequence_parallel=False, loss_parallel=False), 2, "cpu") is None
+
+
+def test_loss_context_is_loss_parallel_only_where_the_plan_says(llama_plan):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    assert isinstance(llama_plan.loss_context(), contextlib.nullcontext)
+    lp = WrapPlan(spec=replace(llama_plan.spec, tp=_switched(llama_plan, sequence_parallel=False)),
+                  model=llama_plan.model)
+    assert type(lp.loss_context()) is type(loss_parallel())
 
 
 # --- exports that cannot express tensor parallelism --------------------------------------------------

@@ -1,7 +1,8 @@
 """2-D plans on 4 gloo ranks, (shard 2) x (tp 2), in the shared spawn of 4 ranks (See
-tests/ranks.py): training parity with the unsharded model, the tensor-parallel collectives of
-one block, meta-device initialisation of 2-D parameters, real steps through ``measure_plans``,
-and a bad plan failing on every rank before any collective.
+tests/ranks.py): training parity with the unsharded model (with sequence and loss parallel too),
+the tensor-parallel collectives of one block (with and without sequence parallel), meta-device
+initialisation of 2-D parameters, real steps through ``measure_plans``, and a bad plan failing
+on every rank before any collective.
 
 [Note: what the TP parity compares] The data-parallel world is 2 (ranks 0, 1 and 2, 3
 are the two tensor-parallel groups): each group trains on its data-parallel rank's half
@@ -37,6 +38,13 @@ MODELS = ("llama-tiny", "gpt-tiny")
 # The cost model's expectation per block at tp=2 (See [Note: tensor parallel] in wrapopt/tp.py):
 # forward one all-reduce after attention and one after the MLP; backward one per colwise projection.
 EXPECTED = {"llama-tiny": (2, 5), "gpt-tiny": (2, 4)}
+LABELS = ("groups-of-2", "some-ckpt", "sp-lp")  # sp-lp: some-ckpt with sequence and loss parallel
+
+
+def _specs(name: str) -> dict:
+    specs = tp_plan_specs(zoo_graph(name))
+    ckpt = specs["some-ckpt"]
+    return {**specs, "sp-lp": replace(ckpt, tp=replace(ckpt.tp, sequence_parallel=True, loss_parallel=True))}
 
 
 def _sized_comm_mode():
@@ -70,7 +78,7 @@ def _parity(rank: int, world: int, out: dict) -> None:
     dp_rank, dp_size = dp_rank_size(MESH_2X2)
     for name in MODELS:
         e = zoo.get_entry(name)
-        specs = tp_plan_specs(zoo_graph(name))
+        specs = _specs(name)
         ref = reference(name)
         full, mine = batches(name, dp_size, dp_rank)
         trained, by_sgd = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -78,10 +86,11 @@ def _parity(rank: int, world: int, out: dict) -> None:
         train(by_sgd, full, e.loss, sgd=True)
         for label, spec in specs.items():
             model, with_sgd = copy.deepcopy(ref), copy.deepcopy(ref)
+            plan = WrapPlan(spec=spec, model=model_fingerprint(ref))
             for m in (model, with_sgd):
-                WrapPlan(spec=spec, model=model_fingerprint(ref)).apply(m)
-            losses = [float(v) for v in train(model, mine, e.loss)]
-            train(with_sgd, mine, e.loss, sgd=True)
+                plan.apply(m)
+            losses = [float(v) for v in train(model, mine, e.loss, loss_context=plan.loss_context)]
+            train(with_sgd, mine, e.loss, sgd=True, loss_context=plan.loss_context)
             every = [None] * world
             dist.all_gather_object(every, losses)
             dp_mean = [(a + b) / 2 for a, b in zip(every[0], every[2])]  # one rank of each tensor-parallel group
@@ -103,22 +112,31 @@ def _parity(rank: int, world: int, out: dict) -> None:
 def _comm_counts(rank: int, world: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from wrapopt.plan.sp import SPLayout, block_layout, parallelize_sp
     from wrapopt.plan.tp import parallelize_blocks
 
     mesh = init_device_mesh("cpu", MESH_2X2.shape, mesh_dim_names=MESH_2X2.axis_names)
     for name in MODELS:
         tp = tp_plan_specs(zoo_graph(name))["groups-of-2"].tp
-        holder = nn.ModuleList([copy.deepcopy(reference(name).layers[0])])  # one block, tensor parallel only
-        parallelize_blocks(holder, tp, mesh["tp"])
-        x = torch.randn(2, 64, 64, requires_grad=True)
-        fwd = _sized_comm_mode()
-        with fwd:
-            y = holder[0](x)
-        bwd = _sized_comm_mode()
-        with bwd:
-            y.sum().backward()
-        out[f"comm/{name}/block"] = {"fwd": _counts(fwd), "bwd": _counts(bwd), "fwd_sizes": fwd.sizes,
-                                     "bwd_sizes": bwd.sizes, "activation_bytes": x.numel() * x.element_size()}
+        for key, seq in (("block", 64), ("sp-block", 32)):  # sequence parallel: the block's input is 1/2 of it
+            holder = nn.ModuleList([copy.deepcopy(reference(name).layers[0])])  # one block, tensor parallel only
+            if key == "block":
+                parallelize_blocks(holder, tp, mesh["tp"])
+            else:
+                sp = replace(tp, sequence_parallel=True)
+                norms, gathers = block_layout("0", holder[0], sp)
+                parallelize_sp(holder, sp, SPLayout(None, None, (), None, tuple(f"0.{n}" for n in norms),
+                                                    tuple(f"0.{g}" for g in gathers)), mesh["tp"])
+            x = torch.randn(2, seq, 64, requires_grad=True)
+            fwd = _sized_comm_mode()
+            with fwd:
+                y = holder[0](x)
+            bwd = _sized_comm_mode()
+            with bwd:
+                y.sum().backward()
+            out[f"comm/{name}/{key}"] = {"fwd": _counts(fwd), "bwd": _counts(bwd), "fwd_sizes": fwd.sizes,
+                                         "bwd_sizes": bwd.sizes, "activation_bytes": x.numel() * x.element_size(),
+                                         "out_shape": list(y.shape)}
         # The whole 2-D model, one forward and backward: FSDP's collectives are all-gathers and
         # reduce-scatters on the shard axis, so every all-reduce is tensor parallelism's.
         e = zoo.get_entry(name)
@@ -178,6 +196,9 @@ def _errors(rank: int, world: int, out: dict) -> None:
         model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "other")), strict=False), PlanError)
     parallelize_blocks(model, llama.tp, mesh["tp"])
     out["err/twice"] = catch(lambda: WrapPlan(spec=llama, model={}).apply(model, strict=False), PlanError)
+    async_tp = replace(llama, tp=replace(llama.tp, async_tp=True))
+    out["err/async"] = catch(lambda: WrapPlan(spec=async_tp, model={}).apply(
+        zoo.get_entry("llama-tiny").build("cpu"), strict=False), PlanError)
     dist.barrier()  # every rank got here: no bad input left a rank waiting in a collective
     out["err/barrier"] = True
 
@@ -194,7 +215,7 @@ def four_ranks(four_rank_cases) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("label", ["groups-of-2", "some-ckpt"])
+@pytest.mark.parametrize("label", LABELS)
 def test_2d_training_matches_the_unsharded_model(four_ranks, name, label):
     r = four_ranks[0][f"parity/{name}/{label}"]
     every = r["losses"]
@@ -216,6 +237,21 @@ def test_one_blocks_tensor_parallel_collectives_are_as_the_cost_model_expects(fo
     assert r["fwd"] == {"all_reduce": fwd} and r["bwd"] == {"all_reduce": bwd}, (r["fwd"], r["bwd"])
     # Every one carries the block's full activation (no sequence parallelism).
     assert {b for _, b in r["fwd_sizes"] + r["bwd_sizes"]} == {r["activation_bytes"]}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_one_blocks_sequence_parallel_collectives_are_two_all_gathers_and_two_reduce_scatters(four_ranks, name):
+    # See [Note: applying sequence parallel] in plan/tp.py: an all-gather into the attention and the
+    # MLP, a reduce-scatter out of each; backward the mirror (q, k and v's input gradients summed as
+    # Partial: one reduce-scatter). The norms' weight gradients are partial sums left to the optimizer
+    # or FSDP's reduction (an all-reduce each there), not run inside the block's backward.
+    r = four_ranks[0][f"comm/{name}/sp-block"]
+    want = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert r["fwd"] == want and r["bwd"] == want, (r["fwd"], r["bwd"])
+    shard = r["activation_bytes"]  # the block's input: this rank's half of the sequence
+    for sizes in (r["fwd_sizes"], r["bwd_sizes"]):
+        assert sizes == [("all_gather_into_tensor", shard), ("reduce_scatter_tensor", 2 * shard)] * 2, sizes
+    assert r["out_shape"] == [2, 32, 64]  # the output stays on this rank's half of the sequence
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -251,3 +287,4 @@ def test_bad_2d_input_fails_on_every_rank_before_any_collective(four_ranks):
         assert "block class LlamaBlock, which this GPT does not have" in r["err/class"]
         assert "axes ('shard', 'other')" in r["err/flat-mesh"] and "('shard', 'tp')" in r["err/flat-mesh"]
         assert "already distributed" in r["err/twice"]
+        assert "async tensor parallelism (tp.async_tp), which is GPU-only" in r["err/async"]

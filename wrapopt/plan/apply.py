@@ -30,7 +30,7 @@ from wrapopt.consensus import agree, every_rank
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
-from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_blocks
+from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_tp, tp_layout
 from wrapopt.selective import apply_checkpoints, check_selective_precision
 from wrapopt.spec import PlanSpec, UnitSpec
 from wrapopt.units import check_units, user_conflict_message, user_conflicts
@@ -100,9 +100,10 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
             raise PlanError(f"the mesh passed has axes {names or 'without names'} but a tensor-parallel plan needs "
                             f"{spec.mesh.axis_names}; build it with init_device_mesh(..., mesh_dim_names="
                             f"{spec.mesh.axis_names}), or pass mesh=None")
+    dev = getattr(mesh, "device_type", None) or default_device()
     if spec.tp is not None:
         check_tp_model(model, spec.tp, spec.mesh.tp_size)  # See [Note: applying a 2-D plan] in plan/tp.py.
-    dev = getattr(mesh, "device_type", None) or default_device()
+        tp_layout(model, spec.tp, spec.mesh.tp_size, dev)  # sequence, loss and async TP: before any collective
     if spec.offload and dev != "cuda":
         raise PlanError(f"this plan offloads parameters, gradients and optimizer state to host memory (FSDP2 "
                         f"CPUOffloadPolicy), which needs GPU ranks; these ranks run on {dev}: apply a plan searched "
@@ -149,7 +150,7 @@ def apply_plan(
     if mesh is None:
         mesh = build_mesh(spec)
     if spec.tp is not None:  # See [Note: applying a 2-D plan] in plan/tp.py: TP, then checkpointing, then FSDP.
-        parallelize_blocks(model, spec.tp, mesh["tp"])
+        parallelize_tp(model, spec.tp, mesh["tp"], tp_layout(model, spec.tp, spec.mesh.tp_size, mesh.device_type))
     dp_mesh = data_parallel_mesh(mesh, spec.mesh)
     mp_for = apply_checkpoints(spec.units, modules, mp_policy)  # See [Note: selective checkpointing]
     offload = CPUOffloadPolicy() if spec.offload else OffloadPolicy()  # See [Note: CPU offload] in cost/state.py

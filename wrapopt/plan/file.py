@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -260,6 +261,21 @@ class WrapPlan:
             return apply_pipeline(model, self.spec, example_inputs=example_inputs, loss_fn=loss_fn, mesh=mesh,
                                   mixed_precision=mp, param_users=users)
         return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=users)
+
+    def loss_context(self) -> Any:
+        """The context the loss and its backward must run in: ``loss_parallel()`` where this plan's
+        tensor parallelism keeps the logits split over the vocabulary (``tp.loss_parallel``), else a
+        ``nullcontext``. See [Note: applying sequence parallel] in plan/tp.py.
+
+        Example:
+            >>> with plan.loss_context():  # doctest: +SKIP
+            ...     loss_fn(model(x), x).backward()
+        """
+        if self.spec.tp is not None and self.spec.tp.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     @property
     def micro_batch(self) -> int | None:

@@ -13,10 +13,12 @@ from typing import Any
 import torch.nn as nn
 
 from wrapopt.errors import PlanError
+from wrapopt.plan.sp import SPLayout, check_async_tp, check_vocab, parallelize_sp, sp_layout
 from wrapopt.spec import ROOT, MeshSpec
 from wrapopt.tp import TP_STYLES, TPSpec, attention_heads
 
-__all__ = ["TP_SOURCES", "check_tp_model", "data_parallel_mesh", "parallelize_blocks", "tp_from_json", "tp_modules"]
+__all__ = ["TP_SOURCES", "check_tp_model", "data_parallel_mesh", "parallelize_blocks", "parallelize_tp",
+           "tp_from_json", "tp_layout", "tp_modules"]
 
 TP_SOURCES = ("builtin", "user")
 
@@ -24,11 +26,15 @@ TP_SOURCES = ("builtin", "user")
 # A plan with ``mesh.tp_size > 1`` runs on a ``replicate x shard x tp`` DeviceMesh (axes named
 # as ``MeshSpec.axis_names``; tp innermost, so a tensor-parallel group is consecutive ranks of
 # one node). ``apply_plan`` works in TorchTitan's order:
-# 1. every check below, on every rank, before any collective (the mesh is built after them);
-# 2. ``parallelize_module(block, mesh["tp"], {path: ColwiseParallel() / RowwiseParallel()})``
-#    for every module of a listed class: the listed Linears' parameters become DTensors on the
-#    tp axis, with the default layouts (input and output Replicate, plain local tensors out),
-#    so the code around them (norms, residuals, the embeddings and the head) is unchanged;
+# 1. every check below, on every rank, before any collective (the mesh is built after them):
+#    ``check_tp_model`` (the listed Linears, the heads) and ``tp_layout`` (async TP on GPUs only;
+#    where sequence or loss parallelism goes, the vocabulary divisible by the degree);
+# 2. ``parallelize_module`` on the "tp" axis. Without sequence or loss parallelism,
+#    ``{path: ColwiseParallel() / RowwiseParallel()}`` for every module of a listed class: the
+#    listed Linears' parameters become DTensors on the tp axis, with the default layouts (input
+#    and output Replicate, plain local tensors out), so the code around them (norms, residuals,
+#    the embeddings and the head) is unchanged. With them, the whole model in one call: See
+#    [Note: applying sequence parallel];
 # 3. activation checkpointing of the plan's checkpointed units, as for a 1-D plan;
 # 4. ``fully_shard`` of every unit, the root last, on the data-parallel sub-mesh
 #    (``mesh["shard"]``, or ``mesh["replicate", "shard"]`` for HSDP): FSDP2 shards the TP
@@ -39,6 +45,45 @@ TP_SOURCES = ("builtin", "user")
 # ``wrapopt.launch.dp_rank_size(mesh)``: ``rank // tp_size`` of ``world_size // tp_size``.
 # ``materialize_sharded`` works on 2-D parameters unchanged: ``distribute_tensor`` with
 # ``src_data_rank=None`` cuts the full tensor by the parameter's own (strided) placements.
+
+# [Note: applying sequence parallel]
+# TorchTitan's ``apply_tp``, on any model of one stack of listed blocks (``plan/sp.py``). Between
+# the blocks the activation is a plain local tensor holding 1/tp of the sequence (dim 1, batch
+# first), so residual adds and dropout run on the shard. The live model is read as wrapopt/tp.py
+# reads the graph: the head is the last ``nn.Linear`` outside the blocks, the token embedding the
+# ``nn.Embedding`` with one row per head output, the final norm the last norm (class name ending
+# in "Norm", or ``nn.LayerNorm``) outside the blocks; other embeddings are positional.
+# - Inside a block: its direct-child norms ``SequenceParallel()`` (input taken as Shard(1), weight
+#   a Replicate DTensor, so its gradient, a partial sum over the shards, is all-reduced on tp);
+#   the attention and MLP modules (parents of the colwise projections)
+#   ``PrepareModuleInput(Shard(1) -> Replicate())``: one all-gather, output kept a DTensor
+#   (``use_local_output=False``), so the query, key and value projections' input gradients sum as
+#   Partial and backward runs one reduce-scatter for all three; the rowwise projections
+#   ``RowwiseParallel(output_layouts=Shard(1))``: a reduce-scatter replaces the all-reduce. So a
+#   block runs 2 all-gathers and 2 reduce-scatters forward and the mirror backward
+#   (tests/plan/test_tp_ranks.py counts them).
+# - Outside: the token embedding ``RowwiseParallel(input Replicate, output Shard(1))`` (rows split
+#   over the vocabulary; the masked lookups reduce-scatter onto the sequence); a positional
+#   embedding keeps its replicated weight and a forward hook cuts its output on the sequence dim
+#   (the dim before the features), whose backward all-gathers the gradient so the weight's is whole
+#   on every rank; the final norm ``SequenceParallel()``; the head ``ColwiseParallel(input
+#   Shard(1), output Shard(-1) with loss parallel, else Replicate)``.
+# - Loss parallel: the logits stay a DTensor split over the vocabulary; the loss and its backward
+#   must run under ``torch.distributed.tensor.parallel.loss_parallel()`` (``WrapPlan.loss_context``).
+#   Without sequence parallel the head takes a Replicate input, and a tied embedding is split
+#   over its rows too (output Replicate), so the tie has one layout.
+# - Ties: ``parallelize_module`` gives each use of a tied weight its own DTensor; both are Shard(0)
+#   on tp (an embedding's rows, a head's output features), so every use is pointed back at the
+#   first, and FSDP sees one parameter.
+# Refused in one line, naming the module and ``sequence_parallel=False``: a norm that is not a
+# direct child of its block (nor inside the attention or MLP), any other module with parameters
+# outside the attention and MLP (its gradient would be a partial sum no one reduces), parameters
+# outside the blocks that are not the embeddings, final norm or head, several block stacks, and
+# Hugging Face models (they compute positions and the attention mask from the embedding output's
+# shape). The degree must divide the vocabulary. Async TP (``tp.async_tp``) is GPU-only: on CUDA
+# it sets ``torch._inductor.config._micro_pipeline_tp`` and enables symmetric memory for the tp
+# group, as TorchTitan does; it only takes effect in a ``torch.compile``d model (Inductor fuses
+# the collectives with the matmuls); on other devices ``tp_layout`` refuses it.
 
 
 def tp_modules(model: nn.Module, spec: TPSpec) -> list[tuple[str, nn.Module]]:
@@ -97,6 +142,28 @@ def parallelize_blocks(model: nn.Module, spec: TPSpec, tp_mesh: Any) -> None:
         styles = spec.styles(type(block).__name__)
         parallelize_module(block, tp_mesh, {path: ColwiseParallel() if style == "colwise" else RowwiseParallel()
                                             for path, style in styles.items()})
+
+
+def tp_layout(model: nn.Module, spec: TPSpec, size: int, device_type: str) -> SPLayout | None:
+    """The checks of ``spec``'s switches (``PlanError``, one line): async TP only on ``"cuda"``;
+    where sequence and loss parallelism put each module, and ``size`` dividing the vocabulary.
+    None when neither is on. Local: no collective. See [Note: applying sequence parallel]."""
+    check_async_tp(spec, device_type)
+    if not (spec.sequence_parallel or spec.loss_parallel):
+        return None
+    layout = sp_layout(model, spec, tp_modules(model, spec))
+    check_vocab(model, spec, layout, size)
+    return layout
+
+
+def parallelize_tp(model: nn.Module, spec: TPSpec, tp_mesh: Any, layout: SPLayout | None) -> None:
+    """Tensor parallelism as ``spec`` says, on ``tp_mesh``: the listed blocks alone
+    (``parallelize_blocks``), or with sequence / loss / async TP the whole model (``layout`` from
+    ``tp_layout``)."""
+    if layout is None and not spec.async_tp:
+        parallelize_blocks(model, spec, tp_mesh)
+    else:
+        parallelize_sp(model, spec, layout or SPLayout(None, None, (), None, (), ()), tp_mesh)
 
 
 def data_parallel_mesh(mesh: Any, mesh_spec: MeshSpec) -> Any:

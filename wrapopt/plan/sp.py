@@ -1,0 +1,217 @@
+"""Sequence parallel, loss parallel and async tensor parallel on a live model: where each module
+outside and inside the tensor-parallel blocks goes (``sp_layout``, local checks that name what
+they cannot place), and the ``parallelize_module`` calls that put it there (``parallelize_sp``).
+
+The mechanism is [Note: applying sequence parallel] in ``plan/tp.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from wrapopt.errors import PlanError
+from wrapopt.spec import ROOT, TPSpec
+
+__all__ = ["SPLayout", "block_layout", "check_async_tp", "check_vocab", "parallelize_sp", "sp_layout"]
+
+_OFF = "pass sequence_parallel=False (--no-sequence-parallel)"
+
+
+@dataclass(frozen=True, slots=True)
+class SPLayout:
+    """Where sequence and loss parallelism put a model's modules (full module names)."""
+
+    head: str | None  # the output projection: ColwiseParallel, its output the logits
+    embed: str | None  # the token embedding (rows = the head's outputs): RowwiseParallel
+    positions: tuple[str, ...]  # other embeddings outside the blocks: output cut on the sequence dim
+    final_norm: str | None  # the norm after the blocks: SequenceParallel
+    block_norms: tuple[str, ...]  # norms that are direct children of a listed block: SequenceParallel
+    gathers: tuple[str, ...]  # parents of the colwise projections: PrepareModuleInput(Shard(1) -> Replicate)
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("Norm")
+
+
+def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _own_params(m: nn.Module) -> bool:
+    return next(m.parameters(recurse=False), None) is not None
+
+
+def sp_layout(model: nn.Module, spec: TPSpec, blocks: list[tuple[str, nn.Module]]) -> SPLayout:
+    """The ``SPLayout`` of ``model`` for ``spec`` (``blocks``: its listed blocks, ``tp_modules``);
+    ``PlanError`` in one line naming a module sequence parallelism cannot place. Local: no collective."""
+    names = tuple(n for n, _ in blocks)
+    outside = [(n, m) for n, m in model.named_modules() if n != ROOT and not _inside(n, names)]
+    linears = [n for n, m in outside if isinstance(m, nn.Linear)]
+    head = linears[-1] if linears else None  # registered last: the output projection (as wrapopt/tp.py reads it)
+    vocab = model.get_submodule(head).out_features if head else None
+    embeds = [n for n, m in outside if isinstance(m, nn.Embedding)]
+    embed = next((n for n in embeds if model.get_submodule(n).num_embeddings == vocab), None)
+    if spec.loss_parallel and head is None:
+        raise PlanError(f"loss parallel splits the output projection, but {type(model).__name__} has no nn.Linear "
+                        "outside its tensor-parallel blocks; pass loss_parallel=False (--no-loss-parallel)")
+    if not spec.sequence_parallel:
+        tied = embed if spec.loss_parallel and _tied(model, head, embed) else None  # the tie's layout: Shard(0)
+        return SPLayout(head, tied, (), None, (), ())
+    cls = type(model).__name__
+    if type(model).__module__.startswith("transformers."):
+        raise PlanError(f"{embed or cls}: Hugging Face's {cls} computes positions and the attention mask from the "
+                        f"embedding output's shape, so sequence parallel cannot cut it on the sequence; {_OFF}")
+    if embed is None:
+        raise PlanError(f"sequence parallel splits the token embedding over the vocabulary, but {cls} has no "
+                        f"nn.Embedding with one row per output of {head or 'an output projection'}; {_OFF}")
+    if len({n.rpartition(".")[0] for n in names}) > 1:
+        raise PlanError(f"sequence parallel runs one stack of blocks, but {cls}'s tensor-parallel blocks sit in "
+                        f"{len({n.rpartition('.')[0] for n in names})} containers ({names[0]}, {names[-1]}); {_OFF}")
+    norms = [n for n, m in outside if _is_norm(m)]
+    final_norm = norms[-1] if norms else None
+    placed = {head, embed, final_norm, *embeds}
+    if _own_params(model):
+        own = next(n for n, _ in model.named_parameters(recurse=False))
+        raise PlanError(f"{cls} holds parameters of its own ({own}), outside its blocks: sequence parallel cannot "
+                        f"place them; {_OFF}")
+    for n, m in outside:
+        if n not in placed and _own_params(m):
+            raise PlanError(f"{n} ({type(m).__name__}) holds parameters outside the tensor-parallel blocks and is "
+                            f"not the embedding, the final norm or the head: sequence parallel cannot place it; {_OFF}")
+    block_norms: list[str] = []
+    gathers: list[str] = []
+    for name, block in blocks:
+        mine_norms, mine_gathers = block_layout(name, block, spec)
+        block_norms += [f"{name}.{p}" for p in mine_norms]
+        gathers += [f"{name}.{p}" for p in mine_gathers]
+    return SPLayout(head, embed, tuple(n for n in embeds if n != embed), final_norm, tuple(block_norms),
+                    tuple(gathers))
+
+
+def block_layout(name: str, block: nn.Module, spec: TPSpec) -> tuple[list[str], list[str]]:
+    """(direct-child norms, parents of the colwise projections) of one block, relative to it."""
+    styles = spec.styles(type(block).__name__)
+    gathers = list(dict.fromkeys(p.rpartition(".")[0] for p, s in styles.items() if s == "colwise"))
+    if "" in gathers:
+        path = next(p for p, s in styles.items() if s == "colwise" and "." not in p)
+        raise PlanError(f"block {name}: the colwise projection {path} is a direct child of the block, not inside an "
+                        f"attention or MLP module: sequence parallel cannot gather its input; {_OFF}")
+    for p, s in styles.items():
+        if s == "rowwise" and p.rpartition(".")[0] not in gathers:
+            raise PlanError(f"block {name}: the rowwise projection {p} is not in a module holding colwise "
+                            f"projections ({', '.join(gathers)}): sequence parallel cannot place it; {_OFF}")
+    norms = []
+    for p, m in block.named_modules():
+        if p == "" or _inside(p, tuple(gathers)) or p in styles:
+            continue
+        if "." not in p and _is_norm(m):
+            norms.append(p)
+        elif _is_norm(m):
+            raise PlanError(f"block {name}: norm {p} ({type(m).__name__}) is not a direct child of the block nor "
+                            f"inside {' or '.join(gathers)}: sequence parallel cannot place it; {_OFF}")
+        elif _own_params(m):
+            raise PlanError(f"block {name}: {p} ({type(m).__name__}) holds parameters outside the attention and MLP "
+                            f"modules: sequence parallel cannot place it; {_OFF}")
+    if _own_params(block):
+        raise PlanError(f"block {name} holds parameters of its own, outside its attention and MLP modules: "
+                        f"sequence parallel cannot place them; {_OFF}")
+    return norms, gathers
+
+
+def _tied(model: nn.Module, a: str | None, b: str | None) -> bool:
+    if not a or not b:
+        return False
+    wa, wb = getattr(model.get_submodule(a), "weight", None), getattr(model.get_submodule(b), "weight", None)
+    return wa is not None and wa is wb
+
+
+def check_vocab(model: nn.Module, spec: TPSpec, layout: SPLayout, size: int) -> None:
+    """``PlanError`` naming the degrees that work unless ``size`` divides the vocabulary (the head's
+    output features), which sequence and loss parallelism split. Local: no collective."""
+    if layout.head is None:
+        return
+    vocab = model.get_submodule(layout.head).out_features
+    if vocab % size:
+        ok = [d for d in range(1, min(vocab, 64) + 1) if vocab % d == 0]
+        on = [(k, f"--no-{k.replace('_', '-')}") for k in ("loss_parallel", "sequence_parallel") if getattr(spec, k)]
+        raise PlanError(f"tensor-parallel degree {size} does not divide the vocabulary ({vocab} output features of "
+                        f"{layout.head}), which {' and '.join(k.replace('_', ' ') for k, _ in on)} split over the "
+                        f"tensor-parallel ranks; use a degree dividing it ({', '.join(map(str, ok))}), or pass "
+                        f"{' and '.join(f'{k}=False' for k, _ in on)} ({' '.join(f for _, f in on)})")
+
+
+def check_async_tp(spec: TPSpec, device_type: str) -> None:
+    """``PlanError`` when ``spec`` asks for async tensor parallelism on ranks that are not GPUs."""
+    if spec.async_tp and device_type != "cuda":
+        raise PlanError(f"this plan has async tensor parallelism (tp.async_tp), which is GPU-only (torch's symmetric "
+                        f"memory on NVLink); these ranks run on {device_type}: plan it with async_tp off "
+                        "(tp.async_tp false)")
+
+
+def parallelize_sp(model: nn.Module, spec: TPSpec, layout: SPLayout, tp_mesh: Any) -> None:
+    """``parallelize_module`` of the listed blocks and the modules around them as ``layout`` says,
+    the ties kept; then async TP's switches where ``spec.async_tp``. See [Note: applying sequence
+    parallel] in plan/tp.py."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    sp, lp = spec.sequence_parallel, spec.loss_parallel
+    ties = [names for names in _tied_params(model) if len(names) > 1]
+    plan: dict[str, Any] = {}
+    if sp:
+        plan.update({n: SequenceParallel() for n in layout.block_norms})
+        plan.update({n: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                     for n in layout.gathers})
+    for name, block in _blocks(model, spec):
+        for path, style in spec.styles(type(block).__name__).items():
+            plan[f"{name}.{path}"] = (ColwiseParallel() if style == "colwise"
+                                      else RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel())
+    if layout.embed:  # sequence parallel: cut on the sequence; loss parallel with a tied head: the tie's layout
+        plan[layout.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if layout.final_norm:
+        plan[layout.final_norm] = SequenceParallel()
+    if layout.head and (sp or lp):
+        plan[layout.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                            output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp)
+    parallelize_module(model, tp_mesh, plan)
+    for n in layout.positions:
+        model.get_submodule(n).register_forward_hook(_sequence_cut(tp_mesh))
+    for names in ties:  # parallelize_module gave each use of a tied parameter a DTensor of its own
+        first = model.get_parameter(names[0])
+        for n in names[1:]:
+            mod, _, attr = n.rpartition(".")
+            setattr(model.get_submodule(mod), attr, first)
+    if spec.async_tp:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        torch._inductor.config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def _blocks(model: nn.Module, spec: TPSpec) -> list[tuple[str, nn.Module]]:
+    listed = {c for c, _ in spec.layers}
+    return [(n, m) for n, m in model.named_modules() if n != ROOT and type(m).__name__ in listed]
+
+
+def _tied_params(model: nn.Module) -> list[tuple[str, ...]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [tuple(v) for v in by_id.values()]
+
+
+def _sequence_cut(tp_mesh: Any):
+    """A forward hook: this rank's part of a replicated output on its sequence dim (the one before
+    the features); backward all-gathers the gradient, so the weight's gradient is whole on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def hook(_module: nn.Module, _inputs: Any, out: Any) -> Any:
+        whole = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+        return whole.redistribute(tp_mesh, [Shard(out.ndim - 2)]).to_local()
+
+    return hook
