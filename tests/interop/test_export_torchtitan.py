@@ -82,6 +82,7 @@ def test_a_1d_plan_is_exact(plans):
     # local batch: per data-parallel rank per accumulation step; global = 2 x 3 accumulation x 2 ranks
     assert t["training"] == {"local_batch_size": 2, "global_batch_size": 12, "seq_len": SEQ,
                              "mixed_precision_param": "bfloat16", "mixed_precision_reduce": "float32"}
+    assert t["optimizer"] == {"name": "AdamW"}
     assert "--job.config_file" in out.text and "The plan is reproduced exactly." in out.text
 
 
@@ -209,3 +210,14 @@ def test_torchtitans_config_manager_reads_the_export(plans, tmp_path):
         if plan.spec.pipeline is not None:
             assert par.pipeline_parallel_schedule == plan.spec.pipeline.schedule
             assert len(par.module_fqns_per_model_part) == len(plan.spec.pipeline.stages)
+
+
+def test_storage_dtype_optimizer_and_a_tied_unit(gpt_tiny, plans):
+    pure = dataclasses.replace(plans["1d"], assumptions=dataclasses.replace(_assumptions(), param_dtype="bfloat16"))
+    assert _toml(export_plan(pure, to="torchtitan"))["training"]["dtype"] == "bfloat16"  # TorchTitan's pure bf16
+    model, _, graph = gpt_tiny  # wte and lm_head tied: one unit across both ends of the model
+    units = (*(UnitSpec((b,)) for b in graph.blocks), UnitSpec(("wte", "lm_head")), UnitSpec((ROOT,), False))
+    out = export_plan(_plan(model, PlanSpec(units, MESH2), micro_batch=1, optimizer="sgd"), to="torchtitan")
+    text = "\n".join(out.losses)
+    assert "units spanning both ends of the model (wte..lm_head" in text
+    assert "scored for sgd" in text and _toml(out)["optimizer"] == {"name": "AdamW"}

@@ -45,6 +45,7 @@ __all__ = ["TORCHTITAN_VERSIONS", "export_torchtitan", "toml_text"]
 TORCHTITAN_VERSIONS = "0.2.x"  # the releases whose ConfigManager reads --job.config_file (TOML)
 
 _PARAM_DTYPES = {None: "float32", "float32": "float32", "bfloat16": "bfloat16"}  # training.mixed_precision_param
+_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}  # wrapopt's name -> optimizer.name
 
 
 def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str) -> Export:
@@ -57,7 +58,11 @@ def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str) -
         "activation_checkpoint": _checkpointing(plan, layout, losses),
         "training": _training(plan, losses),
     }
+    if layout.num_chains != 1:
+        losses.append(f"the model has {layout.num_chains} chains of blocks; TorchTitan's models have one (layers): "
+                      "the plan's units and checkpointing are not written")
     layout.unit_losses(plan, losses)
+    sections["optimizer"] = _optimizer(plan, losses)
     _other_losses(plan, losses)
     what = (f"TorchTitan job config (torchtitan {TORCHTITAN_VERSIONS}): torchrun ... -m torchtitan.train "
             "--job.config_file THIS_FILE")
@@ -291,27 +296,39 @@ def _training(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
         losses.append(f"gradients reduce in {reduce} in the plan; TorchTitan reduces in float32 only")
     if train.output_dtype:
         losses.append(f"output_dtype {train.output_dtype} has no TorchTitan setting")
+    stored = plan.assumptions.param_dtype if plan.assumptions is not None else "float32"
+    if stored == "bfloat16":  # a model stored in bf16: TorchTitan's pure bf16 training, no fp32 master weights
+        out["dtype"] = "bfloat16"
+    elif stored != "float32":
+        losses.append(f"parameters stored as {stored}: TorchTitan stores every parameter in one dtype "
+                      "(training.dtype float32 is written)")
     if plan.spec.offload:
         out["enable_cpu_offload"] = True
     return out
+
+
+def _optimizer(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
+    """[optimizer]: its name, where TorchTitan has the plan's (its state is in the plan's memory)."""
+    opt = plan.train_config.optimizer
+    if opt not in _OPTIMIZERS:
+        losses.append(f"the plan was scored for {opt}, which TorchTitan does not name (Adam, AdamW): AdamW is "
+                      "written, with its two states per parameter")
+    return {"name": _OPTIMIZERS.get(opt, "AdamW")}
 
 
 def _other_losses(plan: WrapPlan, losses: list[str]) -> None:
     if plan.spec.forward_prefetch:
         losses.append(f"explicit forward prefetch of {plan.spec.forward_prefetch} unit(s) has no TorchTitan setting; "
                       "FSDP2's implicit prefetch applies")
-    opt = plan.train_config.optimizer
-    if opt not in ("adamw", "adam"):
-        losses.append(f"the plan was scored for {opt}; set [optimizer] name to TorchTitan's counterpart")
 
 
 def _guidance(plan: WrapPlan, layout: _BlockLayout) -> str:
     """The comment lines a user needs before running the file: what to fill in."""
     lines = ["Set [model] name, flavor and hf_assets_path to TorchTitan's definition of this model"
              f" ({plan.model.get('class')}" + (f", {len(layout.blocks)} layers)" if layout.blocks else ")"),
-             "and [job] dump_folder; the keys below are the plan's."]
-    if layout.num_chains != 1:
-        lines.append(f"This model has {layout.num_chains} chains of blocks; TorchTitan's models have one (layers).")
+             "and [job] dump_folder; the keys below are the plan's.",
+             "torchtitan 0.3 and later read no TOML: set the same [parallelism] and [training] keys in your config",
+             "function (there, the loss is vocab-parallel under TP and async TP is a [compile] key)."]
     return "".join(f"# {comment(x)}\n" for x in lines) + "\n"
 
 
