@@ -20,11 +20,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from wrapopt import WrapPlan
 from wrapopt.debug import full_tensor, memory_report
 from wrapopt.errors import WrapoptError
-from wrapopt.launch import init_from_env, shutdown
+from wrapopt.launch import dp_rank_size, init_from_env, shutdown
 from wrapopt.models import zoo
 from wrapopt.plan.apply import materialize_sharded
 
@@ -65,13 +66,17 @@ def main(argv: list[str] | None = None) -> int:
         model = entry.build(device, seed=args.seed)
         plan.apply(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    dp_rank, dp_size = dp_rank_size(plan.mesh)  # a 2-D plan's tensor-parallel peers share one batch
 
     for step in range(args.steps):
         # Each rank trains on its own slice of one global batch, new data every step.
-        batch = entry.inputs(batch=entry.batch * world, device=device)
-        batch = tuple(t.roll(step, dims=0).chunk(world)[rank] for t in batch)
-        loss = entry.loss(model(*batch), batch)
-        loss.backward()
+        batch = entry.inputs(batch=entry.batch * dp_size, device=device)
+        batch = tuple(t.roll(step, dims=0).chunk(dp_size)[dp_rank] for t in batch)
+        with plan.loss_context():  # loss parallel (a 2-D plan's tp.loss_parallel): logits split over the vocabulary
+            loss = entry.loss(model(*batch), batch)
+            loss.backward()
+        if isinstance(loss, DTensor):  # loss parallel's loss is a replicated DTensor
+            loss = loss.full_tensor()
         optimizer.step()
         optimizer.zero_grad()
         mean = loss.detach().clone()

@@ -43,19 +43,18 @@ from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
 from wrapopt.report.pipeline import format_pipeline
 from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
-from wrapopt.search.baselines import baselines
 from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
+from wrapopt.search.given import CHECKPOINTS, given_spec
 from wrapopt.search.offload import choose_offload, mark_offload
 from wrapopt.search.pipeline import pipeline_estimate, pp_group_sizes
 from wrapopt.search.run import SearchRun, run_search
 from wrapopt.search.shapes import tp_group_sizes
-from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec
+from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest
 from wrapopt.tp import TPSpec
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig, model_dtype
-from wrapopt.units import validate_plan
 
 __all__ = ["optimize_wrap", "OptimizeResult", "plan_model", "prepare", "Job", "ParallelRequest",
            "resolve_fabric", "auto_memory_budget", "resolve_budget",
@@ -86,6 +85,17 @@ class OptimizeResult:
     def accumulation(self) -> int:
         """Micro-batches per optimizer step the plan was scored at."""
         return self.plan.accumulation
+
+    def loss_context(self) -> Any:
+        """The context the loss and its backward must run in (``WrapPlan.loss_context``):
+        ``loss_parallel()`` where the plan keeps the logits split over the vocabulary, else a
+        ``nullcontext``.
+
+        Example:
+            >>> with res.loss_context():  # doctest: +SKIP
+            ...     loss_fn(res.model(x), x).backward()
+        """
+        return self.plan.loss_context()
 
     def report(self) -> str:
         """A text table: the chosen plan and every baseline, predicted time and memory,
@@ -330,6 +340,7 @@ def estimate(
     name: str = "",
     global_batch: int | None = None,
     pp: int | str | None = None,
+    tp: int = 1,
 ) -> EstimateReport:
     """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
 
@@ -339,14 +350,15 @@ def estimate(
             ``root-only``), a plan file or a ``WrapPlan``.
         world_size, gpus_per_node: the mesh (default: the plan file's, else 8 ranks on one node).
         train: the training step (default: the plan file's, else fp32, one micro-batch, AdamW).
-        checkpoint: ``"blocks"`` checkpoints every unit but the root, ``"none"`` none;
-            None keeps the plan's choice.
+        checkpoint: every unit but the root ``"blocks"`` (or ``"full"``), ``"selective-op"`` or
+            ``"none"``; None keeps the plan's choice.
         memory_budget: as for ``optimize_wrap`` (default: 90% of the device when known).
         global_batch: sequences per optimizer step: the plan is scored at every micro-batch x
             accumulation split of it and the fastest that fits is reported (without it, a plan
             file that records its micro-batch is scored at it).
         pp: put a one-unit-per-block plan on a pipeline of this degree (an int, or "auto": the
             fastest), its stages, schedule and micro-batches chosen as the search does.
+        tp: a named baseline's tensor-parallel degree ([Note: a given plan at a degree] in search/given.py).
 
     Example:
         >>> from wrapopt import zoo
@@ -362,14 +374,15 @@ def estimate(
     if global_batch is not None and from_plan and train is not None:  # the split is chosen again
         train = replace(train, micro_batch=None, global_batch=None, grad_accumulation=1)
     train = train or TrainConfig()
-    if checkpoint not in (None, "none", "blocks"):
-        raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: none, blocks")
+    if checkpoint is not None and checkpoint not in CHECKPOINTS:
+        raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: {', '.join(CHECKPOINTS)}")
     world = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
-    request = ParallelRequest(mesh=world, pp=pp, global_batch=global_batch, memory_budget=memory_budget, train=train)
+    request = ParallelRequest(mesh=world, tp=tp, pp=pp, global_batch=global_batch, memory_budget=memory_budget,
+                              train=train)
     job = prepare(request, model, example_inputs, fabric=fabric, compute=compute, loss_fn=loss_fn,
                   rescale_fabric=rescale_fabric, notes=tuple(notes))
     graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, list(job.notes)
-    spec = _spec_of(given, graph, mesh, checkpoint)
+    spec = given_spec(given, graph, mesh, checkpoint, request=request)
     sim = job.simulator(train, batch_scale=recorded_scale(graph, train, spec))
     spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, request, memory_budget=budget)
     notes += pp_notes
@@ -408,19 +421,3 @@ def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, w
         notes.append("the plan was scored for another training step ("
                      + "; ".join(given.train_config.differences(train)) + "); estimated for the one given")
     return given, given.mesh, train or given.train_config, notes
-
-
-def _spec_of(given: WrapPlan | Any, graph: ModelGraph, mesh: MeshSpec, checkpoint: str | None) -> PlanSpec:
-    """The plan's spec, or the named baseline's on ``mesh``, with ``checkpoint`` applied; validated."""
-    if isinstance(given, WrapPlan):
-        spec = given.spec
-    else:
-        base = baselines(graph, mesh)
-        if given not in base:
-            raise OptionError(f"unknown --plan {given!r}; accepted: {', '.join(base)}, or a plan file (plan.json)")
-        spec = base[given]
-    if checkpoint is not None:
-        units = tuple(u if u.is_root else replace(u, checkpoint=checkpoint == "blocks") for u in spec.units)
-        spec = replace(spec, units=units)
-    validate_plan(graph, spec)
-    return spec

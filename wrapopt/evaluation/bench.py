@@ -37,6 +37,7 @@ backward phase is 0; the optimizer step is its own. Peak memory tracks the rank'
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -217,11 +218,22 @@ def measure_plans(
                          "inputs(dp_rank, dp_size), and one micro-batch per step (its schedule splits the batch)")
     models, opts, plan_inputs = _build_plans(build, plans, inputs, lr=lr, train=train,
                                              pipeline_loss_fn=pipeline_loss_fn)
-    rounds = _timed_rounds(models, opts, plan_inputs, loss_fn, warmup=warmup, repeats=repeats, micro=micro,
-                           no_sync=no_sync, on_cuda=on_cuda, progress=progress)
-    peaks = (_measured_peaks(models, opts, plan_inputs, loss_fn, micro=micro, no_sync=no_sync, on_cuda=on_cuda)
-             if measure_memory else [0] * len(plans))
+    # Loss parallel's logits are split over the vocabulary: the loss and its backward run under
+    # loss_parallel() (See [Note: applying sequence parallel] in plan/tp.py); it changes nothing for plain tensors.
+    with _loss_context(plans):
+        rounds = _timed_rounds(models, opts, plan_inputs, loss_fn, warmup=warmup, repeats=repeats, micro=micro,
+                               no_sync=no_sync, on_cuda=on_cuda, progress=progress)
+        peaks = (_measured_peaks(models, opts, plan_inputs, loss_fn, micro=micro, no_sync=no_sync, on_cuda=on_cuda)
+                 if measure_memory else [0] * len(plans))
     return [_summary(plan, rounds, i, peaks[i]) for i, plan in enumerate(plans)]
+
+
+def _loss_context(plans: list[PlanSpec]) -> Any:
+    if any(p.tp is not None and p.tp.loss_parallel for p in plans):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def _build_plans(build, plans, inputs, *, lr, train, pipeline_loss_fn=None):
