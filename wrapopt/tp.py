@@ -15,8 +15,29 @@ Everything else (embeddings, the output head, norms, the blocks' residual
 adds) is replicated over the tensor-parallel ranks and sharded by FSDP alone;
 tied weights stay tied, and their gradients are identical on every
 tensor-parallel rank, so FSDP's reduction over the data-parallel ranks is the
-whole reduction. No sequence parallelism: norms and residuals hold the full
-activation on every tensor-parallel rank.
+whole reduction. Without sequence parallelism (``TPSpec.sequence_parallel``
+off), norms and residuals hold the full activation on every tensor-parallel rank.
+
+[Note: sequence parallel] TorchTitan's TP plan, which a ``TPSpec`` with
+``sequence_parallel`` on (the default of ``--tp``) stands for: between the split
+regions the activation is split on the sequence dimension, so the norms of a
+block (``SequenceParallel``), its residual adds and the block's input and output
+hold 1/tp of the tokens; each region (the attention, the MLP) all-gathers its
+input on entry (``PrepareModuleInput``: Shard(1) -> Replicate) and its rowwise
+projection reduce-scatters its output back onto the sequence shards
+(``RowwiseParallel(output_layouts=Shard(1))``) where the all-reduce was; backward
+mirrors them. Outside the blocks (``outside_roles``): the token embedding (an
+``nn.Embedding`` with one row per output of the head) is split over its rows and
+reduce-scatters its output onto the sequence shards; norms and other embeddings
+(positions) run on the shards; the head (the last ``nn.Linear`` after the blocks)
+is split column-wise, its input gathered. ``TPSpec.loss_parallel`` keeps the
+logits split over the vocabulary and runs the loss on the shards (torch's
+``loss_parallel``), so a tensor-parallel degree must divide the vocabulary
+(``check_vocab``). ``check_sequence_parallel`` refuses a block holding a module
+with parameters outside the split regions that is not one of its norms (sequence
+parallelism has no placement for it), naming it and ``--no-sequence-parallel``.
+Mixtures of experts are refused for tensor parallelism with the module named
+(``_block_plan``): experts are never split silently.
 
 ``builtin_tp_plan`` recognises the blocks it can parallelise from the traced
 graph alone (class names, parameter shapes, attention heads): an attention
@@ -39,7 +60,8 @@ from wrapopt.errors import PlanError
 # TPSpec is data passed between stages, so it lives in spec; re-exported here beside the code that makes it.
 from wrapopt.spec import ROOT, TP_STYLES, ModelGraph, TPSpec
 
-__all__ = ["TPSpec", "TP_STYLES", "attention_heads", "builtin_tp_plan", "check_tp", "tp_blocks", "tp_degrees"]
+__all__ = ["TPSpec", "TP_STYLES", "attention_heads", "builtin_tp_plan", "check_tp", "outside_roles", "tp_blocks",
+           "tp_degrees"]
 
 _HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
 _KV_HEADS = ("n_kv", "n_kv_heads", "num_key_value_heads", "num_kv_heads")
@@ -104,9 +126,13 @@ def _block_plan(graph: ModelGraph, block: str) -> tuple[tuple[str, str], ...]:
         raise PlanError(f"block {block} ({cls}) has no nn.Linear projections to split "
                         f"(e.g. GPT-2's Conv1D); {hint}")
     experts = [p for p in linears if ".experts." in f".{p}." or p.startswith("experts.")]
-    if experts:
-        raise PlanError(f"block {block} ({cls}) holds experts ({experts[0]}): wrapopt does not tensor-parallelise "
-                        f"mixtures of experts; {hint}, or use --tp 1")
+    stacked = [f for f in graph.subtree(block) if graph.info(f).experts]
+    if experts or stacked:
+        what = (f"{block}.{experts[0]}" if experts else
+                f"{stacked[0]} ({graph.info(stacked[0]).experts} stacked experts)")
+        raise PlanError(f"block {block} ({cls}) holds experts ({what}): wrapopt does not split experts over "
+                        f"tensor-parallel ranks (expert parallelism is issue 53); use --tp 1, or {hint} that "
+                        "leaves the experts whole")
     if not attn:
         raise PlanError(f"block {block} ({cls}) has no attention module with a head count wrapopt can read "
                         f"(an attribute {' / '.join(_HEADS)}); {hint}")
@@ -151,6 +177,94 @@ def builtin_tp_plan(graph: ModelGraph) -> TPSpec:
     return TPSpec(layers=tuple(layers), source="builtin")
 
 
+def _is_norm(cls: str) -> bool:
+    return cls.endswith("Norm") or cls in ("LayerNorm", "GroupNorm")
+
+
+def _inside(fqn: str, prefixes: tuple[str, ...]) -> bool:
+    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
+def outside_roles(graph: ModelGraph, spec: TPSpec) -> dict[str, str]:
+    """The modules outside the listed blocks that sequence or loss parallelism splits, by role
+    (See [Note: sequence parallel]): "head" (the last ``nn.Linear`` called after the blocks:
+    column-wise, its output the logits), "vocab" (an embedding with one row per output of the
+    head: split over its rows), "sequence" (norms and other embeddings: on 1/tp of the sequence).
+    Empty when neither switch is on."""
+    if not (spec.sequence_parallel or spec.loss_parallel):
+        return {}
+    blocks = tp_blocks(graph, spec)
+    last = max((graph.info(b).order for b in blocks), default=-1)
+    outside = [m for m in graph.modules if m.fqn != ROOT and not _inside(m.fqn, blocks) and m.order >= 0]
+    heads = sorted((m for m in outside if m.cls in _LINEAR and m.order > last), key=lambda m: m.order)
+    roles: dict[str, str] = {}
+    if heads:
+        roles[heads[-1].fqn] = "head"
+    if not spec.sequence_parallel:
+        return roles
+    vocab = vocab_size(graph, spec)
+    for m in outside:
+        if m.cls == "Embedding":
+            w = next((s for f, s, _d in graph.param_shapes if f == f"{m.fqn}.weight"), None)
+            roles[m.fqn] = "vocab" if w is not None and vocab is not None and w[0] == vocab else "sequence"
+        elif _is_norm(m.cls):
+            roles[m.fqn] = "sequence"
+    return roles
+
+
+def vocab_size(graph: ModelGraph, spec: TPSpec) -> int | None:
+    """Output features of the head ``outside_roles`` finds (its own weight or the one it is tied to)."""
+    blocks = tp_blocks(graph, spec)
+    last = max((graph.info(b).order for b in blocks), default=-1)
+    heads = sorted((m for m in graph.modules if m.cls in _LINEAR and m.order > last and not _inside(m.fqn, blocks)),
+                   key=lambda m: m.order)
+    if not heads:
+        return None
+    name = f"{heads[-1].fqn}.weight"
+    group = next((g for g in graph.tied_groups if name in g), (name,))
+    shape = next((s for f, s, _d in graph.param_shapes if f in group), None)
+    return int(shape[0]) if shape is not None and len(shape) == 2 else None
+
+
+def check_sequence_parallel(graph: ModelGraph, spec: TPSpec) -> None:
+    """``PlanError`` naming the first module of a listed block that sequence parallelism cannot
+    place: one with parameters that is neither a norm nor inside a module whose projections split
+    (the attention, the MLP), or a norm below another such module. See [Note: sequence parallel]."""
+    for b in tp_blocks(graph, spec):
+        cls = graph.info(b).cls
+        split = [f"{b}.{p}" for p in spec.styles(cls)]
+        regions = tuple({f.rsplit(".", 1)[0] for f in split} - {b})
+        for fqn in graph.subtree(b):
+            m = graph.info(fqn)
+            if fqn == b or _inside(fqn, regions) or _inside(fqn, tuple(split)):
+                continue
+            direct = m.parent == b
+            if _is_norm(m.cls) and direct:
+                continue
+            if m.total_numel and not any(_inside(c, regions) for c in graph.subtree(fqn) if c != fqn) or (
+                    _is_norm(m.cls) and not direct):
+                raise PlanError(f"block {b} ({cls}): {fqn} ({m.cls}) is neither a norm of the block nor inside the "
+                                "attention or MLP that tensor parallelism splits, so sequence parallelism cannot "
+                                "place it; pass --no-sequence-parallel (ParallelRequest(sequence_parallel=False)) "
+                                "or a TPSpec that splits it")
+
+
+def check_vocab(graph: ModelGraph, spec: TPSpec, size: int) -> None:
+    """``PlanError`` unless ``size`` divides the vocabulary that loss parallelism (the head's
+    outputs) or sequence parallelism (the embedding's rows) splits, naming the degrees that do."""
+    if size == 1 or not (spec.loss_parallel or spec.sequence_parallel):
+        return
+    vocab = vocab_size(graph, spec)
+    if vocab is None or vocab % size == 0:
+        return
+    works = [d for d in (2, 4, 8, 16) if vocab % d == 0]
+    what = "loss parallel" if spec.loss_parallel else "sequence parallel's embedding split"
+    flag = "--no-loss-parallel" if spec.loss_parallel else "--no-sequence-parallel"
+    raise PlanError(f"tensor-parallel degree {size} does not divide the vocabulary of {vocab} (the head's output "
+                    f"features) for {what}; degrees that do: {', '.join(map(str, works)) or 'none of 2, 4, 8, 16'}; "
+                    f"use --tp with one of them, or pass {flag}")
+
+
 def tp_blocks(graph: ModelGraph, spec: TPSpec) -> tuple[str, ...]:
     """The modules ``spec`` parallelises: every module of a listed class."""
     listed = {c for c, _ in spec.layers}
@@ -183,6 +297,9 @@ def check_tp(graph: ModelGraph, spec: TPSpec, size: int) -> None:
         if any(fqn.startswith(b + ".") for b in blocks) and (heads % size or kv % size):
             raise PlanError(f"tensor-parallel degree {size} does not divide the heads of {fqn} ({heads} heads, "
                             f"{kv} key-value heads); use --tp with a divisor of {math.gcd(heads, kv)}")
+    check_vocab(graph, spec, size)
+    if spec.sequence_parallel:
+        check_sequence_parallel(graph, spec)
 
 
 def tp_degrees(graph: ModelGraph, spec: TPSpec | None, ranks_per_node: int, world_size: int,

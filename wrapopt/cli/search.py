@@ -73,6 +73,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tp-plan", default=None, metavar="FILE",
                    help='how blocks split for --tp, instead of the recognised one: a JSON file '
                         '{"layers": {"MyBlock": {"attn.q": "colwise", ..., "mlp.out": "rowwise"}}}')
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="under --tp, hold norms, residuals and the embedding's output whole on every tensor-parallel "
+                        "rank (default: TorchTitan's sequence parallelism, 1/tp of the sequence each)")
+    p.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                   help="under --tp, gather the logits whole before the loss (default: the loss on the vocabulary "
+                        "shards, torch's loss_parallel)")
+    p.add_argument("--async-tp", choices=("auto", "on", "off"), default="auto",
+                   help="micro-pipeline the tensor-parallel collectives with the matmuls (torch's async TP; "
+                        "default auto: on where the GPU runs it, H100 / H200 SXM)")
     p.add_argument("--checkpoint-modes", type=_checkpoint_modes, default=(False, True),
                    metavar="none,full,selective-op",
                    help="per-unit activation checkpointing the search chooses from (default none,full; add "
@@ -146,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from wrapopt.report.plots import require_matplotlib
     from wrapopt.search.batch import recorded_scale
     from wrapopt.search.current import compare_current, parse_current
+    from wrapopt.search.tp import current_tp_spec
     from wrapopt.search.diagnosis import both_syncs
     from wrapopt.train import model_dtype
 
@@ -162,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     job = prepare(request, model, src.inputs, fabric=fabric_from_args(args), compute=args.compute,
                   loss_fn=src.loss, rescale_fabric=args.rescale_fabric, notes=tuple(src.notes))
     graph, fabric, compute, budget, train = job.graph, job.fabric, job.compute, job.budget, request.train
-    current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=request.tp_plan,
+    current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=current_tp_spec(graph, request),
                              load_plan=_plan_and_batch)
                if args.current else None)  # a bad description fails before the search
     # One simulator for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
@@ -216,6 +226,8 @@ def _request(args: argparse.Namespace, mesh: MeshSpec) -> ParallelRequest:
     if args.shard_size is not None:  # checked against the mesh by _search_options
         mesh = replace(mesh, shard_size=args.shard_size)
     return ParallelRequest(mesh=mesh, dp_shard=args.shard_size, tp=args.tp, tp_plan=_tp_plan(args.tp_plan),
+                           sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
+                           async_tp={"on": True, "off": False}.get(args.async_tp, "auto"),
                            pp=args.pp, global_batch=args.global_batch, memory_budget=args.memory, train=train,
                            offload=bool(getattr(args, "offload", False)), host_memory=host_memory)
 

@@ -274,7 +274,9 @@ def _estimate(plan: PlanSpec, stages: list[StageCost], tl: Timeline, send: tuple
     busiest = max(range(p), key=lambda r: tl.busy_s[r])
     compute = sum(stages[s].compute_s for s in mine[busiest]) * m
     kept_f, kept_b = tl.saved_s[busiest] if tl.saved_s else (0.0, 0.0)  # all-gathers skipped: units kept gathered
-    comm = sum(stages[s].mb_comm_s * m + stages[s].once_comm_s for s in mine[busiest]) - kept_f - kept_b
+    # what the skipped all-gathers saved includes their unit overhead (host work, not a collective),
+    # so it can exceed the collectives left: no negative communication
+    comm = max(0.0, sum(stages[s].mb_comm_s * m + stages[s].once_comm_s for s in mine[busiest]) - kept_f - kept_b)
     fwd = sum(stages[s].fwd_s * m + stages[s].first_extra_s for s in mine[busiest]) - kept_f
     bwd = sum(stages[s].bwd_s * m + stages[s].reduce_s for s in mine[busiest]) - kept_b
     events = tuple(TimelineEvent("compute", {"F": "fwd", "B": "bwd", "R": "reduce_scatter"}[k],

@@ -39,6 +39,39 @@ all-reduces included; torch's non-reentrant checkpoint stops its recompute once
 every tensor backward needs is back, which skips the MLP's output projection and
 its all-reduce (measured: one all-reduce per checkpointed block, not two), so a
 checkpointed 2-D plan is predicted slow by about that much.
+[Note: sequence parallel costs] With ``TPSpec.sequence_parallel`` (See [Note:
+sequence parallel] in tp.py) ``tp_roles`` adds three roles. "sequence": every
+module of a block outside its split regions (the block itself, its norms, its
+residual adds) and the norms and positional embeddings outside the blocks hold,
+save and move 1/tp of what they did, and take 1/tp of their time; a checkpointed
+block keeps 1/tp of its input. "vocab": the token embedding holds 1/tp of its
+rows and outputs 1/tp of the tokens. "head": the output projection is split
+column-wise like a colwise projection. A region (the attention, the MLP) takes
+and returns 1/tp of the tokens; its colwise projections save the gathered input,
+whole. Collectives, each of the whole activation on the tensor-parallel group:
+forward, an all-gather into each region (and into the head) and a
+reduce-scatter out of each rowwise projection and the embedding; backward, a
+reduce-scatter of each region's input gradient and an all-gather of each
+rowwise output's gradient (one all-gather plus one reduce-scatter move the bytes
+of one all-reduce). Counted against torch's in tests/plan/test_tp_ranks.py.
+``loss_parallel``: the model's output and what the loss saves are the rank's
+vocabulary shard; torch's ``loss_parallel`` log-softmax (torch/distributed/tensor/
+parallel/loss.py) keeps its shifted input beside the output while it runs (one
+shard more at the loss's peak) and its backward builds the zero gradient, the
+exponential and their sum (three shards beside the saved output), and it adds
+three all-reduces of a float per token; the loss's time is 1/tp. Without loss
+parallel the head's output is all-gathered whole.
+
+[Note: async tensor parallel] ``TPSpec.async_tp`` prices torch's micro-pipelined
+TP (symmetric memory; TorchTitan's ``enable_async_tensor_parallel``): each
+sequence-parallel collective runs in ``tp`` chunks beside the matmuls it feeds
+(a region's all-gather beside its colwise projections' forward) or follows (a
+rowwise projection's reduce-scatter), so of a collective ``c`` beside matmuls
+``m`` only ``max(c - m, 0) + min(c, m) / tp`` stays exposed; backward the same
+against half of the projections' backward (the input gradients). It needs
+sequence parallelism and NVLink 4 GPUs (``async_tp_support``; "auto" turns it on
+there, ``with_async``). Memory is priced as without it.
+
 Left out: contention between the tensor-parallel collectives and FSDP's on the
 same links, and the faster fused kernels some codebases use for the
 all-reduce; both are small next to the per-block collectives at the sizes
@@ -54,14 +87,17 @@ import torch
 from wrapopt.cost.calls import module_time
 from wrapopt.cost.dtypes import traced_dtype_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.spec import ModelGraph, ModuleInfo
-from wrapopt.tp import TPSpec, tp_blocks
+from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
+from wrapopt.tp import TPSpec, outside_roles, tp_blocks
 
-__all__ = ["tp_roles", "tp_view"]
+__all__ = ["async_tp_support", "tp_roles", "tp_view", "with_async"]
 
 
 def tp_roles(graph: ModelGraph, spec: TPSpec) -> dict[str, str]:
-    """Module -> "colwise", "rowwise", or "region" (the module around split projections)."""
+    """Module -> "colwise", "rowwise", "region" (the module around split projections), and with
+    sequence or loss parallelism "sequence" (on 1/tp of the sequence), "vocab" (the embedding
+    split over its rows) and "head" (the output projection, column-wise). See [Note: sequence
+    parallel costs]."""
     roles: dict[str, str] = {}
     for b in tp_blocks(graph, spec):
         for rel, style in spec.styles(graph.info(b).cls).items():
@@ -70,6 +106,13 @@ def tp_roles(graph: ModelGraph, spec: TPSpec) -> dict[str, str]:
             parent = fqn.rsplit(".", 1)[0]
             if parent != b:
                 roles.setdefault(parent, "region")
+    if spec.sequence_parallel:
+        covered = tuple(roles)
+        for b in tp_blocks(graph, spec):
+            for fqn in graph.subtree(b):
+                if not any(fqn == c or fqn.startswith(c + ".") for c in covered):
+                    roles[fqn] = "sequence"
+    roles.update(outside_roles(graph, spec))
     return roles
 
 
@@ -79,7 +122,7 @@ def _split_shapes(graph: ModelGraph, roles: dict[str, str], size: int) -> tuple[
     for fqn, shape, dt in graph.param_shapes:
         owner, name = fqn.rsplit(".", 1) if "." in fqn else ("", fqn)
         role, new = roles.get(owner), tuple(shape)
-        if role == "colwise" and len(shape) >= 1:
+        if role in ("colwise", "head", "vocab") and len(shape) >= 1 and (role != "vocab" or name == "weight"):
             new = (shape[0] // size, *shape[1:])
         elif role == "rowwise" and name == "weight" and len(shape) == 2:
             new = (shape[0], shape[1] // size)
@@ -98,7 +141,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _scaled(m: ModuleInfo, role: str | None, size: int, removed: tuple[int, int]) -> ModuleInfo:
+def _scaled(m: ModuleInfo, role: str | None, size: int, removed: tuple[int, int], spec: TPSpec) -> ModuleInfo:
     n, nb = removed
     if n and m.own_numel:
         keep = (m.own_numel - n) / m.own_numel
@@ -108,15 +151,25 @@ def _scaled(m: ModuleInfo, role: str | None, size: int, removed: tuple[int, int]
                     own_bytes_by_dtype=tuple((d, round(b * keep)) for d, b in m.own_bytes_by_dtype))
     if role is None:
         return m
+    sp = spec.sequence_parallel
+    if role == "vocab":  # its output is reduce-scattered onto the sequence shards
+        return replace(m, output_bytes=m.output_bytes // size)
     common = dict(fwd_flops=m.fwd_flops / size, bwd_flops=m.bwd_flops / size,
                   fwd_bytes=m.fwd_bytes // size, bwd_bytes=m.bwd_bytes // size)
-    if role == "colwise":
-        return replace(m, output_bytes=m.output_bytes // size, selective_kept_bytes=m.selective_kept_bytes // size,
+    if role == "sequence":  # everything it holds and moves is 1/tp of the tokens
+        return replace(m, saved_bytes=m.saved_bytes // size, output_bytes=m.output_bytes // size,
+                       input_bytes=m.input_bytes // size, selective_kept_bytes=m.selective_kept_bytes // size,
                        **common)
+    if role in ("colwise", "head"):
+        split_out = role == "colwise" or spec.loss_parallel
+        return replace(m, output_bytes=m.output_bytes // size if split_out else m.output_bytes,
+                       selective_kept_bytes=m.selective_kept_bytes // size, **common)
     if role == "rowwise":
-        return replace(m, saved_bytes=m.saved_bytes // size, input_bytes=m.input_bytes // size, **common)
+        return replace(m, saved_bytes=m.saved_bytes // size, input_bytes=m.input_bytes // size,
+                       output_bytes=m.output_bytes // size if sp else m.output_bytes, **common)
     return replace(m, saved_bytes=m.saved_bytes // size, selective_kept_bytes=m.selective_kept_bytes // size,
-                   **common)
+                   input_bytes=m.input_bytes // size if sp else m.input_bytes,
+                   output_bytes=m.output_bytes // size if sp else m.output_bytes, **common)
 
 
 def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, spec: TPSpec, size: int, *,
@@ -136,39 +189,122 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
     traced = traced_dtype_bytes(graph)
     act = (activation_dtype_bytes or traced) / traced
 
-    def all_reduce(nbytes: float) -> float:
-        t, caveat = fabric.collective_s("all_reduce", size, size, nbytes)
+    def coll(kind: str, nbytes: float) -> float:
+        t, caveat = fabric.collective_s(kind, size, size, nbytes)
         if caveat:
             notes.add(caveat)
         return t
 
     measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
     oh_f, oh_b = compute.tp_overhead_s
-    times = []
+    sp = spec.sequence_parallel
+    base: dict[str, list[float]] = {}  # compute time (forward, backward) per module
+    comm: dict[str, list[float]] = {}  # its tensor-parallel collectives (forward, backward)
     for m in graph.call_order():
         f, b = module_time(m, compute, batch_scale, measured)
         role = roles.get(m.fqn)
-        if role is not None:
+        if role in ("colwise", "rowwise", "region", "head"):
             f, b = f / (size * eff), b / (size * eff)
-        if role in ("colwise", "rowwise"):  # DTensor's dispatch and hooks, per call
+        elif role == "sequence":
+            f, b = f / size, b / size
+        if role in ("colwise", "rowwise", "head"):  # DTensor's dispatch and hooks, per call
             f += m.num_calls * oh_f
             b += m.num_calls * oh_b
-        if role == "rowwise":  # the partial outputs are summed: See [Note: tensor parallel costs]
-            f += m.num_calls * all_reduce(m.output_bytes * act * batch_scale)
-        elif role == "colwise":  # the replicated input's partial gradients are summed
-            b += m.num_calls * all_reduce(m.input_bytes * act * batch_scale)
-        times.append((m.fqn, f / batch_scale, b / batch_scale))
+        base[m.fqn] = [f, b]
+        c = comm[m.fqn] = [0.0, 0.0]
+        whole_in, whole_out = m.input_bytes * act * batch_scale, m.output_bytes * act * batch_scale
+        if sp and role in ("region", "head"):  # the sequence shards gathered in; their gradients scattered back
+            c[0] += m.num_calls * coll("all_gather", whole_in)
+            c[1] += m.num_calls * coll("reduce_scatter", whole_in)
+        elif sp and role == "colwise" and m.parent in tp_blocks_set(graph, spec):
+            c[0] += m.num_calls * coll("all_gather", whole_in)  # a projection with no module around it
+            c[1] += m.num_calls * coll("reduce_scatter", whole_in)
+        elif sp and role in ("rowwise", "vocab"):  # partial outputs reduce-scattered onto the sequence shards
+            c[0] += m.num_calls * coll("reduce_scatter", whole_out)
+            c[1] += m.num_calls * coll("all_gather", whole_out)
+        elif role == "rowwise":  # the partial outputs are summed: See [Note: tensor parallel costs]
+            c[0] += m.num_calls * coll("all_reduce", whole_out)
+        elif role in ("colwise", "head"):  # the replicated input's partial gradients are summed
+            c[1] += m.num_calls * coll("all_reduce", whole_in)
+        if role == "head" and not spec.loss_parallel:  # the logits gathered whole
+            c[0] += m.num_calls * coll("all_gather", whole_out)
+    if spec.async_tp and sp:
+        _overlap(graph, roles, base, comm, size)
+    times = [(fqn, (f + comm[fqn][0]) / batch_scale, (b + comm[fqn][1]) / batch_scale) for fqn, (f, b) in base.items()]
 
-    modules = {m.fqn: _scaled(m, roles.get(m.fqn), size, removed.get(m.fqn, (0, 0))) for m in graph.modules}
+    modules = {m.fqn: _scaled(m, roles.get(m.fqn), size, removed.get(m.fqn, (0, 0)), spec) for m in graph.modules}
     for owner, (n, nb) in removed.items():  # totals: the module and its ancestors hold that much less
         parts = owner.split(".") if owner else []
         for i in range(len(parts) + 1):
             fqn = ".".join(parts[:i])
             m = modules[fqn]
             modules[fqn] = replace(m, total_numel=m.total_numel - n, total_bytes=m.total_bytes - nb)
+    lp = spec.loss_parallel and "head" in roles.values()
+    if lp:  # the model's output is the head's: the logits, split over the vocabulary
+        modules[ROOT] = replace(modules[ROOT], output_bytes=modules[ROOT].output_bytes // size)
     tree = graph.tree.copy()
     for fqn, m in modules.items():
         tree.nodes[fqn]["info"] = m
     view = replace(graph, modules=tuple(modules[m.fqn] for m in graph.modules), tree=tree, param_shapes=shapes)
+    loss_s = compute.loss_s
+    if lp:  # the loss on the vocabulary shards
+        shard = graph.loss_saved_bytes // size  # log_softmax's output on this rank's vocabulary shard
+        view = replace(view, loss_saved_bytes=shard, loss_peak_bytes=graph.loss_peak_bytes // size + shard,
+                       loss_grad_bytes=max(graph.loss_grad_bytes // size, 3 * shard))
+        tokens = graph.batch_size * graph.seq_len * batch_scale  # three all-reduces of a float per token
+        loss_s = compute.loss_s / size + 3 * coll("all_reduce", 4.0 * tokens) / batch_scale
     # the times are at batch_scale already (module_time): See [Note: batch scaling] in calls.py
-    return view, replace(compute, module_times=tuple(times), batch_fixed_share=0.0), frozenset(notes)
+    return view, replace(compute, module_times=tuple(times), batch_fixed_share=0.0, loss_s=loss_s), frozenset(notes)
+
+
+def tp_blocks_set(graph: ModelGraph, spec: TPSpec) -> frozenset[str]:
+    return frozenset(tp_blocks(graph, spec))
+
+
+def _overlap(graph: ModelGraph, roles: dict[str, str], base: dict[str, list[float]],
+             comm: dict[str, list[float]], size: int) -> None:
+    """Async tensor parallelism: each sequence-parallel collective micro-pipelined with the matmuls
+    it feeds or follows, in ``size`` chunks: what is left exposed of a collective ``c`` beside
+    matmuls ``m`` is ``max(c - m, 0) + min(c, m) / size`` (the first chunk's). See [Note: async
+    tensor parallel]."""
+    def exposed(c: float, m: float) -> float:
+        return max(c - m, 0.0) + min(c, m) / size
+
+    for fqn, role in roles.items():
+        if fqn not in comm:
+            continue
+        if role in ("region",):
+            kids = [k for k, r in roles.items() if r == "colwise" and k.rsplit(".", 1)[0] == fqn and k in base]
+            mf, mb = sum(base[k][0] for k in kids), sum(base[k][1] for k in kids) / 2  # backward: the input gradients
+        elif role in ("rowwise", "head"):
+            mf, mb = base[fqn][0], base[fqn][1] / 2
+        else:
+            continue
+        comm[fqn] = [exposed(comm[fqn][0], mf), exposed(comm[fqn][1], mb)]
+
+
+def async_tp_support(compute: ComputeProfile, fabric: FabricProfile) -> str | None:
+    """None where async tensor parallelism runs (a stated GPU whose node is NVLink 4: torch's
+    symmetric-memory micro-pipelining, H100 / H200 SXM), else why not. See [Note: async tensor
+    parallel]."""
+    if compute.kind != "analytical" or fabric.kind != "analytical":
+        return f"async tensor parallelism runs on NVLink GPUs only; this profile is a measured {compute.device}"
+    if "NVLink 4" not in fabric.intra.source:
+        return f"async tensor parallelism needs NVLink 4 (H100 / H200 SXM) inside the node; {compute.device} has not"
+    return None
+
+
+def with_async(spec: TPSpec | None, asked: bool | str, compute: ComputeProfile, fabric: FabricProfile,
+               ) -> tuple[TPSpec | None, str | None]:
+    """``spec`` with async tensor parallelism as asked ("auto": where ``async_tp_support`` says it
+    runs and sequence parallelism is on), and a note when auto leaves it off or it cannot run."""
+    if spec is None:
+        return None, None
+    why = async_tp_support(compute, fabric)
+    if not spec.sequence_parallel:
+        why = "async tensor parallelism overlaps sequence parallelism's collectives, which are off"
+    if asked == "auto":
+        return replace(spec, async_tp=why is None), (f"--async-tp auto: off: {why}" if why else None)
+    if asked and why:
+        return replace(spec, async_tp=True), f"--async-tp: priced as asked, but {why}"
+    return replace(spec, async_tp=bool(asked) and spec.sequence_parallel), None

@@ -59,7 +59,7 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     leaves such degrees out and says why."""
     tp_degrees, spec, tp_notes = resolve_tp(graph, request)
     pp_degrees, layout, pp_notes = resolve_pp(graph, request)
-    dropped = [(Shape(tp=d), why) for d, why in auto_degrees(graph, request.mesh, request.tp_plan)[2]
+    dropped = [(Shape(tp=d), why) for d, why in auto_degrees(graph, request.mesh, spec)[2]
                ] if request.tp == AUTO else []
     world = request.mesh.world_size
     flat = tuple(Shape(tp=t) for t in tp_degrees) if 1 in pp_degrees else ()

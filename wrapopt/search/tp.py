@@ -33,7 +33,7 @@ from wrapopt.spec import AUTO, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, 
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 
 __all__ = ["TORCHTITAN_LABEL", "dp_mesh", "lift_plan", "resolve_tp", "search_tp", "search_shape", "combine_tp",
-           "auto_degrees"]
+           "auto_degrees", "current_tp_spec", "request_spec"]
 
 TORCHTITAN_LABEL = "TorchTitan default"
 
@@ -168,6 +168,25 @@ def _tried(results: dict[int, SearchResult], chosen: int, failed: dict[int, str]
     return tuple(sorted(out.items()))
 
 
+def request_spec(graph: ModelGraph, request: ParallelRequest) -> TPSpec:
+    """The request's TPSpec (its own, or the recognised one: ``PlanError`` naming the block when
+    none is) with the request's sequence-parallel, loss-parallel and async switches; async "auto"
+    stays off here (``cost.tp.with_async`` turns it on where the GPU runs it)."""
+    spec = request.tp_plan or builtin_tp_plan(graph)
+    return replace(spec, sequence_parallel=request.sequence_parallel, loss_parallel=request.loss_parallel,
+                   async_tp=request.async_tp is True and request.sequence_parallel)
+
+
+def current_tp_spec(graph: ModelGraph, request: ParallelRequest) -> TPSpec | None:
+    """The TPSpec a described configuration (``--current ... tp N``) runs with: the request's, async
+    only when asked outright (TorchTitan's default is off); None when no block can be split (the
+    description's ``tp N`` then fails naming the block)."""
+    try:
+        return request_spec(graph, request)
+    except PlanError:
+        return request.tp_plan
+
+
 def auto_degrees(graph: ModelGraph, mesh: MeshSpec, tp_plan: TPSpec | None = None,
                  ) -> tuple[tuple[int, ...], TPSpec | None, tuple[tuple[int, str], ...]]:
     """What ``--tp auto`` tries: (the degrees, the TPSpec, (degree, why dropped) for the others).
@@ -193,19 +212,18 @@ def resolve_tp(graph: ModelGraph, request: ParallelRequest) -> tuple[tuple[int, 
     syntax and the mesh checked by the request). A degree the model cannot take raises
     ``PlanError`` naming the module and what to pass; "auto" on a model wrapopt cannot split
     searches FSDP alone and says why."""
-    mesh, tp, tp_plan = request.mesh, request.tp, request.tp_plan
+    mesh, tp = request.mesh, request.tp
     if tp == 1:
         return (1,), None, []
     if tp == AUTO:
-        degrees, spec, _dropped = auto_degrees(graph, mesh, tp_plan)
-        if spec is None:
-            try:
-                builtin_tp_plan(graph)
-            except PlanError as e:
-                return (1,), None, [f"--tp auto: tensor parallelism not tried: {e}"]
+        try:
+            spec = request_spec(graph, request)
+        except PlanError as e:
+            return (1,), None, [f"--tp auto: tensor parallelism not tried: {e}"]
+        degrees, spec, _dropped = auto_degrees(graph, mesh, spec)
         return degrees, spec, [] if len(degrees) > 1 else [
             f"--tp auto: no degree above 1 divides the {mesh.ranks_per_node} ranks per node "
             "and every attention's heads"]
-    spec = tp_plan or builtin_tp_plan(graph)
+    spec = request_spec(graph, request)
     check_tp(graph, spec, tp)
     return (tp,), spec, []
