@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from tests.ranks import (MESH_2X2, TOL, batches, catch, four_rank_case, init_weights, reference, tp_plan_specs, train,
                          zoo_graph)
-from wrapopt.errors import PlanError
+from wrapopt.errors import ModelError, PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import dp_rank_size
 from wrapopt.models import zoo
@@ -195,7 +195,8 @@ def _errors(rank: int, world: int, out: dict) -> None:
     from wrapopt.plan.tp import parallelize_blocks
 
     llama = tp_plan_specs(zoo_graph("llama-tiny"))["groups-of-2"]
-    gpt_units = replace(tp_plan_specs(zoo_graph("gpt-tiny"))["groups-of-2"], tp=llama.tp)  # GPT's units, Llama's TP
+    gpt_plan = tp_plan_specs(zoo_graph("gpt-tiny"))["groups-of-2"]
+    gpt_units = replace(gpt_plan, tp=llama.tp)  # GPT's units, Llama's TP
     gpt = zoo.get_entry("gpt-tiny").build("cpu")
     out["err/class"] = catch(lambda: WrapPlan(spec=gpt_units, model={}).apply(gpt, strict=False), PlanError)
     model = zoo.get_entry("llama-tiny").build("cpu")
@@ -207,6 +208,9 @@ def _errors(rank: int, world: int, out: dict) -> None:
     async_tp = replace(llama, tp=replace(llama.tp, async_tp=True))
     out["err/async"] = catch(lambda: WrapPlan(spec=async_tp, model={}).apply(
         zoo.get_entry("llama-tiny").build("cpu"), strict=False), PlanError)
+    sp = replace(gpt_plan, tp=replace(gpt_plan.tp, sequence_parallel=True))
+    gpt = WrapPlan(spec=sp, model={}).apply(zoo.get_entry("gpt-tiny").build("cpu"), strict=False)
+    out["err/odd-sequence"] = catch(lambda: gpt(torch.zeros(2, 63, dtype=torch.long)), ModelError)
     dist.barrier()  # every rank got here: no bad input left a rank waiting in a collective
     out["err/barrier"] = True
 
@@ -299,4 +303,5 @@ def test_bad_2d_input_fails_on_every_rank_before_any_collective(four_ranks):
         assert "axes ('shard', 'other')" in r["err/flat-mesh"] and "('shard', 'tp')" in r["err/flat-mesh"]
         assert "already distributed" in r["err/twice"]
         assert "async tensor parallelism (tp.async_tp), which is GPU-only" in r["err/async"]
+        assert "over 2 tensor-parallel ranks, but wte's input has 63 positions" in r["err/odd-sequence"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from wrapopt.errors import PlanError
+from wrapopt.errors import ModelError, PlanError
 from wrapopt.spec import ROOT, TPSpec
 
 __all__ = ["SPLayout", "block_layout", "check_async_tp", "check_vocab", "parallelize_sp", "sp_layout"]
@@ -178,6 +178,8 @@ def parallelize_sp(model: nn.Module, spec: TPSpec, layout: SPLayout, tp_mesh: An
     if layout.head and (sp or lp):
         plan[layout.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                             output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp)
+    if sp and layout.embed:
+        model.get_submodule(layout.embed).register_forward_pre_hook(_check_sequence(layout.embed, tp_mesh.size()))
     parallelize_module(model, tp_mesh, plan)
     for n in layout.positions:
         model.get_submodule(n).register_forward_hook(_sequence_cut(tp_mesh))
@@ -203,6 +205,20 @@ def _tied_params(model: nn.Module) -> list[tuple[str, ...]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     return [tuple(v) for v in by_id.values()]
+
+
+def _check_sequence(name: str, size: int):
+    """A forward pre-hook on the token embedding: ``ModelError`` unless ``size`` divides the
+    sequence (dim 1 of the token ids), before the first collective of the step (every rank of a
+    tensor-parallel group has the same batch, so all of them raise): the shards must be equal."""
+    def hook(_module: nn.Module, args: Any) -> None:
+        ids = args[0] if args else None
+        if getattr(ids, "ndim", 0) >= 2 and ids.shape[1] % size:
+            raise ModelError(f"sequence parallel cuts the sequence over {size} tensor-parallel ranks, but {name}'s "
+                             f"input has {ids.shape[1]} positions (dim 1); feed sequences of a multiple of {size} "
+                             "tokens, or apply the plan with sequence_parallel=False (--no-sequence-parallel)")
+
+    return hook
 
 
 def _sequence_cut(tp_mesh: Any):
