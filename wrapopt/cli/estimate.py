@@ -1,4 +1,5 @@
-"""``wrapopt estimate MODEL --plan per-block|size-1e8|no-shard|plan.json``: one plan's predicted step."""
+"""``wrapopt estimate MODEL --plan per-block|size-1e8|no-shard|plan.json``: one plan's predicted step,
+at a tensor-parallel degree (``--tp N``) or on a pipeline (``--pp``) if asked."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 from wrapopt.choices import BASELINE_NAMES
 from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_pp_argument, add_train_arguments,
-                                 fabric_from_args, model_from_args, train_from_args, with_global_batch)
+                                 fabric_from_args, model_from_args, positive_int, train_from_args,
+                                 with_global_batch)
 from wrapopt.errors import OptionError
+from wrapopt.spec.plan import SELECTIVE_OP
 
 __all__ = ["add_parser", "run"]
 
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
                       train=train,
                       checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
                       rescale_fabric=args.rescale_fabric, name=args.model, global_batch=args.global_batch,
-                      pp=args.pp)
+                      pp=args.pp, tp=args.tp)
     report = replace(report, notes=(*src.notes, *report.notes))
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
@@ -55,9 +58,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"a baseline ({', '.join(BASELINE_NAMES)}) or a plan file (plan.json); default per-block")
     add_mesh_arguments(p, world_required=False)
     add_train_arguments(p)
-    p.add_argument("--checkpoint", choices=("none", "blocks"), default=None,
-                   help="activation checkpointing on every block (every unit but the root), or none "
-                        "(default: as the plan says)")
+    p.add_argument("--checkpoint", choices=("none", "blocks", "full", SELECTIVE_OP), default=None,
+                   help="activation checkpointing of every unit but the root: blocks (or full) recomputes each "
+                        f"whole, {SELECTIVE_OP} keeps the matmul and attention outputs and recomputes the rest "
+                        "(TorchTitan's selective op AC), none (default: as the plan says)")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel degree inside each node (2-D, as TorchTitan): the baseline on the "
+                        "data-parallel ranks, its blocks split by the TP plan wrapopt recognises, as search --tp "
+                        "scores it (default 1; a plan file keeps its own degree)")
     add_pp_argument(p, what="the per-block plan on balanced stages with the fastest schedule and micro-batches; auto: "
                              "the fastest of 2, 4, 8, 16")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")

@@ -184,7 +184,8 @@ def format_estimate(r: EstimateReport) -> str:
     lines = [
         f"model: {r.model}   plan: {r.plan_label} ({r.num_units} units)",
         f"mesh: {m.world_size} ranks, {m.ranks_per_node} per node, shard group {m.shard_size}"
-        f"{f', tensor parallel {m.tp_size}' if m.tp_size > 1 else ''}   fabric: {r.fabric}   "
+        f"{f', tensor parallel {m.tp_size}' if m.tp_size > 1 else ''}"
+        f"{f', pipeline {m.pp_size} stages' if m.pp_size > 1 else ''}   fabric: {r.fabric}   "
         f"compute: {r.compute}",
         f"training: {r.train.describe(r.model_dtype, pipeline_microbatches=r.pipeline_microbatches)}",
         f"step: {e.step_s * 1e3:.2f} ms ("
