@@ -66,9 +66,8 @@ from wrapopt.plan.file import WrapPlan
 from wrapopt.progress import Progress, say
 from wrapopt.search.driver import search_plan
 from wrapopt.search.pipeline import pp_group_sizes
-from wrapopt.search.tp import dp_mesh, lift_plan, search_tp
+from wrapopt.search.tp import dp_mesh, lift_plan, request_spec, search_tp
 from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
-from wrapopt.tp import builtin_tp_plan
 from wrapopt.train import TORCH_DTYPES, TrainConfig
 
 # noise_floor and paired_ratio: re-exported where docs/design.md names them (evaluate.noise_floor)
@@ -151,7 +150,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     request = ParallelRequest(mesh=mesh, tp=tp, memory_budget="none", train=train)
     job = prepare(request, entry.build("meta"), inputs, fabric=fabric, compute=compute, loss_fn=entry.loss)
     graph = job.graph
-    tp_spec = builtin_tp_plan(graph) if tp > 1 else None
+    tp_spec = request_spec(graph, request) if tp > 1 else None  # sequence and loss parallel, as the search
     if tp_spec is not None:  # See [Note: tensor parallel costs] in cost/tp.py
         eff, oh = measure_split_efficiency(graph, tp_spec, (tp,), dtype=dt), measure_tp_overhead(tp)
         compute = broadcast_json(replace(compute, split_efficiency=eff, tp_overhead_s=oh).to_json(),

@@ -19,9 +19,9 @@ from typing import Any
 
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.search.baselines import baselines
-from wrapopt.search.tp import dp_mesh, lift_plan
+from wrapopt.search.tp import dp_mesh, lift_plan, request_spec
 from wrapopt.spec import SELECTIVE_OP, MeshSpec, ModelGraph, ParallelRequest, PlanSpec
-from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
+from wrapopt.tp import check_tp
 from wrapopt.units import validate_plan
 
 __all__ = ["CHECKPOINTS", "given_spec"]
@@ -49,7 +49,7 @@ def given_spec(given: Any, graph: ModelGraph, mesh: MeshSpec, checkpoint: str | 
             if spec.mesh.shard_size == 1:
                 raise OptionError(f"--plan {given} --tp {tp}: a plan that does not shard has no data-parallel mesh "
                                   "to put under tensor parallelism; use per-block or size-1e8")
-            split = _tp_spec(graph, request)
+            split = request_spec(graph, request)  # async only where asked outright: a plan the user runs
             check_tp(graph, split, tp)
             spec = lift_plan(spec, tp, split)
     else:
@@ -63,10 +63,3 @@ def given_spec(given: Any, graph: ModelGraph, mesh: MeshSpec, checkpoint: str | 
     validate_plan(graph, spec)
     return spec
 
-
-def _tp_spec(graph: ModelGraph, request: ParallelRequest) -> TPSpec:
-    """The request's TP plan (its own, or the recognised one) with its sequence-parallel,
-    loss-parallel and async switches, async only where asked outright."""
-    spec = request.tp_plan or builtin_tp_plan(graph)
-    return replace(spec, sequence_parallel=request.sequence_parallel, loss_parallel=request.loss_parallel,
-                   async_tp=request.async_tp is True and request.sequence_parallel)
