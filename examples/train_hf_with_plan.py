@@ -17,10 +17,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from wrapopt import WrapPlan
 from wrapopt.errors import WrapoptError
-from wrapopt.launch import init_from_env, shutdown
+from wrapopt.launch import dp_rank_size, init_from_env, shutdown
 
 VOCAB, SEQ, BATCH = 256, 32, 4  # per-rank batch
 
@@ -82,10 +83,14 @@ def train(plan_path: str, steps: int, lr: float) -> int:
     model = build_model(device)
     plan.apply(model)  # fingerprint check first, then fully_shard bottom-up as the plan says
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    dp_rank, dp_size = dp_rank_size(plan.mesh)  # a 2-D plan's tensor-parallel peers share one batch
     for step in range(steps):
-        ids = batch_for(step, rank, world, device)
-        loss = model(input_ids=ids, labels=ids).loss  # Hugging Face shifts the labels itself
-        loss.backward()
+        ids = batch_for(step, dp_rank, dp_size, device)
+        with plan.loss_context():  # loss parallel (a 2-D plan's tp.loss_parallel): logits split over the vocabulary
+            loss = model(input_ids=ids, labels=ids).loss  # Hugging Face shifts the labels itself
+            loss.backward()
+        if isinstance(loss, DTensor):  # loss parallel's loss is a replicated DTensor
+            loss = loss.full_tensor()
         optimizer.step()
         optimizer.zero_grad()
         mean = loss.detach().clone()

@@ -1,9 +1,10 @@
 """Tensor parallelism applied to a live model: the checks, ``parallelize_module`` of
-every block of a class the ``TPSpec`` lists, the data-parallel sub-mesh FSDP runs
-on, and the ``tp`` field of the plan file.
+every block of a class the ``TPSpec`` lists (with sequence, loss and async TP: of the
+model around them too, ``plan/sp.py``), the data-parallel sub-mesh FSDP runs on, and
+the ``tp`` field of the plan file.
 
 What is split and why is [Note: tensor parallel] in ``wrapopt/tp.py``; how a 2-D
-plan is applied is [Note: applying a 2-D plan] below.
+plan is applied is [Note: applying a 2-D plan] and [Note: applying sequence parallel] below.
 """
 
 from __future__ import annotations
