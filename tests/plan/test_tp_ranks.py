@@ -211,8 +211,26 @@ def _errors(rank: int, world: int, out: dict) -> None:
     sp = replace(gpt_plan, tp=replace(gpt_plan.tp, sequence_parallel=True))
     gpt = WrapPlan(spec=sp, model={}).apply(zoo.get_entry("gpt-tiny").build("cpu"), strict=False)
     out["err/odd-sequence"] = catch(lambda: gpt(torch.zeros(2, 63, dtype=torch.long)), ModelError)
+    out["async"] = _async_switches(mesh, llama.tp)
     dist.barrier()  # every rank got here: no bad input left a rank waiting in a collective
     out["err/barrier"] = True
+
+
+def _async_switches(mesh, tp) -> tuple[bool, bool]:
+    """What async TP sets (on gloo too: the device check is apply's): Inductor's micro-pipelining
+    and symmetric memory for the tp group; the Inductor switch is put back for the cases after."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
+
+    from wrapopt.plan.sp import SPLayout, parallelize_sp
+
+    before = inductor_config._micro_pipeline_tp
+    try:
+        parallelize_sp(zoo.get_entry("llama-tiny").build("cpu"), replace(tp, async_tp=True),
+                       SPLayout(None, None, (), None, (), ()), mesh["tp"])
+        return inductor_config._micro_pipeline_tp, is_symm_mem_enabled_for_group(mesh["tp"].get_group().group_name)
+    finally:
+        inductor_config._micro_pipeline_tp = before
 
 
 @four_rank_case
@@ -304,4 +322,5 @@ def test_bad_2d_input_fails_on_every_rank_before_any_collective(four_ranks):
         assert "already distributed" in r["err/twice"]
         assert "async tensor parallelism (tp.async_tp), which is GPU-only" in r["err/async"]
         assert "over 2 tensor-parallel ranks, but wte's input has 63 positions" in r["err/odd-sequence"]
+        assert r["async"] == (True, True)  # where apply lets it run (CUDA), async TP's two switches are on
 

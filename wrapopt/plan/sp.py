@@ -155,7 +155,6 @@ def parallelize_sp(model: nn.Module, spec: TPSpec, layout: SPLayout, tp_mesh: An
     """``parallelize_module`` of the listed blocks and the modules around them as ``layout`` says,
     the ties kept; then async TP's switches where ``spec.async_tp``. See [Note: applying sequence
     parallel] in plan/tp.py."""
-    import torch
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
@@ -189,9 +188,22 @@ def parallelize_sp(model: nn.Module, spec: TPSpec, layout: SPLayout, tp_mesh: An
             mod, _, attr = n.rpartition(".")
             setattr(model.get_submodule(mod), attr, first)
     if spec.async_tp:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        _enable_async_tp(tp_mesh)
 
-        torch._inductor.config._micro_pipeline_tp = True
+
+def _enable_async_tp(tp_mesh: Any) -> None:
+    """TorchTitan's switches for async TP: Inductor's micro-pipelining pass, and symmetric memory
+    for the tp group. torch 2.13 marks ``enable_symm_mem_for_group`` deprecated ("no need to call"),
+    yet the pass still skips a group ``is_symm_mem_enabled_for_group`` does not know, and only
+    that call registers it; so it is called, its FutureWarning silenced."""
+    import warnings
+
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
