@@ -61,9 +61,12 @@ def sp_layout(model: nn.Module, spec: TPSpec, blocks: list[tuple[str, nn.Module]
         tied = embed if spec.loss_parallel and _tied(model, head, embed) else None  # the tie's layout: Shard(0)
         return SPLayout(head, tied, (), None, (), ())
     cls = type(model).__name__
-    if type(model).__module__.startswith("transformers."):
-        raise PlanError(f"{embed or cls}: Hugging Face's {cls} computes positions and the attention mask from the "
-                        f"embedding output's shape, so sequence parallel cannot cut it on the sequence; {_OFF}")
+    hf = next((m for n, m in model.named_modules() if type(m).__module__.startswith("transformers.")
+               and (n == ROOT or _inside(names[0], (n,)))), None) if names else None  # the blocks' caller
+    if hf is not None:
+        raise PlanError(f"{embed or cls}: Hugging Face's {type(hf).__name__} computes positions and the attention "
+                        f"mask from the embedding output's shape, so sequence parallel cannot cut it on the sequence; "
+                        f"{_OFF}")
     if embed is None:
         raise PlanError(f"sequence parallel splits the token embedding over the vocabulary, but {cls} has no "
                         f"nn.Embedding with one row per output of {head or 'an output projection'}; {_OFF}")
