@@ -12,6 +12,8 @@ after SGD, within 1e-5: after AdamW they differ by up to ~4e-4, and so does plai
 (no tensor parallelism) on 4 ranks, ~2e-4: a gradient that is zero in exact arithmetic
 (a key projection's bias: softmax ignores a shift shared by all keys) is rounding noise
 that depends on the order of the sums, and AdamW divides it by its own size, a step of lr.
+The sequence + loss parallel case ("sp-lp") runs the SGD steps alone (their losses against the
+reference's SGD losses), to keep the shared spawn short.
 """
 
 from __future__ import annotations

@@ -235,6 +235,9 @@ class WrapPlan:
         ``example_inputs`` (one micro-batch of the model's positional inputs) and
         ``loss_fn(output, target)`` (See [Note: applying a pipeline plan] in plan/pipeline.py).
 
+        A plan whose tensor parallelism keeps the logits split over the vocabulary
+        (``tp.loss_parallel``) needs the loss and its backward run under ``loss_context()``.
+
         The mixed precision is the plan's (``train``). Passing ``train`` checks
         that the plan was scored for that step: a plan made for another one
         raises ``PlanError`` naming the fields, unless ``override_train=True``,
