@@ -73,6 +73,8 @@ def test_sequence_parallel_holds_a_tp_share_of_the_norms(llama):
     ar = fabric.collective_s("all_reduce", 2, 2, o0.output_bytes)[0]
     assert times["layers.0.self_attn.o_proj"][0] == pytest.approx(before["layers.0.self_attn.o_proj"][0] - ar + rs)
     assert times["layers.0.self_attn"][0] == pytest.approx(before["layers.0.self_attn"][0] + ag)
+    norm_ar = fabric.collective_s("all_reduce", 2, 2, norm0.own_bytes)[0]  # its weight's partial gradient
+    assert times["layers.0.input_layernorm"][1] == pytest.approx(before["layers.0.input_layernorm"][1] / 2 + norm_ar)
     assert times["layers.0.self_attn"][1] == pytest.approx(
         before["layers.0.self_attn"][1] + fabric.collective_s("reduce_scatter", 2, 2, attn0.input_bytes)[0])
 

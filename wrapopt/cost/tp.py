@@ -53,7 +53,9 @@ forward, an all-gather into each region (and into the head) and a
 reduce-scatter out of each rowwise projection and the embedding; backward, a
 reduce-scatter of each region's input gradient and an all-gather of each
 rowwise output's gradient (one all-gather plus one reduce-scatter move the bytes
-of one all-reduce). Counted against torch's in tests/plan/test_tp_ranks.py.
+of one all-reduce), and an all-reduce of the gradient of each parameter of a
+"sequence" module (a norm's weight: each rank's is a partial sum over its
+tokens). Counted against torch's CommDebugMode in tests/plan/test_tp_ranks.py.
 ``loss_parallel``: the model's output and what the loss saves are the rank's
 vocabulary shard; torch's ``loss_parallel`` log-softmax (torch/distributed/tensor/
 parallel/loss.py) keeps its shifted input beside the output while it runs (one
@@ -226,6 +228,8 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
             c[0] += m.num_calls * coll("all_reduce", whole_out)
         elif role in ("colwise", "head"):  # the replicated input's partial gradients are summed
             c[1] += m.num_calls * coll("all_reduce", whole_in)
+        if role == "sequence" and m.own_numel:  # a norm's weight: its gradient is a partial sum per rank
+            c[1] += coll("all_reduce", m.own_bytes)
         if role == "head" and not spec.loss_parallel:  # the logits gathered whole
             c[0] += m.num_calls * coll("all_gather", whole_out)
     if spec.async_tp and sp:
