@@ -83,17 +83,19 @@ def pp_section() -> list[str]:
              "error). TorchTitan's "
              "405B layout: tp 8, pp 8, Interleaved1F1B with 2 stages per rank, micro-batches of one sequence, one "
              "FSDP unit per block kept unsharded after forward (TorchTitan's default under pipelining), every "
-             "block checkpointed; wrapopt prices it without sequence parallelism and with fp32 gradient reduction "
-             "(unsynchronised fp32 gradients held across micro-batches, as FSDP2 under torch's pipelining keeps "
-             "them), so it is TorchTitan's layout as wrapopt models it. Target: the 405B shape on 1024 GPUs in at "
+             "block checkpointed, sequence and loss parallel on (TorchTitan's TP plan), async TP where the search "
+             "turns it on (auto: H100); wrapopt prices it with fp32 gradient reduction (unsynchronised fp32 "
+             "gradients held across micro-batches, as FSDP2 under torch's pipelining keeps them), so it is "
+             "TorchTitan's layout as wrapopt models it, without torch.compile and float8 (not in wrapopt yet). "
+             "Target: the 405B shape on 1024 GPUs in at "
              "most 120 s and 4 GB.", ""]
     lines += ["What drives these rows in the model (read with the numbers below): at one sequence per GPU a "
               "pipeline of pp x tp GPUs has at most pp x tp micro-batches, so its bubble ((m + pp - 1) / m for "
               "1F1B) stays large unless tensor parallelism, whose all-reduces sit on every block's critical path, "
               "multiplies the batch; every stage holds its unsharded fp32 gradients from the first micro-batch's "
               "backward to REDUCE_GRAD (torch's stage runs FSDP2 without gradient sync until then), a whole "
-              "stage's worth per GPU; and without sequence parallelism each GPU of a tensor-parallel group keeps "
-              "the whole block input of every micro-batch in flight. A row marked over budget does not fit the "
+              "stage's worth per GPU; sequence parallelism keeps 1/tp of each block input in flight per GPU. "
+              "A row marked over budget does not fit the "
               "72 GiB budget; *nothing fits* lists each degree's smallest peak.", ""]
     lines += ["| model | GPUs | budget | wall | CPU | peak RSS | row | step | tokens/s/GPU | peak | plan |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
