@@ -82,6 +82,7 @@ where tensor parallelism pays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -199,7 +200,7 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
 
     measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
     oh_f, oh_b = compute.tp_overhead_s
-    sp = spec.sequence_parallel
+    sp, blocks = spec.sequence_parallel, frozenset(tp_blocks(graph, spec))
     base: dict[str, list[float]] = {}  # compute time (forward, backward) per module
     comm: dict[str, list[float]] = {}  # its tensor-parallel collectives (forward, backward)
     for m in graph.call_order():
@@ -213,25 +214,7 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
             f += m.num_calls * oh_f
             b += m.num_calls * oh_b
         base[m.fqn] = [f, b]
-        c = comm[m.fqn] = [0.0, 0.0]
-        whole_in, whole_out = m.input_bytes * act * batch_scale, m.output_bytes * act * batch_scale
-        if sp and role in ("region", "head"):  # the sequence shards gathered in; their gradients scattered back
-            c[0] += m.num_calls * coll("all_gather", whole_in)
-            c[1] += m.num_calls * coll("reduce_scatter", whole_in)
-        elif sp and role == "colwise" and m.parent in tp_blocks_set(graph, spec):
-            c[0] += m.num_calls * coll("all_gather", whole_in)  # a projection with no module around it
-            c[1] += m.num_calls * coll("reduce_scatter", whole_in)
-        elif sp and role in ("rowwise", "vocab"):  # partial outputs reduce-scattered onto the sequence shards
-            c[0] += m.num_calls * coll("reduce_scatter", whole_out)
-            c[1] += m.num_calls * coll("all_gather", whole_out)
-        elif role == "rowwise":  # the partial outputs are summed: See [Note: tensor parallel costs]
-            c[0] += m.num_calls * coll("all_reduce", whole_out)
-        elif role in ("colwise", "head"):  # the replicated input's partial gradients are summed
-            c[1] += m.num_calls * coll("all_reduce", whole_in)
-        if role == "sequence" and m.own_numel:  # a norm's weight: its gradient is a partial sum per rank
-            c[1] += coll("all_reduce", m.own_bytes)
-        if role == "head" and not spec.loss_parallel:  # the logits gathered whole
-            c[0] += m.num_calls * coll("all_gather", whole_out)
+        comm[m.fqn] = _collectives(m, role, spec, coll, act * batch_scale, blocks)
     if spec.async_tp and sp:
         _overlap(graph, roles, base, comm, size)
     times = [(fqn, (f + comm[fqn][0]) / batch_scale, (b + comm[fqn][1]) / batch_scale) for fqn, (f, b) in base.items()]
@@ -261,8 +244,28 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
     return view, replace(compute, module_times=tuple(times), batch_fixed_share=0.0, loss_s=loss_s), frozenset(notes)
 
 
-def tp_blocks_set(graph: ModelGraph, spec: TPSpec) -> frozenset[str]:
-    return frozenset(tp_blocks(graph, spec))
+def _collectives(m: ModuleInfo, role: str | None, spec: TPSpec, coll: Callable[[str, float], float], scale: float,
+                 blocks: frozenset[str]) -> list[float]:
+    """[forward, backward] seconds of the tensor-parallel collectives ``m`` issues in its role
+    (``scale``: bytes per traced activation byte as the step runs). See [Note: tensor parallel
+    costs] and [Note: sequence parallel costs]."""
+    sp, c = spec.sequence_parallel, [0.0, 0.0]
+    whole_in, whole_out = m.input_bytes * scale, m.output_bytes * scale
+    if sp and (role in ("region", "head") or (role == "colwise" and m.parent in blocks)):
+        c[0] += m.num_calls * coll("all_gather", whole_in)  # the sequence shards gathered in (a projection
+        c[1] += m.num_calls * coll("reduce_scatter", whole_in)  # with no module around it: itself)
+    elif sp and role in ("rowwise", "vocab"):  # partial outputs reduce-scattered onto the sequence shards
+        c[0] += m.num_calls * coll("reduce_scatter", whole_out)
+        c[1] += m.num_calls * coll("all_gather", whole_out)
+    elif role == "rowwise":  # the partial outputs are summed
+        c[0] += m.num_calls * coll("all_reduce", whole_out)
+    elif role in ("colwise", "head"):  # the replicated input's partial gradients are summed
+        c[1] += m.num_calls * coll("all_reduce", whole_in)
+    if role == "sequence" and m.own_numel:  # a norm's weight: its gradient is a partial sum per rank
+        c[1] += coll("all_reduce", m.own_bytes)
+    if role == "head" and not spec.loss_parallel:  # the logits gathered whole
+        c[0] += m.num_calls * coll("all_gather", whole_out)
+    return c
 
 
 def _overlap(graph: ModelGraph, roles: dict[str, str], base: dict[str, list[float]],
