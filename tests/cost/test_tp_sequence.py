@@ -128,3 +128,20 @@ def test_a_module_sequence_parallel_cannot_place_is_named(llama):
     with pytest.raises(PlanError, match=r"block layers.0 \(LlamaBlock\): layers.0.adapter \(Adapter\) .*"
                                         r"--no-sequence-parallel"):
         check_tp(g, spec, 2)
+
+
+def test_stacked_experts_of_a_hugging_face_moe_are_refused_for_tp():
+    transformers = pytest.importorskip("transformers")
+    from wrapopt.trace import trace_model as trace
+
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=1000, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=256)
+    import torch
+
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(cfg)
+    g = trace(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    with pytest.raises(PlanError, match=r"block model.layers.0 \(MixtralDecoderLayer\) holds experts "
+                                        r"\(model.layers.0.mlp.experts \(4 stacked experts\)\)"):
+        builtin_tp_plan(g)
