@@ -37,6 +37,11 @@ STEPS = 3
 MESH2 = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
 MESH_2X2 = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, tp_size=2)  # FSDP over 2 x tensor parallel 2
 
+# The builtin tensor-parallel plan of a Hugging Face LlamaDecoderLayer (tests/plan/test_tp.py checks it is).
+HF_LLAMA_TP = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+               ("self_attn.o_proj", "rowwise"), ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"),
+               ("mlp.down_proj", "rowwise"))
+
 _CASES: list[str] = []  # "module:function" of every registered case, in the order the modules were imported
 
 
@@ -126,6 +131,17 @@ def tp_plan_specs(graph, mesh: MeshSpec = MESH_2X2) -> dict[str, PlanSpec]:
     }
 
 
+def tiny_hf_llama(seed: int = 0) -> nn.Module:
+    """benchmarks/bf16_check.py's tiny Hugging Face Llama (hidden 64, 2 layers, 4 heads, 2 key-value
+    heads, vocabulary 1000), built on CPU from ``seed``; its forward takes ``input_ids`` and ``labels``."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def init_weights(module: nn.Module) -> None:
     """One module's own parameters, as the examples initialise them."""
     if hasattr(module, "reset_parameters"):
@@ -164,14 +180,15 @@ def train(model, batches, loss_fn, *, sgd: bool = False, loss_context=contextlib
     """``STEPS`` steps of AdamW (lr 1e-2), or of plain SGD (lr 0.1): SGD's update is the gradient
     itself, so its final parameters compare gradients, where AdamW's normalisation turns
     rounding-level differences of gradients near zero into steps of size lr. The loss and its
-    backward run under ``loss_context()`` (``WrapPlan.loss_context``: loss parallel's context)."""
+    backward run under ``loss_context()`` (``WrapPlan.loss_context``: loss parallel's context).
+    A batch that is a dict is passed by keyword (a Hugging Face model's ``input_ids``, ``labels``)."""
     from torch.distributed.tensor import DTensor
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if sgd else torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x in batches:
         with loss_context():
-            loss = loss_fn(model(*x), x)
+            loss = loss_fn(model(**x) if isinstance(x, dict) else model(*x), x)
             loss.backward()
         if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
             loss = loss.full_tensor()

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from tests.plan.common import load_data
-from tests.ranks import MESH_2X2, tp_plan_specs
+from tests.ranks import HF_LLAMA_TP, MESH_2X2, tp_plan_specs, zoo_graph
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.interop.export import export_plan
@@ -152,16 +152,44 @@ def test_a_norm_sequence_parallel_cannot_place_is_named_with_the_option_to_turn_
     assert tp_layout(model, spec.tp, 2, "cpu").head == "lm_head"
 
 
-def test_parameters_outside_the_blocks_and_hugging_face_models_are_refused_for_sequence_parallel(llama_plan):
+def test_parameters_outside_the_blocks_are_refused_for_sequence_parallel(llama_plan):
     model = zoo.get_entry("llama-tiny").build("meta")
     model.scale = nn.Parameter(torch.ones(64, device="meta"))
     msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan), model)
     assert "Llama holds parameters of its own (scale)" in msg and "--no-sequence-parallel" in msg
-    hf_class = type("LlamaForCausalLM", (zoo.Llama,), {"__module__": "transformers.models.llama.modeling_llama"})
+
+
+def test_a_hugging_face_llama_keeps_its_embedding_whole_and_cuts_the_first_blocks_input():
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face Llama needs transformers")
+    from wrapopt.tp import builtin_tp_plan
+    from wrapopt.trace.meta import trace_model
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=1000)
     with torch.device("meta"):
-        hf = hf_class(vocab=2048, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn=176)
-    msg = _apply("llama-tiny", MESH_2X2, _switched(llama_plan), hf)
-    assert msg.startswith("embed_tokens: Hugging Face's LlamaForCausalLM computes positions") and "--no-seq" in msg
+        model = transformers.LlamaForCausalLM(cfg)
+    graph = trace_model(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    tp = replace(builtin_tp_plan(graph), sequence_parallel=True, loss_parallel=True)
+    got = tp_layout(model, tp, 2, "cpu")
+    # See [Note: applying sequence parallel] in plan/tp.py: LlamaModel reads the embedding's output whole.
+    assert (got.head, got.embed, got.positions, got.final_norm, got.entry) == (
+        "lm_head", "model.embed_tokens", (), "model.norm", "model.layers.0")
+    assert got.block_norms == tuple(f"model.layers.{i}.{n}" for i in range(2)
+                                    for n in ("input_layernorm", "post_attention_layernorm"))
+    assert sorted(got.gathers) == [f"model.layers.{i}.{n}" for i in range(2) for n in ("mlp", "self_attn")]
+    assert tp.styles("LlamaDecoderLayer") == dict(HF_LLAMA_TP), "the parity case in test_tp_ranks.py uses it"
+
+
+def test_hugging_face_models_sequence_parallel_does_not_cover_are_refused(llama_plan):
+    # a Hugging Face decoder with a positional embedding (here the zoo GPT in transformers' clothes)
+    hf_class = type("GPT2LMHeadModel", (zoo.GPT,), {"__module__": "transformers.models.gpt2.modeling_gpt2"})
+    hf = zoo.get_entry("gpt-tiny").build("meta")
+    hf.__class__ = hf_class
+    gpt = replace(tp_plan_specs(zoo_graph("gpt-tiny"))["groups-of-2"].tp, sequence_parallel=True, loss_parallel=True)
+    msg = _apply("gpt-tiny", MESH_2X2, gpt, hf)
+    assert msg.startswith("wpe: sequence parallel on Hugging Face's GPT2LMHeadModel keeps the embeddings' outputs "
+                          "whole"), msg
+    assert msg.endswith("sequence_parallel=False (--no-sequence-parallel)")
 
 
 def test_async_tp_is_refused_on_cpu(llama_plan):

@@ -13,7 +13,8 @@ after SGD, within 1e-5: after AdamW they differ by up to ~4e-4, and so does plai
 (a key projection's bias: softmax ignores a shift shared by all keys) is rounding noise
 that depends on the order of the sums, and AdamW divides it by its own size, a step of lr.
 The sequence + loss parallel case ("sp-lp") runs the SGD steps alone (their losses against the
-reference's SGD losses), to keep the shared spawn short.
+reference's SGD losses), to keep the shared spawn short; so does the Hugging Face Llama's ("hf"),
+with sequence and loss parallel, its own loss (labels), per-block units.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.ranks import (MESH_2X2, TOL, batches, catch, four_rank_case, init_weights, reference, tp_plan_specs, train,
-                         zoo_graph)
+from tests.ranks import (HF_LLAMA_TP, MESH_2X2, STEPS, TOL, batches, catch, four_rank_case, init_weights, reference,
+                         tiny_hf_llama, tp_plan_specs, train, zoo_graph)
 from wrapopt.errors import ModelError, PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import dp_rank_size
 from wrapopt.models import zoo
 from wrapopt.plan.file import WrapPlan
+from wrapopt.spec import ROOT, PlanSpec, UnitSpec
+from wrapopt.tp import TPSpec
 
 pytestmark = pytest.mark.multiprocess
 
@@ -115,6 +118,42 @@ def _parity(rank: int, world: int, out: dict) -> None:
                 "q_placements": str(q.placements), "q_local": list(q.to_local().shape),
                 "tied": name != "gpt-tiny" or model.lm_head.weight is model.wte.weight,
             }
+
+
+def _hf_parity(rank: int, world: int, out: dict) -> None:
+    """The tiny Hugging Face Llama with sequence and loss parallel: its LlamaModel reads the embedding's
+    output whole, so the cut is on the first block's input (See [Note: applying sequence parallel])."""
+    from wrapopt.debug import full_tensor
+
+    try:
+        ref = tiny_hf_llama()
+    except ImportError as e:
+        out["hf"] = f"transformers is not installed ({e})"
+        return
+    dp_rank, dp_size = dp_rank_size(MESH_2X2)
+    g = torch.Generator().manual_seed(1)
+    full = [torch.randint(0, 1000, (2 * dp_size, 16), generator=g) for _ in range(STEPS)]
+    by_sgd = copy.deepcopy(ref)
+    want = [float(v) for v in train(by_sgd, [{"input_ids": x, "labels": x} for x in full], _hf_loss, sgd=True)]
+    tp = TPSpec(layers=(("LlamaDecoderLayer", HF_LLAMA_TP),), source="builtin", sequence_parallel=True,
+                loss_parallel=True)
+    units = tuple(UnitSpec((f"model.layers.{i}",)) for i in range(2)) + (UnitSpec((ROOT,), False),)
+    plan = WrapPlan(spec=PlanSpec(units, MESH_2X2, tp=tp), model=model_fingerprint(ref))
+    model = plan.apply(copy.deepcopy(ref))
+    seen: dict = {}  # what the embedding puts out, what the second block is fed (local tensors)
+    model.model.embed_tokens.register_forward_hook(lambda _m, _a, y: seen.setdefault("embed", list(y.shape)) and None)
+    model.model.layers[1].register_forward_pre_hook(lambda _m, a: seen.setdefault("block", list(a[0].shape)) and None)
+    mine = [{"input_ids": x.chunk(dp_size)[dp_rank], "labels": x.chunk(dp_size)[dp_rank]} for x in full]
+    losses = [float(v) for v in train(model, mine, _hf_loss, sgd=True, loss_context=plan.loss_context)]
+    every = [None] * world
+    dist.all_gather_object(every, losses)
+    out["hf"] = {"losses": every, "dp_mean": [(a + b) / 2 for a, b in zip(every[0], every[2])], "ref": want,
+                 "param_diff_sgd": max(float((full_tensor(model, n) - p.detach()).abs().max())
+                                       for n, p in by_sgd.named_parameters()), **seen}
+
+
+def _hf_loss(out, _x):
+    return out.loss
 
 
 def _comm_counts(rank: int, world: int, out: dict) -> None:
@@ -237,7 +276,7 @@ def _async_switches(mesh, tp) -> tuple[bool, bool]:
 
 @four_rank_case
 def tp_cases(rank: int, world: int, out: dict) -> None:
-    for case in (_parity, _comm_counts, _meta_init, _bench, _errors):
+    for case in (_parity, _hf_parity, _comm_counts, _meta_init, _bench, _errors):
         t0 = time.perf_counter()
         case(rank, world, out)
         out.setdefault("case_s", {})[case.__name__] = round(time.perf_counter() - t0, 2)  # where the spawn's time goes
@@ -263,6 +302,18 @@ def test_2d_training_matches_the_unsharded_model(four_ranks, name, label):
     assert r["tied"]
     # q_proj is 2-D: split by tensor parallelism (colwise, dim 0) and again by FSDP on the shard axis.
     assert "Shard(dim=0)" in r["q_placements"] and r["q_local"] == [16, 64], r["q_placements"]
+
+
+def test_a_hugging_face_llama_with_sequence_and_loss_parallel_matches_the_unsharded_model(four_ranks):
+    r = four_ranks[0]["hf"]
+    if isinstance(r, str):
+        pytest.skip(r)
+    every = r["losses"]
+    assert every[0] == every[1] and every[2] == every[3] and every[0] != every[2]
+    assert r["dp_mean"] == pytest.approx(r["ref"], abs=TOL) and r["param_diff_sgd"] < TOL, r
+    assert r["ref"][0] != r["ref"][-1]  # it trained
+    # the embedding's output is whole (batch 2, 16 positions); the blocks run on this rank's 8 of them
+    assert r["embed"] == [2, 16, 64] and r["block"] == [2, 8, 64], r
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -7,6 +7,7 @@ The mechanism is [Note: applying sequence parallel] in ``plan/tp.py``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,8 @@ class SPLayout:
     positions: tuple[str, ...]  # other embeddings outside the blocks: output cut on the sequence dim
     final_norm: str | None  # the norm after the blocks: SequenceParallel
     block_norms: tuple[str, ...]  # norms that are direct children of a listed block: SequenceParallel
-    gathers: tuple[str, ...]  # parents of the colwise projections: PrepareModuleInput(Shard(1) -> Replicate)
+    gathers: tuple[str, ...]  # parents of the colwise projections: first input Shard(1) -> Replicate
+    entry: str | None = None  # the first block where the embedding's output stays Replicate: input cut on entry
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -46,7 +48,9 @@ def _own_params(m: nn.Module) -> bool:
 
 def sp_layout(model: nn.Module, spec: TPSpec, blocks: list[tuple[str, nn.Module]]) -> SPLayout:
     """The ``SPLayout`` of ``model`` for ``spec`` (``blocks``: its listed blocks, ``tp_modules``);
-    ``PlanError`` in one line naming a module sequence parallelism cannot place. Local: no collective."""
+    ``PlanError`` in one line naming a module sequence parallelism cannot place. Where a Hugging Face
+    module calls the blocks, ``entry`` is the first block (its input cut, the embedding's output
+    whole). Local: no collective."""
     names = tuple(n for n, _ in blocks)
     outside = [(n, m) for n, m in model.named_modules() if n != ROOT and not _inside(n, names)]
     linears = [n for n, m in outside if isinstance(m, nn.Linear)]
@@ -63,10 +67,18 @@ def sp_layout(model: nn.Module, spec: TPSpec, blocks: list[tuple[str, nn.Module]
     cls = type(model).__name__
     hf = next((m for n, m in model.named_modules() if type(m).__module__.startswith("transformers.")
                and (n == ROOT or _inside(names[0], (n,)))), None) if names else None  # the blocks' caller
-    if hf is not None:
-        raise PlanError(f"{embed or cls}: Hugging Face's {type(hf).__name__} computes positions and the attention "
-                        f"mask from the embedding output's shape, so sequence parallel cannot cut it on the sequence; "
-                        f"{_OFF}")
+    entry = None
+    if hf is not None:  # it reads the embedding's output whole: the cut moves to the first block's input
+        pos = next((n for n in embeds if n != embed), None)
+        if pos is not None:
+            raise PlanError(f"{pos}: sequence parallel on Hugging Face's {type(hf).__name__} keeps the embeddings' "
+                            f"outputs whole and cuts the first block's input, which covers decoders whose only "
+                            f"embedding is the token embedding (Llama, Qwen2, Mistral), not a positional one; {_OFF}")
+        if _first_param(blocks[0][1]) is None:
+            raise PlanError(f"{names[0]} ({type(blocks[0][1]).__name__}): sequence parallel on Hugging Face's "
+                            f"{type(hf).__name__} cuts the first block's first input, but its forward takes no named "
+                            f"first input; {_OFF}")
+        entry = names[0]
     if embed is None:
         raise PlanError(f"sequence parallel splits the token embedding over the vocabulary, but {cls} has no "
                         f"nn.Embedding with one row per output of {head or 'an output projection'}; {_OFF}")
@@ -91,7 +103,7 @@ def sp_layout(model: nn.Module, spec: TPSpec, blocks: list[tuple[str, nn.Module]
         block_norms += [f"{name}.{p}" for p in mine_norms]
         gathers += [f"{name}.{p}" for p in mine_gathers]
     return SPLayout(head, embed, tuple(n for n in embeds if n != embed), final_norm, tuple(block_norms),
-                    tuple(gathers))
+                    tuple(gathers), entry)
 
 
 def block_layout(name: str, block: nn.Module, spec: TPSpec) -> tuple[list[str], list[str]]:
@@ -159,22 +171,20 @@ def parallelize_sp(model: nn.Module, spec: TPSpec, layout: SPLayout, tp_mesh: An
     the ties kept; then async TP's switches where ``spec.async_tp``. See [Note: applying sequence
     parallel] in plan/tp.py."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     sp, lp = spec.sequence_parallel, spec.loss_parallel
     ties = [names for names in _tied_params(model) if len(names) > 1]
     plan: dict[str, Any] = {}
     if sp:
         plan.update({n: SequenceParallel() for n in layout.block_norms})
-        plan.update({n: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                     for n in layout.gathers})
     for name, block in _blocks(model, spec):
         for path, style in spec.styles(type(block).__name__).items():
             plan[f"{name}.{path}"] = (ColwiseParallel() if style == "colwise"
                                       else RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel())
-    if layout.embed:  # sequence parallel: cut on the sequence; loss parallel with a tied head: the tie's layout
-        plan[layout.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if layout.embed:  # sequence parallel: its output cut on the sequence, or whole where the first block's input is
+        cut = Shard(1) if sp and layout.entry is None else Replicate()  # loss parallel with a tied head: the tie's
+        plan[layout.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=cut)
     if layout.final_norm:
         plan[layout.final_norm] = SequenceParallel()
     if layout.head and (sp or lp):
@@ -183,7 +193,12 @@ def parallelize_sp(model: nn.Module, spec: TPSpec, layout: SPLayout, tp_mesh: An
     if sp and layout.embed:
         model.get_submodule(layout.embed).register_forward_pre_hook(_check_sequence(layout.embed, tp_mesh.size()))
     parallelize_module(model, tp_mesh, plan)
-    for n in layout.positions:
+    if sp:
+        for n in layout.gathers:
+            _prepare_first_input(model, n, tp_mesh, Shard(1), Replicate(), local=False)
+        if layout.entry:
+            _prepare_first_input(model, layout.entry, tp_mesh, Replicate(), Shard(1), local=True)
+    for n in layout.positions:  # none where the embedding's output is whole (sp_layout)
         model.get_submodule(n).register_forward_hook(_sequence_cut(tp_mesh))
     for names in ties:  # parallelize_module gave each use of a tied parameter a DTensor of its own
         first = model.get_parameter(names[0])
@@ -192,6 +207,39 @@ def parallelize_sp(model: nn.Module, spec: TPSpec, layout: SPLayout, tp_mesh: An
             setattr(model.get_submodule(mod), attr, first)
     if spec.async_tp:
         _enable_async_tp(tp_mesh)
+
+
+def _first_param(module: nn.Module) -> str | None:
+    """The name of ``module.forward``'s first parameter when it can be passed by position or keyword."""
+    p = next(iter(inspect.signature(module.forward).parameters.values()), None)
+    return p.name if p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
+
+
+def _prepare_first_input(model: nn.Module, name: str, tp_mesh: Any, src: Any, dst: Any, *, local: bool) -> None:
+    """``PrepareModuleInput``'s mechanism on the first input of ``name``, passed by position or by
+    the keyword of ``forward``'s first parameter (Hugging Face calls attention with
+    ``hidden_states=...``): taken as laid out ``src`` on ``tp_mesh`` (a DTensor as it is),
+    redistributed to ``dst``; a local tensor out where ``local``, else the DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    module = model.get_submodule(name)
+    key = _first_param(module)
+
+    def convert(x: Any) -> Any:
+        d = x if isinstance(x, DTensor) else DTensor.from_local(x, tp_mesh, [src], run_check=False)
+        d = d.redistribute(tp_mesh, [dst]) if d.placements != (dst,) else d
+        return d.to_local() if local else d
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if args:
+            return (convert(args[0]), *args[1:]), kwargs
+        if key is not None and key in kwargs:
+            return args, {**kwargs, key: convert(kwargs[key])}
+        raise ModelError(f"{name} ({type(module).__name__}) was called without its first input ({key or 'none'}), "
+                         "which sequence parallel redistributes; apply the plan with sequence_parallel=False "
+                         "(--no-sequence-parallel)")
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _enable_async_tp(tp_mesh: Any) -> None:

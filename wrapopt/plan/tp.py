@@ -56,9 +56,11 @@ TP_SOURCES = ("builtin", "user")
 # in "Norm", or ``nn.LayerNorm``) outside the blocks; other embeddings are positional.
 # - Inside a block: its direct-child norms ``SequenceParallel()`` (input taken as Shard(1), weight
 #   a Replicate DTensor, so its gradient, a partial sum over the shards, is all-reduced on tp);
-#   the attention and MLP modules (parents of the colwise projections)
-#   ``PrepareModuleInput(Shard(1) -> Replicate())``: one all-gather, output kept a DTensor
-#   (``use_local_output=False``), so the query, key and value projections' input gradients sum as
+#   the attention and MLP modules (parents of the colwise projections) get their first input
+#   Shard(1) -> Replicate(): ``PrepareModuleInput``'s mechanism in a forward pre-hook of
+#   ``plan/sp.py`` that takes the input by position or by the keyword of ``forward``'s first
+#   parameter (Hugging Face calls attention with ``hidden_states=...``); one all-gather, output kept
+#   a DTensor, so the query, key and value projections' input gradients sum as
 #   Partial and backward runs one reduce-scatter for all three; the rowwise projections
 #   ``RowwiseParallel(output_layouts=Shard(1))``: a reduce-scatter replaces the all-reduce. So a
 #   block runs 2 all-gathers and 2 reduce-scatters forward and the mirror backward
@@ -69,6 +71,16 @@ TP_SOURCES = ("builtin", "user")
 #   (the dim before the features), whose backward all-gathers the gradient so the weight's is whole
 #   on every rank; the final norm ``SequenceParallel()``; the head ``ColwiseParallel(input
 #   Shard(1), output Shard(-1) with loss parallel, else Replicate)``.
+# - Hugging Face decoders (a ``transformers`` module calls the blocks: Llama, Qwen2, Mistral): their
+#   ``LlamaModel.forward`` reads the embedding's output for ``position_ids``, the causal mask and the
+#   rotary ``(cos, sin)``, so that output stays whole: the embedding is ``RowwiseParallel(input
+#   Replicate, output Replicate)`` (an all-reduce where the others reduce-scatter), and the first
+#   block's first input (``hidden_states``, positional) is cut Replicate -> Shard(1) on entry by the
+#   same pre-hook (a local chunk, no collective; backward all-gathers its gradient, so everything
+#   before it has whole gradients on every rank). The mask, the position ids and ``(cos, sin)``
+#   passed to every block cover the whole sequence, and are only read inside the attention, after
+#   its all-gather, where the sequence is whole too. The rest is as above; the final norm's output
+#   is a Shard(1) DTensor, which ``LlamaForCausalLM`` slices (``logits_to_keep``) before the head.
 # - Loss parallel: the logits stay a DTensor split over the vocabulary; the loss and its backward
 #   must run under ``torch.distributed.tensor.parallel.loss_parallel()`` (``WrapPlan.loss_context``).
 #   Without sequence parallel the head takes a Replicate input, and a tied embedding is split
@@ -80,11 +92,12 @@ TP_SOURCES = ("builtin", "user")
 # direct child of its block (nor inside the attention or MLP), any other module with parameters
 # outside the attention and MLP (its gradient would be a partial sum no one reduces), parameters
 # outside the blocks that are not the embeddings, final norm or head, several block stacks, and
-# Hugging Face models (they compute positions and the attention mask from the embedding output's
-# shape). The degree must divide the vocabulary. Async TP (``tp.async_tp``) is GPU-only: on CUDA
-# it sets ``torch._inductor.config._micro_pipeline_tp`` and enables symmetric memory for the tp
-# group, as TorchTitan does; it only takes effect in a ``torch.compile``d model (Inductor fuses
-# the collectives with the matmuls); on other devices ``tp_layout`` refuses it.
+# Hugging Face models with a positional embedding (GPT-2 style: not covered by the rule above) or
+# whose first block takes no named first input. The degree must divide the vocabulary. Async TP
+# (``tp.async_tp``) is GPU-only: on CUDA it sets ``torch._inductor.config._micro_pipeline_tp``
+# and enables symmetric memory for the tp group, as TorchTitan does; it only takes effect in a
+# ``torch.compile``d model (Inductor fuses the collectives with the matmuls); on other devices
+# ``tp_layout`` refuses it.
 
 
 def tp_modules(model: nn.Module, spec: TPSpec) -> list[tuple[str, nn.Module]]:
