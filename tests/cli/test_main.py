@@ -332,10 +332,16 @@ def test_search_takes_a_user_tp_plan(tmp_path, capsys):
     plan = tmp_path / "tp.json"
     plan.write_text(json.dumps({"layers": {"GPTBlock": {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}}}))
     out = tmp_path / "plan.json"
-    assert main(["search", "zoo:gpt-tiny", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2",
-                 "--tp-plan", str(plan), "--trials", "0", "--out", str(out)]) == 0
+    args = ["search", "zoo:gpt-tiny", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2",
+            "--tp-plan", str(plan), "--trials", "0", "--out", str(out)]
+    capsys.readouterr()
+    assert main(args) == 1  # sequence parallel (the default) has no place for the attention the plan leaves whole
+    assert ("layers.0.attn (Attention) is neither a norm of the block nor inside the attention or MLP that "
+            "tensor parallelism splits" in capsys.readouterr().err)
+    assert main([*args, "--no-sequence-parallel"]) == 0
     saved = json.loads(out.read_text())
-    assert saved["tp"] == {"source": "user", "layers": {"GPTBlock": {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}}}
+    assert saved["tp"] == {"source": "user", "layers": {"GPTBlock": {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}},
+                           "sequence_parallel": False, "loss_parallel": True, "async_tp": False}
     plan.write_text(json.dumps({"layers": {"GPTBlock": {"mlp.fc1": "sideways"}}}))
     capsys.readouterr()
     assert main(["search", "zoo:gpt-tiny", "--world-size", "16", "--tp", "2", "--tp-plan", str(plan)]) == 1

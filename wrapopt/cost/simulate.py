@@ -66,7 +66,7 @@ from wrapopt.cost.step_inputs import (
     UnitLayout,
     UnitPlan,
 )
-from wrapopt.cost.tp import tp_view
+from wrapopt.cost.tp import tp_view, with_async
 from wrapopt.errors import OptionError
 from wrapopt.hardware.host import HostSpec
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
@@ -193,6 +193,11 @@ class Simulator:
         if tp_spec is None:
             raise ValueError(f"{shape.describe()}: a tensor-parallel view needs the TPSpec its blocks split by")
         return self.for_tp(tp_spec, shape.tp)[0]
+
+    def with_async(self, spec: TPSpec | None, asked: bool | str) -> tuple[TPSpec | None, str | None]:
+        """``spec`` with async tensor parallelism as asked ("auto": where this fabric and GPU run it),
+        and a note when it is off or cannot run. See [Note: async tensor parallel] in cost/tp.py."""
+        return with_async(spec, asked, self.compute, self.fabric)
 
     def for_tp(self, spec: TPSpec, size: int) -> tuple["Simulator", frozenset[str]]:
         """The simulator of one tensor-parallel rank's share of the model (scores plans on the

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from wrapopt.cost.simulate import Simulator
-from wrapopt.cost.tp import with_async
 from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.batch import global_batch_search
 from wrapopt.search.driver import SearchOptions, SearchResult
@@ -44,7 +43,7 @@ def run_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, m
     ``InfeasibleError`` when nothing fits, ``OptionError`` for a global batch no shape can run."""
     space = shape_space(graph, request)
     # See [Note: async tensor parallel] in cost/tp.py
-    spec, why = with_async(space.tp_spec, request.async_tp, sim.compute, sim.fabric)
+    spec, why = sim.with_async(space.tp_spec, request.async_tp)
     space = replace(space, tp_spec=spec, notes=(*space.notes, *([why] if why and request.asks_tp else [])))
     if not space.piped:  # no pipeline asked for, or --pp auto on a model that cannot be pipelined (a note says why)
         flat = search_flat(graph, sim, request, space, memory_budget=memory_budget, options=options)
