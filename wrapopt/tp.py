@@ -297,9 +297,26 @@ def check_tp(graph: ModelGraph, spec: TPSpec, size: int) -> None:
         if any(fqn.startswith(b + ".") for b in blocks) and (heads % size or kv % size):
             raise PlanError(f"tensor-parallel degree {size} does not divide the heads of {fqn} ({heads} heads, "
                             f"{kv} key-value heads); use --tp with a divisor of {math.gcd(heads, kv)}")
+    for b in blocks:
+        _check_regions(graph, spec, b)
     check_vocab(graph, spec, size)
     if spec.sequence_parallel:
         check_sequence_parallel(graph, spec)
+
+
+def _check_regions(graph: ModelGraph, spec: TPSpec, block: str) -> None:
+    """``PlanError`` naming a module with parameters inside a split region (the attention, the
+    MLP) that is not a split projection: each tensor-parallel rank would apply it to its own heads
+    or features, and nothing sums its gradient over the ranks (Qwen3's per-head ``q_norm``)."""
+    split = {f"{block}.{p}" for p in spec.styles(graph.info(block).cls)}
+    for region in sorted({f.rsplit(".", 1)[0] for f in split} - {block}):
+        for fqn in graph.subtree(region):
+            m = graph.info(fqn)
+            if fqn not in split and m.own_numel:
+                raise PlanError(f"{fqn} ({m.cls}) holds parameters inside {region}, which tensor parallelism splits: "
+                                "each rank would apply it to its own share of the heads and no collective sums its "
+                                "gradient, so wrapopt does not tensor-parallelise this block; use --tp 1, or pass a "
+                                "TPSpec without that region")
 
 
 def tp_degrees(graph: ModelGraph, spec: TPSpec | None, ranks_per_node: int, world_size: int,

@@ -145,3 +145,17 @@ def test_stacked_experts_of_a_hugging_face_moe_are_refused_for_tp():
     with pytest.raises(PlanError, match=r"block model.layers.0 \(MixtralDecoderLayer\) holds experts "
                                         r"\(model.layers.0.mlp.experts \(4 stacked experts\)\)"):
         builtin_tp_plan(g)
+
+
+def test_a_parameterised_module_inside_a_split_region_is_refused(llama):
+    """Qwen3's per-head q_norm: each tensor-parallel rank would apply it to its own heads, and
+    nothing sums its gradient over the ranks."""
+    info = llama.info("layers.0.input_layernorm")
+    fake = replace(info, fqn="layers.0.self_attn.q_norm", cls="Qwen3RMSNorm", parent="layers.0.self_attn")
+    tree = llama.tree.copy()
+    tree.add_node(fake.fqn, info=fake)
+    tree.add_edge("layers.0.self_attn", fake.fqn)
+    g = replace(llama, modules=llama.modules + (fake,), tree=tree)
+    with pytest.raises(PlanError, match=r"layers.0.self_attn.q_norm \(Qwen3RMSNorm\) holds parameters inside "
+                                        r"layers.0.self_attn, which tensor parallelism splits"):
+        check_tp(g, builtin_tp_plan(llama), 2)

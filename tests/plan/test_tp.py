@@ -238,3 +238,30 @@ def test_dp_rank_size_puts_tensor_parallel_peers_on_one_batch():
     assert dp_rank_size(MeshSpec(world_size=4, ranks_per_node=4, shard_size=4), 3) == (3, 4)
     with pytest.raises(ValueError, match="rank 4 is outside the mesh of 4 ranks"):
         dp_rank_size(MESH_2X2, 4)
+
+
+def test_a_norm_inside_a_split_attention_is_refused_on_the_live_model():
+    """Qwen3's per-head q_norm: its gradient would stay a per-rank partial sum."""
+    import torch.nn as nn
+
+    from wrapopt.errors import PlanError
+    from wrapopt.plan.tp import check_tp_model
+    from wrapopt.spec import TPSpec
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+            self.q_norm = nn.LayerNorm(2)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+
+    model = nn.Sequential(Block())
+    spec = TPSpec(layers=(("Block", (("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"),
+                                     ("attn.o", "rowwise"))),))
+    with pytest.raises(PlanError, match=r"0.attn.q_norm \(LayerNorm\) holds parameters inside 0.attn, which "
+                                        r"tensor parallelism splits"):
+        check_tp_model(model, spec, 2)

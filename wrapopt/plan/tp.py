@@ -140,6 +140,14 @@ def check_tp_model(model: nn.Module, spec: TPSpec, size: int) -> None:
                 raise PlanError(f"tensor-parallel degree {size} does not divide the {n} "
                                 f"{'output' if style == 'colwise' else 'input'} features of {name}.{path}; "
                                 f"use a tensor-parallel degree dividing {n}")
+        split = set(spec.styles(cls))
+        for region in sorted({p.rpartition(".")[0] for p in split} - {""}):
+            for rel, sub in block.get_submodule(region).named_modules(prefix=region):
+                if rel not in split and next(sub.parameters(recurse=False), None) is not None:
+                    raise PlanError(f"{name}.{rel} ({type(sub).__name__}) holds parameters inside {name}.{region}, "
+                                    "which tensor parallelism splits: each rank would apply it to its own share of "
+                                    "the heads and no collective sums its gradient; use a tensor-parallel degree "
+                                    "of 1, or a TPSpec without that region")
     prefixes = tuple(n + "." for n, _ in blocks)
     for fqn, heads, kv in attention_heads(model):
         if fqn.startswith(prefixes) and (heads % size or kv % size):
