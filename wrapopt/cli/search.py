@@ -73,6 +73,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tp-plan", default=None, metavar="FILE",
                    help='how blocks split for --tp, instead of the recognised one: a JSON file '
                         '{"layers": {"MyBlock": {"attn.q": "colwise", ..., "mlp.out": "rowwise"}}}')
+    p.add_argument("--runtime", choices=("wrapopt", "torchtitan"), default="wrapopt",
+                   help="what will run the plan: wrapopt (WrapPlan.apply, any plan; default) or torchtitan (only "
+                        "plans its job config can say: embedding, blocks and [norm, output] as units, one reshard "
+                        "and one checkpointing mode; export with `wrapopt export --to torchtitan`)")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="under --tp, hold norms, residuals and the embedding's output whole on every tensor-parallel "
                         "rank (default: TorchTitan's sequence parallelism, 1/tp of the sequence each)")
@@ -117,7 +121,7 @@ def _search_options(args: argparse.Namespace, mesh: MeshSpec) -> SearchOptions:
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     return SearchOptions(trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study_name,
                          sampler=args.sampler, shard_sizes=shard, max_group=args.max_group, timeout_s=args.timeout,
-                         progress=progress, checkpoint_modes=args.checkpoint_modes)
+                         progress=progress, checkpoint_modes=args.checkpoint_modes, runtime=args.runtime)
 
 
 def _checkpoint_modes(text: str) -> tuple[bool | str, ...]:

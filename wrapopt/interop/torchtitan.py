@@ -52,7 +52,7 @@ def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str) -
     """The plan as a TorchTitan job config (TOML): degrees, schedule, checkpointing, batch sizes."""
     classes, params = classes_for(plan, model)
     losses: list[str] = []
-    layout = _BlockLayout(classes, params if params is not None else _params_of(plan))
+    layout = _BlockLayout(classes, params if params is not None else _params_of(plan), ordered=model is not None)
     sections: dict[str, dict[str, Any]] = {
         "parallelism": _parallelism(plan, layout, losses),
         "activation_checkpoint": _checkpointing(plan, layout, losses),
@@ -77,7 +77,13 @@ class _BlockLayout:
     """The planned model's block chain and what lies before and after it, as TorchTitan sees a model:
     ``tok_embeddings``, ``layers``, ``norm`` + ``output``."""
 
-    def __init__(self, classes: dict[str, list[str]], params: list[str]) -> None:
+    def __init__(self, classes: dict[str, list[str]], params: list[str], *, ordered: bool = True) -> None:
+        # ``ordered``: ``params`` in the model's registration order (a live model's); a plan file's are
+        # sorted by name, so there the two ends are told apart by class: embeddings before the blocks,
+        # every other module outside them (the final norm, the head) after
+        self.ordered = ordered
+        self.embeddings = {m for c, mods in classes.items() if c.rsplit(".", 1)[-1].endswith("Embedding")
+                           for m in mods}
         chains = block_chains(classes, params or None)
         self.num_chains = len(chains)
         self.blocks: tuple[str, ...] = chains[0] if len(chains) == 1 else ()
@@ -93,10 +99,15 @@ class _BlockLayout:
 
     def before(self, module: str) -> bool:
         """Whether ``module``'s parameters come before the blocks' (an embedding's side)."""
+        if not self.ordered:
+            return module in self.embeddings
         return self.first.get(module, self.lo) < self.lo
 
     def after(self, module: str) -> bool:
         """Whether ``module``'s parameters come after the blocks' (the final norm and head's side)."""
+        if not self.ordered:
+            return self.block_of(module) is None and module not in self.embeddings and not any(
+                b.startswith(module + ".") for b in self.blocks)
         return self.first.get(module, self.hi) > self.hi
 
     def block_of(self, module: str) -> str | None:

@@ -32,6 +32,7 @@ from wrapopt.fileio import fmt_bytes
 from wrapopt.search.choose import ERROR_SOURCE, MEMORY_ERROR, choose
 from wrapopt.search.dp.strategy import ExactDP
 from wrapopt.search.registry import STRATEGIES
+from wrapopt.search.torchtitan import TorchTitanLayouts
 from wrapopt.search.strategy import (
     DEFAULT_TRIALS,
     History,
@@ -150,6 +151,8 @@ def search_plan(
     by_key: dict[tuple, Scored] = {}
     rounds: list[Round] = []
     pruned: dict[str, int] = {}  # illegal proposals per strategy: skipped, counted, never fatal
+    if strategies is None and problem.options.runtime == "torchtitan":  # See [Note: TorchTitan's plans]
+        strategies = (TorchTitanLayouts(),)
     for strategy in STRATEGIES if strategies is None else strategies:
         proposal = strategy.propose(problem, History(tuple(rounds), tuple(scored)))
         mine = _score_proposal(graph, sim, strategy, proposal.plans, budget, scored, by_key, pruned)

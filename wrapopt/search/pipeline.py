@@ -158,7 +158,8 @@ def _label(schedule: str, virtual: int, m: int, fsdp: _StageFsdp, shape: Shape) 
 def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout, *,
                            shape: Shape, spec: TPSpec | None, memory_budget: float | None,
                            fsdp: Sequence[_StageFsdp] | None = None,
-                           counts: Sequence[int] | None = None) -> tuple[Scored | None, list[Scored], str]:
+                           counts: Sequence[int] | None = None,
+                           refine: bool = True) -> tuple[Scored | None, list[Scored], str]:
     """The fastest plan of ``shape`` (its pipeline and tensor-parallel degrees; None: none fits),
     every plan scored, and what became of the shape. ``fsdp``: the stages' FSDP shape, kept
     (default: searched). ``counts``: the micro-batch counts to try (default ``microbatch_counts``;
@@ -209,7 +210,7 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
         return None, scored, (f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB "
                               f"({small.plan.label})")
     top = sorted(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes))
-    if fsdp:  # an FSDP shape given (``pipeline_for``): kept on every stage
+    if fsdp or not refine:  # an FSDP shape given (``pipeline_for``), or one runtime shape: kept on every stage
         return top[0], scored, "fits"
     refined = [r for r in (refine_stages(sim, s, memory_budget=memory_budget) for s in top[:REFINE_TOP]) if r]
     scored += refined

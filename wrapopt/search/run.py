@@ -43,7 +43,13 @@ def run_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, m
     ``InfeasibleError`` when nothing fits, ``OptionError`` for a global batch no shape can run."""
     space = shape_space(graph, request)
     # See [Note: async tensor parallel] in cost/tp.py
-    spec, why = sim.with_async(space.tp_spec, request.async_tp)
+    asked = request.async_tp
+    if options.runtime == "torchtitan" and asked == AUTO and space.tp_spec is not None:
+        asked = False  # TorchTitan runs async TP only under torch.compile, which wrapopt does not price yet
+    spec, why = sim.with_async(space.tp_spec, asked)
+    if asked is not request.async_tp:
+        why = ("--async-tp auto: off under --runtime torchtitan: TorchTitan runs async TP only under "
+               "torch.compile, which wrapopt does not price yet")
     space = replace(space, tp_spec=spec, notes=(*space.notes, *([why] if why and request.asks_tp else [])))
     if not space.piped:  # no pipeline asked for, or --pp auto on a model that cannot be pipelined (a note says why)
         flat = search_flat(graph, sim, request, space, memory_budget=memory_budget, options=options)
@@ -63,7 +69,8 @@ def run_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, m
             one_units = [request.mesh.world_size // t * (fixed.micro_batch or 1) * (fixed.accumulation or 1)
                          for t in space.tp_degrees]
     result = _with_pipelines(graph, sim if fixed is None else fixed.sim, request, space, flat, tried,
-                             one_units if not flat_runs else None, memory_budget=memory_budget, fixed=fixed)
+                             one_units if not flat_runs else None, memory_budget=memory_budget, fixed=fixed,
+                             refine=options.runtime != "torchtitan")  # See [Note: TorchTitan's plans]
     notes = (*space.notes, *(flat.notes if flat is not None else ()))
     if result.best.plan.pipeline is None:
         assert flat is not None
@@ -104,7 +111,7 @@ def _why_none(whys: dict[int, str], scored: list[Scored]) -> str:
 
 def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest, space: ShapeSpace,
                     flat: SearchRun | None, tried: dict[int, str], one_units: list[int] | None, *,
-                    memory_budget: float | None, fixed: PipelineBatch | None) -> SearchResult:
+                    memory_budget: float | None, fixed: PipelineBatch | None, refine: bool = True) -> SearchResult:
     """Every pipeline shape of ``space`` beside the flat answer (``flat``; ``tried`` says why there
     is none), combined: See [Note: pipeline search]; ``fixed``: at a global batch, [Note: pipeline
     global batch]. ``one_units``: when no flat shape can run the global batch, the global batches
@@ -128,7 +135,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                 continue
         runs.append(shape)
         top, mine, why = search_pipeline_degree(graph, psim, mesh, layout, shape=shape, spec=space.tp_spec,
-                                                memory_budget=memory_budget, counts=counts)
+                                                memory_budget=memory_budget, counts=counts, refine=refine)
         scored += mine
         why_pp[shape.tp] = why
         if top is not None and (shape.pp not in best or top.estimate.step_s < best[shape.pp].estimate.step_s):

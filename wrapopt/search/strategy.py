@@ -61,6 +61,9 @@ class SearchOptions:
     # in wrapopt/selective.py). The default leaves selective-op out; the CLI's
     # --checkpoint-modes none,full,selective-op adds it.
     checkpoint_modes: tuple[bool | str, ...] = (False, True)
+    # What will run the plan: "wrapopt" (``apply``: any plan) or "torchtitan" (its job config: only the
+    # plans it can say, See [Note: TorchTitan's plans] in search/torchtitan.py).
+    runtime: str = "wrapopt"
 
     def __post_init__(self) -> None:
         if self.trials < 0:
@@ -73,6 +76,8 @@ class SearchOptions:
         if bad or not self.checkpoint_modes:
             raise ValueError(f"checkpoint_modes must list some of False, True, {SELECTIVE_OP!r}; got "
                              f"{self.checkpoint_modes!r}")
+        if self.runtime not in ("wrapopt", "torchtitan"):
+            raise ValueError(f"unknown runtime {self.runtime!r}; choose wrapopt or torchtitan")
         if self.study_name is not None and not self.study_name.strip():
             raise ValueError("the study name is empty")
 
