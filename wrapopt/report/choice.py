@@ -134,6 +134,8 @@ def _sharding_kind(result: SearchResult) -> str:
         kind = f"pipeline of {mesh.pp_size} ranks ({describe_stages(result.best.plan)}); " + kind
     if mesh.tp_size > 1:
         kind += f", tensor parallel {mesh.tp_size} inside each node ({mesh.dp_size} data-parallel ranks)"
+        if result.best.plan.tp is not None:
+            kind += f" with {result.best.plan.tp.switches()}"
     if result.best.plan.offload:
         kind += ", CPU offload (parameters, gradients and optimizer state in host memory)"
     return kind

@@ -163,7 +163,7 @@ def format_plan(plan) -> str:
     for cls, pairs in (plan.spec.tp.layers if plan.spec.tp is not None else ()):
         split = {style: [path for path, st in pairs if st == style] for style in ("colwise", "rowwise")}
         lines.append(f"tensor parallel ({plan.spec.tp.source}) in every {cls}: colwise {', '.join(split['colwise'])}; "
-                     f"rowwise {', '.join(split['rowwise'])}")
+                     f"rowwise {', '.join(split['rowwise'])}; {plan.spec.tp.switches()}")
     if p:
         lines.append(f"predicted: step {p.get('step_s', 0) * 1e3:.2f} ms, "
                      f"exposed comm {p.get('exposed_comm_s', 0) * 1e3:.2f} ms, "

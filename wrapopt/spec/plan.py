@@ -241,6 +241,12 @@ class TPSpec:
         """The plan of one block class (empty when the class is not listed)."""
         return dict(next((p for c, p in self.layers if c == cls), ()))
 
+    def switches(self) -> str:
+        """"sequence and loss parallel, async TP": the switches as a phrase for reports."""
+        on = [w for w, f in (("sequence", self.sequence_parallel), ("loss", self.loss_parallel)) if f]
+        text = f"{' and '.join(on)} parallel" if on else "no sequence or loss parallel"
+        return text + (", async TP" if self.async_tp else "")
+
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "layers": {cls: dict(pairs) for cls, pairs in self.layers},
                 "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel,
