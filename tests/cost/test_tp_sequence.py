@@ -159,3 +159,18 @@ def test_a_parameterised_module_inside_a_split_region_is_refused(llama):
     with pytest.raises(PlanError, match=r"layers.0.self_attn.q_norm \(Qwen3RMSNorm\) holds parameters inside "
                                         r"layers.0.self_attn, which tensor parallelism splits"):
         check_tp(g, builtin_tp_plan(llama), 2)
+
+
+def test_a_module_inside_a_split_region_holds_its_share(llama):
+    """Hugging Face's MLPs call their activation as a module (``act_fn``): it runs on the rank's
+    share of the hidden features, so it holds and saves 1/tp of what it did."""
+    act = replace(llama.info("layers.0.input_layernorm"), fqn="layers.0.mlp.act_fn", cls="SiLUActivation",
+                  parent="layers.0.mlp", own_numel=0, own_bytes=0, total_numel=0, total_bytes=0)
+    tree = llama.tree.copy()
+    tree.add_node(act.fqn, info=act)
+    tree.add_edge("layers.0.mlp", act.fqn)
+    g = replace(llama, modules=llama.modules + (act,), tree=tree)
+    spec = builtin_tp_plan(llama)
+    assert tp_roles(g, spec)["layers.0.mlp.act_fn"] == "inner"
+    view, _, _ = tp_view(g, analytical_compute(), analytical_fabric(world_size=8), spec, 2)
+    assert view.info("layers.0.mlp.act_fn").saved_bytes * 2 == act.saved_bytes

@@ -12,7 +12,8 @@ per module of every block the ``TPSpec`` parallelises:
 - a rowwise projection holds 1/tp of its weight (its bias is replicated), does
   1/tp of the FLOPs, and saves and reads 1/tp of its input; its output is whole;
 - the module around them (the attention, with its score and softmax ops; the
-  MLP, with its activation and gating) does 1/tp of its own ops and saves 1/tp;
+  MLP, with its activation and gating) does 1/tp of its own ops and saves 1/tp,
+  and so does every other module inside it ("inner": Hugging Face's ``act_fn``);
 - everything else (norms, residual adds, embeddings, the head, the loss) is
   unchanged: replicated.
 
@@ -97,7 +98,8 @@ __all__ = ["async_tp_support", "tp_roles", "tp_view", "with_async"]
 
 
 def tp_roles(graph: ModelGraph, spec: TPSpec) -> dict[str, str]:
-    """Module -> "colwise", "rowwise", "region" (the module around split projections), and with
+    """Module -> "colwise", "rowwise", "region" (the module around split projections), "inner" (any
+    other module inside a region, as Hugging Face's ``act_fn``), and with
     sequence or loss parallelism "sequence" (on 1/tp of the sequence), "vocab" (the embedding
     split over its rows) and "head" (the output projection, column-wise). See [Note: sequence
     parallel costs]."""
@@ -109,6 +111,10 @@ def tp_roles(graph: ModelGraph, spec: TPSpec) -> dict[str, str]:
             parent = fqn.rsplit(".", 1)[0]
             if parent != b:
                 roles.setdefault(parent, "region")
+    regions = [f for f, r in roles.items() if r == "region"]
+    for region in regions:  # a region's other modules (Hugging Face's act_fn) run on the rank's heads / features
+        for fqn in graph.subtree(region):
+            roles.setdefault(fqn, "inner")
     if spec.sequence_parallel:
         covered = tuple(roles)
         for b in tp_blocks(graph, spec):
@@ -159,7 +165,7 @@ def _scaled(m: ModuleInfo, role: str | None, size: int, removed: tuple[int, int]
         return replace(m, output_bytes=m.output_bytes // size)
     common = dict(fwd_flops=m.fwd_flops / size, bwd_flops=m.bwd_flops / size,
                   fwd_bytes=m.fwd_bytes // size, bwd_bytes=m.bwd_bytes // size)
-    if role == "sequence":  # everything it holds and moves is 1/tp of the tokens
+    if role in ("sequence", "inner"):  # everything it holds and moves is 1/tp (of the tokens, or the features)
         return replace(m, saved_bytes=m.saved_bytes // size, output_bytes=m.output_bytes // size,
                        input_bytes=m.input_bytes // size, selective_kept_bytes=m.selective_kept_bytes // size,
                        **common)
@@ -206,7 +212,7 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
     for m in graph.call_order():
         f, b = module_time(m, compute, batch_scale, measured)
         role = roles.get(m.fqn)
-        if role in ("colwise", "rowwise", "region", "head"):
+        if role in ("colwise", "rowwise", "region", "inner", "head"):
             f, b = f / (size * eff), b / (size * eff)
         elif role == "sequence":
             f, b = f / size, b / size
