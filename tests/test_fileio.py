@@ -19,6 +19,8 @@ from wrapopt.fileio import parse_bytes
         ("512MiB", 512 * 2**20),
         ("  2TB ", 2 * 10**12),
         ("100b", 100),
+        ("80G", 80 * 2**30),  # one letter: powers of two, as Slurm's --mem reads it
+        ("512m", 512 * 2**20),
     ],
 )
 def test_parse_bytes_accepts(text, expected):

@@ -154,11 +154,13 @@ _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    # one letter, as Slurm's --mem and `numfmt --from=iec` read it: powers of two (80G = 80GiB)
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """Parse ``80GiB``, ``80GB``, ``80 gib`` or ``85899345920`` into bytes.
+    """Parse ``80GiB``, ``80GB``, ``80G`` (= GiB), ``80 gib`` or ``85899345920`` into bytes.
 
     Raises ValueError with what is accepted otherwise.
     """
@@ -166,17 +168,18 @@ def parse_bytes(text: str | int | float) -> int:
         if int(text) <= 0:
             raise ValueError(f"memory budget must be at least one byte, got {text}")
         return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}: write bytes (85899345920) or a size such as 80GiB or 80GB")
+        raise ValueError(f"cannot read memory size {text!r}: write bytes (85899345920) or a size such as 80GiB, "
+                         "80GB or 80G (= 80GiB)")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise ValueError(f"memory budget must be at least one byte, got {text!r}")
     return value
 
 
-_BUDGET_FORMS = ("a positive number of bytes (85899345920), a size such as 80GiB or 80GB, \"auto\" (90% of the device) "
-                 "or \"none\" (no limit)")
+_BUDGET_FORMS = ("a positive number of bytes (85899345920), a size such as 80GiB, 80GB or 80G (= 80GiB), "
+                 "\"auto\" (90% of the device) or \"none\" (no limit)")
 
 
 def given_budget(memory_budget: Any) -> float:

@@ -346,3 +346,10 @@ def test_search_takes_a_user_tp_plan(tmp_path, capsys):
     capsys.readouterr()
     assert main(["search", "zoo:gpt-tiny", "--world-size", "16", "--tp", "2", "--tp-plan", str(plan)]) == 1
     assert "tp.layers.GPTBlock.mlp.fc1' style must be colwise or rowwise" in capsys.readouterr().err
+
+
+def test_a_negative_memory_reaches_its_own_message(capsys):
+    """argparse reads ``--memory -10GiB`` as a missing value; the value's own check says what is wrong."""
+    assert main(["search", "zoo:gpt-tiny", "--world-size", "8", "--memory", "-10GiB"]) == 1
+    err = capsys.readouterr().err
+    assert "memory_budget (--memory) '-10GiB' is not a memory size" in err and "expected one argument" not in err

@@ -25,6 +25,7 @@ argparse's convention, also with one line, naming the argument and pointing to
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn
 
@@ -69,9 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value may start with "-" (a negative size): argparse reads "--memory -10GiB" as a
+# missing value before another option, so such a pair is joined as "--memory=-10GiB" and the
+# value reaches its own check, which says what is wrong with it.
+_SIGNED = ("--memory",)
+
+
+def _join_signed(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for tok in argv:
+        if out and out[-1] in _SIGNED and re.fullmatch(r"-[0-9.].*", tok):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_signed(list(sys.argv[1:] if argv is None else argv)))
     try:
         return int(args.func(args) or 0)
     except (WrapoptError, ValueError, OSError) as e:

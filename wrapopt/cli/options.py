@@ -143,8 +143,8 @@ def add_mesh_arguments(p: argparse.ArgumentParser, *, world_required: bool = Tru
     p.add_argument("--compute", default=None, help="compute profile JSON (default: the fabric's stated device, "
                                                    "computing in the --precision dtype)")
     p.add_argument("--memory", default=None,
-                   help="per-rank budget: bytes, 80GiB, 80GB, auto or none (default auto: 90%% of the device's "
-                        "capacity when it is known; none: no limit)")
+                   help="per-rank budget: bytes, 80GiB, 80GB, 80G (= 80GiB), auto or none (default auto: 90%% of "
+                        "the device's capacity when it is known; none: no limit)")
     p.add_argument("--rescale-fabric", action="store_true", help="allow a measured profile from another mesh, rescaled")
 
 
