@@ -143,3 +143,16 @@ def test_a_build_error_names_the_class_and_the_config(tmp_path, monkeypatch):
         resolve_model(f"hf:{path}")
     assert "building LlamaForCausalLM from this config failed (AssertionError: Padding_idx must be within" \
         in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_folder_holding_config_json_is_a_model_as_transformers_takes_it(config_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    shutil.copy(write_config("llama", config_dir), folder / "config.json")
+    assert type(resolve_model(f"hf:{folder}", batch=BATCH, seq=SEQ).build("meta")).__name__ == "LlamaForCausalLM"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelError, match=r"the folder holds no config.json"):
+        resolve_model(f"hf:{empty}", batch=BATCH, seq=SEQ)

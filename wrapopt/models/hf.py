@@ -75,14 +75,20 @@ _TRAINABLE_MAX_PARAMS = 50_000_000
 
 
 def hf_source(path: str, batch: int | None, seq: int | str | None) -> ModelSource:
-    """``hf:path/to/config.json``: a Hugging Face model built from its config (no weights)."""
+    """``hf:path/to/config.json`` (or ``hf:path/to/folder`` holding one): a Hugging Face model built
+    from its config (no weights)."""
     # seq: tokens (or audio frames); None: 128, within the model's positions; "context": all.
     # A given batch or seq is checked, never replaced (See [Note: numbers where they enter] in checks.py).
     batch = 1 if batch is None else check_count(batch, f"the batch of hf:{path} (--batch)")
     if isinstance(seq, int):
         check_count(seq, "--seq")
+    if os.path.isdir(path):  # a model folder, as transformers' from_pretrained takes it
+        folder, path = path, os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ModelError(f"hf:{folder}: the folder holds no config.json (give a folder with one, or the path "
+                             "to a config file)")
     if not os.path.isfile(path):
-        raise ModelError(f"hf:{path}: no such config file (give the path to a config.json)")
+        raise ModelError(f"hf:{path}: no such config file (give the path to a config.json, or a folder holding one)")
     try:
         import transformers  # lazy: transformers is an optional extra (wrapopt[hf]) and slow to import
     except ImportError:
