@@ -113,7 +113,6 @@ def test_a_config_transformers_cannot_build_is_one_line_naming_the_field(fields,
 @pytest.mark.parametrize("arch, change, words", [
     ("llama", {"pad_token_id": 500}, "field `pad_token_id` = 500 is outside the vocabulary (`vocab_size` = 128); "
                                      "give a token id from 0 to 127"),
-    ("llama", {"eos_token_id": [2, 128]}, "field `eos_token_id` = 128 is outside the vocabulary"),
     ("bart", {"decoder_start_token_id": -1}, "field `decoder_start_token_id` = -1 is outside the vocabulary"),
     ("llama", {"vocab_size": 0}, "field `vocab_size` must be a positive integer, got 0"),
     ("llama", {"hidden_size": "big"}, "field `hidden_size` must be a positive integer, got 'big'"),
@@ -136,7 +135,7 @@ def test_bad_config_fields_are_one_line_naming_the_file_and_the_field(arch, chan
 def test_a_build_error_names_the_class_and_the_config(tmp_path, monkeypatch):
     from wrapopt.models import hf
 
-    monkeypatch.setattr(hf, "check_config_fields", lambda cfg, where: None)  # what the fields check would stop
+    monkeypatch.setattr(hf, "check_config_fields", lambda cfg, where: ())  # what the fields check would stop
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**archs()["llama"][0]().to_dict(), "pad_token_id": 500}))
     with pytest.raises(ModelError) as err:
@@ -156,3 +155,14 @@ def test_a_folder_holding_config_json_is_a_model_as_transformers_takes_it(config
     empty.mkdir()
     with pytest.raises(ModelError, match=r"the folder holds no config.json"):
         resolve_model(f"hf:{empty}", batch=BATCH, seq=SEQ)
+
+
+def test_special_token_ids_outside_the_vocabulary_are_a_warning(tmp_path):
+    """transformers builds and trains such configs (it only warns): bos and eos are never indexes."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**archs()["llama"][0]().to_dict(), "eos_token_id": [2, 128], "bos_token_id": 500}))
+    src = resolve_model(f"hf:{path}")
+    assert type(src.build("meta")).__name__ == "LlamaForCausalLM"
+    assert any("field `eos_token_id` = 128 is outside the vocabulary" in n and "planned as given" in n
+               for n in src.notes)
+    assert any("field `bos_token_id` = 500" in n for n in src.notes)

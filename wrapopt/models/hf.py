@@ -103,7 +103,7 @@ def hf_source(path: str, batch: int | None, seq: int | str | None) -> ModelSourc
     if "model_type" not in cfg_dict:
         raise ModelError(f"hf:{path}: no `model_type` field; add the one the model's Hugging Face config.json "
                          "names (e.g. \"model_type\": \"llama\")")
-    check_config_fields(cfg_dict, f"hf:{path}")
+    warnings = check_config_fields(cfg_dict, f"hf:{path}")
     try:
         config = transformers.AutoConfig.for_model(**cfg_dict)
     except Exception as e:  # noqa: BLE001 (ValueError, KeyError, huggingface_hub's strict-dataclass errors)
@@ -136,7 +136,7 @@ def hf_source(path: str, batch: int | None, seq: int | str | None) -> ModelSourc
                          f"{_last_line(e)}); fix the config's fields, or pass MODEL as package.module:callable") from e
     inputs = _example_inputs(cls, config, batch, seq, path)
     small = sum(p.numel() for p in model.parameters()) <= _TRAINABLE_MAX_PARAMS
-    return ModelSource(f"hf:{path}", build, inputs, None, small, notes=_dtype_notes(cfg_dict))
+    return ModelSource(f"hf:{path}", build, inputs, None, small, notes=(*warnings, *_dtype_notes(cfg_dict)))
 
 
 def _dtype_notes(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -159,13 +159,19 @@ _SIZES = ("vocab_size", "hidden_size", "n_embd", "d_model", "dim", "intermediate
 # (width field, heads field): the heads split the width, unless the config sets ``head_dim`` itself.
 _WIDTH_HEADS = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"), ("d_model", "encoder_attention_heads"),
                 ("d_model", "decoder_attention_heads"), ("dim", "n_heads"))
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+# Token ids the model itself indexes with (an embedding's padding row; the first decoder input of an
+# encoder-decoder): one outside the vocabulary breaks the build or the forward, so it is refused.
+_TOKEN_IDS = ("pad_token_id", "decoder_start_token_id")
+# Token ids only generation and data pipelines read: outside the vocabulary they are a warning, as
+# transformers gives (GPT-2, OLMo 2, Phi-3 or StarCoder2 configs with a shrunken vocabulary train).
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id")
 
 
-def check_config_fields(cfg: dict[str, Any], where: str) -> None:
+def check_config_fields(cfg: dict[str, Any], where: str) -> tuple[str, ...]:
     """``ModelError`` naming ``where`` (the config file), the field and the fix when a size is not a
     positive integer, the attention heads do not split the width (or the key-value heads the
-    heads), or a token id lies outside the vocabulary: checked before transformers builds anything."""
+    heads), or a token id the model indexes with lies outside the vocabulary: checked before
+    transformers builds anything. Returns warnings: special token ids (bos, eos) outside it."""
     positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
     for name in _SIZES:
         v = cfg.get(name)  # a list: one per stage (Swin's num_heads)
@@ -182,14 +188,21 @@ def check_config_fields(cfg: dict[str, Any], where: str) -> None:
         raise ModelError(f"{where}: field `num_key_value_heads` = {kv} does not divide `num_attention_heads` = {h}; "
                          f"give a divisor of {h} (each key-value head serves a group of query heads)")
     vocab = cfg.get("vocab_size")
-    for name in _TOKEN_IDS:
+    warnings = []
+    for name in (*_TOKEN_IDS, *_SPECIAL_IDS):
         ids = cfg.get(name)
         for i in ids if isinstance(ids, list) else [ids]:
             if i is None or (isinstance(i, int) and not isinstance(i, bool) and (vocab is None or 0 <= i < vocab)):
                 continue
             within = f"0 to {vocab - 1}" if vocab else "0 or more"
+            if name in _SPECIAL_IDS and isinstance(i, int) and not isinstance(i, bool):
+                warnings.append(f"{where}: field `{name}` = {i} is outside the vocabulary (`vocab_size` = {vocab}); "
+                                "the model never indexes with it (generation and data pipelines do), so it is "
+                                "planned as given")
+                continue
             raise ModelError(f"{where}: field `{name}` = {i!r} is outside the vocabulary (`vocab_size` = {vocab}); "
                              f"give a token id from {within}, or null")
+    return tuple(warnings)
 
 
 def _last_line(e: BaseException) -> str:
