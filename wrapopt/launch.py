@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import gc
 import json
 import os
 import socket
@@ -163,11 +162,7 @@ def dp_rank_size(mesh: MeshSpec, rank: int | None = None) -> tuple[int, int]:
 
 
 def shutdown() -> None:
-    """Barrier, then destroy the group (without the barrier ranks abort at exit now and then).
-    Garbage is collected first: a sharded model in a reference cycle (module hooks) keeps the
-    process group alive past ``destroy_process_group``, and a group destroyed during interpreter
-    exit can abort the rank ("terminate called without an active exception") after its work is done."""
-    gc.collect()
+    """Barrier, then destroy the group (without the barrier ranks abort at exit now and then)."""
     if dist.is_initialized():
         try:
             dist.barrier()
