@@ -33,9 +33,10 @@ SEQ = {"llama-70b": 4096, "llama3-405b": 8192}  # tokens per sequence (the zoo's
 
 def fresh_search(model: str, world: int, flags: list[str]) -> tuple[float, float, float, dict | None, str]:
     """(wall s, CPU s, peak RSS bytes, the --json output or None, stderr) of one fresh
-    ``wrapopt search zoo:MODEL --world-size W FLAGS --json``."""
+    ``wrapopt search MODEL --world-size W FLAGS --json`` (a bare name is a zoo model)."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "wrapopt.cli", "search", f"zoo:{model}", "--world-size", str(world), *flags, "--json"]
+    source = model if ":" in model else f"zoo:{model}"
+    cmd = [sys.executable, "-m", "wrapopt.cli", "search", source, "--world-size", str(world), *flags, "--json"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)

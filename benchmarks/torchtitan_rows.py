@@ -23,12 +23,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.search_pp import REPO, fresh_search
+
 SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (runs at torchtitan 9dec370, "
           "torch 1963fc8; 8 H100 96 GB HBM2e per host at the 500 W limit, 400 Gb/s per GPU)")
 _BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -89,7 +88,7 @@ def main() -> int:
             path = os.path.join(tmp, f"{model}.json")
             with open(path, "w") as f:
                 json.dump(CONFIGS[model], f)
-            wall, cpu, rss, data, err = _search(f"hf:{path}", world, [*FLAGS, *flags, "--current", current])
+            wall, cpu, rss, data, err = fresh_search(f"hf:{path}", world, [*FLAGS, *flags, "--current", current])
             if data is None:
                 why = err.strip().splitlines()[-1] if err.strip() else "failed"
                 lines.append(f"| {table} | {row} | {world} | {current} | {tps:,} | failed: {why} | | "
@@ -109,23 +108,6 @@ def main() -> int:
     atomic_write_text(out, "\n".join(lines) + "\n")
     print(f"wrote {out}")
     return 0
-
-
-def _search(model: str, world: int, flags: list[str]) -> tuple[float, float, float, dict | None, str]:
-    """(wall s, CPU s, peak RSS bytes, the --json output or None, stderr) of one fresh
-    ``wrapopt search MODEL --world-size W FLAGS --json``."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "wrapopt.cli", "search", model, "--world-size", str(world), *flags, "--json"]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
-        _pid, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-        out.seek(0)
-        err.seek(0)
-        ok = os.waitstatus_to_exitcode(status) == 0
-        return (wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, json.loads(out.read()) if ok else None,
-                err.read())
 
 
 if __name__ == "__main__":

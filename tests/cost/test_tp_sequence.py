@@ -35,6 +35,14 @@ def _numel(graph, fqn):
     return next(math.prod(s) for f, s, _ in graph.param_shapes if f == fqn)
 
 
+def _with_module(graph, info, parent):
+    """``graph`` with the module ``info`` added under ``parent`` (a shape the zoo does not have)."""
+    tree = graph.tree.copy()
+    tree.add_node(info.fqn, info=info)
+    tree.add_edge(parent, info.fqn)
+    return replace(graph, modules=graph.modules + (info,), tree=tree)
+
+
 def _sp(graph, **kw):
     return replace(builtin_tp_plan(graph), sequence_parallel=True, loss_parallel=True, **kw)
 
@@ -121,10 +129,7 @@ def test_a_module_sequence_parallel_cannot_place_is_named(llama):
     # a parameterised module of the block outside the split regions: a made-up "gate" Linear on the block
     info = llama.info("layers.0.input_layernorm")
     fake = replace(info, fqn="layers.0.adapter", cls="Adapter", parent="layers.0")
-    tree = llama.tree.copy()
-    tree.add_node(fake.fqn, info=fake)
-    tree.add_edge("layers.0", fake.fqn)
-    g = replace(llama, modules=llama.modules + (fake,), tree=tree)
+    g = _with_module(llama, fake, "layers.0")
     with pytest.raises(PlanError, match=r"block layers.0 \(LlamaBlock\): layers.0.adapter \(Adapter\) .*"
                                         r"--no-sequence-parallel"):
         check_tp(g, spec, 2)
@@ -152,10 +157,7 @@ def test_a_parameterised_module_inside_a_split_region_is_refused(llama):
     nothing sums its gradient over the ranks."""
     info = llama.info("layers.0.input_layernorm")
     fake = replace(info, fqn="layers.0.self_attn.q_norm", cls="Qwen3RMSNorm", parent="layers.0.self_attn")
-    tree = llama.tree.copy()
-    tree.add_node(fake.fqn, info=fake)
-    tree.add_edge("layers.0.self_attn", fake.fqn)
-    g = replace(llama, modules=llama.modules + (fake,), tree=tree)
+    g = _with_module(llama, fake, "layers.0.self_attn")
     with pytest.raises(PlanError, match=r"layers.0.self_attn.q_norm \(Qwen3RMSNorm\) holds parameters inside "
                                         r"layers.0.self_attn, which tensor parallelism splits"):
         check_tp(g, builtin_tp_plan(llama), 2)
@@ -166,10 +168,7 @@ def test_a_module_inside_a_split_region_holds_its_share(llama):
     share of the hidden features, so it holds and saves 1/tp of what it did."""
     act = replace(llama.info("layers.0.input_layernorm"), fqn="layers.0.mlp.act_fn", cls="SiLUActivation",
                   parent="layers.0.mlp", own_numel=0, own_bytes=0, total_numel=0, total_bytes=0)
-    tree = llama.tree.copy()
-    tree.add_node(act.fqn, info=act)
-    tree.add_edge("layers.0.mlp", act.fqn)
-    g = replace(llama, modules=llama.modules + (act,), tree=tree)
+    g = _with_module(llama, act, "layers.0.mlp")
     spec = builtin_tp_plan(llama)
     assert tp_roles(g, spec)["layers.0.mlp.act_fn"] == "inner"
     view, _, _ = tp_view(g, analytical_compute(), analytical_fabric(world_size=8), spec, 2)
