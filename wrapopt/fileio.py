@@ -11,8 +11,8 @@ from typing import Any
 
 from wrapopt.errors import OptionError, WrapoptError
 
-__all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_json", "JsonReader", "field_unit",
-           "write_between",
+__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_write_json", "check_writable", "read_json", "JsonReader",
+           "field_unit", "write_between",
            "fmt_bytes",
            "parse_bytes"]
 
@@ -20,6 +20,12 @@ __all__ = ["atomic_write_text", "atomic_write_json", "check_writable", "read_jso
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``:
     readers see the old file or the new one, never half of one."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and ``os.replace`` (as
+    ``atomic_write_text``): a symlink at ``path`` is replaced, never written through."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -28,8 +34,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a results file should read like any other
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
