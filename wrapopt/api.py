@@ -6,9 +6,9 @@ travels to every rank as JSON text, and every rank applies it. ``estimate``
 wires the same stages for one plan the user already has.
 
 Only wiring lives here: the text report is ``report.choice``, the FLOPs and
-MFU of an estimate ``report.estimate``, the what-if re-simulations (training
-knobs when nothing fits, a given plan scored beside the baselines)
-``search.diagnosis``.
+MFU of an estimate ``report.estimate``, the what-if re-simulations (a given
+plan scored beside the baselines) ``search.diagnosis``, the remedies priced when
+nothing fits ``search.remedies``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from wrapopt.errors import InfeasibleError, ModelError, OptionError, PlanError, 
 from wrapopt.fileio import check_writable
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.hardware.budget import MEMORY_HEADROOM, auto_memory_budget, budget_line, budget_source, resolve_budget
+from wrapopt.hardware.host import host_for
 from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import with_tp_measurements
@@ -44,11 +45,12 @@ from wrapopt.report.choice import format_report
 from wrapopt.report.pipeline import format_pipeline
 from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
 from wrapopt.search.batch import recorded_scale, score_splits, train_for
-from wrapopt.search.diagnosis import assumptions_for, knobs_sentence, score_given
+from wrapopt.search.diagnosis import assumptions_for, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
 from wrapopt.search.given import CHECKPOINTS, given_spec
 from wrapopt.search.offload import choose_offload, mark_offload
 from wrapopt.search.pipeline import pipeline_estimate, pp_group_sizes
+from wrapopt.search.remedies import find_remedies
 from wrapopt.search.run import SearchRun, run_search
 from wrapopt.search.shapes import tp_group_sizes
 from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest
@@ -128,7 +130,7 @@ def plan_model(job: Job, *, search: SearchOptions | None = None) -> tuple[WrapPl
     try:
         found, offload_note = choose_offload(run, job.sim, lambda f: f.result)
     except InfeasibleError as e:
-        raise InfeasibleError(f"{e} {knobs_sentence(graph, job.sim, request.mesh, request.train, budget)}") from None
+        raise InfeasibleError(f"{e}\n{_remedies(job, search)}" if budget is not None else str(e)) from None
     result, train, sim = found.result, found.train, found.sim
     notes = [*job.notes, *found.notes, *([offload_note] if offload_note else [])]
     result = replace(result, notes=(offload_note, *result.notes)) if offload_note else result
@@ -149,6 +151,20 @@ def plan_model(job: Job, *, search: SearchOptions | None = None) -> tuple[WrapPl
         train=train.with_sync(best.estimate.accumulation_sync) if train.grad_accumulation > 1 else train,
     )
     return plan, result
+
+
+def _remedies(job: Job, search: SearchOptions) -> str:
+    """When nothing fits: each remedy priced on the plan of least memory (See [Note: computed
+    remedies] in search/remedies.py), CPU offload on the GPU's stated host link when the job
+    has no host (only the link is read: the advice says how much host memory it needs)."""
+    host = job.host
+    if host is None:
+        try:
+            host = host_for(job.fabric, host_memory_bytes=1, ranks_per_node=job.mesh.ranks_per_node)
+        except OptionError:
+            host = None  # a fabric with no stated host link: the advice says which flag prices it
+    return find_remedies(job.graph, job.sim, job.request, float(job.budget or 0),
+                         checkpoint_modes=search.checkpoint_modes, offload_host=host).text()
 
 
 def optimize_wrap(

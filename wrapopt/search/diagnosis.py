@@ -1,7 +1,5 @@
 """Re-simulations around a search: what if the training step were set otherwise?
 
-- ``knobs_sentence``: when nothing fits, what each training knob (precision,
-  sync mode, optimizer, batch) does to the smallest plan's peak.
 - ``score_given``: a plan the user brings, scored beside the baselines on its
   mesh, with no search.
 - ``both_syncs``: under gradient accumulation, the chosen plan scored with
@@ -10,7 +8,8 @@
   under the smallest plausible loss when the loss holds much of the peak.
 
 Each re-simulates with a ``Simulator`` of its own, on the fabric and compute of
-the one it is given; none searches.
+the one it is given; none searches. When nothing fits, the remedies are priced by
+``search/remedies.py`` (See [Note: computed remedies]).
 """
 
 from __future__ import annotations
@@ -20,49 +19,13 @@ from dataclasses import replace
 
 from wrapopt.assumptions import Assumptions, state_assumptions
 from wrapopt.cost.simulate import Simulator
-from wrapopt.fileio import fmt_bytes
-from wrapopt.search.baselines import baselines, smallest_plan
+from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import SearchResult
 from wrapopt.search.strategy import Scored
-from wrapopt.spec import SYNC_MODES, CostEstimate, MeshSpec, ModelGraph, PlanSpec
+from wrapopt.spec import SYNC_MODES, CostEstimate, ModelGraph, PlanSpec
 from wrapopt.train import TrainConfig
 
-__all__ = ["knobs_sentence", "score_given", "both_syncs", "assumptions_for"]
-
-
-def _knob_tries(train: TrainConfig) -> list[tuple[str, TrainConfig, float]]:
-    """(the flag to say, the training step it gives, the batch scale) for each knob that applies."""
-    tries: list[tuple[str, TrainConfig, float]] = []
-    if train.param_dtype in (None, "float32"):
-        bf16 = TrainConfig.preset("bf16", grad_accumulation=train.grad_accumulation, optimizer=train.optimizer,
-                                  accumulation_sync=train.accumulation_sync)
-        tries.append(("--precision bf16", bf16, 1.0))
-    if train.grad_accumulation > 1 and train.accumulation_sync != "every":
-        tries.append(("--sync every", train.with_sync("every"), 1.0))
-    if train.optimizer in ("adamw", "adam"):
-        tries.append(("--optimizer adafactor", replace(train, optimizer="adafactor"), 1.0))
-    tries.append(("half the per-rank batch (--batch, with --accumulation doubled)", train, 0.5))
-    return tries
-
-
-def knobs_sentence(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, train: TrainConfig,
-                   budget: float | None) -> str:
-    """What the training step's knobs do to the smallest plan (every block its own unit,
-    resharded and checkpointed) on ``sim``'s fabric and compute: one clause per knob that
-    lowers its peak; "" when none does."""
-    smallest = smallest_plan(graph, mesh)
-
-    def peak(t: TrainConfig, scale: float = 1.0) -> int:
-        options = t.sim_options(batch_scale=scale, memory_budget=budget)
-        return Simulator(graph, sim.fabric, sim.compute, options, host=sim.host).simulate(smallest).peak_bytes
-
-    here = peak(train)
-    tries = [(flag, peak(t, scale)) for flag, t, scale in _knob_tries(train)]
-    limit = budget if budget is not None else float("inf")
-    said = [f"{k}: {fmt_bytes(p)}" + (" (fits)" if p <= limit else "") for k, p in tries if p < here]
-    if not said:
-        return ""
-    return f"Training knobs, on per-block,ckpt ({fmt_bytes(here)} now): " + "; ".join(said) + "."
+__all__ = ["score_given", "both_syncs", "assumptions_for"]
 
 
 def score_given(graph: ModelGraph, sim: Simulator, spec: PlanSpec, budget: float | None) -> SearchResult:

@@ -245,5 +245,5 @@ def _infeasible_message(sim: Simulator, mesh: MeshSpec, budget: float, scored: l
         advice.append(f"more ranks: sharding over {fit_at[0]} ranks brings it to {fmt_bytes(fit_at[1])}")
     else:
         advice.append(f"more ranks alone will not do (activations and working set are {fmt_bytes(acts)})")
-    advice.append("or a smaller per-rank batch or mixed precision")
+    # the other remedies are priced, not listed: See [Note: computed remedies] in search/remedies.py
     return msg + "; ".join(advice) + "."

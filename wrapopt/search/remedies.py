@@ -1,0 +1,393 @@
+"""Out-of-memory advice, computed: each remedy re-simulated on the plan of least memory.
+
+[Note: computed remedies] When no plan fits, the message says what would, and only what was
+priced. The plan of least memory (one unit per block, resharded, checkpointed as far as the
+request's checkpoint modes allow: ``least_memory_plan``) is re-simulated under each remedy alone,
+on the search's fabric, compute and host:
+
+- a smaller micro-batch (``--batch m --accumulation k``, the sequences per step kept);
+- more checkpointing (``--checkpoint-modes ...,full``), a larger shard group (``--shard-size``);
+- mixed precision, the sync mode, a lighter optimizer (``--precision``, ``--sync``, ``--optimizer``);
+- tensor parallelism (``--tp d``: the ``Simulator.view`` of one tensor-parallel rank at the same
+  global batch, and at one sequence per tensor-parallel group through ``--global-batch``);
+- a pipeline (``--pp d``: the pipeline search of that degree, ``search_pipeline_degree``);
+- CPU offload (``--offload``), priced only where the GPU's host link is stated (``offload_host``),
+  with the host memory it needs;
+- a shorter sequence (``--seq``), priced by scaling the tokens (``SimOptions.batch_scale``): the
+  trace is not redone, so attention's quadratic term is scaled linearly (its step is an upper bound).
+
+Within a remedy the variants run mildest first (the largest micro-batch, the smallest degree, the
+longest sequence) and stop at the first that fits with the memory model's margin (See [Note:
+plans within the error] in search/choose.py); a remedy reports that variant, else the first that
+fits only past the margin, else its smallest peak. A remedy already in place (a micro-batch of
+one sequence, bf16 on, every block checkpointed, ``--tp auto``, ...) is not tried, and said so.
+Each result is one plan's: a search with the flag may find a faster plan that fits.
+
+Bounded in time: re-simulations are cheap once a simulator has priced the graph (under 0.1 s each
+on a 70B trace; the first of a simulator about 1.5 s, a pipeline degree under 1 s), and no new one
+starts after ``REMEDY_TIME_S`` seconds; the remedies left are named as not tried.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import PlanError
+from wrapopt.fileio import fmt_bytes
+from wrapopt.search.baselines import baselines, checkpointed
+from wrapopt.search.choose import MEMORY_ERROR
+from wrapopt.search.batch import batch_scale, batch_splits, divisors, train_for
+from wrapopt.search.pipeline import AUTO_PP, search_pipeline_degree
+from wrapopt.search.pipeline_batch import pipeline_batch
+from wrapopt.search.stages import pipeline_layout
+from wrapopt.search.tp import auto_degrees, dp_mesh, request_spec
+from wrapopt.spec import AUTO, SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
+from wrapopt.train import TrainConfig
+
+__all__ = ["REMEDY_TIME_S", "Remedy", "Advice", "find_remedies", "least_memory_plan"]
+
+REMEDY_TIME_S = 20.0  # no re-simulation starts after this many seconds: See [Note: computed remedies]
+_SEQ_FACTORS = (2, 4, 8)  # a shorter sequence: half, a quarter, an eighth
+
+
+@dataclass(frozen=True, slots=True)
+class Remedy:
+    """One remedy as priced: the flags that ask for it and what the plan of least memory gives."""
+
+    flag: str  # exactly what to add to the command line, e.g. "--tp 4"
+    peak_bytes: int
+    step_s: float
+    plan_label: str
+    fits: bool
+    note: str = ""  # what else it changes or needs ("1/2 of the tokens per step")
+    work: float = 1.0  # the tokens per step it trains, over the request's (a shorter sequence: below 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """What ``find_remedies`` found: every remedy priced, those in place, those not priced, the time."""
+
+    base_label: str
+    base_peak_bytes: int
+    budget_bytes: float
+    priced: tuple[Remedy, ...]  # one per remedy: its first variant that fits, else its smallest peak
+    in_place: tuple[str, ...] = ()
+    not_priced: tuple[str, ...] = ()  # "remedy: why"
+    elapsed_s: float = 0.0
+    limit_s: float = REMEDY_TIME_S
+    num_simulated: int = 0
+
+    @property
+    def fitting(self) -> tuple[Remedy, ...]:
+        """The remedies that fit, fastest first; those that train fewer tokens per step last."""
+        return tuple(sorted((r for r in self.priced if r.fits), key=lambda r: (r.work < 1, r.step_s)))
+
+    def text(self) -> str:
+        """The advice, a line per remedy that fits (else the closest and by how much it is over),
+        then what is in place and what was not priced."""
+        head = (f"Remedies, each alone on {self.base_label} ({fmt_bytes(self.base_peak_bytes)} now; "
+                f"{self.num_simulated} re-simulations in {self.elapsed_s:.1f} s, bound {self.limit_s:.0f} s; "
+                "a search with the flag may find a faster plan):")
+        lines = [head]
+        fit = self.fitting
+        for r in fit:
+            lines.append(f"  {r.flag}: fits, {fmt_bytes(r.peak_bytes)}, {r.step_s * 1e3:,.0f} ms per step"
+                         + self._detail(r))
+        if not fit:
+            if self.priced:
+                near = min(self.priced, key=lambda r: r.peak_bytes)
+                lines.append(f"  none fits alone; the closest is {near.flag}: {fmt_bytes(near.peak_bytes)}, "
+                             f"{fmt_bytes(near.peak_bytes - self.budget_bytes)} over the budget of "
+                             f"{fmt_bytes(self.budget_bytes)}" + self._detail(near))
+            else:
+                lines.append("  none could be priced")
+        if self.in_place:
+            lines.append("  already in place: " + "; ".join(self.in_place))
+        if self.not_priced:
+            lines.append("  not priced: " + "; ".join(self.not_priced))
+        return "\n".join(lines)
+
+    def _detail(self, r: Remedy) -> str:
+        """`` (its plan where not the base; its note; inside the memory model's margin)``."""
+        said = [r.plan_label] if r.plan_label != self.base_label else []
+        said += [r.note] if r.note else []
+        if r.fits and r.peak_bytes > self.budget_bytes * (1 - MEMORY_ERROR):
+            said.append(f"inside the memory model's {MEMORY_ERROR * 100:.0f}% error of the budget")
+        return f" ({'; '.join(said)})" if said else ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    """One way to run the step: what a remedy changes of the base."""
+
+    train: TrainConfig
+    scale: float  # SimOptions.batch_scale, before the tensor-parallel view multiplies it
+    tp: int = 1
+    pp: int = 1
+    offload: bool = False
+    checkpoint: bool | str = True
+    shard: int | None = None  # the shard group over the data-parallel ranks (None: all of them)
+
+
+@dataclass
+class _Pricer:
+    """Prices settings on the plan of least memory, with a simulator per step (cached)."""
+
+    graph: ModelGraph
+    sim: Simulator
+    request: ParallelRequest
+    budget: float
+    offload_host: Any
+    tp_spec: Any = None
+    base_scale: float = 1.0
+    sims: dict = field(default_factory=dict)
+    count: int = 0
+
+    def simulator(self, s: _Setting) -> Simulator:
+        key = (s.train, s.scale, s.offload)
+        if key not in self.sims:
+            opts = replace(s.train.sim_options(batch_scale=s.scale, memory_budget=self.budget), offload=s.offload)
+            host = self.sim.host if self.sim.host is not None or not s.offload else self.offload_host
+            self.sims[key] = Simulator(self.graph, self.sim.fabric, self.sim.compute, opts,
+                                       backend=self.sim.backend, host=host)
+        return self.sims[key]
+
+    def price(self, s: _Setting) -> tuple[PlanSpec, CostEstimate, Simulator]:
+        """The plan of least memory under ``s``: its plan (on the view's mesh), estimate and simulator."""
+        self.count += 1
+        full = self.simulator(s)
+        mesh = self.request.mesh
+        if s.pp > 1:
+            return self._pipeline(full, s)
+        view = full.view(Shape(tp=s.tp), self.tp_spec)
+        dp = dp_mesh(mesh, s.tp)
+        if s.shard is not None:
+            dp = replace(dp, shard_size=s.shard)
+        plan = least_memory_plan(view.traced, dp, s.checkpoint)
+        if s.tp > 1:
+            plan = replace(plan, label=f"{plan.label} + tp{s.tp}")
+        return plan, view.simulate(plan), view
+
+    def _pipeline(self, full: Simulator, s: _Setting) -> tuple[PlanSpec, CostEstimate, Simulator]:
+        mesh, request = self.request.mesh, self.request
+        shape = Shape(pp=s.pp, tp=s.tp)
+        counts, sim = None, full
+        if request.global_batch is not None:
+            fixed = pipeline_batch(self.graph, full, request, memory_budget=self.budget)
+            found, why = fixed.counts(shape)
+            if not found:
+                raise PlanError(why)
+            counts, sim = found, fixed.sim
+        top, scored, why = search_pipeline_degree(self.graph, sim, mesh, pipeline_layout(self.graph), shape=shape,
+                                                  spec=self.tp_spec if s.tp > 1 else None, memory_budget=self.budget,
+                                                  counts=counts, refine=False)
+        if top is None and not scored:
+            raise PlanError(why)
+        best = top if top is not None else min(scored, key=lambda x: x.estimate.peak_bytes)
+        return best.plan, best.estimate, sim
+
+
+def least_memory_plan(graph: ModelGraph, mesh: MeshSpec, checkpoint: bool | str) -> PlanSpec:
+    """One unit per block (every leaf without blocks), resharded, every unit checkpointed in
+    ``checkpoint`` mode (False: none)."""
+    base = baselines(graph, mesh)
+    name = "per-block" if "per-block" in base else "every-leaf"
+    if checkpoint is False:
+        return base[name]
+    return checkpointed(base[name], f"{name},{'sac' if checkpoint == SELECTIVE_OP else 'ckpt'}", checkpoint)
+
+
+_Variant = tuple[str, _Setting, str]  # (flag, setting, note)
+
+
+def find_remedies(graph: ModelGraph, sim: Simulator, request: ParallelRequest, budget: float, *,
+                  checkpoint_modes: Sequence[bool | str] = (False, True), offload_host: Any = None,
+                  time_limit_s: float = REMEDY_TIME_S) -> Advice:
+    """Each remedy of [Note: computed remedies] priced on the plan of least memory for ``request``
+    on ``sim``'s fabric and compute. ``offload_host``: a ``HostSpec`` with the GPU's stated host
+    link, to price CPU offload when the request has none (its host memory is not read: the advice
+    says how much the plan needs)."""
+    start = time.monotonic()
+    train = request.train if request.train is not None else TrainConfig()
+    mesh = request.mesh
+    traced = max(1, graph.batch_size)
+    try:
+        spec, _why = sim.with_async(request_spec(graph, request), request.async_tp)
+    except PlanError as e:
+        spec = None
+        tp_why = str(e)
+    tp = request.tp if isinstance(request.tp, int) else 1
+    ckpt = True if True in checkpoint_modes else (SELECTIVE_OP if SELECTIVE_OP in checkpoint_modes else False)
+    base = _base(graph, sim, request, train, tp, ckpt)
+    pricer = _Pricer(graph, sim, request, budget, offload_host, tp_spec=spec, base_scale=base.scale)
+    base_plan, base_est, _ = pricer.price(base)
+    in_place: list[str] = []
+    not_priced: list[str] = []
+    families: list[tuple[str, Callable[[], list[_Variant]]]] = []
+
+    # the batch: a smaller micro-batch, the sequences per step kept
+    per_rank = round(traced * base.scale)
+    if request.global_batch is not None:
+        in_place.append(f"every micro-batch x accumulation split of --global-batch {request.global_batch} "
+                        "(the search tried them)")
+    elif per_rank <= 1:
+        in_place.append("a micro-batch of one sequence per rank")
+    else:
+        families.append(("micro-batch", lambda: [
+            (f"--batch {m} --accumulation {train.grad_accumulation * per_rank // m}",
+             replace(base, train=replace(train, grad_accumulation=train.grad_accumulation * per_rank // m),
+                     scale=base.scale * m / per_rank), "the same sequences per step")
+            for m in reversed(divisors(per_rank)[:-1])]))
+    # checkpointing and the shard group
+    if ckpt is True:
+        in_place.append("every block checkpointed")
+    else:
+        modes = [{False: "none", True: "full", SELECTIVE_OP: SELECTIVE_OP}[m] for m in checkpoint_modes]
+        families.append(("checkpointing", lambda: [(f"--checkpoint-modes {','.join([*modes, 'full'])}",
+                                                    replace(base, checkpoint=True), "")]))
+    if request.dp_shard is not None and request.dp_shard < mesh.world_size // tp:
+        families.append(("shard group", lambda: [(f"--shard-size {mesh.world_size // tp}",
+                                                  replace(base, shard=None), "")]))
+    # the training step's knobs
+    compute = graph.compute_dtype or next((d for _f, _s, d in graph.param_shapes), "float32")
+    families.append(("training step", lambda: _knobs(base, _dtype(compute), in_place)))
+    # tensor parallelism, a pipeline, offload, a shorter sequence
+    if request.tp == AUTO:
+        in_place.append("tensor parallelism (--tp auto: every degree searched)")
+    elif spec is None:
+        not_priced.append(f"--tp: {tp_why}")
+    else:
+        families.append(("tensor parallelism", lambda: _tp_variants(graph, request, base, spec, tp)))
+    if request.pp == AUTO or (isinstance(request.pp, int) and request.pp > 1):
+        in_place.append(f"a pipeline (--pp {request.pp} searched)")
+    else:
+        try:
+            layout = pipeline_layout(graph)
+            families.append(("pipeline", lambda: [
+                (f"--pp {d}", replace(base, pp=d), "") for d in AUTO_PP
+                if mesh.world_size % (d * tp) == 0 and d <= len(layout.blocks)]))
+        except PlanError as e:
+            not_priced.append(f"--pp: {e}")
+    if request.offload:
+        in_place.append("CPU offload (--offload searched)")
+    elif offload_host is None:
+        not_priced.append("--offload: CPU offload is priced from a stated GPU's host link: add --gpu PRESET "
+                          "(with --offload --host-memory SIZE)")
+    else:
+        families.append(("offload", lambda: [("--offload", replace(base, offload=True), "")]))
+    if graph.seq_len >= 2:
+        families.append(("sequence", lambda: [
+            (f"--seq {graph.seq_len // f}", replace(base, scale=base.scale / f),
+             f"1/{f} of the tokens per step; its step scaled from the trace, an upper bound")
+            for f in _SEQ_FACTORS if graph.seq_len // f >= 1]))
+
+    priced: list[Remedy] = []
+    for name, variants in families:
+        if time.monotonic() - start > time_limit_s:
+            not_priced.append(f"{name}: not tried (past the {time_limit_s:.0f} s bound)")
+            continue
+        priced += _first_fit(pricer, variants(), budget, start, time_limit_s, not_priced, name)
+    return Advice(base_label=base_plan.label or "the plan of least memory", base_peak_bytes=base_est.peak_bytes,
+                  budget_bytes=budget, priced=tuple(priced), in_place=tuple(in_place),
+                  not_priced=tuple(not_priced), elapsed_s=time.monotonic() - start, limit_s=time_limit_s,
+                  num_simulated=pricer.count)
+
+
+def _base(graph: ModelGraph, sim: Simulator, request: ParallelRequest, train: TrainConfig, tp: int,
+          ckpt: bool | str) -> _Setting:
+    """The request's own setting: at a fixed global batch, its smallest micro-batch at ``tp``."""
+    shard = request.dp_shard if request.dp_shard is not None and request.dp_shard < request.mesh.world_size // tp \
+        else None
+    if request.global_batch is not None:
+        splits = batch_splits(request.batch, {tp: request.mesh.world_size // tp})
+        if splits:
+            split = splits[0]
+            return _Setting(train=train_for(train, split), scale=batch_scale(split.micro_batch, graph.batch_size, tp),
+                            tp=tp, checkpoint=ckpt, shard=shard)
+    return _Setting(train=train, scale=sim.options.batch_scale, tp=tp, checkpoint=ckpt, shard=shard)
+
+
+def _knobs(base: _Setting, compute_dtype: str, in_place: list[str]) -> list[_Variant]:
+    """Mixed precision, the sync mode and the optimizer, each where it is not already the lighter
+    (``compute_dtype``: what the traced step computes in)."""
+    train, out = base.train, []
+    if (train.param_dtype or compute_dtype) == "float32":
+        bf16 = TrainConfig.preset("bf16", grad_accumulation=train.grad_accumulation, optimizer=train.optimizer,
+                                  accumulation_sync=train.accumulation_sync, micro_batch=train.micro_batch,
+                                  global_batch=train.global_batch)
+        out.append(("--precision bf16", replace(base, train=bf16), ""))
+    else:
+        in_place.append(f"compute in {train.param_dtype or compute_dtype}" + (
+            f" (--precision {train.precision})" if train.param_dtype else " (the model's own dtype)"))
+    if train.grad_accumulation > 1 and train.accumulation_sync == "last":
+        out.append(("--sync every", replace(base, train=train.with_sync("every")), ""))
+    if train.optimizer in ("adamw", "adam"):
+        out.append(("--optimizer adafactor", replace(base, train=replace(train, optimizer="adafactor")),
+                    f"another optimizer: Adafactor's factored state instead of {train.optimizer}'s two moments"))
+    return out
+
+
+def _dtype(name: str) -> str:
+    """``torch.bfloat16`` or ``bfloat16`` as ``bfloat16``."""
+    return name.removeprefix("torch.")
+
+
+def _tp_variants(graph: ModelGraph, request: ParallelRequest, base: _Setting, spec: Any, tp: int) -> list[_Variant]:
+    """Every degree above ``tp`` the node and the heads allow, smallest first: at the same global batch,
+    then (without a fixed global batch) at one sequence per tensor-parallel group through --global-batch."""
+    mesh, train = request.mesh, base.train
+    degrees = [d for d in auto_degrees(graph, mesh, spec)[0] if d > tp]
+    traced = max(1, graph.batch_size)
+    out: list[_Variant] = []
+    for d in degrees:
+        if request.global_batch is not None:
+            splits = batch_splits(request.batch, {d: mesh.world_size // d})
+            if splits:
+                split = splits[0]
+                out.append((f"--tp {d}", replace(base, tp=d, train=train_for(train, split),
+                                                 scale=batch_scale(split.micro_batch, traced, d)),
+                            f"split {split.describe()}"))
+            continue
+        out.append((f"--tp {d}", replace(base, tp=d), ""))
+        sequences = round(traced * base.scale) * train.grad_accumulation * mesh.world_size
+        acc = sequences // (mesh.world_size // d)
+        out.append((f"--tp {d} --global-batch {sequences} --batch 1 --accumulation {acc}",
+                    replace(base, tp=d, train=replace(train, grad_accumulation=acc), scale=batch_scale(1, traced, d)),
+                    "one sequence per tensor-parallel group, the same sequences per step"))
+    return out
+
+
+def _first_fit(pricer: _Pricer, variants: list[_Variant], budget: float, start: float, limit_s: float,
+               not_priced: list[str], name: str) -> list[Remedy]:
+    """The family's first variant that fits, else the one of least peak (one per training-step knob:
+    each is its own remedy)."""
+    each = name == "training step"
+    out: list[Remedy] = []
+    best: Remedy | None = None
+    for flag, setting, note in variants:
+        if time.monotonic() - start > limit_s:
+            not_priced.append(f"{flag}: not tried (past the {limit_s:.0f} s bound)")
+            break
+        try:
+            plan, est, sim = pricer.price(setting)
+        except PlanError as e:
+            not_priced.append(f"{flag}: {str(e).splitlines()[0]}")
+            continue
+        if setting.offload:
+            need = sim.host_bytes_per_rank(plan) * pricer.request.mesh.ranks_per_node
+            flag = f"--offload --host-memory {math.ceil(need / 2**30)}GiB"
+            note = "the least host memory per node it needs: give what a node has"
+        work = setting.scale / pricer.base_scale if flag.startswith("--seq") else 1.0
+        r = Remedy(flag, est.peak_bytes, est.step_s, plan.label or "plan", est.peak_bytes <= budget, note, work)
+        if each:
+            out.append(r)
+            continue
+        if r.fits and r.peak_bytes <= budget * (1 - MEMORY_ERROR):  # See [Note: plans within the error]
+            return [r]
+        if best is None or (not best.fits and (r.fits or r.peak_bytes < best.peak_bytes)):
+            best = r  # the first that fits past the margin, else the least peak
+    return out if each else ([best] if best is not None else [])
