@@ -95,7 +95,7 @@ class Advice:
         lines = [head]
         fit = self.fitting
         for r in fit:
-            lines.append(f"  {r.flag}: fits, {fmt_bytes(r.peak_bytes)}, {r.step_s * 1e3:,.0f} ms per step"
+            lines.append(f"  {r.flag}: fits, {fmt_bytes(r.peak_bytes)}, {_ms(r.step_s)} per step"
                          + self._detail(r))
         if not fit:
             if self.priced:
@@ -118,6 +118,12 @@ class Advice:
         if r.fits and r.peak_bytes > self.budget_bytes * (1 - MEMORY_ERROR):
             said.append(f"inside the memory model's {MEMORY_ERROR * 100:.0f}% error of the budget")
         return f" ({'; '.join(said)})" if said else ""
+
+
+def _ms(step_s: float) -> str:
+    """``1,325 ms`` or ``3.39 ms``: three significant figures at least."""
+    ms = step_s * 1e3
+    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
 
 
 @dataclass(frozen=True, slots=True)
