@@ -77,7 +77,7 @@ def fsdp1_export_cases(rank: int, world: int, tmp: str, out: dict) -> None:
         code_path = os.path.join(tmp, f"fsdp1_export_{label.replace('-', '_').replace('+', '_')}_{rank}.py")
         WrapPlan(spec=spec, model=model_fingerprint(ref)).save(plan_path)
         with open(code_path, "w", encoding="utf-8") as f:
-            f.write(export_plan(WrapPlan.load(plan_path), to="fsdp1", source=plan_path).text)
+            f.write(export_plan(WrapPlan.load(plan_path), to="fsdp1", source=plan_path, out=code_path).text)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the split group's note: listed in the file
             model = _load(code_path).wrap(copy.deepcopy(ref), device_id=torch.device("cpu"))

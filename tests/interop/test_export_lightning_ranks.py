@@ -56,7 +56,8 @@ def test_lightning_trains_the_exported_module_on_two_ranks(gpt_tiny, tmp_path, r
     plan_path = tmp_path / "plan.json"
     WrapPlan(spec=make_plan(graph, MESH2, list(graph.blocks), checkpoint=True),
              model=model_fingerprint(model)).save(plan_path)
-    out = export_plan(WrapPlan.load(plan_path), to="lightning", source=str(plan_path))
+    out = export_plan(WrapPlan.load(plan_path), to="lightning", source=str(plan_path),
+                      out=str(tmp_path / "planned.py"))
     (tmp_path / "planned.py").write_text(out.text)
     (tmp_path / "train.py").write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), repo_root]), "OMP_NUM_THREADS": "1"}

@@ -5,6 +5,7 @@ Skipped, with the reason, where the ``interop`` extra (accelerate, lightning) is
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -126,7 +127,7 @@ def _import(path, name: str):
 
 def _lightning_module(tmp_path, plan, path: str, to: str = "lightning"):
     pytest.importorskip("lightning", reason=_NO_EXTRA)
-    out = export_plan(plan, to=to, source=path)
+    out = export_plan(plan, to=to, source=path, out=str(tmp_path / "planned.py"))
     (tmp_path / "planned.py").write_text(out.text)
     return out, _import(tmp_path / "planned.py", f"planned_{to.replace('-', '_')}")
 
@@ -154,7 +155,8 @@ def test_lightning_fsdp2_strategy_and_configure_model(llama_tiny, tmp_path, monk
     out, module = _lightning_module(tmp_path, plan, path)
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    assert out.exact and out.target == "lightning-fsdp2" and module.PLAN_PATH == path
+    assert out.exact and out.target == "lightning-fsdp2" and module.PLAN_PATH == "plan.json"  # beside the module
+    assert os.path.normpath(module.plan_path()) == path
     strategy = module.make_strategy()
     assert isinstance(strategy, ModelParallelStrategy)
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 1)
@@ -183,7 +185,7 @@ def test_lightning_fsdp2_plan_path_is_data(llama_tiny, tmp_path, monkeypatch):
     _, path = _saved(tmp_path, graph, model, list(graph.blocks), name="p'\n__import__('os').system('x') #.json")
     plan = WrapPlan.load(path)
     _, module = _lightning_module(tmp_path, plan, path)
-    assert module.PLAN_PATH == path
+    assert os.path.normpath(module.plan_path()) == path and not os.path.isabs(module.PLAN_PATH)
     assert _configure(module, model, monkeypatch, {"data_parallel": None})[0][0].spec == plan.spec
 
 

@@ -56,7 +56,7 @@ def plans(llama_tiny) -> dict[str, WrapPlan]:
     model, _, graph = llama_tiny
     blocks = graph.blocks  # 6 LlamaBlocks
     one_d = _plan(model, PlanSpec(_titan_units(blocks, checkpoint=lambda i: True), MESH2),
-                  micro_batch=2, grad_accumulation=3)
+                  micro_batch=2, grad_accumulation=3, accumulation_sync="every")
     tp = dataclasses.replace(tp_plan_specs(graph)["some-ckpt"].tp, sequence_parallel=True, loss_parallel=True)
     two_d = _plan(model, PlanSpec(_titan_units(blocks, checkpoint=lambda i: i % 2 == 1),
                                   MeshSpec(world_size=8, ranks_per_node=4, shard_size=2, tp_size=2), tp=tp),
@@ -84,6 +84,7 @@ def test_a_1d_plan_is_exact(plans):
                              "mixed_precision_param": "bfloat16", "mixed_precision_reduce": "float32"}
     assert t["optimizer"] == {"name": "AdamW"}
     assert "--job.config_file" in out.text and "The plan is reproduced exactly." in out.text
+    assert out.fields["sync"] == out.fields["accumulation"] == out.fields["micro_batch"] == "written"
 
 
 def test_a_2d_plan_carries_tp_and_every_second_block_checkpointed(plans):
@@ -146,8 +147,10 @@ def test_strict_refuses_and_lists_each_item(plans, tmp_path, capsys):
     assert _cli(["export", str(path), "--to", "torchtitan", "--strict", "--out", str(toml)]) == 1
     err = capsys.readouterr().err.splitlines()
     assert not toml.exists() and "nothing written (--strict)" in err[-1]
-    assert [ln for ln in err if ln.startswith("  - ")] == [f"  - {x}" for x in export_plan(
-        plans["3d"], to="torchtitan").losses]
+    out = export_plan(plans["3d"], to="torchtitan")
+    losses = err[err.index(next(ln for ln in err if "does not reproduce" in ln)) + 1:-1]
+    assert losses == [f"  - {x}" for x in out.losses]
+    assert [f"  - {x}" for x in out.script] == err[1:1 + len(out.script)]  # then what the launch must do
     assert _cli(["export", str(path), "--to", "torchtitan", "--out", str(toml)]) == 0
     assert tomllib.loads(toml.read_text())["parallelism"]["pipeline_parallel_degree"] == 2
 

@@ -19,7 +19,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``wrapopt export`` to the CLI's sub-commands; it runs ``run``."""
     p = subparsers.add_parser("export", help="write a plan for Accelerate, Lightning, plain FSDP1 or TorchTitan",
                               description="Write the configuration or module a training tool reads for a plan; "
-                                          "what the tool cannot express is listed under LOSSES.")
+                                          "what the tool cannot express is listed under LOSSES, what the training "
+                                          "script must do under TO RUN THE PLAN (both also on stderr).")
     p.add_argument("plan", help="a plan file (wrapopt search --out)")
     p.add_argument("--to", required=True, choices=TARGETS, help=targets_help())
     p.add_argument("--out", default=None, help="write here (default: print to stdout)")
@@ -43,7 +44,11 @@ def run(args: argparse.Namespace) -> int:
         model = resolve_model(args.model).build("meta")
     if args.out:
         check_writable(args.out)
-    out = export_plan(plan, to=args.to, model=model, source=args.plan)
+    out = export_plan(plan, to=args.to, model=model, source=args.plan, out=args.out)
+    if out.script:
+        print(f"wrapopt export: to run the plan with {args.to}, the training script or launch must:", file=sys.stderr)
+        for x in out.script:
+            print(f"  - {x}", file=sys.stderr)
     if out.losses:
         print(f"wrapopt export: the {args.to} configuration does not reproduce the plan exactly:", file=sys.stderr)
         for x in out.losses:
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     if args.json:
         print(json.dumps({"target": out.target, "exact": out.exact, "settings": out.settings,
-                          "losses": list(out.losses)}, indent=1))
+                          "losses": list(out.losses), "script": list(out.script), "fields": out.fields}, indent=1))
     if args.out:
         atomic_write_text(args.out, out.text)
         print(f"wrote {args.out}" + ("" if out.exact else f" ({len(out.losses)} losses listed in it)"), file=sys.stderr)

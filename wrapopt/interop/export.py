@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["TARGETS", "EXPORTERS", "ClassPolicy", "Export", "class_policy", "export_plan"]
 
 
-def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, source: str = "plan.json") -> Export:
+def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, source: str = "plan.json",
+                out: str | None = None) -> Export:
     """The plan in the format of the target ``to``: an Accelerate config (YAML), a Python module or a TOML file.
 
     Args:
@@ -39,12 +40,18 @@ def export_plan(plan: WrapPlan, *, to: str, model: nn.Module | None = None, sour
             (a module whose ``wrap(model)`` applies the plan with FullyShardedDataParallel) or
             "torchtitan" (a TorchTitan job config, the only one for 2-D and 3-D plans).
         model: the planned model, needed only for plan files without module classes.
-        source: the plan file's path, quoted in the header and loaded by the Lightning module.
+        source: the plan file's path, quoted in the header and loaded by the Lightning and FSDP1 modules.
+        out: the path the export will be written to (None: the current folder); the generated modules
+            find the plan file relative to it.
+
+    The result accounts for every field of the plan: ``fields`` says which are written, stated (for the
+    training script: ``script``) or lost (``losses``); See [Note: every plan field is written, stated or
+    lost] in wrapopt/interop/fields.py.
     """
     exporter = get_exporter(to)
     if to not in MULTI_D_TARGETS:
         _refuse_multi_d(plan, to)
-    return exporter(plan, model=model, source=source)
+    return exporter(plan, model=model, source=source, out=out)
 
 
 def _refuse_multi_d(plan: WrapPlan, to: str) -> None:

@@ -3,14 +3,18 @@
 The module is exact: its ``configure_model`` calls ``WrapPlan.load(path).apply`` on the
 strategy's data-parallel mesh (``interop/lightning_fsdp1.py`` writes the FSDP1 strategy). Plan
 strings reach the code through repr or checked identifiers only; see [Note: plan strings in
-generated text] in ``interop/common.py``.
+generated text] in ``interop/common.py``. The module finds the plan file relative to itself (or
+at ``$WRAPOPT_PLAN``), defines ``TRAINER_KWARGS`` (nodes, devices, accumulation), and accounts for
+every plan field: See [Note: every plan field is written, stated or lost] in wrapopt/interop/fields.py.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from wrapopt.interop.common import Export, classes_for, header
+from wrapopt.interop.common import Export, classes_for, header, plan_path_code
+from wrapopt.interop.fields import Accounting, state_data_and_optimizer
+from wrapopt.interop.lightning_fsdp1 import trainer_accumulation
 from wrapopt.plan.file import WrapPlan
 
 if TYPE_CHECKING:
@@ -28,16 +32,25 @@ __all__ = ["export_lightning_fsdp2", "lightning_fsdp2"]
 # configure_model may run more than once; the module applies the plan once.
 
 
-def export_lightning_fsdp2(plan: WrapPlan, *, model: nn.Module | None, source: str) -> Export:
+def export_lightning_fsdp2(plan: WrapPlan, *, model: nn.Module | None, source: str,
+                           out: str | None = None) -> Export:
     """The exporter of ``lightning`` and ``lightning-fsdp2``: the model's classes are checked as for
     every target, and the module applies the plan itself."""
     classes_for(plan, model)
-    return lightning_fsdp2(plan, source)
+    return lightning_fsdp2(plan, source, out)
 
 
-def lightning_fsdp2(plan: WrapPlan, source: str) -> Export:
-    """A Python module with ``make_strategy()`` and ``PlannedModule``, whose ``configure_model``
-    applies the plan; see [Note: the Lightning FSDP2 module]."""
+def lightning_fsdp2(plan: WrapPlan, source: str, out: str | None = None) -> Export:
+    """A Python module with ``make_strategy()``, ``TRAINER_KWARGS`` and ``PlannedModule``, whose
+    ``configure_model`` applies the plan; see [Note: the Lightning FSDP2 module]."""
+    acc = Accounting(plan, "lightning-fsdp2")
+    # plan.apply does the wrapping, checkpointing (selective-op too), prefetch, offload and mixed precision
+    acc.write("units", "reshard", "checkpoint", "selective_checkpoint", "prefetch", "offload", "mixed_precision",
+              "mesh", "hsdp", "multi_node")
+    trainer = {"num_nodes": plan.mesh.num_nodes, "devices": plan.mesh.world_size // plan.mesh.num_nodes,
+               **trainer_accumulation(acc)}
+    state_data_and_optimizer(acc)
+    acc.finish()
     mesh = plan.mesh
     one_axis = mesh.shape == (mesh.world_size,)
     settings: dict[str, Any] = {
@@ -48,24 +61,28 @@ def lightning_fsdp2(plan: WrapPlan, source: str) -> Export:
         "devices": mesh.world_size // mesh.num_nodes,
         "mesh": "data_parallel" if one_axis else f"built from the plan {mesh.axis_names} {mesh.shape}",
         "plan": source,
+        "trainer": trainer,
     }
     mesh_arg = 'self.device_mesh["data_parallel"]' if one_axis else "None"
     mesh_why = ("the strategy's data-parallel mesh is the plan's mesh" if one_axis else
                 f"the plan's {mesh.replicate_size} x {mesh.shard_size} (replicate, shard) mesh, built by apply")
     what = "Lightning ModelParallelStrategy (FSDP2): configure_model applies the plan"
-    text = header(plan, source, what, []) + f'''import torch.nn as nn
+    text = header(plan, source, what, acc.losses, acc.script) + f'''import os
+
+import torch.nn as nn
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from wrapopt import WrapPlan
 
-PLAN_PATH = {source!r}
+{plan_path_code(source, out)}
 NUM_NODES = {mesh.num_nodes!r}
 DEVICES_PER_NODE = {settings["devices"]!r}
+TRAINER_KWARGS = {trainer!r}  # Trainer(strategy=make_strategy(), **TRAINER_KWARGS, ...)
 
 
 def make_strategy() -> ModelParallelStrategy:
-    """For Trainer(strategy=make_strategy(), devices=DEVICES_PER_NODE, num_nodes=NUM_NODES).
+    """For Trainer(strategy=make_strategy(), **TRAINER_KWARGS): DEVICES_PER_NODE devices on NUM_NODES nodes.
 
     Keep the Trainer's precision at "32-true": the plan's mixed precision is applied with it.
     """
@@ -82,7 +99,7 @@ class PlannedModule(LightningModule):
         if getattr(self, "_plan_applied", False):  # Lightning may call this hook more than once
             return
         # {mesh_why}
-        WrapPlan.load(PLAN_PATH).apply(self.model, mesh={mesh_arg})
+        WrapPlan.load(plan_path()).apply(self.model, mesh={mesh_arg})
         self._plan_applied = True
 '''
-    return Export("lightning-fsdp2", text, settings, ())
+    return Export("lightning-fsdp2", text, settings, tuple(acc.losses), dict(acc.status), tuple(acc.script))

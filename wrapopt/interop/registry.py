@@ -5,8 +5,10 @@ Each target is an ``Exporter``: its name, the one line ``wrapopt export --help``
 the function that writes it, named as ``"module:function"``. The function is imported only
 when the target is used, so the table (and the CLI's help and choices, built from it) loads
 no torch; See [Note: first contact] in wrapopt/cli/main.py. Every function takes
-``(plan, *, model, source)`` and returns an ``Export``; ``export_plan`` refuses a 2-D or 3-D plan
-(tensor parallelism, pipeline stages) for every target but those in ``MULTI_D_TARGETS``.
+``(plan, *, model, source, out)`` and returns an ``Export`` that accounts for every plan field
+(See [Note: every plan field is written, stated or lost] in wrapopt/interop/fields.py);
+``export_plan`` refuses a 2-D or 3-D plan (tensor parallelism, pipeline stages) for every target
+but those in ``MULTI_D_TARGETS``.
 
 A new target is a module under ``wrapopt/interop/`` with one such function, and one row here.
 """
@@ -32,12 +34,12 @@ class Exporter:
     function: str  # "module:function", imported on first use (the table loads no torch)
 
     def load(self) -> Callable[..., Export]:
-        """The exporter function: ``(plan, *, model, source) -> Export``."""
+        """The exporter function: ``(plan, *, model, source, out) -> Export``."""
         module, _, attr = self.function.partition(":")
         return getattr(importlib.import_module(module), attr)
 
-    def __call__(self, plan: Any, *, model: Any = None, source: str = "plan.json") -> Export:
-        return self.load()(plan, model=model, source=source)
+    def __call__(self, plan: Any, *, model: Any = None, source: str = "plan.json", out: str | None = None) -> Export:
+        return self.load()(plan, model=model, source=source, out=out)
 
 
 _FSDP2 = "wrapopt.interop.lightning:export_lightning_fsdp2"

@@ -11,7 +11,10 @@ with sequence parallel on every block (loss parallel unless disabled), one FSDP 
 ``tok_embeddings``, every block, ``[norm, output]`` and the root, one ``reshard_after_forward`` for
 all ("default": blocks reshard, ``[norm, output]`` not, nothing under PP), one checkpointing
 mode for every block ("full", "selective" per op or every N-th block, "none"). Whatever of the
-plan that cannot say is listed under LOSSES (in the file and on stderr), never silently dropped.
+plan that cannot say is listed under LOSSES (in the file and on stderr), never silently dropped;
+See [Note: every plan field is written, stated or lost] in wrapopt/interop/fields.py. TorchTitan's
+trainer reduce-scatters every micro-batch's gradients (it never disables FSDP2's gradient sync), so
+a plan scored with sync last loses that.
 
 Batch sizes follow TorchTitan's trainer: ``training.local_batch_size`` is the sequences one
 data-parallel rank takes per gradient-accumulation step (a pipeline splits it into micro-batches
@@ -33,6 +36,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from wrapopt.interop.common import Export, classes_for, comment, few, header
+from wrapopt.interop.fields import Accounting
 from wrapopt.interop.policy import block_chains
 from wrapopt.plan.file import WrapPlan
 from wrapopt.spec import SELECTIVE_OP
@@ -48,10 +52,11 @@ _PARAM_DTYPES = {None: "float32", "float32": "float32", "bfloat16": "bfloat16"} 
 _OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}  # wrapopt's name -> optimizer.name
 
 
-def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str) -> Export:
+def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str, out: str | None = None) -> Export:
     """The plan as a TorchTitan job config (TOML): degrees, schedule, checkpointing, batch sizes."""
     classes, params = classes_for(plan, model)
-    losses: list[str] = []
+    acc = Accounting(plan, "torchtitan")
+    losses = acc.losses
     layout = _BlockLayout(classes, params if params is not None else _params_of(plan), ordered=model is not None)
     sections: dict[str, dict[str, Any]] = {
         "parallelism": _parallelism(plan, layout, losses),
@@ -63,11 +68,34 @@ def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str) -
                       "the plan's units and checkpointing are not written")
     layout.unit_losses(plan, losses)
     sections["optimizer"] = _optimizer(plan, losses)
-    _other_losses(plan, losses)
+    _account(acc, sections)
     what = (f"TorchTitan job config (torchtitan {TORCHTITAN_VERSIONS}): torchrun ... -m torchtitan.train "
             "--job.config_file THIS_FILE")
-    text = header(plan, source, what, losses) + _guidance(plan, layout) + toml_text(sections)
-    return Export("torchtitan", text, sections, tuple(losses))
+    text = header(plan, source, what, losses, acc.script) + _guidance(plan, layout) + toml_text(sections)
+    return Export("torchtitan", text, sections, tuple(losses), dict(acc.status), tuple(acc.script))
+
+
+def _account(acc: Accounting, sections: dict[str, dict[str, Any]]) -> None:
+    """Each plan field's status: the sections write most (their losses are listed as they are made)."""
+    plan = acc.plan
+    acc.write("units", "reshard", "checkpoint", "selective_checkpoint", "mesh", "hsdp", "offload", "mixed_precision",
+              "seq_len", "optimizer", "tp", "sequence_parallel", "loss_parallel", "async_tp", "pipeline")
+    if "local_batch_size" in sections["training"]:
+        acc.write("micro_batch", "accumulation")
+    acc.state("multi_node", f"launch on {plan.mesh.num_nodes} machines: torchrun --nnodes {plan.mesh.num_nodes} "
+                            f"--nproc-per-node {plan.mesh.ranks_per_node} --node-rank R --rdzv-endpoint HOST:PORT")
+    k, sync = plan.accumulation, plan.train_config.accumulation_sync
+    if sync == "last":
+        acc.lose("sync", f"SYNC MODE: the plan holds gradients unsharded until the last of its {k} micro-batches "
+                         "(sync last); TorchTitan reduce-scatters every micro-batch, so each step communicates more "
+                         "than predicted (it holds less); re-run the search with --sync every for its prediction")
+    elif sync == "every":
+        acc.write("sync")
+    else:
+        acc.state("sync", "the plan records no sync mode; TorchTitan reduce-scatters every micro-batch")
+    acc.lose("prefetch", f"explicit forward prefetch of {plan.spec.forward_prefetch} unit(s) has no TorchTitan "
+                         "setting; FSDP2's implicit prefetch applies")
+    acc.finish()
 
 
 # -- the model's blocks ----------------------------------------------------------------------------
@@ -325,12 +353,6 @@ def _optimizer(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
         losses.append(f"the plan was scored for {opt}, which TorchTitan does not name (Adam, AdamW): AdamW is "
                       "written, with its two states per parameter")
     return {"name": _OPTIMIZERS.get(opt, "AdamW")}
-
-
-def _other_losses(plan: WrapPlan, losses: list[str]) -> None:
-    if plan.spec.forward_prefetch:
-        losses.append(f"explicit forward prefetch of {plan.spec.forward_prefetch} unit(s) has no TorchTitan setting; "
-                      "FSDP2's implicit prefetch applies")
 
 
 def _guidance(plan: WrapPlan, layout: _BlockLayout) -> str:
