@@ -34,10 +34,11 @@ from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import with_tp_measurements
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
+from wrapopt.hardware.resolve import check_fabric_fits, compute_for, partial_node_note, resolve_fabric
 from wrapopt.job import Job, default_mesh, job_mesh, prepare
 from wrapopt.launch import broadcast_json
 from wrapopt.plan.apply import plan_digest
+from wrapopt.plan.check import check_plan
 from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.pipeline import PipelineRun, pipeline_kwargs
 from wrapopt.report.batch import batch_lines, format_batch
@@ -427,11 +428,9 @@ def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, w
     (the one given, else the plan file's) and notes."""
     given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) and os.path.exists(os.fspath(plan)) else plan
     if not isinstance(given, WrapPlan):
-        return given, default_mesh(world_size=world_size, gpus_per_node=gpus_per_node), train, []
-    given.check_model(model)
-    if world_size is not None and world_size != given.mesh.world_size:
-        raise PlanError(f"the plan is for {given.mesh.world_size} ranks, --world-size says {world_size}; "
-                        "re-run the search for this mesh, or drop --world-size")
+        note = partial_node_note(world_size, gpus_per_node)  # a note, not an error: See its docstring
+        return given, default_mesh(world_size=world_size, gpus_per_node=gpus_per_node), train, [note] if note else []
+    check_plan(given, model=model, world_size=world_size, ranks_per_node=gpus_per_node)  # [Note: one plan check]
     notes = []
     if train is not None and given.train is not None and given.train_config.differences(train):
         notes.append("the plan was scored for another training step ("

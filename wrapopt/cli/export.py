@@ -36,12 +36,14 @@ def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt export``; library errors propagate (the CLI turns them into exit 1)."""
     from wrapopt.interop.export import export_plan
     from wrapopt.models.sources import resolve_model
+    from wrapopt.plan.check import check_plan
     from wrapopt.plan.file import WrapPlan
 
     plan = WrapPlan.load(args.plan)
     model = None
     if args.model:
         model = resolve_model(args.model).build("meta")
+    check_plan(plan, model=model)  # See [Note: one plan check] in plan/check.py
     if args.out:
         check_writable(args.out)
     out = export_plan(plan, to=args.to, model=model, source=args.plan, out=args.out)

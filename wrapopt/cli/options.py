@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -208,12 +209,17 @@ def mesh_from_args(args: argparse.Namespace) -> MeshSpec:
     """The mesh of ``--world-size`` and ``--gpus-per-node`` (defaults: ``api.default_mesh``);
     a world that is not whole nodes raises ValueError (``positive_int`` refused sizes below 1)."""
     from wrapopt.api import default_mesh
+    from wrapopt.hardware.resolve import partial_node_note
 
     world = args.world_size
     if world is not None:
         per_node = min(world, 8) if args.gpus_per_node is None else args.gpus_per_node
         if world > per_node and world % per_node:
             raise ValueError(f"--world-size {world} is not a multiple of --gpus-per-node {per_node}")
+    note = partial_node_note(world, args.gpus_per_node)
+    if note and not getattr(args, "partial_node_noted", False):  # once, however often the mesh is read
+        print(f"note: {note}", file=sys.stderr)
+        args.partial_node_noted = True
     return default_mesh(world_size=world, gpus_per_node=args.gpus_per_node)
 
 

@@ -30,7 +30,7 @@ from wrapopt.cli.options import (
 )
 from wrapopt.errors import PlanError
 from wrapopt.fileio import check_writable, parse_bytes, read_json
-from wrapopt.spec import SELECTIVE_OP, MeshSpec, ParallelRequest, PlanSpec
+from wrapopt.spec import SELECTIVE_OP, MeshSpec, ParallelRequest
 from wrapopt.tp import TPSpec
 
 if TYPE_CHECKING:
@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from wrapopt.evaluation.pictures import pictures_json, write_pictures
     from wrapopt.report.batch import format_batch
     from wrapopt.report.choice import format_report, format_search, format_sync
+    from wrapopt.plan.file import current_plan_loader
     from wrapopt.report.current import current_json, format_current
     from wrapopt.report.pipeline import format_pipeline
     from wrapopt.report.plots import require_matplotlib
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                   loss_fn=src.loss, rescale_fabric=args.rescale_fabric, notes=tuple(src.notes))
     graph, fabric, compute, budget, train = job.graph, job.fabric, job.compute, job.budget, request.train
     current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=current_tp_spec(graph, request),
-                             load_plan=_plan_and_batch)
+                             load_plan=current_plan_loader(model, graph, mesh))
                if args.current else None)  # a bad description fails before the search
     # One simulator for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
     sim = job.sim
@@ -234,14 +235,6 @@ def _request(args: argparse.Namespace, mesh: MeshSpec) -> ParallelRequest:
                            async_tp={"on": True, "off": False}.get(args.async_tp, "auto"),
                            pp=args.pp, global_batch=args.global_batch, memory_budget=args.memory, train=train,
                            offload=bool(getattr(args, "offload", False)), host_memory=host_memory)
-
-
-def _plan_and_batch(path: str) -> tuple[PlanSpec, int | None]:
-    """A plan file given as ``--current``: its plan and recorded micro-batch."""
-    from wrapopt.plan.file import WrapPlan
-
-    plan = WrapPlan.load(path)
-    return plan.spec, plan.micro_batch
 
 
 def _plan_json(plan: WrapPlan, result: SearchResult, budget_note: str, syncs: Any) -> dict[str, Any]:

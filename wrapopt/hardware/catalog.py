@@ -25,8 +25,9 @@ achieved link by the stated conventions (``BUSBW_ACHIEVED``), never fitted.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from wrapopt.errors import ProfileError
 from wrapopt.hardware.profiles import AnalyticalLink
@@ -49,7 +50,9 @@ __all__ = [
     "GPU_FORMAT",
     "GPU_TEMPLATE",
     "stated_number",
+    "stated_whole",
     "stated_peaks",
+    "check_stated_fields",
 ]
 
 HBM_ACHIEVED = 0.8  # achieved / stated HBM bandwidth: the streaming-kernel convention (not fitted)
@@ -282,7 +285,7 @@ GPU_TEMPLATE: dict[str, Any] = {
 _UNITS = {"hbm_bytes_per_s": "bytes/s, the stated HBM bandwidth", "memory_capacity_bytes": "bytes",
           "matmul_fraction": "a fraction of peak, in (0, 1]", "attention_fraction": "a fraction of peak, in (0, 1]",
           "bandwidth_bytes_per_s": "bytes/s per GPU, achieved", "latency_s": "seconds per ring step",
-          "gpus_per_node": "GPUs"}
+          "gpus_per_node": "GPUs", "num_sms": "streaming multiprocessors"}
 
 
 def stated_number(d: Any, key: str, where: str, unit: str | None = None, *, positive: bool = False) -> float:
@@ -297,6 +300,27 @@ def stated_number(d: Any, key: str, where: str, unit: str | None = None, *, posi
         raise ProfileError(f"{where}: field {key!r} ({unit}) must be {'positive' if positive else 'at least 0'}, "
                            f"got {v!r}")
     return float(v)
+
+
+def stated_whole(d: Any, key: str, where: str, unit: str | None = None) -> int:
+    """A field of a file of stated numbers that counts something (GPUs, multiprocessors): a positive
+    whole number; ``stated_number``'s errors, and a fraction (13.5) named with its unit."""
+    v = stated_number(d, key, where, unit, positive=True)
+    if v != int(v):
+        raise ProfileError(f"{where}: field {key!r} ({unit or _UNITS.get(key, '')}) must be a whole number, got {v:g}")
+    return int(v)
+
+
+def check_stated_fields(d: dict[str, Any], known: Iterable[str], where: str, what: str) -> None:
+    """Refuse a field a file of stated numbers does not have: a misspelt key (``num_sm``) would
+    otherwise be ignored and its default used. The close match is suggested (``difflib``)."""
+    known = sorted(known)
+    for key in d:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else f"the fields are {', '.join(known)}"
+        raise ProfileError(f"{where}: field {key!r} is not a field of {what}; {hint} (fix or drop it)")
 
 
 def stated_peaks(d: dict[str, Any], source: str) -> dict[str, float]:
@@ -318,6 +342,7 @@ def gpu_from_json(d: Any, *, source: str) -> GpuPreset:
     if not isinstance(d, dict) or d.get("format") != GPU_FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise ProfileError(f"{source}: field 'format' is {got!r}, expected {GPU_FORMAT!r}")
+    check_stated_fields(d, GPU_TEMPLATE, source, f"a GPU file ({GPU_FORMAT})")
     peaks = stated_peaks(d, source)
     fr = {k: stated_number(d, k, source, positive=True) for k in ("matmul_fraction", "attention_fraction")}
     for k, v in fr.items():
@@ -326,7 +351,7 @@ def gpu_from_json(d: Any, *, source: str) -> GpuPreset:
     intra = str(d.get("intra", "nvlink4"))
     if intra not in INTRA_LINKS:
         raise ProfileError(f"{source}: field 'intra' is {intra!r}; choose one of {', '.join(INTRA_LINKS)}")
-    sms = int(stated_number(d, "num_sms", source, "multiprocessors")) if "num_sms" in d else 0
+    sms = stated_whole(d, "num_sms", source) if "num_sms" in d else 0  # absent: unknown, the roofline's default
     return GpuPreset(
         name=str(d.get("name", source)), description=str(d.get("description", "")), intra=intra,
         datasheet=Datasheet(peak_flops_per_s=peaks, hbm_bytes_per_s=stated_number(d, "hbm_bytes_per_s", source,

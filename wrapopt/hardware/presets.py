@@ -16,7 +16,8 @@ from wrapopt.checks import check_count
 from wrapopt.errors import ProfileError
 from wrapopt.fileio import JsonReader, read_json
 from wrapopt.hardware.catalog import (
-    GPU_FORMAT, GPUS, INTER_LINKS, GpuPreset, find_gpu, gpu_from_json, network_links, stated_number, stated_peaks,
+    GPU_FORMAT, GPUS, INTER_LINKS, GpuPreset, check_stated_fields, find_gpu, gpu_from_json, network_links,
+    stated_number, stated_peaks, stated_whole,
 )
 from wrapopt.hardware.profiles import AnalyticalLink, ComputeProfile, FabricProfile
 
@@ -179,7 +180,11 @@ def _compute(name: str, spec: dict[str, Any], dtype: str | None, where: str) -> 
 # built-in fabrics; everything made from it is labelled ``analytical``. A file
 # can also state one side only: a GPU (``wrapopt.gpu/1``, ``catalog.GPU_TEMPLATE``)
 # or a network (``wrapopt.network/1``, ``NETWORK_TEMPLATE``), paired with a preset
-# of the other side as ``GPU+NETWORK``. A missing or negative number is named with its unit.
+# of the other side as ``GPU+NETWORK``. A missing or negative number is named with its unit, a
+# count (GPUs per node, multiprocessors) that is not a positive whole number likewise, and a
+# field the format does not have is refused with the close match (``num_sm``: did you mean
+# ``num_sms``?), so that a misspelt key never leaves its default in place silently. A network
+# file's GPUs per node bound the mesh's ranks per node, as a cluster file's do.
 ANALYTICAL_FORMAT = "wrapopt.analytical/1"
 NETWORK_FORMAT = "wrapopt.network/1"
 _H100 = GPUS["h100-sxm"]
@@ -198,6 +203,10 @@ TEMPLATE: dict[str, Any] = {
 }
 NETWORK_TEMPLATE: dict[str, Any] = {k: TEMPLATE[k] for k in ("gpus_per_node", "intra_node", "inter_node")}
 NETWORK_TEMPLATE = {"format": NETWORK_FORMAT, "name": "my-network", **NETWORK_TEMPLATE}
+# The fields each file may hold; any other is refused, with the close match: See [Note: stated fabric file].
+_ANALYTICAL_FIELDS = (*TEMPLATE, "num_sms")
+_NETWORK_FIELDS = (*NETWORK_TEMPLATE, "description", "source")
+_LINK_FIELDS = ("bandwidth_bytes_per_s", "latency_s", "source")
 
 
 def load_analytical(path: str, *, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
@@ -209,20 +218,27 @@ def load_analytical(path: str, *, world_size: int, ranks_per_node: int | None = 
 
 def _links(d: Any, source: str) -> tuple[int, dict[str, AnalyticalLink]]:
     """GPUs per node and the two levels' links of a file of stated numbers."""
-    gpn = stated_number(d, "gpus_per_node", source, positive=True)
-    if gpn != int(gpn):
-        raise ProfileError(f"{source}: field 'gpus_per_node' (GPUs) must be a whole number, got {gpn}")
+    gpn = stated_whole(d, "gpus_per_node", source)
     links = {}
     for key in ("intra_node", "inter_node"):
         sub = d.get(key)
         if not isinstance(sub, dict):
             raise ProfileError(f"{source}: missing field {key!r} (an object: bandwidth_bytes_per_s, latency_s)")
         where = f"{source}: {key}"
+        check_stated_fields(sub, _LINK_FIELDS, where, "a link (bandwidth_bytes_per_s, latency_s, source)")
         bw = stated_number(sub, "bandwidth_bytes_per_s", where, positive=True)
         lat = stated_number(sub, "latency_s", where)
         links[key] = AnalyticalLink(latency_s=lat, bandwidth_bytes_per_s=bw,
                                     source=str(sub.get("source", "stated in " + source)))
-    return int(gpn), links
+    return gpn, links
+
+
+def _check_node(gpn: int, ranks_per_node: int | None, source: str) -> None:
+    """One rank per GPU: a node of the mesh cannot hold more ranks than the file's node has GPUs."""
+    if ranks_per_node is not None and ranks_per_node > gpn:
+        raise ProfileError(f"{source}: field 'gpus_per_node' is {gpn}, but the mesh puts {ranks_per_node} ranks "
+                           f"on a node (--gpus-per-node; default: the world size up to 8); pass --gpus-per-node "
+                           f"{gpn} or fewer, or correct the file")
 
 
 def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node: int | None = None) -> FabricProfile:
@@ -231,7 +247,9 @@ def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node
     r = JsonReader(d, source, error=ProfileError)
     fmt = r.get("format", str)
     if fmt == NETWORK_FORMAT:
+        check_stated_fields(d, _NETWORK_FIELDS, source, f"a network file ({NETWORK_FORMAT})")
         gpn, links = _links(d, source)
+        _check_node(gpn, ranks_per_node, source)
         net = FabricProfile(kind="analytical", name=str(d.get("name", source)), backend="nccl (assumed)",
                             world_size=world_size, ranks_per_node=ranks_per_node or gpn, axes=(), meta={},
                             intra=links["intra_node"], inter=links["inter_node"])
@@ -242,12 +260,9 @@ def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node
         raise ProfileError(f"{source}: field 'format' is {fmt!r}; this version of wrapopt reads stated numbers in "
                            f"format {ANALYTICAL_FORMAT!r} (or {GPU_FORMAT!r}, {NETWORK_FORMAT!r} for one side; "
                            "`wrapopt fabric --template` prints one)")
+    check_stated_fields(d, _ANALYTICAL_FIELDS, source, f"a cluster file ({ANALYTICAL_FORMAT})")
     gpn, links = _links(d, source)
-    if ranks_per_node is not None and ranks_per_node > gpn:
-        # one rank per GPU: a node of the mesh cannot hold more ranks than the file's node has GPUs
-        raise ProfileError(f"{source}: field 'gpus_per_node' is {int(gpn)}, but the mesh puts {ranks_per_node} ranks "
-                           f"on a node (--gpus-per-node; default: the world size up to 8); pass --gpus-per-node "
-                           f"{int(gpn)} or fewer, or correct the file")
+    _check_node(gpn, ranks_per_node, source)
     peaks = stated_peaks(d, source)
     frac = stated_number(d, "achievable_fraction", source, "a fraction of peak, in (0, 1]", positive=True)
     if frac > 1:
@@ -258,7 +273,8 @@ def analytical_from_json(d: Any, *, source: str, world_size: int, ranks_per_node
                "memory_bandwidth_bytes_per_s": stated_number(d, "memory_bandwidth_bytes_per_s", source,
                                                              "bytes/s, achieved", positive=True),
                "memory_capacity_bytes": int(stated_number(d, "memory_capacity_bytes", source, "bytes", positive=True)),
-               "source": str(d.get("source", "stated in " + source))}
+               "source": str(d.get("source", "stated in " + source)),
+               **({"num_sms": stated_whole(d, "num_sms", source)} if "num_sms" in d else {})}
     name = r.get("name", str) if "name" in d else source
     return FabricProfile(kind="analytical", name=name, backend="nccl (assumed)", world_size=world_size,
                          ranks_per_node=gpn if ranks_per_node is None else ranks_per_node, axes=(),

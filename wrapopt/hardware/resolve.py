@@ -23,7 +23,7 @@ from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import MeshSpec
 from wrapopt.train import TrainConfig
 
-__all__ = ["resolve_fabric", "compute_for", "check_fabric_fits", "fabric_name"]
+__all__ = ["resolve_fabric", "compute_for", "check_fabric_fits", "fabric_name", "partial_node_note"]
 
 
 def resolve_fabric(fabric: FabricProfile | str | os.PathLike | None, *, world_size: int,
@@ -97,3 +97,15 @@ def check_fabric_fits(fabric: FabricProfile, mesh: MeshSpec, *, rescale: bool) -
         raise ProfileError(msg + "; measure the target mesh, or pass rescale=True / --rescale-fabric to rescale "
                                  "by the ring model")
     return [msg + "; collective times rescaled by the ring model"]
+
+
+def partial_node_note(world_size: int | None, gpus_per_node: int | None) -> str | None:
+    """The note for a world smaller than the node it runs on (``--gpus-per-node 8 --world-size 2``),
+    None otherwise. Not refused: ``torchrun --nproc-per-node 2`` on an 8-GPU node is a legal job.
+    The mesh is then one partial node of ``world_size`` ranks (``default_mesh`` takes the smaller),
+    so every collective is priced over the link inside the node, and the other GPUs are not planned for."""
+    if world_size is None or gpus_per_node is None or world_size >= gpus_per_node:
+        return None
+    return (f"--world-size {world_size} is less than --gpus-per-node {gpus_per_node}: planned as one partial "
+            f"node of {world_size} ranks ({gpus_per_node - world_size} of its GPUs unused), every collective over "
+            "the link inside the node")

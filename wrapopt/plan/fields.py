@@ -12,6 +12,7 @@ from typing import Any
 
 from wrapopt.assumptions import Assumptions
 from wrapopt.errors import PlanError
+from wrapopt.plan.check import check_plan_fields
 from wrapopt.plan.schema import schema_errors, short_json
 from wrapopt.plan.tp import tp_from_json
 from wrapopt.spec import ROOT, SELECTIVE_OP, MeshSpec, PipelineSpec, PlanSpec, TPSpec, UnitSpec
@@ -86,6 +87,7 @@ def read_plan_fields(data: Any, *, source: str = "<plan>") -> PlanFields:
     spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch,
                     label=str(data.get("label") or ""), tp=tp, pipeline=pipeline,
                     offload=offload)
+    check_plan_fields(spec, model, train, source=source)  # See [Note: one plan check] in plan/check.py
     return PlanFields(
         spec=spec,
         model=model,

@@ -25,16 +25,16 @@ from wrapopt.errors import PlanError, PlanMismatchError
 from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.plan.apply import apply_plan
+from wrapopt.plan.check import check_plan
 from wrapopt.plan.fields import PLAN_FORMAT, read_plan_fields
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
 from wrapopt.plan.pipeline import PipelineRun, apply_pipeline
 from wrapopt.plan.schema import plan_schema, schema_errors
 from wrapopt.spec import CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
-from wrapopt.units import validate_plan
 from wrapopt.version import __version__
 
-__all__ = ["WrapPlan", "PLAN_FORMAT", "plan_schema", "schema_errors"]
+__all__ = ["WrapPlan", "PLAN_FORMAT", "plan_schema", "schema_errors", "current_plan_loader"]
 
 
 def _version() -> str:
@@ -64,6 +64,8 @@ class WrapPlan:
     # The training step it was scored for; None in files from before it was recorded.
     # When set, ``mixed_precision`` repeats its dtypes (what FSDP1 exports and old readers use).
     train: TrainConfig | None = None
+    # The file it was read from (``load``, ``from_json``), for messages; "" for a plan made in memory.
+    source: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.train is not None:
@@ -148,9 +150,8 @@ class WrapPlan:
         """A plan (or its file) to apply instead of searching, checked against ``model`` and its traced
         ``graph``; None: search."""
         given = cls.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-        if given is not None:
-            given.check_model(model)
-            validate_plan(graph, given.spec)  # a hand-written plan may part a module from its parameters' user
+        if given is not None:  # a hand-written plan may part a module from its parameters' user
+            check_plan(given, model=model, graph=graph)  # See [Note: one plan check] in plan/check.py
         return given
 
     @classmethod
@@ -166,7 +167,7 @@ class WrapPlan:
         f = read_plan_fields(data, source=source)
         return cls(spec=f.spec, model=f.model, prediction=f.prediction, fabric=f.fabric, baselines=f.baselines,
                    mixed_precision=f.mixed_precision, created=f.created, wrapopt_version=f.wrapopt_version,
-                   assumptions=f.assumptions, train=f.train)
+                   assumptions=f.assumptions, train=f.train, source=source)
 
     # -- checking and applying --------------------------------------------------------
 
@@ -248,8 +249,7 @@ class WrapPlan:
         """
 
         with every_rank("checking the plan file against the model"):  # See [Note: every rank explains]
-            if strict:
-                self.check_model(model)
+            check_plan(self, model=model if strict else None)  # See [Note: one plan check] in plan/check.py
             mp = self.train_config.mixed_precision()
             if train is not None:
                 differ = self.train_config.differences(train)
@@ -324,6 +324,20 @@ class WrapPlan:
         the units this plan checkpoints."""
 
         return fsdp1_checkpoint_fn(self.spec, model)
+
+
+def current_plan_loader(model: nn.Module, graph: Any, mesh: MeshSpec) -> Callable[[str], tuple[Any, int | None]]:
+    """``load_plan`` for ``search --current FILE`` (``parse_current``): the file read and checked
+    against the model, its trace and the search's mesh (See [Note: one plan check] in
+    plan/check.py); returns its ``PlanSpec`` and recorded micro-batch."""
+
+    def load(path: str) -> tuple[Any, int | None]:
+        plan = WrapPlan.load(path)
+        check_plan(plan, model=model, graph=graph, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node,
+                   given="the search's --world-size")
+        return plan.spec, plan.micro_batch
+
+    return load
 
 
 def _module_of(param: str) -> str:
