@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from wrapopt.cost.simulate import Simulator
-from wrapopt.errors import InfeasibleError
+from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.baselines import smallest_plan
 from wrapopt.search.driver import SearchResult
 from wrapopt.search.strategy import Scored, SearchOptions
@@ -44,8 +44,13 @@ from wrapopt.tp import TPSpec
 
 __all__ = ["BatchSplit", "BatchRow", "BatchSearch", "batch_splits", "check_global_batch", "batch_scale",
            "search_batch", "global_batch_search", "score_splits", "train_for", "recorded_scale", "plan_scale",
-           "nearest_batches", "REFINE"]
+           "nearest_batches", "divisors", "REFINE"]
 
+# [Note: a micro-batch past counting] A global batch of 10**12 sequences has splits whose
+# micro-batch is 10**11 sequences: the simulator's byte counts (int64, as numpy holds them) overflow
+# before any budget is compared. Such a split is no plan on any device: it is skipped with
+# ``TOO_LARGE``, and so is every larger micro-batch of its degree.
+TOO_LARGE = "skipped: too large to price (its byte counts pass 2**63)"
 REFINE = 2  # splits that get the whole search after the screen: See [Note: global batch search]
 SCREEN_MAX_GROUP = 2  # the screen's largest group of blocks in one unit (the whole search keeps the asked one)
 
@@ -106,10 +111,36 @@ def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int]) -> tuple[BatchSpl
         if batch.sequences % dp:
             continue
         per_rank = batch.sequences // dp
-        for m in range(1, per_rank + 1):
-            if per_rank % m == 0 and micro_batch in (None, m) and accumulation in (None, per_rank // m):
+        for m in divisors(per_rank):
+            if micro_batch in (None, m) and accumulation in (None, per_rank // m):
                 out.append(BatchSplit(tp, m, per_rank // m, dp))
     return tuple(out)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (at least 1), ascending.
+
+    [Note: divisors, not a scan] A global batch is a user's number and may be 10**12: a scan of
+    every micro-batch size up to it spins for minutes. ``n`` is factored by trial division up to
+    the square root of what is left (each prime found shrinks the rest; 10**12 factors in a few
+    steps, a prime near 10**12 in 10**6 steps) and the divisors are built from the factors, so
+    the cost is the number of divisors plus the factoring, not ``n``."""
+    factors: list[tuple[int, int]] = []
+    rest, p = n, 2
+    while p * p <= rest:
+        if rest % p == 0:
+            k = 0
+            while rest % p == 0:
+                rest //= p
+                k += 1
+            factors.append((p, k))
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors.append((rest, 1))
+    out = [1]
+    for prime, k in factors:
+        out = [d * prime**e for d in out for e in range(k + 1)]
+    return sorted(out)
 
 
 def check_global_batch(batch: GlobalBatch, dp_sizes: dict[int, int]) -> tuple[BatchSplit, ...]:
@@ -173,12 +204,12 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
         if split.micro_batch >= too_big.get(split.tp_size, math.inf):
             rows[split] = BatchRow(split, None, "skipped: a smaller micro-batch did not fit")
             continue
-        s = sims[split] = _sim(graph, sim, train, split, memory_budget)
-        if s.simulate(_smallest(graph, mesh, split, spec)).peak_bytes > limit:
-            too_big[split.tp_size] = split.micro_batch
-            rows[split] = BatchRow(split, None, "skipped: one unit per block, checkpointed, does not fit")
-            continue
         try:
+            s = sims[split] = _sim(graph, sim, train, split, memory_budget)
+            if s.simulate(_smallest(graph, mesh, split, spec)).peak_bytes > limit:
+                too_big[split.tp_size] = split.micro_batch
+                rows[split] = BatchRow(split, None, "skipped: one unit per block, checkpointed, does not fit")
+                continue
             fsdp = replace(screen, shard_sizes=options.shard_sizes or (split.dp_size,))  # FSDP over the dp ranks
             res = _search(graph, s, mesh, split, spec, memory_budget, fsdp)
             rows[split] = BatchRow(split, res.best, "screen")
@@ -186,6 +217,9 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
             failed.append(f"{split.describe()}: {e}")
             too_big[split.tp_size] = split.micro_batch
             rows[split] = BatchRow(split, None, "skipped: nothing fits")
+        except OverflowError:  # See [Note: a micro-batch past counting]
+            too_big[split.tp_size] = split.micro_batch
+            rows[split] = BatchRow(split, None, TOO_LARGE)
     ranked = sorted((r for r in rows.values() if r.best is not None), key=lambda r: r.best.estimate.step_s)
     if not ranked:
         raise InfeasibleError(failed[0] if failed else (
@@ -235,13 +269,28 @@ def score_splits(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: Par
     splits = check_global_batch(batch, {plan.mesh.tp_size: plan.mesh.dp_size})
     limit = float(memory_budget) if memory_budget else float("inf")
     rows, sims = [], {}
-    for split in splits:
-        s = sims[split] = _sim(graph, sim, train, split, memory_budget)
-        est = s.simulate(plan)
-        rows.append(BatchRow(split, Scored(plan, est, est.peak_bytes <= limit), "scored"))
-    fitting = [r for r in rows if r.best.fits]
+    over = False  # a smaller micro-batch is over the budget: the plan's peak grows with the micro-batch
+    for split in sorted(splits, key=lambda sp: sp.micro_batch):
+        if over:
+            rows.append(BatchRow(split, None, "skipped: a smaller micro-batch did not fit"))
+            continue
+        try:
+            s = _sim(graph, sim, train, split, memory_budget)
+            est = s.simulate(plan)
+        except OverflowError:  # See [Note: a micro-batch past counting]
+            rows.append(BatchRow(split, None, TOO_LARGE))
+            over = True
+            continue
+        sims[split] = s
+        over = est.peak_bytes > limit
+        rows.append(BatchRow(split, Scored(plan, est, not over), "scored"))
+    scored = [r for r in rows if r.best is not None]
+    if not scored:
+        raise OptionError(f"global batch {request.batch.sequences}: even micro-batch {rows[0].split.micro_batch} "
+                          f"is {TOO_LARGE.removeprefix('skipped: ')}; give a smaller --global-batch")
+    fitting = [r for r in scored if r.best.fits]
     pick = (min(fitting, key=lambda r: r.best.estimate.step_s) if fitting
-            else min(rows, key=lambda r: r.best.estimate.peak_bytes))
+            else min(scored, key=lambda r: r.best.estimate.peak_bytes))
     return pick.split, sims[pick.split], tuple(rows)
 
 

@@ -35,10 +35,11 @@ from wrapopt.spec import SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, Paral
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 
 __all__ = ["CURRENT_FORMS", "DIMENSIONS", "Current", "Config", "ChoiceGain", "Comparison", "parse_current",
-           "compare_current"]
+           "compare_current", "current_sync"]
 
 # The choices compared one at a time, in the report's order.
-DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing", "pipeline")
+DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing", "gradient sync",
+              "pipeline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ class Current:
     text: str  # what the user wrote, for the report
     local_batch: int | None = None  # TorchTitan's training.local_batch_size, when said
     microbatches_said: bool = False  # a pipeline's micro-batch count was said (not set by the global batch)
+    sync: str | None = None  # "every" or "last" when said (or a plan file records it): See [Note: current sync]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +108,10 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     if text.lower().endswith(".json") or os.path.sep in text:
         if load_plan is None:
             raise _fail(text, "plan files are read by the CLI and optimize_wrap, not here")
-        plan, micro_batch = load_plan(text)
-        return Current(plan, micro_batch, text, microbatches_said=plan.pipeline is not None)
+        loaded = load_plan(text)  # (plan, micro-batch), or with the sync mode the file records
+        plan, micro_batch = loaded[0], loaded[1]
+        return Current(plan, micro_batch, text, microbatches_said=plan.pipeline is not None,
+                       sync=loaded[2] if len(loaded) > 2 else None)
     if not text:
         raise _fail(text, "nothing given")
     base = baselines(graph, mesh)
@@ -156,7 +160,7 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     plan = replace(plan, units=units, label=f"current: {text}")
     if tp > 1:
         plan = lift_plan(plan, tp, spec)
-    return Current(plan, micro_batch, text, local_batch=local_batch)
+    return Current(plan, micro_batch, text, local_batch=local_batch, sync=said.get("sync"))
 
 
 def _pipeline(text: str, graph: ModelGraph, mesh: MeshSpec, said: dict, units_name: str,
@@ -193,6 +197,10 @@ _COUNTS = (
     ("pp", r"(?:pp|pipeline(?:-parallel)?(?:[- ]degree)?)\s*[=:]?\s*(\d+)"),
     ("virtual", r"(\d+) (?:virtual )?stages? per rank|(?:virtual )?stages per rank\s*[=:]?\s*(\d+)"),
 )
+# Gradient sync under accumulation: See [Note: current sync]
+_SYNC = {"sync every": "every", "sync every micro-batch": "every", "sync each micro-batch": "every",
+         "sync last": "last", "sync last micro-batch": "last", "sync on the last micro-batch": "last",
+         "no sync": "last", "no-sync": "last", "nosync": "last"}
 _NO_AC = ("no ac", "no ckpt", "no checkpointing", "ac none", "none ac", "no activation checkpointing")
 _FULL_AC = ("full ac", "ac", "ckpt", "full ckpt", "checkpointing", "full checkpointing", "ac full",
             "full activation checkpointing")
@@ -210,16 +218,36 @@ _SWITCHES = {"async tp": ("async_tp", True), "async-tp": ("async_tp", True), "no
 
 def _read_items(text: str, base: dict) -> dict:
     """The fields the description's items say (``units``, ``ckpt`` (0 none, -1 selective-op, K every
-    K-th block), ``reshard``, ``schedule`` and the counts of ``_COUNTS``)."""
+    K-th block), ``reshard``, ``schedule`` and the counts of ``_COUNTS``).
+
+    [Note: one item per field] Each field is said once: two items that say it differently ("full
+    AC, no AC", "reshard, no reshard", "tp 2, tp 4", "sp, no sp") are refused naming both, since
+    either could be the job's and letting the later one win scores a configuration the user may
+    not run. The same value said twice ("full AC, ckpt") is one statement. A description with no
+    item (empty, or only commas) is refused: the comparison would be against FSDP2's defaults,
+    which the user did not say."""
     said: dict = {}
-    for raw in (s for s in re.split(r"[,;]", text) if s.strip()):
+    where: dict[str, str] = {}  # field (or switch) -> the item that said it: See [Note: one item per field]
+    items = [s for s in re.split(r"[,;]", text) if s.strip()]
+    if not items:
+        raise _fail(text, "no item between the commas")
+
+    def settle(field: str, value: object, raw: str) -> None:
+        if field in where and said.get(field, said.get("switches", {}).get(field)) != value:
+            raise _fail(text, f"{where[field]!r} and {raw.strip()!r} contradict each other: keep one")
+        where.setdefault(field, raw.strip())
+
+    for raw in items:
         item = " ".join(raw.lower().replace("_", "-").split())
         found: tuple[str, object] | None = None
         if item in base:
             found = ("units", item)
         elif item in _NO_AC or item in _FULL_AC or item in _SELECTIVE_AC:
             found = ("ckpt", 0 if item in _NO_AC else 1 if item in _FULL_AC else -1)
+        elif item in _SYNC:
+            found = ("sync", _SYNC[item])
         elif item in _SWITCHES:
+            settle(*_SWITCHES[item], raw)
             said.setdefault("switches", {}).update([_SWITCHES[item]])
             said.setdefault("switch_words", []).append(raw.strip())
             continue
@@ -241,6 +269,7 @@ def _read_items(text: str, base: dict) -> dict:
             if schedule is None:
                 raise _fail(text, f"cannot read {raw.strip()!r}")
             found = ("schedule", schedule)
+        settle(found[0], found[1], raw)
         said[found[0]] = found[1]
     return said
 
@@ -302,6 +331,13 @@ def _describe_units(plan: PlanSpec) -> str:
 # micro-batch (the plan file's, or the description's, default 1, as TorchTitan's
 # pipeline_parallel_microbatch_size). A pipeline's micro-batches are its accumulation, so a local
 # batch said must be ``N / dp``.
+# [Note: current sync] A plain FSDP2 loop with gradient accumulation reduce-scatters after every
+# micro-batch: ``no_sync`` (``set_requires_gradient_sync(False)``) is something a job adds. So the
+# current configuration, and each choice applied alone to it, is scored syncing every micro-batch
+# unless told otherwise: ``sync last`` / ``no sync`` in the description, the sync mode a plan file
+# records, or ``--sync`` (which sets the search's too). The search's own plan keeps the mode the
+# search chose for it. Scoring the current job in the faster mode that fits (as the search scores
+# its own plans) would credit it with a no-sync loop it may not run, and shrink the gain shown.
 def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen: PlanSpec, *,
                     request: ParallelRequest, chosen_micro_batch: int | None,
                     chosen_estimate: CostEstimate | None = None) -> Comparison:
@@ -312,6 +348,7 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
     current configuration]."""
     train, global_batch = request.train, request.global_batch
     traced = graph.batch_size or 1
+    cur_sync = current_sync(current, request)  # See [Note: current sync]
 
     def split_of(plan: PlanSpec, mb: int | None) -> tuple[int, int] | None:
         mb = mb or traced
@@ -320,11 +357,11 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         per = mb * plan.mesh.dp_size
         return (mb, global_batch // per) if global_batch % per == 0 else None
 
-    def score(plan: PlanSpec, mb: int | None) -> Config | None:
+    def score(plan: PlanSpec, mb: int | None, sync: str | None = cur_sync) -> Config | None:
         sp = split_of(plan, mb)
         if sp is None:
             return None
-        t = replace(train, grad_accumulation=sp[1])
+        t = replace(train, grad_accumulation=sp[1], accumulation_sync=sync)
         opts = t.sim_options(batch_scale=batch_scale(sp[0], traced, plan.mesh.tp_size),
                              memory_budget=sim.options.memory_budget_bytes)  # offload: the plan's own field
         est = Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host).simulate(plan)
@@ -333,7 +370,7 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
     pipe = chosen.pipeline
     if current.plan.pipeline is not None:  # See [Note: the current configuration and a pipeline]
         whole = (Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate) if pipe is not None
-                 else score(chosen, chosen_micro_batch))
+                 else score(chosen, chosen_micro_batch, train.accumulation_sync))
         assert whole is not None, "the search's own split divides its global batch"
         return _whole(_score_pipeline(graph, sim, current, request), whole, current.text)
     cur_mb = current.micro_batch
@@ -352,7 +389,7 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         assert chosen_estimate is not None, "a pipeline plan is compared with the search's own estimate"
         return _whole(cur, Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate),
                       current.text)
-    best = score(chosen, chosen_micro_batch)
+    best = score(chosen, chosen_micro_batch, train.accumulation_sync)  # the search's own mode
     assert best is not None, "the search's own split divides its global batch"
     cp, bp = current.plan, chosen
     gains: list[ChoiceGain] = []
@@ -381,7 +418,20 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         _take(cp, bp, reshard=True, checkpoint=False), cur.micro_batch)
     add("checkpointing", _describe_ckpt(cp), _describe_ckpt(_take(cp, bp, reshard=False, checkpoint=True)),
         _take(cp, bp, reshard=False, checkpoint=True), cur.micro_batch)
+    best_sync = best.estimate.accumulation_sync
+    if cur.accumulation > 1 and best.accumulation > 1 and best_sync and best_sync != cur_sync:
+        gains.append(ChoiceGain("gradient sync", _SYNC_WORDS[cur_sync], _SYNC_WORDS[best_sync],
+                                score(cp, cur.micro_batch, best_sync)))
     return Comparison(cur, best, tuple(gains), current.text)
+
+
+_SYNC_WORDS = {"every": "every micro-batch", "last": "last micro-batch (no-sync)"}
+
+
+def current_sync(current: Current, request: ParallelRequest) -> str:
+    """The sync mode the current configuration is scored in: said, else ``--sync``, else every
+    micro-batch (See [Note: current sync])."""
+    return current.sync or request.train.accumulation_sync or "every"
 
 
 def _whole(cur: Config, chosen: Config, text: str) -> Comparison:

@@ -164,13 +164,19 @@ def search_plan(
             mine.append(s)
         rounds.append(Round(strategy, tuple(proposal.plans), tuple(mine), proposal.detail))
 
-    fitting = [s for s in scored if s.fits]
     if not scored:
         names = ", ".join(r.strategy.name for r in rounds) or "none"
         raise InfeasibleError(f"no search strategy proposed a plan for {graph.model_class} on {mesh.world_size} ranks "
                               f"(strategies run: {names}); run the registered ones (strategies=None)")
+    modes = problem.options.checkpoint_modes
+    allowed = [s for s in scored if _checkpoints_in(s.plan, modes)]  # See [Note: the modes asked bind the answer]
+    fitting = [s for s in allowed if s.fits]
     if not fitting:
-        raise InfeasibleError(_infeasible_message(sim, mesh, budget, scored))
+        if allowed:
+            raise InfeasibleError(_infeasible_message(sim, mesh, budget, allowed)
+                                  + _modes_clause(modes, [s for s in scored if s.fits]))
+        raise InfeasibleError(f"no plan proposed uses only the checkpointing {_mode_words(modes)} "
+                              "(--checkpoint-modes); add full to --checkpoint-modes")
     choice = choose(graph, fitting, budget)
     notes = tuple(sorted({n for s in scored for n in s.estimate.notes}))
     notes += tuple(f"{n} illegal plan(s) proposed by {name} skipped (validate_plan refused them)"
@@ -179,6 +185,31 @@ def search_plan(
     return SearchResult(best=choice.best, baselines=base, candidates=tuple(scored), memory_budget=budget, notes=notes,
                         pareto=_pareto(fitting), rounds=tuple(rounds), fastest=choice.fastest, why=choice.why,
                         blocks=tuple(graph.blocks))
+
+
+# [Note: the modes asked bind the answer] ``--checkpoint-modes`` (``SearchOptions.checkpoint_modes``)
+# says which activation checkpointing the job may use. The DP and the study choose only among them,
+# but reference plans (``per-block,ckpt``, the smallest-memory plans) checkpoint whatever the modes
+# say, so that the table shows them. They are scored and shown; the answer, the Pareto front and
+# the out-of-memory message are drawn only from plans whose every unit uses a mode asked for. When
+# none of those fits, the search says so, and names the checkpointed plans that would.
+def _checkpoints_in(plan: PlanSpec, modes: Sequence[bool | str]) -> bool:
+    """Whether every unit of ``plan`` checkpoints in one of ``modes``."""
+    return all(u.checkpoint in modes for u in plan.units)
+
+
+def _mode_words(modes: Sequence[bool | str]) -> str:
+    return ",".join({False: "none", True: "full"}.get(m, str(m)) if isinstance(m, bool) else str(m) for m in modes)
+
+
+def _modes_clause(modes: Sequence[bool | str], fitting_other: list[Scored]) -> str:
+    """The clause after the out-of-memory message when plans outside ``modes`` fit."""
+    if not fitting_other:
+        return ""
+    best = min(fitting_other, key=lambda s: s.estimate.step_s)
+    return (f" Only --checkpoint-modes {_mode_words(modes)} was searched; with checkpointing, "
+            f"{best.plan.label or 'a plan'} fits ({fmt_bytes(best.estimate.peak_bytes)}): add full to "
+            "--checkpoint-modes.")
 
 
 def _score_proposal(graph: ModelGraph, sim: Simulator, strategy: Strategy, plans: Sequence[PlanSpec], budget: float,
