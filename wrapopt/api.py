@@ -44,7 +44,7 @@ from wrapopt.plan.pipeline import PipelineRun, pipeline_kwargs
 from wrapopt.report.batch import batch_lines, format_batch
 from wrapopt.report.choice import format_report
 from wrapopt.report.pipeline import format_pipeline
-from wrapopt.report.estimate import EstimateReport, infer_model_flops, peak_rate, scale_flops
+from wrapopt.report.estimate import EstimateReport, step_work
 from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
@@ -410,13 +410,13 @@ def estimate(
     est = sim.simulate(spec)
     if train.grad_accumulation > 1:
         train = train.with_sync(est.accumulation_sync)
-    peak, source = peak_rate(comp, train.compute_dtype(model_dtype(model)))
+    work = step_work(model, example_inputs, graph, comp, accumulation=train.grad_accumulation,
+                     batch_scale=sim.options.batch_scale, compute_dtype=train.compute_dtype(model_dtype(model)))
     return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan",
                           num_units=len(spec.units), mesh=spec.mesh, train=train, fabric=fab.label,
                           compute=f"{comp.device} ({comp.kind})",
-                          estimate=est, flops=scale_flops(infer_model_flops(model, example_inputs, graph),
-                                                          sim.options.batch_scale), peak_flops_per_s=peak,
-                          peak_source=source, memory_budget=budget, notes=tuple(notes),
+                          estimate=est, flops=work.flops, peak_flops_per_s=work.peak_flops_per_s,
+                          peak_source=work.peak_source, memory_budget=budget, notes=tuple(notes),
                           model_dtype=model_dtype(model), budget_note=job.budget_note,
                           pipeline_microbatches=spec.pipeline.microbatches if spec.pipeline is not None else None)
 

@@ -11,6 +11,22 @@ tracer's forward FLOPs times 3 (forward + twice that in backward). The peak
 is the device's stated dense peak in the compute dtype for an analytical
 device, the measured matmul rate for a measured one (then MFU is against
 what this device achieves, not a datasheet).
+
+[Note: active parameters] In a mixture of experts a token runs through
+top-k of the n experts, so N counts the parameters a token uses: the stacked
+expert weights (``ModuleInfo.experts``, See [Note: experts on meta] in
+trace/ops.py) count k/n of their size. k is the router's: a ``top_k`` or
+``num_experts_per_tok`` on the experts module or a module above it, else the
+model config's ``num_experts_per_tok`` (Hugging Face); without one, the share
+the trace priced (the experts' forward FLOPs over 2 x tokens, at most the
+whole). Counting every expert would put a Mixtral (top-2 of 8) at 3-4x its
+MFU, past 100%.
+
+[Note: one step's work] Throughput and MFU are the model's work in one
+optimizer step on one GPU (one micro-batch's tokens and FLOPs times the
+accumulation) over a step time: ``StepWork``. ``estimate`` divides it by its
+plan's step, ``search`` by each row's, the rows of one table running the same
+global batch (their steps cover it all), so one formula serves both.
 """
 
 from __future__ import annotations
@@ -26,8 +42,8 @@ from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import CostEstimate, MeshSpec, ModelGraph
 
-__all__ = ["EstimateReport", "ModelFlops", "model_flops", "infer_model_flops", "peak_rate", "format_estimate",
-           "format_breakdown", "BREAKDOWN_NAMES", "scale_flops"]
+__all__ = ["EstimateReport", "ModelFlops", "StepWork", "model_flops", "active_expert_share", "infer_model_flops",
+           "peak_rate", "step_work", "format_estimate", "format_breakdown", "BREAKDOWN_NAMES", "scale_flops"]
 
 BREAKDOWN_NAMES = {
     "sharded_params": "sharded parameters",
@@ -44,7 +60,7 @@ BREAKDOWN_NAMES = {
 
 @dataclass(frozen=True, slots=True)
 class ModelFlops:
-    """The FLOPs one micro-batch of the model needs: See [Note: model FLOPs]."""
+    """The FLOPs one micro-batch of the model needs: See [Note: model FLOPs] and [Note: active parameters]."""
 
     flops: float  # forward + backward, one micro-batch on one rank
     tokens: int  # tokens in one micro-batch (0: not a token model)
@@ -53,14 +69,17 @@ class ModelFlops:
 
 
 def model_flops(graph: ModelGraph, *, non_embedding_params: int, tokens: int, seq_len: int, samples: int,
-                width: int) -> ModelFlops:
-    """See [Note: model FLOPs]; ``tokens == 0`` for a model without token inputs."""
+                width: int, inactive_params: int = 0, experts_note: str = "") -> ModelFlops:
+    """See [Note: model FLOPs]; ``tokens == 0`` for a model without token inputs. ``inactive_params``:
+    expert weights a token does not use, left out of N (See [Note: active parameters])."""
     if tokens and seq_len and width:
         layers = len(graph.blocks)
-        per_token = 6 * non_embedding_params + 12 * layers * width * seq_len
+        active = non_embedding_params - inactive_params
+        per_token = 6 * active + 12 * layers * width * seq_len
+        what = (f"{active:,} active parameters without embeddings ({experts_note})" if inactive_params
+                else f"{active:,} parameters without embeddings")
         return ModelFlops(per_token * tokens, tokens, samples,
-                          f"(6 N + 12 L d T) per token, N = {non_embedding_params:,} parameters without embeddings, "
-                          f"L = {layers} blocks, d = {width}, T = {seq_len}")
+                          f"(6 N + 12 L d T) per token, N = {what}, L = {layers} blocks, d = {width}, T = {seq_len}")
     fwd = sum(m.fwd_flops for m in graph.modules)
     return ModelFlops(3 * fwd, 0, samples, f"3 x the traced forward FLOPs ({fwd:.3g} per micro-batch)")
 
@@ -87,9 +106,58 @@ def infer_model_flops(model: nn.Module, example_inputs: tuple[Any, ...] | Any, g
     params = {id(p): p.numel() for p in model.parameters()}
     emb_ids = {id(m.weight) for m in embeds}
     width = max((m.embedding_dim for m in embeds), default=0)
+    tokens = first.numel() if token_model else 0
+    inactive, note = active_expert_share(model, graph, tokens) if tokens else (0, "")
     return model_flops(graph, non_embedding_params=sum(n for i, n in params.items() if i not in emb_ids),
-                       tokens=first.numel() if token_model else 0, seq_len=first.shape[1] if token_model else 0,
-                       samples=first.shape[0] if first is not None and first.dim() else 1, width=width)
+                       tokens=tokens, seq_len=first.shape[1] if token_model else 0,
+                       samples=first.shape[0] if first is not None and first.dim() else 1, width=width,
+                       inactive_params=inactive, experts_note=note)
+
+
+_TOP_K = ("top_k", "num_experts_per_tok")  # what routers call the experts a token uses
+
+
+def _top_k(model: nn.Module, fqn: str) -> int | None:
+    """The experts per token of the experts module ``fqn``: its own or an ancestor's ``top_k`` /
+    ``num_experts_per_tok``, else the model config's. See [Note: active parameters]."""
+    parts = fqn.split(".") if fqn else []
+    for i in range(len(parts), -1, -1):
+        try:
+            mod = model.get_submodule(".".join(parts[:i]))
+        except AttributeError:
+            continue
+        for where in (mod, getattr(mod, "config", None)):
+            for name in _TOP_K:
+                k = getattr(where, name, None)
+                if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+                    return k
+    return None
+
+
+def active_expert_share(model: nn.Module, graph: ModelGraph, tokens: int) -> tuple[int, str]:
+    """The stacked expert weights a token does not use (parameters), and how the experts were
+    counted ("experts: top-2 of 8"). See [Note: active parameters]."""
+    inactive, ks = 0, set()
+    for info in graph.modules:
+        if not info.experts:
+            continue
+        n = info.experts
+        try:
+            mod = model.get_submodule(info.fqn)
+        except AttributeError:
+            continue
+        stacked = sum(p.numel() for p in mod.parameters(recurse=False) if p.dim() and p.shape[0] == n)
+        if not stacked:
+            continue
+        k = _top_k(model, info.fqn)
+        if k is not None:
+            used = stacked * min(k, n) / n
+            ks.add(f"top-{min(k, n)} of {n}")
+        else:  # the share the trace priced: 2 FLOPs per weight per routed token
+            used = min(stacked, info.fwd_flops / (2 * tokens)) if tokens else stacked
+            ks.add(f"{used / stacked * n:.2g} of {n} as traced")
+        inactive += int(round(stacked - used))
+    return inactive, ("experts: " + ", ".join(sorted(ks))) if ks else ""
 
 
 # Integer inputs that come with a token sequence without being another one (a Hugging Face causal or
@@ -114,6 +182,56 @@ def peak_rate(compute: ComputeProfile, dtype: str) -> tuple[float, str]:
     source = (f"stated dense {dtype} peak" if compute.meta.get("peak_flops_per_s")
               else "the measured matmul rate" if compute.kind == "measured" else "the stated achieved rate")
     return float(peak), source
+
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """The model's work in one optimizer step on one GPU: what throughput and MFU divide by a
+    step time. See [Note: one step's work]."""
+
+    flops: ModelFlops  # one micro-batch on one GPU
+    accumulation: int  # micro-batches per step
+    peak_flops_per_s: float
+    peak_source: str
+
+    def tokens_per_s(self, step_s: float) -> float:
+        """Per GPU (0 for a model without token inputs)."""
+        return self.flops.tokens * self.accumulation / step_s
+
+    def samples_per_s(self, step_s: float) -> float:
+        """Per GPU."""
+        return self.flops.samples * self.accumulation / step_s
+
+    def mfu(self, step_s: float) -> float:
+        return self.flops.flops * self.accumulation / step_s / self.peak_flops_per_s
+
+    def rate(self, step_s: float) -> str:
+        """"6,331 tok/s  37.0%": per GPU, and MFU (samples/s without token inputs)."""
+        speed = (f"{self.tokens_per_s(step_s):,.0f}" if self.flops.tokens else f"{self.samples_per_s(step_s):,.2f}")
+        return f"{speed:>10} {self.mfu(step_s) * 100:5.1f}%"
+
+    def rate_head(self) -> str:
+        return f"{'tok/s/GPU' if self.flops.tokens else 'smp/s/GPU':>10} {'MFU':>6}"
+
+    def legend(self) -> str:
+        """What the rate columns measure, one line."""
+        what = "tokens" if self.flops.tokens else "samples"
+        return (f"{what}/s per GPU and MFU against {self.peak_flops_per_s / 1e12:,.1f} TFLOP/s ({self.peak_source}); "
+                f"model FLOPs {self.flops.formula}")
+
+    def to_json(self, step_s: float) -> dict[str, float | None]:
+        return {"tokens_per_s_per_gpu": self.tokens_per_s(step_s) or None,
+                "samples_per_s_per_gpu": self.samples_per_s(step_s), "mfu": self.mfu(step_s)}
+
+
+def step_work(model: nn.Module, example_inputs: tuple[Any, ...] | Any, graph: ModelGraph, compute: ComputeProfile,
+              *, accumulation: int, batch_scale: float, compute_dtype: str) -> StepWork:
+    """One optimizer step's work on one GPU at ``batch_scale`` times the traced micro-batch
+    (``SimOptions.batch_scale``), against ``compute``'s peak in ``compute_dtype``: See
+    [Note: one step's work]."""
+    peak, source = peak_rate(compute, compute_dtype)
+    return StepWork(scale_flops(infer_model_flops(model, example_inputs, graph), batch_scale), accumulation, peak,
+                    source)
 
 
 @dataclass(frozen=True)
@@ -142,18 +260,23 @@ class EstimateReport:
         return self.estimate.step_s
 
     @property
+    def work(self) -> StepWork:
+        """See [Note: one step's work]."""
+        return StepWork(self.flops, self.train.grad_accumulation, self.peak_flops_per_s, self.peak_source)
+
+    @property
     def tokens_per_s(self) -> float:
         """Per GPU (0 for a model without token inputs)."""
-        return self.flops.tokens * self.train.grad_accumulation / self.step_s
+        return self.work.tokens_per_s(self.step_s)
 
     @property
     def samples_per_s(self) -> float:
         """Per GPU."""
-        return self.flops.samples * self.train.grad_accumulation / self.step_s
+        return self.work.samples_per_s(self.step_s)
 
     @property
     def mfu(self) -> float:
-        return self.flops.flops * self.train.grad_accumulation / self.step_s / self.peak_flops_per_s
+        return self.work.mfu(self.step_s)
 
     @property
     def fits(self) -> bool:
