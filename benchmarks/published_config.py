@@ -115,7 +115,7 @@ def search_config(pred: Predictor, row: PublishedRow, *, max_group: int) -> Conf
 def why_kind(why: str) -> str:
     """The case of ``choose`` a search's ``why`` line names: per-block, beats per-block by more
     than the error, or per-block does not fit (See [Note: plans within the error])."""
-    if why.startswith("per-block:"):
+    if why.startswith("per-block") and ": nothing beats it" in why:  # "per-block with 3 of 8 blocks checkpointed: ..."
         return "per-block"
     if why.startswith("beats per-block by"):
         return "beats per-block by " + why.split("beats per-block by ", 1)[1].split(" ", 1)[0]

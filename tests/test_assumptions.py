@@ -99,8 +99,10 @@ def test_batch_stated_is_the_simulated_one(gpt):
     assert one.batch == 4 and two.batch == 8 and two.traced_batch == 4
     assert two.loss_saved_bytes == 2 * one.loss_saved_bytes
     assert est2.peak_bytes > est1.peak_bytes
-    assert _line(one, "batch") == "  batch:      4 per rank x 64 tokens"
-    assert "8 per rank x 64 tokens (traced at 4, scaled x2)" in _line(two, "batch")
+    assert _line(one, "batch") == ("  batch:      4 sequences x 64 tokens per data-parallel rank "
+                                   "(TorchTitan's local_batch_size)")
+    assert "8 sequences x 64 tokens per data-parallel rank" in _line(two, "batch")
+    assert "(traced at 4 sequences per GPU, the simulator scaled to this)" in _line(two, "batch")
 
 
 def test_budget_and_its_source_are_stated(gpt):

@@ -19,6 +19,16 @@ than ``LOSS_SHARE_WARN`` of the chosen plan's predicted peak, the block says
 so and gives that plan's peak re-simulated under the smallest plausible
 loss, the bound a user with a leaner loss can expect.
 
+[Note: batch per data-parallel rank] The simulator's batch is per GPU (the
+traced batch x ``SimOptions.batch_scale``); under tensor parallelism t GPUs
+share one data-parallel rank's sequences, so a GPU's share is 1/t of them
+and reads as a fraction ("0.25 per rank"). The batch line speaks as
+TorchTitan's ``local_batch_size`` does instead: sequences per data-parallel
+rank per micro-batch, the GPU's share x t; for a pipeline (whose simulator
+reads the scale as the rank's share of the pipeline's batch x accumulation,
+cost/pipeline.py's ``stage_options``) the pipeline's sequences, in its
+micro-batches. A step covers the micro-batches x data-parallel ranks.
+
 A new step option adds a field with a default here and a line in
 ``lines()``; a reader of a plan file ignores fields it does not know
 (``from_json``).
@@ -26,12 +36,13 @@ A new step option adds a field with a default here and a line in
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from wrapopt.fileio import fmt_bytes
 from wrapopt.losses import MEAN_SQUARE_HINT
-from wrapopt.spec import ModelGraph, SimOptions
+from wrapopt.spec import ModelGraph, PlanSpec, SimOptions
 
 __all__ = ["Assumptions", "state_assumptions", "LOSS_SHARE_WARN", "SMALLEST_LOSS"]
 
@@ -67,6 +78,10 @@ class Assumptions:
     grad_accumulation: int = 1
     peak_bytes: int = 0  # the chosen plan's predicted peak (0: not known)
     smallest_loss_peak_bytes: int | None = None  # the same plan under the smallest plausible loss, when stated
+    # The plan's shape, to state the batch per data-parallel rank: See [Note: batch per data-parallel rank].
+    tp_size: int = 1
+    pp_size: int = 1
+    pipeline_microbatches: int = 0  # 0: no pipeline
 
     @property
     def loss_share(self) -> float:
@@ -94,17 +109,40 @@ class Assumptions:
         out.append(f"  optimizer:  {self.optimizer}, {states}")
         out.append(f"  precision:  parameters {self.param_dtype}; all-gathered in {_dtype(self.gather_bytes)}, "
                    f"gradients reduced in {_dtype(self.reduce_bytes)}")
-        batch = f"{self.batch:g} per rank" + (f" x {self.seq} tokens" if self.seq else "")
-        if self.batch != self.traced_batch:
-            batch += f" (traced at {self.traced_batch}, scaled x{self.batch / max(1, self.traced_batch):g})"
-        if self.grad_accumulation > 1:
-            batch += f", {self.grad_accumulation} micro-batches per step"
-        out.append(f"  batch:      {batch}")
+        out.append(f"  batch:      {self.batch_line()}")
         budget = "none" if self.memory_budget_bytes is None else f"{fmt_bytes(self.memory_budget_bytes)} per rank"
         out.append(f"  memory:     {budget} ({self.memory_budget_source})")
         kind = "measured" if self.fabric_kind == "measured" else f"{self.fabric_kind}: stated numbers, not measured"
         out.append(f"  fabric:     {self.fabric}, {kind}; compute: {self.compute}")
         return out
+
+    @property
+    def micro_batch(self) -> float:
+        """Sequences per data-parallel rank (a pipeline: per pipeline) in one micro-batch, TorchTitan's
+        ``local_batch_size`` (a pipeline's: over all its micro-batches, below). See [Note: batch per
+        data-parallel rank]."""
+        if self.pipeline_microbatches:
+            return (self.batch * self.tp_size * self.pp_size * self.grad_accumulation
+                    / self.pipeline_microbatches)
+        return self.batch * self.tp_size
+
+    def batch_line(self) -> str:
+        """The batch in sequences per data-parallel rank: "2 sequences x 8192 tokens per data-parallel rank
+        (TorchTitan's local_batch_size), 8 micro-batches per step". See [Note: batch per data-parallel rank]."""
+        tokens = f" x {self.seq} tokens" if self.seq else ""
+        mb = self.micro_batch
+        if self.pipeline_microbatches:
+            count = self.pipeline_microbatches * self.grad_accumulation
+            line = (f"{_seqs(mb * self.pipeline_microbatches)}{tokens} per pipeline (TorchTitan's local_batch_size), "
+                    f"in micro-batches of {_seqs(mb)}, {count} per step")
+        else:
+            line = (f"{_seqs(mb)}{tokens} per data-parallel rank (TorchTitan's local_batch_size)"
+                    + (f", {self.grad_accumulation} micro-batches per step" if self.grad_accumulation > 1 else ""))
+        if self.tp_size > 1:
+            line += f"; the {self.tp_size} tensor-parallel GPUs of a data-parallel rank share its sequences"
+        if not math.isclose(self.batch, self.traced_batch):
+            line += f" (traced at {_seqs(self.traced_batch)} per GPU, the simulator scaled to this)"
+        return line
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +158,7 @@ def state_assumptions(
     graph: ModelGraph,
     options: SimOptions,
     *,
+    plan: PlanSpec | None = None,
     memory_budget: float | None,
     memory_budget_source: str,
     fabric: str,
@@ -164,7 +203,17 @@ def state_assumptions(
         grad_accumulation=options.grad_accumulation,
         peak_bytes=int(peak_bytes),
         smallest_loss_peak_bytes=None if smallest_loss_peak_bytes is None else int(smallest_loss_peak_bytes),
+        tp_size=plan.mesh.tp_size if plan is not None else 1,
+        pp_size=plan.mesh.pp_size if plan is not None else 1,
+        pipeline_microbatches=plan.pipeline.microbatches if plan is not None and plan.pipeline is not None else 0,
     )
+
+
+def _seqs(n: float) -> str:
+    """``n`` sequences: "1 sequence", "8 sequences", "0.5 sequences" (a fraction only where the
+    simulator ran one: a traced batch not scaled to whole sequences)."""
+    n = round(n, 6)
+    return f"{n:g} sequence" + ("" if n == 1 else "s")
 
 
 def _dtype(nbytes: float) -> str:

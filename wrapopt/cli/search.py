@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     from wrapopt.api import plan_model, prepare
     from wrapopt.evaluation.pictures import pictures_json, write_pictures
     from wrapopt.report.batch import format_batch
-    from wrapopt.report.choice import format_report, format_search, format_sync
+    from wrapopt.report.choice import format_report, format_search, format_sync, rates_json
+    from wrapopt.report.estimate import step_work
     from wrapopt.plan.file import current_plan_loader
     from wrapopt.report.current import current_json, format_current
     from wrapopt.report.pipeline import format_pipeline
@@ -195,11 +196,15 @@ def run(args: argparse.Namespace) -> int:
     compared = None if current is None else compare_current(
         graph, sim, current, plan.spec, request=request, chosen_micro_batch=plan.train_config.micro_batch,
         chosen_estimate=result.best.estimate)
+    # Throughput and MFU of every row: one step's work over its step (See [Note: one step's work]).
+    work = step_work(model, src.inputs, graph, compute, accumulation=train.grad_accumulation,
+                     batch_scale=sim.options.batch_scale, compute_dtype=train.compute_dtype(model_dtype(model)))
     syncs = None  # under gradient accumulation, the choice scored with each sync mode
     if train.grad_accumulation > 1:
         syncs = both_syncs(result, graph, sim, train, budget)
     if args.json:
         out = _plan_json(plan, result, job.budget_note, syncs)
+        out["search"]["rates"] = rates_json(result, work)
         if compared is not None:
             out["search"]["current"] = current_json(compared)
         print(json.dumps(out, indent=1))
@@ -208,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         count = plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
         print(f"training: {plan.train_config.describe(model_dtype(model), pipeline_microbatches=count)}")
         print("".join(f"note: {n}\n" for n in src.notes), end="")
-        print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions))
+        print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions, work=work))
         print(format_search(result))
         print(format_sync(result, train, budget, syncs))
         if result.batch_rows:

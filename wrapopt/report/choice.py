@@ -11,13 +11,14 @@ from typing import Any, Sequence
 from wrapopt.assumptions import Assumptions
 from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.report.estimate import format_breakdown
+from wrapopt.report.estimate import StepWork, format_breakdown
 from wrapopt.report.pipeline import describe_stages
-from wrapopt.search.driver import ERROR_SOURCE, SearchResult
+from wrapopt.search.driver import ERROR_SOURCE, Scored, SearchResult
 from wrapopt.spec import CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
 
-__all__ = ["format_report", "format_search", "search_json", "format_sync", "sync_json", "units_summary"]
+__all__ = ["format_report", "format_search", "search_json", "format_sync", "sync_json", "units_summary", "rates_json",
+           "sync_lines", "choice_why"]
 
 _SYNC_MODE = {"last": "last (no-sync until the last micro-batch)", "every": "every micro-batch"}
 
@@ -32,30 +33,76 @@ def _fabric_lines(result: SearchResult, fabric: FabricProfile, compute: ComputeP
     ]
 
 
+def _sync(s: Scored) -> str:
+    """A row's gradient sync mode under accumulation ("every" / "last"); "" without accumulation."""
+    return s.estimate.accumulation_sync or ""
+
+
+def sync_lines(rows: Sequence[Scored], indent: str = "", *, legend: bool = True) -> list[str]:
+    """Under gradient accumulation, what the rows' sync column means (``legend``), and which rows
+    differ from the first (the chosen plan's): their steps and peaks are not at the same mode."""
+    modes = [(s.plan.label or "wrapopt", _sync(s)) for s in rows if _sync(s)]
+    if not modes:
+        return []
+    out = [] if not legend else [
+        f"{indent}sync: every = reduce-scatter after each micro-batch (a plain FSDP2 loop); last = no-sync until the "
+        "last micro-batch, holding unsharded gradients; each row in the faster mode that fits unless --sync fixes one"]
+    ref = modes[0][1]
+    differ = [label for label, m in modes if m != ref]
+    if differ:
+        out.append(f"{indent}! rows not at the first row's sync ({ref}): {', '.join(differ[:6])}"
+                   + (f" (+{len(differ) - 6} more)" if len(differ) > 6 else "")
+                   + "; their step and peak are at the other mode (compare at one with --sync every or --sync last)")
+    return out
+
+
 def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeProfile, mesh: MeshSpec,
-                  measured: dict[str, Any] | None = None, *, assumptions: Assumptions | None = None) -> str:
+                  measured: dict[str, Any] | None = None, *, assumptions: Assumptions | None = None,
+                  work: StepWork | None = None) -> str:
     """A text table: the chosen plan and every baseline, predicted time and memory (and the
-    ``measured`` ones, by plan label, when given), then the assumptions the prediction rests on."""
+    ``measured`` ones, by plan label, when given), then the assumptions the prediction rests on.
+    With ``work`` (See [Note: one step's work] in report/estimate.py), each row's throughput
+    and MFU beside its step; under gradient accumulation, each row's sync mode."""
     lines = _fabric_lines(result, fabric, compute, mesh)
-    head = f"{'':2}{'plan':34} {'units':>5} {'pred step':>10} {'exposed':>9} {'pred peak':>11} {'fits':>4}"
+    rows = [("*", result.best)] + [(" ", s) for s in result.baselines.values() if s.plan != result.best.plan]
+    syncs = any(_sync(s) for _, s in rows)
+    head = f"{'':2}{'plan':34} {'units':>5} {'pred step':>10}"
+    head += f" {work.rate_head()}" if work is not None else ""
+    head += f" {'exposed':>9} {'pred peak':>11} {'fits':>4}" + (f" {'sync':>5}" if syncs else "")
     if measured:
         head += f" {'meas step':>10} {'meas peak':>11}"
     lines += [head, "-" * len(head)]
-    rows = [("*", result.best)] + [(" ", s) for s in result.baselines.values() if s.plan != result.best.plan]
     for mark, s in rows:
         e = s.estimate
-        row = (f"{mark:2}{(s.plan.label or 'wrapopt')[:34]:34} {len(s.plan.units):5d} {e.step_s * 1e3:8.2f}ms "
-               f"{e.exposed_comm_s * 1e3:7.2f}ms {fmt_bytes(e.peak_bytes):>11} {'yes' if s.fits else 'NO':>4}")
+        row = f"{mark:2}{(s.plan.label or 'wrapopt')[:34]:34} {len(s.plan.units):5d} {e.step_s * 1e3:8.2f}ms"
+        row += f" {work.rate(e.step_s)}" if work is not None else ""
+        row += (f" {e.exposed_comm_s * 1e3:7.2f}ms {fmt_bytes(e.peak_bytes):>11} {'yes' if s.fits else 'NO':>4}"
+                + (f" {_sync(s):>5}" if syncs else ""))
         if measured:
             m = measured.get(s.plan.label)
             row += f" {m['step_s'] * 1e3:8.2f}ms {fmt_bytes(m['peak_bytes']):>11}" if m else f" {'-':>10} {'-':>11}"
         lines.append(row)
-    lines.append("* = wrapopt's choice" + (f": {result.why}" if result.why else ""))
+    why = choice_why(result)
+    lines.append("* = wrapopt's choice" + (f": {why}" if why else ""))
+    if work is not None:
+        lines.append(f"  {work.legend()}")
+    lines += sync_lines([s for _, s in rows], "  ")
     if result.notes:
         lines.append("notes: " + "; ".join(result.notes[:3]))
     if assumptions is not None:
         lines += assumptions.lines()
     return "\n".join(lines)
+
+
+def rates_json(result: SearchResult, work: StepWork | None) -> dict[str, Any] | None:
+    """Throughput and MFU of the choice and of each baseline, by label ("wrapopt" for the
+    choice); None without ``work``."""
+    if work is None:
+        return None
+    out = {"wrapopt": work.to_json(result.best.estimate.step_s)}
+    out.update({label: work.to_json(s.estimate.step_s) for label, s in result.baselines.items()})
+    return {"rows": out, "peak_flops_per_s": work.peak_flops_per_s, "peak_source": work.peak_source,
+            "flops_formula": work.flops.formula}
 
 
 def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]:
@@ -65,11 +112,11 @@ def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]
     pick = lambda s: None if s is None else {  # noqa: E731
         "label": s.plan.label, "shard_size": s.plan.mesh.shard_size, "tp_size": s.plan.mesh.tp_size,
         "num_units": len(s.plan.units), "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes,
-        "fits": s.fits}
+        "fits": s.fits, "sync": s.estimate.accumulation_sync}
     return {
         "memory_budget": None if result.memory_budget == float("inf") else result.memory_budget,
         "memory_budget_note": budget_line,
-        "why": result.why,
+        "why": choice_why(result),
         "units_summary": units_summary(result.best.plan, result.blocks),
         "fastest": pick(result.fastest),
         "dp_best": pick(result.dp_best),
@@ -124,11 +171,25 @@ def units_summary(plan: PlanSpec, blocks: Sequence[str]) -> str:
     return ", ".join(parts)
 
 
+def choice_why(result: SearchResult) -> str:
+    """``result.why`` with the tensor-parallel degree of the choice: the search chose the cut on
+    the data-parallel ranks' view ("per-block: nothing beats it ...") and the degree beside it
+    (``tp_tried``), so the line names both ("per-block + tp4: nothing beats it ...")."""
+    why, tp = result.why, result.best.plan.mesh.tp_size
+    if not why or tp == 1 or f"tp{tp}" in why:
+        return why
+    head, sep, rest = why.partition(": ")
+    if head.startswith("per-block") and rest.startswith("nothing beats it"):
+        return f"{head} + tp{tp}{sep}{rest}"
+    return f"{why} (at tp{tp})"
+
+
 def _sharding_kind(result: SearchResult) -> str:
     mesh = result.best.plan.mesh
     kind = ("FSDP over the world" if mesh.shard_size == mesh.world_size else "no sharding" if mesh.shard_size == 1
             else f"FSDP over each stage's {mesh.dp_size} data-parallel ranks"
             if mesh.pp_size > 1 and mesh.shard_size == mesh.dp_size
+            else f"FSDP over the {mesh.dp_size} data-parallel ranks" if mesh.shard_size == mesh.dp_size
             else f"HSDP: {mesh.replicate_size} replicas of a shard group of {mesh.shard_size}")
     if mesh.pp_size > 1:
         kind = f"pipeline of {mesh.pp_size} ranks ({describe_stages(result.best.plan)}); " + kind
@@ -147,8 +208,14 @@ def _tp_lines(result: SearchResult) -> list[str]:
     for label, s in result.tp_rows:
         e = s.estimate
         lines.append(f"  {label:<44} {e.step_s * 1e3:10.2f}ms {fmt_bytes(e.peak_bytes):>11} "
-                     f"{'fits' if s.fits else 'does not fit':<12} chosen/this {ref / e.step_s:5.3f}  {s.plan.label}")
-    return lines
+                     f"{'fits' if s.fits else 'does not fit':<12} chosen/this {ref / e.step_s:5.3f}{_sync_cell(s)}  "
+                     f"{s.plan.label}")
+    return lines + sync_lines([result.best] + [s for _, s in result.tp_rows], "  ", legend=False)
+
+
+def _sync_cell(s: Scored) -> str:
+    """`` sync every`` / `` sync last`` under gradient accumulation, else nothing."""
+    return f" sync {_sync(s):<5}" if _sync(s) else ""
 
 
 def _tp_tried_line(tried: Sequence[tuple[int, str]]) -> str:
@@ -163,10 +230,10 @@ def _pareto_lines(result: SearchResult) -> list[str]:
     lines = ["time-memory Pareto front (plans that fit; none is both faster and smaller than another):"]
     for s in result.pareto[:10]:
         lines.append(f"  {s.estimate.step_s * 1e3:9.2f}ms {fmt_bytes(s.estimate.peak_bytes):>11}  "
-                     f"shard {s.plan.mesh.shard_size:<5d} {len(s.plan.units):4d} units  {s.plan.label}")
+                     f"shard {s.plan.mesh.shard_size:<5d} {len(s.plan.units):4d} units{_sync_cell(s)}  {s.plan.label}")
     if len(result.pareto) > 10:
         lines.append(f"  ... {len(result.pareto) - 10} more")
-    return lines
+    return lines + sync_lines([result.best, *result.pareto[:10]], "  ", legend=False)
 
 
 def format_search(result: SearchResult) -> str:
@@ -176,7 +243,7 @@ def format_search(result: SearchResult) -> str:
     lines = [f"wrapopt's choice: {n} unit{'s' if n > 1 else ''}: {units_summary(best, result.blocks)}; "
              f"{_sharding_kind(result)}, forward prefetch {best.forward_prefetch}"]
     if result.why:
-        lines.append(f"why: {result.why}")
+        lines.append(f"why: {choice_why(result)}")
         fast = result.fastest
         if fast is not None and fast.plan != best:
             e = fast.estimate

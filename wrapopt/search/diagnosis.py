@@ -64,7 +64,7 @@ def assumptions_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, estimate:
     (See [Note: smallest plausible loss] in assumptions.py)."""
     fields_ = dict(memory_budget=memory_budget, memory_budget_source=source, fabric=sim.fabric.name,
                    fabric_kind=sim.fabric.kind, compute=sim.compute.device, compute_kind=sim.compute.kind)
-    stated = state_assumptions(graph, sim.options, peak_bytes=estimate.peak_bytes, **fields_)
+    stated = state_assumptions(graph, sim.options, plan=plan, peak_bytes=estimate.peak_bytes, **fields_)
     if not stated.loss_is_large:
         return stated
     lean = dataclasses.replace(graph, loss_saved_bytes=0, loss_peak_bytes=0, loss_grad_bytes=0)
