@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from wrapopt.errors import WrapoptError
-from wrapopt.report.plots import PlanPoint, TimelinePanel, draw_pareto, draw_timelines
+from wrapopt.report.pareto import PlanPoint, draw_pareto
+from wrapopt.report.plots import TimelinePanel, draw_timelines
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MiB = 2**20
