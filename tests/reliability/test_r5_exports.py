@@ -56,7 +56,7 @@ _EXPECTED = {
     "offload": (W, W, W, W, W), "mixed_precision": (W, W, W, W, W), "micro_batch": (S, S, S, S, W),
     "accumulation": (S, W, W, S, W), "seq_len": (S, S, S, S, W), "optimizer": (S, S, S, S, W),
 }
-_SYNC = {"last": (S, L, L, S, L), "every": (L, W, W, S, W)}
+_SYNC = {"last": (S, W, L, S, L), "every": (L, W, W, S, W)}
 
 
 @pytest.mark.parametrize("sync", ["last", "every"])
@@ -76,7 +76,8 @@ def test_every_exporter_accounts_for_every_field(gpt_tiny, to, sync):
     written = {
         "accelerate": ["fsdp_offload_params: true", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4 accelerate launch",
                        "num_machines: 2", "FILL IN"],
-        "lightning-fsdp2": ["'accumulate_grad_batches': 4", "'num_nodes': 2"],
+        "lightning-fsdp2": ["'accumulate_grad_batches': 4", "'num_nodes': 2",
+                            "return SyncLastStrategy(" if sync == "last" else "return ModelParallelStrategy("],
         "lightning-fsdp1": ["cpu_offload=True", "'accumulate_grad_batches': 4", "device_mesh=(2, 4)"],
         "fsdp1": ["CPUOffload(offload_params=True)", "ACCUMULATION = 4", f"SYNC = {sync!r}"],
         "torchtitan": ["enable_cpu_offload = true", "local_batch_size = 2", "global_batch_size = 64"],

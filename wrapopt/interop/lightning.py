@@ -30,6 +30,12 @@ __all__ = ["export_lightning_fsdp2", "lightning_fsdp2"]
 # mesh, which apply builds from the plan on the process group Lightning started (mesh=None). The
 # plan's MixedPrecisionPolicy is applied by apply, so the Trainer keeps precision "32-true".
 # configure_model may run more than once; the module applies the plan once.
+#
+# A plan scored with sync last (gradients held unsharded until the last micro-batch of a step) gets
+# a ModelParallelStrategy whose block_backward_sync turns FSDP2's gradient sync off on every FSDP
+# module: Lightning's Trainer(accumulate_grad_batches=N) runs the first N-1 micro-batches of a step
+# under that context, which the base strategy leaves empty for anything but DDP (See [Note:
+# Lightning's accumulation under FSDP] in interop/lightning_fsdp1.py).
 
 
 def export_lightning_fsdp2(plan: WrapPlan, *, model: nn.Module | None, source: str,
@@ -49,6 +55,10 @@ def lightning_fsdp2(plan: WrapPlan, source: str, out: str | None = None) -> Expo
               "mesh", "hsdp", "multi_node")
     trainer = {"num_nodes": plan.mesh.num_nodes, "devices": plan.mesh.world_size // plan.mesh.num_nodes,
                **trainer_accumulation(acc)}
+    sync_last = plan.accumulation > 1 and plan.train_config.accumulation_sync == "last"
+    if sync_last:  # SyncLastStrategy holds the gradients: See [Note: the Lightning FSDP2 module]
+        acc.losses[:] = [x for x in acc.losses if not x.startswith("SYNC MODE")]
+        acc.write("sync")
     state_data_and_optimizer(acc)
     acc.finish()
     mesh = plan.mesh
@@ -62,12 +72,15 @@ def lightning_fsdp2(plan: WrapPlan, source: str, out: str | None = None) -> Expo
         "mesh": "data_parallel" if one_axis else f"built from the plan {mesh.axis_names} {mesh.shape}",
         "plan": source,
         "trainer": trainer,
+        "sync_last_strategy": sync_last,
     }
     mesh_arg = 'self.device_mesh["data_parallel"]' if one_axis else "None"
     mesh_why = ("the strategy's data-parallel mesh is the plan's mesh" if one_axis else
                 f"the plan's {mesh.replicate_size} x {mesh.shard_size} (replicate, shard) mesh, built by apply")
     what = "Lightning ModelParallelStrategy (FSDP2): configure_model applies the plan"
-    text = header(plan, source, what, acc.losses, acc.script) + f'''import os
+    strategy = "SyncLastStrategy" if sync_last else "ModelParallelStrategy"
+    text = header(plan, source, what, acc.losses, acc.script) + ("import contextlib\n" if sync_last else "")
+    text += f'''import os
 
 import torch.nn as nn
 from lightning.pytorch import LightningModule
@@ -76,17 +89,18 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from wrapopt import WrapPlan
 
 {plan_path_code(source, out)}
+
 NUM_NODES = {mesh.num_nodes!r}
 DEVICES_PER_NODE = {settings["devices"]!r}
 TRAINER_KWARGS = {trainer!r}  # Trainer(strategy=make_strategy(), **TRAINER_KWARGS, ...)
-
+{_SYNC_LAST_CLASS if sync_last else ""}
 
 def make_strategy() -> ModelParallelStrategy:
     """For Trainer(strategy=make_strategy(), **TRAINER_KWARGS): DEVICES_PER_NODE devices on NUM_NODES nodes.
 
     Keep the Trainer's precision at "32-true": the plan's mixed precision is applied with it.
     """
-    return ModelParallelStrategy(data_parallel_size={mesh.world_size!r}, tensor_parallel_size=1)
+    return {strategy}(data_parallel_size={mesh.world_size!r}, tensor_parallel_size=1)
 
 
 class PlannedModule(LightningModule):
@@ -103,3 +117,22 @@ class PlannedModule(LightningModule):
         self._plan_applied = True
 '''
     return Export("lightning-fsdp2", text, settings, tuple(acc.losses), dict(acc.status), tuple(acc.script))
+
+
+_SYNC_LAST_CLASS = """
+
+class SyncLastStrategy(ModelParallelStrategy):
+    \"\"\"The plan's sync last: gradients held unsharded until the last micro-batch of each step;
+    Lightning runs every micro-batch of a step but the last under block_backward_sync().\"\"\"
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        fsdp = [m for m in self.lightning_module.modules() if hasattr(m, "set_requires_gradient_sync")]
+        for m in fsdp:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in fsdp:
+                m.set_requires_gradient_sync(True, recurse=False)
+"""
