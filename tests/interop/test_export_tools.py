@@ -199,3 +199,28 @@ def test_lightning_fsdp1_strategy_builds(gpt_tiny, tmp_path):
     assert isinstance(strategy, FSDPStrategy) and out.exact
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {GPTBlock}
     assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {GPTBlock}
+
+
+def test_accelerate_reads_the_stated_accumulation(gpt_tiny, tmp_path, monkeypatch):
+    """The launch line's ACCELERATE_GRADIENT_ACCUMULATION_STEPS reaches Accelerator() (the config has no key)."""
+    pytest.importorskip("accelerate", reason=_NO_EXTRA)
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from wrapopt.train import TrainConfig
+
+    model, _, graph = gpt_tiny
+    plan = WrapPlan(spec=make_plan(graph, MESH2, list(graph.blocks)), model=model_fingerprint(model),
+                    train=TrainConfig(grad_accumulation=3, accumulation_sync="last", micro_batch=1, global_batch=6))
+    out = export_plan(plan, to="accelerate")
+    launch = out.text.splitlines()[0]
+    assert out.exact and "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=3 accelerate launch" in launch
+    name, value = launch.split(": ", 1)[1].split()[0].split("=")
+    monkeypatch.setenv(name, value)
+    try:
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.gradient_accumulation_steps == 3
+        assert not accelerator.gradient_state.plugin_kwargs.get("sync_each_batch")  # accumulate(): sync last
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

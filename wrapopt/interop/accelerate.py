@@ -15,7 +15,7 @@ from typing import Any
 import torch.nn as nn
 
 from wrapopt.errors import PlanError
-from wrapopt.interop.common import Export, bare, classes_for, header
+from wrapopt.interop.common import Export, bare, classes_for, header, plan_reference
 from wrapopt.interop.fields import Accounting, selective_as_full, state_data_and_optimizer
 from wrapopt.interop.policy import block_policy, class_policy
 from wrapopt.plan.file import WrapPlan
@@ -101,7 +101,7 @@ def export_accelerate(plan: WrapPlan, *, model: nn.Module | None, source: str, o
         launch = f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.accumulation} " + launch
     state_data_and_optimizer(acc)
     acc.finish()
-    text = header(plan, source, f"Accelerate config: {launch}", acc.losses, acc.script)
+    text = header(plan, plan_reference(source, out), f"Accelerate config: {launch}", acc.losses, acc.script)
     text += _yaml(config, notes=notes)
     settings = {**config, **({"gradient_accumulation_steps": plan.accumulation} if acc.sets("accumulation") else {})}
     return Export("accelerate", text, settings, tuple(acc.losses), dict(acc.status), tuple(acc.script))

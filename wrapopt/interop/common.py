@@ -114,8 +114,9 @@ def few(items: list[str], k: int = 4) -> str:
 
 
 def header(plan: WrapPlan, source: str, what: str, losses: list[str], script: list[str] = ()) -> str:
-    """The ``#`` comment block every export starts with: what it is, whence, what the training script
-    must do (TO RUN THE PLAN) and its LOSSES."""
+    """The ``#`` comment block every export starts with: what it is, whence (``source``: the plan file
+    relative to the export, ``plan_reference``), what the training script must do (TO RUN THE PLAN) and
+    its LOSSES."""
     m = plan.mesh
     lines = [
         f"{what}",

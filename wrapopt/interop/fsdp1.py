@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from wrapopt.interop.common import Export, check_classes, header, plan_path_code
+from wrapopt.interop.common import Export, check_classes, header, plan_path_code, plan_reference
 from wrapopt.interop.fields import Accounting, state_data_and_optimizer
 from wrapopt.plan.file import WrapPlan
 
@@ -71,7 +71,7 @@ def export_fsdp1(plan: WrapPlan, *, model: nn.Module | None, source: str, out: s
         "sync": sync if plan.accumulation > 1 else None,
     }
     what = "FSDP1: model = wrap(model, device_id=...) on every rank; the plan's units, each with its own arguments"
-    text = header(plan, source, what, acc.losses, acc.script) + _module(
+    text = header(plan, plan_reference(source, out), what, acc.losses, acc.script) + _module(
         plan_path_code(source, out), split=split, hsdp=hsdp, shape=(mesh.replicate_size, mesh.shard_size),
         checkpoint=checkpoint, offload=plan.spec.offload, accumulation=plan.accumulation,
         sync=settings["sync"])

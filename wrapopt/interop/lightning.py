@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from wrapopt.interop.common import Export, classes_for, header, plan_path_code
+from wrapopt.interop.common import Export, classes_for, header, plan_path_code, plan_reference
 from wrapopt.interop.fields import Accounting, state_data_and_optimizer
 from wrapopt.interop.lightning_fsdp1 import trainer_accumulation
 from wrapopt.plan.file import WrapPlan
@@ -79,7 +79,8 @@ def lightning_fsdp2(plan: WrapPlan, source: str, out: str | None = None) -> Expo
                 f"the plan's {mesh.replicate_size} x {mesh.shard_size} (replicate, shard) mesh, built by apply")
     what = "Lightning ModelParallelStrategy (FSDP2): configure_model applies the plan"
     strategy = "SyncLastStrategy" if sync_last else "ModelParallelStrategy"
-    text = header(plan, source, what, acc.losses, acc.script) + ("import contextlib\n" if sync_last else "")
+    text = header(plan, plan_reference(source, out), what, acc.losses, acc.script)
+    text += "import contextlib\n" if sync_last else ""
     text += f'''import os
 
 import torch.nn as nn

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from wrapopt.errors import PlanError
-from wrapopt.interop.common import ClassPolicy, Export, bare, classes_for, few, header
+from wrapopt.interop.common import ClassPolicy, Export, bare, classes_for, few, header, plan_reference
 from wrapopt.interop.fields import Accounting, selective_as_full, state_data_and_optimizer
 from wrapopt.interop.policy import class_policy
 from wrapopt.plan.file import WrapPlan
@@ -38,7 +38,8 @@ def export_lightning_fsdp1(plan: WrapPlan, *, model: nn.Module | None, source: s
     acc = Accounting(plan, "lightning-fsdp1")
     full = selective_as_full(acc, why="FSDPStrategy's activation_checkpointing_policy checkpoints whole modules")
     classes, _ = classes_for(plan, model)
-    return lightning_fsdp1(plan, class_policy(full, classes, match_by_name=False), source, acc=acc)
+    ref = plan_reference(source, out)  # the header and comments name the plan relative to the file
+    return lightning_fsdp1(plan, class_policy(full, classes, match_by_name=False), ref, acc=acc)
 
 
 def trainer_accumulation(acc: Accounting) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from wrapopt.interop.common import Export, classes_for, comment, few, header
+from wrapopt.interop.common import Export, classes_for, comment, few, header, plan_reference
 from wrapopt.interop.fields import Accounting
 from wrapopt.interop.policy import block_chains
 from wrapopt.plan.file import WrapPlan
@@ -71,7 +71,8 @@ def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str, o
     _account(acc, sections)
     what = (f"TorchTitan job config (torchtitan {TORCHTITAN_VERSIONS}): torchrun ... -m torchtitan.train "
             "--job.config_file THIS_FILE")
-    text = header(plan, source, what, losses, acc.script) + _guidance(plan, layout) + toml_text(sections)
+    text = header(plan, plan_reference(source, out), what, losses, acc.script)
+    text += _guidance(plan, layout) + toml_text(sections)
     return Export("torchtitan", text, sections, tuple(losses), dict(acc.status), tuple(acc.script))
 
 
