@@ -19,6 +19,7 @@ from wrapopt.hardware.host import host_for
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric
 from wrapopt.models import zoo
 from wrapopt.search.driver import SearchOptions
+from wrapopt.search import remedies
 from wrapopt.search.remedies import Advice, find_remedies
 from wrapopt.spec import MeshSpec, ParallelRequest
 from wrapopt.trace.meta import trace_model
@@ -36,7 +37,8 @@ def _advice(llama_tiny, budget: float, *, graph=None, offload_host=HOST, **reque
     g = graph or g
     job = prepare(ParallelRequest(mesh=MESH, memory_budget=budget, **request), model, graph=g, fabric=FABRIC,
                   compute=analytical_compute("h100"))
-    return find_remedies(g, job.sim, job.request, job.budget, offload_host=offload_host)
+    # no time bound here (a loaded test machine must not cut a remedy): test_bounded_in_time tests it
+    return find_remedies(g, job.sim, job.request, job.budget, offload_host=offload_host, time_limit_s=600)
 
 
 def test_nothing_in_place_is_suggested(llama_tiny):
@@ -54,7 +56,8 @@ def test_nothing_in_place_is_suggested(llama_tiny):
                  "--pp auto"):
         assert what in said, said
     # what was not in place was priced: a lighter optimizer, offload, a shorter sequence
-    assert {"--optimizer adafactor", "--seq 32"} <= {r.flag for r in advice.priced}
+    flags = [r.flag for r in advice.priced]
+    assert "--optimizer adafactor" in flags and any(f.startswith("--seq ") for f in flags), advice.text()
 
 
 def test_when_none_fits_the_closest_is_named_with_how_far_over(llama_tiny):
@@ -88,9 +91,10 @@ def test_what_fits_is_printed_with_its_step_and_peak(llama_tiny):
     assert list(advice.fitting[:len(same)]) == same
 
 
-def test_the_printed_flags_fit_when_run(llama_tiny, capsys):
+def test_the_printed_flags_fit_when_run(llama_tiny, capsys, monkeypatch):
     """``wrapopt search`` with a budget nothing fits prints the advice; the tensor-parallel and
     the pipeline remedies' flags, given back, find a plan that fits."""
+    monkeypatch.setattr(remedies, "REMEDY_TIME_S", 600.0)  # a loaded test machine must not cut a remedy
     base = _advice(llama_tiny, MiB).base_peak_bytes
     memory = f"{base * 0.75 / MiB:.2f}MiB"
     code, err = run_cli([*CLI, "--memory", memory], capsys)
