@@ -224,8 +224,8 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
     if not ranked:
         raise InfeasibleError(failed[0] if failed else (
             "no micro-batch x accumulation split of the global batch fits the memory budget, not even with one "
-            "unit per block, resharded and checkpointed, at micro-batch 1; a smaller global batch, more ranks, "
-            "or mixed precision"))
+            "unit per block, resharded and checkpointed, at micro-batch 1; a smaller global batch or more "
+            "ranks"))  # the other remedies are priced: See [Note: computed remedies] in search/remedies.py
     top = ranked[:REFINE]
     whole = replace(options, trials=-(-options.trials // len(top)) if options.trials else 0)
     results: dict[BatchSplit, SearchResult] = {}
