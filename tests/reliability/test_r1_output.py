@@ -249,3 +249,22 @@ def test_a_tensor_parallel_search_states_its_recorded_micro_batch(capsys):
     stated = Assumptions.from_json(plan["assumptions"])
     assert stated.tp_size == 2 and stated.micro_batch == pytest.approx(mb)
     assert f"{mb} sequence" in stated.batch_line() and (acc == 1 or f"{acc} micro-batches" in stated.batch_line())
+
+
+def test_the_current_configuration_rows_state_their_sync_mode():
+    from types import SimpleNamespace as NS
+
+    from wrapopt.report.current import format_current
+
+    g = zoo_graph("gpt-tiny")
+    per_block = baselines(g, MESH)["per-block"]
+
+    def config(step_s: float, sync: str) -> NS:
+        return NS(plan=per_block, micro_batch=1, accumulation=4, estimate=_est(step_s, GiB, sync),
+                  sequences_per_s_per_rank=4 / step_s)
+
+    cur, best = config(2.0, "every"), config(1.0, "last")
+    text = format_current(NS(current=cur, chosen=best, current_text="per-block", speedup=2.0, gains=()))
+    rows = {line.split()[0]: line for line in text.splitlines()[2:4]}
+    assert rows["current"].endswith("sync every") and rows["wrapopt"].endswith("sync last")
+    assert "the rows differ in gradient sync" in text

@@ -13,8 +13,9 @@ __all__ = ["format_current", "current_json"]
 
 def _line(name: str, c: Any, ref: Any) -> str:
     gain = c.sequences_per_s_per_rank / ref.sequences_per_s_per_rank
+    sync = c.estimate.accumulation_sync  # under accumulation: every row states its mode
     return (f"  {name:<34} {c.estimate.step_s * 1e3:10.1f}ms  x{gain:5.3f}  peak {fmt_bytes(c.estimate.peak_bytes):>10}"
-            f" ({_signed(c.estimate.peak_bytes - ref.estimate.peak_bytes)})")
+            f" ({_signed(c.estimate.peak_bytes - ref.estimate.peak_bytes)})" + (f"  sync {sync}" if sync else ""))
 
 
 def _signed(delta: float) -> str:
@@ -51,11 +52,16 @@ def format_current(cmp: Any, budget: float | None = None) -> str:
             out.append(_line(name, g.alone, cur) + over)
     if len([g for g in cmp.gains if g.alone is not None]) > 1:
         out.append("  (the choices interact: their gains alone need not multiply to the whole)")
+    modes = {c.estimate.accumulation_sync for c in (cur, best, *(g.alone for g in cmp.gains if g.alone))} - {None}
+    if len(modes) > 1:  # rows at different sync modes: say so (every: each micro-batch; last: no-sync)
+        out.append("  ! the rows differ in gradient sync (every: reduce-scatter after each micro-batch; last: "
+                   "no-sync until the last): see each row's sync")
     return "\n".join(out)
 
 
 def _config_json(c: Any, ref: Any) -> dict[str, Any]:
     return {"label": c.plan.label, "micro_batch": c.micro_batch, "accumulation": c.accumulation,
+            "sync": c.estimate.accumulation_sync,
             "step_s": c.estimate.step_s, "peak_bytes": c.estimate.peak_bytes,
             "tokens_per_s_per_gpu_ratio": c.sequences_per_s_per_rank / ref.sequences_per_s_per_rank}
 
