@@ -181,3 +181,11 @@ def test_class_keys_outside_a_model_package_are_refused(gpt_tiny, tmp_path, caps
     for to in TARGETS:
         with pytest.raises(PlanError, match="module_classes"):
             export_plan(WrapPlan.load(path), to=to)
+
+
+def test_the_fsdp1_policy_offloads_as_planned(gpt_tiny):
+    """WrapPlan.to_fsdp1_policy() (what the fsdp1 module and FSDP1 users wrap with) dropped the offload."""
+    plan = _plan_1d(gpt_tiny, "last")
+    assert plan.to_fsdp1_policy().root_kwargs["cpu_offload"].offload_params is True
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, offload=False))
+    assert "cpu_offload" not in plan.to_fsdp1_policy().root_kwargs

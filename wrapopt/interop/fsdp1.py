@@ -111,8 +111,8 @@ def _module(path_code: str, *, split: bool, hsdp: bool, shape: tuple[int, int], 
         f"    policy = plan.to_fsdp1_policy(split_groups={split!r})",
         "    kwargs = {**policy.root_kwargs, **fsdp_kwargs}",
     ]
-    if offload:  # the plan's CPU offload: parameters and gradients in host memory, the optimizer steps there
-        body.append('    kwargs.setdefault("cpu_offload", CPUOffload(offload_params=True))')
+    if offload:  # policy.root_kwargs carries it too; said here, where the reader looks
+        body.append('    kwargs.setdefault("cpu_offload", CPUOffload(offload_params=True))  # the plan\'s CPU offload')
     if hsdp:
         body += ['    device = "cuda" if torch.cuda.is_available() else "cpu"',
                  f'    kwargs.setdefault("device_mesh", init_device_mesh(device, {shape!r}, '

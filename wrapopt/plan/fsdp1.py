@@ -62,7 +62,7 @@ def fsdp1_policy(
         >>> policy = fsdp1_policy(plan.spec)  # doctest: +SKIP
         >>> model = FSDP(model, auto_wrap_policy=policy, device_id=dev, **policy.root_kwargs)  # doctest: +SKIP
     """
-    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
     mesh = spec.mesh
     if spec.pipeline is not None:
@@ -121,6 +121,8 @@ def fsdp1_policy(
                      "mesh_dim_names=('replicate', 'shard')) to FullyShardedDataParallel")
     root_kwargs = {"sharding_strategy": _fsdp1_strategy(True, mesh), "use_orig_params": True, **mp_kwargs,
                    **prefetch_kwargs}
+    if spec.offload:  # the plan's CPU offload; FSDP1 gives every unit the root's cpu_offload
+        root_kwargs["cpu_offload"] = CPUOffload(offload_params=True)
     policy = PlanPolicy(singles, groups, root_kwargs=root_kwargs, notes=tuple(notes), losses=tuple(losses),
                         world_size=mesh.world_size)
     if notes:
