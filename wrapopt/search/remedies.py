@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from wrapopt.cost.simulate import Simulator
-from wrapopt.errors import PlanError
+from wrapopt.errors import PlanError, WrapoptError
 from wrapopt.fileio import fmt_bytes
 from wrapopt.search.baselines import baselines, checkpointed
 from wrapopt.search.choose import MEMORY_ERROR
@@ -55,6 +55,7 @@ __all__ = ["REMEDY_TIME_S", "Remedy", "Advice", "find_remedies", "least_memory_p
 
 REMEDY_TIME_S = 20.0  # no re-simulation starts after this many seconds: See [Note: computed remedies]
 _SEQ_FACTORS = (2, 4, 8)  # a shorter sequence: half, a quarter, an eighth
+_STEP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "optimizer", "accumulation_sync")  # the step's knobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +186,15 @@ class _Pricer:
         mesh, request = self.request.mesh, self.request
         shape = Shape(pp=s.pp, tp=s.tp)
         counts, sim = None, full
-        if request.global_batch is not None:
-            fixed = pipeline_batch(self.graph, full, request, memory_budget=self.budget)
+        if request.global_batch is not None:  # the request's split, with the setting's step and sequence
+            step = replace(request.train, **{k: getattr(s.train, k) for k in _STEP_FIELDS})
+            fixed = pipeline_batch(self.graph, full, replace(request, train=step), memory_budget=self.budget)
             found, why = fixed.counts(shape)
             if not found:
                 raise PlanError(why)
-            counts, sim = found, fixed.sim
+            opts = replace(fixed.sim.options, batch_scale=fixed.sim.options.batch_scale * s.scale / self.base_scale)
+            counts, sim = found, Simulator(self.graph, full.fabric, full.compute, opts, backend=full.backend,
+                                           host=full.host)
         top, scored, why = search_pipeline_degree(self.graph, sim, mesh, pipeline_layout(self.graph), shape=shape,
                                                   spec=self.tp_spec if s.tp > 1 else None, memory_budget=self.budget,
                                                   counts=counts, refine=False)
@@ -315,7 +319,9 @@ def _families(graph: ModelGraph, request: ParallelRequest, base: _Setting, check
 
 def _base(graph: ModelGraph, sim: Simulator, request: ParallelRequest, train: TrainConfig, tp: int,
           ckpt: bool | str) -> _Setting:
-    """The request's own setting: at a fixed global batch, its smallest micro-batch at ``tp``."""
+    """The request's own setting: at a fixed global batch, its smallest micro-batch at ``tp``; a
+    pipeline degree asked for (not ``auto``: its degree 1 is the flat plan) kept."""
+    pp = request.pp if isinstance(request.pp, int) else 1
     shard = request.dp_shard if request.dp_shard is not None and request.dp_shard < request.mesh.world_size // tp \
         else None
     if request.global_batch is not None:
@@ -323,8 +329,8 @@ def _base(graph: ModelGraph, sim: Simulator, request: ParallelRequest, train: Tr
         if splits:
             split = splits[0]
             return _Setting(train=train_for(train, split), scale=batch_scale(split.micro_batch, graph.batch_size, tp),
-                            tp=tp, checkpoint=ckpt, shard=shard)
-    return _Setting(train=train, scale=sim.options.batch_scale, tp=tp, checkpoint=ckpt, shard=shard)
+                            tp=tp, pp=pp, checkpoint=ckpt, shard=shard)
+    return _Setting(train=train, scale=sim.options.batch_scale, tp=tp, pp=pp, checkpoint=ckpt, shard=shard)
 
 
 def _knobs(base: _Setting, compute_dtype: str, in_place: list[str]) -> list[_Variant]:
@@ -390,7 +396,7 @@ def _first_fit(pricer: _Pricer, variants: list[_Variant], budget: float, start: 
             break
         try:
             plan, est, sim = pricer.price(setting)
-        except PlanError as e:
+        except (WrapoptError, ValueError) as e:  # a shape the model or the batch cannot take
             not_priced.append(f"{flag}: {str(e).splitlines()[0]}")
             continue
         if setting.offload:
