@@ -35,12 +35,12 @@ import torch.multiprocessing as mp
 
 from wrapopt.errors import DistributedError
 from wrapopt.progress import set_console
-from wrapopt.rank_faults import wait_for_ranks
+from wrapopt.rank_faults import STOPPED_LIMIT_S, is_symptom, lost_peers, register_rank, wait_for_ranks
 from wrapopt.spec import MeshSpec
 
 __all__ = ["profiler_log_path", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port",
            "default_backend", "device_type", "broadcast_json", "is_spawned_rank", "QUIET_ENV", "logs_line",
-           "dp_rank_size"]
+           "dp_rank_size", "naming_lost_ranks"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -78,7 +78,10 @@ def _output_to_log(rank: int, log_dir: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     set_console(os.fdopen(os.dup(2), "w", buffering=1))
-    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    path = os.path.join(log_dir, f"rank{rank}.log")
+    if os.path.islink(path):
+        os.unlink(path)  # a link is replaced, never written through (as fileio's atomic writes)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -132,7 +135,30 @@ def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        register_rank()  # See [Note: survivors name the lost rank] in wrapopt/rank_faults.py
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def naming_lost_ranks() -> Iterator[None]:
+    """Around a rank's collective work: a failure that is a symptom of a lost peer ("Connection
+    closed by peer", a timeout) becomes a ``DistributedError`` whose message first names the peer
+    lost, then this rank's error. See [Note: survivors name the lost rank] in wrapopt/rank_faults.py.
+
+    Example:
+        >>> with naming_lost_ranks():  # no process group: nothing to name
+        ...     pass
+    """
+    try:
+        yield
+    except DistributedError:
+        raise  # wrapopt's own errors already say who failed
+    except Exception as e:
+        first = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        lost = lost_peers() if is_symptom(first) else None
+        if lost is None:
+            raise
+        raise DistributedError(f"{lost}; rank {dist.get_rank()} then failed: {first}") from e
 
 
 def dp_rank_size(mesh: MeshSpec, rank: int | None = None) -> tuple[int, int]:
@@ -162,10 +188,15 @@ def dp_rank_size(mesh: MeshSpec, rank: int | None = None) -> tuple[int, int]:
 
 
 def shutdown() -> None:
-    """Barrier, then destroy the group (without the barrier ranks abort at exit now and then)."""
+    """Barrier, then destroy the group (without the barrier ranks abort at exit now and then).
+
+    Called while an exception is on its way out (in a ``finally``), it skips the barrier: after a
+    failed collective the barrier only fails again, or waits the whole timeout for a lost rank,
+    and its error would hide the first one."""
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if sys.exc_info()[1] is None:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
 
@@ -195,11 +226,16 @@ def _worker(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
+        register_rank()  # See [Note: survivors name the lost rank] in wrapopt/rank_faults.py
         result = fn(rank, world_size, *args)
         shutdown()
         queue.put((rank, "ok", result))
     except BaseException as e:  # report, then let the parent kill the rest
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+        report = f"{type(e).__name__}: {e}"
+        named = isinstance(e, DistributedError)  # naming_lost_ranks, or wrapopt's own words
+        lost = lost_peers() if isinstance(e, Exception) and not named and is_symptom(report) else None
+        seen = f"rank {rank} saw: {lost}\n" if lost else ""
+        queue.put((rank, "error", f"{report}\n{seen}{traceback.format_exc(limit=8)}"))
         raise SystemExit(1)
 
 
@@ -212,6 +248,7 @@ def spawn(
     backend: str | None = None,
     env: dict[str, str] | None = None,
     log_dir: str | os.PathLike | None = None,
+    stopped_limit_s: float = STOPPED_LIMIT_S,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return results by rank.
 
@@ -223,7 +260,9 @@ def spawn(
     ``fn`` must be importable (module-level). Results travel through a
     multiprocessing queue, so keep them small (numbers, dicts, lists).
     A failure raises ``DistributedError`` whose first line names the likely
-    culprit; see [Note: naming the rank at fault] in wrapopt/rank_faults.py.
+    culprit; see [Note: naming the rank at fault] in wrapopt/rank_faults.py. A rank killed by a
+    signal is named at once, one stopped (SIGSTOP) after ``stopped_limit_s``, one that hangs
+    after ``timeout_s`` (the collective timeout of its peers).
 
     Example:
         >>> def hello(rank, world): return rank
@@ -240,7 +279,7 @@ def spawn(
     errors: dict[int, str] = {}  # rank -> "Type: message\ntraceback", in the order reported
     failure: str | None = None
     try:
-        failure = wait_for_ranks(procs, queue, results, errors, timeout_s=timeout_s)
+        failure = wait_for_ranks(procs, queue, results, errors, timeout_s=timeout_s, stopped_limit_s=stopped_limit_s)
     finally:
         _stop_ranks(procs, failed=failure is not None)
     if failure is not None:

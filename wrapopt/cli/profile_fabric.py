@@ -121,21 +121,22 @@ def profile_fabric_main(
     owns_group = not dist.is_initialized()
     launch.init_from_env(timeout_s=timeout_s)
     try:
-        # Rank 0 writes, so rank 0 checks; every rank learns the verdict, so none is left waiting.
-        verdict: list[str | None] = [None]
-        if dist.get_rank() == 0:
-            try:
-                _check_out(out_path)
-            except ProfileError as e:
-                verdict[0] = str(e)
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            raise ProfileError(verdict[0])
-        profile = measure_fabric(**kwargs)
-        if dist.get_rank() == 0:
-            profile.save(out_path)
-        barrier()  # no rank reports success before the file exists
-        return profile
+        with launch.naming_lost_ranks():  # a lost peer is named, not only gloo's symptom
+            # Rank 0 writes, so rank 0 checks; every rank learns the verdict, so none is left waiting.
+            verdict: list[str | None] = [None]
+            if dist.get_rank() == 0:
+                try:
+                    _check_out(out_path)
+                except ProfileError as e:
+                    verdict[0] = str(e)
+            dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is not None:
+                raise ProfileError(verdict[0])
+            profile = measure_fabric(**kwargs)
+            if dist.get_rank() == 0:
+                profile.save(out_path)
+            barrier()  # no rank reports success before the file exists
+            return profile
     finally:
         if owns_group:
             launch.shutdown()
