@@ -134,9 +134,10 @@ def test_exports_that_cannot_express_it_refuse_naming_the_unit(traced):
     first = g.blocks[0]
     with pytest.raises(PlanError, match=rf"unit '{first}'.*selective-op.*FSDP1"):
         plan.to_fsdp1_policy()
-    for target in ("accelerate", "lightning-fsdp1"):
-        with pytest.raises(PlanError, match=rf"unit '{first}'.*{target}.*true \(full\) or false"):
-            export_plan(plan, to=target)
+    for target in ("accelerate", "lightning-fsdp1"):  # checkpoint whole modules: full, listed as lost
+        out = export_plan(plan, to=target)
+        assert out.fields["selective_checkpoint"] == "lost"
+        assert any("selective-op checkpointing" in x and "becomes full checkpointing" in x for x in out.losses)
     assert "apply" in export_plan(plan, to="lightning-fsdp2").text  # applies the plan itself: exact
 
 
