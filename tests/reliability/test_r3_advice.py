@@ -72,6 +72,17 @@ def test_when_none_fits_the_closest_is_named_with_how_far_over(llama_tiny):
     assert near.peak_bytes < advice.base_peak_bytes
 
 
+def test_when_none_fits_alone_a_pair_is_priced_together(llama_tiny):
+    first = _advice(llama_tiny, MiB)
+    closest = min(r.peak_bytes for r in first.priced)
+    assert first.together is not None and first.together.peak_bytes < closest, first.text()
+    budget = (first.together.peak_bytes + closest) / 2  # no remedy alone fits it; that pair does
+    advice = _advice(llama_tiny, budget)
+    assert not advice.fitting and advice.together is not None and advice.together.fits, advice.text()
+    assert advice.together.peak_bytes <= budget
+    assert f"  together, {advice.together.flag}: fits, {fmt_bytes(advice.together.peak_bytes)}, " in advice.text()
+
+
 def test_what_fits_is_printed_with_its_step_and_peak(llama_tiny):
     base = _advice(llama_tiny, MiB).base_peak_bytes
     budget = 0.75 * base  # the plan of least memory is over it: nothing fits as asked

@@ -21,7 +21,9 @@ longest sequence) and stop at the first that fits with the memory model's margin
 plans within the error] in search/choose.py); a remedy reports that variant, else the first that
 fits only past the margin, else its smallest peak. A remedy already in place (a micro-batch of
 one sequence, bf16 on, every block checkpointed, ``--tp auto``, ...) is not tried, and said so.
-Each result is one plan's: a search with the flag may find a faster plan that fits.
+Each result is one plan's: a search with the flag may find a faster plan that fits. When none
+fits alone, up to ``_PAIRS`` pairs of those that lowered the peak (the largest summed savings
+first; two that set one field, e.g. two micro-batch splits, are not paired) are priced together.
 
 Bounded in time: no re-simulation starts after ``REMEDY_TIME_S`` seconds, and the remedies left
 are named as not tried. The cheap run first (a new step's simulator, then one simulation each);
@@ -34,8 +36,9 @@ tensor-parallel view per split) 11 settings in 17-27 s at load 11-15, the last s
 from __future__ import annotations
 
 import math
+import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
 from wrapopt.cost.simulate import Simulator
@@ -69,6 +72,7 @@ class Remedy:
     fits: bool
     note: str = ""  # what else it changes or needs ("1/2 of the tokens per step")
     work: float = 1.0  # the tokens per step it trains, over the request's (a shorter sequence: below 1)
+    setting: Any = field(default=None, repr=False, compare=False)  # what was priced (``_Setting``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,7 @@ class Advice:
     elapsed_s: float = 0.0
     limit_s: float = REMEDY_TIME_S
     num_simulated: int = 0  # settings priced (a pipeline degree: its search, one setting)
+    together: Remedy | None = None  # when none fits alone: the best pair of remedies priced together
 
     @property
     def fitting(self) -> tuple[Remedy, ...]:
@@ -109,6 +114,11 @@ class Advice:
                              f"{fmt_bytes(self.budget_bytes)}" + self._detail(near))
             else:
                 lines.append("  none could be priced")
+            if self.together is not None:
+                t = self.together
+                said = (f"fits, {fmt_bytes(t.peak_bytes)}, {_ms(t.step_s)} per step" if t.fits else
+                        f"{fmt_bytes(t.peak_bytes)}, {fmt_bytes(t.peak_bytes - self.budget_bytes)} over")
+                lines.append(f"  together, {t.flag}: {said}" + self._detail(t))
         if self.in_place:
             lines.append("  already in place: " + "; ".join(self.in_place))
         if self.not_priced:
@@ -182,6 +192,16 @@ class _Pricer:
             plan = replace(plan, label=f"{plan.label} + tp{s.tp}")
         return plan, view.simulate(plan), view
 
+    def remedy(self, flag: str, s: _Setting, note: str) -> Remedy:
+        """``s`` priced as a remedy asked for by ``flag`` (offload: with the host memory it needs)."""
+        plan, est, sim = self.price(s)
+        if s.offload:
+            need = sim.host_bytes_per_rank(plan) * self.request.mesh.ranks_per_node
+            flag = flag.replace("--offload", f"--offload --host-memory {math.ceil(need / 2**30)}GiB")
+            note = "; ".join(x for x in (note, "the least host memory per node it needs: give what a node has") if x)
+        return Remedy(flag, est.peak_bytes, est.step_s, plan.label or "plan", est.peak_bytes <= self.budget, note,
+                      s.scale / self.base_scale if "--seq" in flag else 1.0, s)
+
     def _pipeline(self, full: Simulator, s: _Setting) -> tuple[PlanSpec, CostEstimate, Simulator]:
         mesh, request = self.request.mesh, self.request
         shape = Shape(pp=s.pp, tp=s.tp)
@@ -247,10 +267,13 @@ def find_remedies(graph: ModelGraph, sim: Simulator, request: ParallelRequest, b
             not_priced.append(f"{name}: not tried (past the {time_limit_s:.0f} s bound)")
             continue
         priced += _first_fit(pricer, variants(), budget, start, time_limit_s, not_priced, name)
+    together = None
+    if priced and not any(r.fits for r in priced):
+        together = _pairs(pricer, base, base_est.peak_bytes, priced, budget, start, time_limit_s)
     return Advice(base_label=base_plan.label or "the plan of least memory", base_peak_bytes=base_est.peak_bytes,
                   budget_bytes=budget, priced=tuple(priced), in_place=tuple(in_place),
                   not_priced=tuple(not_priced), elapsed_s=time.monotonic() - start, limit_s=time_limit_s,
-                  num_simulated=pricer.count)
+                  num_simulated=pricer.count, together=together)
 
 
 def _families(graph: ModelGraph, request: ParallelRequest, base: _Setting, checkpoint_modes: Sequence[bool | str],
@@ -395,16 +418,10 @@ def _first_fit(pricer: _Pricer, variants: list[_Variant], budget: float, start: 
             not_priced.append(f"{flag}: not tried (past the {limit_s:.0f} s bound)")
             break
         try:
-            plan, est, sim = pricer.price(setting)
+            r = pricer.remedy(flag, setting, note)
         except (WrapoptError, ValueError) as e:  # a shape the model or the batch cannot take
             not_priced.append(f"{flag}: {str(e).splitlines()[0]}")
             continue
-        if setting.offload:
-            need = sim.host_bytes_per_rank(plan) * pricer.request.mesh.ranks_per_node
-            flag = f"--offload --host-memory {math.ceil(need / 2**30)}GiB"
-            note = "the least host memory per node it needs: give what a node has"
-        work = setting.scale / pricer.base_scale if flag.startswith("--seq") else 1.0
-        r = Remedy(flag, est.peak_bytes, est.step_s, plan.label or "plan", est.peak_bytes <= budget, note, work)
         if each:
             out.append(r)
             continue
@@ -413,3 +430,54 @@ def _first_fit(pricer: _Pricer, variants: list[_Variant], budget: float, start: 
         if best is None or (not best.fits and (r.fits or r.peak_bytes < best.peak_bytes)):
             best = r  # the first that fits past the margin, else the least peak
     return out if each else ([best] if best is not None else [])
+
+
+_PAIRS = 6  # pairs of remedies priced together when none fits alone, the likeliest first
+
+
+def _pairs(pricer: _Pricer, base: _Setting, base_peak: int, priced: list[Remedy], budget: float, start: float,
+           limit_s: float) -> Remedy | None:
+    """When no remedy fits alone: pairs of those that lowered the peak, the likeliest first (the
+    sum of their savings), priced together; the first that fits, else the one of least peak."""
+    useful = [r for r in priced if r.peak_bytes < base_peak and r.setting is not None]
+    pairs = sorted(((a, b) for i, a in enumerate(useful) for b in useful[i + 1:]),
+                   key=lambda ab: ab[0].peak_bytes + ab[1].peak_bytes)
+    best: Remedy | None = None
+    tried = 0
+    for a, b in pairs:
+        merged = _merge(base, a.setting, b.setting)
+        if merged is None or tried >= _PAIRS or time.monotonic() - start > limit_s:
+            continue
+        tried += 1
+        flags = " ".join(re.sub(r" --host-memory \S+", "", r.flag) for r in (a, b))  # priced again with both
+        notes = "; ".join(x.note for x in (a, b) if x.note and "host memory" not in x.note)
+        try:
+            r = pricer.remedy(flags, merged, notes)
+        except (WrapoptError, ValueError):
+            continue
+        if best is None or r.peak_bytes < best.peak_bytes:
+            best = r
+        if r.fits:
+            return r
+    return best
+
+
+def _merge(base: _Setting, a: _Setting, b: _Setting) -> _Setting | None:
+    """``base`` with what ``a`` and ``b`` each change of it; None where both change one field
+    (two micro-batch splits, two tensor-parallel degrees)."""
+    def pick(x: Any, y: Any, was: Any) -> tuple[bool, Any]:
+        if x != was and y != was and x != y:
+            return False, None
+        return True, x if x != was else y
+
+    out: dict[str, Any] = {}
+    for name in ("tp", "pp", "offload", "checkpoint", "shard"):
+        ok, out[name] = pick(getattr(a, name), getattr(b, name), getattr(base, name))
+        if not ok:
+            return None
+    step: dict[str, Any] = {}
+    for f in fields(TrainConfig):
+        ok, step[f.name] = pick(getattr(a.train, f.name), getattr(b.train, f.name), getattr(base.train, f.name))
+        if not ok:
+            return None
+    return _Setting(train=TrainConfig(**step), scale=a.scale * b.scale / base.scale, **out)
