@@ -15,7 +15,7 @@ from wrapopt.evaluation.pictures import picture_parts, pictures_json  # noqa: E4
 from wrapopt.hardware.presets import analytical_compute, analytical_fabric  # noqa: E402
 from wrapopt.report.choice import format_report  # noqa: E402
 from wrapopt.report.pareto import pareto_figure  # noqa: E402
-from wrapopt.report.plots import timeline_figure  # noqa: E402
+from wrapopt.report.plots import fmt_seconds, timeline_figure  # noqa: E402
 from wrapopt.search.driver import search_plan  # noqa: E402
 from wrapopt.spec import MeshSpec  # noqa: E402
 
@@ -86,8 +86,7 @@ def test_timeline_headings_are_the_tables_step_and_peak(searched):
         mem = next(a for a in fig.axes if a.get_label() == f"memory:{k}")
         t_unit = mem.get_xlabel().rsplit("(", 1)[1].rstrip(")")
         b_unit = mem.get_ylabel().rsplit("(", 1)[1].rstrip(")")
-        assert (f"step {e.step_s / UNITS[t_unit]:.3g} {t_unit}, peak {e.peak_bytes / UNITS[b_unit]:.3g} {b_unit}"
-                in heading), heading
+        assert f"step {fmt_seconds(e.step_s)}, peak {e.peak_bytes / UNITS[b_unit]:.3g} {b_unit}" in heading, heading
         assert "FSDP 2 · TP 1 · PP 1" in heading
         drawn = max(ev[4] for ev in panels[k].events) / UNITS[t_unit]
         assert drawn <= lanes.get_xlim()[1] <= drawn * 1.1

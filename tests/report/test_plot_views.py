@@ -134,13 +134,18 @@ def test_timeline_draws_one_micro_batch_at_full_width_and_names_the_repeats():
     fig = timeline_figure([panel], budget_bytes=10 * 2**20)
     lanes = _axes(fig, "lanes:0")
     x1 = lanes.get_xlim()[1]
-    assert panel.drawn_s * 1e3 <= x1 <= panel.drawn_s * 1e3 * 1.1  # ms: one micro-batch, not 8 of them
+    assert panel.drawn_s * 1e3 <= x1 <= panel.drawn_s * 1e3 * 1.12  # ms: one micro-batch, not 8 of them
     note = [t.get_text() for t in lanes.texts if t.get_gid() == "repeats"]
-    assert note == [f"micro-batches\n2-8 repeat\nthis one\n(step {panel.step_s * 1e3:.3g} ms)"]
+    assert panel.step_s > 1 > panel.drawn_s  # the step in seconds, the micro-batch drawn in milliseconds
+    assert note == [f"micro-batches\n2-8 repeat\nthis one\n(step {panel.step_s:.3g} s)"]
     heading = lanes._left_title.get_text()
     assert "FSDP 64 · TP 1 · PP 1" in heading
-    assert f"step {panel.step_s * 1e3:.3g} ms, peak {panel.peak_bytes / 2**20:.3g} MiB" in heading
-    assert "micro-batch 1 of 8 drawn" in heading
+    assert f"step {panel.step_s:.3g} s, peak {panel.peak_bytes / 2**20:.3g} MiB" in heading
+    assert f"micro-batch 1 of 8 drawn ({panel.drawn_s * 1e3:.3g} ms)" in heading
+    # a step of seconds whose micro-batch is drawn in milliseconds is written in seconds, not "1.02e+05 ms"
+    long = _accumulating(80, 64)
+    heading = _axes(timeline_figure([long]), "lanes:0")._left_title.get_text()
+    assert f"step {long.step_s:.3g} s" in heading and "e+" not in heading
 
 
 def test_timeline_gives_each_collective_a_lane_of_full_strength_bars():

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from wrapopt.report.plots import DPI, bytes_unit, pyplot, save_figure, time_unit, wrap_title
+from wrapopt.report.plots import DPI, bytes_unit, fmt_num, pyplot, save_figure, time_unit, wrap_title
 
 __all__ = ["PlanPoint", "draw_pareto", "pareto_figure", "VIEW_MARGIN"]
 
@@ -114,7 +114,8 @@ class _Frame:
         return x, y, ex, ey
 
     def value(self, p: PlanPoint) -> str:
-        return f"{p.peak_bytes / self.b_div:,.4g} {self.b_unit}, {p.step_s / self.t_div:,.4g} {self.t_unit}"
+        peak, step = fmt_num(p.peak_bytes / self.b_div, 4), fmt_num(p.step_s / self.t_div, 4)
+        return f"{peak} {self.b_unit}, {step} {self.t_unit}"
 
 
 def pareto_figure(points: Sequence[PlanPoint], *, budget_bytes: float | None = None, title: str | None = None) -> Any:
@@ -160,7 +161,7 @@ def pareto_figure(points: Sequence[PlanPoint], *, budget_bytes: float | None = N
         far = max(outside, key=lambda p: p.peak_bytes)
         ax.scatter([], [], marker=">", s=30, color="#9e9e9e",
                    label=f"{len(outside)} scored plans beyond the axes, drawn at the edge (up to "
-                         f"{far.peak_bytes / b_div:,.4g} {b_unit})")
+                         f"{fmt_num(far.peak_bytes / b_div, 4)} {b_unit})")
     ax.set_xlabel(f"peak memory per rank ({b_unit})")
     ax.set_ylabel(f"step time ({t_unit})")
     ax.grid(True, alpha=0.3)

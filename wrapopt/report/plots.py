@@ -28,8 +28,8 @@ from typing import Any, Sequence
 from wrapopt.errors import WrapoptError
 from wrapopt.fileio import atomic_write_bytes
 
-__all__ = ["TimelinePanel", "draw_timelines", "draw_timeline", "timeline_figure", "mesh_degrees",
-           "require_matplotlib", "save_figure", "wrap_title", "pyplot", "bytes_unit", "time_unit", "DPI"]
+__all__ = ["TimelinePanel", "draw_timelines", "draw_timeline", "timeline_figure", "mesh_degrees", "fmt_seconds",
+           "fmt_num", "require_matplotlib", "save_figure", "wrap_title", "pyplot", "bytes_unit", "time_unit", "DPI"]
 
 DPI = 110  # the figures are made and saved at this resolution, so label placement measured on screen holds
 COLORS = {"fwd": "#4c72b0", "loss": "#64b5cd", "bwd": "#55a868", "recompute": "#8172b2", "all_gather": "#dd8452",
@@ -155,13 +155,23 @@ def _lanes(panel: TimelinePanel) -> tuple[list[str], Any]:
     return names, lambda e: 0 if e[0] != "comm" else names.index(_COMM_LANES.get(e[1], names[-1]))
 
 
-def _panel_heading(panel: TimelinePanel, t_div: float, t_unit: str, b_div: float, b_unit: str) -> str:
+def fmt_num(value: float, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant figures, never in exponent form ("1,577", not "1.58e+03")."""
+    return f"{value:,.0f}" if abs(value) >= 10**digits - 0.5 else f"{value:,.{digits}g}"
+
+
+def fmt_seconds(seconds: float) -> str:
+    """"102 s", "1.6 ms": three significant figures in the unit that suits the value."""
+    div, unit = (1.0, "s") if seconds >= 1 else (1e-3, "ms") if seconds >= 1e-3 else (1e-6, "µs")
+    return f"{fmt_num(seconds / div)} {unit}"
+
+
+def _panel_heading(panel: TimelinePanel, b_div: float, b_unit: str) -> str:
     n = panel.micro_batches
-    drawn = (f"micro-batch 1 of {n} drawn ({panel.drawn_s / t_div:.3g} {t_unit}); micro-batches 2-{n} repeat it"
+    drawn = (f"micro-batch 1 of {n} drawn ({fmt_seconds(panel.drawn_s)}); micro-batches 2-{n} repeat it"
              if n > 1 else "the whole step drawn")
-    return "\n".join([panel.title] + ([panel.degrees] if panel.degrees else [])
-                     + [f"step {panel.step_s / t_div:.3g} {t_unit}, peak {panel.peak_bytes / b_div:.3g} {b_unit}; "
-                        f"{drawn}"])
+    figures = f"step {fmt_seconds(panel.step_s)}, peak {fmt_num(panel.peak_bytes / b_div)} {b_unit}; {drawn}"
+    return "\n".join([panel.title] + ([panel.degrees] if panel.degrees else []) + [figures])
 
 
 def timeline_figure(panels: Sequence[TimelinePanel], *, budget_bytes: float | None = None,
@@ -210,18 +220,18 @@ def timeline_figure(panels: Sequence[TimelinePanel], *, budget_bytes: float | No
         lanes.set_yticks(range(len(names)), list(reversed(names)), fontsize=8)
         lanes.set_ylim(-0.6, len(names) - 0.4)
         lanes.tick_params(labelbottom=False)
-        lanes.set_title(wrap_title(_panel_heading(panel, t_div, t_unit, b_div, b_unit), width - 1.5, 10),
+        lanes.set_title(wrap_title(_panel_heading(panel, b_div, b_unit), width - 1.5, 10),
                         loc="left", fontsize=10)
         repeats = max(p.micro_batches for p in panels) > 1  # room for the strip that stands for them
-        right = (max(spans) if shared else panel.drawn_s) * (1.09 if repeats else 1.01)
+        right = (max(spans) if shared else panel.drawn_s) * (1.11 if repeats else 1.01)
         lanes.axvline(panel.drawn_s / t_div, color="black", linewidth=0.8)
         if panel.micro_batches > 1:
             for ax in (lanes, mem):
                 ax.axvspan(panel.drawn_s / t_div, right / t_div, facecolor="#f2f2f2", edgecolor="#bbbbbb",
                            hatch="//", zorder=0)
             lanes.text((panel.drawn_s + right) / 2 / t_div, (len(names) - 1) / 2,
-                       f"micro-batches\n2-{panel.micro_batches} repeat\nthis one\n(step {panel.step_s / t_div:.3g} "
-                       f"{t_unit})", ha="center", va="center", fontsize=7.5, color="#333333", gid="repeats",
+                       f"micro-batches\n2-{panel.micro_batches} repeat\nthis one\n(step {fmt_seconds(panel.step_s)})",
+                       ha="center", va="center", fontsize=7, color="#333333", gid="repeats",
                        bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="#999999"))
         lanes.set_xlim(0, right / t_div)
         _memory_row(mem, panel, t_div, b_div, b_unit, top, budget_bytes if has_budget else None)
