@@ -172,8 +172,8 @@ class _Pricer:
         if key not in self.sims:
             opts = replace(s.train.sim_options(batch_scale=s.scale, memory_budget=self.budget), offload=s.offload)
             host = self.sim.host if self.sim.host is not None or not s.offload else self.offload_host
-            self.sims[key] = Simulator(self.graph, self.sim.fabric, self.sim.compute, opts,
-                                       backend=self.sim.backend, host=host)
+            self.sims[key] = self.sim if opts == self.sim.options else Simulator(  # the search's: priced already
+                self.graph, self.sim.fabric, self.sim.compute, opts, backend=self.sim.backend, host=host)
         return self.sims[key]
 
     def price(self, s: _Setting) -> tuple[PlanSpec, CostEstimate, Simulator]:
@@ -199,8 +199,9 @@ class _Pricer:
             need = sim.host_bytes_per_rank(plan) * self.request.mesh.ranks_per_node
             flag = flag.replace("--offload", f"--offload --host-memory {math.ceil(need / 2**30)}GiB")
             note = "; ".join(x for x in (note, "the least host memory per node it needs: give what a node has") if x)
+        seq = re.search(r"--seq (\d+)", flag)
         return Remedy(flag, est.peak_bytes, est.step_s, plan.label or "plan", est.peak_bytes <= self.budget, note,
-                      s.scale / self.base_scale if "--seq" in flag else 1.0, s)
+                      int(seq.group(1)) / self.graph.seq_len if seq else 1.0, s)
 
     def _pipeline(self, full: Simulator, s: _Setting) -> tuple[PlanSpec, CostEstimate, Simulator]:
         mesh, request = self.request.mesh, self.request
