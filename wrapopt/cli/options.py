@@ -178,7 +178,9 @@ def fabric_from_args(args: argparse.Namespace) -> str | None:
     return fabric_name(fabric=args.fabric, gpu=args.gpu, network=args.network)
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
+def add_train_arguments(p: argparse.ArgumentParser, *, sync_default: str | None = "auto") -> None:
+    """``--precision``, ``--accumulation``, ``--global-batch``, ``--optimizer`` and ``--sync``
+    (``sync_default`` None: a command that scores a job as it runs, every micro-batch unless told)."""
     p.add_argument("--precision", default=None, metavar="{none," + ",".join(PRECISIONS) + "}",
                    help="mixed precision: bf16 = bf16 gathered parameters and compute, fp32 gradient reduction, "
                         "fp32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy); bf16-pure reduces "
@@ -192,9 +194,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "seq tokens")
     p.add_argument("--optimizer", default="adamw", metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="the optimizer, for its state and step time (default adamw)")
-    p.add_argument("--sync", default="auto", metavar="{auto," + ",".join(SYNC_MODES) + "}",
+    default = ("auto (default): the faster that fits, per plan" if sync_default == "auto" else
+               "auto: the faster that fits; default: the plan file's, else every (a plain FSDP2 loop)")
+    p.add_argument("--sync", default=sync_default, metavar="{auto," + ",".join(SYNC_MODES) + "}",
                    help="with --accumulation > 1: reduce-scatter after every micro-batch, or after the last only "
-                        "(no-sync: holds unsharded gradients); auto (default): the faster that fits, per plan")
+                        f"(no-sync: holds unsharded gradients); {default}")
 
 
 def train_from_args(args: argparse.Namespace) -> TrainConfig:

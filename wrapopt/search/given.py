@@ -7,7 +7,8 @@ scores its 2-D plans (See [Note: 2-D search] in search/tp.py): built on the data
 (``tp.builtin_tp_plan``; a model it cannot split is refused naming the block) with the request's
 sequence-parallel and loss-parallel switches (on by default, as TorchTitan's TP plan) and async
 TP where asked, and lifted onto the whole mesh. A plan file brings its own degree; ``--tp`` then
-must say the same. ``--checkpoint`` sets every unit but the root: ``blocks`` (or ``full``)
+must say the same, and so must ``--pp`` for a plan file with pipeline stages (a plan without stages
+is put on a pipeline as a baseline is). ``--checkpoint`` sets every unit but the root: ``blocks`` (or ``full``)
 checkpointed whole, ``selective-op`` keeping the matmul and attention outputs and recomputing the
 rest (the search's selective-op mode), ``none`` not at all.
 """
@@ -57,6 +58,11 @@ def given_spec(given: Any, graph: ModelGraph, mesh: MeshSpec, checkpoint: str | 
         if tp > 1 and spec.mesh.tp_size != tp:
             raise PlanError(f"the plan file is for tensor-parallel degree {spec.mesh.tp_size}, --tp says {tp}; "
                             "re-run the search with --tp, or drop --tp")
+        pp = request.pp if request is not None else 1
+        if spec.pipeline is not None and pp != 1 and pp != spec.mesh.pp_size:
+            raise PlanError(f"{getattr(given, 'source', '') or 'the plan file'} is a pipeline of degree "
+                            f"{spec.mesh.pp_size} (its own stages, schedule and micro-batches), --pp says {pp}; "
+                            f"drop --pp, or re-run the search with --pp {pp}")
     if checkpoint is not None:
         ck = CHECKPOINTS[checkpoint]
         spec = replace(spec, units=tuple(u if u.is_root else replace(u, checkpoint=ck) for u in spec.units))

@@ -53,7 +53,10 @@ def run_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, m
     space = replace(space, tp_spec=spec, notes=(*space.notes, *([why] if why and request.asks_tp else [])))
     if not space.piped:  # no pipeline asked for, or --pp auto on a model that cannot be pipelined (a note says why)
         flat = search_flat(graph, sim, request, space, memory_budget=memory_budget, options=options)
-        return replace(flat, notes=(*space.notes, *flat.notes))
+        # the report's notes say why --pp auto searched no pipeline, as the --tp auto line says for tp
+        said = tuple(n for n in space.notes if n.startswith("--pp"))
+        result = replace(flat.result, notes=(*said, *flat.result.notes)) if said else flat.result
+        return replace(flat, result=result, notes=(*space.notes, *flat.notes))
     fixed = pipeline_batch(graph, sim, request, memory_budget=memory_budget) if request.global_batch else None
     flat, tried, one_units = None, {}, []
     flat_runs = bool(space.flat)  # a flat shape can run the request (a global batch: has a split)
