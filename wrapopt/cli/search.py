@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     graph, fabric, compute, budget, train = job.graph, job.fabric, job.compute, job.budget, request.train
     current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=current_tp_spec(graph, request),
                              load_plan=current_plan_loader(model, graph, mesh))
-               if args.current else None)  # a bad description fails before the search
+               if args.current is not None else None)  # a bad description fails before the search
     # One simulator for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
     sim = job.sim
     plan, result = plan_model(job, search=options)
