@@ -53,12 +53,10 @@ def lightning_fsdp2(plan: WrapPlan, source: str, out: str | None = None) -> Expo
     # plan.apply does the wrapping, checkpointing (selective-op too), prefetch, offload and mixed precision
     acc.write("units", "reshard", "checkpoint", "selective_checkpoint", "prefetch", "offload", "mixed_precision",
               "mesh", "hsdp", "multi_node")
-    trainer = {"num_nodes": plan.mesh.num_nodes, "devices": plan.mesh.world_size // plan.mesh.num_nodes,
-               **trainer_accumulation(acc)}
+    # SyncLastStrategy holds the gradients of a sync-last plan: See [Note: the Lightning FSDP2 module]
     sync_last = plan.accumulation > 1 and plan.train_config.accumulation_sync == "last"
-    if sync_last:  # SyncLastStrategy holds the gradients: See [Note: the Lightning FSDP2 module]
-        acc.losses[:] = [x for x in acc.losses if not x.startswith("SYNC MODE")]
-        acc.write("sync")
+    trainer = {"num_nodes": plan.mesh.num_nodes, "devices": plan.mesh.world_size // plan.mesh.num_nodes,
+               **trainer_accumulation(acc, holds_gradients=sync_last)}
     state_data_and_optimizer(acc)
     acc.finish()
     mesh = plan.mesh

@@ -42,15 +42,15 @@ def export_lightning_fsdp1(plan: WrapPlan, *, model: nn.Module | None, source: s
     return lightning_fsdp1(plan, class_policy(full, classes, match_by_name=False), ref, acc=acc)
 
 
-def trainer_accumulation(acc: Accounting) -> dict[str, Any]:
+def trainer_accumulation(acc: Accounting, *, holds_gradients: bool = False) -> dict[str, Any]:
     """Trainer(accumulate_grad_batches=...) and the sync mode it gives: See [Note: Lightning's accumulation
-    under FSDP]."""
+    under FSDP]. ``holds_gradients``: the strategy written skips the sync on all but the last micro-batch."""
     k = acc.plan.accumulation
     if not acc.sets("accumulation"):
         return {}
     acc.write("accumulation")
     sync = acc.plan.train_config.accumulation_sync
-    if sync == "last":
+    if sync == "last" and not holds_gradients:
         acc.lose("sync", f"SYNC MODE: the plan holds gradients unsharded until the last of its {k} micro-batches "
                          "(sync last); Lightning's Trainer reduce-scatters every micro-batch under FSDP, so each "
                          "step communicates more than predicted (it holds less); for sync last, call "
