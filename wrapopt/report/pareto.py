@@ -202,7 +202,7 @@ def _draw_measured(ax: Any, points: Sequence[PlanPoint], fr: _Frame) -> None:
     for i, p in enumerate(meas):
         style = _STYLES.get(p.role, dict(marker="o", s=40, color="#7f7f7f"))
         mx, my, _, _ = fr.at(p.measured_peak_bytes, p.measured_step_s)  # type: ignore[arg-type]
-        ax.scatter([mx], [my], marker=style["marker"], zorder=6, s=style["s"], facecolor="none",
+        ax.scatter([mx], [my], marker=style["marker"], zorder=6, s=style["s"], facecolor="none", clip_on=False,
                    edgecolor=style["color"], linewidth=1.5, label="measured (hollow; arrow from the prediction)"
                    if i == 0 else None)
         px, py, _, _ = fr.at(p.peak_bytes, p.step_s)
