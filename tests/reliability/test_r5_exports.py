@@ -189,3 +189,10 @@ def test_the_fsdp1_policy_offloads_as_planned(gpt_tiny):
     assert plan.to_fsdp1_policy().root_kwargs["cpu_offload"].offload_params is True
     plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, offload=False))
     assert "cpu_offload" not in plan.to_fsdp1_policy().root_kwargs
+
+
+def test_a_lost_sync_mode_heads_the_losses(gpt_tiny):
+    """It decides whether the step fits (accelerate) or how fast it runs (Lightning FSDP1, TorchTitan)."""
+    for to, sync in (("accelerate", "every"), ("lightning-fsdp1", "last"), ("torchtitan", "last")):
+        out = export_plan(_plan_1d(gpt_tiny, sync), to=to)
+        assert out.losses[0].startswith("SYNC MODE") and len(out.losses) > 1, to

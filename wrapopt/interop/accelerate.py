@@ -72,12 +72,13 @@ def export_accelerate(plan: WrapPlan, *, model: nn.Module | None, source: str, o
     }
     notes: dict[str, str] = {}
     if mesh.num_nodes > 1:
+        ranks = f"0 to {mesh.num_nodes - 1}"
         notes["num_processes"] = (f"FILL IN on each of the {mesh.num_nodes} machines, here or as `accelerate launch "
-                                  "--machine_rank R --main_process_ip IP --main_process_port PORT`: machine_rank (0 "
-                                  f"on the main machine, 1 to {mesh.num_nodes - 1} on the others) and main_process_ip "
-                                  "(the main machine's address, reachable from all)")
-        acc.state("multi_node", f"on each of the {mesh.num_nodes} machines, launch with --machine_rank R (0 to "
-                                f"{mesh.num_nodes - 1}) --main_process_ip IP (the main machine's address)")
+                                  "--machine_rank R --main_process_ip IP --main_process_port PORT`: machine_rank "
+                                  f"({ranks}, 0 on the main machine) and main_process_ip (the main machine's address, "
+                                  "reachable from all)")
+        acc.state("multi_node", f"on each of the {mesh.num_nodes} machines, launch with --machine_rank R ({ranks}, 0 "
+                                "on the main machine) --main_process_ip IP (the main machine's address)")
     else:
         config["machine_rank"] = 0
     if mesh.shard_size > 1:
@@ -119,7 +120,7 @@ def _accumulation(acc: Accounting) -> None:
                          f"Accelerate's accumulate() skips the sync on all but the last of the {k} micro-batches and "
                          "holds unsharded gradients meanwhile, which the plan was not scored for and may not fit: "
                          f"in code, Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps={k}, "
-                         "sync_each_batch=True))")
+                         "sync_each_batch=True))", first=True)
     elif sync == "last":
         acc.state("sync", "sync last: accelerator.accumulate(model) skips the gradient sync on all but the last "
                           "micro-batch, as the plan was scored")

@@ -133,11 +133,12 @@ class Accounting:
             self.status[name] = STATED
             self.script.append(line)
 
-    def lose(self, name: str, line: str) -> None:
-        """The tool cannot do ``name``: ``line`` says what differs from the plan, and what to do."""
+    def lose(self, name: str, line: str, *, first: bool = False) -> None:
+        """The tool cannot do ``name``: ``line`` says what differs from the plan, and what to do;
+        ``first``: at the head of LOSSES (what may not fit in memory, or runs slower than predicted)."""
         if self.sets(name):
             self.status[name] = LOST
-            self.losses.append(line)
+            self.losses.insert(0 if first else len(self.losses), line)
 
     def finish(self) -> None:
         """Every field the plan sets and the exporter did not account for, listed as lost."""

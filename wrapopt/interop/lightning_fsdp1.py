@@ -55,7 +55,7 @@ def trainer_accumulation(acc: Accounting, *, holds_gradients: bool = False) -> d
                          "(sync last); Lightning's Trainer reduce-scatters every micro-batch under FSDP, so each "
                          "step communicates more than predicted (it holds less); for sync last, call "
                          "set_requires_gradient_sync(False) on the FSDP modules for all but the last micro-batch "
-                         "(wrapopt.train_step does), or re-run the search with --sync every")
+                         "(wrapopt.train_step does), or re-run the search with --sync every", first=True)
     else:
         acc.write("sync")
     return {"accumulate_grad_batches": k}

@@ -89,7 +89,8 @@ def _account(acc: Accounting, sections: dict[str, dict[str, Any]]) -> None:
     if sync == "last":
         acc.lose("sync", f"SYNC MODE: the plan holds gradients unsharded until the last of its {k} micro-batches "
                          "(sync last); TorchTitan reduce-scatters every micro-batch, so each step communicates more "
-                         "than predicted (it holds less); re-run the search with --sync every for its prediction")
+                         "than predicted (it holds less); re-run the search with --sync every for its prediction",
+                 first=True)
     elif sync == "every":
         acc.write("sync")
     else:
