@@ -67,8 +67,7 @@ from wrapopt.cost.step_inputs import (
     UnitPlan,
 )
 from wrapopt.cost.tp import tp_view, with_async
-from wrapopt.errors import OptionError
-from wrapopt.hardware.host import HostSpec
+from wrapopt.hardware.host import HostSpec, host_for
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import (
     ROOT,
@@ -98,6 +97,19 @@ _NO_EVENTS = np.zeros((0, 6))  # the step loop's events when none are recorded: 
 # Builds a named tuple from a tuple of its fields in order, the cheapest way: the per-plan records
 # below are built so (See [Note: step loop inputs] in step_inputs.py).
 _new = tuple.__new__
+
+# [Note: a host to price offload] A plan with CPU offload (``PlanSpec.offload``) is priced from the
+# host link and host memory bandwidth the fabric's GPU preset states; the host memory the user
+# states (``--host-memory``) only decides whether offload may be chosen (search/offload.py). So a
+# simulator given no host (``wrapopt estimate`` of an offload plan file, any re-simulation built
+# without one) takes the stated GPU's host, with the host memory marked as not stated, instead of
+# failing after the search; a fabric that states no host (a measured one) is refused naming what
+# to give (``host_for``).
+def stated_host(fabric: FabricProfile, ranks_per_node: int) -> HostSpec:
+    """The host ``fabric``'s GPU preset states, its memory not stated: See [Note: a host to price offload]."""
+    host = host_for(fabric, host_memory_bytes=1, ranks_per_node=ranks_per_node)
+    return replace(host, memory_bytes_per_node=0, source=f"{host.source}; host memory not stated (not checked)")
+
 
 class Simulator:
     """Scores plans for one model, fabric, compute profile and step options.
@@ -237,9 +249,8 @@ class Simulator:
         units, mesh = plan.units, plan.mesh
         if self.options.offload and not plan.offload:  # See [Note: CPU offload] in state.py
             plan = replace(plan, offload=True)
-        if plan.offload and self.host is None:
-            raise OptionError("a plan with CPU offload is priced with the host it offloads to: give the "
-                              "Simulator a HostSpec (--host-memory with a stated GPU)")
+        if plan.offload and self.host is None:  # See [Note: a host to price offload]
+            self.host = stated_host(self.fabric, mesh.ranks_per_node)
         mods = tuple(map(unit_modules, units))
         per_set = self._unit_set(units, mods)
         per_mesh = self._mesh_costs(per_set, units, mesh, plan.offload)
