@@ -20,7 +20,10 @@ and what to do:
    (``WrapPlan.check_model``), its traced graph (``validate_plan``: tied parameters and
    parameter users in one unit), and the world size and ranks per node the command was
    given. A different global batch is not refused: ``estimate --global-batch`` and
-   ``--current`` choose the split again at the batch given.
+   ``--current`` choose the split again at the batch given. With a live model, its
+   fingerprint is compared first and its module names replace the recorded ones in step 1,
+   so the message names what differs from the model at hand (``PlanMismatchError``), and
+   ``apply(strict=False)`` still applies a plan by the live model's names.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from wrapopt.units import check_units, validate_plan
 __all__ = ["check_plan_fields", "check_plan"]
 
 
-def check_plan_fields(spec: PlanSpec, model: dict[str, Any], train: TrainConfig | None, *, source: str) -> None:
+def check_plan_fields(spec: PlanSpec, model: dict[str, Any], train: TrainConfig | None, *, source: str,
+                      names: bool = True) -> None:
     """The checks a plan file passes on its own (See [Note: one plan check], step 1);
-    ``PlanError`` naming ``source`` (the file; "" for a plan made in memory) and the field."""
-    recorded = model.get("module_classes")
+    ``PlanError`` naming ``source`` (the file; "" for a plan made in memory) and the field.
+    ``names=False``: the module names are left to a live model's check (``check_plan``)."""
+    recorded = model.get("module_classes") if names else None
     known = ({m for mods in recorded.values() if isinstance(mods, list) for m in mods}
              if isinstance(recorded, dict) else None)
     if known is not None:
@@ -96,7 +101,7 @@ class _AnyName:
         return True
 
 
-def check_plan(plan: Any, *, model: nn.Module | None = None, graph: ModelGraph | None = None,
+def check_plan(plan: Any, *, model: nn.Module | None = None, strict: bool = True, graph: ModelGraph | None = None,
                world_size: int | None = None, ranks_per_node: int | None = None,
                given: str = "--world-size") -> None:
     """Check ``plan`` (a ``WrapPlan``; this module sits below plan/file.py) against itself and what
@@ -104,7 +109,11 @@ def check_plan(plan: Any, *, model: nn.Module | None = None, graph: ModelGraph |
     line naming the plan's file and the field.
 
     Args:
-        model: the live model: its parameters must be the plan's (``PlanMismatchError``).
+        model: the live model: its parameters and the modules the units name must be the plan's
+            (``PlanMismatchError``); it is checked first, and its module names stand in for those
+            the file records.
+        strict: False (``apply(strict=False)``): ``model``'s fingerprint is not compared; the
+            names are then checked against it by ``apply_plan``.
         graph: its trace: tied parameters and parameter users must share a unit.
         world_size, ranks_per_node: the mesh the command runs or prices (None: not known).
         given: what set ``world_size`` in messages ("--world-size", "this job").
@@ -112,8 +121,13 @@ def check_plan(plan: Any, *, model: nn.Module | None = None, graph: ModelGraph |
     Example:
         >>> check_plan(WrapPlan.load("plan.json"), model=model, world_size=8)  # doctest: +SKIP
     """
-    check_plan_fields(plan.spec, plan.model, plan.train, source=plan.source)
     source = plan.source or "the plan"
+    try:
+        if model is not None and strict:
+            plan.check_model(model)
+    except PlanMismatchError as e:
+        raise PlanMismatchError(f"{plan.source}: {e}" if plan.source else str(e)) from None
+    check_plan_fields(plan.spec, plan.model, plan.train, source=plan.source, names=model is None)
     mesh = plan.spec.mesh
     if world_size is not None and world_size != mesh.world_size:
         raise PlanError(f"{source}: field 'mesh.world_size' is {mesh.world_size}, but {given} is {world_size}; "
@@ -124,12 +138,9 @@ def check_plan(plan: Any, *, model: nn.Module | None = None, graph: ModelGraph |
                         f"{ranks_per_node}; re-run `wrapopt search --gpus-per-node {ranks_per_node}`, or pass "
                         f"--gpus-per-node {mesh.ranks_per_node}")
     try:
-        if model is not None:
-            plan.check_model(model)
         if graph is not None:
             validate_plan(graph, plan.spec)
     except PlanError as e:
         if not plan.source:  # a plan made in memory: the message estimate and apply give
             raise
-        raise type(e)(f"{plan.source}: " + ("" if isinstance(e, PlanMismatchError) else "field 'units': ")
-                      + str(e)) from None
+        raise PlanError(f"{plan.source}: field 'units': {e}") from None

@@ -249,7 +249,7 @@ class WrapPlan:
         """
 
         with every_rank("checking the plan file against the model"):  # See [Note: every rank explains]
-            check_plan(self, model=model if strict else None)  # See [Note: one plan check] in plan/check.py
+            check_plan(self, model=model, strict=strict)  # See [Note: one plan check] in plan/check.py
             mp = self.train_config.mixed_precision()
             if train is not None:
                 differ = self.train_config.differences(train)
