@@ -103,6 +103,10 @@ def test_current_refuses_another_world_size_and_model(good, tmp_path, capsys):
                        (path, "field 'mesh.world_size' is 2", "--world-size is 4"), capsys)
     assert_cli_refuses(["estimate", *GPT, "--world-size", "4", "--plan", path], ERROR,
                        (path, "field 'mesh.world_size' is 2", "--world-size is 4"), capsys)
+    assert_cli_refuses(["estimate", *GPT, "--gpus-per-node", "1", "--plan", path], ERROR,
+                       (path, "field 'mesh.ranks_per_node' is 2", "--gpus-per-node is 1"), capsys)
+    code, err = run_cli(["estimate", *GPT, "--world-size", "2", "--gpus-per-node", "8", "--plan", path], capsys)
+    assert code == 0, err  # 2 ranks on an 8-GPU node: the plan's 2 per node
     other = _write(tmp_path, good, lambda d: d["model"]["params"]["wte.weight"].update(shape=[7, 7]),
                    name="other.json")  # a plan for a model with another embedding
     for argv in (["search", *GPT, "--world-size", "2", "--current", other], ["estimate", *GPT, "--plan", other]):

@@ -133,7 +133,8 @@ def check_plan(plan: Any, *, model: nn.Module | None = None, strict: bool = True
         raise PlanError(f"{source}: field 'mesh.world_size' is {mesh.world_size}, but {given} is {world_size}; "
                         f"re-run `wrapopt search --world-size {world_size}` for this mesh, or give "
                         f"{mesh.world_size} ranks")
-    if ranks_per_node is not None and ranks_per_node != mesh.ranks_per_node:
+    # a world below its node is one partial node (``default_mesh``): 2 ranks at --gpus-per-node 8 are 2 per node
+    if ranks_per_node is not None and min(ranks_per_node, mesh.world_size) != mesh.ranks_per_node:
         raise PlanError(f"{source}: field 'mesh.ranks_per_node' is {mesh.ranks_per_node}, but --gpus-per-node is "
                         f"{ranks_per_node}; re-run `wrapopt search --gpus-per-node {ranks_per_node}`, or pass "
                         f"--gpus-per-node {mesh.ranks_per_node}")
