@@ -11,6 +11,7 @@ Optuna would otherwise glue to the next append and then refuse to read.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
@@ -22,7 +23,7 @@ try:
 except ImportError:  # Windows: Optuna's own lock files
     fcntl = None
 
-__all__ = ["journal_storage", "sqlite_storage", "corrupt_storage_error"]
+__all__ = ["journal_storage", "sqlite_storage", "corrupt_storage_error", "check_storage_file", "not_a_study_error"]
 
 
 def _flock_lock_class():
@@ -77,10 +78,69 @@ def _cut_torn_tail(path: str, lock) -> None:
         lock.release()
 
 
+# [Note: a storage file is checked first] Optuna opens a journal file by replaying its lines and
+# skips a last line it cannot parse (it takes it for one being written), then appends the study it
+# creates: given a text file, it would append, and only the next read would call the file damaged.
+# A SQLite file that is something else is refused by SQLite, but wrapopt would first cut the "torn"
+# tail of a journal. So before anything is written, a file that is not empty must look like what
+# its suffix says: a journal's first and last whole lines are JSON objects with Optuna's
+# ``op_code`` (lines in between are checked by Optuna's replay, which raises on a bad line that has
+# one after it); a SQLite file starts with SQLite's 16-byte header. An empty file is a new study.
+_SQLITE_HEADER = b"SQLite format 3\x00"
+_HEAD_BYTES = 1 << 20  # a journal's first line is a study's creation: far shorter than this
+
+
+def _journal_record(line: bytes) -> bool:
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("op_code"), int)
+
+
+def _last_whole_line(f, size: int) -> bytes:
+    """The last line that ends in a newline (a torn tail after it is not a line yet)."""
+    f.seek(max(0, size - _HEAD_BYTES))
+    tail = f.read()
+    end = tail.rfind(b"\n")
+    return tail[tail.rfind(b"\n", 0, end) + 1:end] if end >= 0 else b""
+
+
+def check_storage_file(path: str, kind: str) -> None:
+    """Refuse ``path`` before anything is written to it unless it is empty, absent, or looks like
+    a ``kind`` ("journal" or "sqlite") file: See [Note: a storage file is checked first]."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isfile(path):
+        raise not_a_study_error(path, kind, "it is not a regular file")
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(0)
+        if kind == "sqlite":
+            if f.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
+                raise not_a_study_error(path, kind, "it does not start with SQLite's header")
+            return
+        head = f.readline(_HEAD_BYTES)
+        if not _journal_record(head):
+            raise not_a_study_error(path, kind, "its first line is not one of Optuna's JSON records")
+        if head.endswith(b"\n") and not _journal_record(_last_whole_line(f, size)):
+            raise not_a_study_error(path, kind, "its last line is not one of Optuna's JSON records")
+
+
+def not_a_study_error(path: str, kind: str, why: str) -> WrapoptError:
+    """One line: the file is not a study of ``kind``, was left untouched, and what to do."""
+    what = "Optuna journal" if kind == "journal" else "SQLite database"
+    return WrapoptError(f"--storage {path}: this file is not an {what} ({why}); it was left untouched: pass a new "
+                        f"file name for a new study, or move it aside (mv {path} {path}.bad) if it is one damaged")
+
+
 def journal_storage(path: str):
     """Optuna's journal file storage at ``path``, locked with ``flock`` where the OS has it."""
     import optuna
 
+    check_storage_file(path, "journal")  # See [Note: a storage file is checked first]
     journal = optuna.storages.journal
     lock = _flock_lock_class()(path) if fcntl is not None else journal.JournalFileOpenLock(path)
     _cut_torn_tail(path, lock)
@@ -98,6 +158,8 @@ _CREATE_TRIES = 4
 def sqlite_storage(url: str, path: str):
     """An ``RDBStorage`` on the SQLite file ``path`` that several workers of one host share."""
     import optuna
+
+    check_storage_file(path, "sqlite")  # See [Note: a storage file is checked first]
 
     def connect():
         # Several workers on one file wait for its lock instead of failing.

@@ -11,9 +11,10 @@ trials: it counts those already stored and runs only the rest, and a callback
 stops it as soon as the study holds the total, so a restarted search (after
 ``kill -9``) and several workers sharing one study finish the budget together
 without redoing a finished trial. A trial that was running when its worker
-died stays RUNNING and is not counted in a file; on a database server it is
-failed and queued again by a live worker once its heartbeat is stale (See
-[Note: shared studies on a server] in search/study/db.py). Seeds are enqueued with
+died is not counted: in a file a live worker (or the next search) fails it
+(See [Note: dead workers in a study file] in search/study/seeding.py); on a
+database server it is failed and queued again by a live worker once its
+heartbeat is stale (See [Note: shared studies on a server] in search/study/db.py). Seeds are enqueued with
 ``skip_if_exists``, so a restart does not run them twice. A study remembers
 what it was made for (model, mesh, budget, fabric); reopening it for
 anything else is an error rather than a silent mix.
@@ -255,12 +256,14 @@ def run_study(
             warnings.simplefilter("ignore")  # experimental / deprecation notices about Optuna itself
             sampler_obj = seeding.per_trial_seed_sampler(_sampler(sampler, seed, pop), seed)
             study = _open_study(url, name, identity, sampler_obj, {"heartbeat_s": heartbeat_s, "grace_s": grace_s})
+            worker = seeding.worker_name()
+            watch = None
             if url is not None and url.startswith(("journal:///", "sqlite:///")):
-                seeding.fail_dead_workers(study)  # See [Note: per-trial seeds]
+                watch = _WatchWorkers(worker)  # See [Note: dead workers in a study file] in study/seeding.py
+                watch.check(study)
             done = _count_finished(study)
             num_seeds = _enqueue_seeds(study, space, seeds, shared=url is not None) if done < trials else 0
             ran = 0
-            worker = seeding.worker_name()
 
             def objective(trial) -> tuple[float, float]:
                 nonlocal ran
@@ -283,7 +286,8 @@ def run_study(
                 ran += 1
                 return est.step_s, float(est.peak_bytes)
 
-            _optimize(study, objective, trials=trials, done=done, timeout_s=timeout_s, progress=progress)
+            _optimize(study, objective, trials=trials, done=done, timeout_s=timeout_s, progress=progress,
+                      watch=watch)
             finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             pruned = study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
             illegal = sum(ILLEGAL in t.user_attrs for t in pruned)
@@ -306,7 +310,29 @@ def _enqueue_seeds(study, space: SearchSpace, seeds: list[PlanSpec], *, shared: 
     return num_seeds
 
 
-def _optimize(study, objective, *, trials: int, done: int, timeout_s: float | None, progress: bool) -> None:
+class _WatchWorkers:
+    """An Optuna callback for study files: this worker's beat every ``BEAT_S``, and the trials of
+    dead workers failed every ``CHECK_S``; See [Note: dead workers in a study file] in study/seeding.py."""
+
+    def __init__(self, worker: str):
+        self.worker = worker
+        self.last_beat = self.last_check = -math.inf
+
+    def check(self, study) -> None:
+        now = time.monotonic()
+        if now - self.last_beat >= seeding.BEAT_S:
+            self.last_beat = now
+            seeding.beat(study, self.worker)
+        if now - self.last_check >= seeding.CHECK_S:
+            self.last_check = now
+            seeding.fail_dead_workers(study)
+
+    def __call__(self, study, _trial) -> None:
+        self.check(study)
+
+
+def _optimize(study, objective, *, trials: int, done: int, timeout_s: float | None, progress: bool,
+              watch: _WatchWorkers | None = None) -> None:
     """Run trials until the study holds ``trials`` finished ones (``done`` already), showing them."""
 
     def stop_at_budget(st, _trial) -> None:
@@ -317,8 +343,9 @@ def _optimize(study, objective, *, trials: int, done: int, timeout_s: float | No
     show.bar.set(done)
     if done < trials:
         try:
-            study.optimize(objective, n_trials=trials - done, timeout=timeout_s,
-                           callbacks=[stop_at_budget, show], gc_after_trial=False)
+            callbacks = [stop_at_budget, show] + ([watch] if watch is not None else [])
+            study.optimize(objective, n_trials=trials - done, timeout=timeout_s, callbacks=callbacks,
+                           gc_after_trial=False)
             show.show(study)
         finally:
             show.bar.close()

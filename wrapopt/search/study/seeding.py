@@ -11,6 +11,20 @@ gives the next trial the place the killed one had, so with the same finished his
 sampler proposes what the uninterrupted run did. Each trial records its ``sampler_seed``.
 Reseeding uses the samplers' private ``_rng`` and ``_random_sampler`` (Optuna 4-5 TPE,
 NSGA-II, Random); a sampler without them keeps its one stream.
+
+[Note: dead workers in a study file] Optuna's heartbeat (``fail_stale_trials``) needs a storage
+that records one (``BaseHeartbeat``: ``RDBStorage`` on a server, See [Note: shared studies on a
+server] in search/study/db.py); Optuna 5.1's ``JournalStorage`` does not, and wrapopt's SQLite
+files go without it. So a worker killed in the middle of a trial leaves it RUNNING. Each trial
+names its worker ("host:pid") first thing, and ``fail_dead_workers`` marks FAIL the RUNNING
+trials of a worker known to be gone: on this host, a pid with no process; elsewhere (a journal on
+a shared file system), a worker whose ``beat`` (a study attribute ``worker_beat:host:pid``, wall
+time, written at start and every ``BEAT_S`` while it runs trials) is older than ``STALE_S``. A
+worker runs it when it opens the study (resume) and every ``CHECK_S`` while it runs, so a live
+worker fails a dead one's trial within seconds (on this host) or ``STALE_S`` (elsewhere; the
+hosts' clocks must agree to well within it, as NTP keeps them), and its own trials go on at their
+rate. A failed trial names the worker that failed it (system attribute ``failed_as_dead``); it
+is not counted in the study's budget, so another trial takes its place.
 """
 
 from __future__ import annotations
@@ -19,8 +33,14 @@ import functools
 import hashlib
 import os
 import socket
+import time
 
-__all__ = ["per_trial_seed_sampler", "fail_dead_workers", "worker_name"]
+__all__ = ["per_trial_seed_sampler", "fail_dead_workers", "worker_name", "beat", "BEAT_S", "STALE_S", "CHECK_S"]
+
+BEAT_S = 5.0  # how often a running worker writes its beat (one record in the study file)
+STALE_S = 60.0  # a worker on another host whose beat is older than this is dead
+CHECK_S = 1.0  # how often a running worker looks for dead workers' trials
+_BEAT_KEY = "worker_beat:"
 
 
 def worker_name() -> str:
@@ -87,17 +107,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def fail_dead_workers(study) -> int:
-    """Mark FAIL the RUNNING trials of workers on this host whose process is gone (``kill -9``);
-    returns how many. File storages have no heartbeat to do it (See [Note: per-trial seeds])."""
+def beat(study, worker: str) -> None:
+    """Record that ``worker`` is alive now: See [Note: dead workers in a study file]."""
+    study._storage.set_study_system_attr(study._study_id, _BEAT_KEY + worker, time.time())
+
+
+def _dead(worker: str, host: str, beats: dict, now: float, stale_s: float) -> bool:
+    who, _, pid = worker.rpartition(":")
+    if who == host and pid.isdigit():
+        return not _alive(int(pid))
+    last = beats.get(_BEAT_KEY + worker)  # a worker that never beat (older wrapopt) is left alone
+    return isinstance(last, (int, float)) and now - last > stale_s
+
+
+def fail_dead_workers(study, *, stale_s: float = STALE_S) -> int:
+    """Mark FAIL the RUNNING trials of dead workers; returns how many. See [Note: dead workers in
+    a study file]."""
+    import optuna
     from optuna.trial import TrialState
 
-    host = socket.gethostname()
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    if not running:
+        return 0
+    host, me, now = socket.gethostname(), worker_name(), time.time()
+    beats = study._storage.get_study_system_attrs(study._study_id)
     failed = 0
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        who, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
-        if who != host or not pid.isdigit() or _alive(int(pid)):
+    for t in running:
+        worker = str(t.user_attrs.get("worker", ""))
+        if not worker or worker == me or not _dead(worker, host, beats, now, stale_s):
             continue
-        if study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
-            failed += 1
+        try:
+            # RUNNING -> FAIL; Optuna's own stale-trial check moves another worker's trial the same way
+            study._storage.set_trial_system_attr(t._trial_id, "failed_as_dead", me)
+            if study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                failed += 1
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # it finished after all (a worker that was only slow)
     return failed
