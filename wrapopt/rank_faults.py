@@ -240,11 +240,12 @@ def _after_error(procs: list[Any], queue: Any, results: dict[int, Any], errors: 
 # looks at the others: a peer that writes its own ``alive`` key is a fellow survivor; one on this
 # host whose process is gone, a zombie or stopped (SIGSTOP) is lost (a killed process still runs
 # for a moment after its sockets close, hence the looking again); one that does neither in time
-# is named as not answering. Under torchrun the agent also sees a child's exit, names it in its
-# summary and sends the survivors SIGTERM, so a survivor's line may not get out first. The store is asked with a timeout of ``PROBE_S``, so a store whose host was lost (rank 0
-# under ``spawn``) answers with an error, which is itself the answer. A killed peer is
-# named as soon as the collective fails; a stopped one after the process group's timeout (a stopped
-# rank breaks no connection). The probe runs only after a failure: a run that works pays one write.
+# is named as not answering. The store is asked with a timeout of ``PROBE_S``, so a store whose
+# host was lost (rank 0 under ``spawn``) answers with an error, which is itself the answer. A
+# killed peer is named as soon as the collective fails; a stopped one after the process group's
+# timeout (a stopped rank breaks no connection). The probe runs only after a failure: a run that
+# works pays one write. Under torchrun the agent also sees a child's exit, names it in its summary
+# and sends the survivors SIGTERM, so a survivor's own line may not get out first.
 
 PROBE_S = 5.0  # how long a survivor waits for its peers' answers after a failed collective
 _RANK_KEY = "wrapopt/rank/{}"
