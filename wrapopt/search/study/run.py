@@ -257,10 +257,7 @@ def run_study(
             sampler_obj = seeding.per_trial_seed_sampler(_sampler(sampler, seed, pop), seed)
             study = _open_study(url, name, identity, sampler_obj, {"heartbeat_s": heartbeat_s, "grace_s": grace_s})
             worker = seeding.worker_name()
-            watch = None
-            if url is not None and url.startswith(("journal:///", "sqlite:///")):
-                watch = _WatchWorkers(worker)  # See [Note: dead workers in a study file] in study/seeding.py
-                watch.check(study)
+            watch = _WatchWorkers.of(study, url, worker)
             done = _count_finished(study)
             num_seeds = _enqueue_seeds(study, space, seeds, shared=url is not None) if done < trials else 0
             ran = 0
@@ -312,11 +309,20 @@ def _enqueue_seeds(study, space: SearchSpace, seeds: list[PlanSpec], *, shared: 
 
 class _WatchWorkers:
     """An Optuna callback for study files: this worker's beat every ``BEAT_S``, and the trials of
-    dead workers failed every ``CHECK_S``; See [Note: dead workers in a study file] in study/seeding.py."""
+    dead workers failed every ``CHECK_S``; See [Note: dead workers in a study file] in search/study/seeding.py."""
 
     def __init__(self, worker: str):
         self.worker = worker
         self.last_beat = self.last_check = -math.inf
+
+    @classmethod
+    def of(cls, study, url: str | None, worker: str) -> "_WatchWorkers | None":
+        """The watch of a study file, checked once as the study opens (a resume); None for others."""
+        if url is None or not url.startswith(("journal:///", "sqlite:///")):
+            return None
+        watch = cls(worker)
+        watch.check(study)
+        return watch
 
     def check(self, study) -> None:
         now = time.monotonic()
