@@ -39,7 +39,7 @@ def _trace(name: str):
 
 def test_bench_set_is_registered_in_the_zoo_as_trainable():
     assert BENCH_NAMES == ["tx-encoder", "tx-tied", "tx-decoder", "wide-shallow", "deep-narrow", "big-vocab",
-                           "moe-tiny", "lora-tiny"]
+                           "moe-tiny", "lora-tiny", "mha-tied"]
     for name in BENCH_NAMES:
         e = zoo.get_entry(name)
         assert e.suite == "bench" and e.trainable and e.description
@@ -48,7 +48,7 @@ def test_bench_set_is_registered_in_the_zoo_as_trainable():
 
 @pytest.mark.parametrize("name,chains", [("tx-encoder", [4]), ("tx-decoder", [2, 3]), ("wide-shallow", [2]),
                                          ("deep-narrow", [20]), ("big-vocab", [2]), ("moe-tiny", [4]),
-                                         ("lora-tiny", [4])])
+                                         ("lora-tiny", [4]), ("mha-tied", [8])])
 def test_block_chains(name, chains):
     assert [len(c) for c in _trace(name).block_chains] == chains
 

@@ -18,7 +18,10 @@ tuned; these check that plans hold on models wrapopt was not built around
   (GShard-style dispatch into fixed-capacity expert buffers, so shapes do not depend on
   the data and the model traces on the meta device);
 - ``lora-tiny``: a frozen Llama-style base (``requires_grad=False``) with trainable LoRA
-  adapters on the q and v projections.
+  adapters on the q and v projections;
+- ``mha-tied``: a GPT whose blocks a user wrote around ``nn.MultiheadAttention`` (its fused
+  ``in_proj``, a causal mask, an ``nn.Sequential`` MLP), the head tied to the embedding
+  (issue 51: the CPU step model on a held-out model of that family).
 
 Every model is deterministic under a seed (dropout 0) and runs steps of tens of
 milliseconds on 2 gloo ranks of a CPU.
@@ -34,7 +37,8 @@ import torch.nn.functional as F
 
 from wrapopt.models.entry import ZooEntry, lm_loss, src_tgt, tokens
 
-__all__ = ["BENCH", "TxEncoderLM", "TxCausalLM", "TxSeq2Seq", "FusedDecoder", "MoEFFN", "LoRALinear", "LoRALlama"]
+__all__ = ["BENCH", "TxEncoderLM", "TxCausalLM", "TxSeq2Seq", "FusedDecoder", "MoEFFN", "LoRALinear", "LoRALlama",
+           "MHAGPT"]
 
 
 # --- built from torch.nn.Transformer* layers ------------------------------------------------------
@@ -259,6 +263,47 @@ class LoRALlama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+# --- blocks written around nn.MultiheadAttention ---------------------------------------------------
+
+
+class MHABlock(nn.Module):
+    """Pre-norm block as a user writes it: ``nn.MultiheadAttention`` (fused ``in_proj``, no weights
+    returned) under a causal mask, then an ``nn.Sequential`` MLP."""
+
+    def __init__(self, dim: int, n_heads: int, ffn: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, n_heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, ffn), nn.GELU(), nn.Linear(ffn, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class MHAGPT(nn.Module):
+    """A GPT of ``MHABlock``s in an ``nn.ModuleList`` with learned positions, the head tied to the embedding."""
+
+    def __init__(self, *, vocab: int, dim: int, n_layers: int, n_heads: int, ffn: int, max_seq: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(max_seq, dim)
+        self.blocks = nn.ModuleList(MHABlock(dim, n_heads, ffn) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.lm_head(self.ln_f(x))
+
+
 # --- the entries -------------------------------------------------------------------------------------
 
 
@@ -291,4 +336,7 @@ BENCH: tuple[ZooEntry, ...] = (
            tokens(2048, 32), 4),
     _bench("lora-tiny", "Llama-style decoder, 4 blocks, d=64, frozen base, trainable LoRA (rank 8) on q and v",
            lambda: LoRALlama(vocab=2048, dim=64, n_layers=4, n_heads=4, ffn=176, rank=8), tokens(2048, 64), 4),
+    _bench("mha-tied", "GPT of 8 user blocks around nn.MultiheadAttention (fused in_proj, causal mask), d=64, "
+           "FFN 256, head tied to the embedding",
+           lambda: MHAGPT(vocab=2048, dim=64, n_layers=8, n_heads=4, ffn=256, max_seq=64), tokens(2048, 64), 4),
 )
