@@ -29,13 +29,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from dataclasses import replace
+
 from wrapopt.cost.roofline import kernel_times
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.units import ancestors
 
 __all__ = ["Entry", "backward_working_set", "gradient_sites", "module_calls", "module_time", "recompute_share",
-           "recomputed", "region_depths"]
+           "recomputed", "region_depths", "twin_times"]
 
 
 class Entry(NamedTuple):
@@ -88,6 +90,38 @@ def module_calls(graph: ModelGraph, compute: ComputeProfile, scale: float, piece
                              tuple(early.get(a, {}).get(m.fqn, 0.0) for a in anc),
                              0.0 if measured else compute.module_overhead_s * m.num_calls))
     return entries
+
+
+# [Note: twin blocks] A measured profile times every module on its own (See [Note: measured
+# module times] in hardware/measure_device.py), so the blocks of a chain, which run the same
+# kernels on the same shapes, come out different: a 5-step median of a 5 ms call moves by 3-10x
+# on a shared CPU (zoo:mha-tied, 2 gloo ranks: one attention of eight at 48 ms, the others 4-5;
+# rerun, another one). The search reads those differences as real and exploits them: it
+# checkpoints the blocks that drew cheap forwards and merges around them (issue 51: 7 blocks
+# kept unsharded, 3 checkpointed, predicted faster than per-block by more than its error,
+# measured 12% slower). So the simulator prices twin modules alike: the modules at the same
+# place in the blocks of one chain, of the same class, FLOPs, bytes, parameters and calls, each
+# take the mean of the group's measured times (the mean keeps the step's total, pauses
+# included, which the shares of the whole forward were scaled to keep).
+def twin_times(graph: ModelGraph, compute: ComputeProfile) -> ComputeProfile:
+    """``compute`` with the measured times of twin modules pooled: See [Note: twin blocks]."""
+    if not compute.module_times or not graph.block_chains:
+        return compute
+    chain_of = {block: c for c, chain in enumerate(graph.block_chains) for block in chain}
+    key_of: dict[str, tuple] = {}
+    for m in graph.modules:
+        block = next((a for a in ancestors(m.fqn) if a in chain_of), None)
+        if block is not None:  # the innermost block holding it (a block inside a block is one of its own chain)
+            key_of[m.fqn] = (chain_of[block], m.fqn[len(block):], m.cls, m.fwd_flops, m.bwd_flops, m.fwd_bytes,
+                             m.bwd_bytes, m.total_numel, m.num_calls, m.output_bytes, m.input_bytes,
+                             m.attention_run_flops)
+    groups: dict[tuple, list[tuple[float, float]]] = {}
+    for fqn, f, b in compute.module_times:
+        if fqn in key_of:
+            groups.setdefault(key_of[fqn], []).append((f, b))
+    mean = {k: (sum(f for f, _ in v) / len(v), sum(b for _, b in v) / len(v)) for k, v in groups.items()}
+    times = tuple((fqn, *mean[key_of[fqn]]) if fqn in key_of else (fqn, f, b) for fqn, f, b in compute.module_times)
+    return replace(compute, module_times=times)
 
 
 # [Note: batch scaling] A module's time at another batch (``SimOptions.batch_scale``: a

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from wrapopt.cost.backend import Backend
+from wrapopt.cost.calls import twin_times
 from wrapopt.cost.collectives import CollectiveTimes
 from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
@@ -132,6 +133,7 @@ class Simulator:
         self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
+        compute = twin_times(graph, compute)  # See [Note: twin blocks] in calls.py
         self.graph, self.fabric, self.compute = graph, fabric, compute
         self._states = optimizer_states_per_param(graph, self.options.optimizer)  # optimizer state per element
         self._stepping = self.options.optimizer is not OptimizerKind.NONE
