@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tests.golden import estimates, searches
+from tests.golden import estimates, heldout, searches
 from tests.golden.digest import write_golden
 
 
@@ -28,7 +28,9 @@ def main() -> int:
             search_rows = json.load(f)
     else:
         est_rows, search_rows = estimates.dump(), searches.run()
-    for name, entries in (("estimates", estimates.entries(est_rows)), ("search", searches.entries(search_rows))):
+    golden = [("estimates", estimates.entries(est_rows)), ("search", searches.entries(search_rows)),
+              ("heldout", heldout.entries(heldout.dump()))]
+    for name, entries in golden:
         print(f"{len(entries)} entries -> {write_golden(name, entries)}")
     return 0
 

@@ -3,7 +3,7 @@ golden files, byte for byte (see tests/golden/digest.py)."""
 
 from __future__ import annotations
 
-from tests.golden import estimates, searches
+from tests.golden import estimates, heldout, searches
 from tests.golden.digest import Entry, differences, failure_message, read_golden
 
 
@@ -15,6 +15,11 @@ def test_estimates_match_golden():
 def test_search_answers_match_golden():
     diffs = differences(read_golden("search"), searches.entries(searches.run()))
     assert not diffs, failure_message("search", diffs)
+
+
+def test_heldout_family_matches_golden():
+    diffs = differences(read_golden("heldout"), heldout.entries(heldout.dump()))
+    assert not diffs, failure_message("heldout", diffs)
 
 
 def test_a_failure_names_the_changed_entry_and_its_numbers():
