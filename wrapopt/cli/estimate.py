@@ -11,8 +11,8 @@ from typing import Any
 
 from wrapopt.choices import BASELINE_NAMES
 from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_pp_argument, add_train_arguments,
-                                 fabric_from_args, model_from_args, positive_int, train_from_args,
-                                 with_global_batch)
+                                 fabric_from_args, model_from_args, positive_int, sync_note,
+                                 train_from_args, with_global_batch)
 from wrapopt.errors import OptionError
 from wrapopt.spec.plan import SELECTIVE_OP
 
@@ -36,9 +36,7 @@ def run(args: argparse.Namespace) -> int:
                       checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
                       rescale_fabric=args.rescale_fabric, name=args.model, global_batch=global_batch,
                       pp=args.pp, tp=args.tp)
-    if args.sync is not None and report.train.grad_accumulation == 1 and report.pipeline_microbatches is None:
-        notes.append(f"--sync {args.sync} changes nothing here: the step has one micro-batch (no accumulation); "
-                     "give --accumulation K or a --global-batch with more micro-batches")
+    notes += sync_note(args.sync, report.train.grad_accumulation, pipeline=report.pipeline_microbatches is not None)
     report = replace(report, notes=(*src.notes, *notes, *report.notes))
     if args.json:
         print(json.dumps(report.to_json(), indent=1))

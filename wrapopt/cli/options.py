@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["add_mesh_arguments", "add_offload_arguments", "host_from_args",
            "add_train_arguments", "train_from_args", "mesh_from_args",
            "add_model_arguments", "positive_int", "count_int", "positive_float", "tp_degree", "seed_int",
-           "local_ranks", "with_global_batch", "fabric_from_args", "add_pp_argument"]
+           "local_ranks", "with_global_batch", "fabric_from_args", "add_pp_argument", "sync_note"]
 
 
 # argparse ``type=`` functions: argparse prefixes their message with "argument --name: ", so every
@@ -199,6 +199,15 @@ def add_train_arguments(p: argparse.ArgumentParser, *, sync_default: str | None 
     p.add_argument("--sync", default=sync_default, metavar="{auto," + ",".join(SYNC_MODES) + "}",
                    help="with --accumulation > 1: reduce-scatter after every micro-batch, or after the last only "
                         f"(no-sync: holds unsharded gradients); {default}")
+
+
+def sync_note(sync: str | None, accumulation: int, *, pipeline: bool = False) -> list[str]:
+    """A note when ``--sync every|last`` was given but the step has one micro-batch (nothing to
+    sync differently: the flag changes nothing), else none. A pipeline's micro-batches are its own."""
+    if sync in (None, "auto") or accumulation > 1 or pipeline:
+        return []
+    return [f"--sync {sync} changes nothing here: the step has one micro-batch (no accumulation); give "
+            "--accumulation K or a --global-batch with more micro-batches"]
 
 
 def train_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -24,6 +24,7 @@ from wrapopt.cli.options import (
     positive_float,
     positive_int,
     seed_int,
+    sync_note,
     tp_degree,
     train_from_args,
     with_global_batch,
@@ -212,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
         print(job.budget_note)
         count = plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
         print(f"training: {plan.train_config.describe(model_dtype(model), pipeline_microbatches=count)}")
-        print("".join(f"note: {n}\n" for n in src.notes), end="")
+        said = sync_note(args.sync, plan.train_config.grad_accumulation, pipeline=plan.spec.pipeline is not None)
+        print("".join(f"note: {n}\n" for n in (*src.notes, *said)), end="")
         print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions, work=work))
         print(format_search(result))
         print(format_sync(result, train, budget, syncs))

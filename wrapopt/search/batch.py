@@ -47,10 +47,14 @@ __all__ = ["BatchSplit", "BatchRow", "BatchSearch", "batch_splits", "check_globa
            "nearest_batches", "divisors", "REFINE"]
 
 # [Note: a micro-batch past counting] A global batch of 10**12 sequences has splits whose
-# micro-batch is 10**11 sequences: the simulator's byte counts (int64, as numpy holds them) overflow
-# before any budget is compared. Such a split is no plan on any device: it is skipped with
-# ``TOO_LARGE``, and so is every larger micro-batch of its degree.
-TOO_LARGE = "skipped: too large to price (its byte counts pass 2**63)"
+# micro-batch is 10**11 sequences: the simulator's byte counts (int64, as numpy and the compiled
+# step loop hold them) overflow before any budget is compared, and a failure in compiled code turns
+# the shared backend to Python for the rest of the search. Such a split is no plan on any device: a
+# split whose activations (the traced ones, scaled to its micro-batch) pass ``MAX_PRICED_BYTES`` is
+# skipped with ``TOO_LARGE`` before it is simulated, and so is every larger micro-batch of its
+# degree; an ``OverflowError`` all the same is treated alike.
+MAX_PRICED_BYTES = 2**53  # 8 PiB per rank: no device holds it, and float64 still counts its bytes exactly
+TOO_LARGE = "skipped: too large to price (its activations pass 8 PiB per rank)"
 REFINE = 2  # splits that get the whole search after the screen: See [Note: global batch search]
 SCREEN_MAX_GROUP = 2  # the screen's largest group of blocks in one unit (the whole search keeps the asked one)
 
@@ -165,6 +169,13 @@ def nearest_batches(n: int, units: Sequence[int], *, exact: bool = False) -> lis
     return ([max(below)] if below else []) + ([min(above)] if above else [])
 
 
+def _priceable(graph: ModelGraph, split: BatchSplit) -> bool:
+    """Whether ``split``'s activations stay under ``MAX_PRICED_BYTES``: See [Note: a micro-batch past counting]."""
+    traced = sum(m.saved_bytes + m.output_bytes + m.fwd_bytes + m.bwd_bytes for m in graph.modules)
+    traced += graph.loss_peak_bytes + graph.loss_saved_bytes + graph.loss_grad_bytes
+    return batch_scale(split.micro_batch, graph.batch_size, split.tp_size) * max(traced, 1) < MAX_PRICED_BYTES
+
+
 def _smallest(graph: ModelGraph, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None) -> PlanSpec:
     """One unit per block (every leaf without blocks), resharded and checkpointed, lifted to the degree."""
     return lift_plan(smallest_plan(graph, dp_mesh(mesh, split.tp_size)), split.tp_size, spec)
@@ -203,6 +214,10 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
     for split in sorted(splits, key=lambda s: (s.tp_size, s.micro_batch)):
         if split.micro_batch >= too_big.get(split.tp_size, math.inf):
             rows[split] = BatchRow(split, None, "skipped: a smaller micro-batch did not fit")
+            continue
+        if not _priceable(graph, split):  # See [Note: a micro-batch past counting]
+            too_big[split.tp_size] = split.micro_batch
+            rows[split] = BatchRow(split, None, TOO_LARGE)
             continue
         try:
             s = sims[split] = _sim(graph, sim, train, split, memory_budget)
@@ -273,6 +288,10 @@ def score_splits(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: Par
     for split in sorted(splits, key=lambda sp: sp.micro_batch):
         if over:
             rows.append(BatchRow(split, None, "skipped: a smaller micro-batch did not fit"))
+            continue
+        if not _priceable(graph, split):  # See [Note: a micro-batch past counting]
+            rows.append(BatchRow(split, None, TOO_LARGE))
+            over = True
             continue
         try:
             s = _sim(graph, sim, train, split, memory_budget)

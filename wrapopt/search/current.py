@@ -38,8 +38,8 @@ __all__ = ["CURRENT_FORMS", "DIMENSIONS", "Current", "Config", "ChoiceGain", "Co
            "compare_current", "current_sync"]
 
 # The choices compared one at a time, in the report's order.
-DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing", "gradient sync",
-              "pipeline")
+DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing", "offload",
+              "gradient sync", "pipeline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,12 +391,18 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
                       current.text)
     best = score(chosen, chosen_micro_batch, train.accumulation_sync)  # the search's own mode
     assert best is not None, "the search's own split divides its global batch"
-    cp, bp = current.plan, chosen
+    return Comparison(cur, best, _gains(current.plan, chosen, cur, best, score, cur_sync), current.text)
+
+
+def _gains(cp: PlanSpec, bp: PlanSpec, cur: Config, best: Config, score, cur_sync: str) -> tuple[ChoiceGain, ...]:
+    """Each choice where the search's plan ``bp`` differs from the current ``cp``, applied alone to
+    the current configuration and scored by ``score(plan, micro_batch, sync)``."""
     gains: list[ChoiceGain] = []
 
-    def add(dim: str, cur_s: str, best_s: str, plan: PlanSpec | None, mb: int | None, why: str = "") -> None:
+    def add(dim: str, cur_s: str, best_s: str, plan: PlanSpec | None, mb: int | None, why: str = "",
+            sync: str = cur_sync) -> None:
         if cur_s != best_s:
-            alone = score(plan, mb) if plan is not None else None
+            alone = score(plan, mb, sync) if plan is not None else None
             gains.append(ChoiceGain(dim, cur_s, best_s, alone, why if alone is None else ""))
 
     add("micro-batch", str(cur.micro_batch), str(best.micro_batch), cp, best.micro_batch,
@@ -408,23 +414,25 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
                 "the micro-batch does not divide the global batch at that degree")
         else:
             add("shard group", str(cp.mesh.shard_size), str(bp.mesh.shard_size), moved, cur.micro_batch)
-    units_alone = _take(replace(bp, mesh=cp.mesh, tp=cp.tp), cp, reshard=True, checkpoint=True) if (
-        cp.mesh.shard_size != 1 and bp.mesh.shard_size != 1) else None
+    units_alone = _take(replace(bp, mesh=cp.mesh, tp=cp.tp, offload=cp.offload), cp, reshard=True,
+                        checkpoint=True) if cp.mesh.shard_size != 1 and bp.mesh.shard_size != 1 else None
     if [u.modules for u in cp.units] != [u.modules for u in bp.units]:
         gains.append(ChoiceGain("units", _describe_units(cp), _describe_units(bp),
-                                score(units_alone, cur.micro_batch) if units_alone else None,
+                                score(units_alone, cur.micro_batch, cur_sync) if units_alone else None,
                                 "" if units_alone else "one of the two does not shard"))
     add("reshard", _describe_reshard(cp), _describe_reshard(_take(cp, bp, reshard=True, checkpoint=False)),
         _take(cp, bp, reshard=True, checkpoint=False), cur.micro_batch)
     add("checkpointing", _describe_ckpt(cp), _describe_ckpt(_take(cp, bp, reshard=False, checkpoint=True)),
         _take(cp, bp, reshard=False, checkpoint=True), cur.micro_batch)
-    best_sync = best.estimate.accumulation_sync
-    if cur.accumulation > 1 and best.accumulation > 1 and best_sync and best_sync != cur_sync:
-        gains.append(ChoiceGain("gradient sync", _SYNC_WORDS[cur_sync], _SYNC_WORDS[best_sync],
-                                score(cp, cur.micro_batch, best_sync)))
-    return Comparison(cur, best, tuple(gains), current.text)
+    add("offload", _OFFLOAD_WORDS[cp.offload], _OFFLOAD_WORDS[bp.offload], replace(cp, offload=bp.offload),
+        cur.micro_batch)
+    best_sync = best.estimate.accumulation_sync or cur_sync
+    if cur.accumulation > 1 and best.accumulation > 1:  # See [Note: current sync]
+        add("gradient sync", _SYNC_WORDS[cur_sync], _SYNC_WORDS[best_sync], cp, cur.micro_batch, sync=best_sync)
+    return tuple(gains)
 
 
+_OFFLOAD_WORDS = {False: "none", True: "CPU offload (parameters, gradients, optimizer state)"}
 _SYNC_WORDS = {"every": "every micro-batch", "last": "last micro-batch (no-sync)"}
 
 
