@@ -104,7 +104,8 @@ def test_the_same_item_twice_is_one_statement(llama_tiny):
 
 
 # Every form CURRENT_FORMS (the error's list), the README and docs/design.md name.
-DOCUMENTED = ["per-block", "every-leaf", "size-1e8", "root-only", "no-shard", "no AC", "full AC", "selective AC",
+DOCUMENTED = ["per-block", "every-leaf", "every_leaf", "Every Leaf", "per block", "size-1e8", "root-only", "no-shard",
+              "no AC", "full AC", "selective AC",
               "AC every 2", "micro-batch 2", "reshard", "no reshard", "sync every", "sync last", "no sync",
               "shard 4", "tp 2", "tp 2, sequence parallel, async TP", "tp 2, no sequence parallel",
               "tp 2, no loss parallel",

@@ -240,8 +240,8 @@ def _read_items(text: str, base: dict) -> dict:
     for raw in items:
         item = " ".join(raw.lower().replace("_", "-").split())
         found: tuple[str, object] | None = None
-        if item in base:
-            found = ("units", item)
+        if item.replace(" ", "-") in base:  # "every leaf" as "every-leaf"
+            found = ("units", item.replace(" ", "-"))
         elif item in _NO_AC or item in _FULL_AC or item in _SELECTIVE_AC:
             found = ("ckpt", 0 if item in _NO_AC else 1 if item in _FULL_AC else -1)
         elif item in _SYNC:
