@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from wrapopt.errors import RankFailedError, RanksDisagreeError
+from wrapopt.rank_faults import lost_rank_error
 
 __all__ = ["agree", "every_rank", "input_facts"]
 
@@ -45,7 +46,8 @@ __all__ = ["agree", "every_rank", "input_facts"]
 # the same way (``agree``) before the first collective that a difference would hang or corrupt:
 # a model with one more layer on one rank would otherwise reach FSDP's post-backward with a
 # reduce-scatter its peers never issue. Both run under the process group's timeout, so a rank
-# that never arrives still ends in an error, never a hang.
+# that never arrives still ends in an error, never a hang; that error names the rank lost (See
+# [Note: survivors name the lost rank] in wrapopt/rank_faults.py).
 
 
 def _in_group() -> bool:
@@ -56,7 +58,13 @@ def _in_group() -> bool:
 
 def _gather_text(text: str) -> list[str]:
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, text)
+    try:
+        dist.all_gather_object(out, text)
+    except Exception as e:  # a rank that never arrives: name it (See [Note: survivors name the lost rank])
+        named = lost_rank_error(e)
+        if named is None:
+            raise
+        raise named from e
     return [str(x) for x in out]
 
 

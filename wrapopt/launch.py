@@ -35,7 +35,8 @@ import torch.multiprocessing as mp
 
 from wrapopt.errors import DistributedError
 from wrapopt.progress import set_console
-from wrapopt.rank_faults import STOPPED_LIMIT_S, is_symptom, lost_peers, register_rank, wait_for_ranks
+from wrapopt.rank_faults import (STOPPED_LIMIT_S, is_symptom, lost_peers, lost_rank_error, register_rank,
+                                 wait_for_ranks)
 from wrapopt.spec import MeshSpec
 
 __all__ = ["profiler_log_path", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port",
@@ -151,14 +152,11 @@ def naming_lost_ranks() -> Iterator[None]:
     """
     try:
         yield
-    except DistributedError:
-        raise  # wrapopt's own errors already say who failed
     except Exception as e:
-        first = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-        lost = lost_peers() if is_symptom(first) else None
-        if lost is None:
+        named = lost_rank_error(e)
+        if named is None:
             raise
-        raise DistributedError(f"{lost}; rank {dist.get_rank()} then failed: {first}") from e
+        raise named from e
 
 
 def dp_rank_size(mesh: MeshSpec, rank: int | None = None) -> tuple[int, int]:

@@ -19,8 +19,8 @@ import time
 from queue import Empty
 from typing import Any
 
-__all__ = ["wait_for_ranks", "is_symptom", "explain_failure", "register_rank", "lost_peers", "STOPPED_LIMIT_S",
-           "PROBE_S"]
+__all__ = ["wait_for_ranks", "is_symptom", "explain_failure", "register_rank", "lost_peers", "lost_rank_error",
+           "STOPPED_LIMIT_S", "PROBE_S"]
 
 # [Note: naming the rank at fault]
 # The rank that reports an error is often not the one at fault. A rank that dies (OOM killer,
@@ -337,3 +337,19 @@ def lost_peers(*, probe_s: float = PROBE_S) -> str | None:
         except Exception:  # noqa: BLE001 (a lost store keeps whatever timeout it has)
             pass
     return "; ".join(lost[r] for r in sorted(lost)) or None
+
+
+def lost_rank_error(err: BaseException) -> Exception | None:
+    """For an error a collective raised on this rank: a ``DistributedError`` that first names the
+    peers lost (``lost_peers``), then this error; None when it is not a lost peer's symptom."""
+    import torch.distributed as dist
+
+    from wrapopt.errors import DistributedError
+
+    if isinstance(err, DistributedError) or not isinstance(err, Exception):
+        return None  # wrapopt's own errors already say who failed
+    first = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    lost = lost_peers() if is_symptom(first) else None
+    if lost is None:
+        return None
+    return DistributedError(f"{lost}; rank {dist.get_rank()} then failed: {first}")

@@ -28,15 +28,20 @@ from wrapopt.rank_faults import explain_failure, is_symptom, process_state
 # --- a rank lost mid-run -----------------------------------------------------------------------
 
 
-def _collective_loop(rank: int, world: int, sig: int) -> int:
-    """All-reduces until rank 1 sends itself ``sig`` in the middle of the loop; rank 0 works
-    inside ``naming_lost_ranks``, as an entry point under torchrun does."""
+def _collective_loop(rank: int, world: int, sig: int, via_agree: bool = False) -> int:
+    """All-reduces (or ``consensus.agree``s) until rank 1 sends itself ``sig`` in the middle of
+    the loop; the ranks work inside ``naming_lost_ranks``, as an entry point under torchrun does."""
+    from wrapopt.consensus import agree
+
     t = torch.ones(64)
     with naming_lost_ranks():
         for i in range(100_000):
             if rank == 1 and i == 20:
                 os.kill(os.getpid(), sig)
-            dist.all_reduce(t)
+            if via_agree:
+                agree("looping", {"world": world})
+            else:
+                dist.all_reduce(t)
     return rank
 
 
@@ -64,6 +69,17 @@ def test_stopped_rank_is_named_after_the_stated_limit_not_the_collective_timeout
     first = str(info.value).splitlines()[0]
     assert first == "rank 1 was stopped (SIGSTOP?) for 1 s and cannot answer; all ranks were killed", first
     assert elsewhere.read_text() == "not a log\n" and not (logs / "rank0.log").is_symlink()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_stopped_rank_is_named_by_the_survivor_after_the_collective_timeout() -> None:
+    with pytest.raises(DistributedError) as info:  # the survivor times out (3 s) before the launcher's limit
+        spawn(_collective_loop, world_size=2, args=(int(signal.SIGSTOP), True), timeout_s=3, stopped_limit_s=120)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 was stopped (SIGSTOP?) and could not answer; rank 0 then failed: "
+                            "DistributedError: rank 1 (pid "), first
+    assert ") was stopped (SIGSTOP?); rank 0 then failed: " in first, first  # named in consensus.agree
 
 
 def _procs(*exitcodes_and_pids: tuple[int | None, int]) -> list:
