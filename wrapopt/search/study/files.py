@@ -132,8 +132,9 @@ def check_storage_file(path: str, kind: str) -> None:
 def not_a_study_error(path: str, kind: str, why: str) -> WrapoptError:
     """One line: the file is not a study of ``kind``, was left untouched, and what to do."""
     what = "Optuna journal" if kind == "journal" else "SQLite database"
-    return WrapoptError(f"--storage {path}: this file is not an {what} ({why}); it was left untouched: pass a new "
-                        f"file name for a new study, or move it aside (mv {path} {path}.bad) if it is one damaged")
+    return WrapoptError(f"--storage {path}: this file is not an {what} ({why}); it was left untouched: pass a "
+                        f"new file name for a new study, or, if it is a damaged study, move it aside "
+                        f"(mv {path} {path}.bad)")
 
 
 def journal_storage(path: str):
