@@ -23,7 +23,8 @@ from wrapopt.search.batch import batch_splits, divisors, score_splits
 from wrapopt.search.current import compare_current, parse_current
 from wrapopt.search.driver import SearchOptions, search_plan
 from wrapopt.search.given import given_spec
-from wrapopt.spec import GlobalBatch, MeshSpec, ParallelRequest
+from wrapopt.search.pipeline_batch import MAX_MICROBATCHES, PipelineBatch
+from wrapopt.spec import GlobalBatch, MeshSpec, ParallelRequest, Shape
 from wrapopt.train import TrainConfig
 
 MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
@@ -69,6 +70,16 @@ def test_estimate_at_a_huge_global_batch_answers(llama_tiny):
         assert split.global_batch == 10**15 and len(rows) == len(divisors(10**15 // 8))
         skipped = [r for r in rows if r.best is None]
         assert skipped and all(r.split.micro_batch > split.micro_batch for r in skipped)
+
+
+def test_a_huge_global_batch_on_a_pipeline_tries_bounded_counts():
+    """N / dp micro-batches of one sequence (1.25 x 10**11 here) are not priced: the schedule's order would not end."""
+    fixed = PipelineBatch(global_batch=10**12, world_size=8, sim=None)
+    counts, why = fixed.counts(Shape(pp=2))
+    assert counts and why == "" and max(counts) <= MAX_MICROBATCHES and counts == (2, 4, 8, 16)
+    one = PipelineBatch(global_batch=10**12, world_size=8, sim=None, micro_batch=1)
+    counts, why = one.counts(Shape(pp=2))
+    assert counts == () and f"more than the {MAX_MICROBATCHES}" in why and "--batch" in why
 
 
 # -- --current: one item per field, every documented form ------------------------------------------

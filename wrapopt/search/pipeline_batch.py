@@ -40,6 +40,10 @@ from wrapopt.train import TrainConfig
 __all__ = ["PipelineBatch", "pipeline_batch", "pipeline_at_batch"]
 
 COUNTS = (1, 2, 4, 8)  # micro-batch counts tried, in multiples of the pipeline degree (with N / dp)
+# The most micro-batches per step a schedule is priced with: its order (torch's own, per micro-batch
+# and stage) grows with the count, and N / dp micro-batches of one sequence at a global batch of
+# 10**12 would never finish. TorchTitan's largest published runs use a few hundred.
+MAX_MICROBATCHES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +69,13 @@ class PipelineBatch:
             tries = (per // mb,) if per % mb == 0 else ()
         else:
             tries = (*(c * pp for c in COUNTS), per)
-        found = tuple(sorted({m for m in tries if m >= pp and m % pp == 0 and per and per % m == 0
-                              and mb in (None, per // m)}))
+        runs = {m for m in tries if m >= pp and m % pp == 0 and per and per % m == 0 and mb in (None, per // m)}
+        found = tuple(sorted(m for m in runs if m <= MAX_MICROBATCHES))
         if found:
             return found, ""
+        if runs:
+            return (), (f"dropped: global batch {n} needs {min(runs)} micro-batches per pipeline, more than the "
+                        f"{MAX_MICROBATCHES} a schedule is priced with; a smaller --global-batch, or a larger --batch")
         fixed = (f", micro-batch {mb}" if mb else "") + (f", {k} micro-batches (--accumulation)" if k else "")
         unit = self.unit(shape)
         works = f"; multiples of {unit} work" if unit else f"; --accumulation {k} is not a multiple of {pp}"
