@@ -25,9 +25,10 @@ from wrapopt.checks import check_count
 from wrapopt.choices import OPTIMIZERS, PRECISIONS
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.fileio import JsonReader
-from wrapopt.spec import SYNC_MODES, SimOptions
+from wrapopt.spec import FLOAT8_RECIPES, SYNC_MODES, SimOptions
 
-__all__ = ["TrainConfig", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES", "SYNC_MODES", "dtype_name",
+__all__ = ["TrainConfig", "FLOAT8_RECIPES", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES", "SYNC_MODES",
+           "dtype_name",
            "model_dtype"]
 
 # Canonical dtype names (as in the plan file) and the spellings accepted for them.
@@ -91,6 +92,12 @@ class TrainConfig:
         global_batch: sequences per optimizer step over all data-parallel ranks (``micro_batch x
             grad_accumulation x data-parallel ranks``; under a pipeline plan ``micro_batch x
             microbatches x data-parallel ranks``, with ``grad_accumulation`` 1); None: not fixed.
+        compile: each block compiled with ``torch.compile(fullgraph=True)`` after ``fully_shard``, as
+            TorchTitan does (``--compile``). See [Note: compile costs] in cost/fused.py.
+        float8: torchao float8 training of the eligible linears, one of ``FLOAT8_RECIPES``
+            (``"none"``: off; ``--float8``). See [Note: float8 costs] in cost/fused.py.
+        float8_all_gather: FSDP2 all-gathers the float8 weights (1 byte per element plus a scale;
+            ``--float8-all-gather``); needs ``float8`` on.
     """
 
     param_dtype: str | None = None
@@ -101,6 +108,9 @@ class TrainConfig:
     accumulation_sync: str | None = None
     micro_batch: int | None = None
     global_batch: int | None = None
+    compile: bool = False
+    float8: str = "none"
+    float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         for f in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -116,6 +126,16 @@ class TrainConfig:
         if self.accumulation_sync is not None and self.accumulation_sync not in SYNC_MODES:
             raise OptionError(f"unknown accumulation sync {self.accumulation_sync!r}; "
                               f"accepted: {', '.join(SYNC_MODES)} (or auto: searched per plan)")
+        recipe = str(self.float8 or "none").strip().lower()
+        if recipe not in FLOAT8_RECIPES:
+            raise OptionError(f"unknown float8 recipe {self.float8!r} (float8, --float8); "
+                              f"accepted: {', '.join(FLOAT8_RECIPES)}")
+        object.__setattr__(self, "float8", recipe)
+        object.__setattr__(self, "compile", bool(self.compile))
+        object.__setattr__(self, "float8_all_gather", bool(self.float8_all_gather))
+        if self.float8_all_gather and recipe == "none":
+            raise OptionError("the float8 all-gather (float8_all_gather, --float8-all-gather) needs float8 training: "
+                              "give --float8 tensorwise (or rowwise), or drop --float8-all-gather")
 
     # -- making one ---------------------------------------------------------------------------
 
@@ -138,12 +158,14 @@ class TrainConfig:
 
     @classmethod
     def parse(cls, *, precision: Any = None, accumulation: int | None = None, optimizer: str | None = None,
-              sync: str | None = None) -> "TrainConfig":
+              sync: str | None = None, compile: bool = False, float8: str | None = None,
+              float8_all_gather: bool = False) -> "TrainConfig":
         """From the command line's flags: a preset name or a ``MixedPrecisionPolicy`` for
         ``precision``; ``sync`` "every", "last", or "auto"/None (searched)."""
         kw: dict[str, Any] = {"grad_accumulation": 1 if accumulation is None else accumulation,
                               "optimizer": optimizer or "adamw",
-                              "accumulation_sync": None if sync in (None, "auto") else sync}
+                              "accumulation_sync": None if sync in (None, "auto") else sync,
+                              "compile": compile, "float8": float8 or "none", "float8_all_gather": float8_all_gather}
         if precision is None or isinstance(precision, str):
             return cls.preset(precision or "none", **kw)
         return cls.from_policy(precision, **kw)
@@ -185,7 +207,8 @@ class TrainConfig:
         return SimOptions(optimizer=OPTIMIZERS[self.optimizer][0], param_dtype_bytes=param, reduce_dtype_bytes=reduce,
                           grad_accumulation=self.grad_accumulation, batch_scale=batch_scale,
                           accumulation_sync=self.accumulation_sync if self.grad_accumulation > 1 else "last",
-                          memory_budget_bytes=memory_budget, activation_dtype_bytes=param, output_dtype_bytes=out)
+                          memory_budget_bytes=memory_budget, activation_dtype_bytes=param, output_dtype_bytes=out,
+                          compile=self.compile, float8=self.float8, float8_all_gather=self.float8_all_gather)
 
     def make_optimizer(self, params: Iterable[Any], *, lr: float = 1e-3, **kw: Any) -> torch.optim.Optimizer:
         """The torch optimizer this config names (``sgd-momentum``: momentum 0.9)."""
@@ -211,7 +234,10 @@ class TrainConfig:
         count = (f"{pipeline_microbatches} pipeline micro-batches" + (
             f" x {self.grad_accumulation}" if self.grad_accumulation > 1 else "") if pipeline_microbatches
             else f"{self.grad_accumulation} micro-batch{'es' if self.grad_accumulation > 1 else ''}")
-        return f"precision {prec}, {count}{batch} per step{sync}, optimizer {self.optimizer}"
+        knobs = ("" if self.float8 == "none" else f", float8 {self.float8}" + (
+            " (float8 all-gather)" if self.float8_all_gather else ""))
+        knobs += ", compiled per block" if self.compile else ""
+        return f"precision {prec}, {count}{batch} per step{sync}, optimizer {self.optimizer}{knobs}"
 
     def differences(self, other: "TrainConfig") -> list[str]:
         """``field (this -> other)`` for every field that differs; an unset sync mode, micro-batch
@@ -234,7 +260,9 @@ class TrainConfig:
         return {"precision": self.precision, "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
                 "output_dtype": self.output_dtype, "grad_accumulation": self.grad_accumulation,
                 "optimizer": self.optimizer, "accumulation_sync": self.accumulation_sync,
-                **{k: v for k, v in (("micro_batch", self.micro_batch), ("global_batch", self.global_batch)) if v}}
+                **{k: v for k, v in (("micro_batch", self.micro_batch), ("global_batch", self.global_batch),
+                                     ("compile", self.compile), ("float8_all_gather", self.float8_all_gather)) if v},
+                **({"float8": self.float8} if self.float8 != "none" else {})}
 
     @classmethod
     def from_json(cls, d: Any, *, source: str = "<plan>") -> "TrainConfig":
@@ -245,6 +273,11 @@ class TrainConfig:
             kw[key] = r.d.get(key)
         kw["grad_accumulation"] = r.d.get("grad_accumulation", 1)
         kw["optimizer"] = r.d.get("optimizer", "adamw")
+        kw["float8"] = r.d.get("float8", "none")  # absent (older plan files): off
+        for key in ("compile", "float8_all_gather"):
+            if not isinstance(r.d.get(key, False), bool):
+                raise PlanError(f"{r.where}: {key} must be true or false, got {r.d[key]!r}")
+            kw[key] = r.d.get(key, False)
         try:
             return cls(**kw)
         except ValueError as e:

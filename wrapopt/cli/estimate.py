@@ -76,6 +76,9 @@ def _step(args: argparse.Namespace, recorded: Any) -> tuple[Any, int | None, lis
                         output_dtype=flags.output_dtype)
     if args.optimizer != "adamw":
         train = replace(train, optimizer=flags.optimizer)
+    if args.float8 is not None or args.compile:  # the throughput knobs given: they replace the plan's
+        train = replace(train, compile=args.compile or train.compile, float8=flags.float8 if args.float8 else
+                        train.float8, float8_all_gather=flags.float8_all_gather if args.float8 else False)
     fixed = args.batch is not None or args.accumulation != 1  # a split of the user's own
     notes = []
     if args.global_batch is not None and (fixed or args.global_batch != recorded.global_batch):

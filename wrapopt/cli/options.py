@@ -16,7 +16,7 @@ from wrapopt.checks import MAX_SEED
 from wrapopt.choices import OPTIMIZERS, PRECISIONS
 from wrapopt.errors import OptionError
 from wrapopt.fileio import parse_bytes
-from wrapopt.spec import SYNC_MODES
+from wrapopt.spec import FLOAT8_RECIPES, SYNC_MODES
 
 if TYPE_CHECKING:
     from wrapopt.hardware.host import HostSpec
@@ -199,6 +199,15 @@ def add_train_arguments(p: argparse.ArgumentParser, *, sync_default: str | None 
     p.add_argument("--sync", default=sync_default, metavar="{auto," + ",".join(SYNC_MODES) + "}",
                    help="with --accumulation > 1: reduce-scatter after every micro-batch, or after the last only "
                         f"(no-sync: holds unsharded gradients); {default}")
+    p.add_argument("--compile", action="store_true", default=False,
+                   help="each block compiled with torch.compile(fullgraph=True) after fully_shard, as TorchTitan "
+                        "does: the memory-bound ops fused (See [Note: compile costs])")
+    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
+                   help="torchao float8 training of the eligible linears (TorchTitan's filter): tensorwise or "
+                        "rowwise scaling; needs FP8 tensor cores (H100, H200); default none")
+    p.add_argument("--float8-all-gather", action="store_true", default=False,
+                   help="with --float8 tensorwise: FSDP2 all-gathers the float8 weights (1 byte per parameter plus "
+                        "a scale)")
 
 
 def sync_note(sync: str | None, accumulation: int, *, pipeline: bool = False) -> list[str]:
@@ -215,7 +224,9 @@ def train_from_args(args: argparse.Namespace) -> TrainConfig:
     from wrapopt.train import TrainConfig
 
     return TrainConfig.parse(precision=args.precision, accumulation=args.accumulation, optimizer=args.optimizer,
-                             sync=args.sync)
+                             sync=args.sync, compile=getattr(args, "compile", False),
+                             float8=getattr(args, "float8", None),
+                             float8_all_gather=getattr(args, "float8_all_gather", False))
 
 
 def mesh_from_args(args: argparse.Namespace) -> MeshSpec:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from wrapopt.spec.estimate import CostEstimate, TimelineEvent, UnitCost, UnitCosts
 from wrapopt.spec.graph import ROOT, ModelGraph, ModuleInfo, TraceRecord
-from wrapopt.spec.options import SYNC_MODES, OptimizerKind, SimOptions, factored_state_numel
+from wrapopt.spec.options import FLOAT8_RECIPES, SYNC_MODES, OptimizerKind, SimOptions, factored_state_numel
 from wrapopt.spec.plan import (
     CHECKPOINT_MODES,
     PP_SCHEDULES,
@@ -30,6 +30,7 @@ from wrapopt.spec.plan import (
 from wrapopt.spec.request import AUTO, GlobalBatch, ParallelRequest, Shape, parse_degree
 
 __all__ = [
+    "FLOAT8_RECIPES",
     "ParallelRequest",
     "GlobalBatch",
     "Shape",

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-__all__ = ["OptimizerKind", "factored_state_numel", "SYNC_MODES", "SimOptions"]
+__all__ = ["OptimizerKind", "factored_state_numel", "SYNC_MODES", "FLOAT8_RECIPES", "SimOptions"]
 
 class OptimizerKind(enum.Enum):
     """The optimizer the step ends with. Its state, per trainable parameter element,
@@ -41,6 +41,7 @@ def factored_state_numel(shape: tuple[int, ...]) -> int:
     return lead * shape[-2] + lead * shape[-1]
 
 
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
 SYNC_MODES = ("every", "last")  # gradient synchronisation under accumulation: See [Note: accumulation sync]
 
 
@@ -66,6 +67,11 @@ class SimOptions:
     # Every plan priced with FSDP2's CPU offload (as if its ``PlanSpec.offload`` were set): how
     # a search explores offload plans. See [Note: CPU offload] in cost/state.py.
     offload: bool = False
+    # Throughput knobs: per-block torch.compile, torchao float8 training ("none", "tensorwise",
+    # "rowwise") and FSDP2's float8 all-gather. See [Note: compile costs], [Note: float8 costs].
+    compile: bool = False
+    float8: str = "none"
+    float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.grad_accumulation < 1:
@@ -75,3 +81,5 @@ class SimOptions:
         if self.accumulation_sync is not None and self.accumulation_sync not in SYNC_MODES:
             raise ValueError(f"accumulation_sync must be one of {', '.join(SYNC_MODES)} or None, "
                              f"got {self.accumulation_sync!r}")
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"float8 must be one of {', '.join(FLOAT8_RECIPES)}, got {self.float8!r}")
