@@ -276,3 +276,14 @@ def test_search_notes_a_sync_that_changes_nothing(capsys):
     assert main(["search", "zoo:gpt-tiny", "--world-size", "2", "--trials", "0", "--sync", "last",
                  "--accumulation", "2"]) == 0
     assert "changes nothing" not in capsys.readouterr().out
+
+
+def test_current_plan_file_keeps_the_sync_mode_it_records(plan_512, gpt_tiny):
+    from wrapopt.plan.file import current_plan_loader
+
+    path, recorded = plan_512
+    model, _, graph = gpt_tiny
+    mesh = MeshSpec(world_size=2, ranks_per_node=2, shard_size=2)
+    spec, micro_batch, sync = current_plan_loader(model, graph, mesh)(path)
+    assert micro_batch == recorded["micro_batch"] and sync == recorded["accumulation_sync"]
+    assert parse_current(path, graph, mesh, load_plan=current_plan_loader(model, graph, mesh)).sync == sync

@@ -326,16 +326,20 @@ class WrapPlan:
         return fsdp1_checkpoint_fn(self.spec, model)
 
 
-def current_plan_loader(model: nn.Module, graph: Any, mesh: MeshSpec) -> Callable[[str], tuple[Any, int | None]]:
+def current_plan_loader(model: nn.Module, graph: Any, mesh: MeshSpec) -> Callable[[str], tuple]:
     """``load_plan`` for ``search --current FILE`` (``parse_current``): the file read and checked
     against the model, its trace and the search's mesh (See [Note: one plan check] in
-    plan/check.py); returns its ``PlanSpec`` and recorded micro-batch."""
+    plan/check.py); returns its ``PlanSpec``, recorded micro-batch and the gradient-sync mode it
+    records under accumulation (None without accumulation: the current job then syncs every
+    micro-batch, as a plain FSDP2 loop does)."""
 
-    def load(path: str) -> tuple[Any, int | None]:
+    def load(path: str) -> tuple[Any, int | None, str | None]:
         plan = WrapPlan.load(path)
         check_plan(plan, model=model, graph=graph, world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node,
                    given="the search's --world-size")
-        return plan.spec, plan.micro_batch
+        train = plan.train
+        sync = train.accumulation_sync if train is not None and train.grad_accumulation > 1 else None
+        return plan.spec, plan.micro_batch, sync
 
     return load
 
