@@ -54,6 +54,8 @@ CURRENT_FORMS = (
     "gradients reduced on the last micro-batch only; default every, as a plain FSDP2 loop); "
     "shard N (HSDP with shard groups of N ranks); tp N (tensor parallelism inside each node) and its switches "
     "(async TP, no sequence parallel, no loss parallel); "
+    "compile (torch.compile per block), float8 tensorwise or float8 rowwise (torchao float8 training), "
+    "float8 all-gather; "
     "local batch N (TorchTitan's training.local_batch_size: sequences per data-parallel rank per forward and "
     "backward); pp N (pipeline stages, one unit per block) with a schedule (1F1B, Interleaved1F1B, GPipe), "
     "N stages per rank, and micro-batch N (the pipeline's, default 1). "

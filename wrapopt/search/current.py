@@ -27,6 +27,7 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.search.baselines import baselines, with_choices
 from wrapopt.search.batch import batch_scale
+from wrapopt.search.current_knobs import KNOBS, knobs_said
 from wrapopt.search.current_pp import PipelineWords, block_checkpoints, pipeline_current, read_schedule
 from wrapopt.search.pipeline_batch import pipeline_at_batch
 from wrapopt.search.stages import pipeline_layout
@@ -53,6 +54,7 @@ class Current:
     local_batch: int | None = None  # TorchTitan's training.local_batch_size, when said
     microbatches_said: bool = False  # a pipeline's micro-batch count was said (not set by the global batch)
     sync: str | None = None  # "every" or "last" when said (or a plan file records it): See [Note: current sync]
+    knobs: tuple[tuple[str, object], ...] = ()  # TrainConfig's knobs said, scored with: search/current_knobs.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +136,7 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     elif said.get("switches"):
         raise _fail(text, f"{', '.join(said['switch_words'])} needs tensor parallelism: add tp N")
     if "pp" in said or "schedule" in said:
-        return _pipeline(text, graph, mesh, said, units_name, spec)
+        return replace(_pipeline(text, graph, mesh, said, units_name, spec), knobs=knobs_said(text, said, _fail))
     if local_batch is not None:  # TorchTitan's local batch: one forward and backward's sequences per rank
         if micro_batch not in (None, local_batch):
             raise _fail(text, f"local batch {local_batch} is the micro-batch without a pipeline (TorchTitan's "
@@ -160,7 +162,8 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     plan = replace(plan, units=units, label=f"current: {text}")
     if tp > 1:
         plan = lift_plan(plan, tp, spec)
-    return Current(plan, micro_batch, text, local_batch=local_batch, sync=said.get("sync"))
+    return Current(plan, micro_batch, text, local_batch=local_batch, sync=said.get("sync"),
+                   knobs=knobs_said(text, said, _fail))
 
 
 def _pipeline(text: str, graph: ModelGraph, mesh: MeshSpec, said: dict, units_name: str,
@@ -246,6 +249,8 @@ def _read_items(text: str, base: dict) -> dict:
             found = ("ckpt", 0 if item in _NO_AC else 1 if item in _FULL_AC else -1)
         elif item in _SYNC:
             found = ("sync", _SYNC[item])
+        elif item in KNOBS:
+            found = KNOBS[item]
         elif item in _SWITCHES:
             settle(*_SWITCHES[item], raw)
             said.setdefault("switches", {}).update([_SWITCHES[item]])
@@ -357,11 +362,12 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         per = mb * plan.mesh.dp_size
         return (mb, global_batch // per) if global_batch % per == 0 else None
 
-    def score(plan: PlanSpec, mb: int | None, sync: str | None = cur_sync) -> Config | None:
+    cur_knobs = dict(current.knobs)  # the current's own knobs, when said; the search's plan: the request's
+    def score(plan: PlanSpec, mb: int | None, sync: str | None = cur_sync, knobs: dict = cur_knobs) -> Config | None:
         sp = split_of(plan, mb)
         if sp is None:
             return None
-        t = replace(train, grad_accumulation=sp[1], accumulation_sync=sync)
+        t = replace(train, grad_accumulation=sp[1], accumulation_sync=sync, **knobs)
         opts = t.sim_options(batch_scale=batch_scale(sp[0], traced, plan.mesh.tp_size),
                              memory_budget=sim.options.memory_budget_bytes)  # offload: the plan's own field
         est = Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host).simulate(plan)
@@ -389,7 +395,7 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         assert chosen_estimate is not None, "a pipeline plan is compared with the search's own estimate"
         return _whole(cur, Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate),
                       current.text)
-    best = score(chosen, chosen_micro_batch, train.accumulation_sync)  # the search's own mode
+    best = score(chosen, chosen_micro_batch, train.accumulation_sync, {})  # the search's own mode and knobs
     assert best is not None, "the search's own split divides its global batch"
     return Comparison(cur, best, _gains(current.plan, chosen, cur, best, score, cur_sync), current.text)
 
