@@ -46,8 +46,10 @@ therefore always built in float32 here, and the source's notes say so.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import logging
 import os
 from typing import Any
 
@@ -89,6 +91,33 @@ def hf_source(path: str, batch: int | None, seq: int | str | None) -> ModelSourc
                              "to a config file)")
     if not os.path.isfile(path):
         raise ModelError(f"hf:{path}: no such config file (give the path to a config.json, or a folder holding one)")
+    with _quiet_optional_imports():
+        return _hf_source(path, batch, seq)
+
+
+# [Note: quiet optional imports] transformers imports torchao, where it is installed (the float8
+# extra), the first time a model class is looked up; torchao's import logs a warning per CUDA
+# kernel library a CPU build cannot load, and torch's pytree logs one per Enum it registers.
+# None concerns the user's model, so those loggers are held at ERROR while a model is read
+# and built (only where the user has set no level of their own), then restored.
+_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def _quiet_optional_imports():
+    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
+    before = [lg.level for lg in loggers]
+    for lg in loggers:
+        if lg.level == logging.NOTSET:
+            lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, before):
+            lg.setLevel(level)
+
+
+def _hf_source(path: str, batch: int | None, seq: int | str | None) -> ModelSource:
     try:
         import transformers  # lazy: transformers is an optional extra (wrapopt[hf]) and slow to import
     except ImportError:
