@@ -387,7 +387,7 @@ def estimate(
     """
     from_plan = train is None
     given, mesh, train, notes = _plan_to_estimate(plan, model, world_size=world_size, gpus_per_node=gpus_per_node,
-                                                  train=train)
+                                                  train=train, global_batch=global_batch)
     if global_batch is not None and from_plan and train is not None:  # the split is chosen again
         train = replace(train, micro_batch=None, global_batch=None, grad_accumulation=1)
     train = train or TrainConfig()
@@ -422,8 +422,8 @@ def estimate(
 
 
 def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, world_size: int | None,
-                      gpus_per_node: int | None,
-                      train: TrainConfig | None) -> tuple[WrapPlan | Any, MeshSpec, TrainConfig | None, list[str]]:
+                      gpus_per_node: int | None, train: TrainConfig | None, global_batch: int | None = None,
+                      ) -> tuple[WrapPlan | Any, MeshSpec, TrainConfig | None, list[str]]:
     """The plan (a loaded ``WrapPlan``, else a baseline's name), its mesh, the training step
     (the one given, else the plan file's) and notes."""
     given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) and os.path.exists(os.fspath(plan)) else plan
@@ -432,7 +432,13 @@ def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, w
         return given, default_mesh(world_size=world_size, gpus_per_node=gpus_per_node), train, [note] if note else []
     check_plan(given, model=model, world_size=world_size, ranks_per_node=gpus_per_node)  # [Note: one plan check]
     notes = []
-    if train is not None and given.train is not None and given.train_config.differences(train):
-        notes.append("the plan was scored for another training step ("
-                     + "; ".join(given.train_config.differences(train)) + "); estimated for the one given")
+    differ = given.train_config.differences(train) if train is not None and given.train is not None else []
+    if global_batch is not None and given.train_config.global_batch not in (None, global_batch):
+        # another global batch is split again: the split is chosen, not given
+        differ = [d for d in differ if not d.startswith(("grad_accumulation ", "micro_batch ", "global_batch "))]
+        differ.append(f"global_batch ({given.train_config.global_batch} in the plan, {global_batch} given: "
+                      "split again)")
+    if differ:
+        notes.append("the plan was scored for another training step (" + "; ".join(differ)
+                     + "); estimated for the one given")
     return given, given.mesh, train or given.train_config, notes

@@ -287,3 +287,10 @@ def test_current_plan_file_keeps_the_sync_mode_it_records(plan_512, gpt_tiny):
     spec, micro_batch, sync = current_plan_loader(model, graph, mesh)(path)
     assert micro_batch == recorded["micro_batch"] and sync == recorded["accumulation_sync"]
     assert parse_current(path, graph, mesh, load_plan=current_plan_loader(model, graph, mesh)).sync == sync
+
+
+def test_estimate_at_another_global_batch_says_it_splits_again(plan_512, capsys):
+    path, recorded = plan_512
+    notes = " ".join(_estimate(["--plan", path, "--global-batch", "128", "--precision", "bf16"], capsys)["notes"])
+    assert f"global_batch ({recorded['global_batch']} in the plan, 128 given: split again)" in notes
+    assert "grad_accumulation (" not in notes and "1 given" not in notes
