@@ -29,6 +29,23 @@ class _NoProcesses:
         )
 
 
+def pytest_configure(config):
+    """[Note: threads per xdist worker] `make test` runs up to 4 pytest-xdist workers on the
+    machine's cores; each worker's torch would start an intra-op thread per core, and threads of
+    one worker spin-wait for each other while the other workers hold the cores (llama-tiny's
+    batch-share measurement on 2 busy cores: 13 s of CPU at 2 threads, 0.9 s at 1). So a worker
+    runs torch on its share of the cores (at least 1), and the commands its tests start inherit it
+    as OMP_NUM_THREADS. The multi-process part runs outside xdist: its ranks set one thread each
+    (wrapopt.launch)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 0:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown of a test without the ``multiprocess`` marker cannot spawn."""
