@@ -172,7 +172,8 @@ def recompute_share(m: ModuleInfo, compute: ComputeProfile) -> float:
     mm_flops = sum(row[0] * row[-1] for row in m.matmuls)
     if compute.matmul_flops_per_s:  # GEMM: the matmul table and any other FLOP op, at one rate
         flop_ops = max(m.fwd_flops - m.attention_flops, 0.0)
-        kept = times["attention"][0] + times["GEMM"][0] * (min(1.0, mm_flops / flop_ops) if flop_ops else 0.0)
+        gemm = times["GEMM"][0] + times.get("GEMM fp8", (0.0, 0.0))[0]
+        kept = times["attention"][0] + gemm * (min(1.0, mm_flops / flop_ops) if flop_ops else 0.0)
     else:  # every FLOP op at one rate
         kept = times["GEMM"][0] * (min(1.0, (mm_flops + m.attention_flops) / m.fwd_flops) if m.fwd_flops else 0.0)
     return min(1.0, max(0.0, 1.0 - kept / total))

@@ -24,6 +24,10 @@ FLOPs / their measured rate):
   rate of its own, the peak x the preset's fitted attention fraction.
 - **Other FLOPs** (convolutions): at ``R``.
 - **Memory-bound ops**: bytes / op bandwidth, as [Note: memory-bound ops].
+- **Float8 linears** (torchao; ``meta["float8_modules"]``): their GEMMs as above at the FP8 rate
+  (``meta["fp8_flops_per_s"]``: the FP8 peak x the GEMM fraction x the fitted ``float8_fraction``),
+  A and B read at 1 byte per element, C written at 2 (4/3 a byte per element on average), class
+  ``GEMM fp8``. See [Note: float8 costs] in cost/fused.py.
 
 Backward reuses the forward's shapes: a linear layer's two backward GEMMs (input
 and weight gradient) move the same three matrices and run as many FLOPs as its
@@ -52,13 +56,14 @@ from wrapopt.spec import ModuleInfo
 
 __all__ = ["kernel_times", "KERNEL_CLASSES"]
 
-KERNEL_CLASSES = ("GEMM", "attention", "memory-bound")
+KERNEL_CLASSES = ("GEMM", "GEMM fp8", "attention", "memory-bound")
 FLASH_BWD_RECOMPUTE = 1.25  # the fused kernel's backward FLOPs / torch's formula's: 5 matmuls to 4 (the note)
 
 
-def _matmul_s(m: ModuleInfo, compute: ComputeProfile, elem_bytes: int | None) -> tuple[float, float]:
-    """(seconds, FLOPs) of the module's forward matmul table."""
-    rate, bw, sms = compute.matmul_flops_per_s, compute.memory_bandwidth_bytes_per_s, compute.num_sms
+def _matmul_s(m: ModuleInfo, compute: ComputeProfile, elem_bytes: float | None,
+              rate: float | None = None) -> tuple[float, float]:
+    """(seconds, FLOPs) of the module's forward matmul table (``rate``: the FP8 one of a float8 linear)."""
+    rate, bw, sms = rate or compute.matmul_flops_per_s, compute.memory_bandwidth_bytes_per_s, compute.num_sms
     t = flops = 0.0
     for f, elements, size, tiles, calls in m.matmuls:
         busy = tiles / (sms * math.ceil(tiles / sms)) if tiles and sms else 1.0
@@ -77,7 +82,9 @@ def kernel_times(m: ModuleInfo, compute: ComputeProfile) -> dict[str, tuple[floa
                 "attention": (0.0, 0.0), "memory-bound": mem}
     dtype = compute.meta.get("dtype")
     elem = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype) if isinstance(dtype, str) else None
-    mm_s, mm_flops = _matmul_s(m, compute, elem)
+    fp8 = m.fqn in compute.meta.get("float8_modules", ())
+    f8_rate = compute.meta.get("fp8_flops_per_s") if fp8 else None
+    mm_s, mm_flops = _matmul_s(m, compute, 4 / 3 if f8_rate else elem, f8_rate)
     rest = max(m.fwd_flops - m.attention_flops, 0.0)  # the matmuls', and any other FLOP op's
     if mm_flops > 0:
         mm_s *= rest / mm_flops  # a divided module (tensor parallel) runs a share of its table
@@ -89,5 +96,6 @@ def kernel_times(m: ModuleInfo, compute: ComputeProfile) -> dict[str, tuple[floa
     att_s = m.attention_flops * run / att_rate
     bwd_att = m.bwd_flops * m.attention_flops / m.fwd_flops if m.fwd_flops else 0.0
     bwd_rest = m.bwd_flops - bwd_att
-    return {"GEMM": (mm_s, bwd_rest * rest_rate if rest else bwd_rest / compute.matmul_flops_per_s),
+    gemm = (mm_s, bwd_rest * rest_rate if rest else bwd_rest / compute.matmul_flops_per_s)
+    return {"GEMM": (0.0, 0.0) if f8_rate else gemm, "GEMM fp8": gemm if f8_rate else (0.0, 0.0),
             "attention": (att_s, bwd_att * FLASH_BWD_RECOMPUTE * run / att_rate), "memory-bound": mem}

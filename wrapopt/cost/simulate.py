@@ -50,6 +50,7 @@ import numpy as np
 from wrapopt.cost.backend import Backend
 from wrapopt.cost.calls import twin_times
 from wrapopt.cost.collectives import CollectiveTimes
+from wrapopt.cost.fused import with_knobs
 from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
 from wrapopt.cost.layout import Layouts
@@ -133,6 +134,9 @@ class Simulator:
         self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
+        # See [Note: float8 costs] and [Note: compile costs] in fused.py.
+        graph, compute, self._f8_share, self._knob_notes = with_knobs(
+            graph, compute, self.options, act_bytes=float(self.options.activation_dtype_bytes or 2))
         compute = twin_times(graph, compute)  # See [Note: twin blocks] in calls.py
         self.graph, self.fabric, self.compute = graph, fabric, compute
         self._states = optimizer_states_per_param(graph, self.options.optimizer)  # optimizer state per element
@@ -151,6 +155,7 @@ class Simulator:
         self._param_numels = tuple(math.prod(s) for _f, s, _d in graph.param_shapes)
         self._runs_ahead = compute.runs_ahead  # See [Note: all-gather issue]
         self._gather_elem = self.options.param_dtype_bytes or self._elem  # bytes per element all-gathered
+        self._gather_elem += (1 - self._gather_elem) * self._f8_share  # the float8 all-gather: [Note: float8 costs]
         self._reduce_elem = self.options.reduce_dtype_bytes or self._gather_elem  # and reduce-scattered
         scale, out_b = self.options.batch_scale, graph.root.output_bytes * self.options.batch_scale
         self._constants = StepConstants(

@@ -68,6 +68,7 @@ class Datasheet:
     hbm_bytes_per_s: float  # stated HBM bandwidth (the achieved one is HBM_ACHIEVED of it)
     memory_capacity_bytes: int
     num_sms: int = 0  # streaming multiprocessors: a GEMM's tiles fill them in waves
+    fp8_flops_per_s: float = 0.0  # dense FP8 (E4M3/E5M2) tensor-core peak; 0: no FP8 tensor cores (A100)
     source: str  # the datasheet, with the figures it gives
 
 
@@ -79,6 +80,11 @@ class Fitted:
     matmul_fraction: float  # achieved / peak tensor-core rate of a compute-bound GEMM
     attention_fraction: float  # achieved / peak rate of the attention kernels' executed FLOPs
     fitted_on: str  # the rows and the rule that chose them, or the GPU whose constants these are
+    # The throughput knobs' constants (issue 52), one per knob: See [Note: float8 costs] and
+    # [Note: compile costs] in cost/fused.py. None: not fitted (the knob priced with 1.0).
+    float8_fraction: float | None = None  # achieved FP8 GEMM rate / the bf16 one's fraction (matmul_fraction)
+    compile_fraction: float | None = None  # share of a fused chain's unfused bytes compile still moves
+    knobs_fitted_on: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +129,11 @@ class GpuPreset:
         peak = self.peak_flops_per_s
         head = peak.get("bfloat16") or next(iter(peak.values()))
         host = self.host
-        return {"flops_per_s": head * self.matmul_fraction, "peak_flops_per_s": dict(peak),
+        f8 = self.datasheet.fp8_flops_per_s
+        knobs = {"fp8_peak_flops_per_s": f8, "float8_fraction": self.fitted.float8_fraction or 1.0,
+                 "compile_fraction": self.fitted.compile_fraction or 1.0,
+                 "knobs_source": self.fitted.knobs_fitted_on or "knob constants not fitted (1.0)"}
+        return {**knobs, "flops_per_s": head * self.matmul_fraction, "peak_flops_per_s": dict(peak),
                 "achievable_fraction": self.matmul_fraction, "attention_fraction": self.attention_fraction,
                 "memory_bandwidth_bytes_per_s": self.hbm_bytes_per_s * HBM_ACHIEVED,
                 "memory_capacity_bytes": self.memory_capacity_bytes, "gpu": self.name, "num_sms": self.num_sms,
@@ -136,6 +146,14 @@ class GpuPreset:
 _A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
 _H100_SXM = {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12}
 _H100_NVL = {"bfloat16": 835e12, "float16": 835e12, "float32": 417.5e12}
+# [Note: the 500 W H100] TorchTitan's benchmark hardware (benchmarks/llama3_h100_202412_torchtitan.md):
+# H100 SXM with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit. Its footnote 2 states
+# only that "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value".
+# No datasheet states the rate at 500 W. Assumption (wrapopt's, not a source's): the sustained
+# tensor-core clock, and with it the peak, scales linearly with the power limit between the H100 NVL
+# (400 W, 835 TFLOP/s dense bf16, 1,670.5 FP8) and the H100 SXM (700 W, 989 bf16, 1,979 FP8): at 500 W
+# one third of the way, 886.3 bf16 and 1,773.3 FP8. It enters as the peak the fitted fractions multiply.
+_H100_500W = {"bfloat16": 886.3e12, "float16": 886.3e12, "float32": 443.2e12}
 
 
 def _fit_half(rows: str) -> str:
@@ -160,30 +178,46 @@ GPUS: dict[str, GpuPreset] = {p.name: p for p in (
         name="a100-40gb-sxm", description="NVIDIA A100 SXM 40GB", intra="nvlink3", aliases=("a100-40gb",),
         datasheet=Datasheet(
             peak_flops_per_s=_A100, hbm_bytes_per_s=1.555e12, memory_capacity_bytes=40 * 2**30, num_sms=108,
-            source="A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2 1,555 GB/s; 40 GB; 108 SMs"),
+            source="A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32 (no FP8 tensor cores); HBM2 1,555 GB/s; "
+                   "40 GB; 108 SMs"),
         fitted=Fitted(matmul_fraction=0.717, attention_fraction=0.350, fitted_on=_fit_half("A100 40GB")),
         host=_DGX_A100),
     GpuPreset(
         name="a100-80gb-sxm", description="NVIDIA A100 SXM 80GB", intra="nvlink3", aliases=("a100-80gb", "a100"),
         datasheet=Datasheet(
             peak_flops_per_s=_A100, hbm_bytes_per_s=2.039e12, memory_capacity_bytes=80 * 2**30, num_sms=108,
-            source="A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32; HBM2e 2,039 GB/s; 80 GB; 108 SMs"),
+            source="A100 SXM datasheet: 312 TFLOP/s dense BF16/FP16, 156 TF32 (no FP8 tensor cores); HBM2e 2,039 GB/s; "
+                   "80 GB; 108 SMs"),
         fitted=Fitted(matmul_fraction=0.757, attention_fraction=0.350, fitted_on=_fit_half("A100 80GB")),
         host=_DGX_A100),
     GpuPreset(
         name="h100-sxm", description="NVIDIA H100 SXM5 80GB", intra="nvlink4", aliases=("h100", "h100-80gb"),
         datasheet=Datasheet(
             peak_flops_per_s=_H100_SXM, hbm_bytes_per_s=3.35e12, memory_capacity_bytes=80 * 2**30, num_sms=132,
-            source="H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3 3.35 TB/s; 80 GB; 132 SMs"),
+            fp8_flops_per_s=1979e12,
+            source="H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 1,979 dense FP8 (3,958 with sparsity), "
+                   "494.5 TF32; HBM3 3.35 TB/s; 80 GB; 132 SMs"),
         fitted=_H100_FITTED,
         host=_DGX_H100),
+    GpuPreset(
+        name="h100-hbm2e-500w", description="NVIDIA H100 SXM 96GB HBM2e at the 500 W power limit (TorchTitan's "
+        "benchmark hardware, Grand Teton)", intra="nvlink4", aliases=("h100-96gb-500w", "grand-teton"),
+        datasheet=Datasheet(
+            peak_flops_per_s=_H100_500W, hbm_bytes_per_s=2.4e12, memory_capacity_bytes=96 * 2**30, num_sms=132,
+            fp8_flops_per_s=1773.3e12,
+            source="H100 SXM 96GB HBM2e: 2.4 TB/s, 96 GB (TorchTitan's benchmark hardware section); peaks at 500 W "
+                   "interpolated between the H100 NVL and SXM datasheets, linear in the power limit: 886.3 TFLOP/s "
+                   "dense BF16, 1,773.3 FP8 (an assumption: See [Note: the 500 W H100] in hardware/catalog.py)"),
+        fitted=dataclasses.replace(_H100_FITTED, fitted_on=_CARRIED_H100.replace("no published rows", (
+            "no llm-foundry rows"))), host=None),
     GpuPreset(
         name="h100-nvl", description="NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
         intra="pcie5", aliases=("h100-96gb",),
         datasheet=Datasheet(
             peak_flops_per_s=_H100_NVL, hbm_bytes_per_s=3.9e12, memory_capacity_bytes=94 * 10**9, num_sms=132,
-            source="H100 NVL datasheet: 835 TFLOP/s dense BF16/FP16 (1,671 with sparsity), 417.5 TF32; HBM3 3.9 "
-                   "TB/s; 94 GB; 132 SMs"),
+            fp8_flops_per_s=1670.5e12,
+            source="H100 NVL datasheet: 835 TFLOP/s dense BF16/FP16 (1,671 with sparsity), 1,670.5 dense FP8 "
+                   "(3,341 with sparsity), 417.5 TF32; HBM3 3.9 TB/s; 94 GB; 132 SMs"),
         fitted=dataclasses.replace(_H100_FITTED, fitted_on=_CARRIED_H100),
         host=HostSystem(link="pcie5", dram_bytes_per_s=76.8e9, source=(
             "PCIe Gen5 x16 card; host DRAM per GPU taken as a DGX H100's (the host varies: state yours in a file)"))),
@@ -191,7 +225,9 @@ GPUS: dict[str, GpuPreset] = {p.name: p for p in (
         name="h200", description="NVIDIA H200 SXM 141GB", intra="nvlink4", aliases=("h200-sxm",),
         datasheet=Datasheet(
             peak_flops_per_s=_H100_SXM, hbm_bytes_per_s=4.8e12, memory_capacity_bytes=141 * 10**9, num_sms=132,
-            source="H200 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.5 TF32; HBM3e 4.8 TB/s; 141 GB; 132 SMs"),
+            fp8_flops_per_s=1979e12,
+            source="H200 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 1,979 dense FP8 (3,958 with sparsity), 494.5 "
+                   "TF32; HBM3e 4.8 TB/s; 141 GB; 132 SMs"),
         fitted=dataclasses.replace(_H100_FITTED, fitted_on=_CARRIED_H100),
         host=_DGX_H100),
 )}

@@ -164,8 +164,19 @@ def _compute(name: str, spec: dict[str, Any], dtype: str | None, where: str) -> 
         op_bandwidth_bytes_per_s=spec["memory_bandwidth_bytes_per_s"],  # See [Note: memory-bound ops]
         unit_overhead_s=20e-6,
         module_overhead_s=5e-6,
-        meta={"source": source, **({"dtype": dtype, "peak_flops_per_s": peaks[dtype]} if dtype and peaks else {})},
+        meta={"source": source, **({"dtype": dtype, "peak_flops_per_s": peaks[dtype]} if dtype and peaks else {}),
+              **_knob_meta(spec, frac)},
     )
+
+
+def _knob_meta(spec: dict[str, Any], frac: float) -> dict[str, Any]:
+    """What the throughput knobs are priced with (See [Note: float8 costs] in cost/fused.py): the
+    achieved FP8 GEMM rate (0: no FP8 tensor cores) and compile's fitted share; absent: not stated."""
+    if "fp8_peak_flops_per_s" not in spec:
+        return {}
+    return {"fp8_flops_per_s": spec["fp8_peak_flops_per_s"] * frac * spec["float8_fraction"],
+            "fp8_peak_flops_per_s": spec["fp8_peak_flops_per_s"], "compile_fraction": spec["compile_fraction"],
+            "knobs_source": spec["knobs_source"], "gpu": spec.get("gpu")}
 
 
 # -- analytical fabrics from a file: See [Note: stated fabric file] ----------------------------
