@@ -28,10 +28,11 @@ timed whole, keeps them already.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ from wrapopt.hardware.measure_fsdp import (
     measure_byte_overhead, measure_optimizer, measure_param_overhead, measure_pipeline_action, measure_unit_overhead,
 )
 from wrapopt.hardware.measure_overheads import (
-    measure_batch_fixed_share, measure_checkpoint_overhead, measure_loss_time, measure_selective_overhead,
+    SETTLE_LR, SETTLE_STEPS, measure_batch_fixed_share, measure_checkpoint_overhead, measure_loss_time,
+    measure_selective_overhead, stepped_briefly,
 )
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.hardware.timing import median, sync_for, time_reps
@@ -51,7 +53,7 @@ from wrapopt.losses import default_loss, scalar_loss
 
 __all__ = ["measure_compute", "measure_module_times", "measure_module_overhead", "measure_unit_overhead",
            "measure_checkpoint_overhead", "measure_selective_overhead", "measure_optimizer", "measure_loss_time",
-           "measure_batch_fixed_share"]
+           "measure_batch_fixed_share", "stepped_briefly"]
 
 def _matmul_flops_per_s(device: torch.device, repeats: int) -> float:
     """Dense square matmul throughput: fp32 512^2 on CPU, bf16 8192^2 on GPU (the dtypes models train in)."""
@@ -214,7 +216,9 @@ def measure_compute(
     meta = _device_meta(device)
     # The model's own runs are local: a rank whose forward fails tells the others before they wait for it in
     # the collectives below (See [Note: every rank explains] in wrapopt/consensus.py).
-    with every_rank("running the model to time its modules"):
+    # Timed after a few optimizer steps, the model restored after: See [Note: time a stepped model] in
+    # measure_overheads.py.
+    with every_rank("running the model to time its modules"), _stepped(model, example_inputs, loss_fn, meta):
         module_times, loss_s, ckpt_s, selective_s = _model_figures(model, example_inputs, loss_fn, repeats, meta)
         fixed_share = 0.0
         if model is not None:  # See [Note: batch scaling] in cost/calls.py
@@ -283,6 +287,20 @@ def _resolve_device(device: torch.device | str | None, model: nn.Module | None) 
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+@contextlib.contextmanager
+def _stepped(model: nn.Module | None, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None,
+             meta: dict[str, Any]) -> Iterator[None]:
+    """The model, if any, stepped briefly for its figures (``meta["model_state"]`` says whether)."""
+    if model is None:
+        yield
+        return
+    with stepped_briefly(model, example_inputs, loss_fn) as steps:
+        meta["model_state"] = (f"timed after {steps} AdamW steps (lr {SETTLE_LR:g}, at most {SETTLE_STEPS}: "
+                               "until under 0.1% of its values were denormal), weights restored after"
+                               if steps else "timed as given (no denormals to step away, or nothing to step)")
+        yield
 
 
 def _model_figures(model: nn.Module | None, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None,

@@ -2,14 +2,35 @@
 selective-op checkpointing, and the share of the step its batch size does not scale.
 
 Each is timed on the model itself (or its first repeated block) on this process alone; no
-collective. ``measure_device.measure_compute`` calls them when given a model, and re-exports them.
+collective. ``measure_device.measure_compute`` calls them when given a model, and re-exports them,
+inside ``stepped_briefly``.
+
+[Note: time a stepped model] A freshly built model is not what training times. A head tied to a
+default ``nn.Embedding`` (N(0, 1) weights) gives logits ~100 apart at init (a cross-entropy of ~80),
+so a third of the softmax's gradient lies in the denormal range (below 1.2e-38 in fp32) and a CPU's
+matmuls on it run ~50x slower: the ``mha-tied`` bench model at d=128 (vocabulary 2048, batch 4 x 64,
+one thread) took 0.31 s for its head's backward matmuls fresh and 0.006 s after 3 AdamW steps, and
+0.37 s against 0.085 s for the whole backward. Training leaves this state in its first steps, so a
+profile taken on the fresh model charges every step of the job for it. The model's figures are
+therefore timed after AdamW steps (lr 1e-3, the common default) on the example inputs and the
+profile's loss, taken until a forward and backward meet under 0.1% denormal values among the
+parameters, the modules' outputs and their gradients (at most ``SETTLE_STEPS``; a model with none
+is not stepped). How many depends on the model: the d=128 family took 2 steps with 8 blocks, 5 with
+4, 9 with 2 and 17 with 1 (its loss falls ~3 a step; the denormals go as the logits shrink), so a
+fixed count would not do. The parameters, buffers and the RNG states are restored afterwards, so the
+caller's model comes back as it was. Stepping, not ``torch.set_flush_denormal(True)``: flushing is
+not a training default (a model whose steady state keeps denormals is slow in training too, and is
+timed so after the cap), and it changes the arithmetic of every op, not only of the first steps.
+A model without trainable parameters, or on the meta device, is timed as given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -20,7 +41,83 @@ from wrapopt.hardware.timing import median, sync_for, time_reps
 from wrapopt.losses import default_loss, scalar_loss
 
 __all__ = ["measure_loss_time", "measure_checkpoint_overhead", "measure_selective_overhead",
-           "measure_batch_fixed_share"]
+           "measure_batch_fixed_share", "stepped_briefly"]
+
+SETTLE_STEPS = 24  # the most AdamW steps before the model's figures are timed: See [Note: time a stepped model]
+SETTLE_LR = 1e-3
+_DENORMAL_SHARE = 1e-3  # a step whose every activation, gradient and parameter holds fewer ends the stepping
+_TINY = {dt: torch.finfo(dt).tiny for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+class _DenormalCount:
+    """The largest share of denormal values in any of the model's parameters, its modules' float outputs and
+    those outputs' gradients over one forward and backward (the operands of the step's matmuls)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.worst = 0.0
+        self.model = model
+        self.handles = [m.register_forward_hook(self._output) for m in model.modules()]
+
+    def add(self, t: torch.Tensor) -> None:
+        if t.dtype in _TINY and t.numel() and not t.is_meta:
+            a = t.detach().abs()
+            self.worst = max(self.worst, ((a > 0) & (a < _TINY[t.dtype])).float().mean().item())
+
+    def _output(self, _m: nn.Module, _args: Any, out: Any) -> None:
+        for t in _tensors(out):
+            self.add(t)
+            if t.requires_grad:
+                t.register_hook(self.add)
+
+    def share(self) -> float:
+        for p in self.model.parameters():
+            self.add(p)
+        for h in self.handles:
+            h.remove()
+        return self.worst
+
+
+@contextlib.contextmanager
+def stepped_briefly(model: nn.Module, example_inputs: tuple[Any, ...] | Any,
+                    loss_fn: Callable[..., torch.Tensor] | None = None, *,
+                    max_steps: int = SETTLE_STEPS) -> Iterator[int]:
+    """Steps ``model`` in place with AdamW until a forward and backward meet few denormal values (at most
+    ``max_steps`` steps), yields the number of steps taken, then restores its parameters, buffers and the
+    RNG states: See [Note: time a stepped model]. Yields 0 without a trainable parameter, on meta weights,
+    with ``max_steps`` 0 or when the given model has no denormals to leave. The restore copies into the
+    same tensors, so references to the model's parameters stay valid. Costs a host copy of the model's
+    state and, while stepping, AdamW's two states of the trainable parameters."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if max_steps <= 0 or not trainable or any(p.is_meta for p in model.parameters()):
+        yield 0
+        return
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    loss_fn = loss_fn or default_loss
+    device = trainable[0].device
+    saved = [(t, t.detach().to("cpu", copy=True)) for t in itertools.chain(model.parameters(), model.buffers())]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            opt = torch.optim.AdamW(trainable, lr=SETTLE_LR)
+            steps = 0
+            while True:
+                opt.zero_grad(set_to_none=True)
+                count = _DenormalCount(model)
+                try:
+                    scalar_loss(loss_fn(model(*inputs), inputs), loss_fn).backward()
+                finally:
+                    share = count.share()
+                if share < _DENORMAL_SHARE or steps == max_steps:
+                    break
+                opt.step()
+                steps += 1
+            del opt  # its states (2x the trainable parameters) go before the timing
+            model.zero_grad(set_to_none=True)
+            yield steps
+        finally:
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for t, s in saved:
+                    t.copy_(s)
 
 
 def measure_loss_time(model: nn.Module, example_inputs: tuple[Any, ...], loss_fn: Callable[..., torch.Tensor],
@@ -199,6 +296,16 @@ def measure_batch_fixed_share(model: nn.Module, example_inputs: tuple[Any, ...] 
     finally:
         model.zero_grad(set_to_none=True)
     return min(0.9, max(0.0, (2 * th - t1) / t1)) if t1 > 0 else 0.0
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
 
 
 def _float_outputs(out: Any) -> list[torch.Tensor]:
