@@ -298,7 +298,7 @@ def _stepped(model: nn.Module | None, example_inputs: Any, loss_fn: Callable[...
         return
     with stepped_briefly(model, example_inputs, loss_fn) as steps:
         meta["model_state"] = (f"timed after {steps} AdamW steps (lr {SETTLE_LR:g}, at most {SETTLE_STEPS}: "
-                               "until under 0.1% of its values were denormal), weights restored after"
+                               "until no tensor of a step was 0.1% denormal), weights restored after"
                                if steps else "timed as given (no denormals to step away, or nothing to step)")
         yield
 

@@ -13,14 +13,15 @@ one thread) took 0.31 s for its head's backward matmuls fresh and 0.006 s after 
 0.37 s against 0.085 s for the whole backward. Training leaves this state in its first steps, so a
 profile taken on the fresh model charges every step of the job for it. The model's figures are
 therefore timed after AdamW steps (lr 1e-3, the common default) on the example inputs and the
-profile's loss, taken until a forward and backward meet under 0.1% denormal values among the
-parameters, the modules' outputs and their gradients (at most ``SETTLE_STEPS``; a model with none
-is not stepped). How many depends on the model: the d=128 family took 2 steps with 8 blocks, 5 with
-4, 9 with 2 and 17 with 1 (its loss falls ~3 a step; the denormals go as the logits shrink), so a
-fixed count would not do. The parameters, buffers and the RNG states are restored afterwards, so the
-caller's model comes back as it was. Stepping, not ``torch.set_flush_denormal(True)``: flushing is
-not a training default (a model whose steady state keeps denormals is slow in training too, and is
-timed so after the cap), and it changes the arithmetic of every op, not only of the first steps.
+profile's loss, taken until, in a forward and backward, no parameter, module output or output gradient
+is 0.1% denormal (at most ``SETTLE_STEPS``; a model with none is not stepped). How many depends on
+the model: the d=128 family took 3 steps with 8 blocks, 6 with 4, 10 with 2 and 18 with 1 (its loss
+falls ~3 a step; the denormals go as the logits shrink), so a fixed count would not do; of the zoo,
+t5-tiny and tx-tied take 2 and the others none. The parameters, buffers and the RNG states are
+restored afterwards, so the caller's model comes back as it was. Stepping, not
+``torch.set_flush_denormal(True)``: flushing is not a training default (a model whose steady state
+keeps denormals is slow in training too, and is timed so after the cap), and it changes the
+arithmetic of every op, not only of the first steps.
 A model without trainable parameters, or on the meta device, is timed as given.
 """
 
