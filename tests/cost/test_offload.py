@@ -51,11 +51,20 @@ def test_offload_moves_the_sharded_state_off_the_gpu_and_pays_the_copies(priced)
         (graph.param_bytes + graph.trainable_bytes * (1 + 2)) / 8, rel=0.01)  # params, fp32 grads, AdamW's 2 states
 
 
-def test_a_simulator_without_a_host_refuses_an_offload_plan(llama_tiny):
+def test_a_simulator_without_a_host_prices_offload_on_the_stated_gpus_host(llama_tiny):
+    # See [Note: a host to price offload] in cost/simulate.py: estimate of an offload plan file
+    # has no --host-memory; the stated GPU's host link prices it, its memory marked not stated.
     _model, _inputs, graph = llama_tiny
-    sim = Simulator(graph, analytical_fabric("h100+ib400", world_size=8, ranks_per_node=8), analytical_compute("h100"))
-    with pytest.raises(OptionError, match="HostSpec"):
-        sim.simulate(replace(baselines(graph, MESH)["per-block"], offload=True))
+    plan = replace(baselines(graph, MESH)["per-block"], offload=True)
+    fabric = analytical_fabric("h100+ib400", world_size=8, ranks_per_node=8)
+    sim = Simulator(graph, fabric, analytical_compute("h100"))
+    stated = host_for(fabric, host_memory_bytes=10**12, ranks_per_node=8)
+    given = Simulator(graph, fabric, analytical_compute("h100"), host=stated)
+    assert sim.simulate(plan).step_s == given.simulate(plan).step_s  # memory is not priced, the link is
+    assert "host memory not stated" in sim.host.source
+    measured = replace(fabric, kind="measured")  # a fabric that states no host is refused, naming --gpu
+    with pytest.raises(OptionError, match="--gpu"):
+        Simulator(graph, measured, analytical_compute("h100")).simulate(plan)
 
 
 def test_offload_needs_a_host_memory_and_a_stated_gpu():
