@@ -191,7 +191,8 @@ def measure_compute(
     Args:
         device: default: the model's device, else CUDA if available, else CPU.
         model: optional, with real weights; adds measured per-module times
-            (see [Note: measured module times]).
+            (see [Note: measured module times]), timed after a few AdamW steps that are undone
+            afterwards (see [Note: time a stepped model] in measure_overheads.py).
         example_inputs: the model's inputs (needed with ``model``).
         loss_fn: ``loss_fn(output, inputs) -> scalar``; default: mean square of the outputs.
         repeats: timed repeats per figure (medians are kept).
