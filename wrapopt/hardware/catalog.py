@@ -170,7 +170,14 @@ _DGX_A100 = HostSystem(link="pcie4", dram_bytes_per_s=51.2e9, source=(
 _DGX_H100 = HostSystem(link="pcie5", dram_bytes_per_s=76.8e9, source=(
     "DGX H100/H200: each GPU on PCIe Gen5 x16; 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "
     "614.4 GB/s per node, 76.8 GB/s per GPU"))
-_H100_FITTED = Fitted(matmul_fraction=0.593, attention_fraction=0.200, fitted_on=_fit_half("H100 80GB"))
+# The knob constants: fitted on TorchTitan's Table 1 (See [Note: the TorchTitan fit] in
+# benchmarks/torchtitan_fit.py); the other Hopper presets carry them (same tensor cores and kernels).
+_KNOBS_FIT = ("float8_fraction and compile_fraction fitted on TorchTitan's Table 1 (Llama 3.1 8B, 8 H100 500 W; "
+              "one row each, bisection to pred/pub 1; `python -m benchmarks.torchtitan_fit`)")
+_KNOBS = {"float8_fraction": 1.202, "compile_fraction": 2.892}
+_KNOBS_CARRIED = {**_KNOBS, "knobs_fitted_on": "carried from h100-hbm2e-500w: " + _KNOBS_FIT}
+_H100_FITTED = Fitted(matmul_fraction=0.593, attention_fraction=0.200, fitted_on=_fit_half("H100 80GB"),
+                      **_KNOBS_CARRIED)
 
 # See [Note: GPU and network presets]; `python -m benchmarks.published --refit` refits the Fitted parts.
 GPUS: dict[str, GpuPreset] = {p.name: p for p in (
@@ -208,8 +215,9 @@ GPUS: dict[str, GpuPreset] = {p.name: p for p in (
             source="H100 SXM 96GB HBM2e: 2.4 TB/s, 96 GB (TorchTitan's benchmark hardware section); peaks at 500 W "
                    "interpolated between the H100 NVL and SXM datasheets, linear in the power limit: 886.3 TFLOP/s "
                    "dense BF16, 1,773.3 FP8 (an assumption: See [Note: the 500 W H100] in hardware/catalog.py)"),
-        fitted=dataclasses.replace(_H100_FITTED, fitted_on=_CARRIED_H100.replace("no published rows", (
-            "no llm-foundry rows"))), host=None),
+        fitted=dataclasses.replace(_H100_FITTED, matmul_fraction=0.764, knobs_fitted_on=_KNOBS_FIT, fitted_on=(
+            "GEMM fraction fitted on TorchTitan's Table 1 FSDP row (See [Note: the TorchTitan fit] in "
+            "benchmarks/torchtitan_fit.py); attention fraction the H100 SXM's")), host=None),
     GpuPreset(
         name="h100-nvl", description="NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
         intra="pcie5", aliases=("h100-96gb",),
