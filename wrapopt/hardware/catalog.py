@@ -213,10 +213,11 @@ GPUS: dict[str, GpuPreset] = {p.name: p for p in (
             peak_flops_per_s=_H100_500W, hbm_bytes_per_s=2.4e12, memory_capacity_bytes=96 * 2**30, num_sms=132,
             fp8_flops_per_s=1773.3e12,
             source="H100 SXM 96GB HBM2e: 2.4 TB/s, 96 GB (TorchTitan's benchmark hardware section); peaks at 500 W "
-                   "interpolated between the H100 NVL and SXM datasheets, linear in the power limit: 886.3 TFLOP/s "
-                   "dense BF16, 1,773.3 FP8 (an assumption: See [Note: the 500 W H100] in hardware/catalog.py)"),
+                   "interpolated between the H100 NVL and SXM datasheets' peaks, linear in the power limit: "
+                   "886.3 TFLOP/s dense BF16, 1,773.3 FP8 (an assumption: "
+                   "See [Note: the 500 W H100] in hardware/catalog.py)"),
         fitted=dataclasses.replace(_H100_FITTED, matmul_fraction=0.764, knobs_fitted_on=_KNOBS_FIT, fitted_on=(
-            "GEMM fraction fitted on TorchTitan's Table 1 FSDP row (See [Note: the TorchTitan fit] in "
+            "GEMM fraction fitted on TorchTitan's Table 1 rows, the FSDP row (See [Note: the TorchTitan fit] in "
             "benchmarks/torchtitan_fit.py); attention fraction the H100 SXM's")), host=None),
     GpuPreset(
         name="h100-nvl", description="NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
