@@ -30,6 +30,8 @@ from wrapopt.consensus import agree, every_rank
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
+from wrapopt.plan.compile import compile_blocks
+from wrapopt.plan.float8 import convert_float8
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_tp, tp_layout
 from wrapopt.selective import apply_checkpoints, check_selective_precision
 from wrapopt.spec import PlanSpec, UnitSpec
@@ -126,8 +128,15 @@ def apply_plan(
     mesh: Any = None,
     mixed_precision: dict[str, str | None] | None = None,
     param_users: Iterable[Sequence[str]] | None = (),
+    train: Any = None,
 ) -> nn.Module:
     """Shard ``model`` in place as ``spec`` says; returns the model (now an FSDPModule).
+
+    ``train`` (a ``TrainConfig``) brings the throughput knobs: ``float8`` converts the eligible
+    linears before ``fully_shard`` (See [Note: applying float8] in plan/float8.py; the user's loop
+    calls ``wrapopt.plan.float8.after_optimizer_step(model)`` after each optimizer step, as
+    ``train_step`` does), ``compile`` compiles each unit's modules after it (See [Note: compiling
+    per block] in plan/compile.py; ``compile_report(model)`` names a block left eager).
 
     ``param_users`` are the (module, user) pairs of ``ModelGraph.param_users`` (a plan
     file carries its model's); a plan that puts a module in another unit than a module
@@ -142,13 +151,19 @@ def apply_plan(
     # Local checks first, no collective has run yet; then the ranks compare what they were given.
     # See [Note: every rank explains] in wrapopt/consensus.py.
     mp_policy = mixed_precision_policy(mixed_precision)
+    knobs = throughput_knobs(train)
     with every_rank("checking the plan against the model"):
         modules = _check(model, spec, mesh, param_users)
         check_selective_precision(spec, mp_policy)
+        if knobs["float8"] != "none":
+            check_float8(knobs, getattr(mesh, "device_type", None) or default_device())
     agree("applying the plan", {"model": model_fingerprint(model)["hash"], "plan": plan_digest(spec),
-                                "mixed_precision": mixed_precision or {}})
+                                "mixed_precision": mixed_precision or {}, **knobs})
     if mesh is None:
         mesh = build_mesh(spec)
+    if knobs["float8"] != "none":  # before any sharding: See [Note: applying float8] in plan/float8.py
+        convert_float8(model, knobs["float8"], all_gather=knobs["float8_all_gather"], device_type=mesh.device_type)
+        modules = dict(model.named_modules())
     if spec.tp is not None:  # See [Note: applying a 2-D plan] in plan/tp.py: TP, then checkpointing, then FSDP.
         parallelize_tp(model, spec.tp, mesh["tp"], tp_layout(model, spec.tp, spec.mesh.tp_size, mesh.device_type))
     dp_mesh = data_parallel_mesh(mesh, spec.mesh)
@@ -166,7 +181,29 @@ def apply_plan(
         fsdp_units.append(targets[0])
     if spec.forward_prefetch > 0:
         set_forward_prefetch(spec.units, modules, spec.forward_prefetch)
+    if knobs["compile"]:  # after fully_shard: See [Note: compiling per block] in plan/compile.py
+        compile_blocks(model, [n for u in spec.units if not u.is_root for n in u.modules])
     return model
+
+
+def throughput_knobs(train: Any) -> dict[str, Any]:
+    """A ``TrainConfig``'s compile and float8 knobs (None, or a config without them: off)."""
+    return {"compile": bool(getattr(train, "compile", False)), "float8": getattr(train, "float8", None) or "none",
+            "float8_all_gather": bool(getattr(train, "float8_all_gather", False))}
+
+
+def check_float8(knobs: dict[str, Any], device_type: str) -> None:
+    """What ``convert_float8`` refuses, checked before any collective: torchao present, the recipe
+    and the all-gather agree, a GPU with FP8 tensor cores."""
+    from wrapopt.plan.float8 import _device_check, torchao_missing
+
+    missing = torchao_missing()
+    if missing:
+        raise PlanError(missing)
+    if knobs["float8_all_gather"] and knobs["float8"] != "tensorwise":
+        raise PlanError(f"the float8 all-gather (train.float8_all_gather) takes tensorwise scales, not "
+                        f"{knobs['float8']}: use --float8 tensorwise, or drop --float8-all-gather")
+    _device_check(device_type, knobs["float8"])
 
 
 def mixed_precision_policy(mixed_precision: dict[str, str | None] | None):

@@ -263,7 +263,8 @@ class WrapPlan:
         if self.spec.pipeline is not None:
             return apply_pipeline(model, self.spec, example_inputs=example_inputs, loss_fn=loss_fn, mesh=mesh,
                                   mixed_precision=mp, param_users=users)
-        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=users)
+        return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=users,
+                          train=train if train is not None else self.train_config)  # float8, compile
 
     def loss_context(self) -> Any:
         """The context the loss and its backward must run in: ``loss_parallel()`` where this plan's

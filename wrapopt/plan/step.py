@@ -16,6 +16,11 @@ batch by its data-parallel rank, ``dp_rank, dp_size =
 wrapopt.launch.dp_rank_size(plan.mesh)``, not by its global rank (See [Note:
 applying a 2-D plan] in ``plan/tp.py``).
 
+A plan applied with the float8 all-gather (``train.float8_all_gather``) needs the weights'
+scales computed after each optimizer step: ``train_step`` calls
+``wrapopt.plan.float8.after_optimizer_step(model)``; a loop of the user's own must call it after
+``optimizer.step()`` (See [Note: applying float8] in ``plan/float8.py``).
+
 Example:
     >>> plan = WrapPlan.load("plan.json")  # doctest: +SKIP
     >>> model = plan.apply(model)  # doctest: +SKIP
@@ -35,6 +40,7 @@ import torch.nn as nn
 from wrapopt.errors import PlanError
 from wrapopt.losses import scalar_loss
 from wrapopt.plan.file import WrapPlan
+from wrapopt.plan.float8 import after_optimizer_step
 from wrapopt.train import TrainConfig
 
 __all__ = ["train_step"]
@@ -84,6 +90,7 @@ def train_step(
         if no_sync and can_toggle:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
     optimizer.step()
+    after_optimizer_step(model)  # the float8 all-gather's scales: See [Note: applying float8] in plan/float8.py
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
     return total / k
