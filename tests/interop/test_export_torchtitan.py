@@ -176,6 +176,8 @@ def _titan_config():
     """torchtitan.config (0.2.x), or skip. Importing the package runs torchtitan/__init__.py, which
     imports its quantization and MoE kernels (triton); the config needs none of it, so on a machine
     without them the config package is imported under a bare package stub."""
+    if "torchtitan.config" in sys.modules:  # imported already (under the stub, whose __spec__ is None)
+        return sys.modules["torchtitan.config"]
     spec = importlib.util.find_spec("torchtitan")
     if spec is None:
         pytest.skip("torchtitan is not installed (the interop extra: pip install --no-deps 'torchtitan<0.3' tyro "

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from wrapopt.errors import PlanError
 from wrapopt.interop.common import Export, bare, classes_for, header, plan_reference
-from wrapopt.interop.fields import Accounting, selective_as_full, state_data_and_optimizer
+from wrapopt.interop.fields import Accounting, selective_as_full, state_data_and_optimizer, state_float8_compile
 from wrapopt.interop.policy import block_policy, class_policy
 from wrapopt.plan.file import WrapPlan
 
@@ -100,6 +100,7 @@ def export_accelerate(plan: WrapPlan, *, model: nn.Module | None, source: str, o
     _accumulation(acc)
     if acc.sets("accumulation"):
         launch = f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.accumulation} " + launch
+    state_float8_compile(acc)
     state_data_and_optimizer(acc)
     acc.finish()
     text = header(plan, plan_reference(source, out), f"Accelerate config: {launch}", acc.losses, acc.script)

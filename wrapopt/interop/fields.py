@@ -25,7 +25,7 @@ from typing import Callable
 from wrapopt.plan.file import WrapPlan
 
 __all__ = ["PLAN_FIELDS", "PlanField", "Accounting", "plan_fields", "selective_as_full", "state_data_and_optimizer",
-           "WRITTEN", "STATED", "LOST"]
+           "state_float8_compile", "WRITTEN", "STATED", "LOST"]
 
 WRITTEN, STATED, LOST = "written", "stated", "lost"
 
@@ -61,6 +61,14 @@ def _sync(plan: WrapPlan) -> str | None:
         mode or "", "not recorded")
 
 
+def _float8(plan: WrapPlan) -> str | None:
+    recipe = getattr(plan.train_config, "float8", "none") or "none"
+    if recipe == "none":
+        return None
+    return f"float8 {recipe} training (torchao)" + (
+        ", float8 all-gather" if getattr(plan.train_config, "float8_all_gather", False) else "")
+
+
 PLAN_FIELDS: tuple[PlanField, ...] = (
     PlanField("units", lambda p: f"{len(_units(p))} units and the root"),
     PlanField("mesh", lambda p: f"{p.mesh.world_size} ranks, {p.mesh.ranks_per_node} per node"),
@@ -90,6 +98,9 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
     PlanField("async_tp", lambda p: "on" if p.spec.tp is not None and p.spec.tp.async_tp else None),
     PlanField("pipeline", lambda p: f"{len(p.spec.pipeline.stages)} stages, {p.spec.pipeline.schedule}, "
               f"{p.spec.pipeline.microbatches} micro-batches" if p.spec.pipeline is not None else None),
+    PlanField("compile", lambda p: "each block compiled (torch.compile, fullgraph), after fully_shard"
+              if getattr(p.train_config, "compile", False) else None),
+    PlanField("float8", _float8),
 )
 
 
@@ -170,3 +181,38 @@ def selective_as_full(acc: Accounting, *, why: str) -> WrapPlan:
                                      f"full checkpointing ({why}): it holds less and recomputes more than the plan")
     units = tuple(replace(u, checkpoint=True) if u.selective_checkpoint else u for u in plan.units)
     return replace(plan, spec=replace(plan.spec, units=units))
+
+
+def state_float8_compile(acc: Accounting, *, applied: bool = False, fsdp2: bool = True) -> None:
+    """Float8 and per-block compile for a tool that has no setting for them: the training script
+    converts and compiles as ``WrapPlan.apply`` does (``applied``: the exported file calls it, so
+    both are written). Under FSDP1 (``fsdp2=False``) the float8 all-gather is lost: it is FSDP2's.
+    See [Note: applying float8] in plan/float8.py and [Note: compiling per block] in plan/compile.py."""
+    train = acc.plan.train_config
+    recipe = getattr(train, "float8", "none")
+    gather = bool(getattr(train, "float8_all_gather", False))
+    if applied:
+        acc.write("compile")
+    else:
+        acc.state("compile", "torch.compile: after wrapping, compile each block as the plan was scored: "
+                             "block.compile(fullgraph=True) (wrapopt.plan.compile.compile_blocks(model, names) names "
+                             "a block that cannot be compiled whole and runs it eager)")
+    if not acc.sets("float8"):
+        return
+    if gather and not fsdp2:
+        acc.lose("float8", f"FLOAT8 ALL-GATHER: the plan all-gathers float8 weights (FSDP2, torchao); "
+                           f"{acc.target} runs FSDP1, which all-gathers them at their own width, more bytes than "
+                           f"predicted: convert with wrapopt.plan.float8.convert_float8(model, \"{recipe}\") before "
+                           "wrapping, or re-run the search without --float8-all-gather", first=True)
+        return
+    step = ("; after each optimizer.step() call wrapopt.plan.float8.after_optimizer_step(model) (the all-gather's "
+            "scales: torchao's precompute_float8_dynamic_scale_for_fsdp)") if gather else ""
+    if applied and not gather:
+        acc.write("float8")
+    elif applied:
+        acc.state("float8", "float8: WrapPlan.apply converts the model (torchao)" + step)
+    else:
+        acc.state("float8", f"float8 {recipe}: before wrapping, convert the model with torchao as the plan was scored: "
+                            f"wrapopt.plan.float8.convert_float8(model, \"{recipe}\""
+                            + (", all_gather=True" if gather else "") + ") (TorchTitan's filter, the output head "
+                            "kept at its precision)" + step)

@@ -20,7 +20,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from wrapopt.interop.common import Export, check_classes, header, plan_path_code, plan_reference
-from wrapopt.interop.fields import Accounting, state_data_and_optimizer
+from wrapopt.interop.fields import Accounting, state_data_and_optimizer, state_float8_compile
 from wrapopt.plan.file import WrapPlan
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ def export_fsdp1(plan: WrapPlan, *, model: nn.Module | None, source: str, out: s
     acc.state("sync", f"sync {sync}: micro_batch_context(model, i) " + (
         "runs all but the last micro-batch under model.no_sync()" if sync == "last" else
         "syncs every micro-batch" if sync == "every" else "syncs every micro-batch (the plan records no sync mode)"))
+    state_float8_compile(acc, fsdp2=False)
     state_data_and_optimizer(acc)
     acc.finish()
     settings = {

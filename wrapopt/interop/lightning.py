@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from wrapopt.interop.common import Export, classes_for, header, plan_path_code, plan_reference
-from wrapopt.interop.fields import Accounting, state_data_and_optimizer
+from wrapopt.interop.fields import Accounting, state_data_and_optimizer, state_float8_compile
 from wrapopt.interop.lightning_fsdp1 import trainer_accumulation
 from wrapopt.plan.file import WrapPlan
 
@@ -57,6 +57,7 @@ def lightning_fsdp2(plan: WrapPlan, source: str, out: str | None = None) -> Expo
     sync_last = plan.accumulation > 1 and plan.train_config.accumulation_sync == "last"
     trainer = {"num_nodes": plan.mesh.num_nodes, "devices": plan.mesh.world_size // plan.mesh.num_nodes,
                **trainer_accumulation(acc, holds_gradients=sync_last)}
+    state_float8_compile(acc, applied=True)
     state_data_and_optimizer(acc)
     acc.finish()
     mesh = plan.mesh

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from wrapopt.errors import PlanError
 from wrapopt.interop.common import ClassPolicy, Export, bare, classes_for, few, header, plan_reference
-from wrapopt.interop.fields import Accounting, selective_as_full, state_data_and_optimizer
+from wrapopt.interop.fields import Accounting, selective_as_full, state_data_and_optimizer, state_float8_compile
 from wrapopt.interop.policy import class_policy
 from wrapopt.plan.file import WrapPlan
 
@@ -100,6 +100,7 @@ def lightning_fsdp1(plan: WrapPlan, pol: ClassPolicy, source: str, *, acc: Accou
         kwargs["cpu_offload"] = True  # FSDPStrategy: CPUOffload(offload_params=True), the optimizer steps on the CPU
     trainer = {"num_nodes": mesh.num_nodes, "devices": mesh.world_size // mesh.num_nodes, **trainer_accumulation(acc)}
     acc.write("multi_node")
+    state_float8_compile(acc, fsdp2=False)
     state_data_and_optimizer(acc)
     acc.finish()
     text = header(plan, source, "Lightning FSDPStrategy (FSDP1): Trainer(strategy=strategy, **TRAINER_KWARGS)",

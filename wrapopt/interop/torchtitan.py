@@ -14,7 +14,11 @@ mode for every block ("full", "selective" per op or every N-th block, "none"). W
 plan that cannot say is listed under LOSSES (in the file and on stderr), never silently dropped;
 See [Note: every plan field is written, stated or lost] in wrapopt/interop/fields.py. TorchTitan's
 trainer reduce-scatters every micro-batch's gradients (it never disables FSDP2's gradient sync), so
-a plan scored with sync last loses that.
+a plan scored with sync last loses that. The throughput knobs are TorchTitan's own: ``[compile]
+enable`` (each block compiled, fullgraph, and the loss) and the float8 converter
+(``[model] converters = ["quantize.linear.float8"]``, the section ``[quantize.linear.float8]``: the
+float8 all-gather and its precomputed scales, ``recipe_name`` for rowwise, ``filter_fqns =
+["output"]`` for the head), which apply as wrapopt's apply does (plan/float8.py, plan/compile.py).
 
 Batch sizes follow TorchTitan's trainer: ``training.local_batch_size`` is the sequences one
 data-parallel rank takes per gradient-accumulation step (a pipeline splits it into micro-batches
@@ -68,6 +72,7 @@ def export_torchtitan(plan: WrapPlan, *, model: nn.Module | None, source: str, o
                       "the plan's units and checkpointing are not written")
     layout.unit_losses(plan, losses)
     sections["optimizer"] = _optimizer(plan, losses)
+    sections.update(_knobs(plan))
     _account(acc, sections)
     what = (f"TorchTitan job config (torchtitan {TORCHTITAN_VERSIONS}): torchrun ... -m torchtitan.train "
             "--job.config_file THIS_FILE")
@@ -80,7 +85,8 @@ def _account(acc: Accounting, sections: dict[str, dict[str, Any]]) -> None:
     """Each plan field's status: the sections write most (their losses are listed as they are made)."""
     plan = acc.plan
     acc.write("units", "reshard", "checkpoint", "selective_checkpoint", "mesh", "hsdp", "offload", "mixed_precision",
-              "seq_len", "optimizer", "tp", "sequence_parallel", "loss_parallel", "async_tp", "pipeline")
+              "seq_len", "optimizer", "tp", "sequence_parallel", "loss_parallel", "async_tp", "pipeline", "compile",
+              "float8")
     if "local_batch_size" in sections["training"]:
         acc.write("micro_batch", "accumulation")
     acc.state("multi_node", f"launch on {plan.mesh.num_nodes} machines: torchrun --nnodes {plan.mesh.num_nodes} "
@@ -214,11 +220,11 @@ def _parallelism(plan: WrapPlan, layout: _BlockLayout, losses: list[str]) -> dic
                       "refuses it (\"DDP has not supported > 1D parallelism\"); use a shard group of 2 or more")
     if tp is not None:
         out["disable_loss_parallel"] = not tp.loss_parallel
-        out["enable_async_tensor_parallel"] = False
+        out["enable_async_tensor_parallel"] = bool(tp.async_tp and getattr(plan.train_config, "compile", False))
         if not tp.sequence_parallel:
             losses.append("sequence parallelism off: TorchTitan applies SequenceParallel to the norms with every "
                           "TP plan (norms and residuals on 1/tp of the sequence), so it holds less than the plan")
-        if tp.async_tp:
+        if tp.async_tp and not out["enable_async_tensor_parallel"]:
             losses.append("async TP is written off: TorchTitan runs it only under torch.compile ([compile] enable "
                           "= true), which wrapopt does not price; set both to run it")
         if tp.source != "builtin":
@@ -355,6 +361,28 @@ def _optimizer(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
         losses.append(f"the plan was scored for {opt}, which TorchTitan does not name (Adam, AdamW): AdamW is "
                       "written, with its two states per parameter")
     return {"name": _OPTIMIZERS.get(opt, "AdamW")}
+
+
+def _knobs(plan: WrapPlan) -> dict[str, dict[str, Any]]:
+    """[compile], and the float8 converter with its [quantize.linear.float8] options (TorchTitan 0.2.x
+    registers it as "quantize.linear.float8"; its 0.2.x job config refuses ``recipe_name`` together with
+    the float8 all-gather, so tensorwise leaves the recipe unset, its default). See [Note: the TorchTitan
+    job config]."""
+    train = plan.train_config
+    out: dict[str, dict[str, Any]] = {}
+    if getattr(train, "compile", False):  # TorchTitan compiles each block, and the loss
+        out["compile"] = {"enable": True, "components": ["model", "loss"]}
+    recipe = getattr(train, "float8", "none") or "none"
+    if recipe != "none":
+        gather = bool(getattr(train, "float8_all_gather", False))
+        out["model"] = {"converters": ["quantize.linear.float8"]}
+        f8: dict[str, Any] = {"enable_fsdp_float8_all_gather": gather,
+                              "precompute_float8_dynamic_scale_for_fsdp": gather}
+        if recipe != "tensorwise":
+            f8["recipe_name"] = recipe
+        f8["filter_fqns"] = ["output"]
+        out["quantize.linear.float8"] = f8
+    return out
 
 
 def _guidance(plan: WrapPlan, layout: _BlockLayout) -> str:
