@@ -133,9 +133,10 @@ class TrainConfig:
         object.__setattr__(self, "float8", recipe)
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "float8_all_gather", bool(self.float8_all_gather))
-        if self.float8_all_gather and recipe == "none":
-            raise OptionError("the float8 all-gather (float8_all_gather, --float8-all-gather) needs float8 training: "
-                              "give --float8 tensorwise (or rowwise), or drop --float8-all-gather")
+        if self.float8_all_gather and recipe != "tensorwise":
+            raise OptionError("the float8 all-gather (float8_all_gather, --float8-all-gather) needs tensorwise float8 "
+                              "training (torchao's enable_fsdp_float8_all_gather): give --float8 tensorwise, or drop "
+                              "--float8-all-gather")
 
     # -- making one ---------------------------------------------------------------------------
 

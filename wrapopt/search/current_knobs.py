@@ -24,6 +24,7 @@ def knobs_said(text: str, said: dict, fail: Callable[[str, str], Exception]) -> 
     """The knobs ``said`` (``parse_current``'s items), checked together: the float8 all-gather
     needs float8 training (``fail(text, why)`` makes the error)."""
     knobs = {k: said[k] for k in ("compile", "float8", "float8_all_gather") if k in said}
-    if knobs.get("float8_all_gather") and knobs.get("float8", "none") == "none":
-        raise fail(text, "'float8 all-gather' needs float8 training: add float8 tensorwise (or rowwise)")
+    if knobs.get("float8_all_gather") and knobs.get("float8", "none") != "tensorwise":
+        raise fail(text, "'float8 all-gather' needs tensorwise float8 training (torchao's "
+                         "enable_fsdp_float8_all_gather): add float8 tensorwise")
     return tuple(sorted(knobs.items()))
