@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from wrapopt.errors import PlanError
-from wrapopt.plan.apply import check_float8, throughput_knobs
+from wrapopt.plan.apply import check_float8, throughput_knobs, warn_pipeline_knobs
 from wrapopt.plan.compile import compile_blocks, compile_report
 from wrapopt.train import TrainConfig
 
@@ -94,3 +94,13 @@ def test_a_block_that_prints_runs_eager_and_says_which(capsys):
     rep = compile_report(model)
     assert rep["compiled"] == [] and "print" in rep["eager"]["1"], rep
     assert throughput_knobs(None) == {"compile": False, "float8": "none", "float8_all_gather": False}
+
+
+def test_a_pipeline_plan_with_the_knobs_says_they_are_not_applied():
+    with pytest.warns(UserWarning, match=r"scored with compile and float8 rowwise, which apply_pipeline does not"):
+        warn_pipeline_knobs(TrainConfig(compile=True, float8="rowwise"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_pipeline_knobs(TrainConfig())

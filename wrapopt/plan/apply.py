@@ -39,7 +39,8 @@ from wrapopt.units import check_units, user_conflict_message, user_conflicts
 from wrapopt.wrapped import check_unwrapped
 
 __all__ = ["apply_plan", "build_mesh", "materialize_sharded", "known_param_users", "mixed_precision_policy",
-           "plan_digest", "set_forward_prefetch", "tied_groups", "DTYPES"]
+           "plan_digest", "set_forward_prefetch", "tied_groups", "DTYPES", "check_float8", "throughput_knobs",
+           "warn_pipeline_knobs"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
 
@@ -190,6 +191,21 @@ def throughput_knobs(train: Any) -> dict[str, Any]:
     """A ``TrainConfig``'s compile and float8 knobs (None, or a config without them: off)."""
     return {"compile": bool(getattr(train, "compile", False)), "float8": getattr(train, "float8", None) or "none",
             "float8_all_gather": bool(getattr(train, "float8_all_gather", False))}
+
+
+def warn_pipeline_knobs(train: Any) -> None:
+    """A pipeline plan's stages get neither float8 nor compile from ``apply_pipeline`` yet: one
+    warning line, so that a plan scored with them does not run slower than predicted unsaid."""
+    knobs = throughput_knobs(train)
+    on = [k for k, v in (("compile", knobs["compile"]), (f"float8 {knobs['float8']}", knobs["float8"] != "none"))
+          if v]
+    if on:
+        import warnings
+
+        warnings.warn(f"wrapopt: this pipeline plan was scored with {' and '.join(on)}, which apply_pipeline does not "
+                      "apply to the stages: convert (wrapopt.plan.float8.convert_float8) before and compile "
+                      "(wrapopt.plan.compile.compile_blocks) after, or expect the step slower than predicted",
+                      stacklevel=3)
 
 
 def check_float8(knobs: dict[str, Any], device_type: str) -> None:

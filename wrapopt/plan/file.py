@@ -24,7 +24,7 @@ from wrapopt.consensus import every_rank
 from wrapopt.errors import PlanError, PlanMismatchError
 from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
-from wrapopt.plan.apply import apply_plan
+from wrapopt.plan.apply import apply_plan, warn_pipeline_knobs
 from wrapopt.plan.check import check_plan
 from wrapopt.plan.fields import PLAN_FORMAT, read_plan_fields
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
@@ -261,6 +261,7 @@ class WrapPlan:
                 mp = train.mixed_precision()
         users = self.model.get("param_users") or ()
         if self.spec.pipeline is not None:
+            warn_pipeline_knobs(train if train is not None else self.train_config)  # float8, compile: not yet
             return apply_pipeline(model, self.spec, example_inputs=example_inputs, loss_fn=loss_fn, mesh=mesh,
                                   mixed_precision=mp, param_users=users)
         return apply_plan(model, self.spec, mesh=mesh, mixed_precision=mp, param_users=users,
