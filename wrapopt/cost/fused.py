@@ -6,7 +6,8 @@ built (as ``in_compute_dtype`` does for the mixed-precision dtype); the kernel r
 (``cost/roofline.py``) then prices the float8 linears' GEMMs at the FP8 rate.
 
 [Note: float8 costs] torchao's ``convert_to_float8_training`` swaps the eligible ``nn.Linear``
-modules, chosen by TorchTitan's filter (``float8_linears``): both weight dimensions divisible
+modules (before tensor parallelism: a view keeps its parent's choice), chosen by TorchTitan's
+filter (``float8_linears``): both weight dimensions divisible
 by 16, not the output head (TorchTitan's ``filter_fqns=["output"]``: here the last linear
 called outside the repeated blocks), and not small (torchao's ``_auto_filter_for_recipe``,
 which TorchTitan's ``auto_filter_small_kn`` uses: tensorwise skips K <= 4096 with N <= 1024;
@@ -101,7 +102,12 @@ def with_knobs(graph: ModelGraph, compute: ComputeProfile, options: SimOptions,
         why = float8_refusal(compute, options.float8)
         if why:
             raise OptionError(why)
-        eligible = float8_linears(graph, options.float8)
+        known = compute.meta.get("float8_modules")  # a view's parent chose on the whole shapes, as torchao does
+        if known is None:
+            eligible = float8_linears(graph, options.float8)
+        else:
+            shapes = {f.rsplit(".", 1)[0]: sh for f, sh, _d in graph.param_shapes if f.endswith(".weight")}
+            eligible = {f: tuple(shapes[f]) for f in known if len(shapes.get(f, ())) == 2}
         if compute.kind != "analytical":
             notes.append("float8: GEMM times as measured (a measured profile has no FP8 rate); casts priced")
     frac = float(compute.meta.get("compile_fraction", 1.0))
