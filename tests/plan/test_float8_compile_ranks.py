@@ -73,7 +73,24 @@ def float8_compile_case(rank: int, world: int, tmp: str, out: dict) -> None:
                       "types": sorted({type(m).__name__ for m in model.layers[0].modules()}),
                       "compile": compile_report(model)}
     res["fp32"] = [float(v) for v in _steps(copy.deepcopy(base), full, e.loss, None)]
+    res["optimize_wrap"] = catch(lambda: _optimize(copy.deepcopy(base), mine[0], spec, res), Exception)
     out["float8_compile"] = res
+
+
+def _optimize(model, x, spec, res: dict) -> None:
+    """optimize_wrap given a plan scored with float8 rowwise (no search: seconds) converts before
+    fully_shard, as WrapPlan.apply does."""
+    from wrapopt.api import optimize_wrap
+    from wrapopt.fingerprint import model_fingerprint
+    from wrapopt.plan.file import WrapPlan
+    from wrapopt.plan.float8 import float8_state
+    from wrapopt.train import TrainConfig
+
+    plan = WrapPlan(spec=spec, model=model_fingerprint(model), train=TrainConfig(float8="rowwise"))
+    got = optimize_wrap(model, x, world_size=2, gpus_per_node=2, fabric="h100", plan=plan)
+    state = float8_state(got.model)
+    res["optimize_wrap/float8"] = {"recipe": state.recipe if state else None, "plan": got.plan.train_config.float8,
+                                   "fsdp": type(got.model).__name__}
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -92,5 +109,8 @@ def test_float8_and_compile_under_fsdp2_train_like_unsharded(two_rank_cases):
     assert both["compile"]["compiled"] == [f"layers.{i}" for i in range(4)] and not both["compile"]["eager"]
     assert both["precompute"] and not res["rowwise"]["precompute"]  # train_step computed the all-gather's scales
     assert res["rowwise"]["compile"] is None
+    assert res["optimize_wrap"] is None, res["optimize_wrap"]
+    assert res["optimize_wrap/float8"]["recipe"] == res["optimize_wrap/float8"]["plan"] == "rowwise"
+    assert res["optimize_wrap/float8"]["fsdp"].startswith("FSDP")
     # float8 moves the losses off fp32's: the comparison above is between float8 runs
     assert res["fp32"] != res["rowwise"]["ref"]
