@@ -96,7 +96,8 @@ def test_a_block_that_breaks_the_graph_runs_eager_named():
     rep = compile_report(model)
     assert rep["compiled"] == ["0", "2"] and list(rep["eager"]) == ["1"]
     assert "data" in rep["eager"]["1"].lower() or "branch" in rep["eager"]["1"].lower(), rep["eager"]["1"]
-    assert model[1]._compiled_call_impl is None and model[0]._compiled_call_impl is not None
+    assert model[1].forward.__func__ is _Chatty.forward and model[0].forward.__name__ == "forward"
+    assert getattr(model[0].forward, "__func__", None) is not _Plain.forward  # still the compiled one
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: the block stays eager
         got.sum().backward()

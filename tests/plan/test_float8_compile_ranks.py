@@ -1,8 +1,10 @@
 """Multi-process: float8 (torchao, emulated on CPU) and per-block torch.compile (inductor's CPU
 backend) applied by ``WrapPlan.apply`` on 2 gloo ranks train like the unsharded model converted the
-same way. The cases run in the shared spawn (See tests/ranks.py); one model, 3 steps, compiled once,
-with inductor's pattern matcher off (its patterns take ~10 s to set up on a busy 2-core machine, more
-than the rest of the compile with a warm cache; the graph it compiles is the same).
+same way; the compiled plan checkpoints every block (the forward is compiled inside the composable
+checkpoint's hooks: See [Note: compiling per block]). The cases run in the shared spawn (See
+tests/ranks.py); one model, 3 steps, compiled once, with inductor's pattern matcher off (its
+patterns take ~10 s to set up on a busy 2-core machine, more than the rest of the compile with a
+warm cache; it only chooses among equivalent fusions).
 
 Tolerance: tensorwise float8 scales each activation by the amax of the tensor it sees; a rank sees
 half the batch, so its scale (and e4m3's rounding, 3 mantissa bits) differs from the unsharded
@@ -17,7 +19,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.ranks import MESH2, batches, catch, mean_over_ranks, two_rank_case, zoo_graph
+from tests.ranks import MESH2, batches, catch, mean_over_ranks, plan_specs, two_rank_case, zoo_graph
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
@@ -49,7 +51,9 @@ def float8_compile_case(rank: int, world: int, tmp: str, out: dict) -> None:
     from wrapopt.train import TrainConfig
 
     e = zoo.get_entry(MODEL)
-    spec = baselines(zoo_graph(MODEL), MESH2)["per-block"]
+    graph = zoo_graph(MODEL)
+    spec = baselines(graph, MESH2)["per-block"]
+    ckpt = plan_specs(graph, MESH2)["keep+ckpt"]  # every block checkpointed (composable checkpoint), kept gathered
     base = e.build("cpu", seed=0)
     full, mine = batches(MODEL, world, rank)
     res: dict = {}
@@ -60,7 +64,7 @@ def float8_compile_case(rank: int, world: int, tmp: str, out: dict) -> None:
         convert_float8(ref, train.float8)
         ref_losses = [float(v) for v in _steps(ref, full, e.loss, None)]
         model = copy.deepcopy(base)
-        plan = WrapPlan(spec=spec, model=model_fingerprint(model), train=train)
+        plan = WrapPlan(spec=ckpt if train.compile else spec, model=model_fingerprint(model), train=train)
         err = catch(lambda: plan.apply(model), Exception)  # noqa: B023
         if err:
             res[label] = {"error": err}

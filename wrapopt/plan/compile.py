@@ -1,19 +1,21 @@
 """torch.compile per block, as TorchTitan applies it.
 
 [Note: compiling per block]
-TorchTitan compiles each transformer block with ``block.compile(fullgraph=True)``
+TorchTitan compiles each transformer block with ``fullgraph=True``
 (torchtitan/distributed/compile.py ``apply_compile``): the blocks repeat, so one compiled graph
-serves them all, and the FSDP2 hooks stay outside the compiled region (dynamo skips them,
-``torch._dynamo.config.skip_fsdp_hooks``). ``compile_blocks`` does the same for the modules of
-a plan's units (each module of a non-root unit: the blocks of a per-block plan), after
-``fully_shard`` (``nn.Module.compile`` compiles the module's call, hooks included, so the order
-with ``fully_shard`` makes the same program; the issue's order is kept).
+serves them all. ``compile_blocks`` does the same for the modules of a plan's units (each module
+of a non-root unit: the blocks of a per-block plan), after ``fully_shard``. It compiles the
+block's ``forward``, not its whole call (``nn.Module.compile``): the hooks stay eager around it,
+FSDP2's (as in TorchTitan, where dynamo skips them: ``torch._dynamo.config.skip_fsdp_hooks``)
+and the composable ``checkpoint``'s, whose context manager dynamo cannot return from a graph
+(TorchTitan wraps its blocks in a checkpoint module instead, which its compile takes in); so a
+checkpointed unit compiles whole, its recomputation running the compiled forward.
 
 ``fullgraph=True`` refuses a graph break, but only when the block first runs: dynamo traces at
-the first call. So each block's compiled call is wrapped: a graph break there
+the first call. So each block's compiled forward is wrapped: a graph break there
 (``torch._dynamo.exc.Unsupported``: a data-dependent branch, a ``print``, an untraceable call)
 is caught before anything of the block has run (dynamo traces before it executes), the block
-goes back to eager for good, a warning line names the module and the break, and
+goes back to its eager forward for good, a warning line names the module and the break, and
 ``compile_report(model)`` records it (``{"compiled": [...], "eager": {module: break}}``).
 A failure that is not a graph break (inductor's own) is raised as it is.
 """
@@ -38,8 +40,8 @@ def compile_report(model: nn.Module) -> dict[str, Any] | None:
 
 
 def compile_blocks(model: nn.Module, names: Iterable[str], *, backend: str = "inductor") -> dict[str, Any]:
-    """``module.compile(fullgraph=True)`` for each named module of ``model``; a module whose graph
-    breaks runs eager, saying so. See [Note: compiling per block]."""
+    """``torch.compile(module.forward, fullgraph=True)`` for each named module of ``model``; a module
+    whose graph breaks runs eager, saying so. See [Note: compiling per block]."""
     import torch
 
     modules = dict(model.named_modules())
@@ -47,29 +49,30 @@ def compile_blocks(model: nn.Module, names: Iterable[str], *, backend: str = "in
     object.__setattr__(model, _REPORT, report)
     for name in names:
         block = modules[name]
-        compiled = torch.compile(block._call_impl, backend=backend, fullgraph=True)
-        block._compiled_call_impl = _guarded(block, name or "<root>", compiled, report)  # what nn.Module.compile sets
+        eager = block.forward
+        compiled = torch.compile(eager, backend=backend, fullgraph=True)
+        block.forward = _guarded(block, name or "<root>", eager, compiled, report)
         report["compiled"].append(name or "<root>")
     return report
 
 
-def _guarded(block: nn.Module, name: str, compiled: Any, report: dict[str, Any]):
+def _guarded(block: nn.Module, name: str, eager: Any, compiled: Any, report: dict[str, Any]):
     from torch._dynamo.exc import Unsupported
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         try:
             return compiled(*args, **kwargs)
         except Unsupported as e:
             why = _first_line(e)
-            block._compiled_call_impl = None  # eager from now on
+            block.forward = eager  # eager from now on
             if name in report["compiled"]:
                 report["compiled"].remove(name)
             report["eager"][name] = why
             warnings.warn(f"wrapopt: {name} ({type(block).__name__}) cannot be compiled whole (fullgraph): {why}; "
                           "it runs eager", stacklevel=2)
-            return block._call_impl(*args, **kwargs)
+            return eager(*args, **kwargs)
 
-    return call
+    return forward
 
 
 def _first_line(e: BaseException) -> str:
