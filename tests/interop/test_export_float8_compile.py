@@ -31,7 +31,8 @@ def test_torchtitan_writes_compile_and_the_float8_converter(knob_plans, tmp_path
     assert toml["model"]["converters"] == ["quantize.linear.float8"]
     f8 = toml["quantize"]["linear"]["float8"]
     assert f8 == {"enable_fsdp_float8_all_gather": True, "precompute_float8_dynamic_scale_for_fsdp": True,
-                  "filter_fqns": ["output"]}  # tensorwise: recipe_name unset (0.2.x refuses it with the all-gather)
+                  "filter_fqns": ["output", "auto_filter_small_kn"]}  # tensorwise: recipe_name unset (0.2.x
+    # refuses it with the all-gather); the head and torchao's small shapes skipped, as the plan was priced
     assert out.fields["compile"] == WRITTEN and out.fields["float8"] == WRITTEN
     row = tomllib.loads(export_plan(knob_plans["rowwise"], to="torchtitan").text)
     assert row["quantize"]["linear"]["float8"]["recipe_name"] == "rowwise" and "compile" not in row
@@ -44,7 +45,7 @@ def test_torchtitan_writes_compile_and_the_float8_converter(knob_plans, tmp_path
         job = config.ConfigManager().parse_args(["--job.config_file", str(path)])
         assert job.model.converters == ["quantize.linear.float8"]
         fl = job.quantize.linear.float8
-        assert fl.filter_fqns == ["output"]
+        assert fl.filter_fqns == ["output", "auto_filter_small_kn"]
         assert fl.recipe_name == (None if which == "tensorwise" else "rowwise")
         gather = which == "tensorwise"
         assert fl.enable_fsdp_float8_all_gather == gather == fl.precompute_float8_dynamic_scale_for_fsdp

@@ -40,15 +40,18 @@ def test_filter_converts_divisible_linears_and_skips_the_head():
     assert keep == ["up"]
     assert skip["odd"].endswith("not multiples of 16") and "40" in skip["odd"]
     assert "filter_fqns" in skip["output_proj"] and skip["head"] == "the output head"
-    keep, skip = float8_filter(_Odd(), min_features=64)
-    assert keep == [] and "below 64" in skip["up"]
+    keep, skip = float8_filter(_Odd(), small="tensorwise")  # torchao's thresholds, as the simulator prices
+    assert keep == [] and "too small to gain from float8 tensorwise" in skip["up"]
+    big = nn.Sequential(nn.Linear(4096, 2048), nn.Linear(2048, 1024))  # K 4096 N 2048 gains; K 2048 N 1024 not
+    assert float8_filter(big, small="tensorwise")[0] == ["0"]
+    assert float8_filter(big, small="rowwise")[0] == []  # rowwise: N <= 2048 is small
     # llama-tiny: every linear of the blocks (dims 32..176, multiples of 16), not lm_head
     model = zoo.get_entry("llama-tiny").build("cpu", seed=0)
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         done = convert_float8(model, "rowwise")
-    assert done.emulate and any("emulates" in str(w.message) for w in seen)
+    assert done.emulate and any("emulates" in str(w.message) and "small ones too" in str(w.message) for w in seen)
     assert set(done.converted) == set(linears) - {"lm_head"} and done.skipped == {"lm_head": "the output head"}
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     assert kinds["lm_head"] == "Linear" and kinds["layers.0.mlp.down_proj"] == "Float8Linear"

@@ -18,7 +18,8 @@ a plan scored with sync last loses that. The throughput knobs are TorchTitan's o
 enable`` (each block compiled, fullgraph, and the loss) and the float8 converter
 (``[model] converters = ["quantize.linear.float8"]``, the section ``[quantize.linear.float8]``: the
 float8 all-gather and its precomputed scales, ``recipe_name`` for rowwise, ``filter_fqns =
-["output"]`` for the head), which apply as wrapopt's apply does (plan/float8.py, plan/compile.py).
+["output", "auto_filter_small_kn"]``: the head, and torchao's small-shape filter, as the plan was
+priced), which apply as wrapopt's apply does (plan/float8.py, plan/compile.py).
 
 Batch sizes follow TorchTitan's trainer: ``training.local_batch_size`` is the sequences one
 data-parallel rank takes per gradient-accumulation step (a pipeline splits it into micro-batches
@@ -380,7 +381,7 @@ def _knobs(plan: WrapPlan) -> dict[str, dict[str, Any]]:
                               "precompute_float8_dynamic_scale_for_fsdp": gather}
         if recipe != "tensorwise":
             f8["recipe_name"] = recipe
-        f8["filter_fqns"] = ["output"]
+        f8["filter_fqns"] = ["output", "auto_filter_small_kn"]  # the small linears stay, as priced
         out["quantize.linear.float8"] = f8
     return out
 

@@ -8,9 +8,11 @@
 when its in- and out-features are both multiples of 16 (the FP8 tensor cores' requirement) and
 its name holds none of ``filter_fqns`` (TorchTitan writes ``["output"]``, the output head). The
 output head is skipped here under any name: the last linear when its out-features are an
-embedding's vocabulary, or a linear whose weight is tied to an embedding. ``min_features``
-skips linears whose in- or out-features are below it (TorchTitan's opt-in ``auto_filter_small_kn`` does the same with
-H100-measured thresholds; the default, 16, skips only what cannot run). The conversion must
+embedding's vocabulary, or a linear whose weight is tied to an embedding. Small linears are
+skipped as the simulator prices them (``wrapopt.cost.fused``, [Note: float8 costs]): torchao's
+``_auto_filter_for_recipe`` thresholds (H100-measured), which TorchTitan's ``auto_filter_small_kn``
+uses; except under emulation (CPU), which converts every linear of multiples of 16 so that a
+check at CPU sizes exercises the conversion (the warning line says so). The conversion must
 precede ``fully_shard``: FSDP2 shards the parameters it finds, and with the float8 all-gather
 (``enable_fsdp_float8_all_gather``, tensorwise only: torchao refuses it for rowwise scales)
 those are torchao's weight wrappers, which FSDP2's all-gather casts to float8 before
@@ -82,8 +84,11 @@ def output_heads(model: nn.Module) -> set[str]:
 
 
 def float8_filter(model: nn.Module, *, filter_fqns: tuple[str, ...] = ("output",),
-                  min_features: int = 16) -> tuple[list[str], dict[str, str]]:
-    """The linears ``convert_float8`` converts, and those it skips with the reason; See [Note: applying float8]."""
+                  small: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The linears ``convert_float8`` converts, and those it skips with the reason; ``small``: a recipe
+    whose size thresholds skip small linears (None: keep them). See [Note: applying float8]."""
+    from wrapopt.cost.fused import _small
+
     heads = output_heads(model)
     keep: list[str] = []
     skip: dict[str, str] = {}
@@ -97,8 +102,8 @@ def float8_filter(model: nn.Module, *, filter_fqns: tuple[str, ...] = ("output",
             skip[name] = f"named in filter_fqns {list(filter_fqns)}"
         elif k % 16 or n % 16:
             skip[name] = f"in {k} x out {n} features: not multiples of 16"
-        elif min(k, n) < min_features:
-            skip[name] = f"in {k} x out {n} features: below {min_features}"
+        elif small is not None and _small(small, n, k):
+            skip[name] = f"in {k} x out {n} features: too small to gain from float8 {small} (torchao's thresholds)"
         else:
             keep.append(name)
     return keep, skip
@@ -117,9 +122,10 @@ def _device_check(device_type: str, recipe: str) -> bool:
 
 
 def convert_float8(model: nn.Module, recipe: str, *, all_gather: bool = False, device_type: str = "cpu",
-                   filter_fqns: tuple[str, ...] = ("output",), min_features: int = 16) -> Float8Applied:
+                   filter_fqns: tuple[str, ...] = ("output",), skip_small: bool | None = None) -> Float8Applied:
     """Swap ``model``'s eligible linears for torchao's ``Float8Linear``, in place, before ``fully_shard``;
-    See [Note: applying float8]. Returns what was done (also on ``float8_state(model)``)."""
+    ``skip_small`` (None: unless emulating) skips those too small to gain. See [Note: applying float8].
+    Returns what was done (also on ``float8_state(model)``)."""
     if recipe not in FLOAT8_RECIPES:
         raise PlanError(f"unknown float8 recipe {recipe!r} (train.float8); accepted: {', '.join(FLOAT8_RECIPES)}")
     if all_gather and recipe != "tensorwise":
@@ -136,13 +142,15 @@ def convert_float8(model: nn.Module, recipe: str, *, all_gather: bool = False, d
         from dataclasses import replace
 
         cfg = replace(cfg, enable_fsdp_float8_all_gather=all_gather, emulate=emulate)
-    keep, skip = float8_filter(model, filter_fqns=filter_fqns, min_features=min_features)
+    small = (not emulate) if skip_small is None else skip_small
+    keep, skip = float8_filter(model, filter_fqns=filter_fqns, small=recipe if small else None)
     chosen = set(keep)
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda _m, fqn: fqn in chosen)
     done = Float8Applied(recipe, emulate, all_gather, tuple(keep), skip)
     if emulate:
         warnings.warn(f"wrapopt: float8 {recipe} on {device_type} has no FP8 tensor cores: torchao emulates it "
-                      f"(emulate=True) for {len(keep)} linear(s)", stacklevel=2)
+                      f"(emulate=True) for {len(keep)} linear(s)" + ("" if small else ", small ones too"),
+                      stacklevel=2)
     object.__setattr__(model, _STATE, done)  # plain attribute, not a submodule or parameter
     return done
 
