@@ -202,7 +202,11 @@ def optimize_wrap(
         plan: a WrapPlan or plan file to apply instead of searching.
         train: the training step (mixed precision, gradient accumulation,
             optimizer, sync mode; default: fp32, one micro-batch, AdamW).
-            Recorded in the plan; ``plan.apply`` applies its mixed precision.
+            Recorded in the plan; ``plan.apply`` applies its mixed precision, and its
+            ``float8`` (torchao, before ``fully_shard``) and ``compile`` (each block, after):
+            with ``float8_all_gather`` the loop calls ``wrapopt.plan.float8.after_optimizer_step(model)``
+            after each ``optimizer.step()`` (``train_step`` does); ``wrapopt.plan.compile.compile_report(model)``
+            names a block left eager (See [Note: applying float8], [Note: compiling per block]).
         save_plan: where to write the plan (rank 0 writes, atomically).
         tp: tensor-parallel degree: None or 1 (FSDP alone), an int, or "auto" (chosen with
             the units: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised).
