@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-dev,plot,hf,fast,db,progress}
+EXTRAS=${EXTRAS:-dev,plot,hf,fast,db,progress,float8}  # float8: torchao, which requires nothing (no CUDA torch)
 CPU_TORCH=${WRAPOPT_CPU_TORCH:-2.13.0}
 stamp="$VENV/.wrapopt-installed"
 want="$(cat pyproject.toml | sha1sum | cut -c1-12) extras=$EXTRAS"
