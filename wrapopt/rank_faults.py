@@ -19,6 +19,8 @@ import time
 from queue import Empty
 from typing import Any
 
+from wrapopt.errors import DistributedError
+
 __all__ = ["wait_for_ranks", "is_symptom", "explain_failure", "register_rank", "lost_peers", "lost_rank_error",
            "STOPPED_LIMIT_S", "PROBE_S"]
 
@@ -343,8 +345,6 @@ def lost_rank_error(err: BaseException) -> Exception | None:
     """For an error a collective raised on this rank: a ``DistributedError`` that first names the
     peers lost (``lost_peers``), then this error; None when it is not a lost peer's symptom."""
     import torch.distributed as dist
-
-    from wrapopt.errors import DistributedError
 
     if isinstance(err, DistributedError) or not isinstance(err, Exception):
         return None  # wrapopt's own errors already say who failed

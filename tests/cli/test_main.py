@@ -180,9 +180,13 @@ def test_search_memory_unreadable(capsys):
 
 def test_search_memory_too_small_gives_smallest_peak(capsys):
     assert main(["search", *LLAMA_7B, "--memory", "1MB"]) == 1
-    line = _one_line_error(capsys.readouterr().err, "search")
+    # The error is one line; the remedies priced on the plan follow it, indented
+    # (See [Note: computed remedies] in search/remedies.py).
+    first, *advice = capsys.readouterr().err.strip().splitlines()
+    line = _one_line_error(first, "search")
     assert "smallest predicted peak is" in line
     assert "GiB" in line.split("smallest predicted peak is", 1)[1]
+    assert advice and advice[0].startswith("Remedies") and all(a.startswith("  ") for a in advice[1:]), advice
 
 
 def test_search_unknown_zoo_name_lists_zoo(capsys):

@@ -53,15 +53,9 @@ from dataclasses import replace
 from wrapopt.errors import OptionError
 from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.spec import ModelGraph, SimOptions
+from wrapopt.spec.options import float8_too_small
 
 __all__ = ["float8_linears", "with_knobs", "float8_refusal"]
-
-
-def _small(recipe: str, n: int, k: int) -> bool:
-    """torchao's ``_auto_filter_for_recipe``: shapes too small to gain from float8 (H100 benchmarks)."""
-    if recipe == "rowwise":
-        return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
-    return k <= 4096 and n <= 1024
 
 
 def float8_linears(graph: ModelGraph, recipe: str) -> dict[str, tuple[int, int]]:
@@ -74,7 +68,7 @@ def float8_linears(graph: ModelGraph, recipe: str) -> dict[str, tuple[int, int]]
     out = {}
     for m in linears:
         n, k = shapes[f"{m.fqn}.weight"]
-        if m.fqn != head and n % 16 == 0 and k % 16 == 0 and not _small(recipe, n, k):
+        if m.fqn != head and n % 16 == 0 and k % 16 == 0 and not float8_too_small(recipe, n, k):
             out[m.fqn] = (n, k)
     return out
 

@@ -31,7 +31,7 @@ from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.compile import compile_blocks
-from wrapopt.plan.float8 import convert_float8
+from wrapopt.plan.float8 import convert_float8, device_check, torchao_missing
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_tp, tp_layout
 from wrapopt.selective import apply_checkpoints, check_selective_precision
 from wrapopt.spec import PlanSpec, UnitSpec
@@ -211,15 +211,13 @@ def warn_pipeline_knobs(train: Any) -> None:
 def check_float8(knobs: dict[str, Any], device_type: str) -> None:
     """What ``convert_float8`` refuses, checked before any collective: torchao present, the recipe
     and the all-gather agree, a GPU with FP8 tensor cores."""
-    from wrapopt.plan.float8 import _device_check, torchao_missing
-
     missing = torchao_missing()
     if missing:
         raise PlanError(missing)
     if knobs["float8_all_gather"] and knobs["float8"] != "tensorwise":
         raise PlanError(f"the float8 all-gather (train.float8_all_gather) takes tensorwise scales, not "
                         f"{knobs['float8']}: use --float8 tensorwise, or drop --float8-all-gather")
-    _device_check(device_type, knobs["float8"])
+    device_check(device_type, knobs["float8"])
 
 
 def mixed_precision_policy(mixed_precision: dict[str, str | None] | None):

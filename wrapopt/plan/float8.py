@@ -36,9 +36,10 @@ import torch
 import torch.nn as nn
 
 from wrapopt.errors import PlanError
+from wrapopt.spec.options import float8_too_small
 
 __all__ = ["FLOAT8_RECIPES", "Float8Applied", "after_optimizer_step", "convert_float8", "float8_filter",
-           "float8_state", "output_heads", "torchao_missing"]
+           "float8_state", "output_heads", "torchao_missing", "device_check"]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 _STATE = "_wrapopt_float8"  # the attribute of the converted model that records what was done
@@ -87,8 +88,6 @@ def float8_filter(model: nn.Module, *, filter_fqns: tuple[str, ...] = ("output",
                   small: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The linears ``convert_float8`` converts, and those it skips with the reason; ``small``: a recipe
     whose size thresholds skip small linears (None: keep them). See [Note: applying float8]."""
-    from wrapopt.cost.fused import _small
-
     heads = output_heads(model)
     keep: list[str] = []
     skip: dict[str, str] = {}
@@ -102,14 +101,14 @@ def float8_filter(model: nn.Module, *, filter_fqns: tuple[str, ...] = ("output",
             skip[name] = f"named in filter_fqns {list(filter_fqns)}"
         elif k % 16 or n % 16:
             skip[name] = f"in {k} x out {n} features: not multiples of 16"
-        elif small is not None and _small(small, n, k):
+        elif small is not None and float8_too_small(small, n, k):
             skip[name] = f"in {k} x out {n} features: too small to gain from float8 {small} (torchao's thresholds)"
         else:
             keep.append(name)
     return keep, skip
 
 
-def _device_check(device_type: str, recipe: str) -> bool:
+def device_check(device_type: str, recipe: str) -> bool:
     """Whether torchao must emulate; refuses a CUDA device without FP8 tensor cores."""
     if device_type != "cuda":
         return True
@@ -136,7 +135,7 @@ def convert_float8(model: nn.Module, recipe: str, *, all_gather: bool = False, d
         raise PlanError(missing)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    emulate = _device_check(device_type, recipe)
+    emulate = device_check(device_type, recipe)
     cfg = Float8LinearConfig.from_recipe_name(recipe)
     if all_gather or emulate:
         from dataclasses import replace

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-__all__ = ["OptimizerKind", "factored_state_numel", "SYNC_MODES", "FLOAT8_RECIPES", "SimOptions"]
+__all__ = ["OptimizerKind", "factored_state_numel", "SYNC_MODES", "FLOAT8_RECIPES", "float8_too_small", "SimOptions"]
 
 class OptimizerKind(enum.Enum):
     """The optimizer the step ends with. Its state, per trainable parameter element,
@@ -42,6 +42,14 @@ def factored_state_numel(shape: tuple[int, ...]) -> int:
 
 
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
+
+
+def float8_too_small(recipe: str, n: int, k: int) -> bool:
+    """torchao's ``_auto_filter_for_recipe``: a linear of N x K too small to gain from float8 (its H100
+    benchmarks); priced (cost/fused.py) and applied (plan/float8.py) alike."""
+    if recipe == "rowwise":
+        return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+    return k <= 4096 and n <= 1024
 SYNC_MODES = ("every", "last")  # gradient synchronisation under accumulation: See [Note: accumulation sync]
 
 
