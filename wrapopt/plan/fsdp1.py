@@ -46,6 +46,21 @@ def _fsdp1_strategy(raf: bool | int, mesh: Any):
     return ShardingStrategy.HYBRID_SHARD if mesh.is_hsdp else ShardingStrategy.FULL_SHARD
 
 
+def _caller_notes(spec: Any, mesh: Any) -> list[str]:
+    """What the caller does besides wrapping: checkpointing and the HSDP mesh."""
+    notes = []
+    ckpt = [n for u in spec.units if u.checkpoint and not u.is_root for n in u.modules]
+    if ckpt:
+        notes.append("activation checkpointing is not part of an FSDP1 wrap policy: after FSDP(...), call "
+                     "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, "
+                     f"check_fn=plan.fsdp1_checkpoint_fn(model)) to checkpoint {', '.join(ckpt[:4])}"
+                     + (" ..." if len(ckpt) > 4 else ""))
+    if mesh.is_hsdp and mesh.shard_size > 1:
+        notes.append(f"HSDP: pass device_mesh=init_device_mesh(device, ({mesh.replicate_size}, {mesh.shard_size}), "
+                     "mesh_dim_names=('replicate', 'shard')) to FullyShardedDataParallel")
+    return notes
+
+
 def fsdp1_policy(
     spec: PlanSpec,
     *,
@@ -109,16 +124,7 @@ def fsdp1_policy(
     if spec.forward_prefetch > 1:
         losses.append(f"FSDP1 prefetches one unit ahead at most: forward prefetch depth {spec.forward_prefetch} "
                       "becomes 1")
-    notes = list(losses)  # and what the caller does besides wrapping
-    ckpt = [n for u in spec.units if u.checkpoint and not u.is_root for n in u.modules]
-    if ckpt:
-        notes.append("activation checkpointing is not part of an FSDP1 wrap policy: after FSDP(...), call "
-                     "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, "
-                     f"check_fn=plan.fsdp1_checkpoint_fn(model)) to checkpoint {', '.join(ckpt[:4])}"
-                     + (" ..." if len(ckpt) > 4 else ""))
-    if mesh.is_hsdp and mesh.shard_size > 1:
-        notes.append(f"HSDP: pass device_mesh=init_device_mesh(device, ({mesh.replicate_size}, {mesh.shard_size}), "
-                     "mesh_dim_names=('replicate', 'shard')) to FullyShardedDataParallel")
+    notes = list(losses) + _caller_notes(spec, mesh)  # and what the caller does besides wrapping
     root_kwargs = {"sharding_strategy": _fsdp1_strategy(True, mesh), "use_orig_params": True, **mp_kwargs,
                    **prefetch_kwargs}
     if spec.offload:  # the plan's CPU offload; FSDP1 gives every unit the root's cpu_offload
