@@ -10,7 +10,7 @@ import pytest
 from wrapopt.cli.options import add_train_arguments, train_from_args
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.plan.schema import schema_errors
-from wrapopt.search.current import _fail, _read_items
+from wrapopt.search.current_items import current_error as _fail, read_items as _read_items
 from wrapopt.search.current_knobs import knobs_said
 from wrapopt.train import TrainConfig
 
