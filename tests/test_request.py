@@ -39,17 +39,19 @@ def test_the_request_normalises_each_axis_once():
 
 def test_every_bad_field_is_named_on_its_own_line():
     with pytest.raises(OptionError) as e:
-        ParallelRequest(mesh=MESH, tp=3, pp=5, cp=2, ep=4, global_batch=0, dp_shard=3, host_memory=2**30,
+        ParallelRequest(mesh=MESH, tp=3, pp=5, cp=3, ep=6, global_batch=0, dp_shard=3, host_memory=2**30,
                         memory_budget="lots")
     lines = str(e.value).splitlines()
     assert lines[0] == "the parallel request has bad fields:"
     body = "\n".join(lines[1:])
     for words in ("--tp 3 does not divide the 8 GPUs per node", "--pp 5 does not divide the world of 16",
-                  "--cp 2: context parallelism is not in wrapopt yet", "--ep 4: expert parallelism",
+                  "--cp 3: the context-parallel degree does not divide the 16 ranks left by tp and pp",
+                  "degrees that do: 2, 4, 8, 16", "--ep 6: the expert-parallel degree does not divide",
+                  "--cp 3 with --ep 6: context and expert parallelism together are not searched yet",
                   "--global-batch must be at least 1", "--shard-size 3 must divide the world of 16",
                   "--host-memory is only read with --offload", "memory_budget (--memory) 'lots' is not a memory size"):
         assert words in body
-    assert len(lines) == 9  # the heading and eight fields, one line each
+    assert len(lines) == 10  # the heading and nine problems, one line each
 
 
 def test_one_bad_field_is_one_line():

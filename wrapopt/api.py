@@ -362,6 +362,8 @@ def estimate(
     global_batch: int | None = None,
     pp: int | str | None = None,
     tp: int = 1,
+    cp: int | str = 1,
+    ep: int | str = 1,
 ) -> EstimateReport:
     """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
 
@@ -380,6 +382,7 @@ def estimate(
         pp: put a one-unit-per-block plan on a pipeline of this degree (an int, or "auto": the
             fastest), its stages, schedule and micro-batches chosen as the search does.
         tp: a named baseline's tensor-parallel degree ([Note: a given plan at a degree] in search/given.py).
+        cp, ep: the context- and expert-parallel degrees (an int, or "auto"), as for ``optimize_wrap``.
 
     Example:
         >>> from wrapopt import zoo
@@ -398,8 +401,8 @@ def estimate(
     if checkpoint is not None and checkpoint not in CHECKPOINTS:
         raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: {', '.join(CHECKPOINTS)}")
     world = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
-    request = ParallelRequest(mesh=world, tp=tp, pp=pp, global_batch=global_batch, memory_budget=memory_budget,
-                              train=train)
+    request = ParallelRequest(mesh=world, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=global_batch,
+                              memory_budget=memory_budget, train=train)
     job = prepare(request, model, example_inputs, fabric=fabric, compute=compute, loss_fn=loss_fn,
                   rescale_fabric=rescale_fabric, notes=tuple(notes))
     graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, list(job.notes)

@@ -54,6 +54,8 @@ CURRENT_FORMS = (
     "gradients reduced on the last micro-batch only; default every, as a plain FSDP2 loop); "
     "shard N (HSDP with shard groups of N ranks); tp N (tensor parallelism inside each node) and its switches "
     "(async TP, no sequence parallel, no loss parallel); "
+    "cp N (context parallelism: each sequence split over N ranks, FSDP over shard x cp); "
+    "ep N (expert parallelism: experts split over N ranks); "
     "compile (torch.compile per block), float8 tensorwise or float8 rowwise (torchao float8 training), "
     "float8 all-gather; "
     "local batch N (TorchTitan's training.local_batch_size: sequences per data-parallel rank per forward and "

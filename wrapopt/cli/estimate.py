@@ -10,8 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from wrapopt.choices import BASELINE_NAMES
-from wrapopt.cli.options import (add_mesh_arguments, add_model_arguments, add_pp_argument, add_train_arguments,
-                                 fabric_from_args, model_from_args, positive_int, sync_note,
+from wrapopt.cli.options import (add_cp_ep_arguments, add_mesh_arguments, add_model_arguments, add_pp_argument,
+                                 add_train_arguments, fabric_from_args, model_from_args, positive_int, sync_note,
                                  train_from_args, with_global_batch)
 from wrapopt.errors import OptionError
 from wrapopt.spec.plan import SELECTIVE_OP
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
                       train=train,
                       checkpoint=args.checkpoint, memory_budget=args.memory, loss_fn=src.loss,
                       rescale_fabric=args.rescale_fabric, name=args.model, global_batch=global_batch,
-                      pp=args.pp, tp=args.tp)
+                      pp=args.pp, tp=args.tp, cp=args.cp, ep=args.ep)
     notes += sync_note(args.sync, report.train.grad_accumulation, pipeline=report.pipeline_microbatches is not None)
     report = replace(report, notes=(*src.notes, *notes, *report.notes))
     if args.json:
@@ -119,5 +119,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "scores it (default 1; a plan file keeps its own degree)")
     add_pp_argument(p, what="the per-block plan on balanced stages with the fastest schedule and micro-batches; auto: "
                              "the fastest of 2, 4, 8, 16")
+    add_cp_ep_arguments(p, cp_auto="the fastest degree that splits the sequence into 2 x cp chunks",
+                        ep_auto="the fastest degree that divides the experts")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["add_mesh_arguments", "add_offload_arguments", "host_from_args",
            "add_train_arguments", "train_from_args", "mesh_from_args",
            "add_model_arguments", "positive_int", "count_int", "positive_float", "tp_degree", "seed_int",
-           "local_ranks", "with_global_batch", "fabric_from_args", "add_pp_argument", "sync_note"]
+           "local_ranks", "with_global_batch", "fabric_from_args", "add_pp_argument", "add_cp_ep_arguments",
+           "sync_note"]
 
 
 # argparse ``type=`` functions: argparse prefixes their message with "argument --name: ", so every
@@ -92,6 +93,18 @@ def add_pp_argument(p: argparse.ArgumentParser, *, what: str) -> None:
     """``--pp auto|N``: the pipeline degree (See [Note: pipeline search] in wrapopt/search/pipeline.py)."""
     p.add_argument("--pp", type=tp_degree, default="1", metavar="auto|1|2|4|8",
                    help=f"pipeline-parallel degree (stages across ranks, outermost): {what} (default 1: none)")
+
+
+def add_cp_ep_arguments(p: argparse.ArgumentParser, *, cp_auto: str, ep_auto: str) -> None:
+    """``--cp auto|N`` and ``--ep auto|N``: the context- and expert-parallel degrees (See [Note:
+    the cp and ep axes of the mesh] in wrapopt/spec/plan.py); ``cp_auto``/``ep_auto`` say what auto does."""
+    p.add_argument("--cp", type=tp_degree, default="1", metavar="auto|1|2|4|8",
+                   help="context-parallel degree: each sequence split over N ranks (ring attention with the "
+                        "head-tail load balancer, FSDP over dp_shard x cp as TorchTitan); "
+                        f"auto: {cp_auto} (default 1: none)")
+    p.add_argument("--ep", type=tp_degree, default="1", metavar="auto|1|2|4|8",
+                   help="expert-parallel degree: a mixture of experts' experts split over N ranks, tokens sent by "
+                        f"all-to-all (TorchTitan's efsdp x ep); auto: {ep_auto} (default 1: none)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, optional: bool = False) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from wrapopt.choices import CURRENT_FORMS, DEFAULT_TRIALS, PICTURES
 from wrapopt.cli.options import (
+    add_cp_ep_arguments,
     add_mesh_arguments,
     add_model_arguments,
     add_offload_arguments,
@@ -93,6 +94,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "selective-op to also try keeping matmul and attention outputs and recomputing the rest)")
     add_pp_argument(p, what="auto tries 1, 2, 4, 8 and 16 with their stages, schedule (GPipe, 1F1B, Interleaved1F1B), "
                              "micro-batches and the FSDP plan; N: that degree")
+    add_cp_ep_arguments(p, cp_auto="the degrees that split the sequence into 2 x cp chunks and divide the "
+                                   "data-parallel ranks, chosen with the rest of the shape",
+                        ep_auto="the degrees that divide the experts and the ranks")
     p.add_argument("--timeout", type=positive_float, default=None, help="stop the study after this many seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on stderr (default: when stderr is a terminal)")
@@ -240,7 +244,8 @@ def _request(args: argparse.Namespace, mesh: MeshSpec) -> ParallelRequest:
     return ParallelRequest(mesh=mesh, dp_shard=args.shard_size, tp=args.tp, tp_plan=_tp_plan(args.tp_plan),
                            sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
                            async_tp={"on": True, "off": False}.get(args.async_tp, "auto"),
-                           pp=args.pp, global_batch=args.global_batch, memory_budget=args.memory, train=train,
+                           pp=args.pp, cp=args.cp, ep=args.ep, global_batch=args.global_batch,
+                           memory_budget=args.memory, train=train,
                            offload=bool(getattr(args, "offload", False)), host_memory=host_memory)
 
 

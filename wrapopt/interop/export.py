@@ -59,8 +59,10 @@ def _refuse_multi_d(plan: WrapPlan, to: str) -> None:
     mesh = plan.mesh
     what = ", ".join(x for x in (f"tensor parallelism (degree {mesh.tp_size})" if plan.spec.tp is not None else "",
                                  f"{len(plan.spec.pipeline.stages)} pipeline stages (degree {mesh.pp_size})"
-                                 if plan.spec.pipeline is not None else "") if x)
+                                 if plan.spec.pipeline is not None else "",
+                                 f"context parallelism (degree {mesh.cp_size})" if mesh.cp_size > 1 else "",
+                                 f"expert parallelism (degree {mesh.ep_size})" if mesh.ep_size > 1 else "") if x)
     if what:
-        dims = "3-D" if plan.spec.tp is not None and plan.spec.pipeline is not None else "2-D"
+        dims = f"{1 + sum(d > 1 for d in (mesh.tp_size, mesh.pp_size, mesh.cp_size, mesh.ep_size))}-D"
         raise PlanError(f"this {dims} plan runs {what} under FSDP, which wrapopt cannot export to {to}: export it "
                         "with `--to torchtitan` (a TorchTitan job config), or apply it with plan.apply(model)")

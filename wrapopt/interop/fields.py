@@ -96,6 +96,9 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
     PlanField("sequence_parallel", lambda p: "on" if p.spec.tp is not None and p.spec.tp.sequence_parallel else None),
     PlanField("loss_parallel", lambda p: "on" if p.spec.tp is not None and p.spec.tp.loss_parallel else None),
     PlanField("async_tp", lambda p: "on" if p.spec.tp is not None and p.spec.tp.async_tp else None),
+    PlanField("cp", lambda p: f"context parallel degree {p.mesh.cp_size} (FSDP over dp_shard x cp)"
+              if p.mesh.cp_size > 1 else None),
+    PlanField("ep", lambda p: f"expert parallel degree {p.mesh.ep_size}" if p.mesh.ep_size > 1 else None),
     PlanField("pipeline", lambda p: f"{len(p.spec.pipeline.stages)} stages, {p.spec.pipeline.schedule}, "
               f"{p.spec.pipeline.microbatches} micro-batches" if p.spec.pipeline is not None else None),
     PlanField("compile", lambda p: "each block compiled (torch.compile, fullgraph), after fully_shard"

@@ -87,7 +87,7 @@ def _account(acc: Accounting, sections: dict[str, dict[str, Any]]) -> None:
     plan = acc.plan
     acc.write("units", "reshard", "checkpoint", "selective_checkpoint", "mesh", "hsdp", "offload", "mixed_precision",
               "seq_len", "optimizer", "tp", "sequence_parallel", "loss_parallel", "async_tp", "pipeline", "compile",
-              "float8")
+              "float8", "cp", "ep")
     if "local_batch_size" in sections["training"]:
         acc.write("micro_batch", "accumulation")
     acc.state("multi_node", f"launch on {plan.mesh.num_nodes} machines: torchrun --nnodes {plan.mesh.num_nodes} "
@@ -211,11 +211,14 @@ def _parallelism(plan: WrapPlan, layout: _BlockLayout, losses: list[str]) -> dic
     mesh, tp, pipe = plan.mesh, plan.spec.tp, plan.spec.pipeline
     out: dict[str, Any] = {
         "data_parallel_replicate_degree": mesh.replicate_size,
-        "data_parallel_shard_degree": mesh.shard_size,
+        "data_parallel_shard_degree": mesh.dp_shard,  # FSDP over dp_shard x cp: shard_size counts the cp ranks
         "tensor_parallel_degree": mesh.tp_size,
         "pipeline_parallel_degree": mesh.pp_size,
         "fsdp_reshard_after_forward": _reshard_policy(plan, layout, losses),
     }
+    for key, degree in (("context_parallel_degree", mesh.cp_size), ("expert_parallel_degree", mesh.ep_size)):
+        if degree > 1:  # TorchTitan's default is 1
+            out[key] = degree
     if mesh.shard_size == 1 and mesh.replicate_size > 1 and (mesh.tp_size > 1 or mesh.pp_size > 1):
         losses.append("data parallelism without sharding (DDP) under tensor or pipeline parallelism: TorchTitan "
                       "refuses it (\"DDP has not supported > 1D parallelism\"); use a shard group of 2 or more")
@@ -317,10 +320,10 @@ def _training(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
     if micro is not None:
         local = micro * (pipe.microbatches if pipe is not None else 1)
         out["local_batch_size"] = local
-        out["global_batch_size"] = plan.global_batch or local * plan.accumulation * mesh.dp_size
-        if out["global_batch_size"] % (local * mesh.dp_size):
+        out["global_batch_size"] = plan.global_batch or local * plan.accumulation * mesh.batch_size
+        if out["global_batch_size"] % (local * mesh.batch_size):
             losses.append(f"global batch {out['global_batch_size']} is not a multiple of local_batch_size {local} x "
-                          f"{mesh.dp_size} data-parallel ranks, which TorchTitan needs for its accumulation steps")
+                          f"{mesh.batch_size} data-parallel ranks, which TorchTitan needs for its accumulation steps")
     else:
         losses.append("the plan records no micro-batch: set training.local_batch_size (sequences per data-parallel "
                       "rank per accumulation step) and global_batch_size; TorchTitan's default is 8")
@@ -329,6 +332,9 @@ def _training(plan: WrapPlan, losses: list[str]) -> dict[str, Any]:
         out["seq_len"] = seq
         if seq % mesh.tp_size:
             losses.append(f"seq_len {seq} is not a multiple of the TP degree {mesh.tp_size}, which TorchTitan needs")
+        if mesh.cp_size > 1 and seq % (2 * mesh.cp_size):
+            losses.append(f"seq_len {seq} does not split into 2 x cp = {2 * mesh.cp_size} chunks, which "
+                          "TorchTitan's context parallelism (head-tail load balancing) needs")
     else:
         losses.append("the plan records no sequence length: set training.seq_len (TorchTitan's default is 2048)")
     train = plan.train_config

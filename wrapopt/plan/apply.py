@@ -31,6 +31,8 @@ from wrapopt.errors import PlanError
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.compile import compile_blocks
+from wrapopt.plan.ep import shard_experts
+from wrapopt.plan.cp import check_cp_model, fsdp_mesh, remember_cp_mesh
 from wrapopt.plan.float8 import convert_float8, device_check, torchao_missing
 from wrapopt.plan.tp import check_tp_model, data_parallel_mesh, parallelize_tp, tp_layout
 from wrapopt.selective import apply_checkpoints, check_selective_precision
@@ -99,11 +101,13 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any = None,
                 "pass a mesh of the plan's shape, or mesh=None to build it from the plan"
             )
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if spec.mesh.tp_size > 1 and names != spec.mesh.axis_names:
-            raise PlanError(f"the mesh passed has axes {names or 'without names'} but a tensor-parallel plan needs "
+        if (spec.mesh.tp_size > 1 or _cp_size(spec) > 1) and names != spec.mesh.axis_names:
+            raise PlanError(f"the mesh passed has axes {names or 'without names'} but a {_axes_kind(spec)} plan needs "
                             f"{spec.mesh.axis_names}; build it with init_device_mesh(..., mesh_dim_names="
                             f"{spec.mesh.axis_names}), or pass mesh=None")
     dev = getattr(mesh, "device_type", None) or default_device()
+    if _cp_size(spec) > 1:
+        check_cp_model(model)  # See [Note: applying context parallelism] in plan/cp.py.
     if spec.tp is not None:
         check_tp_model(model, spec.tp, spec.mesh.tp_size)  # See [Note: applying a 2-D plan] in plan/tp.py.
         tp_layout(model, spec.tp, spec.mesh.tp_size, dev)  # sequence, loss and async TP: before any collective
@@ -167,9 +171,14 @@ def apply_plan(
         modules = dict(model.named_modules())
     if spec.tp is not None:  # See [Note: applying a 2-D plan] in plan/tp.py: TP, then checkpointing, then FSDP.
         parallelize_tp(model, spec.tp, mesh["tp"], tp_layout(model, spec.tp, spec.mesh.tp_size, mesh.device_type))
-    dp_mesh = data_parallel_mesh(mesh, spec.mesh)
+    if _cp_size(spec) > 1:  # FSDP over dp_shard x cp: See [Note: applying context parallelism] in plan/cp.py
+        dp_mesh = fsdp_mesh(mesh, spec.mesh)
+    else:
+        dp_mesh = data_parallel_mesh(mesh, spec.mesh)
     mp_for = apply_checkpoints(spec.units, modules, mp_policy)  # See [Note: selective checkpointing]
     offload = CPUOffloadPolicy() if spec.offload else OffloadPolicy()  # See [Note: CPU offload] in cost/state.py
+    # See [Note: applying expert parallelism] in plan/ep.py: the experts are units of their own.
+    spec = shard_experts(model, spec, dp_mesh, mp_policy=mp_policy, offload=offload)
     fsdp_units = []
     for unit in spec.units:
         targets = [modules[n] for n in unit.modules]
@@ -184,7 +193,18 @@ def apply_plan(
         set_forward_prefetch(spec.units, modules, spec.forward_prefetch)
     if knobs["compile"]:  # after fully_shard: See [Note: compiling per block] in plan/compile.py
         compile_blocks(model, [n for u in spec.units if not u.is_root for n in u.modules])
+    if _cp_size(spec) > 1:
+        remember_cp_mesh(model, mesh["cp"])  # for WrapPlan.train_context and train_step
     return model
+
+
+def _cp_size(spec: PlanSpec) -> int:
+    return getattr(spec.mesh, "cp_size", 1)
+
+
+def _axes_kind(spec: PlanSpec) -> str:
+    return " and ".join(k for k, on in (("tensor-parallel", spec.mesh.tp_size > 1),
+                                         ("context-parallel", _cp_size(spec) > 1)) if on)
 
 
 def throughput_knobs(train: Any) -> dict[str, Any]:

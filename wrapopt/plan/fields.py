@@ -82,8 +82,8 @@ def read_plan_fields(data: Any, *, source: str = "<plan>") -> PlanFields:
         raise fail(fld, msg + " (see wrapopt/data/plan.schema.json)")
     for fld, want in (("shape", list(mesh_spec.shape)), ("axis_names", list(mesh_spec.axis_names))):
         if fld in mesh and mesh[fld] != want:
-            raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size, tp_size and "
-                                      f"pp_size give {short_json(want)}; fix the sizes or drop mesh.{fld}")
+            raise fail(f"mesh.{fld}", f"is {short_json(mesh[fld])} but world_size, shard_size, tp_size, "
+                                      f"pp_size and cp_size give {short_json(want)}; fix the sizes or drop mesh.{fld}")
     spec = PlanSpec(units=tuple(units), mesh=mesh_spec, forward_prefetch=prefetch,
                     label=str(data.get("label") or ""), tp=tp, pipeline=pipeline,
                     offload=offload)
@@ -139,6 +139,8 @@ def _mesh_from_json(mesh: Any, source: str) -> MeshSpec:
             shard_size=_int(mesh, "shard_size", source, "mesh."),
             tp_size=_int(mesh, "tp_size", source, "mesh.") if "tp_size" in mesh else 1,
             pp_size=_int(mesh, "pp_size", source, "mesh.") if "pp_size" in mesh else 1,
+            cp_size=_int(mesh, "cp_size", source, "mesh.") if "cp_size" in mesh else 1,
+            ep_size=_int(mesh, "ep_size", source, "mesh.") if "ep_size" in mesh else 1,
         )
     except ValueError as e:
         if isinstance(e, PlanError):

@@ -26,6 +26,7 @@ from wrapopt.fileio import atomic_write_json, read_json
 from wrapopt.fingerprint import model_fingerprint
 from wrapopt.plan.apply import apply_plan, warn_pipeline_knobs
 from wrapopt.plan.check import check_plan
+from wrapopt.plan.cp import cp_context, cp_mesh_of
 from wrapopt.plan.fields import PLAN_FORMAT, read_plan_fields
 from wrapopt.plan.fsdp1 import fsdp1_checkpoint_fn, fsdp1_policy
 from wrapopt.plan.pipeline import PipelineRun, apply_pipeline
@@ -260,6 +261,8 @@ class WrapPlan:
                     )
                 mp = train.mixed_precision()
         users = self.model.get("param_users") or ()
+        # a step that leaves compile or float8 to the search: the plan's (See [Note: knob defaults] in search/knobs.py)
+        train = train.settled_by(self.train_config) if train is not None else None
         if self.spec.pipeline is not None:
             warn_pipeline_knobs(train if train is not None else self.train_config)  # float8, compile: not yet
             return apply_pipeline(model, self.spec, example_inputs=example_inputs, loss_fn=loss_fn, mesh=mesh,
@@ -281,6 +284,34 @@ class WrapPlan:
 
             return loss_parallel()
         return contextlib.nullcontext()
+
+    def train_context(self, model: Any = None, *, buffers: Sequence[Any] = (), seq_dims: Sequence[int] = (),
+                      no_restore: Sequence[Any] = (), rotate_method: str = "allgather") -> Any:
+        """The context each forward and backward must run in, as TorchTitan's ``train_context``:
+        ``loss_context()``, and under context parallelism (``mesh.cp_size > 1``) torch's
+        ``context_parallel`` on the cp axis of ``model`` (the model ``apply`` returned). It shards
+        ``buffers`` (input ids, labels, position buffers such as ``freqs_cis``) on their
+        ``seq_dims`` in place, restoring them after except those in ``no_restore``, and runs SDPA as
+        ring attention rotated by ``rotate_method`` ("allgather" or "alltoall"). Each sequence dim
+        must divide into 2 x cp chunks. The loss inside is the mean over this rank's tokens. See
+        [Note: applying context parallelism] in plan/cp.py. Without cp, ``model`` and the buffers
+        are not used.
+
+        Example:
+            >>> with plan.train_context(model, buffers=[x, y], seq_dims=[1, 1], no_restore=[x, y]):  # doctest: +SKIP
+            ...     loss_fn(model(x), y).backward()
+        """
+        if getattr(self.spec.mesh, "cp_size", 1) == 1:
+            return self.loss_context()
+        cp_mesh = cp_mesh_of(model)
+
+        @contextlib.contextmanager
+        def around_step() -> Any:
+            with self.loss_context(), cp_context(cp_mesh, buffers, seq_dims, no_restore=no_restore,
+                                                 rotate_method=rotate_method):
+                yield
+
+        return around_step()
 
     @property
     def micro_batch(self) -> int | None:

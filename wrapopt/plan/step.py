@@ -21,6 +21,13 @@ scales computed after each optimizer step: ``train_step`` calls
 ``wrapopt.plan.float8.after_optimizer_step(model)``; a loop of the user's own must call it after
 ``optimizer.step()`` (See [Note: applying float8] in ``plan/float8.py``).
 
+Under context parallelism (``plan.mesh.cp_size > 1``) each micro-batch runs inside
+``plan.train_context``: its tensors are sharded on their sequence dims (``seq_dims``, default 1:
+(batch, seq) input ids and labels, labels shifted ahead of time: a loss that shifts inside
+would pair tokens across the cut) together with ``cp_buffers`` ((tensor, seq dim) pairs such as
+``(model.freqs_cis, 0)``), restored after; the loss returned is averaged over the cp ranks. See
+[Note: applying context parallelism] in ``plan/cp.py``.
+
 Example:
     >>> plan = WrapPlan.load("plan.json")  # doctest: +SKIP
     >>> model = plan.apply(model)  # doctest: +SKIP
@@ -32,13 +39,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.errors import PlanError
 from wrapopt.losses import scalar_loss
+from wrapopt.plan.cp import cp_mesh_of
 from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.float8 import after_optimizer_step
 from wrapopt.train import TrainConfig
@@ -55,6 +65,8 @@ def train_step(
     plan: WrapPlan | None = None,
     train: TrainConfig | None = None,
     zero_grad: bool = True,
+    seq_dims: Sequence[int] | None = None,
+    cp_buffers: Sequence[tuple[torch.Tensor, int]] = (),
 ) -> float:
     """Forward and backward over ``micro_batches``, then ``optimizer.step()``; returns the mean loss.
 
@@ -67,6 +79,8 @@ def train_step(
         plan, train: where the accumulation and sync mode come from (``train``
             wins; neither: every micro-batch synchronises).
         zero_grad: clear the gradients after the step (``set_to_none``).
+        seq_dims, cp_buffers: under context parallelism, the sequence dim of each tensor of a
+            micro-batch (default 1), and the model's own buffers to shard with them.
     """
     cfg = train if train is not None else plan.train_config if plan is not None else None
     batches = [b if isinstance(b, tuple) else (b,) for b in micro_batches]
@@ -83,9 +97,10 @@ def train_step(
         for i, inputs in enumerate(batches):
             if no_sync and can_toggle:
                 model.set_requires_gradient_sync(i == k - 1)  # type: ignore[operator]
-            loss = scalar_loss(loss_fn(model(*inputs), inputs), loss_fn)
-            (loss / k if k > 1 else loss).backward()
-            total += float(loss.detach())
+            with _step_context(plan, model, inputs, seq_dims, cp_buffers):
+                loss = scalar_loss(loss_fn(model(*inputs), inputs), loss_fn)
+                (loss / k if k > 1 else loss).backward()
+            total += _cp_mean(plan, model, loss.detach())
     finally:
         if no_sync and can_toggle:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
@@ -94,3 +109,30 @@ def train_step(
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
     return total / k
+
+
+def _cp_size(plan: WrapPlan | None) -> int:
+    return getattr(plan.spec.mesh, "cp_size", 1) if plan is not None else 1
+
+
+def _step_context(plan: WrapPlan | None, model: nn.Module, inputs: tuple[Any, ...], seq_dims: Sequence[int] | None,
+                  cp_buffers: Sequence[tuple[torch.Tensor, int]]) -> Any:
+    """``plan.train_context`` over the micro-batch's tensors and ``cp_buffers`` under context
+    parallelism; else no context (train_step's loop as before)."""
+    if _cp_size(plan) == 1:
+        return contextlib.nullcontext()
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    dims = list(seq_dims) if seq_dims is not None else [1] * len(tensors)
+    return plan.train_context(model, buffers=[*tensors, *(b for b, _ in cp_buffers)],  # type: ignore[union-attr]
+                              seq_dims=[*dims, *(d for _, d in cp_buffers)])
+
+
+def _cp_mean(plan: WrapPlan | None, model: nn.Module, loss: torch.Tensor) -> float:
+    """The micro-batch's loss: under context parallelism the mean of the cp ranks' (each the
+    mean over its own, equal share of the tokens)."""
+    if _cp_size(plan) == 1:
+        return float(loss)
+    mesh = cp_mesh_of(model)
+    loss = loss.clone()
+    dist.all_reduce(loss, group=mesh.get_group())
+    return float(loss) / mesh.size()

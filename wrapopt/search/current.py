@@ -132,6 +132,8 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     elif said.get("switches"):
         raise _fail(text, f"{', '.join(said['switch_words'])} needs tensor parallelism: add tp N")
     if "pp" in said or "schedule" in said:
+        if said.get("cp", 1) > 1 or said.get("ep", 1) > 1:
+            raise _fail(text, "cp and ep with a pipeline are not scored yet: drop pp, or cp and ep")
         return replace(_pipeline(text, graph, mesh, said, units_name, spec), knobs=knobs_said(text, said, _fail))
     if local_batch is not None:  # TorchTitan's local batch: one forward and backward's sequences per rank
         if micro_batch not in (None, local_batch):
@@ -156,10 +158,25 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
         every = set(order[ckpt_every - 1::ckpt_every])
         units = tuple(replace(u, checkpoint=True) if i in every else u for i, u in enumerate(units))
     plan = replace(plan, units=units, label=f"current: {text}")
+    plan = _with_cp_ep(text, plan, said.get("cp", 1), said.get("ep", 1))
     if tp > 1:
         plan = lift_plan(plan, tp, spec)
     return Current(plan, micro_batch, text, local_batch=local_batch, sync=said.get("sync"),
                    knobs=knobs_said(text, said, _fail))
+
+
+def _with_cp_ep(text: str, plan: PlanSpec, cp: int, ep: int) -> PlanSpec:
+    """The plan with ``cp N`` and ``ep N`` on its mesh (See [Note: the cp and ep axes of the mesh]
+    in spec/plan.py): the cp ranks inside the shard group, the experts over ep ranks."""
+    if cp == 1 and ep == 1:
+        return plan
+    if plan.mesh.shard_size == 1:
+        raise _fail(text, f"{'cp' if cp > 1 else 'ep'} needs FSDP's shard group (it shards over dp_shard x cp): "
+                          "no-shard has none; pick other units")
+    try:
+        return replace(plan, mesh=plan.mesh.with_cp(cp, ep))
+    except ValueError as e:
+        raise _fail(text, str(e)) from None
 
 
 def _pipeline(text: str, graph: ModelGraph, mesh: MeshSpec, said: dict, units_name: str,

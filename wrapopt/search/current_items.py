@@ -29,6 +29,8 @@ _COUNTS = (
     ("shard", r"shard\s*=?\s*(\d+)"),
     ("tp", r"(?:tp|tensor-parallel(?:[- ]degree)?)\s*[=:]?\s*(\d+)"),
     ("pp", r"(?:pp|pipeline(?:-parallel)?(?:[- ]degree)?)\s*[=:]?\s*(\d+)"),
+    ("cp", r"(?:cp|context-parallel(?:[- ]degree)?)\s*[=:]?\s*(\d+)"),
+    ("ep", r"(?:ep|expert-parallel(?:[- ]degree)?)\s*[=:]?\s*(\d+)"),
     ("virtual", r"(\d+) (?:virtual )?stages? per rank|(?:virtual )?stages per rank\s*[=:]?\s*(\d+)"),
 )
 # Gradient sync under accumulation: See [Note: current sync]

@@ -42,6 +42,19 @@ class MeshSpec:
     lays them out): each stage's ranks form the mesh ``stage_mesh()``, and FSDP
     runs on its data-parallel ranks ``world_size / (pp_size * tp_size)``. See
     the pipeline notes.
+
+    [Note: the cp and ep axes of the mesh] ``cp_size > 1`` adds a context-parallel axis between
+    the shard group and tp (``pp x replicate x dp_shard x cp x tp``, TorchTitan's order): each
+    sequence is split over ``cp_size`` ranks, and FSDP shards over ``dp_shard x cp`` flattened,
+    as TorchTitan's ``dp_shard_cp`` (its ``fsdp`` axis): the parameters are the same on every cp
+    rank, so the cp ranks join the shard group. ``shard_size`` keeps its meaning (the ranks
+    that share one copy of the parameters, FSDP's group) and so includes the cp ranks:
+    ``dp_shard = shard_size / cp_size``, and ``cp_size`` must divide ``shard_size``. The ranks
+    that read different data are ``batch_size = dp_size / cp_size``. ``ep_size > 1`` splits the
+    experts over ``ep_size`` ranks of the ``dp_shard x cp x tp`` ranks, FSDP sharding each
+    expert over the other ``efsdp_size = dp_shard x cp x tp / ep_size`` (TorchTitan's sparse
+    mesh ``dp_replicate x efsdp x ep``; its rule: ``ep`` divides ``dp_shard x cp x tp``). Both
+    are 1 where absent, so plan files from before them read unchanged.
     """
 
     world_size: int
@@ -49,9 +62,11 @@ class MeshSpec:
     shard_size: int
     tp_size: int = 1
     pp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "ranks_per_node", "shard_size", "tp_size", "pp_size"):
+        for name in ("world_size", "ranks_per_node", "shard_size", "tp_size", "pp_size", "cp_size", "ep_size"):
             check_count(getattr(self, name), f"MeshSpec.{name}")
         if self.world_size % self.pp_size:
             raise OptionError(f"pipeline degree {self.pp_size} does not divide the world of {self.world_size} "
@@ -74,6 +89,23 @@ class MeshSpec:
                 f"(world {self.world_size} / tensor-parallel degree {self.tp_size}"
                 f"{f' / pipeline degree {self.pp_size}' if self.pp_size > 1 else ''}); use a divisor of {dp}"
             )
+        self._check_cp_ep()
+
+    def _check_cp_ep(self) -> None:
+        """The context- and expert-parallel degrees against the shard group. See [Note: the cp
+        and ep axes of the mesh]."""
+        if self.cp_size > 1 and self.shard_size % self.cp_size:
+            works = [k for k in range(2, self.shard_size + 1) if self.shard_size % k == 0][:8]
+            raise OptionError(
+                f"context-parallel degree {self.cp_size} does not divide the shard group of {self.shard_size} "
+                f"ranks (FSDP shards over dp_shard x cp); use cp {', '.join(map(str, works)) or '1'}, "
+                "or a shard group that is a multiple of it")
+        sparse = self.shard_size * self.tp_size
+        if self.ep_size > 1 and sparse % self.ep_size:
+            works = [k for k in range(2, sparse + 1) if sparse % k == 0][:8]
+            raise OptionError(
+                f"expert-parallel degree {self.ep_size} does not divide dp_shard x cp x tp = {sparse} ranks "
+                f"(TorchTitan's rule); use ep {', '.join(map(str, works)) or '1'}")
 
     @property
     def dp_size(self) -> int:
@@ -85,6 +117,22 @@ class MeshSpec:
     def replicate_size(self) -> int:
         return self.dp_size // self.shard_size
 
+    @property
+    def dp_shard(self) -> int:
+        """The shard group without its cp ranks: TorchTitan's ``data_parallel_shard_degree``."""
+        return self.shard_size // self.cp_size
+
+    @property
+    def batch_size(self) -> int:
+        """Ranks of one pipeline stage that read different sequences: the data-parallel ranks over
+        the context-parallel degree (``dp_replicate x dp_shard``, TorchTitan's ``batch`` axis)."""
+        return self.dp_size // self.cp_size
+
+    @property
+    def efsdp_size(self) -> int:
+        """Ranks FSDP shards each expert over under expert parallelism: ``dp_shard x cp x tp / ep``."""
+        return self.shard_size * self.tp_size // self.ep_size
+
     def stage_mesh(self) -> "MeshSpec":
         """The ranks of one pipeline stage (this mesh without its pipeline axis); the mesh itself
         when ``pp_size == 1``. A stage smaller than a node keeps its own size as ranks per node."""
@@ -92,7 +140,7 @@ class MeshSpec:
             return self
         ranks = self.world_size // self.pp_size
         return MeshSpec(world_size=ranks, ranks_per_node=min(self.ranks_per_node, ranks),
-                        shard_size=self.shard_size, tp_size=self.tp_size)
+                        shard_size=self.shard_size, tp_size=self.tp_size, cp_size=self.cp_size, ep_size=self.ep_size)
 
     @property
     def stages_cross_nodes(self) -> bool:
@@ -109,10 +157,11 @@ class MeshSpec:
 
     def data_parallel(self) -> "MeshSpec":
         """The FSDP part alone: one rank of each tensor-parallel group, ``ranks_per_node /
-        tp_size`` of them per node. The simulator scores FSDP's collectives on it."""
+        tp_size`` of them per node, the cp ranks flattened into the shard group (``dp_shard_cp``)
+        and no expert axis. The simulator scores FSDP's collectives on it."""
         if self.pp_size > 1:
             return self.stage_mesh().data_parallel()
-        if self.tp_size == 1:
+        if self.tp_size == 1 and self.cp_size == 1 and self.ep_size == 1:
             return self
         return MeshSpec(world_size=self.dp_size, ranks_per_node=max(1, self.ranks_per_node // self.tp_size),
                         shard_size=self.shard_size)
@@ -121,25 +170,35 @@ class MeshSpec:
         """This data-parallel mesh with a tensor-parallel axis of ``tp_size`` under it
         (``world_size`` and ``ranks_per_node`` multiplied by it)."""
         return MeshSpec(world_size=self.world_size * tp_size, ranks_per_node=self.ranks_per_node * tp_size,
-                        shard_size=self.shard_size, tp_size=self.tp_size * tp_size, pp_size=self.pp_size)
+                        shard_size=self.shard_size, tp_size=self.tp_size * tp_size, pp_size=self.pp_size,
+                        cp_size=self.cp_size, ep_size=self.ep_size)
+
+    def with_cp(self, cp_size: int, ep_size: int | None = None) -> "MeshSpec":
+        """This mesh with its shard group split as ``dp_shard x cp`` (``cp_size`` dividing the
+        shard group; the world unchanged), and ``ep_size`` (None: this mesh's)."""
+        return MeshSpec(world_size=self.world_size, ranks_per_node=self.ranks_per_node, shard_size=self.shard_size,
+                        tp_size=self.tp_size, pp_size=self.pp_size, cp_size=cp_size,
+                        ep_size=self.ep_size if ep_size is None else ep_size)
 
     def with_pp(self, pp_size: int) -> "MeshSpec":
         """This mesh as one stage of ``pp_size`` stages (``world_size`` multiplied by it; the
         stages sit side by side, across nodes once a stage fills a node)."""
         return MeshSpec(world_size=self.world_size * pp_size,
                         ranks_per_node=self.ranks_per_node, shard_size=self.shard_size, tp_size=self.tp_size,
-                        pp_size=self.pp_size * pp_size)
+                        pp_size=self.pp_size * pp_size, cp_size=self.cp_size, ep_size=self.ep_size)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The ``DeviceMesh`` shape, outermost first, matching ``axis_names``."""
+        """The ``DeviceMesh`` shape, outermost first, matching ``axis_names``. Under cp the shard
+        axis is ``dp_shard`` alone and FSDP runs on ``("shard", "cp")`` flattened."""
         return tuple(n for n, keep in ((self.pp_size, self.pp_size > 1), (self.replicate_size, self.is_hsdp),
-                                       (self.shard_size, True), (self.tp_size, self.tp_size > 1)) if keep)
+                                       (self.dp_shard, True), (self.cp_size, self.cp_size > 1),
+                                       (self.tp_size, self.tp_size > 1)) if keep)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
         return tuple(n for n, keep in (("pp", self.pp_size > 1), ("replicate", self.is_hsdp), ("shard", True),
-                                       ("tp", self.tp_size > 1)) if keep)
+                                       ("cp", self.cp_size > 1), ("tp", self.tp_size > 1)) if keep)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -151,6 +210,10 @@ class MeshSpec:
             out["tp_size"] = self.tp_size
         if self.pp_size > 1:
             out["pp_size"] = self.pp_size
+        if self.cp_size > 1:
+            out["cp_size"] = self.cp_size
+        if self.ep_size > 1:
+            out["ep_size"] = self.ep_size
         out["shape"], out["axis_names"] = list(self.shape), list(self.axis_names)
         return out
 

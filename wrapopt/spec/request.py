@@ -110,8 +110,8 @@ class ParallelRequest:
     async_tp: bool | str = AUTO
     tp_plan: Any = None  # ``TPSpec``: how blocks split (None: the recognised one, ``tp.builtin_tp_plan``)
     pp: int | str = 1  # pipeline degree, or "auto"
-    cp: int | str = 1  # context-parallel degree (not built yet: 1)
-    ep: int | str = 1  # expert-parallel degree (not built yet: 1)
+    cp: int | str = 1  # context-parallel degree, or "auto" (See [Note: the cp and ep axes of the mesh] in spec/plan.py)
+    ep: int | str = 1  # expert-parallel degree, or "auto"
     global_batch: int | None = None  # sequences per optimizer step, fixed: micro-batch x accumulation chosen
     # bytes, "80GiB", "auto" (the device's capacity less headroom, when known; None says the same) or
     # "none" (no limit); resolved against the compute profile by ``wrapopt.job.prepare``
@@ -156,10 +156,18 @@ class ParallelRequest:
             works = [k for k in range(2, world + 1) if world % k == 0][:8]
             out.append(f"--pp {self.pp} does not divide the world of {world} ranks; degrees that do: "
                        f"{', '.join(map(str, works))}")
-        for name, what, issue in (("cp", "context", 53), ("ep", "expert", 53)):
-            if getattr(self, name) != 1:
-                out.append(f"--{name} {getattr(self, name)}: {what} parallelism is not in wrapopt yet "
-                           f"(issue {issue}); pass --{name} 1")
+        rest = world  # the ranks the fixed tp and pp degrees leave (those that divide it)
+        for d in (self.tp, self.pp):
+            rest //= d if isinstance(d, int) and rest % d == 0 else 1
+        for name, what in (("cp", "context"), ("ep", "expert")):
+            d = getattr(self, name)
+            if isinstance(d, int) and d > 1 and rest % d:
+                works = [k for k in range(2, rest + 1) if rest % k == 0][:8]
+                out.append(f"--{name} {d}: the {what}-parallel degree does not divide the {rest} ranks left by "
+                           f"tp and pp (world {world}); degrees that do: {', '.join(map(str, works)) or 'none'}")
+        if isinstance(self.cp, int) and isinstance(self.ep, int) and self.cp > 1 and self.ep > 1:
+            out.append(f"--cp {self.cp} with --ep {self.ep}: context and expert parallelism together are not "
+                       "searched yet; pass one of them as 1")
         for name in ("sequence_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -181,6 +189,26 @@ class ParallelRequest:
     def asks_tp(self) -> bool:
         """Tensor parallelism is asked for (a degree above 1, or auto)."""
         return self.tp != 1
+
+    @property
+    def searches_cp(self) -> bool:
+        """The context-parallel degree is chosen by the search."""
+        return self.cp == AUTO
+
+    @property
+    def searches_ep(self) -> bool:
+        """The expert-parallel degree is chosen by the search."""
+        return self.ep == AUTO
+
+    @property
+    def asks_cp(self) -> bool:
+        """Context parallelism is asked for (a degree above 1, or auto)."""
+        return self.cp != 1
+
+    @property
+    def asks_ep(self) -> bool:
+        """Expert parallelism is asked for (a degree above 1, or auto)."""
+        return self.ep != 1
 
     @property
     def asks_pp(self) -> bool:
