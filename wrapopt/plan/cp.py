@@ -130,11 +130,12 @@ def check_cp_buffers(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], c
                             "pass tensors and the dim each one's sequence runs along")
         n = b.shape[d]
         if n % (2 * cp_size):
-            works = [k for k in range(1, n // 2 + 1) if n % (2 * k) == 0 and k != cp_size][-6:]
+            works = [k for k in range(1, n // 2 + 1) if n % (2 * k) == 0][:6]
+            lo = n - n % (2 * cp_size)
+            sizes = " or ".join(str(m) for m in (lo, lo + 2 * cp_size) if m > 0)
             raise PlanError(f"context-parallel buffer {i} (shape {tuple(b.shape)}) has {n} positions on dim {d}, "
-                            f"not divisible by 2 x cp = {2 * cp_size} (the load balancer's chunks); use a sequence "
-                            f"length that a multiple of {2 * cp_size} divides, or cp "
-                            f"{', '.join(map(str, works)) or '1'}")
+                            f"not divisible by 2 x cp = {2 * cp_size} (the load balancer's chunks): make the "
+                            f"sequence {sizes} long, or use cp {', '.join(map(str, works)) or '1'}")
 
 
 def remember_cp_mesh(model: nn.Module, cp_mesh: Any) -> None:
