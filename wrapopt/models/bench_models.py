@@ -162,8 +162,13 @@ class MoEFFN(nn.Module):
         dispatch = dispatch.view(k, n, e, capacity)
         combine = (dispatch * weights.t().reshape(k, n, 1, 1)).sum(0)  # (n, e, capacity)
         expert_in = torch.einsum("nec,nd->ecd", dispatch.sum(0), t)
-        expert_out = torch.bmm(F.gelu(torch.bmm(expert_in, self.w_in)), self.w_out)
-        return torch.einsum("nec,ecd->nd", combine, expert_out).reshape(shape)
+        return torch.einsum("nec,ecd->nd", combine, self.experts_forward(expert_in)).reshape(shape)
+
+    def experts_forward(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Every expert over its buffer of ``capacity`` tokens: ``(experts, capacity, dim)`` in and out
+        (expert parallelism sends the buffers to the ranks that hold their experts: See [Note:
+        applying expert parallelism] in wrapopt/plan/ep.py)."""
+        return torch.bmm(F.gelu(torch.bmm(buffer, self.w_in)), self.w_out)
 
 
 class DecoderBlock(nn.Module):
