@@ -51,6 +51,7 @@ from wrapopt.cost.backend import Backend
 from wrapopt.cost.calls import twin_times
 from wrapopt.cost.collectives import CollectiveTimes
 from wrapopt.cost.fused import with_knobs
+from wrapopt.cost.ep import ep_caveats, ep_view
 from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
 from wrapopt.cost.layout import Layouts
@@ -131,6 +132,7 @@ class Simulator:
         self.host = host
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
+        self._ep_views: dict[int, tuple[Simulator, frozenset[str]]] = {}
         self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
@@ -205,8 +207,12 @@ class Simulator:
         ``shape.tp > 1`` (``for_tp``, blocks split as ``tp_spec`` says). A pipeline stage of it is
         ``view(shape, tp_spec).for_stage(...)``. A new axis adds its view here. See [Note: shapes
         tried] in search/shapes.py."""
-        if shape.cp != 1 or shape.ep != 1:
-            raise ValueError(f"{shape.describe()}: context and expert parallelism have no cost view yet")
+        if shape.cp != 1:
+            raise ValueError(f"{shape.describe()}: context parallelism has no cost view yet")
+        if shape.ep > 1:  # See [Note: expert parallel costs] in cost/ep.py
+            if shape.tp > 1:
+                raise ValueError(f"{shape.describe()}: expert parallelism under tensor parallelism has no cost view")
+            return self.for_ep(shape.ep)[0]
         if shape.tp == 1:
             return self
         if tp_spec is None:
@@ -232,6 +238,17 @@ class Simulator:
             hit = self._tp_views[key] = (view, notes)
         return hit
 
+    def for_ep(self, size: int) -> tuple["Simulator", frozenset[str]]:
+        """The simulator of one expert-parallel rank's share (scores plans on the data-parallel mesh),
+        and the view's notes. See [Note: expert parallel costs] in cost/ep.py."""
+        hit = self._ep_views.get(size)
+        if hit is None:
+            g, c, notes = ep_view(self.traced, self.compute, self.fabric, size, batch_scale=self.options.batch_scale,
+                                  activation_dtype_bytes=self.options.activation_dtype_bytes)
+            hit = self._ep_views[size] = (Simulator(g, self.fabric, c, self.options, backend=self.backend,
+                                                    host=self.host), notes)
+        return hit
+
     def for_stage(self, modules: tuple[str, ...], *, first: bool, last: bool, options: SimOptions) -> "Simulator":
         """The simulator of one pipeline stage (the modules it owns), cached. See [Note: pipeline stages]."""
         if len(self._stage_views) > 512 and (modules, first, last) not in self._stage_views:
@@ -253,6 +270,10 @@ class Simulator:
             return simulate_pipeline(self, plan, record=record)
         if plan.tp is not None:
             return self._simulate_tp(plan, record)
+        if plan.mesh.ep_size > 1:  # See [Note: expert parallel costs] in cost/ep.py
+            sub, notes = self.for_ep(plan.mesh.ep_size)
+            est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel()), record=record)
+            return replace(est, notes=tuple(sorted(set(est.notes) | notes | ep_caveats(plan.mesh))))
         units, mesh = plan.units, plan.mesh
         if self.options.offload and not plan.offload:  # See [Note: CPU offload] in state.py
             plan = replace(plan, offload=True)

@@ -1,0 +1,86 @@
+"""The expert-parallel view (cost/ep.py): what one rank of an ep group holds, moves and computes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from wrapopt import zoo
+from wrapopt.cost.calls import module_time
+from wrapopt.cost.ep import ep_problem, ep_view, expert_counts, stacked_experts
+from wrapopt.cost.simulate import Simulator
+from wrapopt.errors import PlanError
+from wrapopt.hardware import analytical_compute, analytical_fabric
+from wrapopt.search.baselines import baselines
+from wrapopt.spec import MeshSpec, Shape
+from wrapopt.trace import trace_model
+
+
+@pytest.fixture(scope="module")
+def moe():
+    model, x = zoo.build("moe-tiny", "meta")
+    return trace_model(model, x, fx=False)
+
+
+def test_stacked_experts_are_found(moe):
+    experts = stacked_experts(moe)
+    assert sorted(experts) == [f"blocks.{i}.ffn" for i in range(4)]
+    assert experts["blocks.0.ffn"] == (4, 2 * 4 * 64 * 128)  # w_in and w_out, 4 experts each
+    assert expert_counts(moe) == (4,)
+    assert ep_problem(moe, 2) is None and ep_problem(moe, 4) is None
+    msg = ep_problem(moe, 3)
+    assert "does not divide the 4 experts of blocks." in msg and "degrees that do: 2, 4" in msg
+    dense = trace_model(*zoo.build("gpt-tiny", "meta"), fx=False)
+    assert "no stacked experts" in ep_problem(dense, 2)
+
+
+def test_view_gathers_a_rank_s_experts_and_stores_the_same_shard(moe):
+    fabric, compute = analytical_fabric(world_size=8), analytical_compute()
+    view, _c, notes = ep_view(moe, compute, fabric, 4)
+    for fqn, (n, numel) in stacked_experts(moe).items():
+        before, after = moe.info(fqn), view.info(fqn)
+        assert before.own_numel - after.own_numel == numel - numel // 4  # gathers 1/4 of the experts
+        assert after.own_bytes == before.own_bytes  # stores the whole stack's share of the shard group
+        assert after.fwd_flops == before.fwd_flops  # runs as many (token, expert) pairs, balanced
+    assert view.info("blocks.0.attn").own_numel == moe.info("blocks.0.attn").own_numel  # dense: unchanged
+    assert view.num_params == moe.num_params and view.param_bytes == moe.param_bytes
+    assert any("1x the mean on the busiest rank" in n for n in notes)  # the load imbalance, stated
+    with pytest.raises(PlanError, match="does not divide the 4 experts"):
+        ep_view(moe, compute, fabric, 3)
+
+
+def _times(compute):
+    return {f: (a, b) for f, a, b in compute.module_times}
+
+
+def test_all_to_all_is_the_experts_time_and_crosses_nodes_past_a_node(moe):
+    compute = analytical_compute()
+    base = {m.fqn: module_time(m, compute, 1.0) for m in moe.call_order()}
+    inside = _times(ep_view(moe, compute, analytical_fabric(world_size=16, ranks_per_node=8), 4)[1])
+    across = _times(ep_view(moe, compute, analytical_fabric(world_size=16, ranks_per_node=2), 4)[1])
+    skew = _times(ep_view(moe, compute, analytical_fabric(world_size=16, ranks_per_node=8), 4, imbalance=1.5)[1])
+    fqn = "blocks.1.ffn"
+    assert inside[fqn][0] > base[fqn][0] and inside[fqn][1] > base[fqn][1]  # dispatch + combine each way
+    assert across[fqn][0] > inside[fqn][0]  # the ep group spans nodes: the slower link
+    assert skew[fqn][0] - inside[fqn][0] == pytest.approx(0.5 * base[fqn][0])  # the busiest rank's share
+    attn = "blocks.1.attn"
+    assert inside[attn] == pytest.approx(base[attn])  # dense modules: as without expert parallelism
+
+
+def test_simulate_scores_an_ep_plan_on_its_view(moe):
+    sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute())
+    mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+    plan = baselines(moe, mesh)["per-block"]
+    one = sim.simulate(plan)
+    two = sim.simulate(replace(plan, mesh=replace(mesh, ep_size=2)))
+    view = sim.view(Shape(ep=2)).simulate(plan)
+    assert two.step_s == pytest.approx(view.step_s) and two.peak_bytes == view.peak_bytes
+    assert two.step_s != one.step_s
+    assert any("expert parallel 2" in n for n in two.notes)
+    assert sim.view(Shape(ep=2)) is sim.view(Shape(ep=2))  # cached
+    four = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4, ep_size=4)
+    big = sim.simulate(replace(plan, mesh=four))  # efsdp 1: the experts' gathers over-stated, and said
+    assert any("efsdp = 1" in n for n in big.notes)
+    with pytest.raises((ValueError, PlanError)):
+        sim.view(Shape(ep=2, tp=2))
