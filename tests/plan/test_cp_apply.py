@@ -88,8 +88,8 @@ def cp_cases(rank, world, tmp, out):
     ref = reference("gpt-tiny")
     ref.__class__ = GPTPos
     model = copy.deepcopy(ref)
-    spec = PlanSpec((UnitSpec(("layers.0", "layers.1")), UnitSpec(("layers.2", "layers.3")), UnitSpec((ROOT,), False)),
-                    MESH_CP)  # the blocks in pairs, the tied embedding and head in the root
+    spec = PlanSpec((UnitSpec(("layers.0", "layers.1")), UnitSpec(("layers.2", "layers.3"), checkpoint=True),
+                     UnitSpec((ROOT,), False)), MESH_CP)  # blocks in pairs, one pair recomputed in backward
     plan = WrapPlan(spec=spec, model=model_fingerprint(model))
     model = plan.apply(model, strict=False)
     mesh = model.wte.weight.device_mesh
@@ -111,6 +111,45 @@ def cp_cases(rank, world, tmp, out):
         out["cp/ref"].append(float(loss.detach()))
     out["cp/seen"] = seen
     out["cp/comm"] = {m: _comm_counts(cp_mesh_of(model), m) for m in ROTATE_METHODS}
+    out["cp/hf"] = _hf_llama(rank)
+
+
+def _hf_llama(rank: int) -> list[tuple[float, float]]:
+    """The tiny Hugging Face Llama (SDPA attention) with ``position_ids`` given, in a loop of the
+    user's own around ``plan.train_context``, rotating by all-to-all: (cp loss, unsharded loss) per step."""
+    import torch.distributed as dist
+
+    from tests.ranks import tiny_hf_llama
+    from wrapopt.fingerprint import model_fingerprint
+    from wrapopt.plan.file import WrapPlan
+
+    ref = tiny_hf_llama()
+    ref.config._attn_implementation = "sdpa"
+    model = copy.deepcopy(ref)
+    spec = PlanSpec((UnitSpec(("model.layers.0",)), UnitSpec(("model.layers.1",)), UnitSpec((ROOT,), False)), MESH_CP)
+    plan = WrapPlan(spec=spec, model=model_fingerprint(model))
+    model = plan.apply(model, strict=False)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    toks = torch.randint(0, 1000, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for s in range(2):
+        t = toks.roll(s, dims=1)
+        x, y, pos = t[:, :SEQ].clone(), t[:, 1:].clone(), torch.arange(SEQ).expand(2, SEQ).clone()
+        with plan.train_context(model, buffers=[x, y, pos], seq_dims=[1, 1, 1], rotate_method="alltoall"):
+            out = model(input_ids=x, position_ids=pos).logits
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out = ref(input_ids=x, position_ids=pos).logits
+        want = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((float(mean) / 2, float(want.detach())))
+    return losses
 
 
 @pytest.mark.multiprocess
@@ -122,6 +161,15 @@ def test_cp_trains_like_the_unsharded_model(two_rank_cases):
         for got, want in zip(r["cp/losses"], r["cp/ref"]):
             assert abs(got - want) <= TOL * abs(want), (r["cp/losses"], r["cp/ref"])
     assert two_rank_cases[0]["cp/ref"][0] != two_rank_cases[0]["cp/ref"][-1]  # the steps moved the model
+
+
+@pytest.mark.multiprocess
+def test_cp_trains_a_hugging_face_llama_like_the_unsharded_one(two_rank_cases):
+    pytest.importorskip("transformers")
+    for r in two_rank_cases:
+        assert len(r["cp/hf"]) == 2 and r["cp/hf"][0][1] != r["cp/hf"][1][1]
+        for got, want in r["cp/hf"]:
+            assert abs(got - want) <= TOL * abs(want), r["cp/hf"]
 
 
 @pytest.mark.multiprocess
