@@ -203,7 +203,9 @@ def _sharding_kind(result: SearchResult) -> str:
 
 
 def _tp_lines(result: SearchResult) -> list[str]:
-    lines = ["tensor parallelism (the same global batch; See [Note: 2-D search]):"]
+    lines = ["expert parallelism (the same global batch; See [Note: expert parallel search] in search/ep.py):"
+             if any(label.startswith(("best ep", "best FSDP alone")) for label, _s in result.tp_rows) else
+             "tensor parallelism (the same global batch; See [Note: 2-D search]):"]
     ref = result.best.estimate.step_s
     for label, s in result.tp_rows:
         e = s.estimate

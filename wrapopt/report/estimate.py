@@ -15,7 +15,8 @@ what this device achieves, not a datasheet).
 [Note: active parameters] In a mixture of experts a token runs through
 top-k of the n experts, so N counts the parameters a token uses: the stacked
 expert weights (``ModuleInfo.experts``, See [Note: experts on meta] in
-trace/ops.py) count k/n of their size. k is the router's: a ``top_k`` or
+trace/ops.py) count k/n of their size, and so do experts held as an
+``experts`` ``nn.ModuleList`` of modules of one class (each its own weights). k is the router's: a ``top_k`` or
 ``num_experts_per_tok`` on the experts module or a module above it, else the
 model config's ``num_experts_per_tok`` (Hugging Face); without one, the share
 the trace priced (the experts' forward FLOPs over 2 x tokens, at most the
@@ -157,7 +158,33 @@ def active_expert_share(model: nn.Module, graph: ModelGraph, tokens: int) -> tup
             used = min(stacked, info.fwd_flops / (2 * tokens)) if tokens else stacked
             ks.add(f"{used / stacked * n:.2g} of {n} as traced")
         inactive += int(round(stacked - used))
+    for fqn, n, numel in _listed_experts(model, graph):  # experts as a list of modules, each its own weights
+        k = _top_k(model, fqn)
+        if k is not None:
+            used = numel * min(k, n) / n
+            ks.add(f"top-{min(k, n)} of {n}")
+        else:
+            flops = sum(graph.info(f).fwd_flops for f in graph.subtree(fqn))
+            used = min(numel, flops / (2 * tokens)) if tokens else numel
+            ks.add(f"{used / numel * n:.2g} of {n} as traced")
+        inactive += int(round(numel - used))
     return inactive, ("experts: " + ", ".join(sorted(ks))) if ks else ""
+
+
+def _listed_experts(model: nn.Module, graph: ModelGraph) -> list[tuple[str, int, int]]:
+    """(name, experts, parameters) of each ``experts`` ``nn.ModuleList`` of two or more modules of one
+    class holding parameters (a mixture whose experts are modules, each running on its routed tokens
+    only): See [Note: active parameters]."""
+    known = {m.fqn for m in graph.modules}
+    out = []
+    for name, mod in model.named_modules():
+        if (name.rsplit(".", 1)[-1] != "experts" or not isinstance(mod, nn.ModuleList) or len(mod) < 2
+                or name not in known or len({type(e) for e in mod}) != 1):
+            continue
+        numel = sum(p.numel() for p in mod.parameters())
+        if numel:
+            out.append((name, len(mod), numel))
+    return out
 
 
 # Integer inputs that come with a token sequence without being another one (a Hugging Face causal or

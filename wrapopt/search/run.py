@@ -15,6 +15,7 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.batch import global_batch_search
 from wrapopt.search.driver import SearchOptions, SearchResult
+from wrapopt.search.ep import search_ep
 from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_batch
 from wrapopt.search.shapes import ShapeSpace, shape_space
@@ -95,7 +96,9 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
         found = global_batch_search(graph, sim, request, degrees=degrees, spec=space.tp_spec,
                                     memory_budget=memory_budget, options=options)
         return SearchRun(found.result, found.train, found.sim, found.notes)
-    if degrees == (1,) and request.tp != AUTO:  # FSDP alone, as asked: no degree to compare
+    if space.ep and degrees == (1,):  # FSDP alone beside each expert-parallel degree: [Note: expert parallel search]
+        result = search_ep(graph, sim, request.mesh, degrees=space.ep, memory_budget=memory_budget, options=options)
+    elif degrees == (1,) and request.tp != AUTO:  # FSDP alone, as asked: no degree to compare
         result = search_shape(graph, sim, request.mesh, space.flat[0], spec=None, memory_budget=memory_budget,
                               options=options)
     else:

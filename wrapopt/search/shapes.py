@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wrapopt.search.ep import resolve_ep
 from wrapopt.search.pipeline import resolve_pp
 from wrapopt.search.stages import PipelineLayout
 from wrapopt.search.tp import auto_degrees, resolve_tp
@@ -41,6 +42,7 @@ class ShapeSpace:
     layout: PipelineLayout | None  # the model's pipeline layout (None: no pipeline is tried)
     dropped: tuple[tuple[Shape, str], ...] = ()  # shapes not tried, with why
     notes: tuple[str, ...] = ()  # what the request became on this model ("--tp auto: ... not tried: ...")
+    ep: tuple[int, ...] = ()  # expert-parallel degrees above 1 tried on the flat shape: [Note: expert parallel search]
 
     @property
     def tp_degrees(self) -> tuple[int, ...]:
@@ -59,6 +61,7 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     leaves such degrees out and says why."""
     tp_degrees, spec, tp_notes = resolve_tp(graph, request)
     pp_degrees, layout, pp_notes = resolve_pp(graph, request)
+    ep_degrees, ep_notes = resolve_ep(graph, request)  # See [Note: expert parallel search] in search/ep.py
     dropped = [(Shape(tp=d), why) for d, why in auto_degrees(graph, request.mesh, spec)[2]
                ] if request.tp == AUTO else []
     world = request.mesh.world_size
@@ -73,7 +76,7 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
                 continue
             piped.append(Shape(pp=p, tp=t))
     return ShapeSpace(flat=flat, piped=tuple(piped), tp_spec=spec, layout=layout, dropped=tuple(dropped),
-                      notes=(*tp_notes, *pp_notes))
+                      notes=(*tp_notes, *pp_notes, *ep_notes), ep=ep_degrees)
 
 
 def tp_group_sizes(request: ParallelRequest) -> tuple[int, ...]:
