@@ -13,7 +13,7 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.baselines import baselines
-from wrapopt.spec import MeshSpec, Shape
+from wrapopt.spec import MeshSpec, Shape, SimOptions
 from wrapopt.trace import trace_model
 
 
@@ -84,3 +84,14 @@ def test_simulate_scores_an_ep_plan_on_its_view(moe):
     assert any("efsdp = 1" in n for n in big.notes)
     with pytest.raises((ValueError, PlanError)):
         sim.view(Shape(ep=2, tp=2))
+
+
+def test_the_view_keeps_the_step_s_knobs(moe):
+    """An ep-1 view times every module as the simulator does (compile's fusions included): it adds only
+    the permutations of the routed tokens."""
+    sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute(), SimOptions(compile=True))
+    plan = baselines(moe, MeshSpec(world_size=8, ranks_per_node=8, shard_size=8))["per-block"]
+    base, one = sim.simulate(plan), sim.for_ep(1)[0].simulate(plan)
+    eager = Simulator(moe, analytical_fabric(world_size=8), analytical_compute()).simulate(plan)
+    assert base.step_s < eager.step_s  # compile prices faster: the view must keep that
+    assert base.step_s < one.step_s < base.step_s * 1.01

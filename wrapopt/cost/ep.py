@@ -110,9 +110,11 @@ def ep_caveats(mesh) -> frozenset[str]:
 
 def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, ep: int, *,
             batch_scale: float = 1.0, activation_dtype_bytes: int | None = None,
-            imbalance: float = EP_IMBALANCE) -> tuple[ModelGraph, ComputeProfile, frozenset[str]]:
+            imbalance: float = EP_IMBALANCE, timed: ModelGraph | None = None,
+            ) -> tuple[ModelGraph, ComputeProfile, frozenset[str]]:
     """One expert-parallel rank's graph and compute profile, and the notes of the view (``graph``:
-    the traced one). See [Note: expert parallel costs]."""
+    the traced one; ``timed``: the graph the simulator times, after the compute dtype and the
+    throughput knobs, default ``graph``). See [Note: expert parallel costs]."""
     problem = ep_problem(graph, ep)
     if problem:
         raise PlanError(problem)
@@ -125,10 +127,11 @@ def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, e
     op_bw = compute.op_bandwidth_bytes_per_s or compute.memory_bandwidth_bytes_per_s
     measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
     times = []
-    for m in graph.call_order():
+    for m in (timed or graph).call_order():
         f, b = module_time(m, compute, batch_scale, measured)
         if m.fqn in experts:
             n, numel = experts[m.fqn]
+            m = graph.info(m.fqn)  # its sizes as traced, scaled by ``act``
             pairs = min(m.fwd_flops / (2 * numel / n), tokens * n)  # routed (token, expert) pairs, all calls
             buffer = pairs / tokens * m.output_bytes * act * batch_scale  # bytes of the routed tokens, all calls
             a2a, caveat = fabric.collective_s("all_gather", ep, rpn, buffer / max(1, m.num_calls))

@@ -244,7 +244,7 @@ class Simulator:
         hit = self._ep_views.get(size)
         if hit is None:
             g, c, notes = ep_view(self.traced, self.compute, self.fabric, size, batch_scale=self.options.batch_scale,
-                                  activation_dtype_bytes=self.options.activation_dtype_bytes)
+                                  activation_dtype_bytes=self.options.activation_dtype_bytes, timed=self.graph)
             hit = self._ep_views[size] = (Simulator(g, self.fabric, c, self.options, backend=self.backend,
                                                     host=self.host), notes)
         return hit
