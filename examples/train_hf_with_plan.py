@@ -56,6 +56,7 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
     from wrapopt.hardware.presets import analytical_compute, analytical_fabric
     from wrapopt.spec import MeshSpec
     from wrapopt.trace.meta import trace_model
+    from wrapopt.train import TrainConfig
 
     model = build_model("meta")
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
@@ -69,7 +70,11 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
         budget = (min(peaks) + max(peaks)) / 2
     else:
         budget = float(parse_bytes(memory))
-    job = prepare(ParallelRequest(mesh=mesh, memory_budget=budget), model, graph=graph, fabric=fabric, compute=compute)
+    # compile: on by default for the stated H100; eager where this plan will run on CPU ranks (inductor's CPU
+    # compile costs ~30 s cold): See [Note: knob defaults] in wrapopt/search/knobs.py
+    step = TrainConfig(compile=None if torch.cuda.is_available() else False)
+    job = prepare(ParallelRequest(mesh=mesh, memory_budget=budget, train=step), model, graph=graph, fabric=fabric,
+                  compute=compute)
     plan, _ = plan_model(job)
     plan.save(path)
     print(f"wrote {path}: {len(plan.units)} units ({plan.spec.label}) for {world_size} ranks, "

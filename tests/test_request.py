@@ -83,11 +83,13 @@ def test_prepare_wires_the_request_once():
     job = prepare(req, model, x, fabric=analytical_fabric(world_size=2), compute=analytical_compute())
     assert job.budget == 64 * 2**20 and "64MiB" in job.budget_source
     assert job.graph.compute_dtype == "bfloat16"  # traced in the step's dtype
-    assert job.sim.options == train.sim_options(memory_budget=job.budget)
+    # compile settled against the stated GPU: on (See [Note: knob defaults] in wrapopt/search/knobs.py)
+    assert job.train == dataclasses.replace(train, compile=True)
+    assert job.sim.options == job.train.sim_options(memory_budget=job.budget)
     half = job.simulator(batch_scale=0.5)
     assert half.options.batch_scale == 0.5 and half.fabric is job.fabric and half.compute is job.compute
     # no step given: the default one, recorded in the request the job carries
-    assert prepare(ParallelRequest(mesh=req.mesh), model, graph=job.graph).request.train == TrainConfig()
+    assert prepare(ParallelRequest(mesh=req.mesh), model, graph=job.graph).request.train == TrainConfig(compile=True)
 
 
 def test_prepare_refuses_a_budget_the_device_cannot_resolve_before_tracing(monkeypatch):

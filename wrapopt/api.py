@@ -37,6 +37,7 @@ from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.hardware.resolve import check_fabric_fits, compute_for, partial_node_note, resolve_fabric
 from wrapopt.job import Job, default_mesh, job_mesh, prepare
 from wrapopt.launch import broadcast_json
+from wrapopt.launch import device_type as default_device
 from wrapopt.plan.apply import plan_digest
 from wrapopt.plan.check import check_plan
 from wrapopt.plan.file import WrapPlan
@@ -49,6 +50,7 @@ from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
 from wrapopt.search.given import CHECKPOINTS, given_spec
+from wrapopt.search.knobs import float8_choices, float8_hint, search_float8
 from wrapopt.search.offload import choose_offload, mark_offload
 from wrapopt.search.pipeline import pipeline_estimate, pp_group_sizes
 from wrapopt.search.remedies import find_remedies
@@ -139,17 +141,31 @@ def plan_model(job: Job, *, search: SearchOptions | None = None) -> tuple[WrapPl
     request, graph, budget = job.request, job.graph, job.budget
     search = search if search is not None else SearchOptions(trials=DEFAULT_TRIALS)
 
-    def run(s: Simulator) -> SearchRun:
-        found = run_search(graph, s, request, memory_budget=budget, options=search)
-        return replace(found, result=mark_offload(found.result)) if s.options.offload else found
+    def run(step: TrainConfig, screen: bool) -> tuple[SearchRun, str]:
+        """The search at ``step`` (``screen``: without the study, no offload: See [Note: knob defaults])."""
+        req = replace(request, train=step)
 
+        def one(s: Simulator) -> SearchRun:
+            found = run_search(graph, s, req, memory_budget=budget, options=replace(search, trials=0, progress=False)
+                               if screen else search)
+            return replace(found, result=mark_offload(found.result)) if s.options.offload else found
+
+        sim = job.sim if step == request.train else job.simulator(step)  # job.sim: the step asked
+        return (one(sim), "") if screen else choose_offload(one, sim, lambda f: f.result)
+
+    steps, float8_line = float8_choices(request.train, job.compute, request.mesh)
     try:
-        found, offload_note = choose_offload(run, job.sim, lambda f: f.result)
+        chose = search_float8(steps, run, lambda f: f[0].result.best)
     except InfeasibleError as e:
         raise InfeasibleError(f"{e}\n{_remedies(job, search)}" if budget is not None else str(e)) from None
+    (found, offload_note), float8_line = chose.found, chose.line or float8_line
     result, train, sim = found.result, found.train, found.sim
-    notes = [*job.notes, *found.notes, *([offload_note] if offload_note else [])]
+    if request.train.float8 == "none":  # off by default: what it would gain, or why it is not tried
+        float8_line = float8_hint(sim, result.best.plan, result.best.estimate.step_s, job.compute)
+    knobs = (*job.knobs, float8_line)
+    notes = [*job.notes, *found.notes, *([offload_note] if offload_note else []), *knobs]
     result = replace(result, notes=(offload_note, *result.notes)) if offload_note else result
+    result = replace(result, knobs=knobs)
     best = result.best
     fabric, compute = job.fabric, job.compute
     plan = WrapPlan.from_search(
@@ -249,7 +265,8 @@ def optimize_wrap(
         job = prepare(request, model, graph=graph, fabric=fab, compute=compute)
         wplan = given_plan
     else:
-        job = prepare(request, model, graph=graph, fabric=fab, compute=compute, rescale_fabric=rescale_fabric)
+        job = prepare(request, model, graph=graph, fabric=fab, compute=compute, rescale_fabric=rescale_fabric,
+                      apply_device=default_device() if in_group else None)  # See [Note: knob defaults]
         wplan, result = _plan_on_rank_0(job, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
                                         save_plan=save_plan)
         train = wplan.train_config if request.global_batch is not None else train  # the micro-batch chosen
@@ -267,7 +284,10 @@ def optimize_wrap(
 
 def _score_plan(job: Job, wplan: WrapPlan, *, train: TrainConfig | None) -> tuple[SearchResult, Assumptions]:
     """A plan not searched here, scored beside the baselines, and the assumptions of its score."""
-    step = train or wplan.train_config  # a plan that records its micro-batch is scored at it
+    # a plan that records its micro-batch is scored at it; knobs left to a search: the plan's
+    step = train.settled_by(wplan.train_config) if train is not None else wplan.train_config
+    if step.compile is None:  # a plan file that does not say (older ones): applied eager, so priced eager
+        step = replace(step, compile=False)
     sim = job.simulator(step, batch_scale=recorded_scale(job.graph, step, wplan.spec))
     result = score_given(job.graph, sim, wplan.spec, job.budget)
     stated = assumptions_for(job.graph, sim, wplan.spec, result.best.estimate, memory_budget=job.budget,
@@ -412,7 +432,7 @@ def estimate(
                                                   train=train, global_batch=global_batch)
     if global_batch is not None and from_plan and train is not None:  # the split is chosen again
         train = replace(train, micro_batch=None, global_batch=None, grad_accumulation=1)
-    train = train or TrainConfig()
+    train = _scored_step(given, train or TrainConfig())
     if checkpoint is not None and checkpoint not in CHECKPOINTS:
         raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: {', '.join(CHECKPOINTS)}")
     world = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
@@ -420,7 +440,8 @@ def estimate(
                               memory_budget=memory_budget, train=train)
     job = prepare(request, model, example_inputs, fabric=fabric, compute=compute, loss_fn=loss_fn,
                   rescale_fabric=rescale_fabric, notes=tuple(notes))
-    graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, list(job.notes)
+    graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, [*job.notes, *job.knobs]
+    train = job.train  # its compile settled: See [Note: knob defaults] in search/knobs.py
     spec = given_spec(given, graph, mesh, checkpoint, request=request)
     sim = job.simulator(train, batch_scale=recorded_scale(graph, train, spec))
     spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, request, memory_budget=budget)
@@ -441,6 +462,15 @@ def estimate(
                           peak_source=work.peak_source, memory_budget=budget, notes=tuple(notes),
                           model_dtype=model_dtype(model), budget_note=job.budget_note,
                           pipeline_microbatches=spec.pipeline.microbatches if spec.pipeline is not None else None)
+
+
+def _scored_step(given: WrapPlan | Any, train: TrainConfig) -> TrainConfig:
+    """The step ``estimate`` scores: ``float8`` "auto" refused (a search settles it); a plan file's
+    compile as the plan applies (unsaid, as in older files: eager). See [Note: knob defaults]."""
+    train.check_scorable()
+    if isinstance(given, WrapPlan) and train.compile is None:
+        return replace(train, compile=bool(given.train_config.compile))
+    return train
 
 
 def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, world_size: int | None,

@@ -26,9 +26,10 @@ from wrapopt.hardware.budget import budget_line, budget_source, resolve_budget
 from wrapopt.hardware.host import HostSpec, host_for
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
+from wrapopt.search.knobs import settle_compile
 from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest
 from wrapopt.trace.meta import trace_model
-from wrapopt.train import TrainConfig, model_dtype
+from wrapopt.train import FLOAT8_AUTO, TrainConfig, model_dtype
 
 __all__ = ["Job", "prepare", "default_mesh", "job_mesh"]
 
@@ -49,10 +50,11 @@ class Job:
     sim: Simulator = field(repr=False)
     host: HostSpec | None = None  # the host CPU offload goes to (``request.offload``)
     notes: tuple[str, ...] = ()  # what wiring noticed (a rescaled fabric, the model's source)
+    knobs: tuple[str, ...] = ()  # compile on or off and why (See [Note: knob defaults] in search/knobs.py)
 
     @property
     def train(self) -> TrainConfig:
-        """The training step asked for."""
+        """The training step asked for, its compile settled (``float8`` may still be "auto": searched)."""
         return self.request.train
 
     @property
@@ -65,6 +67,10 @@ class Job:
         accumulation (``batch_scale``, See [Note: global batch search] in search/batch.py) or a plan
         file's own step (default: the request's)."""
         step = train if train is not None else self.train
+        if step.float8 == FLOAT8_AUTO:  # not searched yet: priced off
+            step = replace(step, float8="none", float8_all_gather=False)
+        if step.compile is None:
+            step = replace(step, compile=self.train.compile)
         return Simulator(self.graph, self.fabric, self.compute,
                          step.sim_options(memory_budget=self.budget, batch_scale=batch_scale), host=self.host)
 
@@ -72,11 +78,13 @@ class Job:
 def prepare(request: ParallelRequest, model: nn.Module, example_inputs: Any = None, *,
             fabric: FabricProfile | str | os.PathLike | None = None, compute: ComputeProfile | str | None = None,
             loss_fn: Callable[..., Any] | None = None, graph: ModelGraph | None = None,
-            rescale_fabric: bool = False, notes: tuple[str, ...] = ()) -> Job:
+            rescale_fabric: bool = False, notes: tuple[str, ...] = (), apply_device: str | None = None) -> Job:
     """Wire the stages for ``request``: the fabric (given, a file, a named analytical one, else
     the default H100 + InfiniBand), the compute (given, else the analytical fabric's device in the
     step's dtype), the budget, the offload host, the trace of ``model`` on ``example_inputs`` in
-    the step's compute dtype (unless ``graph`` is given: already traced) and the simulator.
+    the step's compute dtype (unless ``graph`` is given: already traced) and the simulator. The
+    step's compile is settled here against the compute profile (and ``apply_device``, where
+    ``optimize_wrap`` applies the plan): See [Note: knob defaults] in search/knobs.py.
 
     Example:
         >>> from wrapopt import zoo
@@ -96,13 +104,17 @@ def prepare(request: ParallelRequest, model: nn.Module, example_inputs: Any = No
             if request.offload else None)  # before tracing: --offload on a fabric without a host fails at once
     comp = compute_for(fab, compute, train, model_dtype(model))
     budget = resolve_budget(request.memory_budget, comp)  # before tracing: a bad budget fails at once
+    train, compile_line = settle_compile(train, comp, apply_device=apply_device)
+    request = replace(request, train=train)
     if graph is None:
         # in the step's compute dtype: See [Note: tracing in the compute dtype] in trace/record.py
         graph = trace_model(model, example_inputs, loss_fn=loss_fn, compute_dtype=train.param_dtype)
-    sim = Simulator(graph, fab, comp, train.sim_options(memory_budget=budget), host=host)
+    priced = train if train.float8 != FLOAT8_AUTO else replace(train, float8="none")  # searched later
+    sim = Simulator(graph, fab, comp, priced.sim_options(memory_budget=budget), host=host)
     return Job(request=request, model=model, graph=graph, fabric=fab, compute=comp, budget=budget,
                budget_source=budget_source(request.memory_budget, comp),
-               budget_note=budget_line(request.memory_budget, comp, budget), sim=sim, host=host, notes=tuple(said))
+               budget_note=budget_line(request.memory_budget, comp, budget), sim=sim, host=host, notes=tuple(said),
+               knobs=(compile_line,))
 
 
 def default_mesh(*, world_size: int | None, gpus_per_node: int | None) -> MeshSpec:

@@ -27,8 +27,8 @@ from wrapopt.errors import OptionError, PlanError
 from wrapopt.fileio import JsonReader
 from wrapopt.spec import FLOAT8_RECIPES, SYNC_MODES, SimOptions
 
-__all__ = ["TrainConfig", "FLOAT8_RECIPES", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES", "SYNC_MODES",
-           "dtype_name",
+__all__ = ["TrainConfig", "FLOAT8_RECIPES", "FLOAT8_AUTO", "PRECISIONS", "OPTIMIZERS", "DTYPE_NAMES", "DTYPE_BYTES",
+           "SYNC_MODES", "dtype_name",
            "model_dtype"]
 
 # Canonical dtype names (as in the plan file) and the spellings accepted for them.
@@ -36,6 +36,7 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
                "float16": "float16", "fp16": "float16", "half": "float16"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT8_AUTO = "auto"  # ``float8="auto"``: searched (See [Note: knob defaults] in search/knobs.py)
 
 
 
@@ -93,9 +94,12 @@ class TrainConfig:
             grad_accumulation x data-parallel ranks``; under a pipeline plan ``micro_batch x
             microbatches x data-parallel ranks``, with ``grad_accumulation`` 1); None: not fixed.
         compile: each block compiled with ``torch.compile(fullgraph=True)`` after ``fully_shard``, as
-            TorchTitan does (``--compile``). See [Note: compile costs] in cost/fused.py.
+            TorchTitan does (``--compile``; False: eager, ``--no-compile``); None: on where it applies,
+            settled by ``wrapopt.job.prepare`` (See [Note: knob defaults] in search/knobs.py; until then
+            priced eager). See [Note: compile costs] in cost/fused.py.
         float8: torchao float8 training of the eligible linears, one of ``FLOAT8_RECIPES``
-            (``"none"``: off; ``--float8``). See [Note: float8 costs] in cost/fused.py.
+            (``"none"``: off; ``--float8``), or ``"auto"``: searched on a GPU with FP8 tensor cores
+            (See [Note: knob defaults]). See [Note: float8 costs] in cost/fused.py.
         float8_all_gather: FSDP2 all-gathers the float8 weights (1 byte per element plus a scale;
             ``--float8-all-gather``); needs ``float8`` on.
     """
@@ -108,7 +112,7 @@ class TrainConfig:
     accumulation_sync: str | None = None
     micro_batch: int | None = None
     global_batch: int | None = None
-    compile: bool = False
+    compile: bool | None = None
     float8: str = "none"
     float8_all_gather: bool = False
 
@@ -127,16 +131,17 @@ class TrainConfig:
             raise OptionError(f"unknown accumulation sync {self.accumulation_sync!r}; "
                               f"accepted: {', '.join(SYNC_MODES)} (or auto: searched per plan)")
         recipe = str(self.float8 or "none").strip().lower()
-        if recipe not in FLOAT8_RECIPES:
+        if recipe not in (*FLOAT8_RECIPES, FLOAT8_AUTO):
             raise OptionError(f"unknown float8 recipe {self.float8!r} (float8, --float8); "
-                              f"accepted: {', '.join(FLOAT8_RECIPES)}")
+                              f"accepted: {', '.join(FLOAT8_RECIPES)}, {FLOAT8_AUTO} (searched)")
         object.__setattr__(self, "float8", recipe)
-        object.__setattr__(self, "compile", bool(self.compile))
+        object.__setattr__(self, "compile", None if self.compile is None else bool(self.compile))
         object.__setattr__(self, "float8_all_gather", bool(self.float8_all_gather))
         if self.float8_all_gather and recipe != "tensorwise":
+            searched = " (--float8 auto searches the all-gather itself)" if recipe == FLOAT8_AUTO else ""
             raise OptionError("the float8 all-gather (float8_all_gather, --float8-all-gather) needs tensorwise float8 "
                               "training (torchao's enable_fsdp_float8_all_gather): give --float8 tensorwise, or drop "
-                              "--float8-all-gather")
+                              f"--float8-all-gather{searched}")
 
     # -- making one ---------------------------------------------------------------------------
 
@@ -159,10 +164,11 @@ class TrainConfig:
 
     @classmethod
     def parse(cls, *, precision: Any = None, accumulation: int | None = None, optimizer: str | None = None,
-              sync: str | None = None, compile: bool = False, float8: str | None = None,
+              sync: str | None = None, compile: bool | None = None, float8: str | None = None,
               float8_all_gather: bool = False) -> "TrainConfig":
         """From the command line's flags: a preset name or a ``MixedPrecisionPolicy`` for
-        ``precision``; ``sync`` "every", "last", or "auto"/None (searched)."""
+        ``precision``; ``sync`` "every", "last", or "auto"/None (searched); ``compile`` None: on where
+        it applies; ``float8`` "auto": searched (See [Note: knob defaults] in search/knobs.py)."""
         kw: dict[str, Any] = {"grad_accumulation": 1 if accumulation is None else accumulation,
                               "optimizer": optimizer or "adamw",
                               "accumulation_sync": None if sync in (None, "auto") else sync,
@@ -200,8 +206,33 @@ class TrainConfig:
 
         return MixedPrecisionPolicy(**{k: TORCH_DTYPES[v] if v else None for k, v in self.mixed_precision().items()})
 
+    @property
+    def knobs_settled(self) -> bool:
+        """Whether compile and float8 are settled (not None / "auto": See [Note: knob defaults])."""
+        return self.compile is not None and self.float8 != FLOAT8_AUTO
+
+    def with_knobs(self, other: "TrainConfig") -> "TrainConfig":
+        """This step with ``other``'s compile, float8 and float8 all-gather (the ones a search settled)."""
+        return replace(self, compile=other.compile, float8=other.float8, float8_all_gather=other.float8_all_gather)
+
+    def settled_by(self, other: "TrainConfig") -> "TrainConfig":
+        """This step with the knobs it leaves unsettled (compile None, float8 "auto") as ``other`` (a
+        plan's step) settles them; the others stay this step's."""
+        kw: dict[str, Any] = {} if self.compile is not None else {"compile": other.compile}
+        if self.float8 == FLOAT8_AUTO:
+            kw.update(float8=other.float8, float8_all_gather=other.float8_all_gather)
+        return replace(self, **kw) if kw else self
+
+    def check_scorable(self) -> None:
+        """Refuse ``float8`` "auto" where one step is scored (``wrapopt estimate``): a search settles it."""
+        if self.float8 == FLOAT8_AUTO:
+            raise OptionError("float8 auto (--float8 auto) is chosen by a search (wrapopt search, optimize_wrap); to "
+                              f"score one step give --float8 {', '.join(FLOAT8_RECIPES)}")
+
     def sim_options(self, *, batch_scale: float = 1.0, memory_budget: float | None = None) -> SimOptions:
-        """The simulator's options for this step; ``memory_budget`` decides an unset sync mode."""
+        """The simulator's options for this step; ``memory_budget`` decides an unset sync mode. An
+        unsettled compile is priced eager; ``float8`` "auto" is refused (a search settles it)."""
+        self.check_scorable()
         param = DTYPE_BYTES[self.param_dtype] if self.param_dtype else None
         reduce = DTYPE_BYTES[self.reduce_dtype] if self.reduce_dtype else None
         out = DTYPE_BYTES[self.output_dtype] if self.output_dtype else None
@@ -209,7 +240,7 @@ class TrainConfig:
                           grad_accumulation=self.grad_accumulation, batch_scale=batch_scale,
                           accumulation_sync=self.accumulation_sync if self.grad_accumulation > 1 else "last",
                           memory_budget_bytes=memory_budget, activation_dtype_bytes=param, output_dtype_bytes=out,
-                          compile=self.compile, float8=self.float8, float8_all_gather=self.float8_all_gather)
+                          compile=bool(self.compile), float8=self.float8, float8_all_gather=self.float8_all_gather)
 
     def make_optimizer(self, params: Iterable[Any], *, lr: float = 1e-3, **kw: Any) -> torch.optim.Optimizer:
         """The torch optimizer this config names (``sgd-momentum``: momentum 0.9)."""
@@ -235,18 +266,21 @@ class TrainConfig:
         count = (f"{pipeline_microbatches} pipeline micro-batches" + (
             f" x {self.grad_accumulation}" if self.grad_accumulation > 1 else "") if pipeline_microbatches
             else f"{self.grad_accumulation} micro-batch{'es' if self.grad_accumulation > 1 else ''}")
-        knobs = ("" if self.float8 == "none" else f", float8 {self.float8}" + (
-            " (float8 all-gather)" if self.float8_all_gather else ""))
+        knobs = ("" if self.float8 == "none" else ", float8 searched" if self.float8 == FLOAT8_AUTO else
+                 f", float8 {self.float8}" + (" (float8 all-gather)" if self.float8_all_gather else ""))
         knobs += ", compiled per block" if self.compile else ""
         return f"precision {prec}, {count}{batch} per step{sync}, optimizer {self.optimizer}{knobs}"
 
     def differences(self, other: "TrainConfig") -> list[str]:
-        """``field (this -> other)`` for every field that differs; an unset sync mode, micro-batch
-        or global batch on either side differs from nothing."""
+        """``field (this -> other)`` for every field that differs; an unset sync mode, micro-batch,
+        global batch or compile, or a searched float8 (and its all-gather), on either side differs from nothing."""
         out = []
+        searched = FLOAT8_AUTO in (self.float8, other.float8)
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("accumulation_sync", "micro_batch", "global_batch") and (a is None or b is None):
+            if f.name in ("accumulation_sync", "micro_batch", "global_batch", "compile") and (a is None or b is None):
+                continue
+            if searched and f.name in ("float8", "float8_all_gather"):
                 continue
             if a != b:
                 out.append(f"{f.name} ({a} in the plan, {b} given)")
@@ -262,7 +296,8 @@ class TrainConfig:
                 "output_dtype": self.output_dtype, "grad_accumulation": self.grad_accumulation,
                 "optimizer": self.optimizer, "accumulation_sync": self.accumulation_sync,
                 **{k: v for k, v in (("micro_batch", self.micro_batch), ("global_batch", self.global_batch),
-                                     ("compile", self.compile), ("float8_all_gather", self.float8_all_gather)) if v},
+                                     ("float8_all_gather", self.float8_all_gather)) if v},
+                **({"compile": self.compile} if self.compile is not None else {}),  # settled: on or off
                 **({"float8": self.float8} if self.float8 != "none" else {})}
 
     @classmethod
@@ -279,6 +314,8 @@ class TrainConfig:
             if not isinstance(r.d.get(key, False), bool):
                 raise PlanError(f"{r.where}: {key} must be true or false, got {r.d[key]!r}")
             kw[key] = r.d.get(key, False)
+        # absent: not settled (older plan files; applied eager): See [Note: knob defaults] in search/knobs.py
+        kw["compile"] = r.d.get("compile")
         try:
             return cls(**kw)
         except ValueError as e:

@@ -76,9 +76,10 @@ def _step(args: argparse.Namespace, recorded: Any) -> tuple[Any, int | None, lis
                         output_dtype=flags.output_dtype)
     if args.optimizer != "adamw":
         train = replace(train, optimizer=flags.optimizer)
-    if args.float8 is not None or args.compile:  # the throughput knobs given: they replace the plan's
-        train = replace(train, compile=args.compile or train.compile, float8=flags.float8 if args.float8 else
-                        train.float8, float8_all_gather=flags.float8_all_gather if args.float8 else False)
+    if args.float8 is not None or args.compile is not None:  # the throughput knobs given: they replace the plan's
+        train = replace(train, compile=train.compile if args.compile is None else args.compile,
+                        float8=flags.float8 if args.float8 else train.float8,
+                        float8_all_gather=flags.float8_all_gather if args.float8 else False)
     fixed = args.batch is not None or args.accumulation != 1  # a split of the user's own
     notes = []
     if args.global_batch is not None and (fixed or args.global_batch != recorded.global_batch):
@@ -108,7 +109,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plan", default="per-block",
                    help=f"a baseline ({', '.join(BASELINE_NAMES)}) or a plan file (plan.json); default per-block")
     add_mesh_arguments(p, world_required=False)
-    add_train_arguments(p, sync_default=None)  # See [Note: the step estimate scores]
+    add_train_arguments(p, sync_default=None, search=False)  # See [Note: the step estimate scores]
     p.add_argument("--checkpoint", choices=("none", "blocks", "full", SELECTIVE_OP), default=None,
                    help="activation checkpointing of every unit but the root: blocks (or full) recomputes each "
                         f"whole, {SELECTIVE_OP} keeps the matmul and attention outputs and recomputes the rest "

@@ -191,9 +191,10 @@ def fabric_from_args(args: argparse.Namespace) -> str | None:
     return fabric_name(fabric=args.fabric, gpu=args.gpu, network=args.network)
 
 
-def add_train_arguments(p: argparse.ArgumentParser, *, sync_default: str | None = "auto") -> None:
-    """``--precision``, ``--accumulation``, ``--global-batch``, ``--optimizer`` and ``--sync``
-    (``sync_default`` None: a command that scores a job as it runs, every micro-batch unless told)."""
+def add_train_arguments(p: argparse.ArgumentParser, *, sync_default: str | None = "auto", search: bool = True) -> None:
+    """``--precision``, ``--accumulation``, ``--global-batch``, ``--optimizer``, ``--sync`` and the
+    throughput knobs (``sync_default`` None: a command that scores a job as it runs, every
+    micro-batch unless told; ``search`` False: one that scores a step, without ``--float8 auto``)."""
     p.add_argument("--precision", default=None, metavar="{none," + ",".join(PRECISIONS) + "}",
                    help="mixed precision: bf16 = bf16 gathered parameters and compute, fp32 gradient reduction, "
                         "fp32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy); bf16-pure reduces "
@@ -212,12 +213,15 @@ def add_train_arguments(p: argparse.ArgumentParser, *, sync_default: str | None 
     p.add_argument("--sync", default=sync_default, metavar="{auto," + ",".join(SYNC_MODES) + "}",
                    help="with --accumulation > 1: reduce-scatter after every micro-batch, or after the last only "
                         f"(no-sync: holds unsharded gradients); {default}")
-    p.add_argument("--compile", action="store_true", default=False,
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="each block compiled with torch.compile(fullgraph=True) after fully_shard, as TorchTitan "
-                        "does: the memory-bound ops fused (See [Note: compile costs])")
-    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
-                   help="torchao float8 training of the eligible linears (TorchTitan's filter): tensorwise or "
-                        "rowwise scaling; needs FP8 tensor cores (H100, H200); default none")
+                        "does: the memory-bound ops fused (See [Note: compile costs]); default: on for a stated GPU "
+                        "(--gpu, an analytical profile), off for a measured profile; --no-compile: eager")
+    searched = ", auto (searched: none, tensorwise, tensorwise with the float8 all-gather, rowwise)" if search else ""
+    p.add_argument("--float8", default=None, choices=(*FLOAT8_RECIPES, *(("auto",) if search else ())),
+                   help="torchao float8 training of the eligible linears (TorchTitan's filter): none, tensorwise or "
+                        f"rowwise scaling{searched}; needs FP8 tensor cores (H100, H200); default none (it changes "
+                        "numerics: opt in, as in TorchTitan)")
     p.add_argument("--float8-all-gather", action="store_true", default=False,
                    help="with --float8 tensorwise: FSDP2 all-gathers the float8 weights (1 byte per parameter plus "
                         "a scale)")
@@ -237,7 +241,7 @@ def train_from_args(args: argparse.Namespace) -> TrainConfig:
     from wrapopt.train import TrainConfig
 
     return TrainConfig.parse(precision=args.precision, accumulation=args.accumulation, optimizer=args.optimizer,
-                             sync=args.sync, compile=getattr(args, "compile", False),
+                             sync=args.sync, compile=getattr(args, "compile", None),
                              float8=getattr(args, "float8", None),
                              float8_all_gather=getattr(args, "float8_all_gather", False))
 

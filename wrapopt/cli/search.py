@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     model = src.build("meta")
     job = prepare(request, model, src.inputs, fabric=fabric_from_args(args), compute=args.compute,
                   loss_fn=src.loss, rescale_fabric=args.rescale_fabric, notes=tuple(src.notes))
-    graph, fabric, compute, budget, train = job.graph, job.fabric, job.compute, job.budget, request.train
+    graph, fabric, compute, budget, train = job.graph, job.fabric, job.compute, job.budget, job.request.train
     current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=current_tp_spec(graph, request),
                              load_plan=current_plan_loader(model, graph, mesh))
                if args.current is not None else None)  # a bad description fails before the search
@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if request.global_batch is not None:  # the micro-batch and accumulation chosen; the sync mode as asked
         train = replace(plan.train_config, accumulation_sync=train.accumulation_sync)
         sim = job.simulator(train, batch_scale=recorded_scale(graph, train, plan.spec))
+    train, sim, request = _with_knobs(job, plan, train, sim)
     if args.out:
         plan.save(args.out)
     if args.plot:
@@ -233,6 +234,15 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"wrote {', '.join(os.path.join(args.plot, name) for name in PICTURES)}")
     return 0
+
+
+def _with_knobs(job: Any, plan: WrapPlan, train: Any, sim: Any) -> tuple[Any, Any, ParallelRequest]:
+    """The step, simulator and request with the knobs the search settled (``--float8 auto``: See
+    [Note: knob defaults] in wrapopt/search/knobs.py), for the pictures, the sync what-ifs and ``--current``."""
+    if train.with_knobs(plan.train_config) != train:
+        train = train.with_knobs(plan.train_config)
+        sim = job.simulator(train, batch_scale=sim.options.batch_scale)
+    return train, sim, replace(job.request, train=job.request.train.with_knobs(plan.train_config))
 
 
 def _request(args: argparse.Namespace, mesh: MeshSpec) -> ParallelRequest:

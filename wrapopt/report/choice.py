@@ -89,6 +89,7 @@ def format_report(result: SearchResult, fabric: FabricProfile, compute: ComputeP
     lines += sync_lines([s for _, s in rows], "  ")
     if result.notes:
         lines.append("notes: " + "; ".join(result.notes[:3]))
+    lines += list(result.knobs)  # compile and float8, each with why: See [Note: knob defaults] in search/knobs.py
     if assumptions is not None:
         lines += assumptions.lines()
     return "\n".join(lines)
@@ -117,6 +118,7 @@ def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]
         "memory_budget": None if result.memory_budget == float("inf") else result.memory_budget,
         "memory_budget_note": budget_line,
         "why": choice_why(result),
+        "knobs": list(result.knobs),
         "units_summary": units_summary(result.best.plan, result.blocks),
         "fastest": pick(result.fastest),
         "dp_best": pick(result.dp_best),

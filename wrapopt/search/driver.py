@@ -78,6 +78,9 @@ class SearchResult:
     # as (label, scored), and per pipeline degree tried what became of it.
     pp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
     pp_tried: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+    # The throughput knobs of the answer's step: compile on or off and float8, each with why (one
+    # line each: See [Note: knob defaults] in search/knobs.py); set by ``api.plan_model``.
+    knobs: tuple[str, ...] = ()
 
     @property
     def best_baseline(self) -> Scored | None:
