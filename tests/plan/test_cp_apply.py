@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ranks import STEPS, TOL, reference, two_rank_case
+from tests.ranks import STEPS, TOL, four_rank_case, reference, two_rank_case
 from wrapopt.errors import PlanError
 from wrapopt.models import zoo
 from wrapopt.plan.cp import ROTATE_METHODS, head_tail_tokens, ring_exchanges
@@ -114,6 +114,39 @@ def cp_cases(rank, world, tmp, out):
     out["cp/hf"] = _hf_llama(rank)
 
 
+@four_rank_case
+def cp_hsdp(rank, world, out):
+    """HSDP under cp on 4 ranks: replicate 2 x (dp_shard 1 x cp 2), each cp pair reading its half of
+    the batch, 2 steps of ``train_step`` against the unsharded model on the whole batch."""
+    import torch.distributed as dist
+
+    from wrapopt.fingerprint import model_fingerprint
+    from wrapopt.plan.file import WrapPlan
+    from wrapopt.plan.step import train_step
+
+    ref = reference("gpt-tiny")
+    ref.__class__ = GPTPos
+    model = copy.deepcopy(ref)
+    spec = PlanSpec((UnitSpec(("layers.0", "layers.1", "layers.2", "layers.3")), UnitSpec((ROOT,), False)),
+                    MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, cp_size=2))
+    plan = WrapPlan(spec=spec, model=model_fingerprint(model))
+    model = plan.apply(model, strict=False)
+    mesh = model.wte.weight.device_mesh
+    out["mesh"] = (mesh.mesh_dim_names, tuple(mesh.shape))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    out["losses"], out["ref"] = [], []
+    for x, p, y in _steps()[:2]:
+        mine = [t.chunk(2)[rank // 2].clone() for t in (x, y)]  # the batch axis: replicate (cp pairs 0-1, 2-3)
+        loss = torch.tensor(train_step(model, opt, [(mine[0], p, mine[1])], _loss, plan=plan, seq_dims=[1, 0, 1]))
+        dist.all_reduce(loss)
+        out["losses"].append(float(loss) / world)
+        want = _loss(ref(x, p), (x, p, y))
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["ref"].append(float(want.detach()))
+
+
 def _hf_llama(rank: int) -> list[tuple[float, float]]:
     """The tiny Hugging Face Llama (SDPA attention) with ``position_ids`` given, in a loop of the
     user's own around ``plan.train_context``, rotating by all-to-all: (cp loss, unsharded loss) per step."""
@@ -161,6 +194,16 @@ def test_cp_trains_like_the_unsharded_model(two_rank_cases):
         for got, want in zip(r["cp/losses"], r["cp/ref"]):
             assert abs(got - want) <= TOL * abs(want), (r["cp/losses"], r["cp/ref"])
     assert two_rank_cases[0]["cp/ref"][0] != two_rank_cases[0]["cp/ref"][-1]  # the steps moved the model
+
+
+@pytest.mark.multiprocess
+def test_hsdp_with_cp_trains_like_the_unsharded_model(four_rank_cases):
+    for res in four_rank_cases:
+        r = res[__name__]
+        assert r["mesh"] == (("replicate", "dp_shard_cp"), (2, 2))
+        assert r["ref"][0] != r["ref"][1]
+        for got, want in zip(r["losses"], r["ref"]):
+            assert abs(got - want) <= TOL * abs(want), (r["losses"], r["ref"])
 
 
 @pytest.mark.multiprocess
