@@ -119,3 +119,13 @@ def test_train_context_needs_the_model_the_cp_plan_applied():
     with no_cp.train_context(nn.Linear(2, 2)) as ctx:  # without cp: the loss context alone
         assert ctx is None
     assert isinstance(no_cp.train_context(), contextlib.AbstractContextManager)
+
+
+def test_optimize_wraps_result_gives_the_context_on_its_own_model():
+    from wrapopt.api import OptimizeResult
+
+    plan = WrapPlan(spec=PlanSpec((UnitSpec((ROOT,), False),), MESH_CP), model={})
+    res = OptimizeResult(plan=plan, model=nn.Linear(2, 2), baselines={}, search=None, graph=None, fabric=None,
+                         compute=None)
+    with pytest.raises(PlanError, match=r"not sharded by a context-parallel plan"):
+        res.train_context(buffers=[torch.zeros(8)], seq_dims=[0])

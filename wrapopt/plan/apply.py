@@ -7,8 +7,10 @@ in one unit. Activation checkpointing uses the composable ``checkpoint``,
 which keeps module names unchanged; a selective-op unit passes it the selective policy's
 ``context_fn`` (See [Note: selective checkpointing] in wrapopt/selective.py). A tensor-parallel plan first runs
 ``parallelize_module`` on its blocks, then FSDP on the data-parallel axes (See
-[Note: applying a 2-D plan] in ``plan/tp.py``). Every check runs before the first
-collective, so a bad plan fails on every rank instead of hanging some.
+[Note: applying a 2-D plan] in ``plan/tp.py``). A context-parallel plan (``mesh.cp_size > 1``)
+shards over ``dp_shard x cp`` flattened and keeps the cp sub-mesh on the model for the loop's
+``train_context`` (See [Note: applying context parallelism] in ``plan/cp.py``). Every check runs
+before the first collective, so a bad plan fails on every rank instead of hanging some.
 
 Also here: ``materialize_sharded`` (initialise a model that was sharded on the
 meta device, so that it equals the same model initialised unsharded; see
