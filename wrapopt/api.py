@@ -49,6 +49,7 @@ from wrapopt.report.estimate import EstimateReport, step_work
 from wrapopt.search.batch import recorded_scale, score_splits, train_for
 from wrapopt.search.diagnosis import assumptions_for, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
+from wrapopt.search.cp import given_cp
 from wrapopt.search.given import CHECKPOINTS, given_spec
 from wrapopt.search.knobs import float8_choices, float8_hint, search_float8
 from wrapopt.search.offload import choose_offload, mark_offload
@@ -442,7 +443,7 @@ def estimate(
                   rescale_fabric=rescale_fabric, notes=tuple(notes))
     graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, [*job.notes, *job.knobs]
     train = job.train  # its compile settled: See [Note: knob defaults] in search/knobs.py
-    spec = given_spec(given, graph, mesh, checkpoint, request=request)
+    spec = given_cp(graph, given_spec(given, graph, mesh, checkpoint, request=request), request)
     sim = job.simulator(train, batch_scale=recorded_scale(graph, train, spec))
     spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, request, memory_budget=budget)
     notes += pp_notes
@@ -454,7 +455,8 @@ def estimate(
     if train.grad_accumulation > 1:
         train = train.with_sync(est.accumulation_sync)
     work = step_work(model, example_inputs, graph, comp, accumulation=train.grad_accumulation,
-                     batch_scale=sim.options.batch_scale, compute_dtype=train.compute_dtype(model_dtype(model)))
+                     batch_scale=sim.options.batch_scale / spec.mesh.cp_size,  # a cp rank's share of a sequence
+                     compute_dtype=train.compute_dtype(model_dtype(model)))
     return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan",
                           num_units=len(spec.units), mesh=spec.mesh, train=train, fabric=fab.label,
                           compute=f"{comp.device} ({comp.kind})",

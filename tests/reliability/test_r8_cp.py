@@ -7,6 +7,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from tests.plan.common import load_data
 from wrapopt.errors import OptionError, PlanError
@@ -98,9 +99,85 @@ def test_current_reads_cp_and_ep_words_and_names_bad_ones(llama_tiny):
     cur = parse_current("per-block, full AC, cp 2", graph, mesh)
     assert cur.plan.mesh.cp_size == 2 and cur.plan.mesh.shard_size == 8
     assert parse_current("per-block, ep 4", graph, mesh).plan.mesh.ep_size == 4
-    with pytest.raises(OptionError, match=r"context-parallel degree 3 does not divide the shard group of 8"):
-        parse_current("per-block, cp 3", graph, mesh)
+    with pytest.raises(OptionError, match=r"context-parallel degree 8 does not divide the shard group of 4"):
+        parse_current("per-block, shard 4, cp 8", graph, mesh)
     with pytest.raises(OptionError, match=r"'cp 2' and 'cp 4' contradict each other"):
         parse_current("per-block, cp 2, cp 4", graph, mesh)
     with pytest.raises(OptionError, match=r"cp needs FSDP's shard group"):
         parse_current("no-shard, cp 2", graph, mesh)
+
+
+class _MatmulAttention(torch.nn.Module):
+    """Attention written as matmuls and a softmax: nothing for context_parallel to replace."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(1, 2) / 4.0, dim=-1) @ v)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn, self.mlp = _MatmulAttention(d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class _NoSdpaLM(torch.nn.Module):
+    def __init__(self, d: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.embed, self.blocks = torch.nn.Embedding(vocab, d), torch.nn.ModuleList(_Block(d) for _ in range(2))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_cp_on_attention_without_sdpa_is_refused_naming_the_module():
+    from wrapopt.search.cp import resolve_cp
+    from wrapopt.trace.meta import trace_model
+
+    graph = trace_model(_NoSdpaLM(), (torch.zeros(2, 16, dtype=torch.long),))
+    mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4)
+    with pytest.raises(PlanError) as e:
+        resolve_cp(graph, ParallelRequest(mesh=mesh, cp=2))
+    assert str(e.value).startswith("--cp 2: blocks.0.attn (_MatmulAttention) computes attention without "
+                                   "scaled_dot_product_attention")
+    assert resolve_cp(graph, ParallelRequest(mesh=mesh, cp="auto"))[1][0].startswith(
+        "--cp auto: context parallelism not tried: blocks.0.attn")
+
+
+def test_a_cp_degree_that_does_not_split_the_sequence_names_those_that_do(llama_tiny, capsys):
+    from wrapopt.cli.main import main as cli
+    from wrapopt.search.cp import resolve_cp
+
+    graph = llama_tiny[2]  # 64 tokens
+    mesh = MeshSpec(world_size=48, ranks_per_node=8, shard_size=48)
+    with pytest.raises(OptionError) as e:
+        resolve_cp(graph, ParallelRequest(mesh=mesh, cp=3))
+    assert str(e.value) == ("--cp 3 does not split the sequence of 64 tokens into 2 x 3 chunks (the causal load "
+                            "balancer's); degrees that do: 2, 4, 8, 16")
+    assert cli(["search", "zoo:llama-tiny", "--world-size", "48", "--cp", "3", "--trials", "0"]) != 0
+    assert "degrees that do: 2, 4, 8, 16" in capsys.readouterr().err
+    with pytest.raises(OptionError, match=r"cp 3 does not split the sequence of 64 tokens into 2 x 3 chunks"):
+        from wrapopt.search.current import parse_current
+        parse_current("per-block, cp 3", graph, MeshSpec(world_size=6, ranks_per_node=6, shard_size=6))
+
+
+def test_estimate_takes_a_cp_degree_not_auto(llama_tiny):
+    from wrapopt.api import estimate
+
+    model, x, _graph = llama_tiny
+    two = estimate(model, x, world_size=8, cp=2)
+    assert two.mesh.cp_size == 2 and two.mesh.batch_size == 4
+    with pytest.raises(OptionError, match=r"--cp auto chooses a degree in `wrapopt search`"):
+        estimate(model, x, world_size=8, cp="auto")

@@ -120,7 +120,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "scores it (default 1; a plan file keeps its own degree)")
     add_pp_argument(p, what="the per-block plan on balanced stages with the fastest schedule and micro-batches; auto: "
                              "the fastest of 2, 4, 8, 16")
-    add_cp_ep_arguments(p, cp_auto="the fastest degree that splits the sequence into 2 x cp chunks",
+    add_cp_ep_arguments(p, cp_auto="not here: a degree is chosen by `wrapopt search --cp auto`",
                         ep_auto="the fastest degree that divides the experts")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p

@@ -50,10 +50,11 @@ import numpy as np
 from wrapopt.cost.backend import Backend
 from wrapopt.cost.calls import twin_times
 from wrapopt.cost.collectives import CollectiveTimes
+from wrapopt.cost.cp import cp_view
 from wrapopt.cost.fused import with_knobs
 from wrapopt.cost.ep import ep_caveats, ep_view
 from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
-from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors
+from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors, traced_dtype_bytes
 from wrapopt.cost.layout import Layouts
 from wrapopt.cost.layout_types import NUMEL, SAVED, STORAGE, TRAINABLE_BYTES, TRAINABLE_NUMEL, Layout, unit_modules
 from wrapopt.cost.pipeline import simulate_pipeline
@@ -132,6 +133,7 @@ class Simulator:
         self.host = host
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
+        self._cp_views: dict[tuple[int, int], tuple[Simulator, frozenset[str]]] = {}
         self._ep_views: dict[int, tuple[Simulator, frozenset[str]]] = {}
         self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
@@ -207,8 +209,11 @@ class Simulator:
         ``shape.tp > 1`` (``for_tp``, blocks split as ``tp_spec`` says). A pipeline stage of it is
         ``view(shape, tp_spec).for_stage(...)``. A new axis adds its view here. See [Note: shapes
         tried] in search/shapes.py."""
-        if shape.cp != 1:
-            raise ValueError(f"{shape.describe()}: context parallelism has no cost view yet")
+        if shape.cp > 1:  # See [Note: context parallel costs] in cost/cp.py
+            rest = Shape(pp=shape.pp, tp=shape.tp, ep=shape.ep, micro_batch=shape.micro_batch,
+                         accumulation=shape.accumulation)
+            per_node = max(1, min(shape.cp, self.fabric.ranks_per_node // shape.tp))
+            return self.for_cp(shape.cp, per_node)[0].view(rest, tp_spec)
         if shape.ep > 1:  # See [Note: expert parallel costs] in cost/ep.py
             if shape.tp > 1:
                 raise ValueError(f"{shape.describe()}: expert parallelism under tensor parallelism has no cost view")
@@ -218,6 +223,22 @@ class Simulator:
         if tp_spec is None:
             raise ValueError(f"{shape.describe()}: a tensor-parallel view needs the TPSpec its blocks split by")
         return self.for_tp(tp_spec, shape.tp)[0]
+
+    def for_cp(self, size: int, per_node: int) -> tuple["Simulator", frozenset[str]]:
+        """The simulator of one context-parallel rank's share (``batch_scale / size`` sequences,
+        ring attention's exchanges on a cp group with ``per_node`` ranks per node), scoring plans
+        on the flattened ``dp_shard x cp`` mesh, and the view's caveats. See [Note: context
+        parallel costs] in cost/cp.py."""
+        key = (size, per_node)
+        hit = self._cp_views.get(key)
+        if hit is None:
+            opts = replace(self.options, batch_scale=self.options.batch_scale / size)
+            elem = float(self.options.activation_dtype_bytes or traced_dtype_bytes(self.traced))
+            g, c, notes = cp_view(self.graph, self.traced, self.compute, self.fabric, size, group_per_node=per_node,
+                                  batch_scale=opts.batch_scale, elem=elem)
+            view = Simulator(g, self.fabric, c, opts, backend=self.backend, host=self.host)
+            hit = self._cp_views[key] = (view, notes)
+        return hit
 
     def with_async(self, spec: TPSpec | None, asked: bool | str) -> tuple[TPSpec | None, str | None]:
         """``spec`` with async tensor parallelism as asked ("auto": where this fabric and GPU run it),
@@ -266,6 +287,8 @@ class Simulator:
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
+        if plan.mesh.cp_size > 1:  # See [Note: context parallel costs] in cost/cp.py
+            return self._simulate_cp(plan, record)
         if plan.pipeline is not None:  # See [Note: pipeline stages] in pipeline.py
             return simulate_pipeline(self, plan, record=record)
         if plan.tp is not None:
@@ -289,7 +312,18 @@ class Simulator:
             return self.simulate(plan, record=record)
         return self._estimate(plan, per_set, per_mesh, choices, run, notes, record)
 
-    # -- tensor-parallel dispatch
+    # -- context- and tensor-parallel dispatch
+
+    def _simulate_cp(self, plan: PlanSpec, record: bool) -> CostEstimate:
+        """The plan without its cp axis (FSDP over ``dp_shard x cp`` flattened, as the shard group
+        already counts it) on one cp rank's share: See [Note: context parallel costs] in cp.py."""
+        mesh = plan.mesh
+        if plan.pipeline is not None:
+            raise ValueError(f"{mesh.cp_size}-way context parallelism under a pipeline has no cost view")
+        per_node = max(1, min(mesh.cp_size, mesh.ranks_per_node // mesh.tp_size))
+        sub, cp_notes = self.for_cp(mesh.cp_size, per_node)
+        est = sub.simulate(replace(plan, mesh=replace(mesh, cp_size=1)), record=record)
+        return replace(est, notes=tuple(sorted(set(est.notes) | cp_notes))) if cp_notes else est
 
     def _simulate_tp(self, plan: PlanSpec, record: bool) -> CostEstimate:
         """FSDP on the data-parallel mesh of one tensor-parallel rank's model: See [Note:

@@ -112,6 +112,7 @@ def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]
     study = result.study
     pick = lambda s: None if s is None else {  # noqa: E731
         "label": s.plan.label, "shard_size": s.plan.mesh.shard_size, "tp_size": s.plan.mesh.tp_size,
+        "cp_size": s.plan.mesh.cp_size,
         "num_units": len(s.plan.units), "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes,
         "fits": s.fits, "sync": s.estimate.accumulation_sync}
     return {
@@ -195,6 +196,9 @@ def _sharding_kind(result: SearchResult) -> str:
             else f"HSDP: {mesh.replicate_size} replicas of a shard group of {mesh.shard_size}")
     if mesh.pp_size > 1:
         kind = f"pipeline of {mesh.pp_size} ranks ({describe_stages(result.best.plan)}); " + kind
+    if mesh.cp_size > 1:
+        kind += (f", context parallel {mesh.cp_size} (each sequence split over {mesh.cp_size} ranks, "
+                 f"{mesh.batch_size} data-parallel ranks; FSDP over dp_shard x cp)")
     if mesh.tp_size > 1:
         kind += f", tensor parallel {mesh.tp_size} inside each node ({mesh.dp_size} data-parallel ranks)"
         if result.best.plan.tp is not None:
@@ -208,12 +212,16 @@ def _tp_lines(result: SearchResult) -> list[str]:
     lines = ["expert parallelism (the same global batch; See [Note: expert parallel search] in search/ep.py):"
              if any(label.startswith(("best ep", "best FSDP alone")) for label, _s in result.tp_rows) else
              "tensor parallelism (the same global batch; See [Note: 2-D search]):"]
-    ref = result.best.estimate.step_s
+    if any(label.startswith("best cp") for label, _s in result.tp_rows):
+        lines[0] = ("context parallelism (tokens/s per GPU compared; See [Note: context parallel search] in "
+                    "search/cp.py):")
+    # per token: a cp degree's step runs 1/cp of the tokens per GPU (See [Note: context parallel search])
+    ref = result.best.estimate.step_s * result.best.plan.mesh.cp_size
     for label, s in result.tp_rows:
         e = s.estimate
         lines.append(f"  {label:<44} {e.step_s * 1e3:10.2f}ms {fmt_bytes(e.peak_bytes):>11} "
-                     f"{'fits' if s.fits else 'does not fit':<12} chosen/this {ref / e.step_s:5.3f}{_sync_cell(s)}  "
-                     f"{s.plan.label}")
+                     f"{'fits' if s.fits else 'does not fit':<12} chosen/this "
+                     f"{ref / (e.step_s * s.plan.mesh.cp_size):5.3f}{_sync_cell(s)}  {s.plan.label}")
     return lines + sync_lines([result.best] + [s for _, s in result.tp_rows], "  ", legend=False)
 
 

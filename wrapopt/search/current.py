@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, replace
 
 from wrapopt.choices import CURRENT_FORMS
+from wrapopt.cost.cp import cp_refusal
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.search.baselines import baselines, with_choices
@@ -68,7 +69,7 @@ class Config:
 
     @property
     def sequences_per_s_per_rank(self) -> float:
-        return self.micro_batch * self.accumulation * self.plan.mesh.dp_size / (
+        return self.micro_batch * self.accumulation * self.plan.mesh.batch_size / (
             self.estimate.step_s * self.plan.mesh.world_size)
 
 
@@ -158,18 +159,26 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
         every = set(order[ckpt_every - 1::ckpt_every])
         units = tuple(replace(u, checkpoint=True) if i in every else u for i, u in enumerate(units))
     plan = replace(plan, units=units, label=f"current: {text}")
-    plan = _with_cp_ep(text, plan, said.get("cp", 1), said.get("ep", 1))
+    plan = _with_cp_ep(text, graph, plan, said.get("cp", 1), said.get("ep", 1))
     if tp > 1:
         plan = lift_plan(plan, tp, spec)
     return Current(plan, micro_batch, text, local_batch=local_batch, sync=said.get("sync"),
                    knobs=knobs_said(text, said, _fail))
 
 
-def _with_cp_ep(text: str, plan: PlanSpec, cp: int, ep: int) -> PlanSpec:
+def _with_cp_ep(text: str, graph: ModelGraph, plan: PlanSpec, cp: int, ep: int) -> PlanSpec:
     """The plan with ``cp N`` and ``ep N`` on its mesh (See [Note: the cp and ep axes of the mesh]
-    in spec/plan.py): the cp ranks inside the shard group, the experts over ep ranks."""
+    in spec/plan.py): the cp ranks inside the shard group, the experts over ep ranks; a cp degree
+    the model (attention without SDPA) or the sequence (2 x cp chunks) cannot take is refused."""
     if cp == 1 and ep == 1:
         return plan
+    why = cp_refusal(graph) if cp > 1 else None
+    if why:
+        raise _fail(text, f"cp {cp}: {why}")
+    if cp > 1 and graph.seq_len % (2 * cp):
+        works = [c for c in range(2, graph.seq_len + 1) if graph.seq_len % (2 * c) == 0][:8]
+        raise _fail(text, f"cp {cp} does not split the sequence of {graph.seq_len} tokens into 2 x {cp} chunks; "
+                          f"degrees that do: {', '.join(map(str, works)) or 'none'}")
     if plan.mesh.shard_size == 1:
         raise _fail(text, f"{'cp' if cp > 1 else 'ep'} needs FSDP's shard group (it shards over dp_shard x cp): "
                           "no-shard has none; pick other units")
@@ -280,7 +289,7 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         mb = mb or traced
         if global_batch is None:
             return mb, train.grad_accumulation
-        per = mb * plan.mesh.dp_size
+        per = mb * plan.mesh.batch_size
         return (mb, global_batch // per) if global_batch % per == 0 else None
 
     cur_knobs = dict(current.knobs)  # the current's own knobs, when said; the search's plan: the request's
@@ -308,7 +317,7 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         cur_mb = want if split_of(current.plan, want) else None
     cur = score(current.plan, cur_mb)
     if cur is None:
-        dp = current.plan.mesh.dp_size
+        dp = current.plan.mesh.batch_size
         raise OptionError(f"--current {current.text!r}: micro-batch {cur_mb or traced} x {dp} data-parallel ranks "
                           f"does not divide the global batch {global_batch}; give a micro-batch N with "
                           f"N x {dp} dividing it")

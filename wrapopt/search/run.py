@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.batch import global_batch_search
+from wrapopt.search.cp import search_cp
 from wrapopt.search.driver import SearchOptions, SearchResult
 from wrapopt.search.ep import search_ep
 from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
@@ -96,6 +97,18 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
         found = global_batch_search(graph, sim, request, degrees=degrees, spec=space.tp_spec,
                                     memory_budget=memory_budget, options=options)
         return SearchRun(found.result, found.train, found.sim, found.notes)
+    if space.cp:  # each context-parallel degree, jointly with tp: See [Note: context parallel search] in search/cp.py
+        one = degrees == (1,) and request.tp != AUTO
+
+        def flat(s: Simulator, opts: SearchOptions) -> SearchResult:
+            if one:
+                return search_shape(graph, s, request.mesh, space.flat[0], spec=None, memory_budget=memory_budget,
+                                    options=opts)
+            return search_tp(graph, s, request.mesh, spec=space.tp_spec, degrees=degrees, memory_budget=memory_budget,
+                             options=opts, dropped=space.tp_dropped)
+
+        return SearchRun(search_cp(graph, sim, request, degrees=space.cp, flat=flat, options=options), request.train,
+                         sim)
     if space.ep and degrees == (1,):  # FSDP alone beside each expert-parallel degree: [Note: expert parallel search]
         result = search_ep(graph, sim, request.mesh, degrees=space.ep, memory_budget=memory_budget, options=options)
     elif degrees == (1,) and request.tp != AUTO:  # FSDP alone, as asked: no degree to compare

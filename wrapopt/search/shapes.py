@@ -14,14 +14,16 @@ pipeline's stages) and returns the cross product of the degrees left, in two gro
   search (See [Note: pipeline search] in search/pipeline.py).
 
 A shape left out is kept in ``dropped`` with the reason, for the report. Context and expert
-parallelism enter as two more loops of the cross product when they exist (each fixed at 1 by the
-request today); a new axis adds a degree loop here, a cost view and an apply step.
+parallelism are two more degree loops over the flat shapes (``cp`` and ``ep``: See [Note: context
+parallel search] in search/cp.py and [Note: expert parallel search] in search/ep.py); a new axis
+adds a degree loop here, a cost view and an apply step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wrapopt.search.cp import resolve_cp
 from wrapopt.search.ep import resolve_ep
 from wrapopt.search.pipeline import resolve_pp
 from wrapopt.search.stages import PipelineLayout
@@ -42,6 +44,7 @@ class ShapeSpace:
     layout: PipelineLayout | None  # the model's pipeline layout (None: no pipeline is tried)
     dropped: tuple[tuple[Shape, str], ...] = ()  # shapes not tried, with why
     notes: tuple[str, ...] = ()  # what the request became on this model ("--tp auto: ... not tried: ...")
+    cp: tuple[int, ...] = ()  # cp degrees above 1 tried on the flat shapes: [Note: context parallel search]
     ep: tuple[int, ...] = ()  # expert-parallel degrees above 1 tried on the flat shape: [Note: expert parallel search]
 
     @property
@@ -61,6 +64,7 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     leaves such degrees out and says why."""
     tp_degrees, spec, tp_notes = resolve_tp(graph, request)
     pp_degrees, layout, pp_notes = resolve_pp(graph, request)
+    cp_degrees, cp_notes = resolve_cp(graph, request)  # See [Note: context parallel search] in search/cp.py
     ep_degrees, ep_notes = resolve_ep(graph, request)  # See [Note: expert parallel search] in search/ep.py
     dropped = [(Shape(tp=d), why) for d, why in auto_degrees(graph, request.mesh, spec)[2]
                ] if request.tp == AUTO else []
@@ -76,7 +80,8 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
                 continue
             piped.append(Shape(pp=p, tp=t))
     return ShapeSpace(flat=flat, piped=tuple(piped), tp_spec=spec, layout=layout, dropped=tuple(dropped),
-                      notes=(*tp_notes, *pp_notes, *ep_notes), ep=ep_degrees)
+                      notes=(*tp_notes, *pp_notes, *cp_notes, *ep_notes), cp=cp_degrees,
+                      ep=ep_degrees)
 
 
 def tp_group_sizes(request: ParallelRequest) -> tuple[int, ...]:

@@ -1,0 +1,59 @@
+"""The context-parallel search (search/cp.py): the degrees a request allows, each searched on its
+view and compared per token, the answer lifted onto the cp mesh and stated as ``cp_size``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from wrapopt.cli.main import main as cli
+from wrapopt.errors import OptionError
+from wrapopt.search.cp import resolve_cp
+from wrapopt.spec import MeshSpec, ParallelRequest
+
+MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+
+
+def _search(capsys, *flags: str) -> dict:
+    rc = cli(["search", "zoo:llama-tiny", "--world-size", "8", "--trials", "0", *flags, "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    return json.loads(out)
+
+
+def test_auto_tries_the_degrees_that_split_the_sequence(llama_tiny):
+    graph = llama_tiny[2]  # 64 tokens per sequence
+    assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto")) == ((2, 4, 8), ())
+    assert resolve_cp(graph, ParallelRequest(mesh=MESH, tp=2, cp="auto"))[0] == (2, 4)  # 4 data-parallel ranks
+    assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp=4)) == ((4,), ())
+    assert resolve_cp(graph, ParallelRequest(mesh=MESH)) == ((), ())
+
+
+def test_cp_auto_chooses_a_degree_that_fits_where_none_fits_without(capsys):
+    """At a budget no plan without cp fits (its smallest peak: every block checkpointed), the search
+    splits the sequence: the plan file states cp_size and its shard group holds whole cp groups."""
+    data = _search(capsys, "--cp", "auto", "--memory", "6MiB")
+    mesh, search = data["mesh"], data["search"]
+    assert mesh["cp_size"] >= 2 and mesh["shard_size"] % mesh["cp_size"] == 0
+    assert "cp" in mesh["axis_names"]
+    assert data["prediction"]["peak_bytes"] <= 6 * 2**20
+    rows = {r["row"]: r for r in search["tp_rows"]}
+    assert any(label.startswith("best cp") for label in rows)
+    assert all(r["cp_size"] == int(label.split("cp")[1].split()[0]) for label, r in rows.items()
+               if label.startswith("best cp"))
+
+
+def test_a_given_degree_lifts_every_plan_and_composes_with_tp(capsys):
+    data = _search(capsys, "--cp", "2", "--tp", "2", "--memory", "none")
+    mesh = data["mesh"]
+    assert (mesh["cp_size"], mesh["tp_size"], mesh["axis_names"]) == (2, 2, ["shard", "cp", "tp"])
+    assert mesh["shard_size"] % 2 == 0
+
+
+def test_cp_with_a_global_batch_or_a_pipeline_is_refused(llama_tiny):
+    graph = llama_tiny[2]
+    with pytest.raises(OptionError, match=r"--cp 2 with --global-batch: a fixed global batch is not searched"):
+        resolve_cp(graph, ParallelRequest(mesh=MESH, cp=2, global_batch=8))
+    with pytest.raises(OptionError, match=r"--cp auto with --pp 2: context parallelism under a pipeline"):
+        resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2))
