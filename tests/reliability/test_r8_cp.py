@@ -181,3 +181,5 @@ def test_estimate_takes_a_cp_degree_not_auto(llama_tiny):
     assert two.mesh.cp_size == 2 and two.mesh.batch_size == 4
     with pytest.raises(OptionError, match=r"--cp auto chooses a degree in `wrapopt search`"):
         estimate(model, x, world_size=8, cp="auto")
+    with pytest.raises(OptionError, match=r"--ep 2: estimate does not put a plan on expert-parallel ranks"):
+        estimate(model, x, world_size=8, ep=2)

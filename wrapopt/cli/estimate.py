@@ -121,6 +121,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_pp_argument(p, what="the per-block plan on balanced stages with the fastest schedule and micro-batches; auto: "
                              "the fastest of 2, 4, 8, 16")
     add_cp_ep_arguments(p, cp_auto="not here: a degree is chosen by `wrapopt search --cp auto`",
-                        ep_auto="the fastest degree that divides the experts")
+                        ep_auto="not here: estimate the plan file `wrapopt search --ep N --out` writes")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p

@@ -73,7 +73,11 @@ def lift_cp(plan: PlanSpec, cp: int) -> PlanSpec:
 def given_cp(graph: ModelGraph, spec: PlanSpec, request: ParallelRequest) -> PlanSpec:
     """A given plan (``wrapopt estimate``) at the request's cp degree: the plan as it is at 1 (a plan
     file keeps its own ``cp_size``), else lifted onto the cp mesh once the model and the sequence
-    take the degree (``resolve_cp``'s refusals). ``auto`` is a search's: refused."""
+    take the degree (``resolve_cp``'s refusals). ``auto`` is a search's: refused. An expert-parallel
+    degree is not lifted here: a plan file keeps its own ``ep_size``; ``--ep`` is refused."""
+    if request.ep != 1:
+        raise OptionError(f"--ep {request.ep}: estimate does not put a plan on expert-parallel ranks; search with "
+                          f"--ep {request.ep} (wrapopt search --out plan.json) and estimate that plan file")
     if request.cp == 1:
         return spec
     if request.cp == AUTO:
