@@ -111,7 +111,34 @@ def cp_cases(rank, world, tmp, out):
         out["cp/ref"].append(float(loss.detach()))
     out["cp/seen"] = seen
     out["cp/comm"] = {m: _comm_counts(cp_mesh_of(model), m) for m in ROTATE_METHODS}
+    out["cp/non_causal"] = _non_causal(cp_mesh_of(model), rank)
     out["cp/hf"] = _hf_llama(rank)
+
+
+def _non_causal(cp_mesh, rank: int) -> tuple:
+    """Non-causal SDPA under ``cp_context``: refused with the balancer (the error names the fix);
+    without it, (the largest difference from the unsharded attention's rows this rank holds, the
+    largest from its input gradients)."""
+    from wrapopt.plan.cp import cp_context
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    F.scaled_dot_product_attention(*full).square().sum().backward()
+    refused = None
+    try:
+        with cp_context(cp_mesh, [q.clone()], [2]):
+            F.scaled_dot_product_attention(q, k, v)
+    except PlanError as e:
+        refused = str(e)
+    with cp_context(cp_mesh, [q, k, v], [2, 2, 2], no_restore=[q, k, v], load_balance=False):
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.square().sum().backward()
+    mine = slice(8 * rank, 8 * rank + 8)  # contiguous halves without the balancer
+    want = F.scaled_dot_product_attention(*(t.detach() for t in full))[:, :, mine]
+    return refused, float((out - want).abs().max()), float((q.grad - full[0].grad[:, :, mine]).abs().max())
 
 
 @four_rank_case
@@ -233,6 +260,14 @@ def test_ring_exchanges_match_torch_collectives(two_rank_cases, method):
             want[collective] = want.get(collective, 0) + calls
         assert got["counts"] == want
         assert got["sizes"] == {op: [got["kv_shard"]] for op in want}  # every call moves one k, v shard
+
+
+@pytest.mark.multiprocess
+def test_non_causal_attention_runs_without_the_balancer(two_rank_cases):
+    for r in two_rank_cases:
+        refused, out_err, grad_err = r["cp/non_causal"]
+        assert refused is not None and "needs causal attention" in refused and "load_balance=False" in refused
+        assert out_err < 1e-5 and grad_err < 1e-5
 
 
 def test_head_tail_tokens_are_torchs_balancer():

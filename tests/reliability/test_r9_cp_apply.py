@@ -99,6 +99,13 @@ def test_a_sequence_not_divisible_by_2_x_cp_is_named_with_what_would_divide(shap
         assert "make the sequence 28 or 32 long, or use cp 1, 3, 5, 15" in msg
 
 
+def test_without_the_balancer_cp_alone_must_divide_the_sequence():
+    check_cp_buffers([torch.zeros(2, 30)], [1], 2, load_balance=False)  # 2 contiguous shards of 15
+    with pytest.raises(PlanError, match=r"has 30 positions on dim 1, not divisible by cp = 4: make the sequence 28 "
+                                        r"or 32 long, or use cp 1, 2, 3, 5, 6, 10"):
+        check_cp_buffers([torch.zeros(2, 30)], [1], 4, load_balance=False)
+
+
 def test_the_loops_other_mistakes_are_named():
     with pytest.raises(PlanError, match=r"got 2 buffers and 1 sequence dims; give one sequence dim per buffer"):
         check_cp_buffers([torch.zeros(2, 8), torch.zeros(8)], [1], 2)

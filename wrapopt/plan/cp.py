@@ -50,6 +50,9 @@ ROTATE_METHODS = ("allgather", "alltoall")  # torch's set_rotate_method; TorchTi
 # - The load balancer needs causal attention and a sequence divisible by 2 x cp; torch falls back to
 #   no balancing, silently, when it is not (and shards unevenly when cp does not divide it):
 #   ``check_cp_buffers`` refuses that instead, naming the buffer and the degrees that would divide.
+#   Non-causal attention stops torch's ring under the balancer ("Load balancing requires
+#   `is_causal=True`"), which ``cp_context`` names with its fix: ``load_balance=False``, contiguous
+#   1/cp shards (no triangle to balance).
 # Each rank's loss is the mean over its own tokens; FSDP's gradient average over ``dp_shard x cp``
 # makes the step that of the whole sequence (equal shards), and ``train_step`` averages the
 # reported loss over the cp ranks.
@@ -116,10 +119,11 @@ def _calls_sdpa(module: nn.Module) -> bool | None:
     return None if unknown else False
 
 
-def check_cp_buffers(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], cp_size: int) -> None:
-    """Every buffer's sequence dim divisible by ``2 x cp_size`` (the load balancer's chunks), the
-    dims in range and as many as the buffers; ``PlanError`` naming the buffer and the degrees
-    that would divide."""
+def check_cp_buffers(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], cp_size: int, *,
+                     load_balance: bool = True) -> None:
+    """Every buffer's sequence dim divisible by ``2 x cp_size`` (the load balancer's chunks; ``cp_size``
+    without it), the dims in range and as many as the buffers; ``PlanError`` naming the buffer
+    and the lengths and degrees that would divide."""
     if len(buffers) != len(seq_dims):
         raise PlanError(f"context parallelism got {len(buffers)} buffers and {len(seq_dims)} sequence dims; "
                         "give one sequence dim per buffer (inputs and labels: 1, a positions buffer: 0)")
@@ -128,14 +132,15 @@ def check_cp_buffers(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], c
             shape = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
             raise PlanError(f"context-parallel buffer {i} (shape {shape}) has no sequence dim {d}; "
                             "pass tensors and the dim each one's sequence runs along")
-        n = b.shape[d]
-        if n % (2 * cp_size):
-            works = [k for k in range(1, n // 2 + 1) if n % (2 * k) == 0][:6]
-            lo = n - n % (2 * cp_size)
-            sizes = " or ".join(str(m) for m in (lo, lo + 2 * cp_size) if m > 0)
+        n, per = b.shape[d], 2 if load_balance else 1
+        if n % (per * cp_size):
+            works = [k for k in range(1, n // per + 1) if n % (per * k) == 0][:6]
+            lo = n - n % (per * cp_size)
+            sizes = " or ".join(str(m) for m in (lo, lo + per * cp_size) if m > 0)
+            chunks = f"2 x cp = {2 * cp_size} (the load balancer's chunks)" if load_balance else f"cp = {cp_size}"
             raise PlanError(f"context-parallel buffer {i} (shape {tuple(b.shape)}) has {n} positions on dim {d}, "
-                            f"not divisible by 2 x cp = {2 * cp_size} (the load balancer's chunks): make the "
-                            f"sequence {sizes} long, or use cp {', '.join(map(str, works)) or '1'}")
+                            f"not divisible by {chunks}: make the sequence {sizes} long, or use cp "
+                            f"{', '.join(map(str, works)) or '1'}")
 
 
 def remember_cp_mesh(model: nn.Module, cp_mesh: Any) -> None:
@@ -172,7 +177,7 @@ def cp_context(cp_mesh: Any, buffers: Sequence[torch.Tensor], seq_dims: Sequence
     if rotate_method not in ROTATE_METHODS:
         raise PlanError(f"unknown context-parallel rotate method {rotate_method!r}; use one of "
                         f"{', '.join(ROTATE_METHODS)}")
-    check_cp_buffers(buffers, seq_dims, cp_mesh.size())
+    check_cp_buffers(buffers, seq_dims, cp_mesh.size(), load_balance=load_balance)
     grads = [i for i, b in enumerate(buffers) if b.requires_grad]
     if grads:
         raise PlanError(f"context-parallel buffer {grads[0]} requires grad; torch resizes the buffers in place: "
@@ -187,6 +192,12 @@ def cp_context(cp_mesh: Any, buffers: Sequence[torch.Tensor], seq_dims: Sequence
         with context_parallel(cp_mesh, buffers=list(buffers), buffer_seq_dims=list(seq_dims),
                               no_restore_buffers={b for b in buffers if id(b) in keep}):
             yield
+    except RuntimeError as e:
+        if "Load balancing requires" not in str(e):
+            raise
+        raise PlanError("context parallelism's load balancer needs causal attention (is_causal=True) and this "
+                        "model calls SDPA without it: pass load_balance=False to train_context (each cp rank "
+                        "keeps a contiguous 1/cp of the sequence)") from e
     finally:
         _cp_options.enable_load_balance = old
 

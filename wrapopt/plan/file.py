@@ -286,16 +286,18 @@ class WrapPlan:
         return contextlib.nullcontext()
 
     def train_context(self, model: Any = None, *, buffers: Sequence[Any] = (), seq_dims: Sequence[int] = (),
-                      no_restore: Sequence[Any] = (), rotate_method: str = "allgather") -> Any:
+                      no_restore: Sequence[Any] = (), rotate_method: str = "allgather",
+                      load_balance: bool = True) -> Any:
         """The context each forward and backward must run in, as TorchTitan's ``train_context``:
         ``loss_context()``, and under context parallelism (``mesh.cp_size > 1``) torch's
         ``context_parallel`` on the cp axis of ``model`` (the model ``apply`` returned). It shards
         ``buffers`` (input ids, labels, position buffers such as ``freqs_cis``) on their
         ``seq_dims`` in place, restoring them after except those in ``no_restore``, and runs SDPA as
         ring attention rotated by ``rotate_method`` ("allgather" or "alltoall"). Each sequence dim
-        must divide into 2 x cp chunks. The loss inside is the mean over this rank's tokens. See
-        [Note: applying context parallelism] in plan/cp.py. Without cp, ``model`` and the buffers
-        are not used.
+        must divide into 2 x cp chunks: the head-tail load balancer, for causal attention;
+        ``load_balance=False`` (non-causal attention) keeps contiguous 1/cp shards. The loss
+        inside is the mean over this rank's tokens. See [Note: applying context parallelism] in
+        plan/cp.py. Without cp, ``model`` and the buffers are not used.
 
         Example:
             >>> with plan.train_context(model, buffers=[x, y], seq_dims=[1, 1], no_restore=[x, y]):  # doctest: +SKIP
@@ -308,7 +310,7 @@ class WrapPlan:
         @contextlib.contextmanager
         def around_step() -> Any:
             with self.loss_context(), cp_context(cp_mesh, buffers, seq_dims, no_restore=no_restore,
-                                                 rotate_method=rotate_method):
+                                                 rotate_method=rotate_method, load_balance=load_balance):
                 yield
 
         return around_step()
