@@ -104,19 +104,19 @@ class OptimizeResult:
         return self.plan.loss_context()
 
     def train_context(self, *, buffers: Any = (), seq_dims: Any = (), no_restore: Any = (),
-                      rotate_method: str = "allgather") -> Any:
+                      rotate_method: str = "allgather", load_balance: bool = True) -> Any:
         """The context each forward and backward must run in (``WrapPlan.train_context`` on this
         result's model): ``loss_context()``, and under context parallelism (``plan.mesh.cp_size >
         1``) torch's ``context_parallel``, which shards ``buffers`` (input ids, labels, position
-        buffers) on their ``seq_dims`` and runs SDPA as ring attention. See [Note: applying context
-        parallelism] in plan/cp.py.
+        buffers) on their ``seq_dims`` and runs SDPA as ring attention (``load_balance=False`` for
+        non-causal attention). See [Note: applying context parallelism] in plan/cp.py.
 
         Example:
             >>> with res.train_context(buffers=[x, y], seq_dims=[1, 1], no_restore=[x, y]):  # doctest: +SKIP
             ...     loss_fn(res.model(x), y).backward()
         """
         return self.plan.train_context(self.model, buffers=buffers, seq_dims=seq_dims, no_restore=no_restore,
-                                       rotate_method=rotate_method)
+                                       rotate_method=rotate_method, load_balance=load_balance)
 
     def report(self) -> str:
         """A text table: the chosen plan and every baseline, predicted time and memory,
