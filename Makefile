@@ -12,21 +12,29 @@ setup:
 demo: setup
 	$(PY) -m wrapopt.cli demo --out results/demo-latest
 
-# Two parts, each under its heading: the single-process tests, then the tests that start
-# several processes (gloo ranks, torchrun; marked `multiprocess`, see pyproject.toml).
-# A failure in either fails `make test` (a failure in the first stops it there).
-# The house lint first (ruff, settings in pyproject.toml: lines of at most 120 characters and
-# pyflakes' real-mistake rules), then the two parts of the suite.
+# The house lint (ruff, settings in pyproject.toml: lines of at most 120 characters and
+# pyflakes' real-mistake rules) runs first; `make test` then runs the suite in three parts, below.
 lint: setup
 	$(VENV)/bin/ruff check wrapopt tests benchmarks scripts examples
 
-# The single-process tests run on up to 4 pytest-xdist workers, a test file to a worker (its
-# module fixtures built once); the multi-process ones one at a time: their ranks fill the cores.
+# Three parts (See [Note: the parts of make test] in tests/conftest.py). The single-process tests
+# run on up to 4 pytest-xdist workers, a test file to a worker (its module fixtures built once);
+# beside them, in a second pytest, the multi-process tests that start their own processes (most of
+# their time is spent waiting: timeouts they test, workers, a server); its output, kept in a file,
+# follows theirs. Last and alone, the tests that read the shared spawns of 2 and 4 gloo ranks, whose
+# ranks fill the cores. A failure in any part fails `make test` (one in the first two stops it there).
 test: setup lint
-	@echo "== make test 1/2: single-process tests (pytest -m 'not multiprocess', xdist workers) =="
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not multiprocess" tests
-	@echo "== make test 2/2: multi-process tests: gloo ranks, torchrun (pytest -m multiprocess) =="
-	$(PY) -m pytest -q -m multiprocess tests
+	@echo "== make test 1/3: single-process tests (pytest -m 'not multiprocess', xdist workers) =="
+	@echo "   beside them, 2/3: multi-process tests that start their own processes (output below)"
+	@log=$$(mktemp); \
+	$(PY) -m pytest -q -p no:cacheprovider -m "multiprocess and not shared_spawn" tests >$$log 2>&1 & side=$$!; \
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not multiprocess" tests; one=$$?; \
+	wait $$side; two=$$?; \
+	echo "== make test 2/3: multi-process tests that start their own processes (pytest -m 'multiprocess and not shared_spawn') =="; \
+	cat $$log; rm -f $$log; \
+	[ $$one -eq 0 ] && [ $$two -eq 0 ]
+	@echo "== make test 3/3: the shared spawns of 2 and 4 gloo ranks (pytest -m shared_spawn) =="
+	$(PY) -m pytest -q -m "multiprocess and shared_spawn" tests
 
 bench: setup
 	$(PY) -m benchmarks.run_all

@@ -46,6 +46,21 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
 
 
+_SHARED_SPAWNS = ("two_rank_cases", "four_rank_cases")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """[Note: the parts of make test] A test that reads a shared spawn (``two_rank_cases``,
+    ``four_rank_cases``) is marked ``shared_spawn``: those spawns keep every core busy for minutes, so
+    `make test` runs them alone, last. The other multi-process tests spend much of their time waiting
+    (on timeouts they test, on workers, on a server), so they run beside the single-process part.
+    This hook runs before pytest's ``-m`` selection (``tryfirst``), which then sees the marker."""
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in _SHARED_SPAWNS):
+            item.add_marker(pytest.mark.shared_spawn)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown of a test without the ``multiprocess`` marker cannot spawn."""
