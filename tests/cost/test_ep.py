@@ -8,12 +8,12 @@ import pytest
 
 from wrapopt import zoo
 from wrapopt.cost.calls import module_time
-from wrapopt.cost.ep import ep_problem, ep_view, expert_counts, stacked_experts
+from wrapopt.cost.ep import ep_problem, ep_view, expert_counts, expert_units, stacked_experts
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.baselines import baselines
-from wrapopt.spec import MeshSpec, Shape, SimOptions
+from wrapopt.spec import MeshSpec, Shape, SimOptions, UnitSpec
 from wrapopt.trace import trace_model
 
 
@@ -80,10 +80,28 @@ def test_simulate_scores_an_ep_plan_on_its_view(moe):
     assert any("expert parallel 2" in n for n in two.notes)
     assert sim.view(Shape(ep=2)) is sim.view(Shape(ep=2))  # cached
     four = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4, ep_size=4)
-    big = sim.simulate(replace(plan, mesh=four))  # efsdp 1: the experts' gathers over-stated, and said
-    assert any("efsdp = 1" in n for n in big.notes)
+    whole = sim.simulate(replace(plan, mesh=four))  # efsdp 1: each rank holds its experts whole
+    gathered = sim.for_ep(4)[0].simulate(replace(plan, mesh=four.data_parallel()))
+    assert whole.step_s < gathered.step_s and whole.peak_bytes < gathered.peak_bytes  # nothing of them gathered
+    assert not any("efsdp" in n for n in whole.notes)
+    eight = sim.simulate(replace(plan, mesh=replace(mesh, ep_size=2)))  # efsdp 4 of a shard group of 8: said
+    assert any("efsdp = 4" in n for n in eight.notes)
     with pytest.raises((ValueError, PlanError)):
         sim.view(Shape(ep=2, tp=2))
+
+
+def test_experts_are_units_of_their_own(moe):
+    mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+    experts = tuple(stacked_experts(moe))
+    plan = baselines(moe, mesh)["per-block"]
+    split = expert_units(plan, experts)
+    assert [u.modules for u in split.units[:4]] == [(e,) for e in experts]  # innermost first, resharding
+    assert all(u.reshard_after_forward is True for u in split.units[:4]) and split.units[4:] == plan.units
+    own = replace(plan, units=(UnitSpec((experts[0],), False), *plan.units))
+    assert expert_units(own, experts).units[0] == UnitSpec((experts[0],), False)  # the plan's own unit kept
+    held = replace(plan, units=(UnitSpec((experts[0], "blocks.0.ln2")), *plan.units[1:]))
+    assert UnitSpec(("blocks.0.ln2",)) in expert_units(held, experts).units  # split out of the unit holding it
+    assert expert_units(split, experts) == split
 
 
 def test_the_view_keeps_the_step_s_knobs(moe):
@@ -91,6 +109,7 @@ def test_the_view_keeps_the_step_s_knobs(moe):
     the permutations of the routed tokens."""
     sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute(), SimOptions(compile=True))
     plan = baselines(moe, MeshSpec(world_size=8, ranks_per_node=8, shard_size=8))["per-block"]
+    plan = expert_units(plan, tuple(stacked_experts(moe)))  # the units the view scores
     base, one = sim.simulate(plan), sim.for_ep(1)[0].simulate(plan)
     eager = Simulator(moe, analytical_fabric(world_size=8), analytical_compute()).simulate(plan)
     assert base.step_s < eager.step_s  # compile prices faster: the view must keep that

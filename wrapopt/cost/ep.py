@@ -38,10 +38,14 @@ data-parallel rank. ``ep_view`` prices one rank's share:
   memory-bound ops at the profile's op bandwidth (``op_bandwidth_bytes_per_s``, else its memory
   bandwidth). The router (a linear, a softmax and a top-k) is in the trace already, priced as
   every module is (its matmul, its memory-bound ops).
+- Units: each experts module is an FSDP unit of its own, on the efsdp mesh, as TorchTitan shards
+  ``moe.experts`` and as ``plan/ep.py`` applies it: the view scores a plan with those units split
+  out of the units that held them (``expert_units``; resharding after forward unless the plan
+  made the module a unit of its own). With ``efsdp = 1`` (ep the whole shard group) each rank
+  holds its experts whole: nothing of them is gathered or reduce-scattered (the view for that
+  mesh counts none of their elements).
 - Left out: the a2a's receive buffers beside the saved activations (one buffer of the routed
-  tokens alive while the experts run), contention of the all-to-all with FSDP's collectives, and
-  the experts' own FSDP units (TorchTitan shards ``moe.experts`` apart, so they gather apart from
-  their block; here they gather with the unit that holds them).
+  tokens alive while the experts run), and contention of the all-to-all with FSDP's collectives.
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ from wrapopt.cost.calls import module_time
 from wrapopt.cost.dtypes import traced_dtype_bytes
 from wrapopt.errors import PlanError
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.spec import ModelGraph
+from wrapopt.spec import ModelGraph, PlanSpec, UnitSpec
 
-__all__ = ["EP_IMBALANCE", "ep_caveats", "ep_problem", "ep_view", "expert_counts", "stacked_experts"]
+__all__ = ["EP_IMBALANCE", "ep_caveats", "ep_problem", "ep_view", "expert_counts", "expert_units", "stacked_experts"]
 
 EP_IMBALANCE = 1.0  # the busiest expert-parallel rank's routed pairs over the mean: See [Note: expert parallel costs]
 
@@ -101,20 +105,41 @@ def ep_caveats(mesh) -> frozenset[str]:
     gathers priced over the shard group where they run over ``efsdp``. See [Note: expert parallel
     costs]."""
     efsdp, shard = max(1, mesh.efsdp_size), mesh.shard_size
-    if efsdp >= shard or (efsdp - 1) / efsdp >= 0.9 * (shard - 1) / shard:
+    if efsdp == 1 or efsdp >= shard or (efsdp - 1) / efsdp >= 0.9 * (shard - 1) / shard:
         return frozenset()
     return frozenset({f"expert parallel {mesh.ep_size}: the experts' all-gathers and reduce-scatters are priced over "
-                      f"the shard group of {shard} ranks; they run over efsdp = {efsdp} "
-                      f"({'none at all' if efsdp == 1 else 'a smaller ring share'}), so the step is over-stated"})
+                      f"the shard group of {shard} ranks; they run over efsdp = {efsdp} (a smaller ring share), so "
+                      "the step is over-stated"})
+
+
+def expert_units(plan: PlanSpec, experts: tuple[str, ...]) -> PlanSpec:
+    """``plan`` as expert parallelism applies it: each experts module a unit of its own (over
+    efsdp), out of the unit that held it, resharding as that unit did when it was the module's
+    alone (else after forward). See [Note: applying expert parallelism] in plan/ep.py."""
+    if not experts:
+        return plan
+    own = {u.modules[0]: u for u in plan.units if len(u.modules) == 1 and u.modules[0] in experts}
+    if len(own) == len(experts):
+        return plan
+    named = set(experts)
+    units = [own.get(e) or UnitSpec((e,)) for e in experts]
+    for u in plan.units:
+        if u.modules[0] in own and len(u.modules) == 1:
+            continue
+        rest = tuple(m for m in u.modules if m not in named)
+        if rest:
+            units.append(u if len(rest) == len(u.modules) else replace(u, modules=rest))
+    return replace(plan, units=tuple(units))
 
 
 def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, ep: int, *,
             batch_scale: float = 1.0, activation_dtype_bytes: int | None = None,
-            imbalance: float = EP_IMBALANCE, timed: ModelGraph | None = None,
+            imbalance: float = EP_IMBALANCE, timed: ModelGraph | None = None, efsdp_one: bool = False,
             ) -> tuple[ModelGraph, ComputeProfile, frozenset[str]]:
     """One expert-parallel rank's graph and compute profile, and the notes of the view (``graph``:
     the traced one; ``timed``: the graph the simulator times, after the compute dtype and the
-    throughput knobs, default ``graph``). See [Note: expert parallel costs]."""
+    throughput knobs, default ``graph``; ``efsdp_one``: each expert on one rank, nothing of it
+    gathered). See [Note: expert parallel costs]."""
     problem = ep_problem(graph, ep)
     if problem:
         raise PlanError(problem)
@@ -143,7 +168,7 @@ def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, e
     infos = {}
     for fqn, (n, numel) in experts.items():
         m = graph.info(fqn)
-        keep = numel - numel // ep  # the elements of the experts on other ranks: not gathered here
+        keep = numel if efsdp_one else numel - numel // ep  # the elements not gathered here
         trainable = keep if m.own_trainable_numel >= numel else 0
         infos[fqn] = replace(m, own_numel=m.own_numel - keep, own_trainable_numel=m.own_trainable_numel - trainable)
     tree = graph.tree.copy()

@@ -43,6 +43,8 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import replace
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -52,7 +54,7 @@ from wrapopt.cost.calls import twin_times
 from wrapopt.cost.collectives import CollectiveTimes
 from wrapopt.cost.cp import cp_view
 from wrapopt.cost.fused import with_knobs
-from wrapopt.cost.ep import ep_caveats, ep_view
+from wrapopt.cost.ep import ep_caveats, ep_view, expert_units, stacked_experts
 from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors, traced_dtype_bytes
 from wrapopt.cost.layout import Layouts
@@ -134,7 +136,8 @@ class Simulator:
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
         self._cp_views: dict[tuple[int, int], tuple[Simulator, frozenset[str]]] = {}
-        self._ep_views: dict[int, tuple[Simulator, frozenset[str]]] = {}
+        self._ep_views: dict[tuple[int, bool], tuple[Simulator, frozenset[str]]] = {}
+        self._plan_fix: Callable[[PlanSpec], PlanSpec] | None = None  # an ep view's experts units (cost/ep.py)
         self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
@@ -259,15 +262,18 @@ class Simulator:
             hit = self._tp_views[key] = (view, notes)
         return hit
 
-    def for_ep(self, size: int) -> tuple["Simulator", frozenset[str]]:
-        """The simulator of one expert-parallel rank's share (scores plans on the data-parallel mesh),
-        and the view's notes. See [Note: expert parallel costs] in cost/ep.py."""
-        hit = self._ep_views.get(size)
+    def for_ep(self, size: int, efsdp_one: bool = False) -> tuple["Simulator", frozenset[str]]:
+        """The simulator of one expert-parallel rank's share (scores plans on the data-parallel mesh,
+        each experts module a unit of its own; ``efsdp_one``: ep is the whole shard group), and the
+        view's notes. See [Note: expert parallel costs] in cost/ep.py."""
+        hit = self._ep_views.get((size, efsdp_one))
         if hit is None:
             g, c, notes = ep_view(self.traced, self.compute, self.fabric, size, batch_scale=self.options.batch_scale,
-                                  activation_dtype_bytes=self.options.activation_dtype_bytes, timed=self.graph)
-            hit = self._ep_views[size] = (Simulator(g, self.fabric, c, self.options, backend=self.backend,
-                                                    host=self.host), notes)
+                                  activation_dtype_bytes=self.options.activation_dtype_bytes, timed=self.graph,
+                                  efsdp_one=efsdp_one)
+            view = Simulator(g, self.fabric, c, self.options, backend=self.backend, host=self.host)
+            view._plan_fix = partial(expert_units, experts=tuple(stacked_experts(self.traced)))
+            hit = self._ep_views[(size, efsdp_one)] = (view, notes)
         return hit
 
     def for_stage(self, modules: tuple[str, ...], *, first: bool, last: bool, options: SimOptions) -> "Simulator":
@@ -287,6 +293,8 @@ class Simulator:
 
     def simulate(self, plan: PlanSpec, *, record: bool = False) -> CostEstimate:
         """Predict one training step of ``plan`` (see the notes at the top of this file)."""
+        if self._plan_fix is not None:
+            plan = self._plan_fix(plan)
         if plan.mesh.cp_size > 1:  # See [Note: context parallel costs] in cost/cp.py
             return self._simulate_cp(plan, record)
         if plan.pipeline is not None:  # See [Note: pipeline stages] in pipeline.py
@@ -294,7 +302,7 @@ class Simulator:
         if plan.tp is not None:
             return self._simulate_tp(plan, record)
         if plan.mesh.ep_size > 1:  # See [Note: expert parallel costs] in cost/ep.py
-            sub, notes = self.for_ep(plan.mesh.ep_size)
+            sub, notes = self.for_ep(plan.mesh.ep_size, plan.mesh.efsdp_size == 1)
             est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel()), record=record)
             return replace(est, notes=tuple(sorted(set(est.notes) | notes | ep_caveats(plan.mesh))))
         units, mesh = plan.units, plan.mesh

@@ -24,8 +24,10 @@ runs on gloo). ``shard_experts``, called by ``apply_plan`` before the plan's uni
   fixed-capacity buffers ``(n, capacity, hidden)`` (GShard: each rank sends expert ``e``'s
   buffer to the rank holding ``e``, which runs its experts over the buffers of every rank). The
   routing, and with it any capacity limit, stays per rank, as without expert parallelism;
-- shards each experts module with ``fully_shard`` over ``efsdp``, after its children that hold
-  parameters (a router inside the module) over the data-parallel mesh; the experts' gradients,
+- shards each experts module with ``fully_shard`` over ``efsdp`` (resharding after forward as
+  the plan's unit of that module alone says, else after forward: ``cost/ep.py``'s
+  ``expert_units`` prices the same units), after its children that hold parameters (a router
+  inside the module) over the data-parallel mesh; the experts' gradients,
   summed over the tokens of every rank of the ep group, are divided by the data-parallel size
   (``set_gradient_divide_factor``, sum-reduced so that gloo runs it), so that a step equals the
   unsharded model's on the mean loss;
@@ -178,6 +180,7 @@ def shard_experts(model: nn.Module, spec: PlanSpec, dp_mesh: Any, *, mp_policy: 
     if offload is not None:
         kw["offload_policy"] = offload
     owned: set[str] = set()
+    alone = {u.modules[0]: u.reshard_after_forward for u in spec.units if len(u.modules) == 1}
     for name, (m, n, stacked) in found.items():
         local = n // ep
         for pname in stacked:
@@ -194,7 +197,8 @@ def shard_experts(model: nn.Module, spec: PlanSpec, dp_mesh: Any, *, mp_policy: 
         for child_name, child in m.named_modules():
             if child_name and next(child.parameters(recurse=False), None) is not None:
                 fully_shard(child, mesh=dp_mesh, **kw)  # a router inside the experts module: dense
-        fully_shard(m, mesh=sparse["efsdp"], **kw)
+        raf = alone.get(name, True)  # a unit of its own in the plan: as it says; else after forward
+        fully_shard(m, mesh=sparse["efsdp"], reshard_after_forward=raf if isinstance(raf, bool) else True, **kw)
         m.set_gradient_divide_factor(float(dp))
         m.set_force_sum_reduction_for_comms(True)
         owned.add(name)
