@@ -154,7 +154,7 @@ def plan_model(job: Job, *, search: SearchOptions | None = None) -> tuple[WrapPl
         sim = job.sim if step == request.train else job.simulator(step)  # job.sim: the step asked
         return (one(sim), "") if screen else choose_offload(one, sim, lambda f: f.result)
 
-    steps, float8_line = float8_choices(request.train, job.compute, request.mesh)
+    steps, float8_line = float8_choices(request.train, job.compute, request.mesh, job.sim)
     try:
         chose = search_float8(steps, run, lambda f: f[0].result.best)
     except InfeasibleError as e:
@@ -442,7 +442,7 @@ def estimate(
     job = prepare(request, model, example_inputs, fabric=fabric, compute=compute, loss_fn=loss_fn,
                   rescale_fabric=rescale_fabric, notes=tuple(notes))
     graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, [*job.notes, *job.knobs]
-    train = job.train  # its compile settled: See [Note: knob defaults] in search/knobs.py
+    request, train = job.request, job.train  # its compile settled: See [Note: knob defaults] in search/knobs.py
     spec = given_cp(graph, given_spec(given, graph, mesh, checkpoint, request=request), request)
     sim = job.simulator(train, batch_scale=recorded_scale(graph, train, spec))
     spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, request, memory_budget=budget)

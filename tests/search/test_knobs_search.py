@@ -97,6 +97,21 @@ def test_float8_auto_tries_every_recipe_and_the_all_gather_only_where_fsdp_gathe
     assert len(fixed[0]) == 1 and fixed[1] == "float8: rowwise, as asked (--float8 rowwise)"
 
 
+def test_float8_auto_skips_a_model_whose_linears_the_filter_leaves_out():
+    """gpt-tiny's linears are all too small for torchao's auto filter: --float8 auto tries nothing
+    (no screen of four identical steps) and says why; left off, the hint says the same."""
+    model, x = zoo.build("gpt-tiny", "meta")
+    job = prepare(ParallelRequest(mesh=MESH, memory_budget="none", train=TrainConfig(float8="auto")), model, x,
+                  fabric="h100-sxm+ib400")
+    steps, line = float8_choices(job.train, job.compute, MESH, job.sim)
+    assert [s.float8 for s in steps] == ["none"] and "no linear passes TorchTitan's float8 filter" in line
+    assert len(float8_choices(job.train, job.compute, MESH)[0]) == 4  # without the model: every recipe
+    from wrapopt.search.knobs import float8_hint
+
+    plan = plan_model(job, search=SearchOptions(trials=0))[0]
+    assert "it would gain nothing here: no linear passes" in float8_hint(job.sim, plan.spec, 1.0, job.compute)
+
+
 def test_float8_auto_chooses_the_fastest_recipe_and_the_plan_records_it(searched):
     (auto, plan, result), (_off, off_plan, off_result) = searched
     train = plan.train_config

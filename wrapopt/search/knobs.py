@@ -80,9 +80,18 @@ def float8_words(train: TrainConfig) -> str:
     return train.float8 + (" with the float8 all-gather" if train.float8_all_gather else "")
 
 
-def float8_choices(train: TrainConfig, compute: Any, mesh: MeshSpec) -> tuple[tuple[TrainConfig, ...], str]:
+def _converts(sim: Simulator, recipe: str) -> bool:
+    """Whether ``recipe`` converts any linear of ``sim``'s model (TorchTitan's filter, cost/fused.py)."""
+    opts = replace(sim.options, float8=recipe, float8_all_gather=False)
+    return bool(Simulator(sim.traced, sim.fabric, sim.compute, opts, backend=sim.backend,
+                          host=sim.host).compute.meta.get("float8_modules"))
+
+
+def float8_choices(train: TrainConfig, compute: Any, mesh: MeshSpec,
+                   sim: Simulator | None = None) -> tuple[tuple[TrainConfig, ...], str]:
     """The float8 steps to search, and the knob line when it is settled without a search ("" when
-    a search or the hint will say it): See [Note: knob defaults]."""
+    a search or the hint will say it): See [Note: knob defaults]. With ``sim`` (the job's), a
+    recipe that converts no linear of the model is not tried."""
     if train.float8 != FLOAT8_AUTO:
         if train.float8 == "none":
             return (train,), ""
@@ -91,10 +100,15 @@ def float8_choices(train: TrainConfig, compute: Any, mesh: MeshSpec) -> tuple[tu
     why = fp8_missing(compute)
     if why:
         return (off,), f"float8: not tried (--float8 auto), {why}"
-    steps = [off, replace(off, float8="tensorwise")]
-    if mesh.shard_size > 1:  # FSDP gathers: the float8 all-gather applies
-        steps.append(replace(off, float8="tensorwise", float8_all_gather=True))
-    steps.append(replace(off, float8="rowwise"))
+    recipes = [r for r in ("tensorwise", "rowwise") if sim is None or _converts(sim, r)]
+    if not recipes:
+        return (off,), ("float8: not tried (--float8 auto), no linear passes TorchTitan's float8 filter (both "
+                        "dimensions divisible by 16, not the output head, not too small for torchao's auto filter)")
+    steps = [off]
+    for r in recipes:
+        steps.append(replace(off, float8=r))
+        if r == "tensorwise" and mesh.shard_size > 1:  # FSDP gathers: the float8 all-gather applies
+            steps.append(replace(off, float8=r, float8_all_gather=True))
     return tuple(steps), ""
 
 
