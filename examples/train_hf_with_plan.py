@@ -71,7 +71,7 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
     else:
         budget = float(parse_bytes(memory))
     # compile: on by default for the stated H100; eager where this plan will run on CPU ranks (inductor's CPU
-    # compile costs ~30 s cold): See [Note: knob defaults] in wrapopt/search/knobs.py
+    # compile costs 30 s and more cold): See [Note: knob defaults] in wrapopt/search/knobs.py
     step = TrainConfig(compile=None if torch.cuda.is_available() else False)
     job = prepare(ParallelRequest(mesh=mesh, memory_budget=budget, train=step), model, graph=graph, fabric=fabric,
                   compute=compute)

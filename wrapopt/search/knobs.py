@@ -9,8 +9,10 @@ wrapping choice (issue 52): ``training.compile`` and the float8 converter. Their
   the cost model never prices compiled slower than eager (See [Note: compile costs] in
   cost/fused.py: fused bytes are taken only where fewer, saved bytes only shrink), so a search
   would always answer "on". It is off on a measured profile, whose kernel times are eager
-  ones (on a CPU, inductor's C++ compile of the blocks also costs ~30 s cold, which a short CPU
-  job never earns back), and off when ``optimize_wrap`` applies the plan on CPU ranks.
+  ones (on a CPU, inductor's C++ compile of the blocks also costs 30 s and more cold, which a
+  short CPU job never earns back: llama-tiny's 6 blocks, compiled each with ``fullgraph=True``,
+  took 163 s to the end of the first step on one thread of a busy 2-core machine, then 0.05 s a
+  step), and off when ``optimize_wrap`` applies the plan on CPU ranks.
 - **float8** changes numerics (torchao's E4M3 casts of the linears' inputs, weights and
   gradients), so TorchTitan users opt in (``model.converters = ["float8"]``) and so does
   wrapopt: the default is ``none``, and on a GPU with FP8 tensor cores the knob lines name
@@ -38,7 +40,7 @@ from wrapopt.train import FLOAT8_AUTO, TrainConfig
 __all__ = ["settle_compile", "float8_choices", "float8_words", "float8_hint", "search_float8", "Float8Choice",
            "fp8_missing"]
 
-CPU_COMPILE_COLD_S = 30  # inductor's cold C++ compile of a small model's blocks on a CPU, about (See the note)
+CPU_COMPILE_COLD_S = 30  # inductor's cold C++ compile of a small model's blocks on a CPU, at least (See the note)
 
 
 def settle_compile(train: TrainConfig, compute: Any, *, apply_device: str | None = None) -> tuple[TrainConfig, str]:
@@ -51,12 +53,12 @@ def settle_compile(train: TrainConfig, compute: Any, *, apply_device: str | None
     if apply_device == "cpu":
         return replace(train, compile=False), (
             f"compile: off by default when the plan is applied on CPU ranks (inductor's CPU compile costs "
-            f"~{CPU_COMPILE_COLD_S} s cold, more than a short CPU job gains); compile=True turns it on")
+            f"{CPU_COMPILE_COLD_S} s and more cold, more than a short CPU job gains); compile=True turns it on")
     if compute.kind != "analytical":
         return replace(train, compile=False), (
             f"compile: off by default on a measured profile ({compute.device}): its kernel times are eager ones"
-            + (f", and inductor's CPU compile costs ~{CPU_COMPILE_COLD_S} s cold" if "cpu" in str(compute.device)
-               else "") + "; --compile prices and applies each block compiled")
+            + (f", and inductor's CPU compile costs {CPU_COMPILE_COLD_S} s and more cold"
+               if "cpu" in str(compute.device) else "") + "; --compile prices and applies each block compiled")
     return replace(train, compile=True), (
         f"compile: on by default on a stated GPU ({compute.device}), as TorchTitan runs it: each block "
         "torch.compile'd (fullgraph) after fully_shard; --no-compile (compile=False) prices it eager")
