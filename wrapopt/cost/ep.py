@@ -41,11 +41,14 @@ data-parallel rank. ``ep_view`` prices one rank's share:
 - Units: each experts module is an FSDP unit of its own, on the efsdp mesh, as TorchTitan shards
   ``moe.experts`` and as ``plan/ep.py`` applies it: the view scores a plan with those units split
   out of the units that held them (``expert_units``; resharding after forward unless the plan
-  made the module a unit of its own). With ``efsdp = 1`` (ep the whole shard group) each rank
-  holds its experts whole: nothing of them is gathered or reduce-scattered (the view for that
-  mesh counts none of their elements).
-- Left out: the a2a's receive buffers beside the saved activations (one buffer of the routed
-  tokens alive while the experts run), and contention of the all-to-all with FSDP's collectives.
+  made the module a unit of its own). With ``efsdp = 1`` (ep the whole shard group) FSDP2 runs
+  no collective for them but still copies them into unsharded parameters and gradients (its
+  world-size-1 path), so their memory is priced as gathered; their collectives' time is not
+  saved (a note says so: ``ep_caveats``).
+- Memory: the combine weights the tokens that come back by their routing weights, which saves
+  them for backward: one buffer of the routed tokens per call more than the experts module saved
+  (``saved_bytes``). Left out: the all-to-all's transient send and receive buffers, and contention
+  of the all-to-all with FSDP's collectives.
 """
 
 from __future__ import annotations
@@ -105,11 +108,12 @@ def ep_caveats(mesh) -> frozenset[str]:
     gathers priced over the shard group where they run over ``efsdp``. See [Note: expert parallel
     costs]."""
     efsdp, shard = max(1, mesh.efsdp_size), mesh.shard_size
-    if efsdp == 1 or efsdp >= shard or (efsdp - 1) / efsdp >= 0.9 * (shard - 1) / shard:
+    if efsdp >= shard or (efsdp - 1) / efsdp >= 0.9 * (shard - 1) / shard:
         return frozenset()
     return frozenset({f"expert parallel {mesh.ep_size}: the experts' all-gathers and reduce-scatters are priced over "
-                      f"the shard group of {shard} ranks; they run over efsdp = {efsdp} (a smaller ring share), so "
-                      "the step is over-stated"})
+                      f"the shard group of {shard} ranks; they run over efsdp = {efsdp} "
+                      f"({'a copy, no collective' if efsdp == 1 else 'a smaller ring share'}), so the step is "
+                      "over-stated"})
 
 
 def expert_units(plan: PlanSpec, experts: tuple[str, ...]) -> PlanSpec:
@@ -134,12 +138,11 @@ def expert_units(plan: PlanSpec, experts: tuple[str, ...]) -> PlanSpec:
 
 def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, ep: int, *,
             batch_scale: float = 1.0, activation_dtype_bytes: int | None = None,
-            imbalance: float = EP_IMBALANCE, timed: ModelGraph | None = None, efsdp_one: bool = False,
+            imbalance: float = EP_IMBALANCE, timed: ModelGraph | None = None,
             ) -> tuple[ModelGraph, ComputeProfile, frozenset[str]]:
     """One expert-parallel rank's graph and compute profile, and the notes of the view (``graph``:
     the traced one; ``timed``: the graph the simulator times, after the compute dtype and the
-    throughput knobs, default ``graph``; ``efsdp_one``: each expert on one rank, nothing of it
-    gathered). See [Note: expert parallel costs]."""
+    throughput knobs, default ``graph``). See [Note: expert parallel costs]."""
     problem = ep_problem(graph, ep)
     if problem:
         raise PlanError(problem)
@@ -151,14 +154,15 @@ def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, e
     tokens = max(1, graph.batch_size) * max(1, graph.seq_len)
     op_bw = compute.op_bandwidth_bytes_per_s or compute.memory_bandwidth_bytes_per_s
     measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
-    times = []
+    times, routed = [], {}
     for m in (timed or graph).call_order():
         f, b = module_time(m, compute, batch_scale, measured)
         if m.fqn in experts:
             n, numel = experts[m.fqn]
             m = graph.info(m.fqn)  # its sizes as traced, scaled by ``act``
             pairs = min(m.fwd_flops / (2 * numel / n), tokens * n)  # routed (token, expert) pairs, all calls
-            buffer = pairs / tokens * m.output_bytes * act * batch_scale  # bytes of the routed tokens, all calls
+            routed[m.fqn] = round(pairs / tokens * m.output_bytes)  # bytes of the routed tokens as traced
+            buffer = routed[m.fqn] * act * batch_scale  # and as the step runs them
             a2a, caveat = fabric.collective_s("all_gather", ep, rpn, buffer / max(1, m.num_calls))
             if caveat:
                 notes.add(caveat)
@@ -168,9 +172,10 @@ def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, e
     infos = {}
     for fqn, (n, numel) in experts.items():
         m = graph.info(fqn)
-        keep = numel if efsdp_one else numel - numel // ep  # the elements not gathered here
+        keep = numel - numel // ep  # the elements of the experts on other ranks: not gathered here
         trainable = keep if m.own_trainable_numel >= numel else 0
-        infos[fqn] = replace(m, own_numel=m.own_numel - keep, own_trainable_numel=m.own_trainable_numel - trainable)
+        infos[fqn] = replace(m, own_numel=m.own_numel - keep, own_trainable_numel=m.own_trainable_numel - trainable,
+                             saved_bytes=m.saved_bytes + routed.get(fqn, 0))  # the combined tokens, weighted
     tree = graph.tree.copy()
     for fqn, m in infos.items():
         tree.nodes[fqn]["info"] = m

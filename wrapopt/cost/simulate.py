@@ -136,7 +136,7 @@ class Simulator:
         self.traced = graph  # as traced (before the compute dtype): the tensor-parallel views start from it
         self._tp_views: dict[tuple[Any, int], tuple[Simulator, frozenset[str]]] = {}
         self._cp_views: dict[tuple[int, int], tuple[Simulator, frozenset[str]]] = {}
-        self._ep_views: dict[tuple[int, bool], tuple[Simulator, frozenset[str]]] = {}
+        self._ep_views: dict[int, tuple[Simulator, frozenset[str]]] = {}
         self._plan_fix: Callable[[PlanSpec], PlanSpec] | None = None  # an ep view's experts units (cost/ep.py)
         self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
@@ -262,18 +262,17 @@ class Simulator:
             hit = self._tp_views[key] = (view, notes)
         return hit
 
-    def for_ep(self, size: int, efsdp_one: bool = False) -> tuple["Simulator", frozenset[str]]:
+    def for_ep(self, size: int) -> tuple["Simulator", frozenset[str]]:
         """The simulator of one expert-parallel rank's share (scores plans on the data-parallel mesh,
-        each experts module a unit of its own; ``efsdp_one``: ep is the whole shard group), and the
-        view's notes. See [Note: expert parallel costs] in cost/ep.py."""
-        hit = self._ep_views.get((size, efsdp_one))
+        each experts module a unit of its own), and the view's notes. See [Note: expert parallel
+        costs] in cost/ep.py."""
+        hit = self._ep_views.get(size)
         if hit is None:
             g, c, notes = ep_view(self.traced, self.compute, self.fabric, size, batch_scale=self.options.batch_scale,
-                                  activation_dtype_bytes=self.options.activation_dtype_bytes, timed=self.graph,
-                                  efsdp_one=efsdp_one)
+                                  activation_dtype_bytes=self.options.activation_dtype_bytes, timed=self.graph)
             view = Simulator(g, self.fabric, c, self.options, backend=self.backend, host=self.host)
             view._plan_fix = partial(expert_units, experts=tuple(stacked_experts(self.traced)))
-            hit = self._ep_views[(size, efsdp_one)] = (view, notes)
+            hit = self._ep_views[size] = (view, notes)
         return hit
 
     def for_stage(self, modules: tuple[str, ...], *, first: bool, last: bool, options: SimOptions) -> "Simulator":
@@ -302,7 +301,7 @@ class Simulator:
         if plan.tp is not None:
             return self._simulate_tp(plan, record)
         if plan.mesh.ep_size > 1:  # See [Note: expert parallel costs] in cost/ep.py
-            sub, notes = self.for_ep(plan.mesh.ep_size, plan.mesh.efsdp_size == 1)
+            sub, notes = self.for_ep(plan.mesh.ep_size)
             est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel()), record=record)
             return replace(est, notes=tuple(sorted(set(est.notes) | notes | ep_caveats(plan.mesh))))
         units, mesh = plan.units, plan.mesh

@@ -65,7 +65,7 @@ def _search_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, ep: int, *
     if not sizes:
         raise InfeasibleError(f"no shard group of the {mesh.world_size} ranks holds whole groups of {ep}")
     opts = replace(options or SearchOptions(), shard_sizes=sizes)
-    sub = sim.for_ep(ep, True)[0] if set(sizes) == {ep} else sim.view(Shape(ep=ep))  # efsdp 1: nothing gathered
+    sub = sim.view(Shape(ep=ep))
     res = search_plan(graph, sub, mesh, memory_budget=memory_budget, max_group=max_group, options=opts)
     keep = [s for s in res.candidates if s.plan.mesh.shard_size % ep == 0]
     lifted = {id(s): _lift(s, ep) for s in keep}
