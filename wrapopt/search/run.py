@@ -46,12 +46,12 @@ def run_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, m
     space = shape_space(graph, request)
     # See [Note: async tensor parallel] in cost/tp.py
     asked = request.async_tp
-    if options.runtime == "torchtitan" and asked == AUTO and space.tp_spec is not None:
-        asked = False  # TorchTitan runs async TP only under torch.compile, which wrapopt does not price yet
+    if options.runtime == "torchtitan" and asked == AUTO and space.tp_spec is not None and not request.train.compile:
+        asked = False  # TorchTitan runs async TP only under torch.compile: See [Note: knob defaults]
     spec, why = sim.with_async(space.tp_spec, asked)
     if asked is not request.async_tp:
-        why = ("--async-tp auto: off under --runtime torchtitan: TorchTitan runs async TP only under "
-               "torch.compile, which wrapopt does not price yet")
+        why = ("--async-tp auto: off under --runtime torchtitan without compile (--no-compile): TorchTitan runs "
+               "async TP only under torch.compile")
     space = replace(space, tp_spec=spec, notes=(*space.notes, *([why] if why and request.asks_tp else [])))
     if not space.piped:  # no pipeline asked for, or --pp auto on a model that cannot be pipelined (a note says why)
         flat = search_flat(graph, sim, request, space, memory_budget=memory_budget, options=options)
