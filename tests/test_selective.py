@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,29 +46,62 @@ def _modes(graph):
     return {mode: checkpointed(base, str(mode), mode) for mode in (False, SELECTIVE_OP, True)}
 
 
-def test_the_policy_saves_matmuls_and_attention_only():
+def test_the_policy_is_torchtitans():
+    """TorchTitan's per-op policy: compute-intensive ops, attention, amax and the collectives kept;
+    mm every second one, counted per pass (forward and recompute apart); the rest recomputed."""
+    from torch._functorch.partitioners import get_default_op_list
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default,
+    save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    fwd, rec = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    policy = selective_policy()
+    for op in (aten.addmm.default, aten.bmm.default, aten.max.default, aten._scaled_mm.default,
                aten._scaled_dot_product_flash_attention_for_cpu.default,
-               aten._scaled_dot_product_efficient_attention.default):
-        assert is_saved_op(op) and selective_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
-    for op in (aten.gelu.default, aten.add.Tensor, aten.native_layer_norm.default, aten.silu.default):
-        assert not is_saved_op(op) and selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
-    assert len(SAVED_OPS) >= 10
+               aten._scaled_dot_product_efficient_attention.default,
+               torch.ops._c10d_functional.reduce_scatter_tensor.default):
+        assert is_saved_op(op) and policy(fwd, op) == save, op
+    for op in (aten.gelu.default, aten.add.Tensor, aten.native_layer_norm.default, aten.silu.default, aten.abs.default):
+        assert not is_saved_op(op) and policy(fwd, op) == again, op
+    mm = aten.mm.default
+    assert [policy(fwd, mm) for _ in range(3)] == [save, again, save]
+    assert [policy(rec, mm) for _ in range(2)] == [save, again]  # the recompute counts on its own
+    assert [selective_policy()(fwd, mm) for _ in range(2)] == [save, save]  # a fresh policy per region
+    intensive = {op for op in get_default_op_list().compute_intensive_ops}
+    assert intensive - SAVED_OPS == {aten.mm}
 
 
 def test_the_tracer_records_what_selective_op_keeps(traced):
-    """A Linear keeps its output; a norm nothing; a block's modules keep less than they save
-    for backward in all (the norms' and activations' saved tensors are recomputed)."""
-    _name, g = traced
+    """In each block every second mm is kept (1st, 3rd, ...) and the others recomputed; a biased
+    Linear (addmm) always kept; a norm keeps nothing; a block keeps less than it saves for backward.
+    What only a residual add reads is the share compile drops."""
+    name, g = traced
     block = g.blocks[0]
     inside = [m for m in g.modules if m.fqn.startswith(block + ".")]
-    linears = [m for m in inside if m.cls == "Linear"]
-    assert linears and all(m.selective_kept_bytes == m.output_bytes for m in linears)
+    linears = [m for m in g.call_order() if m.fqn.startswith(block + ".") and m.cls == "Linear"]
+    if name == "llama-tiny":  # no bias: mm, alternating
+        assert [m.selective_kept_bytes == m.output_bytes for m in linears] == [i % 2 == 0 for i in range(len(linears))]
+        assert [m.selective_mm_recompute for m in linears] == [float(i % 2) for i in range(len(linears))]
+    else:  # biased: addmm, kept
+        assert all(m.selective_kept_bytes == m.output_bytes and m.selective_mm_recompute == 0 for m in linears)
+    assert linears[-1].selective_unread == 1.0 and linears[0].selective_unread == 0.0  # down projection; q
     assert all(m.selective_kept_bytes == 0 for m in inside if "Norm" in m.cls)
     assert 0 < sum(m.selective_kept_bytes for m in inside) < sum(m.saved_bytes for m in inside)
+
+
+def test_compile_keeps_what_backward_reads(traced):
+    """[Note: compile keeps what backward reads]: compiled, a block's kept bytes lose the outputs
+    only additions read, and nothing else."""
+    from wrapopt.cost.fused import with_knobs
+    from wrapopt.spec import SimOptions
+
+    _name, g = traced
+    g2 = with_knobs(g, analytical_compute(), SimOptions(compile=True))[0]
+    before = {m.fqn: m for m in g.modules}
+    for m in g2.modules:
+        b = before[m.fqn]
+        assert m.selective_kept_bytes == int(b.selective_kept_bytes * (1 - b.selective_unread)), m.fqn
+    assert sum(m.selective_kept_bytes for m in g2.modules) < sum(m.selective_kept_bytes for m in g.modules)
 
 
 @pytest.mark.parametrize("backend", ("python", "compiled"))

@@ -3,20 +3,44 @@ unit keeps, shared by the tracer (what it prices) and ``plan.apply`` (what runs)
 
 [Note: selective checkpointing] A unit with ``checkpoint == "selective-op"`` is checkpointed
 as a full one is (torch's non-reentrant checkpoint around each of its modules, through the
-composable ``checkpoint(module, context_fn=...)``, which keeps module names), with a
-policy from ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the outputs
-of matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, grouped and scaled mm; ``nn.Linear``
-reaches the dispatcher as these) and of the attention kernels (flash, efficient, cuDNN,
-the fused CPU kernel, and the overridable fused op) are ``MUST_SAVE``; every other op
-(norms, activations, elementwise, views) is ``PREFER_RECOMPUTE``. In backward the
-recomputed forward takes the saved outputs from the cache instead of running those ops.
+composable ``checkpoint(module, context_fn=...)``, which keeps module names), with
+TorchTitan's per-op policy (``SelectiveAC`` in torchtitan/distributed/activation_checkpoint.py,
+``_save_list`` and ``_custom_policy`` at 9dec370, the commit of its published benchmarks) from
+``torch.utils.checkpoint.create_selective_checkpoint_contexts``:
+
+- ``MUST_SAVE``: the compute-intensive ops of torch's partitioner (``get_default_op_list()
+  .compute_intensive_ops``: ``addmm``, ``bmm``, ``_scaled_mm``, convolution, the flash and
+  efficient attention kernels), the other attention kernels TorchTitan lists (cuDNN, math, the
+  overridable fused op; here also the fused CPU kernel, which is what runs on CPU),
+  ``aten.max`` (float8's amax), ``topk`` (MoE routing), the collectives tensor parallelism
+  and expert parallelism produce (``reduce_scatter_tensor``, ``all_to_all_single``), and a
+  device-to-host copy;
+- ``mm`` and ``linear`` (``nn.Linear`` on 3-D input reaches the dispatcher as ``mm``): every
+  *second* one is recomputed. A counter per checkpointed region and pass (forward, recompute)
+  counts them; the 1st, 3rd, 5th... are kept. A Llama block's seven (q, k, v, o, gate, up,
+  down) keep q, v, gate and down; k, o and up are recomputed;
+- every other op (norms, activations, elementwise, views) ``PREFER_RECOMPUTE``.
+
+Not taken from TorchTitan: its ``force_recompute_mm_shapes_by_fqns`` (the MoE router's gate,
+recomputed by shape); and 9dec370's ``abs`` (TorchTitan has dropped it since: its output is a
+whole activation, for a 2-byte saving in the recompute).
 
 What this costs (the tracer's ``ModuleInfo.selective_kept_bytes``, priced in
-``cost/calls.py``): during forward a unit keeps its input (as a full checkpoint does) and
-the output of every saved op, whether autograd saves it or not (the checkpoint's cache
-holds each ``MUST_SAVE`` output: an attention block's output projection, which only a
-residual add reads, is kept too); in backward it recomputes the forward time of the
-other ops.
+``cost/calls.py``; ``selective_figures`` below turns the tracer's log into it): during
+forward a unit keeps its input (as a full checkpoint does) and the output of every saved op,
+whether autograd saves it or not (eagerly the checkpoint's cache holds each ``MUST_SAVE``
+output: a down projection, which only a residual add reads, is kept too). The tracer counts
+the mm parity per region as apply does when the checkpointed module is a repeated block (or
+a group of them: each block is its own region): from the innermost block holding the op, else
+from the top-level module holding it. A unit finer than a block counts from its own first mm,
+which the model does not follow (a Llama attention's four and MLP's three count the same
+either way). In backward the unit recomputes the forward time of its other ops and of the
+mm it did not keep (``ModuleInfo.selective_mm_recompute``: the share of a module's matmul
+FLOPs recomputed; ``cost.calls.recompute_share``).
+
+Under torch.compile ([Note: compile keeps what backward reads]) the partitioner saves a
+``MUST_SAVE`` output only where backward reads it, so what only additions read is not kept
+(``ModuleInfo.selective_unread``: that share of a module's kept bytes).
 
 It also costs per op: torch runs the unit's forward under a caching ``TorchDispatchMode``
 and its recompute under another, each calling the Python policy for every aten op (a full
@@ -33,14 +57,17 @@ profiles leave it 0: it is host work, which a GPU's run-ahead hides while its ke
 longer; it is not measured on a GPU here, so where kernels are tiny (launch-bound steps)
 selective-op is priced too cheap there.
 
-Where this differs from TorchTitan's op-level SAC (``apply_ac``, ``mode = "selective"``,
-``selective_ac_option = "op"``): TorchTitan saves every *second* ``mm`` (it recomputes the
-odd ones to halve the memory of the matmul outputs) and also saves ``aten.max`` and the
-reduce-scatter of tensor parallelism (``_c10d_functional.reduce_scatter_tensor``). Here every
-matmul is saved, so the choice between none, selective-op and full is a clean
-memory/recompute trade per unit, and a plan that needs more memory back checkpoints more
-units fully; ``max`` (a few bytes per row) and reduce-scatter (no tensor parallelism under
-selective-op yet) are recomputed.
+[Note: compile keeps what backward reads] Compiled (TorchTitan compiles each checkpointed
+block whole), the checkpoint becomes tags on the block's graph and inductor's min-cut
+partitioner builds the backward: ``PREFER_RECOMPUTE`` ops are recomputed there, fused into the
+backward's kernels, and a ``MUST_SAVE`` output is saved only when the backward graph reads it
+(directly, or to recompute something it reads). The rule priced: a kept output that no later
+forward op reads except additions (``add``; views only alias it) is not saved under compile,
+since an addition's backward needs none of its inputs. A Llama block's down projection is
+such an output (the residual add alone reads it), so compile drops it; q (read by the
+rotary), v (attention), gate (the SiLU) and attention's output (the o projection) stay.
+The recomputed ops' intermediates are priced as eagerly (the block's saved activations
+during its recompute), an upper bound on what the fused backward holds.
 
 [Note: selective checkpointing under mixed precision] Torch 2.13's selective checkpoint
 requires every op its recompute runs to have run in the checkpointed forward (its cache is
@@ -61,7 +88,7 @@ unit under a policy with ``output_dtype`` is refused (no preset sets one).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -69,36 +96,110 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from wrapopt.errors import PlanError
 from wrapopt.spec import PlanSpec, UnitSpec
 
-__all__ = ["SAVED_OPS", "is_saved_op", "selective_policy", "selective_context_fn", "refuse_selective",
-           "cast_inputs_hook", "check_selective_precision", "apply_checkpoints"]
+__all__ = ["SAVED_OPS", "ALTERNATE_OPS", "is_saved_op", "alternates", "selective_policy", "selective_context_fn",
+           "selective_figures", "refuse_selective", "cast_inputs_hook", "check_selective_precision",
+           "apply_checkpoints"]
 
 _aten = torch.ops.aten
 _SAVED_NAMES = (
-    # matmuls (nn.Linear lowers to mm / addmm, or to bmm through matmul on batched input)
-    "mm", "addmm", "bmm", "baddbmm", "linear", "_grouped_mm", "_scaled_mm",
-    # attention kernels as scaled_dot_product_attention dispatches them (torch 2.13)
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+    # torch's partitioner's compute-intensive ops (torch 2.13's get_default_op_list(), as TorchTitan reads it)
+    "addmm", "bmm", "convolution", "convolution_backward", "_scaled_mm", "upsample_bilinear2d",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention", "_flash_attention_forward",
+    "_efficient_attention_forward",
+    # TorchTitan's additions: the other attention kernels (and the fused CPU one, which runs here), float8's amax,
+    # MoE routing
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_flash_attention_for_cpu", "max", "topk",
 )
-# The op packets whose outputs selective-op keeps (those this torch build has).
-SAVED_OPS = frozenset(getattr(_aten, n) for n in _SAVED_NAMES if hasattr(_aten, n))
+# The op packets whose outputs selective-op keeps (those this torch build has), and the collectives TorchTitan keeps.
+SAVED_OPS = frozenset([getattr(_aten, n) for n in _SAVED_NAMES if hasattr(_aten, n)]
+                      + [getattr(torch.ops._c10d_functional, n) for n in ("reduce_scatter_tensor", "all_to_all_single")
+                         if hasattr(torch.ops._c10d_functional, n)])
+# Matmuls of which selective-op keeps every second one (the 1st, 3rd, ... of a region's pass).
+ALTERNATE_OPS = frozenset((_aten.mm, _aten.linear))
+_TO_COPY = _aten._to_copy
 
 
 def is_saved_op(func: Any) -> bool:
-    """True for an op (overload or packet) whose outputs selective-op keeps."""
-    return getattr(func, "_overloadpacket", func) in SAVED_OPS
+    """True for an op (overload or packet) whose outputs selective-op may keep: always, or every
+    second one (``alternates``)."""
+    packet = getattr(func, "_overloadpacket", func)
+    return packet in SAVED_OPS or packet in ALTERNATE_OPS
 
 
-def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """The policy of [Note: selective checkpointing]: keep matmul and attention outputs,
-    recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if is_saved_op(func) else CheckpointPolicy.PREFER_RECOMPUTE
+def alternates(func: Any) -> bool:
+    """True for the matmuls of which selective-op keeps every second one."""
+    return getattr(func, "_overloadpacket", func) in ALTERNATE_OPS
+
+
+def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A device-to-host copy (MoE's all-to-all sizes): TorchTitan keeps it rather than sync again."""
+    if getattr(func, "_overloadpacket", None) is not _TO_COPY or not args or "device" not in kwargs:
+        return False
+    dev = getattr(args[0], "device", None)
+    return dev is not None and dev.type not in ("cpu", "meta") and str(kwargs["device"]) == "cpu"
+
+
+def selective_policy() -> Callable[..., Any]:
+    """A fresh policy of [Note: selective checkpointing] (TorchTitan's): its counter of ``mm`` /
+    ``linear`` calls, one per pass (forward, recompute), keeps the odd ones."""
+    count = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if alternates(func):
+            recompute = bool(getattr(ctx, "is_recompute", False))
+            count[recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if count[recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        if is_saved_op(func) or _to_host(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def selective_context_fn() -> tuple[Any, Any]:
-    """``context_fn`` for torch's non-reentrant checkpoint: a fresh pair of contexts per call."""
-    return create_selective_checkpoint_contexts(selective_policy)
+    """``context_fn`` for torch's non-reentrant checkpoint: a fresh pair of contexts (and counter)
+    per call, that is per region and step, as TorchTitan's."""
+    return create_selective_checkpoint_contexts(selective_policy())
+
+
+class SelectiveEvent(NamedTuple):
+    """One saved op of the traced forward, in order: the module stack it ran under, whether it
+    alternates, the bytes of its outputs' storages not seen before, those storages, its FLOPs."""
+
+    stack: tuple[str, ...]
+    alternate: bool
+    nbytes: int
+    storages: tuple[Any, ...]
+    flops: float
+
+
+def selective_figures(log: list[SelectiveEvent], read: set[Any],
+                      blocks: set[str]) -> dict[str, tuple[int, float, float]]:
+    """Per module (the op's innermost), (kept bytes, share of them no later forward op but an addition reads,
+    FLOPs of the matmuls it recomputes): See [Note: selective checkpointing]. ``read``: the storages a later
+    forward op other than an addition read; ``blocks``: the repeated blocks (each a region)."""
+    count: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    unread: dict[str, int] = {}
+    mm: dict[str, float] = {}
+    for ev in log:
+        module = ev.stack[-1]
+        keep = True
+        if ev.alternate:
+            region = next((s for s in reversed(ev.stack) if s in blocks), ev.stack[1] if len(ev.stack) > 1 else "")
+            count[region] = count.get(region, 0) + 1
+            keep = count[region] % 2 == 1
+            mm[module] = mm.get(module, 0.0) + (0.0 if keep else ev.flops)
+        if keep:
+            kept[module] = kept.get(module, 0) + ev.nbytes
+            if not any(k in read for k in ev.storages):
+                unread[module] = unread.get(module, 0) + ev.nbytes
+    out = {}
+    for module in dict.fromkeys([*kept, *mm]):
+        k = kept.get(module, 0)
+        out[module] = (k, unread.get(module, 0) / k if k else 0.0, mm.get(module, 0.0))
+    return out
 
 
 def cast_inputs_hook(dtype: torch.dtype) -> Any:

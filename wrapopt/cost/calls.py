@@ -161,15 +161,16 @@ def module_time(m: ModuleInfo, compute: ComputeProfile, scale: float,
 
 def recompute_share(m: ModuleInfo, compute: ComputeProfile) -> float:
     """The share of a module's forward time (without per-call overhead) that selective-op
-    recomputes: its ops other than matmuls and attention (norms, activations, elementwise, other
-    FLOP ops such as convolutions), by the profile's kernel model (``kernel_times``). A measured
-    profile has no per-op times: its module's measured forward is split by this same modelled
-    share. See [Note: selective checkpointing] in wrapopt/selective.py."""
+    recomputes: its ops other than the matmuls and attention it keeps (norms, activations,
+    elementwise, other FLOP ops such as convolutions, and every second mm:
+    ``ModuleInfo.selective_mm_recompute``), by the profile's kernel model (``kernel_times``). A
+    measured profile has no per-op times: its module's measured forward is split by this same
+    modelled share. See [Note: selective checkpointing] in wrapopt/selective.py."""
     times = kernel_times(m, compute)
     total = sum(f for f, _b in times.values())
     if total <= 0:
         return 0.0
-    mm_flops = sum(row[0] * row[-1] for row in m.matmuls)
+    mm_flops = sum(row[0] * row[-1] for row in m.matmuls) * (1.0 - m.selective_mm_recompute)
     if compute.matmul_flops_per_s:  # GEMM: the matmul table and any other FLOP op, at one rate
         flop_ops = max(m.fwd_flops - m.attention_flops, 0.0)
         gemm = times["GEMM"][0] + times.get("GEMM fp8", (0.0, 0.0))[0]

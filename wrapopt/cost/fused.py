@@ -43,7 +43,10 @@ move beyond that), when that is less than they moved eagerly; its backward's mem
 shrink by the same ratio. Saved for backward: inductor's partitioner recomputes such chains in
 backward rather than keep their intermediates, so a module without GEMMs or attention of its
 own keeps at most its inputs and its children's outputs (a norm keeps its input, an MLP's
-gating its two GEMM outputs). The per-call overhead stays (the modules still run, fused).
+gating its two GEMM outputs). Under selective-op checkpointing a unit keeps only the saved
+ops' outputs its backward reads ([Note: compile keeps what backward reads] in
+wrapopt/selective.py: ``selective_unread`` of its kept bytes go). The per-call overhead stays
+(the modules still run, fused).
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ def with_knobs(graph: ModelGraph, compute: ComputeProfile, options: SimOptions,
     modules = []
     for m in graph.modules:
         fb, bb, saved = float(m.fwd_bytes), float(m.bwd_bytes), m.saved_bytes
+        # See [Note: compile keeps what backward reads] in wrapopt/selective.py
+        kept = int(m.selective_kept_bytes * (1.0 - m.selective_unread)) if options.compile else m.selective_kept_bytes
         calls = max(m.num_calls, 1)
         if m.fqn in eligible:
             n, k = eligible[m.fqn]
@@ -126,7 +131,8 @@ def with_knobs(graph: ModelGraph, compute: ComputeProfile, options: SimOptions,
                 bb, fb = bb * fused / fb if fb else bb, fused
             if not m.matmuls and not m.attention_flops:
                 saved = min(saved, (m.input_bytes * calls) + children.get(m.fqn, 0))
-        modules.append(replace(m, fwd_bytes=int(fb), bwd_bytes=int(bb), saved_bytes=int(saved)))
+        modules.append(replace(m, fwd_bytes=int(fb), bwd_bytes=int(bb), saved_bytes=int(saved),
+                               selective_kept_bytes=kept))
     tree = graph.tree.copy()
     for m in modules:
         tree.nodes[m.fqn]["info"] = m

@@ -284,9 +284,7 @@ def _checkpointing(plan: WrapPlan, layout: _BlockLayout, losses: list[str]) -> d
         return {"mode": "none"}
     if kinds == {True}:
         return {"mode": "full"}
-    if kinds == {SELECTIVE_OP}:
-        losses.append("selective-op keeps every matmul's output; TorchTitan's op-level selective checkpointing "
-                      "keeps every second one (and recomputes the rest), holding less and recomputing more")
+    if kinds == {SELECTIVE_OP}:  # the same policy: See [Note: selective checkpointing] in wrapopt/selective.py
         return {"mode": "selective", "selective_ac_option": "op"}
     every = _every_nth(modes)
     if every and plan.mesh.pp_size == 1:

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Callable
 
 import networkx as nx
@@ -72,6 +73,7 @@ import torch.nn as nn
 
 from wrapopt.errors import ModelError, OptionError
 from wrapopt.losses import DefaultLoss, labels_for, user_loss_choice
+from wrapopt.selective import selective_figures
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo, TraceRecord
 from wrapopt.trace import ops
 from wrapopt.trace.fx import export_fx
@@ -142,7 +144,7 @@ def trace_model(
     graph = _build_graph(model, named_modules, by_id, params, rec)
     infos: tuple[ModuleInfo, ...] = tuple(graph.nodes[fqn]["info"]
                                           for fqn in dict.fromkeys(f for f, _ in named_modules))
-    chains = _block_chains(modules_by_name, infos, graph)
+    infos, chains = _with_selective(infos, graph, rec, _block_chains(modules_by_name, infos, graph))
     shapes = tuple((names[0], tuple(params[i].shape), ops.dtype_name(params[i].dtype))
                    for i, names in by_id.items())
     fx_graph, dataflow = _fx_and_dataflow(model, example_inputs, example_kwargs, rec.flow, len(modules_by_name),
@@ -331,7 +333,6 @@ def _build_graph(
             matmuls=rec.matmuls.get(n, ()),
             attention_flops=rec.attention.get(n, (0.0, 0.0))[0],
             attention_run_flops=rec.attention.get(n, (0.0, 0.0))[1],
-            selective_kept_bytes=rec.selective_kept.get(n, 0),
             fwd_ops=rec.fwd_ops.get(n, 0),
             early_stop=rec.early_stop.get(n, ()),
         )
@@ -339,6 +340,23 @@ def _build_graph(
         if parent is not None:
             g.add_edge(parent, n)
     return g
+
+
+def _with_selective(infos: tuple[ModuleInfo, ...], g: nx.DiGraph, rec: Any,
+                    chains: tuple[tuple[str, ...], ...]) -> tuple[tuple[ModuleInfo, ...], tuple[tuple[str, ...], ...]]:
+    """(``infos`` (and the tree's) with what selective-op keeps and recomputes of each module, from the
+    tracer's log of saved ops, its mm parity counted per block: See [Note: selective checkpointing]; ``chains``)."""
+    figures = selective_figures(rec.selective_log, rec.selective_read, {b for c in chains for b in c})
+    out = []
+    for m in infos:
+        if m.fqn in figures:
+            kept, unread, mm = figures[m.fqn]
+            total = sum(row[0] * row[-1] for row in m.matmuls)
+            m = replace(m, selective_kept_bytes=kept, selective_unread=unread,
+                        selective_mm_recompute=min(1.0, mm / total) if total else 0.0)
+            g.nodes[m.fqn]["info"] = m
+        out.append(m)
+    return tuple(out), chains
 
 
 def _block_chains(

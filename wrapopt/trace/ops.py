@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from wrapopt.selective import is_saved_op
+from wrapopt.selective import SelectiveEvent, alternates, is_saved_op
 from wrapopt.trace.fx import OpDataflow
 from wrapopt.trace.kernels import MATMUL_OPS, attention_run_flops, is_attention, matmul_key
 from wrapopt.trace.op_bytes import op_bytes
@@ -49,6 +49,7 @@ _GROUPED_MM = torch.ops.aten._grouped_mm
 _CTC = (torch.ops.aten._ctc_loss, torch.ops.aten._ctc_loss_backward)  # no meta kernel: See _ctc_on_meta
 _PER_EXPERT = (_GROUPED_MM, torch.ops.aten.bmm)  # matmuls that give each slice of a 3-D weight its own tokens
 _TO_COPY = torch.ops.aten._to_copy.default
+_ADDS = (torch.ops.aten.add, torch.ops.aten.add_)  # See _selective_reads
 _META = torch.device("meta")
 
 
@@ -172,8 +173,10 @@ class Recorder(TorchDispatchMode):
         self.experts: dict[str, int] = {}  # module -> experts its 3-D weights hold
         # Per module, bytes of the outputs of the ops selective-op keeps, each storage once: See
         # [Note: selective checkpointing] in wrapopt/selective.py.
-        self.selective_kept: dict[str, int] = defaultdict(int)
+        self.selective_log: list[SelectiveEvent] = []
         self.selective_seen: set[Any] = set()
+        self.selective_read: set[Any] = set()  # kept storages a later forward op but an addition read
+        self.selective_hold: list[Any] = []  # the kept storages, alive while tracing (their keys stay theirs)
         self.fwd_ops: dict[str, int] = defaultdict(int)  # per module, aten ops its forward ran
         self.meta_wins = False  # ops mixing meta and real tensors run on meta: See [Note: integer inputs stay real]
         # The model's forward in order, for checkpoint's early stop (See [Note: early stop] in record.py): per
@@ -195,10 +198,12 @@ class Recorder(TorchDispatchMode):
             self._track_loss(out)
         if self.grad_live is not None:
             self._track_grads(out)
+        kept = False
         if not self.backward and not self.in_loss:
             self.fwd_ops[self.stack[-1]] += 1
-            if is_saved_op(func):
-                self._selective_kept(out)
+            if self.selective_seen:
+                self._selective_reads(func, args, kwargs, out)
+            kept = is_saved_op(func)
         if self.record_flow:
             self.flow.record(self.stack[-1], args, kwargs, out)
             if self.param_key:  # See [Note: who reads a parameter]
@@ -222,6 +227,10 @@ class Recorder(TorchDispatchMode):
                 if not self.in_loss:
                     self.es_log.append((self.stack[-1], flops, 0))
         else:
+            flops = 0.0
+        if kept:
+            self._selective_kept(func, out, flops)
+        if fn is None:
             nbytes = op_bytes(func, args, kwargs, out)
             if self.backward:
                 self.bwd_bytes_total += nbytes
@@ -241,17 +250,31 @@ class Recorder(TorchDispatchMode):
         elif packet in MATMUL_OPS:
             self.matmuls[m][matmul_key(packet, args, out, flops)] += 1
 
-    def _selective_kept(self, out: Any) -> None:
-        """A saved op's outputs, counted once per storage to the running module."""
+    def _selective_kept(self, func: Any, out: Any, flops: float) -> None:
+        """A saved op's event (its outputs' storages not seen before, counted once): See [Note: selective
+        checkpointing] in wrapopt/selective.py."""
+        nbytes, keys = 0, []
         for t in tensors_in(out):
             key = storage_key(t)
             if key in self.selective_seen:
                 continue
             self.selective_seen.add(key)
+            keys.append(key)
             try:
-                self.selective_kept[self.stack[-1]] += t.untyped_storage().nbytes()
+                self.selective_hold.append(t.untyped_storage())
+                nbytes += t.untyped_storage().nbytes()
             except (NotImplementedError, RuntimeError):
-                self.selective_kept[self.stack[-1]] += t.numel() * t.element_size()
+                nbytes += t.numel() * t.element_size()
+        self.selective_log.append(SelectiveEvent(tuple(self.stack), alternates(func), nbytes, tuple(keys), flops))
+
+    def _selective_reads(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Kept storages this forward op reads, unless it adds (its backward needs no input) or aliases
+        them (a view): See [Note: compile keeps what backward reads] in wrapopt/selective.py."""
+        if func._overloadpacket in _ADDS:
+            return
+        ins = {storage_key(t) for t in tensors_in((args, kwargs))} & self.selective_seen
+        if ins:
+            self.selective_read.update(ins - {storage_key(t) for t in tensors_in(out)})
 
     def start_tail(self, before: set[Any]) -> None:
         self.in_tail, self.loss_live, self.loss_peak, self.loss_before = True, {}, 0, before

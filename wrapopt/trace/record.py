@@ -154,7 +154,8 @@ class StepRecord:
         self.matmuls: dict[str, tuple[tuple[float, int, int, int, int], ...]] = {}
         self.attention: dict[str, tuple[float, float]] = {}  # (FLOPs counted, FLOPs the kernel runs)
         # See [Note: selective checkpointing] in wrapopt/selective.py: what selective-op keeps per module
-        self.selective_kept: dict[str, int] = {}
+        self.selective_log: list = []  # the saved ops of the forward, in order (SelectiveEvent)
+        self.selective_read: set = set()  # kept storages a later forward op but an addition read
         self.fwd_ops: dict[str, int] = {}  # aten ops each module's forward ran (its own)
         # See [Note: early stop]: per module, (module of its subtree, share of that one's forward its recompute skips)
         self.early_stop: dict[str, tuple[tuple[str, float], ...]] = {}
@@ -366,7 +367,8 @@ def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
     rec.experts = dict(recorder.experts)
     rec.matmuls = {m: tuple(sorted(k + (n,) for k, n in t.items())) for m, t in recorder.matmuls.items()}
     rec.attention = {m: (a[0], a[1]) for m, a in recorder.attention.items()}
-    rec.selective_kept = dict(recorder.selective_kept)
+    rec.selective_log, rec.selective_read = recorder.selective_log, recorder.selective_read
+    recorder.selective_hold.clear()
     rec.fwd_ops = dict(recorder.fwd_ops)
     rec.early_stop = early_stop_skips(recorder.es_log, recorder.es_spans, rec.fwd, rec.fwd_bytes)
 
