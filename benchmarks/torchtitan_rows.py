@@ -56,10 +56,10 @@ KNOBS = ["--compile", "--float8", "tensorwise", "--float8-all-gather"]
 _T1 = "per-block, selective-op, local batch 2"
 # (table, row, model, world, flags, --current, published tokens/s/GPU, published GiB)
 ROWS = [
-    ("1", "FSDP", "llama3.1-8b", 8, ["--global-batch", "16"], _T1, 5762, 82.4),
+    ("1", "FSDP", "llama3.1-8b", 8, ["--global-batch", "16"], _T1 + ", eager", 5762, 82.4),
     ("1", "FSDP + torch.compile", "llama3.1-8b", 8, ["--global-batch", "16", "--compile"], _T1, 6667, 77.0),
     ("1", "FSDP + torch.compile + Float8", "llama3.1-8b", 8, ["--global-batch", "16", *KNOBS], _T1, 8532, 76.8),
-    ("3", "FSDP", "llama3.1-8b", 128, ["--global-batch", "256"], _T1, 5605, 67.0),
+    ("3", "FSDP", "llama3.1-8b", 128, ["--global-batch", "256"], _T1 + ", eager", 5605, 67.0),
     ("3", "FSDP + torch.compile", "llama3.1-8b", 128, ["--global-batch", "256", "--compile"], _T1, 6514, 62.0),
     ("3", "FSDP + torch.compile + Float8", "llama3.1-8b", 128, ["--global-batch", "256", *KNOBS], _T1, 8380, 61.8),
     ("4", "2D", "llama3.1-70b", 256, ["--tp", "8", "--global-batch", "512", *KNOBS],
@@ -110,7 +110,7 @@ class _Recorder:
 
     def split(self) -> dict[str, float]:
         """Share of the compute seconds per kernel class (forward, backward, and the recompute: the
-        whole forward under full AC, the memory-bound ops under selective-op), over the whole model
+        whole forward under full AC, the memory-bound ops and every second mm under selective-op), over the whole model
         as the outermost simulator prices it (a tensor-parallel or pipeline view divides every class
         alike), and exposed communication's share of the step."""
         from wrapopt.cost.roofline import kernel_times
@@ -121,7 +121,8 @@ class _Recorder:
             for m in sim.graph.modules:
                 mode = next((ckpt[a] for a in _ancestry(m.fqn) if a in ckpt and ckpt[a]), False)
                 for k, (f, b) in kernel_times(m, sim.compute).items():
-                    again = f if mode is True or (mode and k == "memory-bound") else 0.0
+                    again = f if mode is True or (mode and k == "memory-bound") else (
+                        f * m.selective_mm_recompute if mode and k.startswith("GEMM") else 0.0)
                     out[k] = out.get(k, 0.0) + f + b + again
         total = sum(out.values()) or 1.0
         shares = {k: v / total for k, v in out.items()}
@@ -166,9 +167,11 @@ def main() -> int:
              + " FLAGS --current DESCRIPTION --json`, one process for all rows; the current configuration's "
              "prediction. Table 1 is the fit set of the preset's GEMM fraction and of the knob constants "
              "([Note: the TorchTitan fit] in benchmarks/torchtitan_fit.py); Tables 3, 4, 5 and A are held out. "
-             "Float8 rows: tensorwise with the float8 all-gather (TorchTitan's float8 guide). wrapopt's "
-             "selective-op checkpointing keeps every matmul and attention output; TorchTitan's per-op policy "
-             "recomputes every second matmul. Published memory is the caching allocator's peak reserved bytes; "
+             "Float8 rows: tensorwise with the float8 all-gather (TorchTitan's float8 guide); eager rows say "
+             "`eager` (compile's default is the search's). Selective-op is TorchTitan's per-op policy (every "
+             "second matmul recomputed: [Note: selective checkpointing] in wrapopt/selective.py); compiled, the "
+             "outputs only additions read are not kept ([Note: compile keeps what backward reads]). Published "
+             "memory is the caching allocator's peak reserved bytes; "
              "the prediction is the peak of live tensors. Split: the share of compute seconds per kernel class "
              "(forward, backward, recompute) and exposed communication's share of the step.", "",
              "| table | row | GPUs | layout (--current) | flags | published tokens/s/GPU | predicted | pred/pub | "

@@ -174,7 +174,7 @@ _DGX_H100 = HostSystem(link="pcie5", dram_bytes_per_s=76.8e9, source=(
 # benchmarks/torchtitan_fit.py); the other Hopper presets carry them (same tensor cores and kernels).
 _KNOBS_FIT = ("float8_fraction and compile_fraction fitted on TorchTitan's Table 1 (Llama 3.1 8B, 8 H100 500 W; "
               "one row each, bisection to pred/pub 1; `python -m benchmarks.torchtitan_fit`)")
-_KNOBS = {"float8_fraction": 1.202, "compile_fraction": 2.892}
+_KNOBS = {"float8_fraction": 1.209, "compile_fraction": 2.902}
 _KNOBS_CARRIED = {**_KNOBS, "knobs_fitted_on": "carried from h100-hbm2e-500w: " + _KNOBS_FIT}
 _H100_FITTED = Fitted(matmul_fraction=0.593, attention_fraction=0.200, fitted_on=_fit_half("H100 80GB"),
                       **_KNOBS_CARRIED)
@@ -216,7 +216,7 @@ GPUS: dict[str, GpuPreset] = {p.name: p for p in (
                    "interpolated between the H100 NVL and SXM datasheets' peaks, linear in the power limit: "
                    "886.3 TFLOP/s dense BF16, 1,773.3 FP8 (an assumption: "
                    "See [Note: the 500 W H100] in hardware/catalog.py)"),
-        fitted=dataclasses.replace(_H100_FITTED, matmul_fraction=0.764, knobs_fitted_on=_KNOBS_FIT, fitted_on=(
+        fitted=dataclasses.replace(_H100_FITTED, matmul_fraction=0.865, knobs_fitted_on=_KNOBS_FIT, fitted_on=(
             "GEMM fraction fitted on TorchTitan's Table 1 rows, the FSDP row (See [Note: the TorchTitan fit] in "
             "benchmarks/torchtitan_fit.py); attention fraction the H100 SXM's")), host=None),
     GpuPreset(
