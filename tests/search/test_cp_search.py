@@ -57,3 +57,12 @@ def test_cp_with_a_global_batch_or_a_pipeline_is_refused(llama_tiny):
         resolve_cp(graph, ParallelRequest(mesh=MESH, cp=2, global_batch=8))
     with pytest.raises(OptionError, match=r"--cp auto with --pp 2: context parallelism under a pipeline"):
         resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2))
+
+
+def test_current_at_another_cp_degree_names_the_degree_as_a_choice(capsys):
+    data = _search(capsys, "--cp", "auto", "--memory", "6MiB", "--current", "per-block, full AC, cp 4")
+    assert data["mesh"]["cp_size"] == 2
+    cmp = data["search"]["current"]
+    gain = next(g for g in cmp["choices"] if g["dimension"] == "context parallel")
+    assert (gain["current"], gain["wrapopt"]) == ("cp4", "cp2")
+    assert gain["alone"]["tokens_per_s_per_gpu_ratio"] > 1  # cp 4: the same FSDP bytes for half the tokens

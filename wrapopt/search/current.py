@@ -40,8 +40,8 @@ __all__ = ["CURRENT_FORMS", "DIMENSIONS", "Current", "Config", "ChoiceGain", "Co
            "compare_current", "current_sync"]
 
 # The choices compared one at a time, in the report's order.
-DIMENSIONS = ("micro-batch", "tensor parallel", "shard group", "units", "reshard", "checkpointing", "offload",
-              "gradient sync", "pipeline")
+DIMENSIONS = ("micro-batch", "context parallel", "tensor parallel", "shard group", "units", "reshard",
+              "checkpointing", "offload", "gradient sync", "pipeline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +343,11 @@ def _gains(cp: PlanSpec, bp: PlanSpec, cur: Config, best: Config, score, cur_syn
 
     add("micro-batch", str(cur.micro_batch), str(best.micro_batch), cp, best.micro_batch,
         "does not divide the global batch on the current mesh")
+    if cp.mesh.cp_size != bp.mesh.cp_size:  # the current's plan with the chosen cp degree (a step of 1/cp the tokens)
+        c = bp.mesh.cp_size
+        add("context parallel", f"cp{cp.mesh.cp_size}", f"cp{c}",
+            replace(cp, mesh=cp.mesh.with_cp(c)) if cp.mesh.shard_size % c == 0 else None, cur.micro_batch,
+            f"the current shard group of {cp.mesh.shard_size} does not hold cp groups of {c}")
     if cp.mesh.tp_size != bp.mesh.tp_size or cp.mesh.shard_size != bp.mesh.shard_size:
         moved = replace(cp, mesh=bp.mesh, tp=bp.tp) if cp.mesh.shard_size != 1 else None
         if cp.mesh.tp_size != bp.mesh.tp_size:
