@@ -214,7 +214,7 @@ def optimize_wrap(
     save_plan: str | os.PathLike | None = None, rescale_fabric: bool = False,
     train: TrainConfig | None = None,
     tp: int | str | None = None, tp_plan: TPSpec | None = None,
-    global_batch: int | None = None, pp: int | str | None = None,
+    global_batch: int | None = None, pp: int | str | None = None, cp: int | str | None = None,
     pipeline_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
@@ -247,6 +247,9 @@ def optimize_wrap(
             ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
         pp: pipeline degree: None or 1, an int, or "auto" (See [Note: pipeline search]); applied, ``.model``
             is this rank's ``PipelineRun``, its last stage calling ``pipeline_loss_fn(output, target)``.
+        cp: context-parallel degree: None or 1, an int, or "auto" (See [Note: context parallel search];
+            ``example_inputs``: one data-parallel rank's whole sequences); applied, run each step in
+            ``.train_context`` (See [Note: applying context parallelism] in plan/cp.py).
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -257,7 +260,7 @@ def optimize_wrap(
     in_group = dist.is_initialized()
     request, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
                                         loss_fn=loss_fn, plan=plan, seed=seed, train=train, request=dict(
-                                            tp=tp, tp_plan=tp_plan, pp=pp, global_batch=global_batch,
+                                            tp=tp, tp_plan=tp_plan, pp=pp, cp=cp, global_batch=global_batch,
                                             memory_budget=memory_budget))
     fab, compute = _profiles(fabric, compute, request=request, graph=graph, model=model,
                              measure=in_group and given_plan is None)

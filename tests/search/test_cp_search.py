@@ -66,3 +66,11 @@ def test_current_at_another_cp_degree_names_the_degree_as_a_choice(capsys):
     gain = next(g for g in cmp["choices"] if g["dimension"] == "context parallel")
     assert (gain["current"], gain["wrapopt"]) == ("cp4", "cp2")
     assert gain["alone"]["tokens_per_s_per_gpu_ratio"] > 1  # cp 4: the same FSDP bytes for half the tokens
+
+
+def test_optimize_wrap_takes_a_cp_degree(llama_tiny):
+    from wrapopt import optimize_wrap
+
+    model, x, _graph = llama_tiny
+    res = optimize_wrap(model, x, world_size=8, cp=2, memory_budget="none")  # no process group: plans only
+    assert res.plan.mesh.cp_size == 2 and res.plan.mesh.shard_size % 2 == 0
