@@ -8,7 +8,13 @@ blocks with and without resharding and checkpointing; prefetch), plus units that
 each block's experts alone (See [Note: experts on meta] in wrapopt/trace/ops.py: the
 trace runs the grouped-matmul experts on meta; the measured CPU model runs transformers'
 "eager" experts, the CPU grouped matmul having no float32 backward; both compute the
-routed (token, expert) pairs only). Writes results/fidelity_moe.md and .json.
+routed (token, expert) pairs only). With expert parallelism over every rank (ep = world,
+efsdp 1; See [Note: expert parallel costs] in wrapopt/cost/ep.py): wrapopt's choice among
+the ep plans (``search_ep``) and the fully sharded plans above with ``ep_size`` set.
+The variants' selective-op rows are left out: torch's selective checkpoint cannot replay
+transformers' eager experts, whose loop runs over the experts the routing hit ("aten.slice.Tensor
+invocation ... not found in storage" in backward, with or without expert parallelism).
+Writes results/fidelity_moe.md and .json.
 
     python -m benchmarks.fidelity_moe [--world-size 2] [--repeats 7] [--layers 4]
 """
@@ -37,7 +43,8 @@ from wrapopt.launch import broadcast_json, spawn
 from wrapopt.models.sources import resolve_model
 from wrapopt.search.baselines import baselines
 from wrapopt.search.driver import search_plan
-from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
+from wrapopt.search.ep import search_ep
+from wrapopt.spec import SELECTIVE_OP, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.trace.meta import trace_model
 
 
@@ -71,6 +78,21 @@ def expert_plans(graph, mesh: MeshSpec) -> list[PlanSpec]:
                      mesh, label="experts,keep+blocks")]
 
 
+EP_OF = ("per-block", "groups-of-2", "groups-of-1,ckpt", "groups-of-4,keep", "size-1e8", "experts+blocks")
+
+
+def ep_plans(graph, sim: Simulator, mesh: MeshSpec, plans: list[PlanSpec]) -> list[PlanSpec]:
+    """Expert parallelism over every rank: wrapopt's best ep plan, and the plans named in ``EP_OF``
+    (fully sharded) with ``ep_size`` set."""
+    ep = mesh.world_size
+    best = dict(search_ep(graph, sim, mesh, degrees=(ep,), memory_budget=None).tp_rows)[f"best ep{ep}"].plan
+    out = [replace(best, label="wrapopt:" + best.label)]
+    for p in plans:
+        if p.label in EP_OF and p.mesh.shard_size == mesh.world_size:
+            out.append(replace(p, mesh=replace(p.mesh, ep_size=ep), label=f"{p.label} + ep{ep}"))
+    return out
+
+
 def measured_model(src):
     """The CPU model, without the key-value cache: measure_compute's checkpoint probe calls a
     block again with the keyword arguments it captured, and a DynamicCache among them would
@@ -93,9 +115,12 @@ def worker(rank: int, world: int, path: str, batch: int, seq: int, repeats: int)
     plans = [replace(chosen, label="wrapopt:" + (chosen.label or "plan"))]
     seen = {(chosen.units, chosen.mesh, chosen.forward_prefetch)}
     for p in PLAN_SETS["variants"](graph, mesh) + expert_plans(graph, mesh):
+        if any(u.checkpoint == SELECTIVE_OP for u in p.units):
+            continue  # torch's selective checkpoint cannot replay the eager experts' data-dependent loop
         if (p.units, p.mesh, p.forward_prefetch) not in seen:
             seen.add((p.units, p.mesh, p.forward_prefetch))
             plans.append(p)
+    plans += ep_plans(graph, sim, mesh, plans)
     preds = [sim.simulate(p) for p in plans]
     measured = measure_plans(lambda: measured_model(src), plans, src.inputs, own_loss, repeats=repeats, warmup=2)
     if rank != 0:
@@ -146,7 +171,9 @@ def main() -> int:
              f"Model: Hugging Face Mixtral from a config ({res['params'] / 1e6:.2f} M parameters: {args.layers} "
              f"layers, width 128, 8 experts of width 256, top-2), batch {args.batch} x {args.seq} tokens per rank, its "
              f"own loss. Traced on meta with the grouped-matmul experts; measured with transformers' eager experts "
-             "(the CPU grouped matmul has no float32 backward). Reduced protocol: fabric and compute measured on the "
+             "(the CPU grouped matmul has no float32 backward). Plans `+ ep2` split the experts over both ranks "
+             "(expert parallelism, efsdp 1: tokens dispatched and combined by all-to-all). Reduced protocol: "
+             "fabric and compute measured on the "
              f"same ranks, then every plan run for real, interleaved, 2 warm-up rounds, median of {args.repeats} "
              f"repeats of the slowest rank's step; no confirmation round. Peak: live tensor bytes, max over ranks.", "",
              f"Spearman (predicted vs measured step): **{rho:.2f}**; predicted fastest {pred_fast['plan']}, measured "
