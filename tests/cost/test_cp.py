@@ -85,3 +85,12 @@ def test_a_model_without_a_sequence_is_refused():
 
     model, x = zoo.build("vit-tiny", "meta")
     assert "no sequence dimension" in cp_refusal(trace_model(model, x))
+
+
+def test_attention_without_is_causal_is_refused_naming_the_module():
+    from wrapopt.models import zoo
+    from wrapopt.trace.meta import trace_model
+
+    model, x = zoo.build("tx-encoder", "meta")
+    why = cp_refusal(trace_model(model, x))
+    assert why.startswith("encoder.layers.0.self_attn (MultiheadAttention) runs attention without is_causal=True")

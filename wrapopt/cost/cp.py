@@ -62,9 +62,11 @@ def attention_modules(graph: ModelGraph) -> tuple[ModuleInfo, ...]:
 
 
 def cp_refusal(graph: ModelGraph) -> str | None:
-    """None when context parallelism can shard the model's attention (every block runs SDPA), else
-    why not, naming the module: torch's ``context_parallel`` replaces
-    ``scaled_dot_product_attention``, so attention written as matmuls and a softmax is not split."""
+    """None when context parallelism can shard the model's attention (every block runs causal SDPA),
+    else why not, naming the module: torch's ``context_parallel`` replaces
+    ``scaled_dot_product_attention``, so attention written as matmuls and a softmax is not split,
+    and its head-tail load balancer needs ``is_causal=True`` (the kernel then skips half the
+    scores: ``attention_run_flops``)."""
     if not graph.seq_len:
         return "the model's inputs have no sequence dimension to split (no --seq)"
     with_sdpa = {m.fqn for m in attention_modules(graph)}
@@ -80,6 +82,11 @@ def cp_refusal(graph: ModelGraph) -> str | None:
     if not with_sdpa:
         return ("no module runs scaled_dot_product_attention, which context parallelism shards "
                 "(torch's context_parallel replaces SDPA); pass --cp 1")
+    full = next((m for m in attention_modules(graph) if m.attention_run_flops >= m.attention_flops), None)
+    if full is not None:  # the kernel ran every score: no is_causal (an encoder, cross-attention or a mask)
+        return (f"{full.fqn} ({full.cls}) runs attention without is_causal=True (an encoder, cross-attention or an "
+                "explicit mask), which context parallelism's load balancer and ring attention do not take; "
+                "pass --cp 1")
     return None
 
 
