@@ -101,6 +101,8 @@ def test_experts_are_units_of_their_own(moe):
     held = replace(plan, units=(UnitSpec((experts[0], "blocks.0.ln2")), *plan.units[1:]))
     assert UnitSpec(("blocks.0.ln2",)) in expert_units(held, experts).units  # split out of the unit holding it
     assert expert_units(split, experts) == split
+    ckpt = baselines(moe, mesh)["per-block,ckpt"]
+    assert all(u.checkpoint is True for u in expert_units(ckpt, experts).units[:4])  # recomputed with the block
 
 
 def test_the_view_keeps_the_step_s_knobs(moe):

@@ -80,6 +80,9 @@ def ep_parity_cases(rank: int, world: int, tmp: str, out: dict) -> None:
     got = _train(model, [s[rank] for s in steps], e.loss, world)
     local = tuple(model.blocks[0].ffn.w_in.to_local().shape) if hasattr(model.blocks[0].ffn.w_in, "to_local") else None
     out["ep/moe-tiny"] = {"losses": got, "ref": want, "local": local}
+    ckpt = PlanSpec(tuple(UnitSpec((b,), True, True) for b in blocks) + (UnitSpec((ROOT,), False),), EP2, label="c")
+    model = apply_plan(copy.deepcopy(ref), ckpt)  # checkpointed blocks: the all-to-alls run again in backward
+    out["ep/moe-tiny-ckpt"] = {"losses": _train(model, [s[rank] for s in steps], e.loss, world), "ref": want}
     # Hugging Face Mixtral (4 experts, top-2): blocks as units, the experts module inside them
     hf = _hf_mixtral()
     blocks = [f"model.layers.{i}" for i in range(hf.config.num_hidden_layers)]
@@ -102,7 +105,7 @@ def ep_parity_cases(rank: int, world: int, tmp: str, out: dict) -> None:
 
 
 def test_ep2_trains_as_the_unsharded_model(two_rank_cases):
-    for key in ("ep/moe-tiny", "ep/mixtral"):
+    for key in ("ep/moe-tiny", "ep/moe-tiny-ckpt", "ep/mixtral"):
         r = two_rank_cases[0][key]
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), key
         assert r["ref"][0] != r["ref"][-1], key  # it trained

@@ -41,7 +41,8 @@ data-parallel rank. ``ep_view`` prices one rank's share:
 - Units: each experts module is an FSDP unit of its own, on the efsdp mesh, as TorchTitan shards
   ``moe.experts`` and as ``plan/ep.py`` applies it: the view scores a plan with those units split
   out of the units that held them (``expert_units``; resharding after forward unless the plan
-  made the module a unit of its own). With ``efsdp = 1`` (ep the whole shard group) FSDP2 runs
+  made the module a unit of its own, checkpointed as the unit around it: apply checkpoints the
+  plan's units as they were, the experts inside them). With ``efsdp = 1`` (ep the whole shard group) FSDP2 runs
   no collective for them but still copies them into unsharded parameters and gradients (its
   world-size-1 path), so their memory is priced as gathered; their collectives' time is not
   saved (a note says so: ``ep_caveats``).
@@ -61,6 +62,7 @@ from wrapopt.cost.dtypes import traced_dtype_bytes
 from wrapopt.errors import PlanError
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import ModelGraph, PlanSpec, UnitSpec
+from wrapopt.units import ancestors
 
 __all__ = ["EP_IMBALANCE", "ep_caveats", "ep_problem", "ep_view", "expert_counts", "expert_units", "stacked_experts"]
 
@@ -126,7 +128,8 @@ def expert_units(plan: PlanSpec, experts: tuple[str, ...]) -> PlanSpec:
     if len(own) == len(experts):
         return plan
     named = set(experts)
-    units = [own.get(e) or UnitSpec((e,)) for e in experts]
+    by_module = {m: u for u in plan.units for m in u.modules if m not in named}
+    units = [own.get(e) or UnitSpec((e,), checkpoint=_enclosing_checkpoint(e, by_module)) for e in experts]
     for u in plan.units:
         if u.modules[0] in own and len(u.modules) == 1:
             continue
@@ -134,6 +137,15 @@ def expert_units(plan: PlanSpec, experts: tuple[str, ...]) -> PlanSpec:
         if rest:
             units.append(u if len(rest) == len(u.modules) else replace(u, modules=rest))
     return replace(plan, units=tuple(units))
+
+
+def _enclosing_checkpoint(fqn: str, by_module: dict[str, UnitSpec]) -> bool | str:
+    """The checkpointing of the innermost unit around ``fqn``: apply checkpoints the plan's units as
+    they were, so an experts module inside a checkpointed block is recomputed with it."""
+    for anc in ancestors(fqn)[1:]:
+        if anc in by_module:
+            return by_module[anc].checkpoint
+    return False
 
 
 def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, ep: int, *,
