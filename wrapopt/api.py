@@ -247,9 +247,8 @@ def optimize_wrap(
             ``.accumulation``; ``example_inputs`` then only need the model's shapes: any batch).
         pp: pipeline degree: None or 1, an int, or "auto" (See [Note: pipeline search]); applied, ``.model``
             is this rank's ``PipelineRun``, its last stage calling ``pipeline_loss_fn(output, target)``.
-        cp: context-parallel degree: None or 1, an int, or "auto" (See [Note: context parallel search];
-            ``example_inputs``: one data-parallel rank's whole sequences); applied, run each step in
-            ``.train_context`` (See [Note: applying context parallelism] in plan/cp.py).
+        cp: context-parallel degree: None or 1, an int, or "auto" (See [Note: context parallel search]);
+            applied, each step runs in ``.train_context`` (See [Note: applying context parallelism]).
 
     Example:
         >>> from wrapopt import optimize_wrap, zoo
@@ -401,8 +400,7 @@ def estimate(
     global_batch: int | None = None,
     pp: int | str | None = None,
     tp: int = 1,
-    cp: int | str = 1,
-    ep: int | str = 1,
+    cp: int | str = 1, ep: int | str = 1,
 ) -> EstimateReport:
     """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
 

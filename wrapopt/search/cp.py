@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from wrapopt.cost.cp import cp_degrees, cp_refusal
+from wrapopt.spec.cp import cp_degrees, cp_refusal
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError, PlanError
 from wrapopt.search.choose import STEP_ERROR

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, replace
 
 from wrapopt.choices import CURRENT_FORMS
-from wrapopt.cost.cp import cp_refusal
+from wrapopt.spec.cp import cp_refusal
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import OptionError, PlanError
 from wrapopt.search.baselines import baselines, with_choices
