@@ -39,8 +39,8 @@ mm it did not keep (``ModuleInfo.selective_mm_recompute``: the share of a module
 FLOPs recomputed; ``cost.calls.recompute_share``).
 
 Under torch.compile ([Note: compile keeps what backward reads]) the partitioner saves a
-``MUST_SAVE`` output only where backward reads it, so what only additions read is not kept
-(``ModuleInfo.selective_unread``: that share of a module's kept bytes).
+``MUST_SAVE`` output only where backward reads it, so what no op of its block reads but
+additions is not kept (``ModuleInfo.selective_unread``: that share of a module's kept bytes).
 
 It also costs per op: torch runs the unit's forward under a caching ``TorchDispatchMode``
 and its recompute under another, each calling the Python policy for every aten op (a full
@@ -62,10 +62,15 @@ block whole), the checkpoint becomes tags on the block's graph and inductor's mi
 partitioner builds the backward: ``PREFER_RECOMPUTE`` ops are recomputed there, fused into the
 backward's kernels, and a ``MUST_SAVE`` output is saved only when the backward graph reads it
 (directly, or to recompute something it reads). The rule priced: a kept output that no later
-forward op reads except additions (``add``; views only alias it) is not saved under compile,
-since an addition's backward needs none of its inputs. A Llama block's down projection is
-such an output (the residual add alone reads it), so compile drops it; q (read by the
-rotary), v (attention), gate (the SiLU) and attention's output (the o projection) stay.
+forward op of its own block reads, directly or through additions (``add``: its backward needs
+none of its inputs, but what reads the sum needs the sum recomputed; views only alias), is not
+saved under compile. A Llama block's down projection is such an output (the residual add
+reads it, and only the next block reads the sum), so compile drops it; q (read by the
+rotary), v (attention), gate (the SiLU) and attention's output (the o projection) stay; a
+GPT block's attention output projection stays too (its residual sum feeds the second norm).
+Checked against the partitioner (``python -m benchmarks.sac_compile_check``, inductor's
+min-cut partitioner without code generation): llama-tiny's and gpt-tiny's compiled first
+block save exactly the bytes the model keeps.
 The recomputed ops' intermediates are priced as eagerly (the block's saved activations
 during its recompute), an upper bound on what the fused backward holds.
 
@@ -174,26 +179,27 @@ class SelectiveEvent(NamedTuple):
     flops: float
 
 
-def selective_figures(log: list[SelectiveEvent], read: set[Any],
+def selective_figures(log: list[SelectiveEvent], read: dict[Any, set[tuple[str, ...]]],
                       blocks: set[str]) -> dict[str, tuple[int, float, float]]:
-    """Per module (the op's innermost), (kept bytes, share of them no later forward op but an addition reads,
-    FLOPs of the matmuls it recomputes): See [Note: selective checkpointing]. ``read``: the storages a later
-    forward op other than an addition read; ``blocks``: the repeated blocks (each a region)."""
+    """Per module (the op's innermost), (kept bytes, share of them no op of the same region reads but
+    additions, FLOPs of the matmuls it recomputes): See [Note: selective checkpointing]. ``read``: per kept
+    storage, the module stacks of the forward ops that read it (through additions too); ``blocks``: the
+    repeated blocks, each a region."""
     count: dict[str, int] = {}
     kept: dict[str, int] = {}
     unread: dict[str, int] = {}
     mm: dict[str, float] = {}
     for ev in log:
         module = ev.stack[-1]
+        region = next((s for s in reversed(ev.stack) if s in blocks), ev.stack[1] if len(ev.stack) > 1 else "")
         keep = True
         if ev.alternate:
-            region = next((s for s in reversed(ev.stack) if s in blocks), ev.stack[1] if len(ev.stack) > 1 else "")
             count[region] = count.get(region, 0) + 1
             keep = count[region] % 2 == 1
             mm[module] = mm.get(module, 0.0) + (0.0 if keep else ev.flops)
         if keep:
             kept[module] = kept.get(module, 0) + ev.nbytes
-            if not any(k in read for k in ev.storages):
+            if not any(region in stack for k in ev.storages for stack in read.get(k, ())):
                 unread[module] = unread.get(module, 0) + ev.nbytes
     out = {}
     for module in dict.fromkeys([*kept, *mm]):

@@ -57,7 +57,7 @@ class ModuleInfo:
     # calls): what selective-op checkpointing keeps of it. See [Note: selective checkpointing] in
     # wrapopt/selective.py.
     selective_kept_bytes: int = 0
-    # Of those kept bytes, the share no later forward op but an addition reads (torch.compile's partitioner
+    # Of those kept bytes, the share no later op of its block reads but additions (torch.compile's partitioner
     # does not save them: See [Note: compile keeps what backward reads] in wrapopt/selective.py); and the share
     # of its forward matmuls' FLOPs selective-op recomputes (every second mm: See [Note: selective checkpointing]).
     selective_unread: float = 0.0

@@ -175,7 +175,8 @@ class Recorder(TorchDispatchMode):
         # [Note: selective checkpointing] in wrapopt/selective.py.
         self.selective_log: list[SelectiveEvent] = []
         self.selective_seen: set[Any] = set()
-        self.selective_read: set[Any] = set()  # kept storages a later forward op but an addition read
+        self.selective_read: dict[Any, set[tuple[str, ...]]] = {}  # kept storage -> stacks of the ops that read it
+        self.selective_via: dict[Any, set[Any]] = {}  # an addition's output -> the kept storages it sums
         self.selective_hold: list[Any] = []  # the kept storages, alive while tracing (their keys stay theirs)
         self.fwd_ops: dict[str, int] = defaultdict(int)  # per module, aten ops its forward ran
         self.meta_wins = False  # ops mixing meta and real tensors run on meta: See [Note: integer inputs stay real]
@@ -268,13 +269,27 @@ class Recorder(TorchDispatchMode):
         self.selective_log.append(SelectiveEvent(tuple(self.stack), alternates(func), nbytes, tuple(keys), flops))
 
     def _selective_reads(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Kept storages this forward op reads, unless it adds (its backward needs no input) or aliases
-        them (a view): See [Note: compile keeps what backward reads] in wrapopt/selective.py."""
-        if func._overloadpacket in _ADDS:
+        """The ops that read kept storages, directly or through additions (an addition's backward needs no
+        input, so it passes its operands on to what reads its sum), views aside: See [Note: compile keeps
+        what backward reads] in wrapopt/selective.py."""
+        kept: set[Any] = set()
+        for t in tensors_in((args, kwargs)):
+            key = storage_key(t)
+            if key in self.selective_seen:
+                kept.add(key)
+            kept |= self.selective_via.get(key, set())
+        if not kept:
             return
-        ins = {storage_key(t) for t in tensors_in((args, kwargs))} & self.selective_seen
-        if ins:
-            self.selective_read.update(ins - {storage_key(t) for t in tensors_in(out)})
+        if func._overloadpacket in _ADDS:
+            for t in tensors_in(out):
+                key = storage_key(t)
+                if key not in self.selective_via:
+                    self.selective_hold.append(t.untyped_storage())
+                self.selective_via[key] = self.selective_via.get(key, set()) | kept
+            return
+        stack = tuple(self.stack)
+        for key in kept - {storage_key(t) for t in tensors_in(out)}:  # a view aliases what it reads
+            self.selective_read.setdefault(key, set()).add(stack)
 
     def start_tail(self, before: set[Any]) -> None:
         self.in_tail, self.loss_live, self.loss_peak, self.loss_before = True, {}, 0, before

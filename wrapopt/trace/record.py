@@ -155,7 +155,7 @@ class StepRecord:
         self.attention: dict[str, tuple[float, float]] = {}  # (FLOPs counted, FLOPs the kernel runs)
         # See [Note: selective checkpointing] in wrapopt/selective.py: what selective-op keeps per module
         self.selective_log: list = []  # the saved ops of the forward, in order (SelectiveEvent)
-        self.selective_read: set = set()  # kept storages a later forward op but an addition read
+        self.selective_read: dict = {}  # kept storage -> the module stacks of the ops that read it
         self.fwd_ops: dict[str, int] = {}  # aten ops each module's forward ran (its own)
         # See [Note: early stop]: per module, (module of its subtree, share of that one's forward its recompute skips)
         self.early_stop: dict[str, tuple[tuple[str, float], ...]] = {}
