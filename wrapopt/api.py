@@ -232,8 +232,8 @@ def optimize_wrap(
             device's capacity when known) or "none" (no limit).
         seed: the Optuna study's seed (``DEFAULT_TRIALS`` trials); the same seed gives the same plan.
         plan: a WrapPlan or plan file to apply instead of searching.
-        train: the training step (mixed precision, gradient accumulation,
-            optimizer, sync mode; default: fp32, one micro-batch, AdamW).
+        train: the training step (precision, accumulation, optimizer, sync mode; default: fp32, one micro-batch,
+            AdamW; compile on for a stated GPU, off on CPU ranks; float8 "auto": searched: See [Note: knob defaults]).
             Recorded in the plan; ``plan.apply`` applies its mixed precision, and its
             ``float8`` (torchao, before ``fully_shard``) and ``compile`` (each block, after):
             with ``float8_all_gather`` the loop calls ``wrapopt.plan.float8.after_optimizer_step(model)``
