@@ -68,9 +68,11 @@ def test_current_at_another_cp_degree_names_the_degree_as_a_choice(capsys):
     assert gain["alone"]["tokens_per_s_per_gpu_ratio"] > 1  # cp 4: the same FSDP bytes for half the tokens
 
 
-def test_optimize_wrap_takes_a_cp_degree(llama_tiny):
+def test_optimize_wrap_takes_a_cp_degree(llama_tiny, monkeypatch):
+    import wrapopt.api
     from wrapopt import optimize_wrap
 
+    monkeypatch.setattr(wrapopt.api, "DEFAULT_TRIALS", 0)  # the DP and the baselines, not the study: seconds
     model, x, _graph = llama_tiny
     res = optimize_wrap(model, x, world_size=8, cp=2, memory_budget="none")  # no process group: plans only
     assert res.plan.mesh.cp_size == 2 and res.plan.mesh.shard_size % 2 == 0
