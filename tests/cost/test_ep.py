@@ -81,8 +81,14 @@ def test_simulate_scores_an_ep_plan_on_its_view(moe):
     assert any("expert parallel 2" in n for n in two.notes)
     assert sim.view(Shape(ep=2)) is sim.view(Shape(ep=2))  # cached
     four = MeshSpec(world_size=4, ranks_per_node=4, shard_size=4, ep_size=4)
-    whole = sim.simulate(replace(plan, mesh=four))  # efsdp 1: FSDP copies the experts, no collective: said
-    assert any("efsdp = 1 (a copy, no collective)" in n for n in whole.notes)
+    whole = sim.simulate(replace(plan, mesh=four))  # efsdp 1: FSDP copies the experts, no collective
+    units = expert_units(plan, tuple(stacked_experts(moe)))
+    view = sim.for_ep(4)[0]
+    costs = view._mesh_costs(view._unit_set(units.units, tuple((u.modules for u in units.units))), units.units,
+                             four.data_parallel())
+    assert list(costs.all_gather_s[:4]) == [0.0] * 4 and costs.all_gather_s[4] > 0  # experts' units: no collective
+    assert costs.gathered_bytes[0] > 0  # but their copies held as gathered
+    assert not any("efsdp" in n for n in whole.notes)
     eight = sim.simulate(replace(plan, mesh=replace(mesh, ep_size=2)))  # efsdp 4 of a shard group of 8: said
     assert any("efsdp = 4" in n for n in eight.notes)
     with pytest.raises((ValueError, PlanError)):

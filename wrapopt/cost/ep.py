@@ -42,10 +42,10 @@ data-parallel rank. ``ep_view`` prices one rank's share:
   ``moe.experts`` and as ``plan/ep.py`` applies it: the view scores a plan with those units split
   out of the units that held them (``expert_units``; resharding after forward unless the plan
   made the module a unit of its own, checkpointed as the unit around it: apply checkpoints the
-  plan's units as they were, the experts inside them). With ``efsdp = 1`` (ep the whole shard group) FSDP2 runs
-  no collective for them but still copies them into unsharded parameters and gradients (its
-  world-size-1 path), so their memory is priced as gathered; their collectives' time is not
-  saved (a note says so: ``ep_caveats``).
+  plan's units as they were, the experts inside them). With ``efsdp = 1`` (ep the whole shard
+  group) FSDP2 runs no collective for them but still copies them into unsharded parameters and
+  gradients (its world-size-1 path): their memory is priced as gathered, their units' all-gathers
+  and reduce-scatters take no time (``Simulator._mesh_costs``).
 - Memory: the combine weights the tokens that come back by their routing weights, which saves
   them for backward: one buffer of the routed tokens per call more than the experts module saved
   (``saved_bytes``). Left out: the all-to-all's transient send and receive buffers, and contention
@@ -110,12 +110,11 @@ def ep_caveats(mesh) -> frozenset[str]:
     gathers priced over the shard group where they run over ``efsdp``. See [Note: expert parallel
     costs]."""
     efsdp, shard = max(1, mesh.efsdp_size), mesh.shard_size
-    if efsdp >= shard or (efsdp - 1) / efsdp >= 0.9 * (shard - 1) / shard:
+    if efsdp == 1 or efsdp >= shard or (efsdp - 1) / efsdp >= 0.9 * (shard - 1) / shard:
         return frozenset()
     return frozenset({f"expert parallel {mesh.ep_size}: the experts' all-gathers and reduce-scatters are priced over "
-                      f"the shard group of {shard} ranks; they run over efsdp = {efsdp} "
-                      f"({'a copy, no collective' if efsdp == 1 else 'a smaller ring share'}), so the step is "
-                      "over-stated"})
+                      f"the shard group of {shard} ranks; they run over efsdp = {efsdp} (a smaller ring share), so "
+                      "the step is over-stated"})
 
 
 def expert_units(plan: PlanSpec, experts: tuple[str, ...]) -> PlanSpec:

@@ -138,6 +138,7 @@ class Simulator:
         self._cp_views: dict[tuple[int, int], tuple[Simulator, frozenset[str]]] = {}
         self._ep_views: dict[int, tuple[Simulator, frozenset[str]]] = {}
         self._plan_fix: Callable[[PlanSpec], PlanSpec] | None = None  # an ep view's experts units (cost/ep.py)
+        self._ep_alone: tuple[int, frozenset[str]] | None = None  # an ep view's degree and experts modules
         self._stage_views: dict[tuple[Any, ...], dict[SimOptions, Simulator]] = {}  # [Note: pipeline stages]
         # See [Note: compute dtype] in dtypes.py: activations in the mixed-precision dtype.
         graph = in_compute_dtype(graph, self.options.activation_dtype_bytes, self.options.output_dtype_bytes)
@@ -257,7 +258,7 @@ class Simulator:
             # The same global batch as a 1-D plan: a tensor-parallel group runs ``size`` ranks' batches.
             opts = replace(self.options, batch_scale=self.options.batch_scale * size)
             g, c, notes = tp_view(self.traced, self.compute, self.fabric, spec, size, batch_scale=opts.batch_scale,
-                                  activation_dtype_bytes=opts.activation_dtype_bytes)
+                                  activation_dtype_bytes=opts.activation_dtype_bytes, timed=self.graph)
             view = Simulator(g, self.fabric, c, opts, backend=self.backend, host=self.host)
             hit = self._tp_views[key] = (view, notes)
         return hit
@@ -271,7 +272,8 @@ class Simulator:
             g, c, notes = ep_view(self.traced, self.compute, self.fabric, size, batch_scale=self.options.batch_scale,
                                   activation_dtype_bytes=self.options.activation_dtype_bytes, timed=self.graph)
             view = Simulator(g, self.fabric, c, self.options, backend=self.backend, host=self.host)
-            view._plan_fix = partial(expert_units, experts=tuple(stacked_experts(self.traced)))
+            experts = tuple(stacked_experts(self.traced))
+            view._plan_fix, view._ep_alone = partial(expert_units, experts=experts), (size, frozenset(experts))
             hit = self._ep_views[size] = (view, notes)
         return hit
 
@@ -384,6 +386,10 @@ class Simulator:
             reduce_scatter_s = self.collectives.times("reduce_scatter", shard, rpn_shard, grads, caveats)
             all_reduce_s = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep, grads / shard,
                                                   caveats)
+            if self._ep_alone is not None and shard <= self._ep_alone[0]:  # See [Note: expert parallel costs]
+                alone = np.array([set(u.modules) <= self._ep_alone[1] for u in units])  # efsdp 1: no collective
+                all_gather_s, reduce_scatter_s, all_reduce_s = (np.where(alone, 0.0, c) for c in
+                                                                (all_gather_s, reduce_scatter_s, all_reduce_s))
             if offload:  # the host-device copies ride the collectives' streams
                 h2d, d2h = copy_times(lay.counts[STORAGE], grads, shard, self.host)
                 all_gather_s, reduce_scatter_s = all_gather_s + h2d, reduce_scatter_s + d2h
