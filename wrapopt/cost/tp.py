@@ -18,10 +18,13 @@ per module of every block the ``TPSpec`` parallelises:
   unchanged: replicated.
 
 Time per module is the profile's (measured per module, or FLOPs and bytes over
-the stated rates), split modules' time divided by ``tp * efficiency``, where the
+the stated rates) as the simulator times it: the graph after the compute dtype and
+the throughput knobs (compile's fusions, float8's casts: ``timed``), not the traced
+one. Split modules' time is divided by ``tp * efficiency``, where the
 efficiency is the profile's measured throughput of the model's largest
 projection split ``tp`` ways over unsplit (``ComputeProfile.split_efficiency``;
-without a measurement it is taken as 1 and the estimate says so), plus, per call
+without a measurement it is taken as 1 and the estimate says so); on a stated GPU
+a split projection is priced on its own shapes instead ([Note: split matmuls]); plus, per call
 of a split projection, what tensor parallelism costs beyond the matmul and the
 collective (DTensor's dispatch and its input and output hooks:
 ``ComputeProfile.tp_overhead_s``, measured by ``measure_tp_overhead``; on a CPU,
@@ -40,6 +43,19 @@ all-reduces included; torch's non-reentrant checkpoint stops its recompute once
 every tensor backward needs is back, which skips the MLP's output projection and
 its all-reduce (measured: one all-reduce per checkpointed block, not two), so a
 checkpointed 2-D plan is predicted slow by about that much.
+[Note: split matmuls] On a stated GPU (the kernel roofline, [Note: kernel roofline] in
+roofline.py) a split projection is priced on the shapes one rank runs, not as 1/tp
+of the whole one: a colwise projection of an ``M x K`` input and a ``K x N`` weight
+runs ``M x K`` times ``K x N/tp`` (its input is read whole, by every rank), a rowwise
+one ``M x K/tp`` times ``K/tp x N`` (its output, a partial sum, is written whole).
+The FLOPs are 1/tp, the bytes are not: for Llama 3.1 70B at tp 8 the k and v
+projections (N = 128 per rank) read their 8192-wide input for 1/64 of its matmul
+work, memory-bound, and a block's GEMMs take 1.15x (bf16) and 1.24x (float8) the
+time of 1/8 of the whole block's (8B at tp 8: 1.29x, bf16).
+The output tiles (wave quantization) are counted at the batch the view runs
+(``batch_scale`` x the traced batch). ``split_matmuls`` builds the table from the
+weight's shape; a projection whose matmuls are not its weight's plain product
+(a tied head, a batched call) keeps the linear scaling.
 [Note: sequence parallel costs] With ``TPSpec.sequence_parallel`` (See [Note:
 sequence parallel] in tp.py) ``tp_roles`` adds three roles. "sequence": every
 module of a block outside its split regions (the block itself, its norms, its
@@ -54,7 +70,10 @@ forward, an all-gather into each region (and into the head) and a
 reduce-scatter out of each rowwise projection and the embedding; backward, a
 reduce-scatter of each region's input gradient and an all-gather of each
 rowwise output's gradient (one all-gather plus one reduce-scatter move the bytes
-of one all-reduce), and an all-reduce of the gradient of each parameter of a
+of one all-reduce; the colwise projections inside a region issue none of their own:
+their input gradients are DTensor ``Partial`` sums, added, then reduce-scattered
+once by the region's input redistribution, as torch's CommDebugMode counts: two
+all-gathers and two reduce-scatters per Llama block backward), and an all-reduce of the gradient of each parameter of a
 "sequence" module (a norm's weight: each rank's is a partial sum over its
 tokens). Counted against torch's CommDebugMode in tests/plan/test_tp_ranks.py.
 ``loss_parallel``: the model's output and what the loss saves are the rank's
@@ -71,7 +90,12 @@ sequence-parallel collective runs in ``tp`` chunks beside the matmuls it feeds
 (a region's all-gather beside its colwise projections' forward) or follows (a
 rowwise projection's reduce-scatter), so of a collective ``c`` beside matmuls
 ``m`` only ``max(c - m, 0) + min(c, m) / tp`` stays exposed; backward the same
-against half of the projections' backward (the input gradients). It needs
+against half of the projections' backward (the input gradients), except a
+region's reduce-scatter of its input gradient when the region has more than one
+colwise projection: torch's micro-pipeline pass (torch/_inductor/fx_passes/
+micro_pipeline_tp.py, ``_find_producer_matmul``) fuses a reduce-scatter only with
+the matmul that produces its input, and that input is the sum (an add) of the q,
+k and v (or gate and up) input gradients, so it stays exposed whole. It needs
 sequence parallelism and NVLink 4 GPUs (``async_tp_support``; "auto" turns it on
 there, ``with_async``). Memory is priced as without it.
 
@@ -83,6 +107,7 @@ where tensor parallelism pays.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -93,8 +118,9 @@ from wrapopt.cost.dtypes import traced_dtype_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
 from wrapopt.tp import TPSpec, outside_roles, tp_blocks
+from wrapopt.trace.kernels import TILE
 
-__all__ = ["async_tp_support", "tp_roles", "tp_view", "with_async"]
+__all__ = ["async_tp_support", "split_matmuls", "tp_roles", "tp_view", "with_async"]
 
 
 def tp_roles(graph: ModelGraph, spec: TPSpec) -> dict[str, str]:
@@ -182,17 +208,23 @@ def _scaled(m: ModuleInfo, role: str | None, size: int, removed: tuple[int, int]
 
 
 def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, spec: TPSpec, size: int, *,
-            batch_scale: float = 1.0, activation_dtype_bytes: int | None = None,
+            batch_scale: float = 1.0, activation_dtype_bytes: int | None = None, timed: ModelGraph | None = None,
             ) -> tuple[ModelGraph, ComputeProfile, frozenset[str]]:
     """One tensor-parallel rank's graph and compute profile, and the caveats of the view.
-    ``graph`` is the traced one (activations in the traced dtype); ``activation_dtype_bytes``
-    sizes the tensor-parallel messages as the step runs them. See [Note: tensor parallel costs]."""
+    ``graph`` is the traced one (activations in the traced dtype), which sizes the view and its
+    messages; ``timed``: the graph the simulator times, after the compute dtype and the throughput
+    knobs (compile's fusions, float8's casts), default ``graph``; ``activation_dtype_bytes`` sizes
+    the tensor-parallel messages as the step runs them. See [Note: tensor parallel costs]."""
     roles = tp_roles(graph, spec)
     shapes, removed = _split_shapes(graph, roles, size)
     notes: set[str] = set()
+    measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
+    roofline = bool(compute.matmul_flops_per_s) and not measured  # a stated GPU: [Note: kernel roofline]
+    split = split_matmuls(graph, roles, size, batch_scale) if roofline else {}
     eff = dict(compute.split_efficiency).get(size)
     if eff is None:
         eff = 1.0
+    if eff == 1.0 and len(split) < sum(r in ("colwise", "rowwise", "head") for r in roles.values()):
         notes.add(f"tensor-parallel matmuls split {size} ways taken as fast per FLOP as whole ones: "
                   "the compute profile measured no split efficiency")
     traced = traced_dtype_bytes(graph)
@@ -204,16 +236,19 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
             notes.add(caveat)
         return t
 
-    measured = {fqn: (f, b) for fqn, f, b in compute.module_times}
     oh_f, oh_b = compute.tp_overhead_s
     sp, blocks = spec.sequence_parallel, frozenset(tp_blocks(graph, spec))
     base: dict[str, list[float]] = {}  # compute time (forward, backward) per module
     comm: dict[str, list[float]] = {}  # its tensor-parallel collectives (forward, backward)
-    for m in graph.call_order():
+    for m in (timed or graph).call_order():
+        role, mine = roles.get(m.fqn), split.get(m.fqn)
+        if mine is not None:  # the rank's own shapes on the kernel roofline: See [Note: split matmuls]
+            m = replace(m, matmuls=mine, fwd_flops=m.fwd_flops / size, bwd_flops=m.bwd_flops / size,
+                        fwd_bytes=m.fwd_bytes // size, bwd_bytes=m.bwd_bytes // size)
         f, b = module_time(m, compute, batch_scale, measured)
-        role = roles.get(m.fqn)
+        m = graph.info(m.fqn)
         if role in ("colwise", "rowwise", "region", "inner", "head"):
-            f, b = f / (size * eff), b / (size * eff)
+            f, b = f / (eff if mine is not None else size * eff), b / (eff if mine is not None else size * eff)
         elif role == "sequence":
             f, b = f / size, b / size
         if role in ("colwise", "rowwise", "head"):  # DTensor's dispatch and hooks, per call
@@ -250,6 +285,31 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
     return view, replace(compute, module_times=tuple(times), batch_fixed_share=0.0, loss_s=loss_s), frozenset(notes)
 
 
+def split_matmuls(graph: ModelGraph, roles: dict[str, str], size: int, batch_scale: float = 1.0,
+                  ) -> dict[str, tuple[tuple[float, int, int, int, int], ...]]:
+    """Per split projection whose every forward matmul is its weight's plain product, the matmul
+    table of one rank's share (``ModuleInfo.matmuls`` rows), its output tiles at the batch the view
+    runs (``batch_scale`` x the traced one). See [Note: split matmuls]."""
+    weights = {f.rsplit(".", 1)[0]: s for f, s, _d in graph.param_shapes if f.endswith(".weight") and len(s) == 2}
+    out = {}
+    for fqn, role in roles.items():
+        if role not in ("colwise", "rowwise", "head") or fqn not in weights or not graph.info(fqn).matmuls:
+            continue
+        n, k = (int(d) for d in weights[fqn])  # nn.Linear: (out_features, in_features)
+        rows = []
+        for f, elements, esize, tiles, calls in graph.info(fqn).matmuls:
+            m = round(f / (2.0 * n * k))
+            if m < 1 or 2 * m * n * k != round(f) or elements != m * k + k * n + m * n:
+                break  # not the plain product (an addmm's bias, a batched call): linear scaling
+            k1, n1 = (k // size, n) if role == "rowwise" else (k, n // size)
+            big = max(1, round(m * batch_scale))
+            rows.append((f / size, m * k1 + k1 * n1 + m * n1, esize,
+                         math.ceil(big / TILE) * math.ceil(n1 / TILE) if tiles else 0, calls))
+        else:
+            out[fqn] = tuple(rows)
+    return out
+
+
 def _collectives(m: ModuleInfo, role: str | None, spec: TPSpec, coll: Callable[[str, float], float], scale: float,
                  blocks: frozenset[str]) -> list[float]:
     """[forward, backward] seconds of the tensor-parallel collectives ``m`` issues in its role
@@ -265,8 +325,8 @@ def _collectives(m: ModuleInfo, role: str | None, spec: TPSpec, coll: Callable[[
         c[1] += m.num_calls * coll("all_gather", whole_out)
     elif role == "rowwise":  # the partial outputs are summed
         c[0] += m.num_calls * coll("all_reduce", whole_out)
-    elif role in ("colwise", "head"):  # the replicated input's partial gradients are summed
-        c[1] += m.num_calls * coll("all_reduce", whole_in)
+    elif role in ("colwise", "head") and not sp:  # the replicated input's partial gradients are summed
+        c[1] += m.num_calls * coll("all_reduce", whole_in)  # (sequence parallel: by the region's reduce-scatter)
     if role == "sequence" and m.own_numel:  # a norm's weight: its gradient is a partial sum per rank
         c[1] += coll("all_reduce", m.own_bytes)
     if role == "head" and not spec.loss_parallel:  # the logits gathered whole
@@ -288,7 +348,10 @@ def _overlap(graph: ModelGraph, roles: dict[str, str], base: dict[str, list[floa
             continue
         if role in ("region",):
             kids = [k for k, r in roles.items() if r == "colwise" and k.rsplit(".", 1)[0] == fqn and k in base]
-            mf, mb = sum(base[k][0] for k in kids), sum(base[k][1] for k in kids) / 2  # backward: the input gradients
+            mf = sum(base[k][0] for k in kids)
+            # backward: the input gradients; the reduce-scatter of their sum (an add: no matmul makes
+            # it) is fused with none: See [Note: async tensor parallel]
+            mb = base[kids[0]][1] / 2 if len(kids) == 1 else 0.0
         elif role in ("rowwise", "head"):
             mf, mb = base[fqn][0], base[fqn][1] / 2
         else:
