@@ -158,7 +158,7 @@ class ParallelRequest:
                        f"{', '.join(map(str, works))}")
         rest = world  # the ranks the fixed tp and pp degrees leave (those that divide it)
         for d in (self.tp, self.pp):
-            rest //= d if isinstance(d, int) and rest % d == 0 else 1
+            rest //= d if isinstance(d, int) and d > 0 and rest % d == 0 else 1
         for name, what in (("cp", "context"), ("ep", "expert")):
             d = getattr(self, name)
             if isinstance(d, int) and d > 1 and rest % d:
