@@ -118,3 +118,16 @@ def test_async_tp_leaves_a_summed_gradients_reduce_scatter_exposed(llama):
             assert both[region][1] < sync[region][1]
         else:
             assert both[region][1] == pytest.approx(sync[region][1], rel=1e-12)
+
+
+def test_async_tp_pays_the_fused_ops_memory_pass(llama):
+    """A fused matmul + reduce-scatter ends by summing the stacked partials (the whole output read,
+    1/tp written) on the compute stream; NCCL's reduce-scatter did that inside the collective."""
+    gpu, fabric = analytical_compute("h100-sxm"), analytical_fabric("h100-sxm+ib400", world_size=16)
+    spec, o = _sp(llama), llama.info("layers.0.self_attn.o_proj")
+    sync = {f: a for f, a, _ in tp_view(llama, gpu, fabric, spec, 2)[1].module_times}[o.fqn]
+    both = {f: a for f, a, _ in tp_view(llama, gpu, fabric, replace(spec, async_tp=True), 2)[1].module_times}[o.fqn]
+    rs = fabric.collective_s("reduce_scatter", 2, 2, o.output_bytes)[0]
+    mm = sync - rs  # the projection's own forward
+    summed = o.output_bytes * 1.5 / gpu.op_bandwidth_bytes_per_s
+    assert both == pytest.approx(mm + max(rs - mm, 0.0) + min(rs, mm) / 2 + summed, rel=1e-9)

@@ -95,7 +95,14 @@ region's reduce-scatter of its input gradient when the region has more than one
 colwise projection: torch's micro-pipeline pass (torch/_inductor/fx_passes/
 micro_pipeline_tp.py, ``_find_producer_matmul``) fuses a reduce-scatter only with
 the matmul that produces its input, and that input is the sum (an add) of the q,
-k and v (or gate and up) input gradients, so it stays exposed whole. It needs
+k and v (or gate and up) input gradients, so it stays exposed whole. Each fused
+op also runs a memory pass of its own, on the compute stream
+(torch/distributed/_symmetric_memory ``_pipelined_all_gather_and_consume`` and
+``_fused_matmul_reduce_scatter_impl``): an all-gather first copies the rank's
+shard into its symmetric buffer (1/tp of the gathered bytes read and written); a
+reduce-scatter ends by summing the ``tp`` stacked partials (the whole partial
+output read, 1/tp of it written), which NCCL's reduce-scatter does inside the
+collective; both at the memory-bound ops' bandwidth. It needs
 sequence parallelism and NVLink 4 GPUs (``async_tp_support``; "auto" turns it on
 there, ``with_async``). Memory is priced as without it.
 
@@ -257,7 +264,7 @@ def tp_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, s
         base[m.fqn] = [f, b]
         comm[m.fqn] = _collectives(m, role, spec, coll, act * batch_scale, blocks)
     if spec.async_tp and sp:
-        _overlap(graph, roles, base, comm, size)
+        _overlap(graph, roles, base, comm, size, act * batch_scale, compute.op_bandwidth_bytes_per_s)
     times = [(fqn, (f + comm[fqn][0]) / batch_scale, (b + comm[fqn][1]) / batch_scale) for fqn, (f, b) in base.items()]
 
     modules = {m.fqn: _scaled(m, roles.get(m.fqn), size, removed.get(m.fqn, (0, 0)), spec) for m in graph.modules}
@@ -335,28 +342,42 @@ def _collectives(m: ModuleInfo, role: str | None, spec: TPSpec, coll: Callable[[
 
 
 def _overlap(graph: ModelGraph, roles: dict[str, str], base: dict[str, list[float]],
-             comm: dict[str, list[float]], size: int) -> None:
+             comm: dict[str, list[float]], size: int, scale: float, op_bw: float | None) -> None:
     """Async tensor parallelism: each sequence-parallel collective micro-pipelined with the matmuls
     it feeds or follows, in ``size`` chunks: what is left exposed of a collective ``c`` beside
-    matmuls ``m`` is ``max(c - m, 0) + min(c, m) / size`` (the first chunk's). See [Note: async
-    tensor parallel]."""
+    matmuls ``m`` is ``max(c - m, 0) + min(c, m) / size`` (the first chunk's), plus the fused op's
+    own memory pass (``scale``: bytes per traced activation byte as the step runs; ``op_bw``: the
+    memory-bound ops' bandwidth). See [Note: async tensor parallel]."""
     def exposed(c: float, m: float) -> float:
         return max(c - m, 0.0) + min(c, m) / size
+
+    def gather(nbytes: float) -> float:  # the local shard copied into the symmetric buffer: read and written
+        return 2 * nbytes * scale / size / op_bw if op_bw else 0.0
+
+    def scatter(nbytes: float) -> float:  # the stacked partials summed: the whole read, 1/tp written
+        return nbytes * scale * (1 + 1 / size) / op_bw if op_bw else 0.0
 
     for fqn, role in roles.items():
         if fqn not in comm:
             continue
+        m = graph.info(fqn)
         if role in ("region",):
             kids = [k for k, r in roles.items() if r == "colwise" and k.rsplit(".", 1)[0] == fqn and k in base]
             mf = sum(base[k][0] for k in kids)
             # backward: the input gradients; the reduce-scatter of their sum (an add: no matmul makes
             # it) is fused with none: See [Note: async tensor parallel]
             mb = base[kids[0]][1] / 2 if len(kids) == 1 else 0.0
-        elif role in ("rowwise", "head"):
+            fused = (gather(m.input_bytes), scatter(m.input_bytes) if mb else 0.0)
+        elif role == "rowwise":
             mf, mb = base[fqn][0], base[fqn][1] / 2
+            fused = (scatter(m.output_bytes), gather(m.output_bytes))
+        elif role == "head":
+            mf, mb = base[fqn][0], base[fqn][1] / 2
+            fused = (gather(m.input_bytes), scatter(m.input_bytes))
         else:
             continue
-        comm[fqn] = [exposed(comm[fqn][0], mf), exposed(comm[fqn][1], mb)]
+        comm[fqn] = [exposed(comm[fqn][0], mf) + m.num_calls * fused[0],
+                     exposed(comm[fqn][1], mb) + m.num_calls * fused[1]]
 
 
 def async_tp_support(compute: ComputeProfile, fabric: FabricProfile) -> str | None:
