@@ -121,3 +121,21 @@ def test_the_view_keeps_the_step_s_knobs(moe):
     eager = Simulator(moe, analytical_fabric(world_size=8), analytical_compute()).simulate(plan)
     assert base.step_s < eager.step_s  # compile prices faster: the view must keep that
     assert base.step_s < one.step_s < base.step_s * 1.01
+
+
+def test_a_measured_experts_module_loops_over_a_rank_s_experts(moe):
+    """Measured: the time beyond the matmuls' FLOPs is per-expert work, 1/ep of it; the matmuls whole."""
+    base = analytical_compute()
+    fqn = "blocks.0.ffn"
+    m = moe.info(fqn)
+    mm_f, mm_b = m.fwd_flops / base.flops_per_s, m.bwd_flops / base.flops_per_s
+    measured = replace(base, module_times=tuple((x.fqn, 3 * mm_f if x.fqn == fqn else 1e-4,
+                                                 3 * mm_b if x.fqn == fqn else 2e-4) for x in moe.call_order()))
+    fabric = analytical_fabric(world_size=8)
+    two = _times(ep_view(moe, measured, fabric, 2)[1])
+    bare = replace(measured, module_times=tuple((f, mm_f, mm_b) if f == fqn else (f, a, b)
+                                                for f, a, b in measured.module_times))  # matmuls alone
+    plain = _times(ep_view(moe, bare, fabric, 2)[1])  # the matmuls, the all-to-alls and the permutes
+    assert two[fqn][0] == pytest.approx(plain[fqn][0] + 2 * mm_f / 2)  # and half of the rest
+    assert two[fqn][1] == pytest.approx(plain[fqn][1] + 2 * mm_b / 2)
+    assert two["blocks.0.attn"] == pytest.approx((1e-4, 2e-4))  # dense: as measured

@@ -21,7 +21,12 @@ data-parallel rank. ``ep_view`` prices one rank's share:
   FLOPs per rank are those of the trace. The busiest rank sets the pace: the experts' time is
   multiplied by the load imbalance (``EP_IMBALANCE``, the busiest rank's pairs over the mean),
   an assumption the estimate states in its notes (1.0: balanced, as capacity buffers or a
-  load-balancing loss keep it).
+  load-balancing loss keep it). A measured experts module's time beyond its matmuls' FLOPs at
+  the profile's rate is taken as per-expert work and is 1/ep of it: Hugging Face's eager experts
+  run a set of ops per expert the routing hit, and a rank loops over its n/ep (on the fidelity
+  bench's CPU ranks that loop is most of the module: its ep2 plans measured 17-39% faster than the
+  same plans without, results/fidelity_moe.md). A stated GPU's module times are its kernels'
+  (FLOPs and bytes): left whole.
 - All-to-all: per call of an experts module, forward, one dispatch (the routed tokens to the
   ranks holding their experts) and one combine (the outputs back); backward, one of each for the
   gradients. Each moves ``pairs x hidden x dtype`` bytes per rank, of which ``(ep-1)/ep`` leave
@@ -147,6 +152,12 @@ def _enclosing_checkpoint(fqn: str, by_module: dict[str, UnitSpec]) -> bool | st
     return False
 
 
+def _per_expert(t: float, matmul_s: float, ep: int) -> float:
+    """A measured experts module's time ``t`` under ep: its matmuls' FLOPs at the profile's rate
+    whole, the rest (per-expert work) 1/ep. See [Note: expert parallel costs]."""
+    return min(t, matmul_s) + max(0.0, t - matmul_s) / ep
+
+
 def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, ep: int, *,
             batch_scale: float = 1.0, activation_dtype_bytes: int | None = None,
             imbalance: float = EP_IMBALANCE, timed: ModelGraph | None = None,
@@ -178,6 +189,9 @@ def ep_view(graph: ModelGraph, compute: ComputeProfile, fabric: FabricProfile, e
             if caveat:
                 notes.add(caveat)
             move = 2 * m.num_calls * a2a + (4 * buffer / op_bw if op_bw else 0.0)  # dispatch + combine, permutes
+            if measured and compute.flops_per_s:  # the per-expert share: a rank loops over n/ep experts
+                f, b = (_per_expert(t, fl * batch_scale / compute.flops_per_s, ep)
+                        for t, fl in ((f, m.fwd_flops), (b, m.bwd_flops)))
             f, b = f * imbalance + move, b * imbalance + move
         times.append((m.fqn, f / batch_scale, b / batch_scale))
     infos = {}
