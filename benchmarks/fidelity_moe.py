@@ -140,12 +140,12 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results"))
     args = ap.parse_args()
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
         path = write_config(d, args.layers)
         res = spawn(worker, world_size=args.world_size, args=(path, args.batch, args.seq, args.repeats),
                     timeout_s=1800)[0]
-    wall = time.perf_counter() - t0
+    wall, load = time.perf_counter() - t0, (load0, os.getloadavg()[0])  # others' work on the same cores
     rows = res["rows"]
     rho = spearman([r["pred_step_s"] for r in rows], [r["meas_step_s"] for r in rows])
     pred_fast = min(rows, key=lambda r: r["pred_step_s"])
@@ -161,13 +161,15 @@ def main() -> int:
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     import transformers
 
-    out = {"date": date, "command": cmd, "wall_s": wall, "machine": machine, "transformers": transformers.__version__,
+    out = {"date": date, "command": cmd, "wall_s": wall, "load_average": load, "machine": machine,
+           "transformers": transformers.__version__,
            "model": "hf:Mixtral (8 experts, top-2)", "params": res["params"], "summary": summary, "rows": rows,
            "trace_estimates": res["estimates"]}
     lines = ["# Cost-model fidelity: a mixture-of-experts model", "",
              f"Machine: {machine['host']}, {machine['cores']} cores ({machine['cpu']}), no GPU; gloo, "
              f"{args.world_size} ranks, one thread per rank; torch {machine['torch']}, transformers "
-             f"{out['transformers']}; {date}. Command: `{cmd}` ({wall:.0f} s).", "",
+             f"{out['transformers']}; {date}. Command: `{cmd}` ({wall:.0f} s; load average {load[0]:.1f} at "
+             f"the start, {load[1]:.1f} at the end, on {machine['cores']} cores).", "",
              f"Model: Hugging Face Mixtral from a config ({res['params'] / 1e6:.2f} M parameters: {args.layers} "
              f"layers, width 128, 8 experts of width 256, top-2), batch {args.batch} x {args.seq} tokens per rank, its "
              f"own loss. Traced on meta with the grouped-matmul experts; measured with transformers' eager experts "
