@@ -54,7 +54,7 @@ from wrapopt.cost.calls import twin_times
 from wrapopt.cost.collectives import CollectiveTimes
 from wrapopt.cost.cp import cp_view
 from wrapopt.cost.fused import with_knobs
-from wrapopt.cost.ep import ep_caveats, ep_view, expert_units, stacked_experts
+from wrapopt.cost.ep import ep_caveats, ep_problem, ep_view, expert_counts, expert_units, stacked_experts
 from wrapopt.cost.estimate import Choices, MeshCosts, Run, UnitSet, choose_run, make_estimate
 from wrapopt.cost.dtypes import in_compute_dtype, optimizer_states_per_param, trainable_tensors, traced_dtype_bytes
 from wrapopt.cost.layout import Layouts
@@ -92,7 +92,8 @@ from wrapopt.spec import (
 from wrapopt.tp import TPSpec
 from wrapopt.units import ancestors, owner_by_ancestors, owner_index
 
-__all__ = ["Simulator"]
+# ep_problem, expert_counts: the experts the search splits (search imports cost.simulate, not cost.ep)
+__all__ = ["Simulator", "ep_problem", "expert_counts"]
 
 _RESHARD, _CHECKPOINT = operator.attrgetter("reshard_after_forward"), operator.attrgetter("checkpoint")
 # A unit's checkpointing as the step loop reads it (UnitPlan.checkpoint): See [Note: memory] in step.py.

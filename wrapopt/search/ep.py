@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from wrapopt.cost.ep import ep_problem, expert_counts
-from wrapopt.cost.simulate import Simulator
+from wrapopt.cost.simulate import Simulator, ep_problem, expert_counts
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.driver import SearchOptions, SearchResult, search_plan
