@@ -66,13 +66,17 @@ def _search_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, ep: int, *
     opts = replace(options or SearchOptions(), shard_sizes=sizes)
     sub = sim.view(Shape(ep=ep))
     res = search_plan(graph, sub, mesh, memory_budget=memory_budget, max_group=max_group, options=opts)
-    keep = [s for s in res.candidates if s.plan.mesh.shard_size % ep == 0]
+    keep = [s for s in res.candidates if s.plan.mesh.shard_size % ep == 0]  # whole ep groups in a shard group
+    if not keep:
+        raise InfeasibleError(f"no plan of ep {ep} shards over whole groups of {ep} ranks")
     lifted = {id(s): _lift(s, ep) for s in keep}
 
     def one(s: Scored) -> Scored:
         return lifted.get(id(s)) or _lift(s, ep)
 
-    return replace(res, best=one(res.best), candidates=tuple(lifted.values()),
+    best = res.best if res.best.plan.mesh.shard_size % ep == 0 else min(
+        [s for s in keep if s.fits] or keep, key=lambda s: s.estimate.step_s)  # no-shard and the like: not ep
+    return replace(res, best=one(best), candidates=tuple(lifted.values()),
                    baselines={k: one(s) for k, s in res.baselines.items() if s.plan.mesh.shard_size % ep == 0},
                    pareto=tuple(one(s) for s in res.pareto if s.plan.mesh.shard_size % ep == 0), rounds=())
 
