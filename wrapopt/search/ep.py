@@ -5,10 +5,10 @@
 the experts of every mixture of the model and the data-parallel x cp ranks it splits them over
 (TorchTitan's rule); a degree given that the model cannot take is refused naming the module and
 the degrees that would. Each degree is the 1-D search on its cost view (``Simulator.view``, See
-[Note: expert parallel costs] in cost/ep.py), its shard groups those that hold whole ep groups,
-its plans lifted onto the mesh with ``ep_size``. The answer is the smallest degree within the
-simulator's error of the fastest (FSDP alone is degree 1); the report's rows list FSDP alone and
-each degree's best, a note what became of each degree tried.
+[Note: expert parallel costs] in cost/ep.py), FSDP over every rank (``plan/ep.py`` applies
+expert parallelism without HSDP), its plans lifted onto the mesh with ``ep_size``. The answer is
+the smallest degree within the simulator's error of the fastest (FSDP alone is degree 1); the
+report's rows list FSDP alone and each degree's best, a note what became of each degree tried.
 """
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ def _lift(s: Scored, ep: int) -> Scored:
 def _search_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, ep: int, *, memory_budget: float | None,
                    max_group: int | None, options: SearchOptions | None) -> SearchResult:
     """The 1-D search on the ep view, its plans lifted onto the mesh with ``ep_size``."""
-    sizes = tuple(s for s in ((options.shard_sizes if options else None) or dp_shard_sizes(mesh)) if s % ep == 0)
+    # FSDP over every rank: plan/ep.py applies expert parallelism without HSDP
+    sizes = tuple(s for s in ((options.shard_sizes if options else None) or dp_shard_sizes(mesh))
+                  if s == mesh.world_size)
     if not sizes:
-        raise InfeasibleError(f"no shard group of the {mesh.world_size} ranks holds whole groups of {ep}")
+        raise InfeasibleError(f"ep {ep} is applied with FSDP over all {mesh.world_size} ranks, not under HSDP "
+                              "(--shard-size)")
     opts = replace(options or SearchOptions(), shard_sizes=sizes)
     sub = sim.view(Shape(ep=ep))
     res = search_plan(graph, sub, mesh, memory_budget=memory_budget, max_group=max_group, options=opts)
