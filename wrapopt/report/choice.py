@@ -112,7 +112,7 @@ def search_json(result: SearchResult, budget_line: str | None) -> dict[str, Any]
     study = result.study
     pick = lambda s: None if s is None else {  # noqa: E731
         "label": s.plan.label, "shard_size": s.plan.mesh.shard_size, "tp_size": s.plan.mesh.tp_size,
-        "cp_size": s.plan.mesh.cp_size,
+        "cp_size": s.plan.mesh.cp_size, "ep_size": s.plan.mesh.ep_size,
         "num_units": len(s.plan.units), "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes,
         "fits": s.fits, "sync": s.estimate.accumulation_sync}
     return {
