@@ -124,8 +124,8 @@ from wrapopt.cost.calls import module_time
 from wrapopt.cost.dtypes import traced_dtype_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.spec import ROOT, ModelGraph, ModuleInfo
+from wrapopt.spec.graph import TILE
 from wrapopt.tp import TPSpec, outside_roles, tp_blocks
-from wrapopt.trace.kernels import TILE
 
 __all__ = ["async_tp_support", "split_matmuls", "tp_roles", "tp_view", "with_async"]
 

@@ -8,7 +8,11 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["ROOT", "ModuleInfo", "TraceRecord", "ModelGraph"]
+__all__ = ["ROOT", "TILE", "ModuleInfo", "TraceRecord", "ModelGraph"]
+
+# Output tile edge of the tensor-core GEMM kernels (cuBLAS/CUTLASS bf16 tiles are 128 or 256 wide): the
+# tracer counts each matmul's tiles by it (trace/kernels.py) and the tensor-parallel view its split shapes'.
+TILE = 128
 
 ROOT = ""  # the FQN of the root module, as in ``named_modules()``
 

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from wrapopt.spec.graph import TILE
+
 __all__ = ["TILE", "MatmulKey", "matmul_key", "attention_run_flops", "ATTENTION_OPS", "MATMUL_OPS"]
 
-TILE = 128  # output tile edge of the tensor-core GEMM kernels (cuBLAS/CUTLASS bf16 tiles are 128 or 256 wide)
 _aten = torch.ops.aten
 MATMUL_OPS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._grouped_mm, _aten._scaled_mm}
 _ATTENTION_NAMES = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention", "flex_attention")
