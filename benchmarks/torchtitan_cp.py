@@ -5,7 +5,9 @@ H100, local batch 1, full activation checkpointing, torch.compile and float8): F
 32768 tokens, FSDP 4 / CP 2 at 65536 and FSDP 2 / CP 4 at 131072 (the 262144 row exceeds the
 config's 131072 positions). Each row is described with ``wrapopt search --current`` as it ran (``cp
 N``, ``--cp N``), on the ``h100-hbm2e-500w`` preset, with the flags and recorder of
-``benchmarks/torchtitan_rows.py`` (Table 1 fitted the preset's constants; nothing is fitted here).
+``benchmarks/torchtitan_rows.py``. The 32768-token row fits the preset's attention fraction (with
+Table 1 fitting the other three constants, jointly: [Note: the TorchTitan fit] in
+benchmarks/torchtitan_fit.py); the 65536 and 131072 rows are held out.
 Tokens per step: the data-parallel ranks (8 / cp) x 1 sequence x the sequence length. Then ``--cp
 auto`` on the 131072 row: the degree the search chooses and whether its plan fits the budget.
 
@@ -65,7 +67,9 @@ def main() -> int:
              f"{platform.python_version()}, torch {torch.__version__}; the `{GPU}` preset + 400 Gb/s InfiniBand. Each "
              "row: `wrapopt search hf:CONFIG --world-size 8 " + " ".join(_flags(0, 1)).replace("--seq 0", "--seq S")
              + " [--cp N] --current DESCRIPTION --json`, one process for all rows; the current configuration's "
-             "prediction, nothing fitted ([Note: context parallel costs] in wrapopt/cost/cp.py). Tokens per step: "
+             "prediction ([Note: context parallel costs] in wrapopt/cost/cp.py). The 32768 row is in the preset's "
+             "fit set (its attention fraction, jointly with Table 1: [Note: the TorchTitan fit] in "
+             "benchmarks/torchtitan_fit.py); the 65536 and 131072 rows are held out. Tokens per step: "
              "8 / cp data-parallel ranks x 1 sequence x S. Published memory is the caching allocator's peak reserved "
              "bytes; the prediction is the peak of live tensors. Split: as results/torchtitan.md.", "",
              "| row | seq | layout (--current) | published tokens/s/GPU | predicted | pred/pub | published GiB "

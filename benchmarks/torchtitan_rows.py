@@ -3,8 +3,8 @@ TorchTitan section of ``results/published.md``.
 
 The rows: pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (torchtitan 9dec370,
 torch 1963fc8, Dec 2024), Tables 1 and 3 (Llama 3.1 8B, FSDP on 8 and 128 GPUs, local batch 2,
-selective AC: FSDP, + torch.compile, + torch.compile + float8; Table 1 is the fit set of the knob
-constants, [Note: the TorchTitan fit] in benchmarks/torchtitan_fit.py), Table 4 (Llama 3.1 70B, 256
+selective AC: FSDP, + torch.compile, + torch.compile + float8; Table 1 and Table 2's 32768-token row
+are the preset's fit set, [Note: the TorchTitan fit] in benchmarks/torchtitan_fit.py), Table 4 (Llama 3.1 70B, 256
 H100, FSDP 32 x TP 8, local batch 16, global batch 512, seq 8192, full activation checkpointing,
 torch.compile and float8) and Table 5 (Llama 3.1 405B, 512 H100, FSDP 8 x TP 8 x PP 8, local batch
 32, global batch 256, full AC, torch.compile, float8 and async TP; pipeline micro-batches = the
@@ -16,7 +16,7 @@ Each row is described with ``wrapopt search --current`` exactly as it ran (the m
 config, the flags a TorchTitan user sets: ``--compile``, ``--float8 tensorwise --float8-all-
 gather``), on the ``h100-hbm2e-500w`` preset (the rows' hardware), and the current configuration's
 predicted step (tokens/s/GPU), peak and compute split by kernel class are set beside the published
-ones. Nothing but Table 1 is fitted. Memory: TorchTitan logs the CUDA caching allocator's peak
+ones. Nothing else here is fitted. Memory: TorchTitan logs the CUDA caching allocator's peak
 *reserved* bytes (``reserved_bytes.all.peak``, torchtitan/metrics.py at 9dec370); wrapopt predicts
 the peak of live tensors (``torch.cuda.max_memory_allocated``), which reserved bounds from above.
 
@@ -165,8 +165,9 @@ def main() -> int:
              "the 500 W rates interpolated: [Note: the 500 W H100] in wrapopt/hardware/catalog.py) + 400 Gb/s "
              "InfiniBand. Each row: `wrapopt search hf:CONFIG --world-size W " + " ".join(FLAGS)
              + " FLAGS --current DESCRIPTION --json`, one process for all rows; the current configuration's "
-             "prediction. Table 1 is the fit set of the preset's GEMM fraction and of the knob constants "
-             "([Note: the TorchTitan fit] in benchmarks/torchtitan_fit.py); Tables 3, 4, 5 and A are held out. "
+             "prediction. Table 1 and Table 2's 32768-token row (results/torchtitan_cp.md) are the fit set of the "
+             "preset's GEMM, attention and knob constants, one each ([Note: the TorchTitan fit] in "
+             "benchmarks/torchtitan_fit.py); Tables 3, 4, 5 and A are held out. "
              "Float8 rows: tensorwise with the float8 all-gather (TorchTitan's float8 guide); eager rows say "
              "`eager` (compile's default is the search's). Selective-op is TorchTitan's per-op policy (every "
              "second matmul recomputed: [Note: selective checkpointing] in wrapopt/selective.py); compiled, the "

@@ -170,12 +170,18 @@ _DGX_A100 = HostSystem(link="pcie4", dram_bytes_per_s=51.2e9, source=(
 _DGX_H100 = HostSystem(link="pcie5", dram_bytes_per_s=76.8e9, source=(
     "DGX H100/H200: each GPU on PCIe Gen5 x16; 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "
     "614.4 GB/s per node, 76.8 GB/s per GPU"))
-# The knob constants: fitted on TorchTitan's Table 1 (See [Note: the TorchTitan fit] in
-# benchmarks/torchtitan_fit.py); the other Hopper presets carry them (same tensor cores and kernels).
+# The knob constants the other Hopper presets carry (same tensor cores and kernels): the earlier
+# three-row fit on TorchTitan's Table 1, which held the attention fraction at the H100 SXM's 0.200,
+# the fraction these presets keep. The 500 W preset's own four constants are fitted together on four
+# rows (See [Note: the TorchTitan fit] in benchmarks/torchtitan_fit.py).
 _KNOBS_FIT = ("float8_fraction and compile_fraction fitted on TorchTitan's Table 1 (Llama 3.1 8B, 8 H100 500 W; "
-              "one row each, bisection to pred/pub 1; `python -m benchmarks.torchtitan_fit`)")
+              "one row each, bisection to pred/pub 1, with the H100 SXM's attention fraction 0.200)")
 _KNOBS = {"float8_fraction": 1.209, "compile_fraction": 2.902}
-_KNOBS_CARRIED = {**_KNOBS, "knobs_fitted_on": "carried from h100-hbm2e-500w: " + _KNOBS_FIT}
+_KNOBS_CARRIED = {**_KNOBS, "knobs_fitted_on": "carried from h100-hbm2e-500w's three-row fit: " + _KNOBS_FIT}
+_FIT_500W = ("fitted jointly on four TorchTitan rows (Llama 3.1 8B, 8 H100 500 W), one constant each: Table 1's "
+             "FSDP (GEMM fraction), + torch.compile (compile_fraction), + float8 (float8_fraction), Table 2's "
+             "32768-token row (attention fraction); See [Note: the TorchTitan fit] in benchmarks/torchtitan_fit.py, "
+             "`python -m benchmarks.torchtitan_fit`")
 _H100_FITTED = Fitted(matmul_fraction=0.593, attention_fraction=0.200, fitted_on=_fit_half("H100 80GB"),
                       **_KNOBS_CARRIED)
 
@@ -216,9 +222,8 @@ GPUS: dict[str, GpuPreset] = {p.name: p for p in (
                    "interpolated between the H100 NVL and SXM datasheets' peaks, linear in the power limit: "
                    "886.3 TFLOP/s dense BF16, 1,773.3 FP8 (an assumption: "
                    "See [Note: the 500 W H100] in hardware/catalog.py)"),
-        fitted=dataclasses.replace(_H100_FITTED, matmul_fraction=0.865, knobs_fitted_on=_KNOBS_FIT, fitted_on=(
-            "GEMM fraction fitted on TorchTitan's Table 1 rows, the FSDP row (See [Note: the TorchTitan fit] in "
-            "benchmarks/torchtitan_fit.py); attention fraction the H100 SXM's")), host=None),
+        fitted=Fitted(matmul_fraction=0.732, attention_fraction=0.279, float8_fraction=0.990, compile_fraction=2.899,
+                      fitted_on=_FIT_500W, knobs_fitted_on=_FIT_500W), host=None),
     GpuPreset(
         name="h100-nvl", description="NVIDIA H100 NVL (94 GB usable of 96 GB HBM; PCIe card, NVLink bridge in pairs)",
         intra="pcie5", aliases=("h100-96gb",),
