@@ -20,7 +20,9 @@ with sequence and loss parallel, its own loss (labels), per-block units.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import time
 from dataclasses import replace
 
@@ -46,10 +48,22 @@ MODELS = ("llama-tiny", "gpt-tiny")
 # forward one all-reduce after attention and one after the MLP; backward one per colwise projection.
 EXPECTED = {"llama-tiny": (2, 5), "gpt-tiny": (2, 4)}
 LABELS = ("groups-of-2", "some-ckpt", "sp-lp")  # sp-lp: some-ckpt with sequence and loss parallel
+# [Note: the 2-D step's collectives] The whole 2-D model's collectives in one forward and backward are
+# counted on the first SGD step of these plans' parity runs (a fresh model, as a separate counted step
+# would be): FSDP's collectives are all-gathers and reduce-scatters on the shard axis, so every
+# all-reduce is tensor parallelism's.
+COUNTED = ("groups-of-2", "some-ckpt")
+
+
+@functools.cache
+def _tp_specs(name: str) -> dict:
+    """tests.ranks' 2-D plans of ``name``, traced once per rank: the trace takes about a second, and six
+    cases of this spawn read the same plans."""
+    return tp_plan_specs(zoo_graph(name))
 
 
 def _specs(name: str) -> dict:
-    specs = tp_plan_specs(zoo_graph(name))
+    specs = _tp_specs(name)
     ckpt = specs["some-ckpt"]
     return {**specs, "sp-lp": replace(ckpt, tp=replace(ckpt.tp, sequence_parallel=True, loss_parallel=True))}
 
@@ -79,6 +93,23 @@ def _counts(mode) -> dict[str, int]:
     return {str(k).rsplit(".", 1)[-1]: v for k, v in mode.get_comm_counts().items() if v}
 
 
+def _first_step_in(loss_context, mode):
+    """``loss_context`` for ``train``, with ``mode`` (None: nothing) entered around the first step's
+    forward, loss and backward alone."""
+    steps = []
+
+    @contextlib.contextmanager
+    def first_step():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(loss_context())
+            if mode is not None and not steps:
+                stack.enter_context(mode)
+            steps.append(True)
+            yield
+
+    return first_step
+
+
 def _parity(rank: int, world: int, out: dict) -> None:
     from wrapopt.debug import full_tensor
 
@@ -95,7 +126,12 @@ def _parity(rank: int, world: int, out: dict) -> None:
             t0 = time.perf_counter()
             plan = WrapPlan(spec=spec, model=model_fingerprint(ref))
             with_sgd = plan.apply(copy.deepcopy(ref))
-            losses = [float(v) for v in train(with_sgd, mine, e.loss, sgd=True, loss_context=plan.loss_context)]
+            step = _sized_comm_mode() if label in COUNTED else None  # See [Note: the 2-D step's collectives]
+            losses = [float(v) for v in train(with_sgd, mine, e.loss, sgd=True,
+                                              loss_context=_first_step_in(plan.loss_context, step))]
+            if step is not None:
+                out[f"comm/{name}/{label}"] = {"counts": _counts(step), "blocks": len(with_sgd.layers),
+                                               "ckpt": sum(u.checkpoint for u in spec.units)}
             # AdamW on the first plan alone: the optimizer's path under tensor parallelism does not depend on the
             # cut or the checkpointing (the others run SGD, exact), which keeps the shared spawn short.
             adamw = label == "groups-of-2"
@@ -167,7 +203,7 @@ def _comm_counts(rank: int, world: int, out: dict) -> None:
 
     mesh = init_device_mesh("cpu", MESH_2X2.shape, mesh_dim_names=MESH_2X2.axis_names)
     for name in MODELS:
-        tp = tp_plan_specs(zoo_graph(name))["groups-of-2"].tp
+        tp = _tp_specs(name)["groups-of-2"].tp
         for key, seq in (("block", 64), ("sp-block", 32)):  # sequence parallel: the block's input is 1/2 of it
             holder = nn.ModuleList([copy.deepcopy(reference(name).layers[0])])  # one block, tensor parallel only
             if key == "block":
@@ -187,17 +223,6 @@ def _comm_counts(rank: int, world: int, out: dict) -> None:
             out[f"comm/{name}/{key}"] = {"fwd": _counts(fwd), "bwd": _counts(bwd), "fwd_sizes": fwd.sizes,
                                          "bwd_sizes": bwd.sizes, "activation_bytes": x.numel() * x.element_size(),
                                          "out_shape": list(y.shape)}
-        # The whole 2-D model, one forward and backward: FSDP's collectives are all-gathers and
-        # reduce-scatters on the shard axis, so every all-reduce is tensor parallelism's.
-        e = zoo.get_entry(name)
-        for label, spec in tp_plan_specs(zoo_graph(name)).items():
-            model = WrapPlan(spec=spec, model=model_fingerprint(e.build("meta"))).apply(e.build("cpu", seed=0))
-            x = e.inputs()
-            step = _sized_comm_mode()
-            with step:
-                e.loss(model(*x), x).backward()
-            out[f"comm/{name}/{label}"] = {"counts": _counts(step), "blocks": len(model.layers),
-                                           "ckpt": sum(u.checkpoint for u in spec.units)}
 
 
 def _meta_init(rank: int, world: int, out: dict) -> None:
@@ -207,7 +232,7 @@ def _meta_init(rank: int, world: int, out: dict) -> None:
     for name, label in (("llama-tiny", "groups-of-2"), ("gpt-tiny", "some-ckpt")):
         ref = reference(name)
         model = zoo.get_entry(name).build("meta")
-        WrapPlan(spec=tp_plan_specs(zoo_graph(name))[label], model=model_fingerprint(model)).apply(model)
+        WrapPlan(spec=_tp_specs(name)[label], model=model_fingerprint(model)).apply(model)
         torch.manual_seed(0)
         materialize_sharded(model, device="cpu", init_fn=init_weights)
         out[f"meta/{name}"] = {
@@ -220,7 +245,7 @@ def _bench(rank: int, world: int, out: dict) -> None:
     from wrapopt.evaluation.bench import measure_plans
 
     e = zoo.get_entry("gpt-tiny")
-    tp_plan = tp_plan_specs(zoo_graph("gpt-tiny"))["groups-of-2"]
+    tp_plan = _tp_specs("gpt-tiny")["groups-of-2"]
     # Inputs that differ on every rank: a tensor-parallel group steps on its first rank's.
     mine = tuple(t.roll(rank, dims=0) for t in e.inputs(batch=4))
     got = measure_plans(lambda: e.build("cpu", seed=0), [tp_plan], mine, e.loss, repeats=2, warmup=1)
@@ -238,8 +263,8 @@ def _errors(rank: int, world: int, out: dict) -> None:
 
     from wrapopt.plan.tp import parallelize_blocks
 
-    llama = tp_plan_specs(zoo_graph("llama-tiny"))["groups-of-2"]
-    gpt_plan = tp_plan_specs(zoo_graph("gpt-tiny"))["groups-of-2"]
+    llama = _tp_specs("llama-tiny")["groups-of-2"]
+    gpt_plan = _tp_specs("gpt-tiny")["groups-of-2"]
     gpt_units = replace(gpt_plan, tp=llama.tp)  # GPT's units, Llama's TP
     gpt = zoo.get_entry("gpt-tiny").build("cpu")
     out["err/class"] = catch(lambda: WrapPlan(spec=gpt_units, model={}).apply(gpt, strict=False), PlanError)
