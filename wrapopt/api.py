@@ -233,7 +233,8 @@ def optimize_wrap(
         seed: the Optuna study's seed (``DEFAULT_TRIALS`` trials); the same seed gives the same plan.
         plan: a WrapPlan or plan file to apply instead of searching.
         train: the training step (precision, accumulation, optimizer, sync mode; default: fp32, one micro-batch,
-            AdamW; compile on for a stated GPU, off on CPU ranks; float8 "auto": searched: See [Note: knob defaults]).
+            AdamW; compile on for a stated GPU, off on CPU ranks; float8 off unless asked, "auto" searches it:
+            See [Note: knob defaults]).
             Recorded in the plan; ``plan.apply`` applies its mixed precision, and its
             ``float8`` (torchao, before ``fully_shard``) and ``compile`` (each block, after):
             with ``float8_all_gather`` the loop calls ``wrapopt.plan.float8.after_optimizer_step(model)``
