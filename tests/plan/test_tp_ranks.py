@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.ranks import (HF_LLAMA_TP, MESH_2X2, STEPS, TOL, batches, catch, four_rank_case, init_weights, reference,
+from tests.ranks import (HF_LLAMA_TP, MESH_2X2, TOL, batches, catch, four_rank_case, init_weights, reference,
                          tiny_hf_llama, tp_plan_specs, train, zoo_graph)
 from wrapopt.errors import ModelError, PlanError
 from wrapopt.fingerprint import model_fingerprint
@@ -53,13 +53,18 @@ LABELS = ("groups-of-2", "some-ckpt", "sp-lp")  # sp-lp: some-ckpt with sequence
 # would be): FSDP's collectives are all-gathers and reduce-scatters on the shard axis, so every
 # all-reduce is tensor parallelism's.
 COUNTED = ("groups-of-2", "some-ckpt")
+# Steps of each parity run: the second step's loss is of parameters the first step updated, and its
+# gradient of them, so two steps check the update as three did (tests.ranks.STEPS) at two thirds the time.
+STEPS_2D = 2
 
 
 @functools.cache
 def _tp_specs(name: str) -> dict:
-    """tests.ranks' 2-D plans of ``name``, traced once per rank: the trace takes about a second, and six
-    cases of this spawn read the same plans."""
-    return tp_plan_specs(zoo_graph(name))
+    """tests.ranks' 2-D plans of ``name``, traced once, on rank 0 (the trace, torch.export, takes a second or
+    two, and six cases of this spawn read the same plans), and broadcast to the other ranks."""
+    got = [tp_plan_specs(zoo_graph(name)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(got, src=0)
+    return got[0]
 
 
 def _specs(name: str) -> dict:
@@ -118,7 +123,7 @@ def _parity(rank: int, world: int, out: dict) -> None:
         e = zoo.get_entry(name)
         specs = _specs(name)
         ref = reference(name)
-        full, mine = batches(name, dp_size, dp_rank)
+        full, mine = (b[:STEPS_2D] for b in batches(name, dp_size, dp_rank))
         trained, by_sgd = copy.deepcopy(ref), copy.deepcopy(ref)
         ref_losses = [float(v) for v in train(trained, full, e.loss)]
         sgd_losses = [float(v) for v in train(by_sgd, full, e.loss, sgd=True)]
@@ -171,7 +176,7 @@ def _hf_parity(rank: int, world: int, out: dict) -> None:
         return
     dp_rank, dp_size = dp_rank_size(MESH_2X2)
     g = torch.Generator().manual_seed(1)
-    full = [torch.randint(0, 1000, (2 * dp_size, 16), generator=g) for _ in range(STEPS)]
+    full = [torch.randint(0, 1000, (2 * dp_size, 16), generator=g) for _ in range(STEPS_2D)]
     by_sgd = copy.deepcopy(ref)
     want = [float(v) for v in train(by_sgd, [{"input_ids": x, "labels": x} for x in full], _hf_loss, sgd=True)]
     tp = TPSpec(layers=(("LlamaDecoderLayer", HF_LLAMA_TP),), source="builtin", sequence_parallel=True,
