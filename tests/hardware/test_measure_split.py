@@ -95,30 +95,33 @@ def test_checkpoint_overhead_runs_blocks_without_the_model_cache():
     assert len(model.cache) == 2  # the one forward that captured the inputs; the timed calls added nothing
 
 
-def _overhead_worker(rank, world, _):
+def _tp_worker(rank, world, _):
+    """Both spawned measurements in one spawn of 2 ranks (a spawn costs seconds): measure_tp_overhead
+    alone, then with_tp_measurements filling a compute profile."""
     torch.set_num_threads(1)
-    return measure_tp_overhead(2, repeats=1)
+    overhead = measure_tp_overhead(2, repeats=1)
+    model, x = zoo.build("llama-tiny", "meta")
+    g = trace_model(model, x)
+    base = measure_compute(device="cpu", repeats=1, unit_overhead_s=0.0)
+    out = with_tp_measurements(base, g, (2, 4))  # 4 does not divide the world of 2: 2 alone is measured
+    return {"overhead": overhead, "eff": [list(e) for e in out.split_efficiency], "oh": list(out.tp_overhead_s)}
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    return spawn(_tp_worker, world_size=2, args=(None,), timeout_s=180)
 
 
 @pytest.mark.multiprocess
-def test_tp_overhead_is_measured_on_every_rank_alike():
-    out = spawn(_overhead_worker, world_size=2, args=(None,), timeout_s=120)
+def test_tp_overhead_is_measured_on_every_rank_alike(tp_results):
+    out = [r["overhead"] for r in tp_results]
     assert out[0] == out[1]  # the max over ranks, on every rank
     fwd, bwd = out[0]
     assert fwd >= 0 and bwd >= 0 and math.isfinite(fwd + bwd)  # floored at 0; no speed is asserted
 
 
-def _with_tp_worker(rank, world, _):
-    torch.set_num_threads(1)
-    model, x = zoo.build("llama-tiny", "meta")
-    g = trace_model(model, x)
-    base = measure_compute(device="cpu", repeats=1, unit_overhead_s=0.0)
-    out = with_tp_measurements(base, g, (2, 4))  # 4 does not divide the world of 2: 2 alone is measured
-    return {"eff": [list(e) for e in out.split_efficiency], "oh": list(out.tp_overhead_s)}
-
-
 @pytest.mark.multiprocess
-def test_with_tp_measurements_fills_the_compute_profile():
-    out = spawn(_with_tp_worker, world_size=2, args=(None,), timeout_s=180)
+def test_with_tp_measurements_fills_the_compute_profile(tp_results):
+    out = tp_results
     assert [d for d, _ in out[0]["eff"]] == [2]
     assert out[0]["oh"] == out[1]["oh"] and min(out[0]["oh"]) >= 0
