@@ -142,17 +142,19 @@ def _finished(path: str) -> list:
 @pytest.mark.multiprocess
 def test_kill_9_then_restart_loses_no_finished_trial(tmp_path, repo_root):
     path = str(tmp_path / "study.db")
-    budget = 60
+    # Killed once 8 trials are finished, with 24 left to run: room for the kill to land first on a
+    # loaded machine (a trial takes about 0.15 s of CPU), and few trials for the restart to run.
+    budget = 32
     proc = subprocess.Popen(_cmd(path, budget), env=_env(repo_root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while len(_finished(path)) < 12:
+    while len(_finished(path)) < 8:
         assert proc.poll() is None, f"the search ended before it could be killed: {proc.stderr.read()!r}"
         assert time.monotonic() < deadline
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     before = {t.number: (t.params, t.values) for t in _finished(path)}
-    assert 12 <= len(before) < budget
+    assert 8 <= len(before) < budget
 
     out = subprocess.run(_cmd(path, budget, "--json"), env=_env(repo_root), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
