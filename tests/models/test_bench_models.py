@@ -111,10 +111,11 @@ def test_moe_tiny_traces_on_meta_without_a_real_run():
 # --- every searched plan runs, 2 ranks -----------------------------------------------------------------
 
 
-def searched_plans(name: str, world: int) -> dict[str, PlanSpec]:
-    """Every plan the search scores for ``name`` under a loose, a midway and a tight budget (the
-    baselines among them), on the analytical profile the CLI uses without one, keyed by units."""
-    graph = _trace(name)
+def searched_plans(name: str, world: int, graph=None) -> dict[str, PlanSpec]:
+    """Every plan the search scores for ``name`` (traced, or its ``graph``) under a loose, a midway and
+    a tight budget (the baselines among them), on the analytical profile the CLI uses without one,
+    keyed by units."""
+    graph = graph if graph is not None else _trace(name)
     mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
     fabric = resolve_fabric(None, world_size=world, ranks_per_node=world)
     sim = Simulator(graph, fabric, compute_for(fabric, None, TrainConfig(), "float32"))
@@ -168,18 +169,40 @@ def test_the_plans_run_cover_every_cut_and_choice_searched():
 
 def grad_digest(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     """Per trainable parameter, (sum of its whole gradient times a fixed random tensor of its shape,
-    sum of the gradient's magnitudes): equal for equal gradients, whatever the sharding. Gathers
-    each sharded gradient (collective: every rank calls it, parameters in the same order)."""
-    from torch.distributed.tensor import DTensor
+    sum of the gradient's magnitudes): equal for equal gradients, whatever the sharding.
 
-    out = {}
+    [Note: a digest of shards] Both sums are sums over the gradient's elements, so each rank sums its
+    own shard against its slice of the fixed tensor (the slice at the shard's global offset; a mesh
+    dimension the gradient is replicated on counts once, at its coordinate 0) and ONE all_reduce of
+    every parameter's pair adds the shards up: no gradient is gathered. Collective when the model has
+    sharded gradients: every rank calls it on the same model structure."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local: dict[str, tuple[float, float]] = {}
+    sharded: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad or p.grad is None:
             continue
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        g = p.grad
         w = torch.rand(g.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())), dtype=torch.float64)
-        out[name] = (float((g.double() * w).sum()), float(g.double().abs().sum()))
-    return out
+        if not isinstance(g, DTensor):
+            local[name] = (float((g.double() * w).sum()), float(g.double().abs().sum()))
+            continue
+        if not all(isinstance(pl, (Shard, Replicate)) for pl in g.placements):
+            g = g.redistribute(placements=[pl if isinstance(pl, Shard) else Replicate() for pl in g.placements])
+        shape, offset = compute_local_shape_and_global_offset(g.shape, g.device_mesh, g.placements)
+        counted = all(g.device_mesh.get_local_rank(d) == 0
+                      for d, pl in enumerate(g.placements) if isinstance(pl, Replicate))
+        part = g.to_local().double()
+        piece = w[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        sharded[name] = (torch.stack([(part * piece).sum(), part.abs().sum()]) if counted and part.numel()
+                         else torch.zeros(2, dtype=torch.float64))
+    if sharded:
+        total = torch.stack(list(sharded.values()))
+        dist.all_reduce(total)
+        local.update({name: (float(t[0]), float(t[1])) for name, t in zip(sharded, total)})
+    return {name: local[name] for name, p in model.named_parameters() if name in local}
 
 
 @two_rank_case
@@ -187,15 +210,21 @@ def searched_plans_run_case(rank: int, world: int, tmp: str, out: dict) -> None:
     """One forward and backward of every covering plan: its loss on this rank's half of the batch
     and its averaged gradient, against the unsharded model's on the same half and the mean of the
     unsharded model's gradients on the ranks' halves."""
-    # Each rank searches its share of the models, and the ranks swap plans: the searches are the
-    # same on every rank, and half of them per rank halve the case's search time.
-    mine = {name: covering_plans(searched_plans(name, world)) for i, name in enumerate(TRAINABLE) if i % world == rank}
+    # Each rank traces and searches its share of the models, and the ranks swap the plans and the
+    # traces' parameter users (what apply_plan needs): the searches are the same on every rank, and
+    # half of them per rank halve the case's search time; each model is traced once, on one rank
+    # (the traces, torch.export included, were most of this case's time).
+    mine = {}
+    for i, name in enumerate(TRAINABLE):
+        if i % world == rank:
+            graph = _trace(name)
+            mine[name] = (covering_plans(searched_plans(name, world, graph)), graph.param_users)
     every: list = [None] * world
     dist.all_gather_object(every, mine)
-    plans = {name: found for share in every for name, found in share.items()}
+    found = {name: got for share in every for name, got in share.items()}
     for name in TRAINABLE:
         e = zoo.get_entry(name)
-        graph = _trace(name)
+        plans, param_users = found[name]
         whole = e.inputs(batch=e.batch * world)
         x = tuple(t.chunk(world)[rank] for t in whole)
         ref = e.build("cpu", seed=0)
@@ -204,12 +233,12 @@ def searched_plans_run_case(rank: int, world: int, tmp: str, out: dict) -> None:
             half = tuple(t.chunk(world)[r] for t in whole)  # capacity per rank's batch, as the ranks run them)
             (e.loss(ref(*half), half) / world).backward()
         rows = []
-        for spec in plans[name]:
+        for spec in plans:
             model = e.build("cpu", seed=0)
             got: dict = {}
 
             def run(model=model, spec=spec, got=got) -> None:
-                apply_plan(model, spec, param_users=graph.param_users)
+                apply_plan(model, spec, param_users=param_users)
                 loss = e.loss(model(*x), x)
                 loss.backward()
                 got["loss"], got["grads"] = float(loss), grad_digest(model)
