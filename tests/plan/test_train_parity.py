@@ -52,6 +52,7 @@ def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     out: dict = {}
     refs: dict = {}
+    graphs: dict = {}  # each model traced once, not once per case (8 cases, 2 models)
     mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
     for name, plan_name, k, precision, sync in _cases():
         e = zoo.get_entry(name)
@@ -62,8 +63,9 @@ def _worker(rank: int, world: int) -> dict:
             ref = e.build("cpu", seed=0)
             opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             refs[key] = [train_step(ref, opt, [x], e.loss) for x in full]
-        g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
-        spec = baselines(g, mesh)[plan_name]
+        if name not in graphs:
+            graphs[name] = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+        spec = baselines(graphs[name], mesh)[plan_name]
         train = TrainConfig.preset(precision, grad_accumulation=k, accumulation_sync=sync if k > 1 else None)
         model = e.build("cpu", seed=0)
         wplan = WrapPlan(spec=spec, model=model_fingerprint(model), train=train)
