@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.ranks import MESH2, STEPS, TOL, mean_over_ranks, two_rank_case
 
@@ -53,26 +54,33 @@ def hf_parity(rank: int, world: int, tmp: str, out: dict) -> None:
 
     directory = os.path.join(tmp, f"hf-rank{rank}")
     os.makedirs(directory, exist_ok=True)
-    for name in PARITY:
-        path = write_config(name, directory)
-        per_rank = resolve_model(f"hf:{path}", batch=2, seq=8)
+    paths = {name: write_config(name, directory) for name in PARITY}
+    # Each rank searches its share of the models and the ranks swap plans: a search is the same on
+    # every rank (seeded), so half of them per rank halve the case's search time.
+    mine_plans = {}
+    for name in PARITY[rank::world]:
+        per_rank = resolve_model(f"hf:{paths[name]}", batch=2, seq=8)
         graph = trace_model(per_rank.build("meta"), per_rank.inputs)
         sim = Simulator(graph, analytical_fabric(world_size=world), analytical_compute())
         # Tiny models fit whole, where the answer is one unit; a budget below every one-unit
         # plan's peak makes the search cut the model.
         whole = min(s.estimate.peak_bytes for s in search_plan(graph, sim, MESH2).candidates if len(s.plan.units) == 1)
         result = search_plan(graph, sim, MESH2, memory_budget=whole - 1, options=SearchOptions(trials=10, seed=0))
-        src = resolve_model(f"hf:{path}", batch=2 * world, seq=8)
+        mine_plans[name] = (("searched", result.best.plan), ("per-block", result.baselines["per-block"].plan))
+    every: list = [None] * world
+    dist.all_gather_object(every, mine_plans)
+    plans = {name: found for share in every for name, found in share.items()}
+    for name in PARITY:
+        src = resolve_model(f"hf:{paths[name]}", batch=2 * world, seq=8)
         full, mine = _steps(src.inputs, world, rank)
         ref = src.build("cpu").eval()
         ref_losses = [float(v) for v in _train(ref, full)]
-        for label, plan in (("searched", result.best.plan), ("per-block", result.baselines["per-block"].plan)):
+        for label, plan in plans[name]:
             model = apply_plan(src.build("cpu").eval(), plan)
             out[f"hf/{name}/{label}"] = {
                 "losses": mean_over_ranks(_train(model, mine), world), "ref": ref_losses,
                 "plan": f"{plan.label}: {len(plan.units)} units, shard {plan.mesh.shard_size}",
                 "units": len(plan.units)}
-
 
 @pytest.mark.multiprocess
 def test_hf_models_train_alike_sharded_with_the_searched_plan(two_rank_cases):
