@@ -59,6 +59,7 @@ STAGES: dict[str, tuple[str, ...]] = {
 # here too: cli -> evaluation -> api). The root package (__init__.py) re-exports for users.
 WIRING: dict[str, tuple[str, ...]] = {
     "job": ("api", "cli", "evaluation", "testing"),  # prepare(): the one wiring of the stages, below every entry point
+    "predict": ("api", "cli", "evaluation", "testing"),  # estimate(): one given plan, the stages wired as api does
     "api": ("cli", "evaluation", "testing"),
     "evaluation": ("cli", "testing"),
     "testing": ("cli", "evaluation"),

@@ -3,7 +3,8 @@
 trace -> profile (or a given / analytical profile) -> search -> WrapPlan ->
 apply. Inside a process group every rank profiles, rank 0 searches, the plan
 travels to every rank as JSON text, and every rank applies it. ``estimate``
-wires the same stages for one plan the user already has.
+(``wrapopt.predict``, re-exported here) wires the same stages for one plan the
+user already has.
 
 Only wiring lives here: the text report is ``report.choice``, the FLOPs and
 MFU of an estimate ``report.estimate``, the what-if re-simulations (a given
@@ -25,6 +26,7 @@ from wrapopt.assumptions import Assumptions
 from wrapopt.checks import check_seed
 from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.cost import Simulator
+from wrapopt.predict import estimate
 from wrapopt.errors import InfeasibleError, ModelError, OptionError, PlanError, ProfileError, WrapoptError
 from wrapopt.fileio import check_writable
 from wrapopt.fingerprint import model_fingerprint
@@ -34,30 +36,26 @@ from wrapopt.hardware.measure_collectives import measure_fabric
 from wrapopt.hardware.measure_device import measure_compute
 from wrapopt.hardware.measure_split import with_tp_measurements
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
-from wrapopt.hardware.resolve import check_fabric_fits, compute_for, partial_node_note, resolve_fabric
+from wrapopt.hardware.resolve import check_fabric_fits, compute_for, resolve_fabric
 from wrapopt.job import Job, default_mesh, job_mesh, prepare
 from wrapopt.launch import broadcast_json
 from wrapopt.launch import device_type as default_device
 from wrapopt.plan.apply import plan_digest
-from wrapopt.plan.check import check_plan
 from wrapopt.plan.file import WrapPlan
 from wrapopt.plan.pipeline import PipelineRun, pipeline_kwargs
-from wrapopt.report.batch import batch_lines, format_batch
+from wrapopt.report.batch import format_batch
 from wrapopt.report.choice import format_report
 from wrapopt.report.pipeline import format_pipeline
-from wrapopt.report.estimate import EstimateReport, step_work
-from wrapopt.search.batch import recorded_scale, score_splits, train_for
+from wrapopt.search.batch import recorded_scale
 from wrapopt.search.diagnosis import assumptions_for, score_given
 from wrapopt.search.driver import DEFAULT_TRIALS, Scored, SearchOptions, SearchResult
-from wrapopt.search.cp import given_cp
-from wrapopt.search.given import CHECKPOINTS, given_spec
 from wrapopt.search.knobs import float8_choices, float8_hint, search_float8
 from wrapopt.search.offload import choose_offload, mark_offload
-from wrapopt.search.pipeline import pipeline_estimate, pp_group_sizes
+from wrapopt.search.pipeline import pp_group_sizes
 from wrapopt.search.remedies import find_remedies
 from wrapopt.search.run import SearchRun, run_search
 from wrapopt.search.shapes import tp_group_sizes
-from wrapopt.spec import MeshSpec, ModelGraph, ParallelRequest
+from wrapopt.spec import ModelGraph, ParallelRequest
 from wrapopt.tp import TPSpec
 from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig, model_dtype
@@ -219,28 +217,23 @@ def optimize_wrap(
 ) -> OptimizeResult:
     """Find the best FSDP2 wrapping of ``model`` and, under a process group, apply it.
 
-    Without a process group this only plans: for ``world_size`` ranks
-    (default: ``gpus_per_node`` or 8) on ``fabric`` (default: the built-in
-    analytical H100 + InfiniBand profile, labelled as such). Inside a job
-    started by ``torchrun`` every rank measures the fabric unless one is
-    given, rank 0 searches, and every rank applies the plan; ``.model`` is
-    then the sharded model, ready for the optimizer.
+    Without a process group this only plans: for ``world_size`` ranks (default: ``gpus_per_node`` or 8) on
+    ``fabric`` (default: the built-in analytical H100 + InfiniBand profile, labelled as such). Inside a job started
+    by ``torchrun`` every rank measures the fabric unless one is given, rank 0 searches, and every rank applies
+    the plan; ``.model`` is then the sharded model, ready for the optimizer.
 
     Args:
         model, example_inputs: the model (real weights or meta) and one per-rank batch of positional inputs.
         memory_budget: bytes, or "80GiB"/"80GB", "auto" (the default: 90% of the
             device's capacity when known) or "none" (no limit).
         seed: the Optuna study's seed (``DEFAULT_TRIALS`` trials); the same seed gives the same plan.
-        plan: a WrapPlan or plan file to apply instead of searching.
-        train: the training step (precision, accumulation, optimizer, sync mode; default: fp32, one micro-batch,
-            AdamW; compile on for a stated GPU, off on CPU ranks; float8 off unless asked, "auto" searches it:
-            See [Note: knob defaults]).
-            Recorded in the plan; ``plan.apply`` applies its mixed precision, and its
-            ``float8`` (torchao, before ``fully_shard``) and ``compile`` (each block, after):
-            with ``float8_all_gather`` the loop calls ``wrapopt.plan.float8.after_optimizer_step(model)``
-            after each ``optimizer.step()`` (``train_step`` does); ``wrapopt.plan.compile.compile_report(model)``
-            names a block left eager (See [Note: applying float8], [Note: compiling per block]).
-        save_plan: where to write the plan (rank 0 writes, atomically).
+        plan: a WrapPlan or plan file to apply instead of searching; ``save_plan``: where to write the plan
+            (rank 0 writes, atomically).
+        train: the training step (default: fp32, one micro-batch, AdamW; compile on for a stated GPU, off on
+            CPU ranks; float8 off unless asked, "auto" searches it: See [Note: knob defaults]), recorded in the
+            plan. ``plan.apply`` applies its precision, float8 (torchao, before ``fully_shard``; with the float8
+            all-gather the loop calls ``wrapopt.plan.float8.after_optimizer_step(model)`` after each optimizer
+            step, as ``train_step`` does) and compile (each block, after: See [Note: compiling per block]).
         tp: tensor-parallel degree: None or 1 (FSDP alone), an int, or "auto" (chosen with
             the units: See [Note: 2-D search]); ``tp_plan``: how blocks split (default: recognised).
         global_batch: sequences per optimizer step over all data-parallel ranks, fixed: the search
@@ -381,120 +374,3 @@ def _plan_on_rank_0(job: Job, *, search: SearchOptions,
         if rank != 0:
             wplan = WrapPlan.from_json(text["plan"])  # type: ignore[index]
     return wplan, result  # type: ignore[return-value]
-
-
-def estimate(
-    model: nn.Module,
-    example_inputs: tuple[Any, ...] | Any,
-    *,
-    plan: str | os.PathLike | WrapPlan = "per-block",
-    world_size: int | None = None,
-    gpus_per_node: int | None = None,
-    fabric: FabricProfile | str | os.PathLike | None = None,
-    compute: ComputeProfile | str | None = None,
-    train: TrainConfig | None = None,
-    checkpoint: str | None = None,
-    memory_budget: int | float | str | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    rescale_fabric: bool = False,
-    name: str = "",
-    global_batch: int | None = None,
-    pp: int | str | None = None,
-    tp: int = 1,
-    cp: int | str = 1, ep: int | str = 1,
-) -> EstimateReport:
-    """Predict one training step of a plan the user already has: time, throughput, MFU, memory.
-
-    Args:
-        model: the model (meta device is fine) and ``example_inputs``, one micro-batch per rank.
-        plan: a baseline name (``per-block``, ``size-1e8``, ``no-shard``, ``every-leaf``,
-            ``root-only``), a plan file or a ``WrapPlan``.
-        world_size, gpus_per_node: the mesh (default: the plan file's, else 8 ranks on one node).
-        train: the training step (default: the plan file's, else fp32, one micro-batch, AdamW).
-        checkpoint: every unit but the root ``"blocks"`` (or ``"full"``), ``"selective-op"`` or
-            ``"none"``; None keeps the plan's choice.
-        memory_budget: as for ``optimize_wrap`` (default: 90% of the device when known).
-        global_batch: sequences per optimizer step: the plan is scored at every micro-batch x
-            accumulation split of it and the fastest that fits is reported (without it, a plan
-            file that records its micro-batch is scored at it).
-        pp: put a one-unit-per-block plan on a pipeline of this degree (an int, or "auto": the
-            fastest), its stages, schedule and micro-batches chosen as the search does.
-        tp: a named baseline's tensor-parallel degree ([Note: a given plan at a degree] in search/given.py).
-        cp, ep: the context- and expert-parallel degrees (an int, or "auto"), as for ``optimize_wrap``.
-
-    Example:
-        >>> from wrapopt import zoo
-        >>> from wrapopt.train import TrainConfig
-        >>> model, x = zoo.build("gpt-tiny", "meta")
-        >>> r = estimate(model, x, plan="per-block", world_size=8, train=TrainConfig.preset("bf16"))
-        >>> r.step_s > 0 and 0 < r.mfu < 1
-        True
-    """
-    from_plan = train is None
-    given, mesh, train, notes = _plan_to_estimate(plan, model, world_size=world_size, gpus_per_node=gpus_per_node,
-                                                  train=train, global_batch=global_batch)
-    if global_batch is not None and from_plan and train is not None:  # the split is chosen again
-        train = replace(train, micro_batch=None, global_batch=None, grad_accumulation=1)
-    train = _scored_step(given, train or TrainConfig())
-    if checkpoint is not None and checkpoint not in CHECKPOINTS:
-        raise OptionError(f"unknown --checkpoint {checkpoint!r}; accepted: {', '.join(CHECKPOINTS)}")
-    world = MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node, shard_size=mesh.world_size)
-    request = ParallelRequest(mesh=world, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=global_batch,
-                              memory_budget=memory_budget, train=train)
-    job = prepare(request, model, example_inputs, fabric=fabric, compute=compute, loss_fn=loss_fn,
-                  rescale_fabric=rescale_fabric, notes=tuple(notes))
-    graph, fab, comp, budget, notes = job.graph, job.fabric, job.compute, job.budget, [*job.notes, *job.knobs]
-    request, train = job.request, job.train  # its compile settled: See [Note: knob defaults] in search/knobs.py
-    spec = given_cp(graph, given_spec(given, graph, mesh, checkpoint, request=request), request)
-    sim = job.simulator(train, batch_scale=recorded_scale(graph, train, spec))
-    spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, request, memory_budget=budget)
-    notes += pp_notes
-    if global_batch is not None and spec.pipeline is None:
-        split, sim, rows = score_splits(graph, sim, spec, request, memory_budget=budget)
-        train = train_for(train, split)
-        notes += batch_lines(rows, split)
-    est = sim.simulate(spec)
-    if train.grad_accumulation > 1:
-        train = train.with_sync(est.accumulation_sync)
-    work = step_work(model, example_inputs, graph, comp, accumulation=train.grad_accumulation,
-                     batch_scale=sim.options.batch_scale / spec.mesh.cp_size,  # a cp rank's share of a sequence
-                     compute_dtype=train.compute_dtype(model_dtype(model)))
-    return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan",
-                          num_units=len(spec.units), mesh=spec.mesh, train=train, fabric=fab.label,
-                          compute=f"{comp.device} ({comp.kind})",
-                          estimate=est, flops=work.flops, peak_flops_per_s=work.peak_flops_per_s,
-                          peak_source=work.peak_source, memory_budget=budget, notes=tuple(notes),
-                          model_dtype=model_dtype(model), budget_note=job.budget_note,
-                          pipeline_microbatches=spec.pipeline.microbatches if spec.pipeline is not None else None)
-
-
-def _scored_step(given: WrapPlan | Any, train: TrainConfig) -> TrainConfig:
-    """The step ``estimate`` scores: ``float8`` "auto" refused (a search settles it); a plan file's
-    compile as the plan applies (unsaid, as in older files: eager). See [Note: knob defaults]."""
-    train.check_scorable()
-    if isinstance(given, WrapPlan) and train.compile is None:
-        return replace(train, compile=bool(given.train_config.compile))
-    return train
-
-
-def _plan_to_estimate(plan: str | os.PathLike | WrapPlan, model: nn.Module, *, world_size: int | None,
-                      gpus_per_node: int | None, train: TrainConfig | None, global_batch: int | None = None,
-                      ) -> tuple[WrapPlan | Any, MeshSpec, TrainConfig | None, list[str]]:
-    """The plan (a loaded ``WrapPlan``, else a baseline's name), its mesh, the training step
-    (the one given, else the plan file's) and notes."""
-    given = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) and os.path.exists(os.fspath(plan)) else plan
-    if not isinstance(given, WrapPlan):
-        note = partial_node_note(world_size, gpus_per_node)  # a note, not an error: See its docstring
-        return given, default_mesh(world_size=world_size, gpus_per_node=gpus_per_node), train, [note] if note else []
-    check_plan(given, model=model, world_size=world_size, ranks_per_node=gpus_per_node)  # [Note: one plan check]
-    notes = []
-    differ = given.train_config.differences(train) if train is not None and given.train is not None else []
-    if global_batch is not None and given.train_config.global_batch not in (None, global_batch):
-        # another global batch is split again: the split is chosen, not given
-        differ = [d for d in differ if not d.startswith(("grad_accumulation ", "micro_batch ", "global_batch "))]
-        differ.append(f"global_batch ({given.train_config.global_batch} in the plan, {global_batch} given: "
-                      "split again)")
-    if differ:
-        notes.append("the plan was scored for another training step (" + "; ".join(differ)
-                     + "); estimated for the one given")
-    return given, given.mesh, train or given.train_config, notes

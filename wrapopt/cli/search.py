@@ -157,12 +157,10 @@ def run(args: argparse.Namespace) -> int:
     """Body of ``wrapopt search``: flags are checked, and the output writable, before the search."""
     from wrapopt.api import plan_model, prepare
     from wrapopt.evaluation.pictures import pictures_json, write_pictures
-    from wrapopt.report.batch import format_batch
-    from wrapopt.report.choice import format_report, format_search, format_sync, rates_json
+    from wrapopt.report.choice import rates_json
     from wrapopt.report.estimate import step_work
     from wrapopt.plan.file import current_plan_loader
-    from wrapopt.report.current import current_json, format_current
-    from wrapopt.report.pipeline import format_pipeline
+    from wrapopt.report.current import current_json
     from wrapopt.report.plots import require_matplotlib
     from wrapopt.search.batch import recorded_scale
     from wrapopt.search.current import compare_current, parse_current
@@ -216,25 +214,39 @@ def run(args: argparse.Namespace) -> int:
             out["search"]["current"] = current_json(compared)
         print(json.dumps(out, indent=1))
     else:
-        print(job.budget_note)
-        count = plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
-        print(f"training: {plan.train_config.describe(model_dtype(model), pipeline_microbatches=count)}")
-        said = sync_note(args.sync, plan.train_config.grad_accumulation, pipeline=plan.spec.pipeline is not None)
-        print("".join(f"note: {n}\n" for n in (*src.notes, *said)), end="")
-        print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions, work=work))
-        print(format_search(result))
-        print(format_sync(result, train, budget, syncs))
-        if result.batch_rows:
-            print(format_batch(result))
-        if result.pp_rows:
-            print(format_pipeline(result))
-        if compared is not None:
-            print(format_current(compared, budget))
-        if args.out:
-            print(f"wrote {args.out}")
-        if args.plot:
-            print(f"wrote {', '.join(os.path.join(args.plot, name) for name in PICTURES)}")
+        _print_text(args, job, src, model, plan, result, train, work, syncs, compared)
     return 0
+
+
+def _print_text(args: argparse.Namespace, job: Any, src: Any, model: Any, plan: WrapPlan, result: Any, train: Any,
+                work: Any, syncs: Any, compared: Any) -> None:
+    """The text output of ``wrapopt search``: the step, notes, choice, search, sync, batch, pipeline and
+    ``--current`` tables, and the files written."""
+    from wrapopt.report.batch import format_batch
+    from wrapopt.report.choice import format_report, format_search, format_sync
+    from wrapopt.report.current import format_current
+    from wrapopt.report.pipeline import format_pipeline
+    from wrapopt.train import model_dtype
+
+    fabric, compute, mesh, budget = job.fabric, job.compute, mesh_from_args(args), job.budget
+    print(job.budget_note)
+    count = plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
+    print(f"training: {plan.train_config.describe(model_dtype(model), pipeline_microbatches=count)}")
+    said = sync_note(args.sync, plan.train_config.grad_accumulation, pipeline=plan.spec.pipeline is not None)
+    print("".join(f"note: {n}\n" for n in (*src.notes, *said)), end="")
+    print(format_report(result, fabric, compute, mesh, assumptions=plan.assumptions, work=work))
+    print(format_search(result))
+    print(format_sync(result, train, budget, syncs))
+    if result.batch_rows:
+        print(format_batch(result))
+    if result.pp_rows:
+        print(format_pipeline(result))
+    if compared is not None:
+        print(format_current(compared, budget))
+    if args.out:
+        print(f"wrote {args.out}")
+    if args.plot:
+        print(f"wrote {', '.join(os.path.join(args.plot, name) for name in PICTURES)}")
 
 
 def _with_knobs(job: Any, plan: WrapPlan, train: Any, sim: Any) -> tuple[Any, Any, ParallelRequest]:
