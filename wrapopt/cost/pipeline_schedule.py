@@ -12,11 +12,18 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from torch.distributed.pipelining import schedules as torch_schedules
-
 from wrapopt.spec import CostEstimate
 
 __all__ = ["Action", "StageCost", "Timeline", "held_moment", "run_timeline", "schedule_order"]
+
+
+# [Note: torch's schedules read late] ``torch.distributed.pipelining`` imports dynamo, DTensor and
+# sympy: about a second, paid by every process that imports the simulator. The schedules are read
+# only when a pipeline is priced, so they are imported there (``_torch_schedules``), once.
+def _torch_schedules() -> Any:
+    from torch.distributed.pipelining import schedules
+
+    return schedules
 
 Action = tuple[str, int, int]  # ("F" | "B" | "R", stage, micro-batch; -1 for R)
 
@@ -65,6 +72,7 @@ class Timeline:
 def schedule_order(schedule: str, pp_size: int, num_stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, its actions in the order torch runs them: See [Note: pipeline stages] in cost/pipeline.py."""
     m, p = microbatches, pp_size
+    torch_schedules = _torch_schedules()
     if schedule == "GPipe":
         raw = torch_schedules.ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=p, _n_microbatches=m))
         orders = [raw[r] for r in range(p)]
@@ -87,6 +95,7 @@ def schedule_order(schedule: str, pp_size: int, num_stages: int, microbatches: i
 
 def _one_f_one_b(rank: int, p: int, m: int) -> list[Any]:
     """``Schedule1F1B._step_microbatches``'s order on ``rank``, as torch ``_Action`` items."""
+    torch_schedules = _torch_schedules()
     act, types = torch_schedules._Action, torch_schedules._ComputationType
     warm = min(m, p - rank)
     out = [act(rank, types.FORWARD, i) for i in range(warm)]

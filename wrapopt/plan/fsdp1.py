@@ -6,12 +6,12 @@ See [Note: what FSDP1 can express] for what is kept and what is lost.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp.wrap import CustomPolicy
 
 from wrapopt.errors import PlanError
 from wrapopt.fingerprint import is_wrapper, strip_wrapper_prefixes
@@ -19,7 +19,7 @@ from wrapopt.plan.apply import DTYPES
 from wrapopt.selective import refuse_selective
 from wrapopt.spec import PlanSpec
 
-__all__ = ["fsdp1_policy", "fsdp1_checkpoint_fn", "PlanPolicy"]
+__all__ = ["fsdp1_policy", "fsdp1_checkpoint_fn", "plan_policy_class"]  # and PlanPolicy, made on first use
 
 
 # [Note: what FSDP1 can express]
@@ -66,7 +66,7 @@ def fsdp1_policy(
     *,
     mixed_precision: dict[str, str | None] | None = None,
     split_groups: bool = False,
-) -> "PlanPolicy":
+) -> Any:  # a PlanPolicy
     """The plan as an FSDP1 ``auto_wrap_policy`` wrapping exactly its units, with per-unit arguments.
 
     See [Note: what FSDP1 can express]. Pass ``policy.root_kwargs`` to
@@ -129,14 +129,19 @@ def fsdp1_policy(
                    **prefetch_kwargs}
     if spec.offload:  # the plan's CPU offload; FSDP1 gives every unit the root's cpu_offload
         root_kwargs["cpu_offload"] = CPUOffload(offload_params=True)
-    policy = PlanPolicy(singles, groups, root_kwargs=root_kwargs, notes=tuple(notes), losses=tuple(losses),
+    policy = plan_policy_class()(singles, groups, root_kwargs=root_kwargs, notes=tuple(notes), losses=tuple(losses),
                         world_size=mesh.world_size)
     if notes:
         warnings.warn("FSDP1 cannot express all of this plan: " + "; ".join(notes), stacklevel=3)
     return policy
 
 
-class PlanPolicy(CustomPolicy):
+# [Note: FSDP1 imported late] ``PlanPolicy`` is FSDP1's ``CustomPolicy`` with the plan's units in it.
+# Importing ``torch.distributed.fsdp`` (FSDP1, with DTensor and sympy behind it) takes over half a
+# second, paid by every process that reads a plan (a search, an estimate) though few export one to
+# FSDP1. So the policy's methods live in ``_PlanPolicyBody`` and the class is made, once, the first
+# time it is asked for: ``plan_policy_class()``, or ``wrapopt.plan.fsdp1.PlanPolicy`` (PEP 562).
+class _PlanPolicyBody:
     """FSDP1 ``auto_wrap_policy`` wrapping the modules a plan names, each with its own arguments.
 
     FSDP1 hands a policy module objects, not names: the names are resolved
@@ -191,6 +196,21 @@ class PlanPolicy(CustomPolicy):
         if self._by_id is None:  # the first call is on the root
             self.resolve(module)
         return True if recurse else id(module) in self._by_id  # type: ignore[operator]
+
+
+@functools.cache
+def plan_policy_class() -> type:
+    """``PlanPolicy``: FSDP1's ``CustomPolicy`` with the plan's methods (See [Note: FSDP1 imported late])."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    return type("PlanPolicy", (_PlanPolicyBody, CustomPolicy), {"__module__": __name__,
+                                                                "__doc__": _PlanPolicyBody.__doc__})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PlanPolicy":
+        return plan_policy_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fsdp1_checkpoint_fn(spec: PlanSpec, model: nn.Module) -> Callable[[nn.Module], bool]:

@@ -8,6 +8,7 @@ See [Note: applying a pipeline plan] below; the checks of the stages against the
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -15,7 +16,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import schedules as _schedules
 
 from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.errors import PlanError
@@ -128,7 +128,13 @@ def _as_code(module: nn.Module) -> None:
 # micro-batches' logits on the last stage into the optimizer step and the next forward: memory the
 # cost model does not price, which a tracker counting one step's allocations sees freed inside the
 # next step (reading that step's peak low). A torch without the argument keeps them.
-_RETURN_OUTPUTS = "return_outputs" in inspect.signature(_schedules.PipelineScheduleSingle.step).parameters
+@functools.cache
+def _return_outputs() -> bool:
+    """Whether torch's schedule ``step`` takes ``return_outputs``: read at the first step, not at
+    import (See [Note: torch's schedules read late] in cost/pipeline_schedule.py)."""
+    from torch.distributed.pipelining import schedules
+
+    return "return_outputs" in inspect.signature(schedules.PipelineScheduleSingle.step).parameters
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ class PipelineRun:
                             f"micro-batch), but step got {given.shape[0]}; pass the batch the plan was made for")
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
-        if _RETURN_OUTPUTS:  # See [Note: the last stage's outputs]
+        if _return_outputs():  # See [Note: the last stage's outputs]
             kwargs["return_outputs"] = False
         if self.is_first:
             self.schedule.step(*inputs, **kwargs)
