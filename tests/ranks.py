@@ -18,7 +18,9 @@ records every case's seconds under ``case_s``: where the spawn's time goes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import os
 import time
 
 import torch
@@ -54,6 +56,16 @@ def two_rank_case(fn):
 
 
 def run_cases(rank: int, world: int, tmp: str, names: tuple[str, ...]) -> dict:
+    if os.environ.get("PROF_CASES") and rank == 0:
+        import cProfile
+        prof = cProfile.Profile()
+        res = prof.runcall(_run_cases, rank, world, tmp, names)
+        prof.dump_stats(os.environ["PROF_CASES"] + ".2")
+        return res
+    return _run_cases(rank, world, tmp, names)
+
+
+def _run_cases(rank: int, world: int, tmp: str, names: tuple[str, ...]) -> dict:
     out: dict = {"case_s": {}}  # seconds per case, for ``pytest --durations``-like reading (conftest prints them)
     for name in names:
         module, fn = name.split(":")
@@ -81,6 +93,16 @@ def four_rank_case(fn):
 
 
 def run_four(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    if os.environ.get("PROF_CASES") and rank == 0:
+        import cProfile
+        prof = cProfile.Profile()
+        res = prof.runcall(_run_four, rank, world, names)
+        prof.dump_stats(os.environ["PROF_CASES"] + ".4")
+        return res
+    return _run_four(rank, world, names)
+
+
+def _run_four(rank: int, world: int, names: tuple[str, ...]) -> dict:
     torch.set_num_threads(1)  # 4 ranks on a machine of a few cores
     res: dict = {"case_s": {}}
     for name in names:
@@ -99,7 +121,10 @@ def spawn_four() -> list[dict]:
 # --- helpers for the cases (module level: spawn pickles them by name) ----------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def zoo_graph(name: str):
+    """The zoo model's trace, once per process (a ``ModelGraph`` is frozen; torch.export takes
+    about a second on a tiny model, and the shared spawns' cases read a few models many times)."""
     e = zoo.get_entry(name)
     return trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
 

@@ -5,6 +5,7 @@ saved plan or fabric profile without searching or measuring again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -19,6 +20,20 @@ from wrapopt.search import tp as search_tp
 from wrapopt.search.baselines import baselines
 
 
+@contextlib.contextmanager
+def _few_trials(n: int = 16):
+    """``optimize_wrap``'s study cut to ``n`` trials (the DP and the baselines run whole) and put
+    back however the case ends: these cases check what reaches the ranks, not the study, whose
+    200 trials are seconds of TPE sampling each while the other rank waits."""
+    import wrapopt.api as api
+
+    kept, api.DEFAULT_TRIALS = api.DEFAULT_TRIALS, n
+    try:
+        yield
+    finally:
+        api.DEFAULT_TRIALS = kept
+
+
 def _optimize_worker(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
@@ -26,7 +41,8 @@ def _optimize_worker(rank: int, world: int) -> dict:
 
     e = zoo.get_entry("gpt-tiny")
     model = e.build("cpu", seed=0)
-    res = optimize_wrap(model, e.inputs(), loss_fn=e.loss, fabric="h100-nvlink-ib400", memory_budget="1GiB")
+    with _few_trials():
+        res = optimize_wrap(model, e.inputs(), loss_fn=e.loss, fabric="h100-nvlink-ib400", memory_budget="1GiB")
     x = e.inputs()
     loss = e.loss(res.model(*x), x)
     loss.backward()
@@ -68,7 +84,8 @@ def _reuse_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
 
     kept = (WrapPlan.save, api.plan_model, search_tp.search_plan, api.measure_fabric)
     try:
-        return _reuse(rank, world, tmp, budget)
+        with _few_trials():
+            return _reuse(rank, world, tmp, budget)
     finally:
         WrapPlan.save, api.plan_model, search_tp.search_plan, api.measure_fabric = kept  # type: ignore[method-assign]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import catch, two_rank_case
+from tests.ranks import catch, two_rank_case, zoo_graph
 from wrapopt.api import compute_for, resolve_fabric
 from wrapopt.cost import Simulator
 from wrapopt.models import zoo
@@ -23,7 +23,6 @@ from wrapopt.models.bench_models import BENCH, MoEFFN
 from wrapopt.plan.apply import apply_plan
 from wrapopt.search.driver import search_plan
 from wrapopt.spec import MeshSpec, PlanSpec
-from wrapopt.trace.meta import trace_model
 from wrapopt.train import TrainConfig
 
 BENCH_NAMES = [e.name for e in BENCH]
@@ -31,8 +30,7 @@ TRAINABLE = [n for n, e in zoo.ZOO.items() if e.trainable]
 
 
 def _trace(name: str):
-    e = zoo.get_entry(name)
-    return trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+    return zoo_graph(name)  # traced once per process
 
 
 # --- the models ----------------------------------------------------------------------------------------
