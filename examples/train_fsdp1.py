@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import warnings
 
 import torch
@@ -28,9 +27,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from wrapopt import WrapPlan
-from wrapopt.errors import WrapoptError
 from wrapopt.fingerprint import strip_wrapper_prefixes
-from wrapopt.launch import init_from_env, shutdown
+from wrapopt.launch import init_from_env, run_rank_main
 from wrapopt.models import zoo
 
 
@@ -83,12 +81,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-        shutdown()
-    except WrapoptError as e:
-        print(f"[rank {dist.get_rank() if dist.is_initialized() else '?'}] error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        code = 1
-    sys.exit(code)
+    run_rank_main(main)  # main(), then shutdown(): barrier, destroy the group; a WrapoptError is one line per rank

@@ -13,15 +13,13 @@ model (parameter names, shapes, module classes) before any collective.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from wrapopt import WrapPlan
-from wrapopt.errors import WrapoptError
-from wrapopt.launch import dp_rank_size, init_from_env, shutdown
+from wrapopt.launch import dp_rank_size, init_from_env, run_rank_main
 
 VOCAB, SEQ, BATCH = 256, 32, 4  # per-rank batch
 
@@ -125,12 +123,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-        shutdown()
-    except WrapoptError as e:
-        print(f"[rank {dist.get_rank() if dist.is_initialized() else '?'}] error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        code = 1
-    sys.exit(code)
+    run_rank_main(main)  # main(), then shutdown(): barrier, destroy the group; a WrapoptError is one line per rank

@@ -17,15 +17,13 @@ attention, and make the sequence a multiple of 2 x cp. Needs ``pip install trans
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from wrapopt import WrapPlan
-from wrapopt.errors import WrapoptError
-from wrapopt.launch import init_from_env, shutdown
+from wrapopt.launch import init_from_env, run_rank_main
 
 VOCAB, SEQ, BATCH = 256, 64, 2  # sequences per data-parallel rank
 
@@ -117,12 +115,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-        shutdown()
-    except WrapoptError as e:
-        print(f"[rank {dist.get_rank() if dist.is_initialized() else '?'}] error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        code = 1
-    sys.exit(code)
+    run_rank_main(main)  # main(), then shutdown(): barrier, destroy the group; a WrapoptError is one line per rank

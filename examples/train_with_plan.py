@@ -15,7 +15,6 @@ collective, so a wrong plan stops every rank with the same message.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
@@ -24,8 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from wrapopt import WrapPlan
 from wrapopt.debug import full_tensor, memory_report
-from wrapopt.errors import WrapoptError
-from wrapopt.launch import dp_rank_size, init_from_env, shutdown
+from wrapopt.launch import dp_rank_size, init_from_env, run_rank_main
 from wrapopt.models import zoo
 from wrapopt.plan.apply import materialize_sharded
 
@@ -95,12 +93,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-        shutdown()  # barrier, then destroy the process group
-    except WrapoptError as e:  # a bad plan or model: the same message on every rank, no traceback
-        print(f"[rank {dist.get_rank() if dist.is_initialized() else '?'}] error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        code = 1
-    sys.exit(code)
+    run_rank_main(main)  # main(), then shutdown(): barrier, destroy the group; a WrapoptError is one line per rank

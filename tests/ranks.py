@@ -12,7 +12,9 @@ results under its own keys of ``out``; the fixture gives ``out`` by rank. Cases
 are module-level functions: the spawned ranks import them by name. The 4-rank
 cases (tensor parallel 2 x 2, pipeline 2 x 2) do the same with ``@four_rank_case``
 and ``four_rank_cases``, each module's results in a dict of its own. Each rank
-records every case's seconds under ``case_s``: where the spawn's time goes.
+records every case's seconds under ``case_s``: where the spawn's time goes. With
+``PROF_CASES=/some/prefix`` in the environment, rank 0 of each shared spawn also writes its
+cProfile to ``prefix.2`` / ``prefix.4`` (read with ``pstats``): what inside a case takes it.
 """
 
 from __future__ import annotations

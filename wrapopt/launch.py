@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from wrapopt.errors import DistributedError
+from wrapopt.errors import DistributedError, WrapoptError
 from wrapopt.progress import set_console
 from wrapopt.rank_faults import (STOPPED_LIMIT_S, is_symptom, lost_peers, lost_rank_error, register_rank,
                                  wait_for_ranks)
 from wrapopt.spec import MeshSpec
 
-__all__ = ["profiler_log_path", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "free_port",
-           "default_backend", "device_type", "broadcast_json", "is_spawned_rank", "QUIET_ENV", "logs_line",
+__all__ = ["profiler_log_path", "profiler_lines_to_log", "spawn", "init_from_env", "shutdown", "run_rank_main",
+           "free_port", "default_backend", "device_type", "broadcast_json", "is_spawned_rank", "QUIET_ENV", "logs_line",
            "dp_rank_size", "naming_lost_ranks"]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -197,6 +197,22 @@ def shutdown() -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def run_rank_main(main: Callable[[], int]) -> None:
+    """The ``__main__`` of a script each rank of ``torchrun`` runs: ``main()``, then ``shutdown()``,
+    then exit with its code. A ``WrapoptError`` (a bad plan or model: raised on every rank alike,
+    See [Note: every rank explains] in consensus.py) is one line naming the rank, no traceback,
+    and exit code 1; any other error keeps its traceback."""
+    try:
+        code = main()
+        shutdown()
+    except WrapoptError as e:
+        print(f"[rank {dist.get_rank() if dist.is_initialized() else '?'}] error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        code = 1
+    sys.exit(code)
 
 
 def _worker(
