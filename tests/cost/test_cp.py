@@ -6,12 +6,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from wrapopt.cost.cp import attention_modules, cp_degrees, cp_refusal, kv_bytes
 from wrapopt.cost.simulate import Simulator
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.baselines import baselines
 from wrapopt.spec import MeshSpec, Shape
+from wrapopt.trace.meta import trace_model
 
 MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
 
@@ -21,14 +25,49 @@ def sim(llama_tiny):
     return Simulator(llama_tiny[2], analytical_fabric(world_size=8), analytical_compute())
 
 
-def test_kv_is_sized_from_the_attention_flops(llama_tiny):
+def test_kv_is_sized_as_the_attention_kernel_reads_it(llama_tiny):
     graph = llama_tiny[2]
     attn = attention_modules(graph)
     assert len(attn) == len(graph.blocks)  # one SDPA per block, in the attention module
     m = attn[0]
     q = graph.info(f"{m.fqn}.q_proj")  # K and V as SDPA receives them: the queries' heads (MHA here)
     assert kv_bytes(m, graph.seq_len, 4) == pytest.approx(2 * q.output_bytes, rel=1e-9)
+    # a graph traced without the K and V sizes: the same, from the attention FLOPs (heads repeated)
+    assert kv_bytes(replace(m, attention_kv_elements=0.0), graph.seq_len, 4) == pytest.approx(2 * q.output_bytes)
     assert cp_refusal(graph) is None
+
+
+class _GroupedAttention(nn.Module):
+    """Causal SDPA with 4 query heads over 1 key/value head: grouped (``enable_gqa``) or repeated."""
+
+    def __init__(self, grouped: bool, dim: int = 32, heads: int = 4, kv_heads: int = 1):
+        super().__init__()
+        self.grouped, self.heads, self.kv_heads, self.hd = grouped, heads, kv_heads, dim // heads
+        self.q, self.kv = nn.Linear(dim, dim), nn.Linear(dim, 2 * kv_heads * self.hd)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+        if not self.grouped:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_grouped_keys_are_exchanged_at_their_own_heads():
+    """With enable_gqa the kernel reads K and V at the keys' heads, and context parallelism gathers
+    them so: a quarter of the bytes of the same attention with the heads repeated (4 over 1)."""
+    x = torch.randn(2, 64, 32, device="meta")
+    sizes = {}
+    for grouped in (True, False):
+        graph = trace_model(nn.Sequential(_GroupedAttention(grouped)).to("meta"), (x,),
+                            loss_fn=lambda out, _inputs: out.float().pow(2).mean())
+        m = attention_modules(graph)[0]
+        sizes[grouped] = kv_bytes(m, 64, 4)
+    assert sizes[True] == pytest.approx(2 * 2 * 64 * 1 * 8 * 4)  # K and V: B x S x H_kv x D, float32
+    assert sizes[False] == pytest.approx(4 * sizes[True])
 
 
 def test_a_cp_rank_holds_its_share_of_the_activations(sim, llama_tiny):

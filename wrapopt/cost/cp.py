@@ -33,10 +33,11 @@ group of ``cp`` ranks (``tp`` apart: inside a node while ``cp x tp`` fits one):
   working set: added to the module's output bytes in the view).
 
 A checkpointed block recomputes its forward, all-gather included, as the simulator charges any
-recomputed module. K and V are sized from the attention FLOPs torch counts (``4 B H S^2 D`` per
-call: ``B S H D`` elements each), which is what SDPA receives when the keys' heads are repeated to
-the queries' (TorchTitan's Llama at the rows' date, Hugging Face's SDPA path); with ``enable_gqa``
-the exchange is ``H / H_kv`` smaller than priced. Left out: the all-to-all rotate method, the
+recomputed module. K and V are sized as the tracer saw the attention kernel read them
+(``ModuleInfo.attention_kv_elements``): repeated to the queries' heads where the model repeats them
+(TorchTitan's Llama at the Table 2 rows' date), at the keys' own heads under ``enable_gqa``
+(Hugging Face's SDPA path without a mask, TorchTitan's Llama today): ``H / H_kv`` fewer bytes, as
+torch's ring attention exchanges them. Left out: the all-to-all rotate method, the
 exchange's contention with FSDP's collectives, and the chunk split of the first and last
 positions' RoPE buffers (their size is a position's, per rank).
 """
@@ -58,10 +59,13 @@ _F32 = 4  # bytes: ring attention's merges and gradient rotation run in float32 
 
 
 def kv_bytes(m: ModuleInfo, seq: int, elem: float) -> float:
-    """Bytes of K and V (together) of one call's whole sequences at the traced batch, from the
-    attention FLOPs torch counts (``4 B H S^2 D`` per call). See [Note: context parallel costs]."""
+    """Bytes of K and V (together) of one call's whole sequences at the traced batch, as its attention
+    kernels read them (a graph traced without them: from the attention FLOPs torch counts, ``4 B H S^2 D``
+    per call, heads repeated). See [Note: context parallel costs]."""
     if not seq or not m.num_calls:
         return 0.0
+    if m.attention_kv_elements:
+        return m.attention_kv_elements / m.num_calls * elem
     return 2.0 * m.attention_flops / m.num_calls / (4.0 * seq) * elem
 
 

@@ -100,7 +100,8 @@ def stage_graph(graph: ModelGraph, modules: tuple[str, ...], *, first: bool, las
             continue
         if m.fqn not in inside and not first:  # a container's own ops run on the first stage only
             m = replace(m, fwd_flops=0.0, bwd_flops=0.0, saved_bytes=0, fwd_bytes=0, bwd_bytes=0, matmuls=(),
-                        attention_flops=0.0, attention_run_flops=0.0, fwd_ops=0)
+                        attention_flops=0.0, attention_run_flops=0.0, attention_kv_elements=0.0,
+                        fwd_ops=0)
         infos[m.fqn] = replace(m, children=tuple(c for c in m.children if c in keep))
     copies = _tied_copies(graph, inside)
     for param, (numel, nbytes, dtype, _shape, trainable) in copies.items():  # See [Note: tied copies on stages]

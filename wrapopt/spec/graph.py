@@ -57,6 +57,9 @@ class ModuleInfo:
     matmuls: tuple[tuple[float, int, int, int, int], ...] = ()
     attention_flops: float = 0.0
     attention_run_flops: float = 0.0
+    # Elements of K and V its attention kernels read, over all calls (with ``enable_gqa``, at the keys' own
+    # heads): what context parallelism gathers. See [Note: context parallel costs] in cost/cp.py.
+    attention_kv_elements: float = 0.0
     # Bytes of the outputs of its forward matmuls and attention kernels (each storage once, over all
     # calls): what selective-op checkpointing keeps of it. See [Note: selective checkpointing] in
     # wrapopt/selective.py.

@@ -331,8 +331,9 @@ def _build_graph(
             bwd_bytes=int(rec.fwd_bytes.get(n, 0) * bytes_scale),
             experts=rec.experts.get(n, 0),
             matmuls=rec.matmuls.get(n, ()),
-            attention_flops=rec.attention.get(n, (0.0, 0.0))[0],
-            attention_run_flops=rec.attention.get(n, (0.0, 0.0))[1],
+            attention_flops=rec.attention.get(n, (0.0, 0.0, 0.0))[0],
+            attention_run_flops=rec.attention.get(n, (0.0, 0.0, 0.0))[1],
+            attention_kv_elements=rec.attention.get(n, (0.0, 0.0, 0.0))[2],
             fwd_ops=rec.fwd_ops.get(n, 0),
             early_stop=rec.early_stop.get(n, ()),
         )

@@ -151,10 +151,10 @@ class Recorder(TorchDispatchMode):
         self.backward = False
         self.bwd_total = 0.0
         self.fwd_bytes: dict[str, int] = defaultdict(int)  # See [Note: memory-bound ops] in op_bytes.py
-        # Per module, forward matmuls by shape -> calls, and attention (counted, run) FLOPs: See
-        # [Note: kernel roofline] in cost/roofline.py.
+        # Per module, forward matmuls by shape -> calls, and attention (counted, run) FLOPs and the elements
+        # of K and V its kernels read: See [Note: kernel roofline] in cost/roofline.py.
         self.matmuls: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
-        self.attention: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.attention: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
         self.bwd_bytes_total = 0
         self.flow = OpDataflow()
         self.record_flow = True  # the model's forward only: off for the loss and backward
@@ -248,6 +248,9 @@ class Recorder(TorchDispatchMode):
             a = self.attention[m]
             a[0] += flops
             a[1] += attention_run_flops(packet, args, kwargs, flops)
+            # K and V as the kernel reads them: with enable_gqa, at their own (fewer) heads. What context
+            # parallelism exchanges: See [Note: context parallel costs] in cost/cp.py.
+            a[2] += sum(t.numel() for t in args[1:3] if isinstance(t, torch.Tensor))
         elif packet in MATMUL_OPS:
             self.matmuls[m][matmul_key(packet, args, out, flops)] += 1
 

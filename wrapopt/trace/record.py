@@ -152,7 +152,7 @@ class StepRecord:
         self.experts: dict[str, int] = {}  # See [Note: experts on meta] in ops.py
         # See [Note: kernel roofline] in cost/roofline.py: per module, (matmul entry + (calls,)), and attention
         self.matmuls: dict[str, tuple[tuple[float, int, int, int, int], ...]] = {}
-        self.attention: dict[str, tuple[float, float]] = {}  # (FLOPs counted, FLOPs the kernel runs)
+        self.attention: dict[str, tuple[float, float, float]] = {}  # (FLOPs counted, FLOPs run, K and V elements)
         # See [Note: selective checkpointing] in wrapopt/selective.py: what selective-op keeps per module
         self.selective_log: list = []  # the saved ops of the forward, in order (SelectiveEvent)
         self.selective_read: dict = {}  # kept storage -> the module stacks of the ops that read it
@@ -366,7 +366,7 @@ def _keep_recorded(rec: StepRecord, recorder: Recorder) -> None:
     rec.param_reads = recorder.param_reads
     rec.experts = dict(recorder.experts)
     rec.matmuls = {m: tuple(sorted(k + (n,) for k, n in t.items())) for m, t in recorder.matmuls.items()}
-    rec.attention = {m: (a[0], a[1]) for m, a in recorder.attention.items()}
+    rec.attention = {m: (a[0], a[1], a[2]) for m, a in recorder.attention.items()}
     rec.selective_log, rec.selective_read = recorder.selective_log, recorder.selective_read
     recorder.selective_hold.clear()
     rec.fwd_ops = dict(recorder.fwd_ops)
