@@ -10,6 +10,7 @@ with the multi-process part; without the marker it fails and says so."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -53,8 +54,9 @@ _SHARED_SPAWNS = ("two_rank_cases", "four_rank_cases")
 def pytest_collection_modifyitems(config, items):
     """[Note: the parts of make test] A test that reads a shared spawn (``two_rank_cases``,
     ``four_rank_cases``) is marked ``shared_spawn``: those spawns keep every core busy for minutes, so
-    `make test` runs them alone, last. The other multi-process tests spend much of their time waiting
-    (on timeouts they test, on workers, on a server), so they run beside the single-process part.
+    `make test` runs them alone, last, side by side (See [Note: the shared spawns side by side]). The
+    other multi-process tests spend much of their time waiting (on timeouts they test, on workers, on a
+    server), so they run beside the single-process part.
     This hook runs before pytest's ``-m`` selection (``tryfirst``), which then sees the marker."""
     for item in items:
         if any(name in getattr(item, "fixturenames", ()) for name in _SHARED_SPAWNS):
@@ -104,24 +106,63 @@ def llama_tiny():
     return model, inputs, graph
 
 
+class _Spawn(threading.Thread):
+    """One shared spawn, run in a thread of its own (daemon: an interrupted session does not wait for it)."""
+
+    def __init__(self, fn, *args) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.args, self.result, self.error = fn, args, None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # re-raised in the fixture that reads it
+            self.error = e
+
+    def get(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+_STARTED: dict[str, _Spawn] = {}
+
+
+def _shared_spawn(request, name: str):
+    """[Note: the shared spawns side by side] The first test that reads a shared spawn starts every
+    shared spawn the session's tests read, each in a thread: the 2-rank spawn's ranks wait on each
+    other often (rank 0 searches while rank 1 waits in a broadcast), and the 4-rank spawn's fill those
+    gaps, so both end sooner together (same CPU, the cores kept busy). Each fixture then waits for its own."""
+    if not _STARTED:
+        from tests.ranks import spawn_cases, spawn_four
+
+        wanted = {n for item in request.session.items for n in _SHARED_SPAWNS if n in getattr(item, "fixturenames", ())}
+        wanted.add(name)
+        if "four_rank_cases" in wanted:
+            _STARTED["four_rank_cases"] = _Spawn(spawn_four)
+        if "two_rank_cases" in wanted:
+            tmp = str(request.getfixturevalue("tmp_path_factory").mktemp("ranks"))
+            _STARTED["two_rank_cases"] = _Spawn(spawn_cases, tmp)
+        for spawn in _STARTED.values():
+            spawn.start()
+    return _STARTED[name].get()
+
+
 @pytest.fixture(scope="session")
-def two_rank_cases(tmp_path_factory) -> list[dict]:
+def two_rank_cases(request) -> list[dict]:
     """Every ``@two_rank_case`` of the collected test modules, run in one spawn of 2 gloo
     ranks (See tests/ranks.py): each rank's dict of results, by rank."""
-    from tests.ranks import spawn_cases
-
-    out = spawn_cases(str(tmp_path_factory.mktemp("ranks")))
+    out = _shared_spawn(request, "two_rank_cases")
     _SPAWNS["2 ranks"] = out[0].get("case_s", {})
     return out
 
 
 @pytest.fixture(scope="session")
-def four_rank_cases() -> list[dict]:
+def four_rank_cases(request) -> list[dict]:
     """Every ``@four_rank_case`` of the collected test modules, run in one spawn of 4 gloo
     ranks (See tests/ranks.py): by rank, each module's dict of results."""
-    from tests.ranks import spawn_four
-
-    out = spawn_four()
+    out = _shared_spawn(request, "four_rank_cases")
     _SPAWNS["4 ranks"] = out[0].get("case_s", {})
     return out
 

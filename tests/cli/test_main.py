@@ -156,7 +156,7 @@ def test_search_out_writes_loadable_plan(llama_search):
 
 def test_search_text_marks_analytical(capsys, tmp_path):
     out_path = tmp_path / "p.json"
-    assert main(["search", *LLAMA_7B, "--out", str(out_path)]) == 0
+    assert main(["search", *LLAMA_7B, "--trials", "0", "--out", str(out_path)]) == 0  # the DP, not the study
     out = capsys.readouterr().out
     assert "ANALYTICAL" in out
     for name in BASELINE_NAMES:
@@ -166,7 +166,7 @@ def test_search_text_marks_analytical(capsys, tmp_path):
 
 @pytest.mark.parametrize("memory, shown", [("80GiB", "80.00 GiB"), ("80GB", "74.51 GiB")])
 def test_search_memory_budget_formats(capsys, memory, shown):
-    assert main(["search", *LLAMA_7B, "--memory", memory]) == 0
+    assert main(["search", *LLAMA_7B, "--memory", memory, "--trials", "0"]) == 0
     assert f"memory budget: {shown} per rank" in capsys.readouterr().out
 
 

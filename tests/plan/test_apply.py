@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import train, two_rank_case
+from tests.ranks import train, two_rank_case, zoo_graph
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,13 +48,12 @@ def _parity_worker(rank: int, world: int) -> dict:
     from wrapopt.debug import full_tensor
     from wrapopt.models import zoo
     from wrapopt.plan.apply import apply_plan
-    from wrapopt.trace.meta import trace_model
 
     out: dict = {}
     for name in ("gpt-tiny", "t5-tiny", "llama-tiny"):
         e = zoo.get_entry(name)
         ref_model = e.build("cpu", seed=0)
-        g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+        g = zoo_graph(name)  # traced once per process
         full = [e.inputs(batch=2 * world) for _ in range(3)]
         for step, x in enumerate(full):  # distinct data per step
             full[step] = tuple(t.roll(step, dims=0) for t in x)
@@ -94,10 +93,9 @@ def _errors_worker(rank: int, world: int) -> dict:
     from wrapopt.plan.apply import apply_plan
     from wrapopt.search.baselines import baselines
     from wrapopt.spec import MeshSpec, PlanSpec, UnitSpec
-    from wrapopt.trace.meta import trace_model
 
     e = zoo.get_entry("gpt-tiny")
-    g = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
+    g = zoo_graph("gpt-tiny")
     out = {}
     wrong = baselines(g, MeshSpec(world_size=4, ranks_per_node=4, shard_size=4))["per-block"]
     try:

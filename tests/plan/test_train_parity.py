@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import two_rank_case
+from tests.ranks import two_rank_case, zoo_graph
 
 
 TOL = 1e-5
@@ -46,13 +46,11 @@ def _worker(rank: int, world: int) -> dict:
     from wrapopt.plan.step import train_step
     from wrapopt.search.baselines import baselines
     from wrapopt.spec import MeshSpec
-    from wrapopt.trace.meta import trace_model
     from wrapopt.train import TrainConfig
 
     torch.manual_seed(0)
     out: dict = {}
     refs: dict = {}
-    graphs: dict = {}  # each model traced once, not once per case (8 cases, 2 models)
     mesh = MeshSpec(world_size=world, ranks_per_node=world, shard_size=world)
     for name, plan_name, k, precision, sync in _cases():
         e = zoo.get_entry(name)
@@ -63,9 +61,7 @@ def _worker(rank: int, world: int) -> dict:
             ref = e.build("cpu", seed=0)
             opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             refs[key] = [train_step(ref, opt, [x], e.loss) for x in full]
-        if name not in graphs:
-            graphs[name] = trace_model(e.build("meta"), e.inputs(), loss_fn=e.loss)
-        spec = baselines(graphs[name], mesh)[plan_name]
+        spec = baselines(zoo_graph(name), mesh)[plan_name]  # each model traced once per process
         train = TrainConfig.preset(precision, grad_accumulation=k, accumulation_sync=sync if k > 1 else None)
         model = e.build("cpu", seed=0)
         wplan = WrapPlan(spec=spec, model=model_fingerprint(model), train=train)
