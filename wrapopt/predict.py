@@ -98,7 +98,7 @@ def estimate(
         train = train.with_sync(est.accumulation_sync)
     work = step_work(model, example_inputs, graph, comp, accumulation=train.grad_accumulation,
                      batch_scale=sim.options.batch_scale / spec.mesh.cp_size,  # a cp rank's share of a sequence
-                     compute_dtype=train.compute_dtype(model_dtype(model)))
+                     compute_dtype=train.compute_dtype(model_dtype(model)), float8=train.float8)
     return EstimateReport(model=name or type(model).__name__, plan_label=spec.label or "plan",
                           num_units=len(spec.units), mesh=spec.mesh, train=train, fabric=fab.label,
                           compute=f"{comp.device} ({comp.kind})",

@@ -77,3 +77,15 @@ def test_float8_auto_on_an_a100_is_not_tried_and_says_why():
     assert [s.float8 for s in steps] == ["none"] and line == (
         "float8: not tried (--float8 auto), a100-80gb-sxm has no FP8 tensor cores")
     assert job.train.compile is True  # a stated GPU: compiled by default
+
+
+def test_mfu_under_float8_is_against_the_compute_dtypes_peak_and_says_so():
+    """As TorchTitan reports it: float8 GEMMs counted against the bf16 peak, and the line says so."""
+    from wrapopt.api import estimate
+
+    model, x = zoo.build("llama-tiny", "meta")
+    runs = {f8: estimate(model, x, world_size=8, fabric="h100-nvlink-ib400",
+                         train=TrainConfig.preset("bf16", float8=f8)) for f8 in ("none", "tensorwise")}
+    assert runs["none"].peak_flops_per_s == runs["tensorwise"].peak_flops_per_s  # the same bf16 peak
+    assert "float8" not in runs["none"].peak_source
+    assert "float8 tensorwise GEMMs counted against it" in runs["tensorwise"].peak_source

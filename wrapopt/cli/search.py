@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     # Throughput and MFU of every row: one step's work over its step (See [Note: one step's work]).
     work = step_work(model, src.inputs, graph, compute, accumulation=train.grad_accumulation,
                      batch_scale=sim.options.batch_scale / plan.mesh.cp_size,  # a cp rank's share of a sequence
-                     compute_dtype=train.compute_dtype(model_dtype(model)))
+                     compute_dtype=train.compute_dtype(model_dtype(model)), float8=train.float8)
     syncs = None  # under gradient accumulation, the choice scored with each sync mode
     if train.grad_accumulation > 1:
         syncs = both_syncs(result, graph, sim, train, budget)

@@ -252,11 +252,14 @@ class StepWork:
 
 
 def step_work(model: nn.Module, example_inputs: tuple[Any, ...] | Any, graph: ModelGraph, compute: ComputeProfile,
-              *, accumulation: int, batch_scale: float, compute_dtype: str) -> StepWork:
+              *, accumulation: int, batch_scale: float, compute_dtype: str, float8: str | None = None) -> StepWork:
     """One optimizer step's work on one GPU at ``batch_scale`` times the traced micro-batch
     (``SimOptions.batch_scale``), against ``compute``'s peak in ``compute_dtype``: See
-    [Note: one step's work]."""
+    [Note: one step's work]. Under float8 training (``float8``: its recipe) the peak stays the
+    compute dtype's, as TorchTitan reports MFU, and the source says so."""
     peak, source = peak_rate(compute, compute_dtype)
+    if float8 and float8 != "none":
+        source += f"; float8 {float8} GEMMs counted against it, as TorchTitan reports MFU"
     return StepWork(scale_flops(infer_model_flops(model, example_inputs, graph), batch_scale), accumulation, peak,
                     source)
 
