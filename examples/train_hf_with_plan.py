@@ -52,6 +52,7 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
     from wrapopt.api import ParallelRequest, plan_model, prepare
     from wrapopt.fileio import fmt_bytes, parse_bytes
     from wrapopt.hardware.presets import analytical_compute, analytical_fabric
+    from wrapopt.search.driver import SearchOptions
     from wrapopt.spec import MeshSpec
     from wrapopt.trace.meta import trace_model
     from wrapopt.train import TrainConfig
@@ -64,7 +65,8 @@ def write_plan(path: str, world_size: int, memory: str | None = None) -> None:
     if memory is None:
         probe_job = prepare(ParallelRequest(mesh=mesh, memory_budget="none"), model, graph=graph, fabric=fabric,
                             compute=compute)
-        peaks = [s.estimate.peak_bytes for s in plan_model(probe_job)[1].baselines.values()]
+        baselines = plan_model(probe_job, search=SearchOptions(trials=0))[1].baselines  # the baselines: no study
+        peaks = [s.estimate.peak_bytes for s in baselines.values()]
         budget = (min(peaks) + max(peaks)) / 2
     else:
         budget = float(parse_bytes(memory))

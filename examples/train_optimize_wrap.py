@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", default=None, help="per-rank memory budget, e.g. 2MiB")
     parser.add_argument("--save-plan", default=None, help="write the plan here (rank 0)")
     parser.add_argument("--plan", default=None, help="apply this saved plan instead of searching")
+    parser.add_argument("--trials", type=int, default=None, help="the search's Optuna trials (default: wrapopt's)")
     args = parser.parse_args(argv)
 
     rank, world = init_from_env()
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     entry = zoo.get_entry(args.model)
     model = entry.build(device, seed=0)
     res = optimize_wrap(model, entry.inputs(device=device), loss_fn=entry.loss, fabric=args.fabric,
-                        memory_budget=args.memory, save_plan=args.save_plan, plan=args.plan)
+                        memory_budget=args.memory, save_plan=args.save_plan, plan=args.plan, trials=args.trials)
     model = res.model  # sharded with fully_shard as the plan says
     if rank == 0:
         print(res.report(), flush=True)

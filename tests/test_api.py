@@ -5,7 +5,6 @@ saved plan or fabric profile without searching or measuring again.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 
@@ -20,20 +19,6 @@ from wrapopt.search import tp as search_tp
 from wrapopt.search.baselines import baselines
 
 
-@contextlib.contextmanager
-def _few_trials(n: int = 16):
-    """``optimize_wrap``'s study cut to ``n`` trials (the DP and the baselines run whole) and put
-    back however the case ends: these cases check what reaches the ranks, not the study, whose
-    200 trials are seconds of TPE sampling each while the other rank waits."""
-    import wrapopt.api as api
-
-    kept, api.DEFAULT_TRIALS = api.DEFAULT_TRIALS, n
-    try:
-        yield
-    finally:
-        api.DEFAULT_TRIALS = kept
-
-
 def _optimize_worker(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
@@ -41,8 +26,9 @@ def _optimize_worker(rank: int, world: int) -> dict:
 
     e = zoo.get_entry("gpt-tiny")
     model = e.build("cpu", seed=0)
-    with _few_trials():
-        res = optimize_wrap(model, e.inputs(), loss_fn=e.loss, fabric="h100-nvlink-ib400", memory_budget="1GiB")
+    # 16 trials: the case checks what reaches the ranks, not the study (200 trials: seconds of sampling)
+    res = optimize_wrap(model, e.inputs(), loss_fn=e.loss, fabric="h100-nvlink-ib400", memory_budget="1GiB",
+                        trials=16)
     x = e.inputs()
     loss = e.loss(res.model(*x), x)
     loss.backward()
@@ -84,8 +70,7 @@ def _reuse_worker(rank: int, world: int, tmp: str, budget: float) -> dict:
 
     kept = (WrapPlan.save, api.plan_model, search_tp.search_plan, api.measure_fabric)
     try:
-        with _few_trials():
-            return _reuse(rank, world, tmp, budget)
+        return _reuse(rank, world, tmp, budget)
     finally:
         WrapPlan.save, api.plan_model, search_tp.search_plan, api.measure_fabric = kept  # type: ignore[method-assign]
 
@@ -113,7 +98,7 @@ def _reuse(rank: int, world: int, tmp: str, budget: float) -> dict:
 
     WrapPlan.save = counting_save  # type: ignore[method-assign]
     res = optimize_wrap(copy.deepcopy(ref), e.inputs(), loss_fn=e.loss, fabric="h100-nvlink-ib400", compute=compute,
-                        memory_budget=budget, save_plan=plan_path)
+                        memory_budget=budget, save_plan=plan_path, trials=16)  # the saving, not the study
     out["sharded"] = isinstance(res.model, FSDPModule)
     out["units"] = [list(u.modules) for u in res.plan.units]
     out["losses"] = mean_over_ranks(train(res.model, mine, e.loss), world)
@@ -137,7 +122,8 @@ def _reuse(rank: int, world: int, tmp: str, budget: float) -> dict:
         fab.save(fabric_path)
     dist.barrier()
     api.measure_fabric = counters["measure_fabric"] = _Counter(None)
-    res3 = optimize_wrap(copy.deepcopy(ref), e.inputs(), loss_fn=e.loss, fabric=fabric_path, compute=compute)
+    res3 = optimize_wrap(copy.deepcopy(ref), e.inputs(), loss_fn=e.loss, fabric=fabric_path, compute=compute,
+                         trials=16)
     out["fabric"] = {"kind": res3.fabric.kind, "name": res3.fabric.name, "saved": fab.name,
                      "measured_again": counters["measure_fabric"].calls, "sharded": isinstance(res3.model, FSDPModule)}
     return out

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from wrapopt.assumptions import Assumptions
-from wrapopt.checks import check_seed
+from wrapopt.checks import check_count, check_seed
 from wrapopt.consensus import agree, every_rank, input_facts
 from wrapopt.cost import Simulator
 from wrapopt.predict import estimate
@@ -205,7 +205,7 @@ def optimize_wrap(
     world_size: int | None = None, gpus_per_node: int | None = None,
     fabric: FabricProfile | str | os.PathLike | None = None,
     memory_budget: int | float | str | None = None,
-    seed: int = 0,
+    seed: int = 0, trials: int | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     compute: ComputeProfile | str | None = None,
     plan: WrapPlan | str | os.PathLike | None = None,
@@ -226,7 +226,8 @@ def optimize_wrap(
         model, example_inputs: the model (real weights or meta) and one per-rank batch of positional inputs.
         memory_budget: bytes, or "80GiB"/"80GB", "auto" (the default: 90% of the
             device's capacity when known) or "none" (no limit).
-        seed: the Optuna study's seed (``DEFAULT_TRIALS`` trials); the same seed gives the same plan.
+        seed, trials: the Optuna study's seed and trials (default ``DEFAULT_TRIALS``; 0: the exact DP and the
+            baselines alone); the same seed gives the same plan.
         plan: a WrapPlan or plan file to apply instead of searching; ``save_plan``: where to write the plan
             (rank 0 writes, atomically).
         train: the training step (default: fp32, one micro-batch, AdamW; compile on for a stated GPU, off on
@@ -252,7 +253,7 @@ def optimize_wrap(
     """
     in_group = dist.is_initialized()
     request, graph, given_plan = _start(model, example_inputs, world_size=world_size, gpus_per_node=gpus_per_node,
-                                        loss_fn=loss_fn, plan=plan, seed=seed, train=train, request=dict(
+                                        loss_fn=loss_fn, plan=plan, seed=seed, trials=trials, train=train, request=dict(
                                             tp=tp, tp_plan=tp_plan, pp=pp, cp=cp, global_batch=global_batch,
                                             memory_budget=memory_budget))
     fab, compute = _profiles(fabric, compute, request=request, graph=graph, model=model,
@@ -264,8 +265,8 @@ def optimize_wrap(
     else:
         job = prepare(request, model, graph=graph, fabric=fab, compute=compute, rescale_fabric=rescale_fabric,
                       apply_device=default_device() if in_group else None)  # See [Note: knob defaults]
-        wplan, result = _plan_on_rank_0(job, search=SearchOptions(trials=DEFAULT_TRIALS, seed=seed),
-                                        save_plan=save_plan)
+        search = SearchOptions(trials=DEFAULT_TRIALS if trials is None else trials, seed=seed)
+        wplan, result = _plan_on_rank_0(job, search=search, save_plan=save_plan)
         train = wplan.train_config if request.global_batch is not None else train  # the micro-batch chosen
     if save_plan is not None and (not in_group or dist.get_rank() == 0):  # rank 0 writes
         wplan.save(save_plan)
@@ -294,13 +295,15 @@ def _score_plan(job: Job, wplan: WrapPlan, *, train: TrainConfig | None) -> tupl
 
 def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpus_per_node: int | None,
            loss_fn: Callable[..., torch.Tensor] | None, plan: WrapPlan | str | os.PathLike | None, seed: int,
-           train: TrainConfig | None, request: dict[str, Any],
+           trials: int | None, train: TrainConfig | None, request: dict[str, Any],
            ) -> tuple[ParallelRequest, ModelGraph, WrapPlan | None]:
     """The local work of optimize_wrap (the request, the trace, a given plan), then the ranks compare
     what they were given: a failure or a difference is raised on every rank before any collective (See
     [Note: every rank explains] in wrapopt/consensus.py)."""
     with every_rank("tracing the model and reading the plan"):
         check_seed(seed)
+        if trials is not None:
+            check_count(trials, "trials", minimum=0)
         mesh = job_mesh(world_size, gpus_per_node)
         given_plan = WrapPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         step = train or (given_plan.train_config if given_plan is not None else TrainConfig())
@@ -310,7 +313,7 @@ def _start(model: nn.Module, example_inputs: Any, *, world_size: int | None, gpu
         given_plan = WrapPlan.given(given_plan, model, graph)
     agree("starting optimize_wrap", {
         "model": model_fingerprint(model)["hash"], "example inputs": input_facts(example_inputs), "mesh": repr(mesh),
-        "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr((seed, req))})
+        "plan": None if given_plan is None else plan_digest(given_plan.spec), "options": repr((seed, trials, req))})
     return req, graph, given_plan
 
 

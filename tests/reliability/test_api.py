@@ -49,6 +49,8 @@ CALLS = [
     case(_plan(gpus_per_node=0), OptionError, "gpus_per_node", "got 0", id="optimize-gpus-per-node-0"),
     case(_plan(world_size=8, seed=-1), OptionError, "seed", id="optimize-seed-negative"),
     case(_plan(world_size=8, seed=2**40), OptionError, "seed", "4294967295", id="optimize-seed-past-numpy"),
+    case(_plan(world_size=8, trials=-1), OptionError, "trials", "at least 0", "got -1", id="optimize-trials-negative"),
+    case(_plan(world_size=8, trials=2.5), OptionError, "trials", id="optimize-trials-fraction"),
     case(_plan(world_size=8, memory_budget=math.nan), OptionError, "memory_budget", "nan", id="optimize-budget-nan"),
     case(_plan(world_size=8, memory_budget=math.inf), OptionError, "memory_budget", id="optimize-budget-inf"),
     case(_plan(world_size=8, memory_budget=-1), OptionError, "memory_budget", id="optimize-budget-negative"),
