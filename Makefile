@@ -22,7 +22,7 @@ lint: setup
 # beside them, in a second pytest, the multi-process tests that start their own processes (most of
 # their time is spent waiting: timeouts they test, workers, a server); its output, kept in a file,
 # follows theirs. Last and alone, the tests that read the shared spawns of 2 and 4 gloo ranks, whose
-# ranks fill the cores. A failure in any part fails `make test` (one in the first two stops it there).
+# ranks fill the cores (the two spawns side by side: See [Note: the shared spawns side by side]). A failure in any part fails `make test` (one in the first two stops it there).
 test: setup lint
 	@echo "== make test 1/3: single-process tests (pytest -m 'not multiprocess', xdist workers) =="
 	@echo "   beside them, 2/3: multi-process tests that start their own processes (output below)"

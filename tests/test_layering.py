@@ -21,6 +21,7 @@ entry that is no longer needed fails too, so that the list only shrinks.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -157,7 +158,11 @@ def _imports(module: str) -> list[Import]:
     return out
 
 
-IMPORTS = [imp for module in MODULES for imp in _imports(module)]
+@functools.cache
+def _all_imports() -> tuple[Import, ...]:
+    """Every import of the package, parsed when a test first asks (not at collection: every pytest
+    process collects this file, and parsing the package takes seconds)."""
+    return tuple(imp for module in MODULES for imp in _imports(module))
 
 
 def _top(module: str) -> str:
@@ -210,7 +215,7 @@ def test_every_module_has_a_layer():
 
 def test_imports_point_down():
     problems = []
-    for imp in IMPORTS:
+    for imp in _all_imports():
         rule = _layer_rule(imp)
         if rule:
             problems.append(f"{imp.where()}: {rule}")
@@ -219,7 +224,7 @@ def test_imports_point_down():
 
 def test_no_wrapopt_import_inside_a_function():
     problems, used = [], set()
-    for imp in IMPORTS:
+    for imp in _all_imports():
         if imp.in_function and _top(imp.importer) not in LAZY_LAYERS:
             key = (imp.path, imp.target)
             if key in LAZY:
@@ -234,7 +239,7 @@ def test_no_wrapopt_import_inside_a_function():
 
 def test_no_private_name_crosses_modules():
     problems, used = [], set()
-    for imp in IMPORTS:
+    for imp in _all_imports():
         if imp.name is not None and _private(imp.name):
             key = (imp.path, imp.target, imp.name)
             if key in PENDING["private"]:
@@ -299,7 +304,7 @@ def test_no_import_cycle():
     graph = nx.DiGraph()
     graph.add_nodes_from(MODULES)
     first: dict[tuple[str, str], Import] = {}
-    for imp in IMPORTS:
+    for imp in _all_imports():
         if imp.target in MODULES and imp.target != imp.importer:
             graph.add_edge(imp.importer, imp.target)
             first.setdefault((imp.importer, imp.target), imp)

@@ -7,7 +7,6 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining import schedules as S
 
 from wrapopt.cost.pipeline import StageCost, held_moment, run_timeline, schedule_order, send_s, stage_units
 from wrapopt.cost.simulate import Simulator
@@ -19,6 +18,14 @@ from wrapopt.search.stages import pipeline_layout
 from wrapopt.spec import MeshSpec, PlanSpec
 from wrapopt.spec.plan import PipelineSpec
 from wrapopt.trace.meta import trace_model
+
+
+def _schedules():
+    """torch's schedules, imported when a test reads them (a second of dynamo and DTensor at
+    collection otherwise, in every pytest process that collects this file)."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules
 
 
 def _stage(f: float, b: float, acts: float = 1.0, reduce_s: float = 0.0, first: float = 0.0) -> StageCost:
@@ -33,7 +40,7 @@ def _torch(a) -> tuple[str, int, int]:
 
 
 def test_gpipe_order_is_torchs():
-    raw = S.ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=3, _n_microbatches=5))
+    raw = _schedules().ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=3, _n_microbatches=5))
     assert schedule_order("GPipe", 3, 3, 5) == tuple(tuple(_torch(a) for a in raw[r] if a) for r in range(3))
 
 
@@ -41,9 +48,10 @@ def test_interleaved_order_is_torchs():
     p, v, m = 2, 2, 4
     stub = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, number_of_rounds=m // p,
                            microbatches_per_round=p)
-    cls = S.ScheduleInterleaved1F1B
-    want = tuple(tuple(_torch(a) for a in S._add_reduce_grad(cls._calculate_single_rank_operations(stub, r), m) if a)
-                 for r in range(p))
+    sched = _schedules()
+    cls = sched.ScheduleInterleaved1F1B
+    want = tuple(tuple(_torch(a) for a in sched._add_reduce_grad(cls._calculate_single_rank_operations(stub, r), m)
+                       if a) for r in range(p))
     assert schedule_order("Interleaved1F1B", p, p * v, m) == want
     assert {s for rank in want for _, s, _ in rank} == {0, 1, 2, 3}
 
@@ -56,7 +64,7 @@ def test_1f1b_order_follows_torchs_runtime():
                         ("B", 0, 3), ("R", 0, -1))
     assert order[1] == (("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2), ("F", 1, 3),
                         ("B", 1, 3), ("R", 1, -1))
-    raw = S.Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=2, _n_microbatches=4))
+    raw = _schedules().Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=2, _n_microbatches=4))
     assert tuple(_torch(a) for a in raw[0] if a) == order[0]
 
 
@@ -178,7 +186,7 @@ def test_stage_sub_graph_holds_its_modules_only(llama):
 def test_torchs_1f1b_ir_still_numbers_later_ranks_one_high():
     """Why 1F1B's order is built from its runtime: torch 2.13's ``Schedule1F1B._get_pipeline_order``
     gives the last rank forwards 1..m (no F0). When torch fixes it, the order can come from torch."""
-    raw = S.Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=2, _n_microbatches=4))
+    raw = _schedules().Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=2, _n_microbatches=4))
     forwards = [a.microbatch_index for a in raw[1] if a and a.computation_type.value == "F"]
     assert forwards == [1, 2, 3, 4]
     assert [mb for k, _s, mb in schedule_order("1F1B", 2, 2, 4)[1] if k == "F"] == [0, 1, 2, 3]
