@@ -18,23 +18,27 @@ lint: setup
 	$(VENV)/bin/ruff check wrapopt tests benchmarks scripts examples
 
 # Three parts (See [Note: the parts of make test] in tests/conftest.py). The single-process tests
-# run on up to 4 pytest-xdist workers, a test file to a worker (its module fixtures built once);
-# beside them, in a second pytest, the multi-process tests that start their own processes (most of
-# their time is spent waiting: timeouts they test, workers, a server); its output, kept in a file,
-# follows theirs. Last and alone, the tests that read the shared spawns of 2 and 4 gloo ranks, whose
-# ranks fill the cores (the two spawns side by side: See [Note: the shared spawns side by side]). A failure in any part fails `make test` (one in the first two stops it there).
+# run on up to 4 pytest-xdist workers, a test file to a worker (its module fixtures built once).
+# Beside them, in a second pytest, the multi-process tests that start their own processes (most of
+# their time is spent waiting: timeouts they test, workers, a server); when those pass, a third
+# pytest runs the tests that read the shared spawns of 2 and 4 gloo ranks (the two spawns side by
+# side: See [Note: the shared spawns side by side]), beside what is left of the first part. The
+# second and third parts' output, kept in files, follows the first's. A failure in any part fails
+# `make test`; one in the second part stops the third from starting.
 test: setup lint
 	@echo "== make test 1/3: single-process tests (pytest -m 'not multiprocess', xdist workers) =="
-	@echo "   beside them, 2/3: multi-process tests that start their own processes (output below)"
-	@log=$$(mktemp); \
-	$(PY) -m pytest -q -p no:cacheprovider -m "multiprocess and not shared_spawn" tests >$$log 2>&1 & side=$$!; \
+	@echo "   beside them, 2/3 then 3/3: the multi-process tests (their output below)"
+	@two=$$(mktemp); three=$$(mktemp); \
+	( $(PY) -m pytest -q -p no:cacheprovider -m "multiprocess and not shared_spawn" tests >$$two 2>&1 || exit 97; \
+	  $(PY) -m pytest -q -p no:cacheprovider -m "multiprocess and shared_spawn" tests >$$three 2>&1 ) & side=$$!; \
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not multiprocess" tests; one=$$?; \
-	wait $$side; two=$$?; \
+	echo "   (waiting for parts 2 and 3)"; wait $$side; rest=$$?; \
 	echo "== make test 2/3: multi-process tests that start their own processes (pytest -m 'multiprocess and not shared_spawn') =="; \
-	cat $$log; rm -f $$log; \
-	[ $$one -eq 0 ] && [ $$two -eq 0 ]
-	@echo "== make test 3/3: the shared spawns of 2 and 4 gloo ranks (pytest -m shared_spawn) =="
-	$(PY) -m pytest -q -m "multiprocess and shared_spawn" tests
+	cat $$two; \
+	echo "== make test 3/3: the shared spawns of 2 and 4 gloo ranks (pytest -m 'multiprocess and shared_spawn') =="; \
+	if [ $$rest -eq 97 ]; then echo "not run: part 2 failed"; else cat $$three; fi; \
+	rm -f $$two $$three; \
+	[ $$one -eq 0 ] && [ $$rest -eq 0 ]
 
 bench: setup
 	$(PY) -m benchmarks.run_all

@@ -54,9 +54,10 @@ _SHARED_SPAWNS = ("two_rank_cases", "four_rank_cases")
 def pytest_collection_modifyitems(config, items):
     """[Note: the parts of make test] A test that reads a shared spawn (``two_rank_cases``,
     ``four_rank_cases``) is marked ``shared_spawn``: those spawns keep every core busy for minutes, so
-    `make test` runs them alone, last, side by side (See [Note: the shared spawns side by side]). The
-    other multi-process tests spend much of their time waiting (on timeouts they test, on workers, on a
-    server), so they run beside the single-process part.
+    `make test` runs them last (side by side: See [Note: the shared spawns side by side]), once the
+    other multi-process tests have passed, beside what is left of the single-process part. Those other
+    multi-process tests spend much of their time waiting (on timeouts they test, on workers, on a
+    server), so they run beside the single-process part from the start.
     This hook runs before pytest's ``-m`` selection (``tryfirst``), which then sees the marker."""
     for item in items:
         if any(name in getattr(item, "fixturenames", ()) for name in _SHARED_SPAWNS):
