@@ -57,14 +57,23 @@ def two_rank_case(fn):
     return fn
 
 
+def _profiled(suffix: str, fn, rank: int, *args):
+    """``fn(rank, *args)``; on rank 0 under cProfile when ``PROF_CASES`` is set, written to
+    ``PROF_CASES + suffix``."""
+    prefix = os.environ.get("PROF_CASES")
+    if not prefix or rank != 0:
+        return fn(rank, *args)
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn, rank, *args)
+    finally:
+        prof.dump_stats(prefix + suffix)
+
+
 def run_cases(rank: int, world: int, tmp: str, names: tuple[str, ...]) -> dict:
-    if os.environ.get("PROF_CASES") and rank == 0:
-        import cProfile
-        prof = cProfile.Profile()
-        res = prof.runcall(_run_cases, rank, world, tmp, names)
-        prof.dump_stats(os.environ["PROF_CASES"] + ".2")
-        return res
-    return _run_cases(rank, world, tmp, names)
+    return _profiled(".2", _run_cases, rank, world, tmp, names)
 
 
 def _run_cases(rank: int, world: int, tmp: str, names: tuple[str, ...]) -> dict:
@@ -95,13 +104,7 @@ def four_rank_case(fn):
 
 
 def run_four(rank: int, world: int, names: tuple[str, ...]) -> dict:
-    if os.environ.get("PROF_CASES") and rank == 0:
-        import cProfile
-        prof = cProfile.Profile()
-        res = prof.runcall(_run_four, rank, world, names)
-        prof.dump_stats(os.environ["PROF_CASES"] + ".4")
-        return res
-    return _run_four(rank, world, names)
+    return _profiled(".4", _run_four, rank, world, names)
 
 
 def _run_four(rank: int, world: int, names: tuple[str, ...]) -> dict:

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     job = prepare(request, model, src.inputs, fabric=fabric_from_args(args), compute=args.compute,
                   loss_fn=src.loss, rescale_fabric=args.rescale_fabric, notes=tuple(src.notes))
     graph, fabric, compute, budget, train = job.graph, job.fabric, job.compute, job.budget, job.request.train
-    current = (parse_current(args.current, graph, mesh_from_args(args), tp_spec=current_tp_spec(graph, request),
+    current = (parse_current(args.current, graph, mesh, tp_spec=current_tp_spec(graph, request),
                              load_plan=current_plan_loader(model, graph, mesh))
                if args.current is not None else None)  # a bad description fails before the search
     # One simulator for the search, the pictures and the sync what-ifs: the table's numbers everywhere.
@@ -214,12 +214,12 @@ def run(args: argparse.Namespace) -> int:
             out["search"]["current"] = current_json(compared)
         print(json.dumps(out, indent=1))
     else:
-        _print_text(args, job, src, model, plan, result, train, work, syncs, compared)
+        _print_text(args, job, src, model, mesh, plan, result, train, work, syncs, compared)
     return 0
 
 
-def _print_text(args: argparse.Namespace, job: Any, src: Any, model: Any, plan: WrapPlan, result: Any, train: Any,
-                work: Any, syncs: Any, compared: Any) -> None:
+def _print_text(args: argparse.Namespace, job: Any, src: Any, model: Any, mesh: MeshSpec, plan: WrapPlan,
+                result: Any, train: Any, work: Any, syncs: Any, compared: Any) -> None:
     """The text output of ``wrapopt search``: the step, notes, choice, search, sync, batch, pipeline and
     ``--current`` tables, and the files written."""
     from wrapopt.report.batch import format_batch
@@ -228,7 +228,7 @@ def _print_text(args: argparse.Namespace, job: Any, src: Any, model: Any, plan: 
     from wrapopt.report.pipeline import format_pipeline
     from wrapopt.train import model_dtype
 
-    fabric, compute, mesh, budget = job.fabric, job.compute, mesh_from_args(args), job.budget
+    fabric, compute, budget = job.fabric, job.compute, job.budget
     print(job.budget_note)
     count = plan.spec.pipeline.microbatches if plan.spec.pipeline is not None else None
     print(f"training: {plan.train_config.describe(model_dtype(model), pipeline_microbatches=count)}")
