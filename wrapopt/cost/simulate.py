@@ -85,6 +85,7 @@ from wrapopt.spec import (
     UnitCosts,
     UnitSpec,
 )
+from wrapopt.spec.cp import cp_ranks_per_node
 from wrapopt.units import ancestors, owner_by_ancestors, owner_index
 
 # ep_problem, expert_counts: the experts the search splits (search imports cost.simulate, not cost.ep)
@@ -240,7 +241,7 @@ class Simulator(Views):
         mesh = plan.mesh
         if plan.pipeline is not None:
             raise ValueError(f"{mesh.cp_size}-way context parallelism under a pipeline has no cost view")
-        per_node = max(1, min(mesh.cp_size, mesh.ranks_per_node // mesh.tp_size))
+        per_node = cp_ranks_per_node(mesh.cp_size, mesh.ranks_per_node, mesh.tp_size)
         sub, cp_notes = self.for_cp(mesh.cp_size, per_node)
         est = sub.simulate(replace(plan, mesh=replace(mesh, cp_size=1)), record=record)
         return replace(est, notes=tuple(sorted(set(est.notes) | cp_notes))) if cp_notes else est

@@ -20,6 +20,7 @@ from wrapopt.cost.ep import ep_view, expert_units, stacked_experts
 from wrapopt.cost.stage_view import stage_compute, stage_graph
 from wrapopt.cost.tp import tp_view, with_async
 from wrapopt.spec import Shape, SimOptions
+from wrapopt.spec.cp import cp_ranks_per_node
 from wrapopt.tp import TPSpec
 
 
@@ -38,7 +39,7 @@ class Views:
         if shape.cp > 1:  # See [Note: context parallel costs] in cost/cp.py
             rest = Shape(pp=shape.pp, tp=shape.tp, ep=shape.ep, micro_batch=shape.micro_batch,
                          accumulation=shape.accumulation)
-            per_node = max(1, min(shape.cp, self.fabric.ranks_per_node // shape.tp))
+            per_node = cp_ranks_per_node(shape.cp, self.fabric.ranks_per_node, shape.tp)
             return self.for_cp(shape.cp, per_node)[0].view(rest, tp_spec)
         if shape.ep > 1:  # See [Note: expert parallel costs] in cost/ep.py
             if shape.tp > 1:

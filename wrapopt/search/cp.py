@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from wrapopt.spec.cp import cp_degrees, cp_refusal
+from wrapopt.spec.cp import cp_degrees, cp_ranks_per_node, cp_refusal
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError, PlanError
 from wrapopt.search.choose import STEP_ERROR
@@ -132,7 +132,7 @@ def search_cp(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, de
             sizes = tuple(s for s in (options.shard_sizes or dp_shard_sizes(mesh)) if s % cp == 0)
             if not sizes:
                 raise InfeasibleError(f"no shard group holds whole cp groups of {cp}")
-            per_node = max(1, min(cp, mesh.ranks_per_node // (request.tp if isinstance(request.tp, int) else 1)))
+            per_node = cp_ranks_per_node(cp, mesh.ranks_per_node, request.tp if isinstance(request.tp, int) else 1)
             view = sim.for_cp(cp, per_node)[0]
             results[cp] = _lift_result(flat(view, replace(options, shard_sizes=sizes)), cp)
         except InfeasibleError as e:

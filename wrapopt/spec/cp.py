@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from wrapopt.spec.graph import ModelGraph, ModuleInfo
 
-__all__ = ["attention_modules", "cp_degrees", "cp_refusal"]
+__all__ = ["attention_modules", "cp_degrees", "cp_refusal", "cp_ranks_per_node"]
 
 
 def attention_modules(graph: ModelGraph) -> tuple[ModuleInfo, ...]:
@@ -48,3 +48,9 @@ def cp_refusal(graph: ModelGraph) -> str | None:
 def cp_degrees(seq: int, ranks: int, top: int = 64) -> tuple[int, ...]:
     """The cp degrees above 1 that split ``seq`` into ``2 x cp`` chunks and divide ``ranks``."""
     return tuple(c for c in (2, 4, 8, 16, 32, 64) if c <= top and ranks % c == 0 and seq % (2 * c) == 0)
+
+
+def cp_ranks_per_node(cp: int, ranks_per_node: int, tp: int = 1) -> int:
+    """Ranks of one cp group on a node: the cp ranks sit ``tp`` apart, inside a node while ``cp x tp``
+    fits one (See [Note: context parallel costs] in cost/cp.py)."""
+    return max(1, min(cp, ranks_per_node // tp))
