@@ -42,6 +42,7 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import PlanError, WrapoptError
 from wrapopt.progress import Progress
 from wrapopt.search.study import db, files, seeding
+from wrapopt.search.study.split_memo import split_once_per_trial
 from wrapopt.search.study.space import SearchSpace
 from wrapopt.spec import CostEstimate, ModelGraph, PlanSpec
 from wrapopt.units import validate_plan
@@ -350,8 +351,9 @@ def _optimize(study, objective, *, trials: int, done: int, timeout_s: float | No
     if done < trials:
         try:
             callbacks = [stop_at_budget, show] + ([watch] if watch is not None else [])
-            study.optimize(objective, n_trials=trials - done, timeout=timeout_s, callbacks=callbacks,
-                           gc_after_trial=False)
+            with split_once_per_trial():  # See [Note: TPE's split once per trial]
+                study.optimize(objective, n_trials=trials - done, timeout=timeout_s, callbacks=callbacks,
+                               gc_after_trial=False)
             show.show(study)
         finally:
             show.bar.close()
