@@ -18,7 +18,9 @@ lint: setup
 	$(VENV)/bin/ruff check wrapopt tests benchmarks scripts examples
 
 # Three parts (See [Note: the parts of make test] in tests/conftest.py). The single-process tests
-# run on up to 4 pytest-xdist workers, a test file to a worker (its module fixtures built once).
+# run on 2 pytest-xdist workers, a test file to a worker (its module fixtures built once): 4 workers
+# on this 2-core VM beside the other parts spent more CPU on what each worker builds anew (imports,
+# traces, compiled kernels), results/make_test_time.md.
 # Beside them, in a second pytest, the multi-process tests that start their own processes (most of
 # their time is spent waiting: timeouts they test, workers, a server); when those pass, a third
 # pytest runs the tests that read the shared spawns of 2 and 4 gloo ranks (the two spawns side by
@@ -31,7 +33,7 @@ test: setup lint
 	@two=$$(mktemp); three=$$(mktemp); \
 	( $(PY) -m pytest -q -p no:cacheprovider -m "multiprocess and not shared_spawn" tests >$$two 2>&1 || exit 97; \
 	  $(PY) -m pytest -q -p no:cacheprovider -m "multiprocess and shared_spawn" tests >$$three 2>&1 ) & side=$$!; \
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not multiprocess" tests; one=$$?; \
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multiprocess" tests; one=$$?; \
 	echo "   (waiting for parts 2 and 3)"; wait $$side; rest=$$?; \
 	echo "== make test 2/3: multi-process tests that start their own processes (pytest -m 'multiprocess and not shared_spawn') =="; \
 	cat $$two; \

@@ -31,7 +31,7 @@ class _NoProcesses:
 
 
 def pytest_configure(config):
-    """[Note: threads per xdist worker] `make test` runs up to 4 pytest-xdist workers on the
+    """[Note: threads per xdist worker] `make test` runs 2 pytest-xdist workers on the
     machine's cores; each worker's torch would start an intra-op thread per core, and threads of
     one worker spin-wait for each other while the other workers hold the cores (llama-tiny's
     batch-share measurement on 2 busy cores: 13 s of CPU at 2 threads, 0.9 s at 1). So a worker
