@@ -2,6 +2,11 @@
 # Each sets up .venv on first use (scripts/setup_env.sh) and reuses it afterwards.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Python's bytecode cache on, whatever the shell says: with PYTHONDONTWRITEBYTECODE set (this VM sets
+# it) nothing writes __pycache__ (git ignores it), so every process `make test` starts (ranks, CLI
+# runs, torchrun, pytest workers) compiled wrapopt's modules anew and pytest rewrote every test file
+# anew: about a second of CPU per process. See results/make_test_time.md.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup demo test lint bench clean
 
