@@ -38,13 +38,15 @@ def split_once_per_trial() -> Iterator[None]:
     if original is None or getattr(original, "wrapopt_memo", False):  # absent, or replaced already (nested)
         yield
         return
-    last: list = [None, None]  # key, answer
+    last: list = [None]  # (key, answer), replaced whole: a study in another thread reads its own pair
 
     def split(study, trials, *rest):
         key = (id(study), rest, tuple((t.number, t.state) for t in trials))
-        if last[0] != key:
-            last[0], last[1] = key, original(study, trials, *rest)
-        below, above = last[1]
+        hit = last[0]
+        if hit is None or hit[0] != key:
+            hit = (key, original(study, trials, *rest))
+            last[0] = hit
+        below, above = hit[1]
         return list(below), list(above)
 
     split.wrapopt_memo = True  # type: ignore[attr-defined]
