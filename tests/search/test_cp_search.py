@@ -51,12 +51,68 @@ def test_a_given_degree_lifts_every_plan_and_composes_with_tp(capsys):
     assert mesh["shard_size"] % 2 == 0
 
 
-def test_cp_with_a_global_batch_or_a_pipeline_is_refused(llama_tiny):
+def test_cp_with_a_pipeline_is_refused(llama_tiny):
     graph = llama_tiny[2]
-    with pytest.raises(OptionError, match=r"--cp 2 with --global-batch: a fixed global batch is not searched"):
-        resolve_cp(graph, ParallelRequest(mesh=MESH, cp=2, global_batch=8))
+    assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp=2, global_batch=8)) == ((2,), ())
     with pytest.raises(OptionError, match=r"--cp auto with --pp 2: context parallelism under a pipeline"):
         resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2))
+
+
+# --- at a fixed global batch: See [Note: context parallel at a global batch] in search/cp.py --------------
+
+
+def test_a_fixed_global_batch_is_split_over_the_ranks_cp_leaves(capsys):
+    """cp 2 on 8 ranks leaves 4 ranks that read different sequences: micro-batch x accumulation x 4 = 16."""
+    data = _search(capsys, "--cp", "2", "--global-batch", "16", "--memory", "none")
+    mesh, train = data["mesh"], data["train"]
+    assert mesh["cp_size"] == 2 and mesh["shard_size"] % 2 == 0
+    assert train["global_batch"] == 16 and train["micro_batch"] * train["grad_accumulation"] * 4 == 16
+    rows = data["search"]["batch"]
+    assert rows and all((r["dp_size"], r["cp_size"]) == (4, 2) for r in rows)
+    assert all(r["label"].endswith("+ cp2") for r in rows if "label" in r)
+
+
+def test_cp_auto_at_a_global_batch_compares_the_steps(capsys):
+    """Every degree's step covers the same 8 sequences: the rows are compared by the step itself, the
+    answer is the smallest degree within the error of the fastest, and each row is a plan of its degree
+    at its own split."""
+    from wrapopt.search.choose import STEP_ERROR
+
+    rc = cli(["search", "zoo:llama-tiny", "--world-size", "8", "--trials", "0", "--cp", "auto", "--global-batch", "8",
+              "--memory", "4MiB"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "context parallel at the global batch of 8 sequences (steps compared): cp 1:" in out
+    assert "context parallelism (the same global batch; steps compared;" in out
+    data = _search(capsys, "--cp", "auto", "--global-batch", "8", "--memory", "4MiB")
+    rows = {r["row"]: r for r in data["search"]["tp_rows"]}
+    degrees = {1 if label.startswith("best without") else int(label.split("cp")[1].split()[0]): r
+               for label, r in rows.items()}
+    assert set(degrees) == {1, 2, 4, 8} and all(r["cp_size"] == c for c, r in degrees.items())
+    for c, r in degrees.items():
+        assert f"{8 // c} ranks" in r["row"]  # micro-batch x accumulation x the ranks cp leaves: 8 sequences
+    chosen, fitting = data["mesh"].get("cp_size", 1), [r["step_s"] for r in degrees.values() if r["fits"]]
+    assert degrees[chosen]["step_s"] <= min(fitting) * (1 + STEP_ERROR)
+    assert all(degrees[c]["step_s"] > min(fitting) * (1 + STEP_ERROR) for c in degrees if c < chosen)
+
+
+def test_a_global_batch_no_cp_degree_can_split_is_one_line(capsys):
+    assert cli(["search", "zoo:llama-tiny", "--world-size", "8", "--trials", "0", "--cp", "2",
+                "--global-batch", "6"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "global batch 6 has no split" in err[0]
+    assert "4 ranks that read different sequences" in err[0]
+    assert "the nearest that work are 4 and 8" in err[0]
+
+
+def test_estimate_splits_a_cp_plans_global_batch_over_the_ranks_that_read_sequences(capsys):
+    assert cli(["estimate", "zoo:llama-tiny", "--plan", "per-block", "--world-size", "8", "--cp", "2",
+                "--global-batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 4 x 1 accumulation (4 dp ranks, cp2)" in out
+    assert cli(["estimate", "zoo:llama-tiny", "--plan", "per-block", "--world-size", "8", "--cp", "2",
+                "--global-batch", "6"]) == 1
+    assert "4 data-parallel ranks under context parallelism of 2" in capsys.readouterr().err
 
 
 def test_current_at_another_cp_degree_names_the_degree_as_a_choice(capsys):

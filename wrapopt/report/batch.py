@@ -14,7 +14,8 @@ __all__ = ["batch_lines", "format_batch", "batch_json"]
 
 def _head(split: Any) -> str:
     tp = f", tp{split.tp_size}" if split.tp_size > 1 else ""
-    return f"micro-batch {split.micro_batch} x {split.accumulation} accumulation ({split.dp_size} dp ranks{tp})"
+    cp = f", cp{split.cp_size}" if getattr(split, "cp_size", 1) > 1 else ""  # a pipeline's split has none
+    return f"micro-batch {split.micro_batch} x {split.accumulation} accumulation ({split.dp_size} dp ranks{tp}{cp})"
 
 
 def batch_lines(rows: Sequence[Any], chosen: Any) -> list[str]:
@@ -61,7 +62,8 @@ def batch_json(result: SearchResult) -> list[dict[str, Any]] | None:
         return None
     chosen = _chosen(result)
     return [{"tp_size": r.split.tp_size, "micro_batch": r.split.micro_batch, "accumulation": r.split.accumulation,
-             "dp_size": r.split.dp_size, "searched": r.searched, "chosen": r.split == chosen,
+             "dp_size": r.split.dp_size, "cp_size": r.split.cp_size, "searched": r.searched,
+             "chosen": r.split == chosen,
              **({} if r.best is None else {"label": r.best.plan.label, "step_s": r.best.estimate.step_s,
                                           "sync": r.best.estimate.accumulation_sync,
                                           "peak_bytes": r.best.estimate.peak_bytes, "fits": r.best.fits})}

@@ -212,16 +212,21 @@ def _tp_lines(result: SearchResult) -> list[str]:
     lines = ["expert parallelism (the same global batch; See [Note: expert parallel search] in search/ep.py):"
              if any(label.startswith(("best ep", "best FSDP alone")) for label, _s in result.tp_rows) else
              "tensor parallelism (the same global batch; See [Note: 2-D search]):"]
+    per_token = not result.batch_rows  # at a fixed global batch every row's step covers the same sequences
     if any(label.startswith("best cp") for label, _s in result.tp_rows):
         lines[0] = ("context parallelism (tokens/s per GPU compared; See [Note: context parallel search] in "
-                    "search/cp.py):")
+                    "search/cp.py):" if per_token else "context parallelism (the same global batch; steps compared; "
+                    "See [Note: context parallel at a global batch] in search/cp.py):")
     # per token: a cp degree's step runs 1/cp of the tokens per GPU (See [Note: context parallel search])
-    ref = result.best.estimate.step_s * result.best.plan.mesh.cp_size
+
+    def work(s: Scored) -> float:
+        return s.estimate.step_s * (s.plan.mesh.cp_size if per_token else 1)
+
     for label, s in result.tp_rows:
         e = s.estimate
         lines.append(f"  {label:<44} {e.step_s * 1e3:10.2f}ms {fmt_bytes(e.peak_bytes):>11} "
                      f"{'fits' if s.fits else 'does not fit':<12} chosen/this "
-                     f"{ref / (e.step_s * s.plan.mesh.cp_size):5.3f}{_sync_cell(s)}  {s.plan.label}")
+                     f"{work(result.best) / work(s):5.3f}{_sync_cell(s)}  {s.plan.label}")
     return lines + sync_lines([result.best] + [s for _, s in result.tp_rows], "  ", legend=False)
 
 

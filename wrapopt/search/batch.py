@@ -21,8 +21,12 @@ The search runs in two passes, so that a dozen splits cost little more than one 
 2. the ``REFINE`` fastest splits of the screen get the whole search (every shard group, HSDP,
    the study's trials shared out among them); the fastest fitting plan of those wins.
 
-Every split keeps a row (``BatchRow``) with its best step, for the report's table. With
-``--pp``, this is degree 1's search; the pipeline degrees split the same global batch into their
+Every split keeps a row (``BatchRow``) with its best step, for the report's table. A split of a
+context-parallel degree c (``BatchSplit.cp_size``) has ``dp = world / (t x c)`` ranks that read
+different sequences (TorchTitan's ``batch`` axis: the c ranks of a cp group split their
+sequences); it is priced on the cp view of its simulator and searched with FSDP over ``dp x c``
+(shard groups that hold whole cp groups): See [Note: context parallel at a global batch] in
+search/cp.py. With ``--pp``, this is degree 1's search; the pipeline degrees split the same global batch into their
 micro-batches: See [Note: pipeline global batch] in search/pipeline_batch.py.
 """
 
@@ -30,15 +34,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.baselines import smallest_plan
 from wrapopt.search.driver import SearchResult
-from wrapopt.search.strategy import Scored, SearchOptions
+from wrapopt.search.strategy import Scored, SearchOptions, dp_shard_sizes
 from wrapopt.search.tp import combine_tp, dp_mesh, lift_plan, search_shape
 from wrapopt.spec import GlobalBatch, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
+from wrapopt.spec.cp import cp_ranks_per_node
 from wrapopt.train import TrainConfig
 from wrapopt.tp import TPSpec
 
@@ -66,7 +71,8 @@ class BatchSplit:
     tp_size: int  # tensor-parallel degree
     micro_batch: int  # sequences per data-parallel rank (tensor-parallel group) per micro-batch
     accumulation: int  # micro-batches per optimizer step
-    dp_size: int  # data-parallel ranks: the world over tp_size
+    dp_size: int  # ranks that read different sequences: the world over tp_size x cp_size
+    cp_size: int = 1  # context-parallel degree: its ranks split each sequence
 
     @property
     def global_batch(self) -> int:
@@ -74,7 +80,8 @@ class BatchSplit:
 
     def describe(self) -> str:
         tp = f", tp{self.tp_size}" if self.tp_size > 1 else ""
-        return f"{self.micro_batch} x {self.accumulation} x {self.dp_size} ranks{tp}"
+        cp = f", cp{self.cp_size}" if self.cp_size > 1 else ""
+        return f"{self.micro_batch} x {self.accumulation} x {self.dp_size} ranks{tp}{cp}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +112,10 @@ def batch_scale(micro_batch: int, traced_batch: int, tp_size: int = 1) -> float:
     return micro_batch / (max(1, traced_batch) * tp_size)
 
 
-def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int]) -> tuple[BatchSplit, ...]:
-    """Every split of ``batch`` over ``dp_sizes`` (tensor-parallel degree -> data-parallel ranks),
-    sorted by degree then micro-batch; a micro-batch or an accumulation the batch fixes keeps only
-    the splits with that value."""
+def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int], cp: int = 1) -> tuple[BatchSplit, ...]:
+    """Every split of ``batch`` over ``dp_sizes`` (tensor-parallel degree -> ranks that read different
+    sequences) at context-parallel degree ``cp``, sorted by degree then micro-batch; a micro-batch
+    or an accumulation the batch fixes keeps only the splits with that value."""
     micro_batch, accumulation = batch.micro_batch, batch.accumulation
     out = []
     for tp, dp in sorted(dp_sizes.items()):
@@ -117,7 +124,7 @@ def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int]) -> tuple[BatchSpl
         per_rank = batch.sequences // dp
         for m in divisors(per_rank):
             if micro_batch in (None, m) and accumulation in (None, per_rank // m):
-                out.append(BatchSplit(tp, m, per_rank // m, dp))
+                out.append(BatchSplit(tp, m, per_rank // m, dp, cp))
     return tuple(out)
 
 
@@ -147,16 +154,17 @@ def divisors(n: int) -> list[int]:
     return sorted(out)
 
 
-def check_global_batch(batch: GlobalBatch, dp_sizes: dict[int, int]) -> tuple[BatchSplit, ...]:
+def check_global_batch(batch: GlobalBatch, dp_sizes: dict[int, int], cp: int = 1) -> tuple[BatchSplit, ...]:
     """``batch_splits``, or ValueError naming the nearest global batches that have a split."""
-    splits = batch_splits(batch, dp_sizes)
+    splits = batch_splits(batch, dp_sizes, cp)
     if splits:
         return splits
     units = sorted({dp * (batch.micro_batch or 1) * (batch.accumulation or 1) for dp in dp_sizes.values()})
     near = nearest_batches(batch.sequences, units, exact=bool(batch.micro_batch and batch.accumulation))
     ranks = " or ".join(str(dp) for dp in sorted(set(dp_sizes.values())))
+    cp_said = f" under context parallelism of {cp}" if cp > 1 else ""
     raise ValueError(f"global batch {batch.sequences} is not micro-batch x accumulation x data-parallel ranks "
-                     f"({ranks} data-parallel ranks{batch.describe_fixed()}): it must be a multiple of "
+                     f"({ranks} data-parallel ranks{cp_said}{batch.describe_fixed()}): it must be a multiple of "
                      f"{' or '.join(map(str, units))}; the nearest that work are {' and '.join(map(str, near))}")
 
 
@@ -188,11 +196,29 @@ def _sim(graph: ModelGraph, sim: Simulator, train: TrainConfig, split: BatchSpli
     return Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host)
 
 
+def _view(sim: Simulator, mesh: MeshSpec, split: BatchSplit) -> Simulator:
+    """The simulator a split's plans are searched on: its own, or one cp rank's share of it (plans on
+    the flattened ``dp_shard x cp`` mesh, lifted onto the cp mesh by the caller)."""
+    if split.cp_size == 1:
+        return sim
+    return sim.for_cp(split.cp_size, cp_ranks_per_node(split.cp_size, mesh.ranks_per_node, split.tp_size))[0]
+
+
+def _cp_sizes(sizes: Sequence[int] | None, mesh: MeshSpec, split: BatchSplit) -> tuple[int, ...] | None:
+    """Shard groups that hold whole cp groups (FSDP shards over ``dp_shard x cp``): ``sizes`` (the
+    split's data-parallel mesh's when None) that its cp degree divides; at cp 1, ``sizes`` as given."""
+    if split.cp_size == 1:
+        return tuple(sizes) if sizes else None
+    return tuple(s for s in (sizes or dp_shard_sizes(dp_mesh(mesh, split.tp_size))) if s % split.cp_size == 0)
+
+
 def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None,
             budget: float | None, options: SearchOptions) -> SearchResult:
     if options.storage:  # one study per split in the storage (a study's identity does not hold the batch)
         stem = options.study_name or f"wrapopt-{graph.model_class}-w{mesh.world_size}"
-        options = replace(options, study_name=f"{stem}-tp{split.tp_size}-mb{split.micro_batch}-acc{split.accumulation}")
+        cp = f"-cp{split.cp_size}" if split.cp_size > 1 else ""
+        options = replace(options, study_name=f"{stem}-tp{split.tp_size}{cp}-mb{split.micro_batch}"
+                                              f"-acc{split.accumulation}")
     shape = Shape(tp=split.tp_size)  # the split's batch is in ``sim`` (``_sim``)
     res = search_shape(graph, sim, mesh, shape, spec=spec, memory_budget=budget, options=options)
     return res if shape.tp == 1 else combine_tp(sim, {shape.tp: res}, {}, degrees=(shape.tp,))
@@ -200,13 +226,16 @@ def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit
 
 def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: TrainConfig,
                  splits: Sequence[BatchSplit], spec: TPSpec | None, memory_budget: float | None,
-                 options: SearchOptions) -> BatchSearch:
+                 options: SearchOptions, lift: Callable[[SearchResult], SearchResult] | None = None) -> BatchSearch:
     """The fastest fitting plan and split of a fixed global batch (See [Note: global batch
     search]); ``sim`` gives the fabric and compute, ``train`` the rest of the step, ``mesh``
-    the whole mesh without tensor parallelism. Raises ``InfeasibleError`` when no split fits."""
+    the whole mesh without tensor parallelism. A split of a cp degree is searched on its cp view,
+    and ``lift`` puts each split's plans onto the cp mesh before they are ranked. Raises
+    ``InfeasibleError`` when no split fits."""
     limit = float(memory_budget) if memory_budget else float("inf")
     rows: dict[BatchSplit, BatchRow] = {}
     sims: dict[BatchSplit, Simulator] = {}
+    views: dict[BatchSplit, Simulator] = {}
     too_big: dict[int, int] = {}  # degree -> the smallest micro-batch nothing fits
     failed: list[str] = []
     screen = replace(options, trials=0, progress=False, storage=None, study_name=None,
@@ -220,13 +249,17 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
             rows[split] = BatchRow(split, None, TOO_LARGE)
             continue
         try:
-            s = sims[split] = _sim(graph, sim, train, split, memory_budget)
+            sims[split] = _sim(graph, sim, train, split, memory_budget)
+            s = views[split] = _view(sims[split], mesh, split)
             if s.simulate(_smallest(graph, mesh, split, spec)).peak_bytes > limit:
                 too_big[split.tp_size] = split.micro_batch
                 rows[split] = BatchRow(split, None, "skipped: one unit per block, checkpointed, does not fit")
                 continue
-            fsdp = replace(screen, shard_sizes=options.shard_sizes or (split.dp_size,))  # FSDP over the dp ranks
-            res = _search(graph, s, mesh, split, spec, memory_budget, fsdp)
+            # FSDP over the data-parallel ranks (dp_shard x cp)
+            sizes = ((options.shard_sizes and _cp_sizes(options.shard_sizes, mesh, split))
+                     or (split.dp_size * split.cp_size,))
+            res = _search(graph, s, mesh, split, spec, memory_budget, replace(screen, shard_sizes=sizes))
+            res = lift(res) if lift else res
             rows[split] = BatchRow(split, res.best, "screen")
         except InfeasibleError as e:
             failed.append(f"{split.describe()}: {e}")
@@ -245,7 +278,9 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
     whole = replace(options, trials=-(-options.trials // len(top)) if options.trials else 0)
     results: dict[BatchSplit, SearchResult] = {}
     for r in top:
-        res = _search(graph, sims[r.split], mesh, r.split, spec, memory_budget, whole)
+        res = _search(graph, views[r.split], mesh, r.split, spec, memory_budget,
+                      replace(whole, shard_sizes=_cp_sizes(whole.shard_sizes, mesh, r.split)))
+        res = lift(res) if lift else res
         results[r.split] = res
         rows[r.split] = BatchRow(r.split, res.best, "whole search")
     chosen = min(results, key=lambda sp: results[sp].best.estimate.step_s)
@@ -281,7 +316,7 @@ def score_splits(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: Par
     (the smallest peak when none does), its simulator and every split's row (for ``wrapopt estimate``)."""
     train, batch = request.train, request.batch
     assert batch is not None, "score_splits needs a request with a global batch"
-    splits = check_global_batch(batch, {plan.mesh.tp_size: plan.mesh.dp_size})
+    splits = check_global_batch(batch, {plan.mesh.tp_size: plan.mesh.batch_size}, plan.mesh.cp_size)
     limit = float(memory_budget) if memory_budget else float("inf")
     rows, sims = [], {}
     over = False  # a smaller micro-batch is over the budget: the plan's peak grows with the micro-batch

@@ -14,22 +14,35 @@ data-parallel rank, as TorchTitan's ``local_batch_size``: the cp ranks split its
 degrees are compared by tokens per second per GPU, ``step x cp`` lower is faster; the answer is the
 smallest degree within the simulator's error of the fastest that fits. The report's rows list
 each degree's best, a note what became of each degree tried.
+
+[Note: context parallel at a global batch] With ``--global-batch N`` the sequences per step are
+fixed, and a cp degree c leaves ``world / (t x c)`` ranks that read different sequences, so each
+degree has its own splits ``N = micro_batch x accumulation x world / (t x c)`` (``batch_splits``
+with ``cp``). Each degree's splits are the global-batch search (See [Note: global batch search] in
+search/batch.py), each split priced on the cp view of its own simulator and searched with shard
+groups that hold whole cp groups; the answer is lifted onto the cp mesh. Every degree's step then
+covers the same N sequences, so the degrees are compared by the step itself (not per token, as
+above), and the smallest within the simulator's error of the fastest that fits wins; a degree
+with no split of N (the ranks left do not divide it) is named in the notes.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Callable
 
 from wrapopt.spec.cp import cp_degrees, cp_ranks_per_node, cp_refusal
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError, PlanError
+from wrapopt.search.batch import BatchSearch, batch_splits, nearest_batches, search_batch
 from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.driver import SearchOptions, SearchResult
 from wrapopt.search.strategy import Round, Scored, dp_shard_sizes
 from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, PlanSpec
+from wrapopt.tp import TPSpec
 
-__all__ = ["resolve_cp", "search_cp", "lift_cp", "given_cp"]
+__all__ = ["resolve_cp", "search_cp", "search_cp_batch", "lift_cp", "given_cp"]
 
 
 def resolve_cp(graph: ModelGraph, request: ParallelRequest) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -38,9 +51,6 @@ def resolve_cp(graph: ModelGraph, request: ParallelRequest) -> tuple[tuple[int, 
     [Note: context parallel search]."""
     if request.cp == 1:
         return (), ()
-    if request.global_batch is not None:
-        raise OptionError(f"--cp {request.cp} with --global-batch: a fixed global batch is not searched under "
-                          "context parallelism yet; give the local batch (--batch) and --accumulation instead")
     if request.asks_pp:
         raise OptionError(f"--cp {request.cp} with --pp {request.pp}: context parallelism under a pipeline is not "
                           "searched yet; pass --pp 1")
@@ -155,3 +165,59 @@ def search_cp(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, de
     out = results[chosen]
     return replace(out, tp_rows=(*out.tp_rows, *(rows if len(results) > 1 else ())),
                    notes=(*out.notes, "context parallel (tokens/s per GPU compared): " + "; ".join(said)))
+
+
+def search_cp_batch(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, degrees: tuple[int, ...],
+                    tp_degrees: tuple[int, ...], spec: TPSpec | None, memory_budget: float | None,
+                    options: SearchOptions) -> BatchSearch:
+    """Each context-parallel degree (1 too under ``auto``) at the request's fixed global batch, over
+    the tensor-parallel ``tp_degrees``, and the fastest step that fits: See [Note: context parallel
+    at a global batch]. Raises ValueError when no degree has a split of the batch, InfeasibleError
+    when none fits."""
+    mesh, batch = request.mesh, request.batch
+    assert batch is not None, "search_cp_batch needs a request with a global batch"
+    tried = ((1,) if request.cp == AUTO else ()) + tuple(degrees)
+    found: dict[int, BatchSearch] = {}
+    failed: dict[int, str] = {}
+    units: set[int] = set()
+    for cp in tried:
+        ranks = {t: mesh.world_size // (t * cp) for t in tp_degrees if mesh.world_size % (t * cp) == 0}
+        units |= {r * (batch.micro_batch or 1) * (batch.accumulation or 1) for r in ranks.values()}
+        splits = batch_splits(batch, ranks, cp)
+        if not splits:
+            failed[cp] = (f"global batch {batch.sequences} has no split over its "
+                          f"{' or '.join(map(str, sorted(set(ranks.values()))))} ranks that read different sequences")
+            continue
+        try:
+            found[cp] = search_batch(graph, sim, mesh, train=request.train, splits=splits, spec=spec,
+                                     memory_budget=memory_budget, options=options,
+                                     lift=None if cp == 1 else functools.partial(_lift_result, cp=cp))
+        except InfeasibleError as e:
+            failed[cp] = "nothing fits: " + str(e).split(";")[0]
+    if not found:
+        if all(why.startswith("global batch") for why in failed.values()):
+            near = nearest_batches(batch.sequences, sorted(units))
+            raise ValueError(f"global batch {batch.sequences} has no split at any cp degree tried ("
+                             + "; ".join(f"cp {c}: {why}" for c, why in sorted(failed.items()))
+                             + f"); the nearest that work are {' and '.join(map(str, near)) or 'none'}")
+        first = next(why for why in failed.values() if not why.startswith("global batch"))
+        raise InfeasibleError(f"{first.removeprefix('nothing fits: ')} (at every cp degree tried: "
+                              f"{', '.join(map(str, sorted(failed)))})")
+    fits = {c: r for c, r in found.items() if r.result.best.fits} or found
+
+    def step(c: int) -> float:
+        return found[c].result.best.estimate.step_s
+
+    top = min(step(c) for c in fits)
+    chosen = min(c for c in fits if step(c) <= top * (1 + STEP_ERROR))
+    said = [f"cp {c}: " + ("chosen" if c == chosen else f"{step(c) / step(chosen):.2f}x the step"
+                           + ("" if r.result.best.fits else ", does not fit")) + f" ({r.split.describe()})"
+            for c, r in sorted(found.items())]
+    said += [f"cp {c}: {why}" for c, why in sorted(failed.items())]
+    rows = tuple(((f"best cp{c} ({r.split.describe()})" if c > 1 else f"best without cp ({r.split.describe()})"),
+                  r.result.best) for c, r in sorted(found.items()))
+    out = found[chosen]
+    result = replace(out.result, tp_rows=(*out.result.tp_rows, *(rows if len(found) > 1 else ())),
+                     notes=(*out.result.notes, f"context parallel at the global batch of {batch.sequences} "
+                            "sequences (steps compared): " + "; ".join(said)))
+    return replace(out, result=result)

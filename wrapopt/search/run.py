@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.batch import global_batch_search
-from wrapopt.search.cp import search_cp
+from wrapopt.search.cp import search_cp, search_cp_batch
 from wrapopt.search.driver import SearchOptions, SearchResult
 from wrapopt.search.ep import search_ep
 from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
@@ -94,8 +94,12 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
     search]; FSDP alone when that is all the request asks)."""
     degrees = tuple(s.tp for s in space.flat)
     if request.global_batch is not None:
-        found = global_batch_search(graph, sim, request, degrees=degrees, spec=space.tp_spec,
+        if space.cp:  # See [Note: context parallel at a global batch] in search/cp.py
+            found = search_cp_batch(graph, sim, request, degrees=space.cp, tp_degrees=degrees, spec=space.tp_spec,
                                     memory_budget=memory_budget, options=options)
+        else:
+            found = global_batch_search(graph, sim, request, degrees=degrees, spec=space.tp_spec,
+                                        memory_budget=memory_budget, options=options)
         return SearchRun(found.result, found.train, found.sim, found.notes)
     if space.cp:  # each context-parallel degree, jointly with tp: See [Note: context parallel search] in search/cp.py
         one = degrees == (1,) and request.tp != AUTO
