@@ -26,8 +26,8 @@ context-parallel degree c (``BatchSplit.cp_size``) has ``dp = world / (t x c)`` 
 different sequences (TorchTitan's ``batch`` axis: the c ranks of a cp group split their
 sequences); it is priced on the cp view of its simulator and searched with FSDP over ``dp x c``
 (shard groups that hold whole cp groups): See [Note: context parallel at a global batch] in
-search/cp.py. With ``--pp``, this is degree 1's search; the pipeline degrees split the same global batch into their
-micro-batches: See [Note: pipeline global batch] in search/pipeline_batch.py.
+search/cp.py. With ``--pp``, this is degree 1's search; the pipeline degrees split the same
+global batch into their micro-batches: See [Note: pipeline global batch] in search/pipeline_batch.py.
 """
 
 from __future__ import annotations

@@ -125,6 +125,19 @@ def _lift_result(res: SearchResult, cp: int) -> SearchResult:
                    rounds=rounds, tp_rows=tuple((label, one(s)) for label, s in res.tp_rows if fine(s)))
 
 
+def _choose(bests: dict[int, Scored], cost: Callable[[int], float], unit: str,
+            tail: Callable[[int], str] | None = None) -> tuple[int, list[str]]:
+    """The smallest degree whose ``cost`` is within the simulator's error of the lowest among the
+    degrees whose best fits (among all when none does), and what became of each degree, in words."""
+    fits = [c for c, s in bests.items() if s.fits] or list(bests)
+    top = min(cost(c) for c in fits)
+    chosen = min(c for c in fits if cost(c) <= top * (1 + STEP_ERROR))
+    said = [f"cp {c}: " + ("chosen" if c == chosen else f"{cost(c) / cost(chosen):.2f}x {unit}"
+                           + ("" if s.fits else ", does not fit")) + (tail(c) if tail else "")
+            for c, s in sorted(bests.items())]
+    return chosen, said
+
+
 def search_cp(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, degrees: tuple[int, ...],
               flat: Callable[[Simulator, SearchOptions], SearchResult], options: SearchOptions) -> SearchResult:
     """Each context-parallel degree (1 too under ``auto``) searched by ``flat(view, options)``
@@ -149,18 +162,13 @@ def search_cp(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, de
             failed[cp] = str(e).split(";")[0]
     if not results:
         raise InfeasibleError(next(iter(failed.values())))
-    fits = {c: r for c, r in results.items() if r.best.fits} or results
 
     def per_token(c: int) -> float:  # seconds per GPU per token, up to a constant: See the note
         return results[c].best.estimate.step_s * c
 
-    top = min(per_token(c) for c in fits)
-    chosen = min(c for c in fits if per_token(c) <= top * (1 + STEP_ERROR))
+    chosen, said = _choose({c: r.best for c, r in results.items()}, per_token, "the time per token")
     rows = tuple(((f"best cp{c} (1/{c} of the tokens per GPU)" if c > 1 else "best without cp"), r.best)
                  for c, r in sorted(results.items()))
-    ref = per_token(chosen)
-    said = [f"cp {c}: " + ("chosen" if c == chosen else f"{per_token(c) / ref:.2f}x the time per token"
-                           + ("" if r.best.fits else ", does not fit")) for c, r in sorted(results.items())]
     said += [f"cp {c}: nothing fits: {why}" for c, why in sorted(failed.items())]
     out = results[chosen]
     return replace(out, tp_rows=(*out.tp_rows, *(rows if len(results) > 1 else ())),
@@ -203,16 +211,9 @@ def search_cp_batch(graph: ModelGraph, sim: Simulator, request: ParallelRequest,
         first = next(why for why in failed.values() if not why.startswith("global batch"))
         raise InfeasibleError(f"{first.removeprefix('nothing fits: ')} (at every cp degree tried: "
                               f"{', '.join(map(str, sorted(failed)))})")
-    fits = {c: r for c, r in found.items() if r.result.best.fits} or found
-
-    def step(c: int) -> float:
-        return found[c].result.best.estimate.step_s
-
-    top = min(step(c) for c in fits)
-    chosen = min(c for c in fits if step(c) <= top * (1 + STEP_ERROR))
-    said = [f"cp {c}: " + ("chosen" if c == chosen else f"{step(c) / step(chosen):.2f}x the step"
-                           + ("" if r.result.best.fits else ", does not fit")) + f" ({r.split.describe()})"
-            for c, r in sorted(found.items())]
+    chosen, said = _choose({c: r.result.best for c, r in found.items()},
+                           lambda c: found[c].result.best.estimate.step_s, "the step",
+                           tail=lambda c: f" ({found[c].split.describe()})")
     said += [f"cp {c}: {why}" for c, why in sorted(failed.items())]
     rows = tuple(((f"best cp{c} ({r.split.describe()})" if c > 1 else f"best without cp ({r.split.describe()})"),
                   r.result.best) for c, r in sorted(found.items()))
