@@ -10,7 +10,7 @@ trace runs the grouped-matmul experts on meta; the measured CPU model runs trans
 "eager" experts, the CPU grouped matmul having no float32 backward; both compute the
 routed (token, expert) pairs only). With expert parallelism over every rank (ep = world,
 efsdp 1; See [Note: expert parallel costs] in wrapopt/cost/ep.py): wrapopt's choice among
-the ep plans (``search_ep``) and the fully sharded plans above with ``ep_size`` set.
+the ep plans (``run_search`` with ``--ep N``) and the fully sharded plans above with ``ep_size`` set.
 The variants' selective-op rows are left out: torch's selective checkpoint cannot replay
 transformers' eager experts, whose loop runs over the experts the routing hit ("aten.slice.Tensor
 invocation ... not found in storage" in backward, with or without expert parallelism).
@@ -42,9 +42,9 @@ from wrapopt.hardware.profiles import ComputeProfile
 from wrapopt.launch import broadcast_json, spawn
 from wrapopt.models.sources import resolve_model
 from wrapopt.search.baselines import baselines
-from wrapopt.search.driver import search_plan
-from wrapopt.search.ep import search_ep
-from wrapopt.spec import SELECTIVE_OP, MeshSpec, PlanSpec, UnitSpec
+from wrapopt.search.driver import SearchOptions, search_plan
+from wrapopt.search.run import run_search
+from wrapopt.spec import SELECTIVE_OP, MeshSpec, ParallelRequest, PlanSpec, UnitSpec
 from wrapopt.trace.meta import trace_model
 
 
@@ -85,7 +85,8 @@ def ep_plans(graph, sim: Simulator, mesh: MeshSpec, plans: list[PlanSpec]) -> li
     """Expert parallelism over every rank: wrapopt's best ep plan, and the plans named in ``EP_OF``
     (fully sharded) with ``ep_size`` set."""
     ep = mesh.world_size
-    best = dict(search_ep(graph, sim, mesh, degrees=(ep,), memory_budget=None).tp_rows)[f"best ep{ep}"].plan
+    best = run_search(graph, sim, ParallelRequest(mesh=mesh, ep=ep), memory_budget=None,
+                      options=SearchOptions(trials=0)).result.best.plan
     out = [replace(best, label="wrapopt:" + best.label)]
     for p in plans:
         if p.label in EP_OF and p.mesh.shard_size == mesh.world_size:

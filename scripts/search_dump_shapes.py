@@ -1,7 +1,7 @@
 """Dump ``run_search``'s answers over the parallel shapes (tensor, pipeline, a fixed global
 batch, and their combinations), to check that a refactor of the shape search changes no answer:
 ``cmp`` the dumps of two checkouts, they must be identical. The golden files pin the 1-D search
-(``tests/golden``); this pins what ``search/shapes.py``, ``run.py``, ``tp.py``, ``batch.py`` and
+(``tests/golden``); this pins what ``search/shapes.py``, ``run.py``, ``tp.py``, ``batch.py``, ``axes.py`` and
 ``pipeline*.py`` make of it: per request the best plan, its step and peak, the ``why``, the notes,
 every row the report prints (tp, pipeline, batch splits), the degrees tried with their outcome, the
 training step and the simulator options of the answer. About two minutes.
@@ -45,6 +45,15 @@ CASES = [
     ("llama-7b", 64, 8, dict(tp="auto", global_batch=256), 0, 72 * 2**30),
     ("llama-7b", 64, 8, dict(tp="auto", pp="auto"), 0, 72 * 2**30),
     ("llama-7b", 64, 8, dict(tp="auto", pp="auto", global_batch=512), 0, 72 * 2**30),
+    ("llama-tiny", 8, 8, dict(cp="auto"), 0, None),
+    ("llama-tiny", 8, 8, dict(cp=2, tp=2), 4, None),
+    ("llama-tiny", 8, 8, dict(cp="auto", tp="auto"), 0, "tight"),
+    ("llama-tiny", 8, 8, dict(cp="auto", global_batch=8), 0, "tight"),
+    ("moe-tiny", 8, 8, dict(ep="auto"), 0, None),
+    ("moe-tiny", 8, 8, dict(ep="auto"), 4, "tight"),
+    ("moe-tiny", 8, 8, dict(ep=2), 0, None),
+    ("moe-tiny", 8, 8, dict(ep="auto", global_batch=16), 0, None),
+    ("moe-tiny", 8, 8, dict(ep=4, global_batch=32), 0, "tight"),
 ]
 
 

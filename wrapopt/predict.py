@@ -24,7 +24,7 @@ from wrapopt.plan.file import WrapPlan
 from wrapopt.report.batch import batch_lines
 from wrapopt.report.estimate import EstimateReport, step_work
 from wrapopt.search.batch import recorded_scale, score_splits, train_for
-from wrapopt.search.cp import given_cp
+from wrapopt.search.axes import given_axes
 from wrapopt.search.given import CHECKPOINTS, given_spec
 from wrapopt.search.pipeline import pipeline_estimate
 from wrapopt.spec import MeshSpec, ParallelRequest
@@ -110,11 +110,11 @@ def estimate(
 
 def _scored(job: Job, given: WrapPlan | Any, mesh: MeshSpec, checkpoint: str | None, global_batch: int | None,
             ) -> tuple[Any, Any, TrainConfig, list[str]]:
-    """The given plan at the job's mesh and context degree, its simulator, its step (the knobs,
+    """The given plan at the job's mesh and context and expert degrees, its simulator, its step (the knobs,
     pipeline and batch split settled as the search would) and the notes that say how."""
     graph, budget, notes = job.graph, job.budget, [*job.notes, *job.knobs]
     request, train = job.request, job.train  # its compile settled: See [Note: knob defaults] in search/knobs.py
-    spec = given_cp(graph, given_spec(given, graph, mesh, checkpoint, request=request), request)
+    spec = given_axes(graph, given_spec(given, graph, mesh, checkpoint, request=request), request)
     sim = job.simulator(train, batch_scale=recorded_scale(graph, train, spec))
     spec, sim, train, pp_notes = pipeline_estimate(graph, sim, spec, request, memory_budget=budget)
     notes += pp_notes

@@ -131,7 +131,7 @@ def _block_plan(graph: ModelGraph, block: str) -> tuple[tuple[str, str], ...]:
         what = (f"{block}.{experts[0]}" if experts else
                 f"{stacked[0]} ({graph.info(stacked[0]).experts} stacked experts)")
         raise PlanError(f"block {block} ({cls}) holds experts ({what}): wrapopt does not split experts over "
-                        f"tensor-parallel ranks (expert parallelism is issue 53); use --tp 1, or {hint} that "
+                        f"tensor-parallel ranks; use --tp 1 (--ep splits the experts over ranks), or {hint} that "
                         "leaves the experts whole")
     if not attn:
         raise PlanError(f"block {block} ({cls}) has no attention module with a head count wrapopt can read "

@@ -95,6 +95,27 @@ def test_simulate_scores_an_ep_plan_on_its_view(moe):
         sim.view(Shape(ep=2, tp=2))
 
 
+def test_under_hsdp_a_rank_all_reduces_its_experts_shard_over_the_replicas(moe):
+    """ep 2 inside shard groups of 2 of 8 ranks (efsdp 1): the experts' units gather nothing in the shard
+    group, and all-reduce the rank's whole ``n/ep`` over the 4 replicas (a dense unit: its ``1/shard``)."""
+    sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute())
+    hsdp = MeshSpec(world_size=8, ranks_per_node=8, shard_size=2, ep_size=2)
+    plan = baselines(moe, MeshSpec(world_size=8, ranks_per_node=8, shard_size=8))["per-block"]
+    units = expert_units(plan, tuple(stacked_experts(moe)))
+    view = sim.for_ep(2)[0]
+    costs = view._mesh_costs(view._unit_set(units.units, tuple(u.modules for u in units.units)), units.units,
+                             hsdp.data_parallel())
+    gathered, grads, gather_s, _rs, all_reduce_s = costs.columns
+    n = len(stacked_experts(moe))
+    assert list(gather_s[:n]) == [0.0] * n and gather_s[n] > 0
+    expert, dense = all_reduce_s[0], all_reduce_s[n]
+    want = sim.fabric.collective_s("all_reduce", 4, 4, grads[0])[0]  # the rank's n/ep, efsdp 1
+    assert expert == pytest.approx(want, rel=1e-6) and expert > 0
+    assert dense == pytest.approx(sim.fabric.collective_s("all_reduce", 4, 4, grads[n] / 2)[0], rel=1e-6)
+    est = sim.simulate(replace(plan, mesh=hsdp))
+    assert est.step_s > 0 and any("expert parallel 2" in note for note in est.notes)
+
+
 def test_experts_are_units_of_their_own(moe):
     mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
     experts = tuple(stacked_experts(moe))

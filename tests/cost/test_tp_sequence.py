@@ -108,7 +108,7 @@ def test_async_overlaps_only_on_nvlink_gpus(llama):
 
 def test_experts_are_refused_for_tp_by_name():
     g = _graph("moe-tiny")  # a bench model in the zoo: experts as nn.Linears under ".experts."
-    with pytest.raises(PlanError, match=r"holds experts .*expert parallelism is issue 53"):
+    with pytest.raises(PlanError, match=r"holds experts .*--ep splits the experts over ranks"):
         builtin_tp_plan(g)
 
 

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.ranks import MESH2, STEPS, catch, mean_over_ranks, two_rank_case
+from tests.ranks import MESH2, STEPS, catch, four_rank_case, mean_over_ranks, two_rank_case
 from wrapopt.errors import PlanError
 from wrapopt.models import zoo
-from wrapopt.spec import ROOT, PlanSpec, UnitSpec
+from wrapopt.spec import ROOT, MeshSpec, PlanSpec, UnitSpec
 
 pytestmark = pytest.mark.multiprocess
 
@@ -118,3 +118,34 @@ def test_ep_degree_that_does_not_divide_the_experts_is_named(two_rank_cases):
         msg = r["ep/odd"]
         assert msg and "does not divide the 3 experts" in msg and "model.layers.0.mlp.experts" in msg
         assert "degrees that do: 3" in msg
+
+
+@four_rank_case
+def ep_hsdp(rank: int, world: int, out: dict) -> None:
+    """Expert parallelism under HSDP on 4 ranks: replicate 2 x shard 2, ep 2 inside each shard group
+    (the experts HSDP over (replicate, efsdp 1)), moe-tiny with a unit per block, 3 AdamW steps
+    against the unsharded model on the mean of the ranks' losses."""
+    from wrapopt.plan.apply import apply_plan
+
+    e = zoo.get_entry("moe-tiny")
+    ref = e.build("cpu", seed=0)
+    blocks = [f"blocks.{i}" for i in range(len(ref.blocks))]
+    mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, ep_size=2)
+    spec = PlanSpec(tuple(UnitSpec((b,)) for b in blocks) + (UnitSpec((ROOT,), False),), mesh, label="hsdp + ep2")
+    full = e.inputs(batch=2 * world)
+    steps = [[tuple(t.roll(s, dims=0).chunk(world)[r] for t in full) for r in range(world)] for s in range(STEPS)]
+    want = _reference(copy.deepcopy(ref), steps, e.loss, world)
+    model = apply_plan(copy.deepcopy(ref), spec)
+    out["losses"] = _train(model, [s[rank] for s in steps], e.loss, world)
+    out["ref"] = want
+    w = model.blocks[0].ffn.w_in
+    out["experts_mesh"] = (w.device_mesh.mesh_dim_names, tuple(w.device_mesh.shape), tuple(w.to_local().shape))
+
+
+def test_ep2_under_hsdp_trains_as_the_unsharded_model(four_rank_cases):
+    r = four_rank_cases[0][__name__]
+    assert r["losses"] == pytest.approx(r["ref"], rel=1e-5)
+    assert r["ref"][0] != r["ref"][-1]  # it trained
+    names, shape, local = r["experts_mesh"]
+    assert names == ("replicate", "efsdp") and shape == (2, 1)  # HSDP over replicate, ep 2 of the shard group's 2
+    assert local == (2, 64, 128)  # each rank holds its 2 of the 4 experts

@@ -12,7 +12,7 @@ import torch.nn as nn
 from tests.reliability.common import ERROR, assert_api_refuses, assert_cli_refuses, case
 from wrapopt import zoo
 from wrapopt.cost.simulate import Simulator
-from wrapopt.errors import PlanError
+from wrapopt.errors import OptionError, PlanError
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.plan.ep import check_ep
 from wrapopt.report.estimate import infer_model_flops
@@ -43,8 +43,13 @@ def test_cli_refuses_an_ep_degree_the_model_cannot_take(argv, code, fragments, c
 def test_the_search_names_the_degrees_that_would(moe):
     req = ParallelRequest(mesh=MeshSpec(world_size=6, ranks_per_node=6, shard_size=6), ep=3)
     assert_api_refuses(lambda: shape_space(moe, req), PlanError, ("--ep 3", "blocks.0.ffn", "degrees that do: 2, 4"))
-    fixed = ParallelRequest(mesh=MESH8, ep=2, global_batch=16)
-    assert_api_refuses(lambda: shape_space(moe, fixed), PlanError, ("--ep 2 with --global-batch", "--ep 1"))
+    assert shape_space(moe, ParallelRequest(mesh=MESH8, ep=2, global_batch=16)).ep == (2,)  # searched since
+    assert_api_refuses(lambda: shape_space(moe, ParallelRequest(mesh=MESH8, ep=2, tp=2)), OptionError,
+                       ("--ep 2 with --tp 2", "no cost model of experts under tensor parallelism", "--tp 1"))
+    assert_api_refuses(lambda: shape_space(moe, ParallelRequest(mesh=MESH8, ep="auto", pp=2)), OptionError,
+                       ("--ep auto with --pp 2", "--pp 1"))
+    assert_api_refuses(lambda: ParallelRequest(mesh=MESH8, ep="auto", cp="auto"), OptionError,
+                       ("--cp auto with --ep auto", "pass one of them as 1"))
     auto = shape_space(moe, ParallelRequest(mesh=MeshSpec(world_size=2, ranks_per_node=2, shard_size=2), ep="auto"))
     assert auto.ep == (2,) and any("ep 4 not tried" in n and "2 ranks" in n for n in auto.notes)
 
@@ -60,7 +65,9 @@ def test_apply_refuses_what_it_does_not_apply():
     model = zoo.build("moe-tiny", "meta")[0]
     units = (UnitSpec(("",), False),)
     hsdp = PlanSpec(units, MeshSpec(world_size=8, ranks_per_node=8, shard_size=4, ep_size=2))
-    assert_api_refuses(lambda: check_ep(model, hsdp), PlanError, ("HSDP", "--shard-size 8", "--ep 1"))
+    assert check_ep(model, hsdp)  # applied since: ep inside each shard group (tests/plan/test_ep_apply.py)
+    with_cp = PlanSpec(units, MeshSpec(world_size=8, ranks_per_node=8, shard_size=8, cp_size=2, ep_size=2))
+    assert_api_refuses(lambda: check_ep(model, with_cp), PlanError, ("mesh.cp_size 2", "--ep 1 or cp 1"))
     odd = PlanSpec(units, replace(MESH8, ep_size=8))
     assert_api_refuses(lambda: check_ep(model, odd), PlanError, ("mesh.ep_size 8", "4 experts of blocks.0.ffn",
                                                                  "degrees that do: 2, 4"))

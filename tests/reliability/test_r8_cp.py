@@ -181,5 +181,32 @@ def test_estimate_takes_a_cp_degree_not_auto(llama_tiny):
     assert two.mesh.cp_size == 2 and two.mesh.batch_size == 4
     with pytest.raises(OptionError, match=r"--cp auto chooses a degree in `wrapopt search`"):
         estimate(model, x, world_size=8, cp="auto")
-    with pytest.raises(OptionError, match=r"--ep 2: estimate does not put a plan on expert-parallel ranks"):
-        estimate(model, x, world_size=8, ep=2)
+    with pytest.raises(OptionError, match=r"--cp 2: the plan's shard group of 1 ranks cannot hold cp groups of 2"):
+        estimate(model, x, world_size=8, cp=2, plan="no-shard")
+
+
+def test_estimate_takes_an_ep_degree_where_the_model_has_experts(llama_tiny):
+    from wrapopt import zoo
+    from wrapopt.api import estimate
+
+    model, x = zoo.build("moe-tiny", "meta")
+    two = estimate(model, x, world_size=8, ep=2)
+    assert two.mesh.ep_size == 2 and two.plan_label.endswith(" + ep2")
+    with pytest.raises(OptionError, match=r"--ep auto chooses a degree in `wrapopt search`"):
+        estimate(model, x, world_size=8, ep="auto")
+    from dataclasses import replace
+
+    from wrapopt.search.axes import given_axes
+    from wrapopt.search.baselines import baselines
+    from wrapopt.trace import trace_model
+
+    graph = trace_model(model, x, fx=False)
+    mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
+    hsdp = replace(baselines(graph, mesh)["per-block"], mesh=replace(mesh, shard_size=4))
+    assert given_axes(graph, hsdp, ParallelRequest(mesh=mesh, ep=2)).mesh.ep_size == 2  # ep inside shard groups
+    unsharded = replace(hsdp, mesh=replace(mesh, shard_size=1))
+    with pytest.raises(OptionError, match=r"--ep 2: the plan's shard group of 1 ranks cannot hold ep groups of 2 "
+                                          r"\(it must be a multiple of 2\)"):
+        given_axes(graph, unsharded, ParallelRequest(mesh=mesh, ep=2))
+    with pytest.raises(PlanError, match=r"--ep 2.*no stacked experts"):
+        estimate(llama_tiny[0], llama_tiny[1], world_size=8, ep=2)

@@ -1,17 +1,24 @@
-"""The expert-parallel degree loop (search/ep.py): each degree searched beside FSDP alone, reported."""
+"""The expert-parallel degrees (search/ep.py) through the degree loop of search/axes.py: each degree
+searched on its view beside FSDP alone under ``auto``, a given degree as given, and at a fixed
+global batch each degree's splits compared by the step."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from wrapopt import zoo
+from wrapopt.cli.main import main as cli
 from wrapopt.cost.simulate import Simulator
 from wrapopt.hardware import analytical_compute, analytical_fabric
 from wrapopt.search.driver import SearchOptions
-from wrapopt.search.ep import search_ep
+from wrapopt.search.run import run_search
 from wrapopt.search.shapes import shape_space
 from wrapopt.spec import MeshSpec, ParallelRequest
 from wrapopt.trace import trace_model
+
+MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -20,19 +27,47 @@ def moe():
     return trace_model(model, x, fx=False)
 
 
+def _search(capsys, *flags: str) -> dict:
+    rc = cli(["search", "zoo:moe-tiny", "--world-size", "8", "--trials", "0", *flags, "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    return json.loads(out)
+
+
 def test_ep_auto_searches_each_degree_beside_fsdp_alone(moe):
-    mesh = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
-    space = shape_space(moe, ParallelRequest(mesh=mesh, ep="auto"))
-    assert space.ep == (2, 4)  # the degrees dividing moe-tiny's 4 experts and the 8 ranks
+    request = ParallelRequest(mesh=MESH, ep="auto")
+    assert shape_space(moe, request).ep == (2, 4)  # the degrees dividing moe-tiny's 4 experts and the 8 ranks
     sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute())
-    res = search_ep(moe, sim, mesh, degrees=space.ep, memory_budget=None, options=SearchOptions(trials=0))
+    res = run_search(moe, sim, request, memory_budget=None, options=SearchOptions(trials=0)).result
     rows = dict(res.tp_rows)
-    assert list(rows) == ["best FSDP alone (ep 1)", "best ep2", "best ep4"]
-    assert rows["best FSDP alone (ep 1)"].plan.mesh.ep_size == 1
+    assert list(rows) == ["best without ep", "best ep2", "best ep4"]
+    assert rows["best without ep"].plan.mesh.ep_size == 1
     for d in (2, 4):
         s = rows[f"best ep{d}"]
         assert s.plan.mesh.ep_size == d and s.plan.label.endswith(f" + ep{d}")
+        assert s.plan.mesh.shard_size % d == 0  # whole ep groups in a shard group (FSDP or HSDP)
         assert s.estimate.step_s == pytest.approx(sim.simulate(s.plan).step_s)  # lifted: scores as the full mesh
     note = next(n for n in res.notes if n.startswith("expert parallel: "))
     assert all(f"ep {d}: " in note for d in (1, 2, 4)) and "chosen" in note
-    assert res.best.plan.mesh.ep_size in (1, 2, 4)
+    chosen = res.best.plan.mesh.ep_size
+    assert f"ep {chosen}: chosen" in note and res.best.estimate.step_s == rows[
+        "best without ep" if chosen == 1 else f"best ep{chosen}"].estimate.step_s
+
+
+def test_a_given_degree_is_searched_as_given(capsys):
+    """``--ep 2`` is not traded for FSDP alone, however the two compare (as ``--tp 2`` is not)."""
+    data = _search(capsys, "--ep", "2", "--memory", "none")
+    assert data["mesh"]["ep_size"] == 2 and data["mesh"]["shard_size"] % 2 == 0
+    assert data["label"].endswith(" + ep2") and not data["search"]["tp_rows"]  # FSDP alone not tried
+
+
+def test_ep_at_a_fixed_global_batch_splits_as_fsdp_alone_and_compares_steps(capsys):
+    """ep borrows data-parallel ranks: every degree's splits are micro-batch x accumulation x 8 ranks;
+    the answer is a plan of its degree at its own split, and the report names each degree's best."""
+    data = _search(capsys, "--ep", "auto", "--global-batch", "16", "--memory", "none")
+    mesh, train = data["mesh"], data["train"]
+    assert train["global_batch"] == 16 and train["micro_batch"] * train["grad_accumulation"] * 8 == 16
+    rows = data["search"]["batch"]
+    assert rows and all(r["dp_size"] == 8 and r["ep_size"] == mesh.get("ep_size", 1) for r in rows)
+    labels = [r["row"] for r in data["search"]["tp_rows"]]
+    assert labels[0].startswith("best without ep (") and any(x.startswith("best ep2 (") for x in labels)

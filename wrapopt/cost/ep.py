@@ -50,7 +50,10 @@ data-parallel rank. ``ep_view`` prices one rank's share:
   plan's units as they were, the experts inside them). With ``efsdp = 1`` (ep the whole shard
   group) FSDP2 runs no collective for them but still copies them into unsharded parameters and
   gradients (its world-size-1 path): their memory is priced as gathered, their units' all-gathers
-  and reduce-scatters take no time (``Simulator._mesh_costs``).
+  and reduce-scatters take no time (``Simulator._mesh_costs``). Under HSDP (shard groups of ``s``
+  ranks, ep inside each: ``plan/ep.py``'s ``replicate x efsdp x ep``) a rank's shard of its
+  experts is ``1/efsdp = ep/s`` of their ``n/ep``, and that is what is all-reduced over the
+  replicas (the dense units' ``1/s``, as without ep).
 - Memory: the combine weights the tokens that come back by their routing weights, which saves
   them for backward: one buffer of the routed tokens per call more than the experts module saved
   (``saved_bytes``). Left out: the all-to-all's transient send and receive buffers, and contention

@@ -298,10 +298,15 @@ class Simulator(Views):
             reduce_scatter_s = self.collectives.times("reduce_scatter", shard, rpn_shard, grads, caveats)
             all_reduce_s = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep, grads / shard,
                                                   caveats)
-            if self._ep_alone is not None and shard <= self._ep_alone[0]:  # See [Note: expert parallel costs]
-                alone = np.array([set(u.modules) <= self._ep_alone[1] for u in units])  # efsdp 1: no collective
-                all_gather_s, reduce_scatter_s, all_reduce_s = (np.where(alone, 0.0, c) for c in
-                                                                (all_gather_s, reduce_scatter_s, all_reduce_s))
+            if self._ep_alone is not None:  # See [Note: expert parallel costs] in ep.py
+                ep, experts = self._ep_alone
+                alone = np.array([set(u.modules) <= experts for u in units])  # the experts' own units
+                if shard <= ep:  # efsdp 1: no collective in the shard group
+                    all_gather_s, reduce_scatter_s = (np.where(alone, 0.0, c) for c in (all_gather_s, reduce_scatter_s))
+                if mesh.world_size > shard and alone.any():  # HSDP: a rank's expert shard is 1/efsdp of its experts
+                    over = self.collectives.times("all_reduce", mesh.world_size // shard, rpn_rep,
+                                                  grads / max(1, shard // ep), caveats)
+                    all_reduce_s = np.where(alone, over, all_reduce_s)
             if offload:  # the host-device copies ride the collectives' streams
                 h2d, d2h = copy_times(lay.counts[STORAGE], grads, shard, self.host)
                 all_gather_s, reduce_scatter_s = all_gather_s + h2d, reduce_scatter_s + d2h

@@ -13,7 +13,9 @@ runs on gloo). ``shard_experts``, called by ``apply_plan`` before the plan's uni
   the zoo's ``MoEFFN``), and refuses a degree that does not divide a module's experts, naming
   the degrees that would;
 - builds the mesh ``(efsdp, ep)`` over the data-parallel ranks, ep innermost (an ep group is
-  ``ep`` consecutive ranks: inside a node while ``ep`` divides it);
+  ``ep`` consecutive ranks: inside a node while ``ep`` divides it); under HSDP (shard groups of
+  ``s`` of the ``dp`` ranks) ``(replicate, efsdp, ep)``, ep inside each shard group, as
+  TorchTitan's ``dp_replicate x efsdp x ep``: the experts are HSDP over ``(replicate, efsdp)``;
 - keeps on each rank its ``n / ep`` experts (the slice ``[r n/ep, (r+1) n/ep)`` of each stacked
   weight, ``r`` its place in the ep group) and replaces the experts' computation by dispatch,
   local experts, combine. Two shapes of experts module are known: Hugging Face's
@@ -34,7 +36,7 @@ runs on gloo). ``shard_experts``, called by ``apply_plan`` before the plan's uni
 - returns the plan without those modules and those inside them in its units: they are units of
   their own already.
 
-Not applied: expert parallelism under tensor or pipeline parallelism, context parallelism or HSDP
+Not applied: expert parallelism under tensor or pipeline parallelism or context parallelism
 (refused with the field to change), and meta-device initialisation (``materialize_sharded``
 initialises the rank's expert slice as if it were the whole stack).
 """
@@ -85,11 +87,7 @@ def check_ep(model: nn.Module, spec: PlanSpec) -> dict[str, tuple[nn.Module, int
     for what, bad in (("mesh.tp_size", mesh.tp_size), ("mesh.pp_size", mesh.pp_size), ("mesh.cp_size", mesh.cp_size)):
         if bad > 1:
             raise PlanError(f"this plan has mesh.ep_size {ep} with {what} {bad}: wrapopt applies expert parallelism "
-                            f"with FSDP alone; search with --ep 1 or {what.split('_')[0].split('.')[1]} 1")
-    if mesh.shard_size != mesh.dp_size:
-        raise PlanError(f"this plan has mesh.ep_size {ep} under HSDP (shard groups of {mesh.shard_size} of "
-                        f"{mesh.dp_size} ranks): wrapopt applies expert parallelism with FSDP over every rank; "
-                        f"use --shard-size {mesh.dp_size}, or --ep 1")
+                            f"with FSDP or HSDP alone; search with --ep 1 or {what.split('_')[0].split('.')[1]} 1")
     found = expert_modules(model)
     if not found:
         raise PlanError(f"this plan has mesh.ep_size {ep} but the model holds no experts module (a module with an "
@@ -173,8 +171,14 @@ def shard_experts(model: nn.Module, spec: PlanSpec, dp_mesh: Any, *, mp_policy: 
     from torch.distributed.fsdp import fully_shard
 
     found = check_ep(model, spec)
-    dp = spec.mesh.dp_size
-    sparse = init_device_mesh(dp_mesh.device_type, (dp // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    dp, shard = spec.mesh.dp_size, spec.mesh.shard_size
+    if shard < dp:  # HSDP: ep inside each shard group, the experts' FSDP over (replicate, efsdp)
+        sparse = init_device_mesh(dp_mesh.device_type, (dp // shard, shard // ep, ep),
+                                  mesh_dim_names=("replicate", "efsdp", "ep"))
+        experts_mesh = sparse["replicate", "efsdp"]
+    else:
+        sparse = init_device_mesh(dp_mesh.device_type, (dp // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        experts_mesh = sparse["efsdp"]
     group, rank = sparse["ep"].get_group(), sparse["ep"].get_local_rank()
     kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
     if offload is not None:
@@ -198,7 +202,7 @@ def shard_experts(model: nn.Module, spec: PlanSpec, dp_mesh: Any, *, mp_policy: 
             if child_name and next(child.parameters(recurse=False), None) is not None:
                 fully_shard(child, mesh=dp_mesh, **kw)  # a router inside the experts module: dense
         raf = alone.get(name, True)  # a unit of its own in the plan: as it says; else after forward
-        fully_shard(m, mesh=sparse["efsdp"], reshard_after_forward=raf if isinstance(raf, bool) else True, **kw)
+        fully_shard(m, mesh=experts_mesh, reshard_after_forward=raf if isinstance(raf, bool) else True, **kw)
         m.set_gradient_divide_factor(float(dp))
         m.set_force_sum_reduction_for_comms(True)
         owned.add(name)

@@ -13,9 +13,9 @@ __all__ = ["batch_lines", "format_batch", "batch_json"]
 
 
 def _head(split: Any) -> str:
-    tp = f", tp{split.tp_size}" if split.tp_size > 1 else ""
-    cp = f", cp{split.cp_size}" if getattr(split, "cp_size", 1) > 1 else ""  # a pipeline's split has none
-    return f"micro-batch {split.micro_batch} x {split.accumulation} accumulation ({split.dp_size} dp ranks{tp}{cp})"
+    axes = "".join(f", {name}{getattr(split, f'{name}_size', 1)}" for name in ("tp", "cp", "ep")
+                   if getattr(split, f"{name}_size", 1) > 1)  # a pipeline's split has no cp or ep
+    return f"micro-batch {split.micro_batch} x {split.accumulation} accumulation ({split.dp_size} dp ranks{axes})"
 
 
 def batch_lines(rows: Sequence[Any], chosen: Any) -> list[str]:
@@ -62,7 +62,8 @@ def batch_json(result: SearchResult) -> list[dict[str, Any]] | None:
         return None
     chosen = _chosen(result)
     return [{"tp_size": r.split.tp_size, "micro_batch": r.split.micro_batch, "accumulation": r.split.accumulation,
-             "dp_size": r.split.dp_size, "cp_size": r.split.cp_size, "searched": r.searched,
+             "dp_size": r.split.dp_size, "cp_size": r.split.cp_size, "ep_size": r.split.ep_size,
+             "searched": r.searched,
              "chosen": r.split == chosen,
              **({} if r.best is None else {"label": r.best.plan.label, "step_s": r.best.estimate.step_s,
                                           "sync": r.best.estimate.accumulation_sync,

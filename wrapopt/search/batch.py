@@ -26,7 +26,10 @@ context-parallel degree c (``BatchSplit.cp_size``) has ``dp = world / (t x c)`` 
 different sequences (TorchTitan's ``batch`` axis: the c ranks of a cp group split their
 sequences); it is priced on the cp view of its simulator and searched with FSDP over ``dp x c``
 (shard groups that hold whole cp groups): See [Note: context parallel at a global batch] in
-search/cp.py. With ``--pp``, this is degree 1's search; the pipeline degrees split the same
+search/cp.py. A split of an expert-parallel degree e (``BatchSplit.ep_size``) keeps
+``dp = world / t`` (ep borrows data-parallel ranks) and is priced on its ep view, FSDP over every
+data-parallel rank or HSDP. Either comes in as ``search_batch``'s ``axis`` (See [Note: the degree loop of
+an axis] in search/axes.py). With ``--pp``, this is degree 1's search; the pipeline degrees split the same
 global batch into their micro-batches: See [Note: pipeline global batch] in search/pipeline_batch.py.
 """
 
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
@@ -43,7 +46,6 @@ from wrapopt.search.driver import SearchResult
 from wrapopt.search.strategy import Scored, SearchOptions, dp_shard_sizes
 from wrapopt.search.tp import combine_tp, dp_mesh, lift_plan, search_shape
 from wrapopt.spec import GlobalBatch, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
-from wrapopt.spec.cp import cp_ranks_per_node
 from wrapopt.train import TrainConfig
 from wrapopt.tp import TPSpec
 
@@ -73,15 +75,16 @@ class BatchSplit:
     accumulation: int  # micro-batches per optimizer step
     dp_size: int  # ranks that read different sequences: the world over tp_size x cp_size
     cp_size: int = 1  # context-parallel degree: its ranks split each sequence
+    ep_size: int = 1  # expert-parallel degree: its ranks split the experts, each reading its own sequences
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accumulation * self.dp_size
 
     def describe(self) -> str:
-        tp = f", tp{self.tp_size}" if self.tp_size > 1 else ""
-        cp = f", cp{self.cp_size}" if self.cp_size > 1 else ""
-        return f"{self.micro_batch} x {self.accumulation} x {self.dp_size} ranks{tp}{cp}"
+        axes = "".join(f", {name}{d}" for name, d in (("tp", self.tp_size), ("cp", self.cp_size),
+                                                      ("ep", self.ep_size)) if d > 1)
+        return f"{self.micro_batch} x {self.accumulation} x {self.dp_size} ranks{axes}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +115,11 @@ def batch_scale(micro_batch: int, traced_batch: int, tp_size: int = 1) -> float:
     return micro_batch / (max(1, traced_batch) * tp_size)
 
 
-def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int], cp: int = 1) -> tuple[BatchSplit, ...]:
+def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int], cp: int = 1, ep: int = 1) -> tuple[BatchSplit, ...]:
     """Every split of ``batch`` over ``dp_sizes`` (tensor-parallel degree -> ranks that read different
-    sequences) at context-parallel degree ``cp``, sorted by degree then micro-batch; a micro-batch
-    or an accumulation the batch fixes keeps only the splits with that value."""
+    sequences) at context-parallel degree ``cp`` and expert-parallel degree ``ep``, sorted by degree
+    then micro-batch; a micro-batch or an accumulation the batch fixes keeps only the splits with
+    that value."""
     micro_batch, accumulation = batch.micro_batch, batch.accumulation
     out = []
     for tp, dp in sorted(dp_sizes.items()):
@@ -124,7 +128,7 @@ def batch_splits(batch: GlobalBatch, dp_sizes: dict[int, int], cp: int = 1) -> t
         per_rank = batch.sequences // dp
         for m in divisors(per_rank):
             if micro_batch in (None, m) and accumulation in (None, per_rank // m):
-                out.append(BatchSplit(tp, m, per_rank // m, dp, cp))
+                out.append(BatchSplit(tp, m, per_rank // m, dp, cp, ep))
     return tuple(out)
 
 
@@ -196,28 +200,29 @@ def _sim(graph: ModelGraph, sim: Simulator, train: TrainConfig, split: BatchSpli
     return Simulator(graph, sim.fabric, sim.compute, opts, backend=sim.backend, host=sim.host)
 
 
-def _view(sim: Simulator, mesh: MeshSpec, split: BatchSplit) -> Simulator:
-    """The simulator a split's plans are searched on: its own, or one cp rank's share of it (plans on
-    the flattened ``dp_shard x cp`` mesh, lifted onto the cp mesh by the caller)."""
-    if split.cp_size == 1:
+def _view(sim: Simulator, mesh: MeshSpec, axis: tuple[Any, int] | None, split: BatchSplit) -> Simulator:
+    """The simulator a split's plans are searched on: its own, or one rank's share of ``axis`` (an
+    ``Axis`` of search/axes.py and its degree; plans lifted onto its mesh by ``Axis.lift_result``)."""
+    if axis is None:
         return sim
-    return sim.for_cp(split.cp_size, cp_ranks_per_node(split.cp_size, mesh.ranks_per_node, split.tp_size))[0]
+    return axis[0].view(sim, axis[1], tp=split.tp_size, ranks_per_node=mesh.ranks_per_node)
 
 
-def _cp_sizes(sizes: Sequence[int] | None, mesh: MeshSpec, split: BatchSplit) -> tuple[int, ...] | None:
-    """Shard groups that hold whole cp groups (FSDP shards over ``dp_shard x cp``): ``sizes`` (the
-    split's data-parallel mesh's when None) that its cp degree divides; at cp 1, ``sizes`` as given."""
-    if split.cp_size == 1:
+def _axis_sizes(sizes: Sequence[int] | None, mesh: MeshSpec, axis: tuple[Any, int] | None,
+                split: BatchSplit) -> tuple[int, ...] | None:
+    """Shard groups a split's plans may use under ``axis`` (whole groups of its degree: ``Axis.shard_sizes``):
+    of ``sizes`` (the split's data-parallel mesh's when None); without an axis, ``sizes`` as given."""
+    if axis is None:
         return tuple(sizes) if sizes else None
-    return tuple(s for s in (sizes or dp_shard_sizes(dp_mesh(mesh, split.tp_size))) if s % split.cp_size == 0)
+    return axis[0].shard_sizes(axis[1], tuple(sizes or dp_shard_sizes(dp_mesh(mesh, split.tp_size))))
 
 
 def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit, spec: TPSpec | None,
             budget: float | None, options: SearchOptions) -> SearchResult:
     if options.storage:  # one study per split in the storage (a study's identity does not hold the batch)
         stem = options.study_name or f"wrapopt-{graph.model_class}-w{mesh.world_size}"
-        cp = f"-cp{split.cp_size}" if split.cp_size > 1 else ""
-        options = replace(options, study_name=f"{stem}-tp{split.tp_size}{cp}-mb{split.micro_batch}"
+        axes = "".join(f"-{n}{d}" for n, d in (("cp", split.cp_size), ("ep", split.ep_size)) if d > 1)
+        options = replace(options, study_name=f"{stem}-tp{split.tp_size}{axes}-mb{split.micro_batch}"
                                               f"-acc{split.accumulation}")
     shape = Shape(tp=split.tp_size)  # the split's batch is in ``sim`` (``_sim``)
     res = search_shape(graph, sim, mesh, shape, spec=spec, memory_budget=budget, options=options)
@@ -226,12 +231,12 @@ def _search(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, split: BatchSplit
 
 def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: TrainConfig,
                  splits: Sequence[BatchSplit], spec: TPSpec | None, memory_budget: float | None,
-                 options: SearchOptions, lift: Callable[[SearchResult], SearchResult] | None = None) -> BatchSearch:
+                 options: SearchOptions, axis: tuple[Any, int] | None = None) -> BatchSearch:
     """The fastest fitting plan and split of a fixed global batch (See [Note: global batch
     search]); ``sim`` gives the fabric and compute, ``train`` the rest of the step, ``mesh``
-    the whole mesh without tensor parallelism. A split of a cp degree is searched on its cp view,
-    and ``lift`` puts each split's plans onto the cp mesh before they are ranked. Raises
-    ``InfeasibleError`` when no split fits."""
+    the whole mesh without tensor parallelism. ``axis``: (an ``Axis`` of search/axes.py, its
+    degree): each split is searched on that axis's view, its plans lifted onto the axis's mesh
+    before they are ranked. Raises ``InfeasibleError`` when no split fits."""
     limit = float(memory_budget) if memory_budget else float("inf")
     rows: dict[BatchSplit, BatchRow] = {}
     sims: dict[BatchSplit, Simulator] = {}
@@ -250,16 +255,16 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
             continue
         try:
             sims[split] = _sim(graph, sim, train, split, memory_budget)
-            s = views[split] = _view(sims[split], mesh, split)
+            s = views[split] = _view(sims[split], mesh, axis, split)
             if s.simulate(_smallest(graph, mesh, split, spec)).peak_bytes > limit:
                 too_big[split.tp_size] = split.micro_batch
                 rows[split] = BatchRow(split, None, "skipped: one unit per block, checkpointed, does not fit")
                 continue
             # FSDP over the data-parallel ranks (dp_shard x cp)
-            sizes = ((options.shard_sizes and _cp_sizes(options.shard_sizes, mesh, split))
+            sizes = ((options.shard_sizes and _axis_sizes(options.shard_sizes, mesh, axis, split))
                      or (split.dp_size * split.cp_size,))
             res = _search(graph, s, mesh, split, spec, memory_budget, replace(screen, shard_sizes=sizes))
-            res = lift(res) if lift else res
+            res = axis[0].lift_result(res, axis[1]) if axis else res
             rows[split] = BatchRow(split, res.best, "screen")
         except InfeasibleError as e:
             failed.append(f"{split.describe()}: {e}")
@@ -279,8 +284,8 @@ def search_batch(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, *, train: Tr
     results: dict[BatchSplit, SearchResult] = {}
     for r in top:
         res = _search(graph, views[r.split], mesh, r.split, spec, memory_budget,
-                      replace(whole, shard_sizes=_cp_sizes(whole.shard_sizes, mesh, r.split)))
-        res = lift(res) if lift else res
+                      replace(whole, shard_sizes=_axis_sizes(whole.shard_sizes, mesh, axis, r.split)))
+        res = axis[0].lift_result(res, axis[1]) if axis else res
         results[r.split] = res
         rows[r.split] = BatchRow(r.split, res.best, "whole search")
     chosen = min(results, key=lambda sp: results[sp].best.estimate.step_s)

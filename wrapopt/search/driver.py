@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
@@ -111,6 +111,35 @@ class SearchResult:
         """The study's ``StudyOutcome``; None without a study."""
         r = self.round(OptunaStudy.name)
         return r.detail if r is not None else None
+
+    def lifted(self, lift: Callable[[PlanSpec], PlanSpec],
+               keep: Callable[[PlanSpec], bool] | None = None) -> SearchResult:
+        """This result with every plan put onto a larger mesh by ``lift`` (a view's plans onto the
+        shape's mesh: tensor, context, expert parallelism), the plans ``keep`` rejects dropped (a
+        shard group that cannot hold an axis's groups). When ``best`` is dropped, the fastest kept
+        plan (fitting first) takes its place; ``InfeasibleError`` when none is kept."""
+        ok = (lambda p: True) if keep is None else keep
+        done: dict[int, Scored] = {}
+
+        def one(s: Scored) -> Scored:
+            hit = done.get(id(s))
+            if hit is None:
+                hit = done[id(s)] = replace(s, plan=lift(s.plan))
+            return hit
+
+        kept = [s for s in self.candidates if ok(s.plan)]
+        best = self.best
+        if not ok(best.plan):  # no-shard (shard group 1) and the like
+            if not kept:
+                raise InfeasibleError(f"no plan of {len(self.candidates)} scored can be lifted onto the mesh")
+            best = min(kept, key=lambda s: (not s.fits, s.estimate.step_s))
+        rounds = tuple(Round(r.strategy, tuple(lift(p) for p in r.proposed if ok(p)),
+                             tuple(one(s) for s in r.scored if ok(s.plan)), r.detail) for r in self.rounds)
+        fastest = self.fastest if self.fastest is None or not ok(self.fastest.plan) else one(self.fastest)
+        return replace(self, best=one(best), baselines={k: one(s) for k, s in self.baselines.items() if ok(s.plan)},
+                       candidates=tuple(map(one, kept)), pareto=tuple(one(s) for s in self.pareto if ok(s.plan)),
+                       rounds=rounds, fastest=fastest,
+                       tp_rows=tuple((label, one(s)) for label, s in self.tp_rows if ok(s.plan)))
 
 
 def search_plan(

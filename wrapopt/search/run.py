@@ -14,9 +14,8 @@ from dataclasses import dataclass, replace
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
 from wrapopt.search.batch import global_batch_search
-from wrapopt.search.cp import search_cp, search_cp_batch
+from wrapopt.search.axes import CP, EP, search_degrees, search_degrees_batch
 from wrapopt.search.driver import SearchOptions, SearchResult
-from wrapopt.search.ep import search_ep
 from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_batch
 from wrapopt.search.shapes import ShapeSpace, shape_space
@@ -91,37 +90,30 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
                 memory_budget: float | None, options: SearchOptions) -> SearchRun:
     """The shapes without a pipeline: at a fixed global batch every split of each (See [Note:
     global batch search]), else the 1-D search on each tensor-parallel degree (See [Note: 2-D
-    search]; FSDP alone when that is all the request asks)."""
+    search]; FSDP alone when that is all the request asks); with context or expert parallelism,
+    each of its degrees so (See [Note: the degree loop of an axis] in search/axes.py)."""
     degrees = tuple(s.tp for s in space.flat)
+    axis, axis_degrees = (CP, space.cp) if space.cp else (EP, space.ep) if space.ep else (None, ())
     if request.global_batch is not None:
-        if space.cp:  # See [Note: context parallel at a global batch] in search/cp.py
-            found = search_cp_batch(graph, sim, request, degrees=space.cp, tp_degrees=degrees, spec=space.tp_spec,
-                                    memory_budget=memory_budget, options=options)
+        if axis is not None:
+            found = search_degrees_batch(graph, sim, request, axis, degrees=axis_degrees, tp_degrees=degrees,
+                                         spec=space.tp_spec, memory_budget=memory_budget, options=options)
         else:
             found = global_batch_search(graph, sim, request, degrees=degrees, spec=space.tp_spec,
                                         memory_budget=memory_budget, options=options)
         return SearchRun(found.result, found.train, found.sim, found.notes)
-    if space.cp:  # each context-parallel degree, jointly with tp: See [Note: context parallel search] in search/cp.py
-        one = degrees == (1,) and request.tp != AUTO
 
-        def flat(s: Simulator, opts: SearchOptions) -> SearchResult:
-            if one:
-                return search_shape(graph, s, request.mesh, space.flat[0], spec=None, memory_budget=memory_budget,
-                                    options=opts)
-            return search_tp(graph, s, request.mesh, spec=space.tp_spec, degrees=degrees, memory_budget=memory_budget,
-                             options=opts, dropped=space.tp_dropped)
+    def flat(s: Simulator, opts: SearchOptions, with_tp: bool = True) -> SearchResult:
+        if not with_tp or (degrees == (1,) and request.tp != AUTO):  # FSDP alone: no degree to compare
+            return search_shape(graph, s, request.mesh, Shape(), spec=None, memory_budget=memory_budget,
+                                options=opts)
+        return search_tp(graph, s, request.mesh, spec=space.tp_spec, degrees=degrees, memory_budget=memory_budget,
+                         options=opts, dropped=space.tp_dropped)
 
-        return SearchRun(search_cp(graph, sim, request, degrees=space.cp, flat=flat, options=options), request.train,
-                         sim)
-    if space.ep and degrees == (1,):  # FSDP alone beside each expert-parallel degree: [Note: expert parallel search]
-        result = search_ep(graph, sim, request.mesh, degrees=space.ep, memory_budget=memory_budget, options=options)
-    elif degrees == (1,) and request.tp != AUTO:  # FSDP alone, as asked: no degree to compare
-        result = search_shape(graph, sim, request.mesh, space.flat[0], spec=None, memory_budget=memory_budget,
-                              options=options)
-    else:
-        result = search_tp(graph, sim, request.mesh, spec=space.tp_spec, degrees=degrees, memory_budget=memory_budget,
-                           options=options, dropped=space.tp_dropped)
-    return SearchRun(result, request.train, sim)
+    if axis is None:
+        return SearchRun(flat(sim, options), request.train, sim)
+    return SearchRun(search_degrees(graph, sim, request, axis, degrees=axis_degrees, flat=flat, options=options),
+                     request.train, sim)
 
 
 def _why_none(whys: dict[int, str], scored: list[Scored]) -> str:

@@ -14,9 +14,10 @@ pipeline's stages) and returns the cross product of the degrees left, in two gro
   search (See [Note: pipeline search] in search/pipeline.py).
 
 A shape left out is kept in ``dropped`` with the reason, for the report. Context and expert
-parallelism are two more degree loops over the flat shapes (``cp`` and ``ep``: See [Note: context
-parallel search] in search/cp.py and [Note: expert parallel search] in search/ep.py); a new axis
-adds a degree loop here, a cost view and an apply step.
+parallelism are two more degree loops over the flat shapes (``cp`` and ``ep``), one loop for both
+(See [Note: the degree loop of an axis] in search/axes.py); which degrees each allows is its own
+(search/cp.py, search/ep.py). A new axis of that kind adds its degrees here, an ``Axis`` there, a
+cost view and an apply step.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     """The shapes to search for ``request`` on ``graph``: See [Note: shapes tried]. A degree given
     that the model cannot take raises ``PlanError`` naming the module and what to pass; ``auto``
     leaves such degrees out and says why."""
-    tp_degrees, spec, tp_notes = resolve_tp(graph, request)
-    pp_degrees, layout, pp_notes = resolve_pp(graph, request)
+    # cp and ep first: their refusals of a combination name it, before tp's of the model
     cp_degrees, cp_notes = resolve_cp(graph, request)  # See [Note: context parallel search] in search/cp.py
     ep_degrees, ep_notes = resolve_ep(graph, request)  # See [Note: expert parallel search] in search/ep.py
+    tp_degrees, spec, tp_notes = resolve_tp(graph, request)
+    pp_degrees, layout, pp_notes = resolve_pp(graph, request)
     dropped = [(Shape(tp=d), why) for d, why in auto_degrees(graph, request.mesh, spec)[2]
                ] if request.tp == AUTO else []
     world = request.mesh.world_size

@@ -28,7 +28,7 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
 from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.driver import SearchResult, search_plan
-from wrapopt.search.strategy import Round, Scored, SearchOptions
+from wrapopt.search.strategy import Scored, SearchOptions
 from wrapopt.spec import AUTO, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape
 from wrapopt.tp import TPSpec, builtin_tp_plan, check_tp
 
@@ -46,24 +46,8 @@ def lift_plan(plan: PlanSpec, size: int, spec: TPSpec | None) -> PlanSpec:
                    label=f"{plan.label} + tp{size}" if plan.label else f"tp{size}")
 
 
-def _lift(s: Scored, size: int, spec: TPSpec | None) -> Scored:
-    return s if size == 1 else replace(s, plan=lift_plan(s.plan, size, spec))
-
-
 def _lift_result(res: SearchResult, size: int, spec: TPSpec | None) -> SearchResult:
-    if size == 1:
-        return res
-    lift = [_lift(s, size, spec) for s in res.candidates]
-    by_id = {id(a): b for a, b in zip(res.candidates, lift)}
-
-    def one(s: Scored) -> Scored:
-        return by_id.get(id(s)) or _lift(s, size, spec)
-
-    rounds = tuple(Round(r.strategy, tuple(lift_plan(p, size, spec) for p in r.proposed), tuple(map(one, r.scored)),
-                         r.detail)
-                   for r in res.rounds)
-    return replace(res, best=one(res.best), baselines={k: one(s) for k, s in res.baselines.items()},
-                   candidates=tuple(lift), pareto=tuple(map(one, res.pareto)), rounds=rounds)
+    return res if size == 1 else res.lifted(lambda p: lift_plan(p, size, spec))
 
 
 def dp_mesh(mesh: MeshSpec, size: int) -> MeshSpec:
