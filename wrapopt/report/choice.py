@@ -13,7 +13,6 @@ from wrapopt.fileio import fmt_bytes
 from wrapopt.hardware.profiles import ComputeProfile, FabricProfile
 from wrapopt.report.estimate import StepWork, format_breakdown
 from wrapopt.report.pipeline import describe_stages
-from wrapopt.search.axes import AXES
 from wrapopt.search.driver import ERROR_SOURCE, Scored, SearchResult
 from wrapopt.spec import CostEstimate, MeshSpec, PlanSpec, UnitSpec
 from wrapopt.train import TrainConfig
@@ -211,14 +210,8 @@ def _sharding_kind(result: SearchResult) -> str:
 
 def _tp_lines(result: SearchResult) -> list[str]:
     per_token = not result.batch_rows  # at a fixed global batch every row's step covers the same sequences
-    axis = next((a for a in AXES if any(label.startswith((f"best {a.name}", f"best without {a.name}"))
-                                        for label, _s in result.tp_rows)), None)
-    if axis is None:
-        lines = ["tensor parallelism (the same global batch; See [Note: 2-D search]):"]
-    else:  # See [Note: the degree loop of an axis] in search/axes.py
-        lines = [f"{axis.words}ism (" + ("tokens/s per GPU compared" if axis.per_token and per_token else
-                                          "the same global batch; steps compared")
-                 + "; See [Note: the degree loop of an axis] in search/axes.py):"]
+    # the search says what its rows compare (cp, ep: search/axes.py); else tensor-parallel degrees
+    lines = [result.rows_head or "tensor parallelism (the same global batch; See [Note: 2-D search]):"]
     # per token: a cp degree's step runs 1/cp of the tokens per GPU (See [Note: context parallel search])
 
     def work(s: Scored) -> float:

@@ -84,6 +84,11 @@ class Axis:
         except InfeasibleError:
             raise InfeasibleError(f"no plan shards over whole {self.name} groups of {degree}") from None
 
+    def head(self, *, per_token: bool) -> str:
+        """The report's line above the degrees' rows: what they compare."""
+        how = "tokens/s per GPU compared" if self.per_token and per_token else "the same global batch; steps compared"
+        return f"{self.words}ism ({how}; See [Note: the degree loop of an axis] in search/axes.py):"
+
     def row(self, degree: int, detail: str = "", *, per_token: bool = True) -> str:
         """The report's label of a degree's best plan (``best cp2 ...``, ``best without cp ...``);
         ``per_token``: say the share of the tokens a GPU runs (not at a fixed global batch)."""
@@ -177,6 +182,7 @@ def search_degrees(graph: ModelGraph, sim: Simulator, request: ParallelRequest, 
     out = results[chosen]
     head = f"{axis.words} (tokens/s per GPU compared)" if axis.per_token else axis.words
     return replace(out, tp_rows=(*out.tp_rows, *(rows if len(results) > 1 else ())),
+                   rows_head=axis.head(per_token=True) if len(results) > 1 else out.rows_head,
                    notes=(*out.notes, f"{head}: " + "; ".join(said)))
 
 
@@ -225,6 +231,7 @@ def search_degrees_batch(graph: ModelGraph, sim: Simulator, request: ParallelReq
     rows = tuple((axis.row(d, r.split.describe(), per_token=False), r.result.best) for d, r in sorted(found.items()))
     out = found[chosen]
     result = replace(out.result, tp_rows=(*out.result.tp_rows, *(rows if len(found) > 1 else ())),
+                     rows_head=axis.head(per_token=False) if len(found) > 1 else out.result.rows_head,
                      notes=(*out.result.notes, f"{axis.words} at the global batch of {batch.sequences} "
                             "sequences (steps compared): " + "; ".join(said)))
     return replace(out, result=result)

@@ -65,6 +65,7 @@ class SearchResult:
     # (best 1-D, best per degree, TorchTitan's default) as (label, scored).
     tp_chosen: int = 1
     tp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
+    rows_head: str = ""  # what ``tp_rows`` compare, when not tensor-parallel degrees (cp, ep: search/axes.py)
     # The fastest fitting plan (``best`` is the simplest within the simulator's error of it:
     # See [Note: plans within the error] in choose.py), and one line saying why ``best`` won.
     fastest: Scored | None = field(default=None, repr=False)
