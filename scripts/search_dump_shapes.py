@@ -49,6 +49,8 @@ CASES = [
     ("llama-tiny", 8, 8, dict(cp=2, tp=2), 4, None),
     ("llama-tiny", 8, 8, dict(cp="auto", tp="auto"), 0, "tight"),
     ("llama-tiny", 8, 8, dict(cp="auto", global_batch=8), 0, "tight"),
+    ("llama-tiny", 8, 8, dict(pp=2, cp="auto"), 0, None),
+    ("llama-tiny", 8, 8, dict(pp="auto", cp="auto", tp="auto"), 0, "tight"),
     ("moe-tiny", 8, 8, dict(ep="auto"), 0, None),
     ("moe-tiny", 8, 8, dict(ep="auto"), 4, "tight"),
     ("moe-tiny", 8, 8, dict(ep=2), 0, None),

@@ -7,9 +7,13 @@ import json
 
 import pytest
 
+from wrapopt import zoo
 from wrapopt.cli.main import main as cli
 from wrapopt.errors import OptionError
+from wrapopt.job import prepare
 from wrapopt.search.cp import resolve_cp
+from wrapopt.search.driver import SearchOptions
+from wrapopt.search.run import run_search
 from wrapopt.spec import MeshSpec, ParallelRequest
 
 MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
@@ -51,11 +55,70 @@ def test_a_given_degree_lifts_every_plan_and_composes_with_tp(capsys):
     assert mesh["shard_size"] % 2 == 0
 
 
-def test_cp_with_a_pipeline_is_refused(llama_tiny):
+# --- in a pipeline: See [Note: cp in a pipeline] in search/shapes.py ---------------------------------------
+
+
+def test_cp_in_a_pipeline_is_searched_per_local_batch_only(llama_tiny):
     graph = llama_tiny[2]
     assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp=2, global_batch=8)) == ((2,), ())
-    with pytest.raises(OptionError, match=r"--cp auto with --pp 2: context parallelism under a pipeline"):
-        resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2))
+    assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2)) == ((2, 4), ())  # 4 ranks per stage
+    with pytest.raises(OptionError, match=r"--cp auto with --pp 2 and --global-batch: .*drop --global-batch"):
+        resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2, global_batch=16))
+
+
+def test_a_pipeline_of_cp_ranks_is_priced_on_the_cp_view(llama_tiny):
+    """A pp x cp plan is the pipeline of one cp rank's share: its estimate is the cp view's of the
+    same plan without the cp axis, and ring attention's exchanges make it more than half the step
+    of the plan without cp (half the tokens per rank)."""
+    from dataclasses import replace
+
+    from wrapopt.cost.simulate import Simulator
+    from wrapopt.hardware import analytical_compute, analytical_fabric
+    from wrapopt.search.pipeline import _mesh, pipeline_plan
+    from wrapopt.search.stages import pipeline_layout
+    from wrapopt.spec import Shape
+
+    graph = llama_tiny[2]
+    sim = Simulator(graph, analytical_fabric(world_size=8), analytical_compute())
+    layout = pipeline_layout(graph)
+    plans = {c: pipeline_plan(layout, (3, 3), _mesh(MESH, Shape(pp=2, cp=c)), schedule="1F1B", microbatches=4,
+                              reshard=True, checkpoint="none", tp_spec=None) for c in (1, 2)}
+    assert plans[2].mesh.cp_size == 2 and plans[2].mesh.shard_size == 4  # dp_shard 2 x cp 2 per stage
+    two, one = sim.simulate(plans[2]), sim.simulate(plans[1])
+    view = sim.view(Shape(cp=2)).simulate(replace(plans[2], mesh=replace(plans[2].mesh, cp_size=1)))
+    assert two.step_s == pytest.approx(view.step_s) and two.peak_bytes == view.peak_bytes
+    assert 0.5 * one.step_s < two.step_s and two.peak_bytes < one.peak_bytes
+
+
+def test_pp_with_cp_is_searched_and_compared_per_token(capsys):
+    """``--pp 2 --cp 2``: the answer is a pipeline of cp ranks, its shard group ``dp_shard x cp``;
+    under ``--cp auto`` every degree's best is in the notes, compared per token."""
+    data = _search(capsys, "--pp", "2", "--cp", "2", "--memory", "none")
+    mesh = data["mesh"]
+    assert (mesh["pp_size"], mesh["cp_size"], mesh["shard_size"]) == (2, 2, 4)
+    assert data["label"].endswith(" + cp2") or " + cp2 " in data["label"]
+    model, x = zoo.build("llama-tiny", "meta")
+    job = prepare(ParallelRequest(mesh=MESH, pp=2, cp="auto", memory_budget="none"), model, x)
+    res = run_search(job.graph, job.sim, job.request, memory_budget=None, options=SearchOptions(trials=0)).result
+    note = next(n for n in res.notes if n.startswith("context parallel in the pipeline (per token): "))
+    assert all(f"pp2 cp{c}: " in note for c in (1, 2, 4)) and "its best" in note
+    mine = res.best.plan.mesh.cp_size
+    assert f"pp2 cp{mine}: its best" in note
+
+
+def test_wrapopt_does_not_apply_cp_inside_a_pipeline(llama_tiny):
+    from wrapopt.errors import PlanError
+    from wrapopt.plan.pipeline import _check
+    from wrapopt.search.pipeline import _mesh, pipeline_plan
+    from wrapopt.search.stages import pipeline_layout
+    from wrapopt.spec import Shape
+
+    model, x, graph = llama_tiny
+    plan = pipeline_plan(pipeline_layout(graph), (3, 3), _mesh(MESH, Shape(pp=2, cp=2)), schedule="1F1B",
+                         microbatches=4, reshard=True, checkpoint="none", tp_spec=None)
+    with pytest.raises(PlanError, match=r"mesh.cp_size 2: wrapopt does not apply context parallelism inside a "
+                                        r"pipeline .*wrapopt export --to torchtitan"):
+        _check(model, plan, None, (), (x,), lambda out, target: out.sum())
 
 
 # --- at a fixed global batch: See [Note: context parallel at a global batch] in search/cp.py --------------

@@ -193,7 +193,8 @@ def test_combine_prefers_plans_within_the_memory_margin():
     budget = 100.0
 
     def scored(step, peak, label):
-        return NS(estimate=NS(step_s=step, peak_bytes=peak), plan=NS(label=label), fits=peak <= budget)
+        return NS(estimate=NS(step_s=step, peak_bytes=peak), plan=NS(label=label, mesh=NS(cp_size=1)),
+                  fits=peak <= budget)
 
     inside, past = scored(2.0, budget * (1 - MEMORY_ERROR) - 1, "a"), scored(1.0, budget - 0.5, "b")
     res = combine(None, {2: inside, 4: past}, {}, [inside, past], None, budget)

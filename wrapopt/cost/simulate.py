@@ -237,10 +237,10 @@ class Simulator(Views):
 
     def _simulate_cp(self, plan: PlanSpec, record: bool) -> CostEstimate:
         """The plan without its cp axis (FSDP over ``dp_shard x cp`` flattened, as the shard group
-        already counts it) on one cp rank's share: See [Note: context parallel costs] in cp.py."""
+        already counts it) on one cp rank's share: See [Note: context parallel costs] in cp.py. A
+        pipeline plan's stages are then cut from that share (its module times hold the ring's
+        exchanges)."""
         mesh = plan.mesh
-        if plan.pipeline is not None:
-            raise ValueError(f"{mesh.cp_size}-way context parallelism under a pipeline has no cost view")
         per_node = cp_ranks_per_node(mesh.cp_size, mesh.ranks_per_node, mesh.tp_size)
         sub, cp_notes = self.for_cp(mesh.cp_size, per_node)
         est = sub.simulate(replace(plan, mesh=replace(mesh, cp_size=1)), record=record)

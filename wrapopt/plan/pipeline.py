@@ -220,6 +220,13 @@ def _check(model: nn.Module, spec: PlanSpec, mesh: Any, param_users: Iterable[Se
                         "positional inputs, a tuple) and loss_fn= (loss_fn(output, target), as torch's schedules "
                         "call it)")
     check_unwrapped(model, "apply", error=PlanError)
+    for name, degree in (("cp_size", spec.mesh.cp_size), ("ep_size", spec.mesh.ep_size)):
+        if degree > 1:  # the stages are torch.export'd graphs: neither torch's ring nor plan/ep.py's dispatch is
+            # checked inside them (See [Note: applying a pipeline plan])
+            raise PlanError(f"this pipeline plan has mesh.{name} {degree}: wrapopt does not apply "
+                            f"{'context' if name == 'cp_size' else 'expert'} parallelism inside a pipeline (its "
+                            "stages are torch.export graphs); run it with TorchTitan (wrapopt export --to torchtitan), "
+                            "or search with --pp 1")
     layout = stage_layout(model, spec)
     modules = dict(model.named_modules())
     # Tied parameters split over stages become copies (See [Note: applying a pipeline plan], 4.);

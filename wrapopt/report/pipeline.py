@@ -29,13 +29,17 @@ def describe_stages(plan: PlanSpec, blocks: tuple[str, ...] = ()) -> str:
 
 def _mesh(plan: PlanSpec) -> str:
     m = plan.mesh
-    return f"pp{m.pp_size} x dp{m.dp_size} (shard {m.shard_size}) x tp{m.tp_size}"
+    cp = f", cp {m.cp_size}" if m.cp_size > 1 else ""  # the cp ranks are in the shard group (dp_shard x cp)
+    return f"pp{m.pp_size} x dp{m.dp_size} (shard {m.shard_size}{cp}) x tp{m.tp_size}"
 
 
 def format_pipeline(result: SearchResult) -> str:
     """The rows of ``SearchResult.pp_rows``: per pipeline degree its best plan, and what became of every degree."""
-    lines = ["", "pipeline degrees (every row at the same global batch):",
-             f"  {'row':48} {'mesh':30} {'step':>10} {'peak':>11} {'fits':>4}"]
+    cp = any(s.plan.mesh.cp_size > 1 for _label, s in result.pp_rows)
+    # with cp a row's step runs 1/cp of the tokens per GPU: See [Note: cp in a pipeline] in search/shapes.py
+    head = ("pipeline degrees (compared per token: a cp row's step runs 1/cp of the tokens per GPU):" if cp else
+            "pipeline degrees (every row at the same global batch):")
+    lines = ["", head, f"  {'row':48} {'mesh':30} {'step':>10} {'peak':>11} {'fits':>4}"]
     for label, s in result.pp_rows:
         e = s.estimate
         lines.append(f"  {label[:48]:48} {_mesh(s.plan):30} {e.step_s * 1e3:8.1f}ms {fmt_bytes(e.peak_bytes):>11} "
@@ -49,6 +53,7 @@ def format_pipeline(result: SearchResult) -> str:
 def _row(label: str, s: Scored) -> dict[str, Any]:
     pipe = s.plan.pipeline
     return {"row": label, "label": s.plan.label, "pp_size": s.plan.mesh.pp_size, "tp_size": s.plan.mesh.tp_size,
+            "cp_size": s.plan.mesh.cp_size,
             "shard_size": s.plan.mesh.shard_size, "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes,
             "fits": s.fits, "schedule": pipe.schedule if pipe else None,
             "microbatches": pipe.microbatches if pipe else None,

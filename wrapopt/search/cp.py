@@ -38,12 +38,15 @@ def resolve_cp(graph: ModelGraph, request: ParallelRequest) -> tuple[tuple[int, 
     [Note: context parallel search]."""
     if request.cp == 1:
         return (), ()
-    if request.asks_pp:
-        raise OptionError(f"--cp {request.cp} with --pp {request.pp}: context parallelism under a pipeline is not "
-                          "searched yet; pass --pp 1")
+    if request.asks_pp and request.global_batch is not None:
+        raise OptionError(f"--cp {request.cp} with --pp {request.pp} and --global-batch: context parallelism under "
+                          "a pipeline is searched per local batch only; drop --global-batch (give --batch), or pass "
+                          "--pp 1")
     why = cp_refusal(graph)
-    fixed_tp = request.tp if isinstance(request.tp, int) else 1
-    ranks = request.mesh.world_size // fixed_tp  # the data-parallel ranks cp splits (under tp auto: each degree's)
+    fixed = [d for d in (request.tp, request.pp) if isinstance(d, int)]
+    ranks = request.mesh.world_size  # the data-parallel ranks cp splits (under auto: the most any degree leaves)
+    for d in fixed:
+        ranks //= d
     seq = graph.seq_len
     if request.cp != AUTO:
         if why:

@@ -143,16 +143,17 @@ def pipeline_plan(layout: PipelineLayout, sizes: tuple[int, ...], mesh: MeshSpec
 
 
 def _mesh(mesh: MeshSpec, shape: Shape) -> MeshSpec:
-    """``shape`` on the world of ``mesh``: FSDP over each stage's data-parallel ranks."""
+    """``shape`` on the world of ``mesh``: FSDP over each stage's data-parallel ranks (``dp_shard x cp``)."""
     return MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node,
-                    shard_size=shape.dp(mesh.world_size), tp_size=shape.tp, pp_size=shape.pp)
+                    shard_size=shape.dp(mesh.world_size) * shape.cp, tp_size=shape.tp, pp_size=shape.pp,
+                    cp_size=shape.cp)
 
 
 def _label(schedule: str, virtual: int, m: int, fsdp: _StageFsdp, shape: Shape) -> str:
     v = f" x{virtual}" if virtual > 1 else ""
     ck = {"none": "", "half": ",ckpt-half", "all": ",ckpt"}[fsdp.checkpoint]
-    tp = f" + tp{shape.tp}" if shape.tp > 1 else ""
-    return f"per-block{'' if fsdp.reshard else ',keep'}{ck} + pp{shape.pp} {schedule}{v} m{m}{tp}"
+    axes = "".join(f" + {n}{d}" for n, d in (("tp", shape.tp), ("cp", shape.cp)) if d > 1)
+    return f"per-block{'' if fsdp.reshard else ',keep'}{ck} + pp{shape.pp} {schedule}{v} m{m}{axes}"
 
 
 def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: PipelineLayout, *,
@@ -174,7 +175,7 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
         return None, [], (f"dropped: the pipeline's batch of {max(1, graph.batch_size) * pp * tp} sequences is "
                           f"smaller than its {pp} stages (at least one micro-batch per stage)")
     full = _mesh(mesh, shape)
-    wsim = sim.view(Shape(tp=tp), spec)
+    wsim = sim.view(Shape(tp=tp, cp=shape.cp), spec)  # under cp: one cp rank's share (See [Note: cp in a pipeline])
     w, first, last = weights(graph, wsim, full.data_parallel(), layout)
     combos = []
     for v in (1, *VIRTUAL_STAGES):
@@ -329,16 +330,19 @@ def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: di
     if not best:
         raise InfeasibleError("no pipeline degree has a plan that fits: " + "; ".join(
             f"pp{d}: {why}" for d, why in sorted(tried.items())))
-    top = min(s.estimate.step_s for s in best.values())
-    chosen = min(d for d, s in best.items() if s.estimate.step_s <= top * (1 + STEP_ERROR))
+    def work(s: Scored) -> float:  # per token: a cp plan's step runs 1/cp of the tokens per GPU (cp with a
+        return s.estimate.step_s * s.plan.mesh.cp_size  # pipeline at a global batch is refused: search/cp.py)
+
+    top = min(work(s) for s in best.values())
+    chosen = min(d for d, s in best.items() if work(s) <= top * (1 + STEP_ERROR))
     shown = {**best, **rows_extra}
     rows = [(f"best pp{d}" + (" (no pipeline)" if d == 1 else ""), shown[d]) for d in sorted(shown)]
     if reference is not None:
         rows.append((reference.plan.label, reference))
-    ref = best[chosen].estimate.step_s
+    ref = work(best[chosen])
     out_tried = dict(tried)
     for d, s in best.items():
-        r = s.estimate.step_s / ref
+        r = work(s) / ref
         out_tried[d] = "chosen" if d == chosen else (f"fits, {r:.2f}x slower" if r >= 1 else
                                                      f"fits, {1 / r:.3f}x faster, within the simulator's "
                                                      f"{STEP_ERROR * 100:.1f}% error")
@@ -347,8 +351,8 @@ def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: di
         return replace(one_d, pp_rows=tuple(rows), pp_tried=pp_tried)
     win = best[chosen]
     if one_d is not None:
-        why = (f"pipeline degree {chosen}: {one_d.best.estimate.step_s / win.estimate.step_s:.2f}x faster than the "
-               "best plan without a pipeline")
+        why = (f"pipeline degree {chosen}: {work(one_d.best) / work(win):.2f}x faster than the best plan without "
+               "a pipeline" + (" (per token)" if win.plan.mesh.cp_size != one_d.best.plan.mesh.cp_size else ""))
     else:
         why = f"pipeline degree {chosen}: " + ("no plan without a pipeline fits" if 1 in tried else "as asked (--pp)")
     budget = float(memory_budget) if memory_budget else float("inf")

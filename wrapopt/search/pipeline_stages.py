@@ -111,9 +111,9 @@ def _describe(units: tuple[UnitSpec, ...]) -> str:
 
 
 def _tail(plan: PlanSpec) -> str:
-    """The pipeline's part of a label: degree, schedule, virtual stages, micro-batches, tp."""
+    """The pipeline's part of a label: degree, schedule, virtual stages, micro-batches, tp, cp."""
     pipe, mesh = plan.pipeline, plan.mesh
     assert pipe is not None
     v = len(pipe.stages) // mesh.pp_size
     return (f"pp{mesh.pp_size} {pipe.schedule}{f' x{v}' if v > 1 else ''} m{pipe.microbatches}"
-            + (f" + tp{mesh.tp_size}" if mesh.tp_size > 1 else ""))
+            + "".join(f" + {n}{d}" for n, d in (("tp", mesh.tp_size), ("cp", mesh.cp_size)) if d > 1))

@@ -116,7 +116,13 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
                      request.train, sim)
 
 
-def _why_none(whys: dict[int, str], scored: list[Scored]) -> str:
+def _per_token(s: Scored) -> float:
+    """A plan's step per token, up to a constant: a cp plan's step runs 1/cp of the tokens per GPU (See
+    [Note: cp in a pipeline] in search/shapes.py)."""
+    return s.estimate.step_s * s.plan.mesh.cp_size
+
+
+def _why_none(whys: dict[int | str, str], scored: list[Scored]) -> str:
     """Why a pipeline degree has no plan: the smallest peak over its tensor-parallel degrees, else each reason."""
     if scored:
         small = min(scored, key=lambda s: s.estimate.peak_bytes)
@@ -135,8 +141,9 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
     assert layout is not None
     best: dict[int, Scored] = {}
     scored: list[Scored] = []
-    whys: dict[int, dict[int, str]] = {}
+    whys: dict[int, dict[int | str, str]] = {}
     runs: list[Shape] = []  # the pipeline shapes that can run the global batch (all of them without one)
+    by_cp: dict[tuple[int, int], Scored] = {}  # the fastest per (pp, cp) degree: See [Note: cp in a pipeline]
     for shape, _why in space.dropped:
         if shape.pp > 1:
             whys.setdefault(shape.pp, {})  # a degree no tensor-parallel degree divides the world with
@@ -152,9 +159,12 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
         top, mine, why = search_pipeline_degree(graph, psim, mesh, layout, shape=shape, spec=space.tp_spec,
                                                 memory_budget=memory_budget, counts=counts, refine=refine)
         scored += mine
-        why_pp[shape.tp] = why
-        if top is not None and (shape.pp not in best or top.estimate.step_s < best[shape.pp].estimate.step_s):
-            best[shape.pp] = top
+        why_pp[shape.tp if shape.cp == 1 else f"{shape.tp} cp{shape.cp}"] = why
+        if top is None:
+            continue
+        for table, key in ((best, shape.pp), (by_cp, (shape.pp, shape.cp))):
+            if key not in table or _per_token(top) < _per_token(table[key]):
+                table[key] = top
     for pp, why_pp in whys.items():
         if pp not in best:
             tried[pp] = _why_none(why_pp, [s for s in scored if s.plan.mesh.pp_size == pp])
@@ -165,5 +175,11 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                           + f"); global batches that work: {' and '.join(map(str, near)) or 'none'}")
     ref = torchtitan_plan(graph, psim, mesh, layout, space.tp_spec, memory_budget,
                           fixed=fixed) if space.tp_spec is not None else None
-    return combine(flat.result if flat is not None else None, best, tried, scored, ref, memory_budget,
-                   tuple(graph.blocks))
+    out = combine(flat.result if flat is not None else None, best, tried, scored, ref, memory_budget,
+                  tuple(graph.blocks))
+    if any(c > 1 for _p, c in by_cp):  # what each cp degree made of each pipeline degree, per token
+        said = "; ".join(f"pp{p} cp{c}: " + ("its best" if s is best.get(p) else
+                                              f"{_per_token(s) / _per_token(best[p]):.2f}x the time per token")
+                         for (p, c), s in sorted(by_cp.items()))
+        out = replace(out, notes=(*out.notes, f"context parallel in the pipeline (per token): {said}"))
+    return out

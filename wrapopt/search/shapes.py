@@ -10,8 +10,16 @@ pipeline's stages) and returns the cross product of the degrees left, in two gro
   uniform groupings, the study) on the simulator of one tensor-parallel rank's model (See
   [Note: 2-D search] in search/tp.py); at a fixed global batch, every micro-batch x accumulation
   split of each (See [Note: global batch search] in search/batch.py).
-- ``piped``: a pipeline degree above 1 with its tensor-parallel degree, searched by the pipeline
-  search (See [Note: pipeline search] in search/pipeline.py).
+- ``piped``: a pipeline degree above 1 with its tensor-parallel degree (and, under ``--cp``, each
+  context-parallel degree), searched by the pipeline search (See [Note: pipeline search] in
+  search/pipeline.py).
+
+[Note: cp in a pipeline] A pipeline shape with ``cp > 1`` is priced as the pipeline of one cp rank's
+share (``Simulator.view(Shape(cp=c, tp=t))``: the stages cut from the cp view, their module times
+holding ring attention's exchanges) on the mesh ``pp x dp_shard x cp x tp``, and compared with the
+other shapes per token (``step x cp``), as the flat cp degrees are (See [Note: context parallel
+search] in search/cp.py). Searched per local batch only (a fixed global batch with both is refused),
+and not applied by wrapopt (``plan/pipeline.py`` refuses it naming TorchTitan's export).
 
 A shape left out is kept in ``dropped`` with the reason, for the report. Context and expert
 parallelism are two more degree loops over the flat shapes (``cp`` and ``ep``), one loop for both
@@ -73,14 +81,19 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     world = request.mesh.world_size
     flat = tuple(Shape(tp=t) for t in tp_degrees) if 1 in pp_degrees else ()
     piped = []
+    # a pipeline's cp degrees: See [Note: cp in a pipeline]
+    cps = ((1,) if request.cp in (1, AUTO) else ()) + cp_degrees
     for p in pp_degrees:
         for t in tp_degrees:
-            if p == 1:
-                continue
-            if world % (p * t):
-                dropped.append((Shape(pp=p, tp=t), f"pp{p} x tp{t} does not divide the world of {world} ranks"))
-                continue
-            piped.append(Shape(pp=p, tp=t))
+            for c in cps:
+                if p == 1:
+                    continue
+                shape = Shape(pp=p, tp=t, cp=c)
+                if world % (p * t * c):
+                    dropped.append((shape, f"{shape.describe().replace(' ', ' x ')} does not divide the world of "
+                                           f"{world} ranks"))
+                    continue
+                piped.append(shape)
     return ShapeSpace(flat=flat, piped=tuple(piped), tp_spec=spec, layout=layout, dropped=tuple(dropped),
                       notes=(*tp_notes, *pp_notes, *cp_notes, *ep_notes), cp=cp_degrees,
                       ep=ep_degrees)
