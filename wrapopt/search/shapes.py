@@ -83,11 +83,9 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     piped = []
     # a pipeline's cp degrees: See [Note: cp in a pipeline]
     cps = ((1,) if request.cp in (1, AUTO) else ()) + cp_degrees
-    for p in pp_degrees:
+    for p in (p for p in pp_degrees if p > 1):
         for t in tp_degrees:
             for c in cps:
-                if p == 1:
-                    continue
                 shape = Shape(pp=p, tp=t, cp=c)
                 if world % (p * t * c):
                     dropped.append((shape, f"{shape.describe().replace(' ', ' x ')} does not divide the world of "
