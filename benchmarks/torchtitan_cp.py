@@ -9,7 +9,8 @@ N``, ``--cp N``), on the ``h100-hbm2e-500w`` preset, with the flags and recorder
 Table 1 fitting the other three constants, jointly: [Note: the TorchTitan fit] in
 benchmarks/torchtitan_fit.py); the 65536 and 131072 rows are held out.
 Tokens per step: the data-parallel ranks (8 / cp) x 1 sequence x the sequence length. Then ``--cp
-auto`` on the 131072 row: the degree the search chooses and whether its plan fits the budget.
+auto`` on the 131072 row: the degree the search chooses and whether its plan fits the budget; and
+``--cp auto --pp auto`` there: each pipeline degree with each cp degree.
 
 Run: ``python -m benchmarks.torchtitan_cp`` (one process; about 2 minutes on 2 shared cores).
 """
@@ -41,11 +42,12 @@ def _flags(seq: int, cp: int) -> list[str]:
     return [*flags, "--batch", "1", *KNOBS, *(["--cp", str(cp)] if cp > 1 else [])]
 
 
-def auto_choice(path: str, seq: int, world: int = 8) -> dict:
-    """``--cp auto`` at ``seq``: the chosen plan's mesh, step, peak and whether it fits (90% of 96 GB)."""
+def auto_choice(path: str, seq: int, world: int = 8, *, pp: bool = False) -> dict:
+    """``--cp auto`` (with ``--pp auto`` when ``pp``) at ``seq``: the chosen plan's mesh, step, peak and
+    whether it fits (90% of 96 GB), each degree's row, and each pipeline degree's best row."""
     from wrapopt.cli.main import main as cli
 
-    flags = [x for x in _flags(seq, 1) if x not in ("--memory", "none")]
+    flags = [x for x in _flags(seq, 1) if x not in ("--memory", "none")] + (["--pp", "auto"] if pp else [])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli(["search", f"hf:{path}", "--world-size", str(world), *flags, "--cp", "auto", "--json"])
@@ -55,7 +57,9 @@ def auto_choice(path: str, seq: int, world: int = 8) -> dict:
     pred, budget = data["prediction"], data["search"]["memory_budget"]
     return {"mesh": data["mesh"], "label": data["label"], "step_s": pred["step_s"], "peak_bytes": pred["peak_bytes"],
             "budget": budget, "fits": budget is None or pred["peak_bytes"] <= budget,
-            "rows": [(r["row"], r["step_s"], r["peak_bytes"], r["fits"]) for r in data["search"]["tp_rows"]]}
+            "rows": [(r["row"], r["step_s"], r["peak_bytes"], r["fits"]) for r in data["search"]["tp_rows"]],
+            "pipeline": (data["search"].get("pipeline") or {}).get("rows", []),
+            "tried": (data["search"].get("pipeline") or {}).get("tried", [])}
 
 
 def main() -> int:
@@ -94,6 +98,7 @@ def main() -> int:
                          f"{peak:.1f} | {peak / gib:.2f} | {cls} |")
             print(lines[-1], flush=True)
         auto = auto_choice(path, 131072)
+        piped = auto_choice(path, 131072, pp=True)
     mesh = auto["mesh"]
     cp = mesh.get("cp_size", 1)
     lines += ["", "## --cp auto at 131072 tokens on 8 H100 (memory budget auto: 90% of 96 GB)", "",
@@ -106,7 +111,21 @@ def main() -> int:
         c = int(label.split("cp")[1].split()[0]) if label.startswith("best cp") else 1
         lines.append(f"| {label} | {step:.2f} s | {(8 // c) * 131072 / 8 / step:,.0f} | {peak / 2**30:.1f} | "
                      f"{fits} |")
-    print("\n".join(lines[-8:]), flush=True)
+    pmesh = piped["mesh"]
+    lines += ["", "## --cp auto --pp auto at 131072 tokens (each pipeline degree with each cp degree)", "",
+              f"Chosen: pp {pmesh.get('pp_size', 1)}, cp {pmesh.get('cp_size', 1)} ({piped['label']}), predicted "
+              f"step {piped['step_s']:.2f} s, peak {piped['peak_bytes'] / 2**30:.1f} GiB, fits: {piped['fits']}. "
+              "Each pipeline degree's best over its cp degrees, compared per token (See [Note: cp in a pipeline] in "
+              "wrapopt/search/shapes.py); wrapopt prices and exports these plans, and its own pipeline apply "
+              "refuses cp:", "", "| row | pp | cp | predicted step | tokens/s/GPU | peak GiB | fits |",
+              "|---|---|---|---|---|---|---|"]
+    for r in piped["pipeline"]:
+        c = r.get("cp_size", 1)
+        lines.append(f"| {r['row']} | {r['pp_size']} | {c} | {r['step_s']:.2f} s | "
+                     f"{(8 // c) * 131072 / 8 / r['step_s']:,.0f} | {r['peak_bytes'] / 2**30:.1f} | {r['fits']} |")
+    lines += ["", "What became of each pipeline degree: " + "; ".join(f"pp{t['pp']}: {t['outcome']}"
+                                                                    for t in piped["tried"])]
+    print("\n".join(lines[-16:]), flush=True)
     from wrapopt.fileio import atomic_write_text
 
     atomic_write_text(os.path.join(REPO, "results", "torchtitan_cp.md"), "\n".join(lines) + "\n")
