@@ -40,7 +40,7 @@ from wrapopt.search.choose import STEP_ERROR
 from wrapopt.search.cp import resolve_cp
 from wrapopt.search.driver import SearchOptions, SearchResult
 from wrapopt.search.ep import resolve_ep
-from wrapopt.search.strategy import Scored, dp_shard_sizes
+from wrapopt.search.strategy import Scored, dp_shard_sizes, step_per_token
 from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, PlanSpec
 from wrapopt.spec.cp import cp_ranks_per_node
 from wrapopt.tp import TPSpec
@@ -80,7 +80,7 @@ class Axis:
         """Every plan of ``res`` whose shard group holds whole groups of ``degree``, lifted."""
         try:
             return res.lifted(functools.partial(self.lift, degree=degree),
-                              lambda p: p.mesh.shard_size % degree == 0)
+                              lambda p: bool(self.shard_sizes(degree, (p.mesh.shard_size,))))
         except InfeasibleError:
             raise InfeasibleError(f"no plan shards over whole {self.name} groups of {degree}") from None
 
@@ -172,10 +172,7 @@ def search_degrees(graph: ModelGraph, sim: Simulator, request: ParallelRequest, 
     if not results:
         raise InfeasibleError(next(iter(failed.values())))
 
-    def cost(d: int) -> float:  # per token when the axis splits the tokens: See the note
-        return results[d].best.estimate.step_s * (d if axis.per_token else 1)
-
-    chosen, said = _choose(axis, {d: r.best for d, r in results.items()}, cost,
+    chosen, said = _choose(axis, {d: r.best for d, r in results.items()}, lambda d: step_per_token(results[d].best),
                            "the time per token" if axis.per_token else "the step")
     rows = tuple((axis.row(d), r.best) for d, r in sorted(results.items()))
     said += [f"{axis.name} {d}: nothing fits: {why}" for d, why in sorted(failed.items())]

@@ -45,7 +45,7 @@ from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_at_batch, pipe
 from wrapopt.search.pipeline_stages import REFINE_TOP, refine_stages, refined_over
 from wrapopt.search.stages import (PipelineLayout, balanced_split, check_stage_count, pipeline_layout,
                                    stage_modules, weights)
-from wrapopt.search.strategy import Scored
+from wrapopt.search.strategy import Scored, step_per_token
 from wrapopt.spec import AUTO, ROOT, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape, UnitSpec
 from wrapopt.spec.plan import PipelineSpec
 from wrapopt.tp import TPSpec
@@ -330,9 +330,7 @@ def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: di
     if not best:
         raise InfeasibleError("no pipeline degree has a plan that fits: " + "; ".join(
             f"pp{d}: {why}" for d, why in sorted(tried.items())))
-    def work(s: Scored) -> float:  # per token: a cp plan's step runs 1/cp of the tokens per GPU (cp with a
-        return s.estimate.step_s * s.plan.mesh.cp_size  # pipeline at a global batch is refused: search/cp.py)
-
+    work = step_per_token  # cp with a pipeline at a global batch is refused (search/cp.py): steps per token
     top = min(work(s) for s in best.values())
     chosen = min(d for d, s in best.items() if work(s) <= top * (1 + STEP_ERROR))
     shown = {**best, **rows_extra}

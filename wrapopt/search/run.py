@@ -19,7 +19,7 @@ from wrapopt.search.driver import SearchOptions, SearchResult
 from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_batch
 from wrapopt.search.shapes import ShapeSpace, shape_space
-from wrapopt.search.strategy import Scored
+from wrapopt.search.strategy import Scored, step_per_token
 from wrapopt.search.tp import search_shape, search_tp
 from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, Shape
 from wrapopt.train import TrainConfig
@@ -116,12 +116,6 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
                      request.train, sim)
 
 
-def _per_token(s: Scored) -> float:
-    """A plan's step per token, up to a constant: a cp plan's step runs 1/cp of the tokens per GPU (See
-    [Note: cp in a pipeline] in search/shapes.py)."""
-    return s.estimate.step_s * s.plan.mesh.cp_size
-
-
 def _why_none(whys: dict[int | str, str], scored: list[Scored]) -> str:
     """Why a pipeline degree has no plan: the smallest peak over its tensor-parallel degrees, else each reason."""
     if scored:
@@ -163,7 +157,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
         if top is None:
             continue
         for table, key in ((best, shape.pp), (by_cp, (shape.pp, shape.cp))):
-            if key not in table or _per_token(top) < _per_token(table[key]):
+            if key not in table or step_per_token(top) < step_per_token(table[key]):
                 table[key] = top
     for pp, why_pp in whys.items():
         if pp not in best:
@@ -179,7 +173,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                   tuple(graph.blocks))
     if any(c > 1 for _p, c in by_cp):  # what each cp degree made of each pipeline degree, per token
         said = "; ".join(f"pp{p} cp{c}: " + ("its best" if s is best.get(p) else
-                                              f"{_per_token(s) / _per_token(best[p]):.2f}x the time per token")
+                                              f"{step_per_token(s) / step_per_token(best[p]):.2f}x the time per token")
                          for (p, c), s in sorted(by_cp.items()))
         out = replace(out, notes=(*out.notes, f"context parallel in the pipeline (per token): {said}"))
     return out

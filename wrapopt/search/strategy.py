@@ -28,6 +28,7 @@ from wrapopt.cost.simulate import Simulator
 from wrapopt.spec import CHECKPOINT_MODES, SELECTIVE_OP, CostEstimate, MeshSpec, ModelGraph, PlanSpec
 
 __all__ = [
+    "step_per_token",
     "Strategy",
     "SearchOptions",
     "SearchProblem",
@@ -90,6 +91,13 @@ class Scored:
     estimate: CostEstimate
     fits: bool
     strategy: str = ""  # the name of the strategy that proposed it first ("" outside a search)
+
+
+def step_per_token(s: Scored) -> float:
+    """``s``'s step per token, up to a constant that every plan of a local batch shares: the step times
+    its cp degree, since a cp plan's step runs 1/cp of the tokens per GPU (See [Note: context parallel
+    search] in search/cp.py). Not for steps at a fixed global batch, which cover the same tokens."""
+    return s.estimate.step_s * s.plan.mesh.cp_size
 
 
 @dataclass(frozen=True, kw_only=True)
