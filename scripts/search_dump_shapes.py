@@ -56,6 +56,9 @@ CASES = [
     ("moe-tiny", 8, 8, dict(ep=2), 0, None),
     ("moe-tiny", 8, 8, dict(ep="auto", global_batch=16), 0, None),
     ("moe-tiny", 8, 8, dict(ep=4, global_batch=32), 0, "tight"),
+    ("moe-tiny", 8, 8, dict(ep="auto", pp="auto"), 0, None),
+    ("moe-tiny", 8, 8, dict(ep=2, pp=2), 0, "tight"),
+    ("moe-tiny", 8, 8, dict(ep="auto", pp="auto", global_batch=32), 0, None),
 ]
 
 

@@ -160,3 +160,33 @@ def test_a_measured_experts_module_loops_over_a_rank_s_experts(moe):
     assert two[fqn][0] == pytest.approx(plain[fqn][0] + 2 * mm_f / 2)  # and half of the rest
     assert two[fqn][1] == pytest.approx(plain[fqn][1] + 2 * mm_b / 2)
     assert two["blocks.0.attn"] == pytest.approx((1e-4, 2e-4))  # dense: as measured
+
+
+def test_a_pipeline_s_stages_are_cut_from_the_ep_view(moe):
+    """pp 2 x ep 2 on 4 ranks (a stage's 2 data-parallel ranks, efsdp 1): each stage is priced on one
+    ep rank's model, its experts' own units gathering nothing; a checkpointed block's experts unit keeps
+    no input of its own (the block's is kept). See [Note: ep in a pipeline] in search/shapes.py."""
+    from wrapopt.cost.pipeline import price_stage, stage_simulators
+    from wrapopt.search.pipeline import pipeline_plan
+    from wrapopt.search.stages import pipeline_layout
+
+    sim = Simulator(moe, analytical_fabric(world_size=4), analytical_compute())
+    mesh = MeshSpec(world_size=4, ranks_per_node=4, shard_size=2, pp_size=2, ep_size=2)
+    plan = pipeline_plan(pipeline_layout(moe), (2, 2), mesh, schedule="1F1B", microbatches=2, reshard=True,
+                         checkpoint="all", tp_spec=None)
+    est = sim.simulate(plan)
+    dense = sim.simulate(replace(plan, mesh=replace(mesh, ep_size=1)))
+    assert est.step_s != dense.step_s and any("expert parallel 2" in n for n in est.notes)
+    view = sim.for_ep(2)[0]
+    fixed = view._plan_fix(plan)
+    experts = set(stacked_experts(moe))
+    bare = stage_simulators(view, plan)  # the blocks alone, without the experts' own units
+    for (ssim, units), (_s, whole) in zip(stage_simulators(view, fixed), bare):
+        assert ssim._ep_alone == view._ep_alone  # the stage's experts priced as the view's
+        stage = ssim.simulate(replace(fixed, units=units, mesh=fixed.mesh.data_parallel(), pipeline=None))
+        own = [c for c, u in zip(stage.units, units) if set(u.modules) <= experts]
+        assert own and all(c.all_gather_s == 0.0 for c in own)  # efsdp 1: no collective in the shard group
+        assert all(u.checkpoint is True for u in units if not u.is_root)  # recomputed with their blocks
+        # a checkpointed block's experts unit keeps no input of its own: the stage holds what the blocks hold
+        assert price_stage(ssim, units, fixed, last=False).activation_bytes == pytest.approx(
+            price_stage(ssim, whole, plan, last=False).activation_bytes)

@@ -46,8 +46,8 @@ def test_the_search_names_the_degrees_that_would(moe):
     assert shape_space(moe, ParallelRequest(mesh=MESH8, ep=2, global_batch=16)).ep == (2,)  # searched since
     assert_api_refuses(lambda: shape_space(moe, ParallelRequest(mesh=MESH8, ep=2, tp=2)), OptionError,
                        ("--ep 2 with --tp 2", "no cost model of experts under tensor parallelism", "--tp 1"))
-    assert_api_refuses(lambda: shape_space(moe, ParallelRequest(mesh=MESH8, ep="auto", pp=2)), OptionError,
-                       ("--ep auto with --pp 2", "--pp 1"))
+    piped = shape_space(moe, ParallelRequest(mesh=MESH8, ep=4, pp="auto")).piped  # searched since: ep in a stage
+    assert [(s.pp, s.ep) for s in piped] == [(2, 4)]  # pp 4 leaves a stage 2 ranks, fewer than ep 4
     assert_api_refuses(lambda: ParallelRequest(mesh=MESH8, ep="auto", cp="auto"), OptionError,
                        ("--cp auto with --ep auto", "pass one of them as 1"))
     auto = shape_space(moe, ParallelRequest(mesh=MeshSpec(world_size=2, ranks_per_node=2, shard_size=2), ep="auto"))

@@ -178,6 +178,15 @@ def test_estimate_splits_a_cp_plans_global_batch_over_the_ranks_that_read_sequen
     assert "4 data-parallel ranks under context parallelism of 2" in capsys.readouterr().err
 
 
+def test_estimate_keeps_the_cp_and_ep_degrees_on_the_pipeline_it_builds(capsys):
+    """``estimate --pp 2 --cp 2`` (``--ep 2``): the pipeline is cut from the cp (ep) rank's share, as the
+    search prices it; it dropped the axis before."""
+    for model, axis in (("zoo:llama-tiny", "cp"), ("zoo:moe-tiny", "ep")):
+        assert cli(["estimate", model, "--plan", "per-block", "--world-size", "8", "--pp", "2", f"--{axis}", "2"]) == 0
+        plan_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+        assert " + pp2 " in plan_line and f" + {axis}2 " in plan_line, plan_line
+
+
 def test_current_at_another_cp_degree_names_the_degree_as_a_choice(capsys):
     data = _search(capsys, "--cp", "auto", "--memory", "6MiB", "--current", "per-block, full AC, cp 4")
     assert data["mesh"]["cp_size"] == 2

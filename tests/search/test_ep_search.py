@@ -17,6 +17,7 @@ from wrapopt.search.run import run_search
 from wrapopt.search.shapes import shape_space
 from wrapopt.spec import MeshSpec, ParallelRequest
 from wrapopt.trace import trace_model
+from wrapopt.train import TrainConfig
 
 MESH = MeshSpec(world_size=8, ranks_per_node=8, shard_size=8)
 
@@ -71,3 +72,45 @@ def test_ep_at_a_fixed_global_batch_splits_as_fsdp_alone_and_compares_steps(caps
     assert rows and all(r["dp_size"] == 8 and r["ep_size"] == mesh.get("ep_size", 1) for r in rows)
     labels = [r["row"] for r in data["search"]["tp_rows"]]
     assert labels[0].startswith("best without ep (") and any(x.startswith("best ep2 (") for x in labels)
+
+
+def test_ep_in_a_pipeline_is_searched_per_stage_and_named_in_its_rows(capsys):
+    """``--ep 2 --pp 2``: the pipeline's stages cut from one ep rank's model on 4 data-parallel ranks per
+    stage (See [Note: ep in a pipeline] in search/shapes.py); under ``auto`` the note compares each
+    pipeline degree's ep degrees by the step."""
+    data = _search(capsys, "--ep", "2", "--pp", "2", "--memory", "none")
+    mesh = data["mesh"]
+    assert (mesh["pp_size"], mesh["ep_size"], mesh["shard_size"]) == (2, 2, 4)
+    assert " pp2 " in data["label"] and " + ep2" in data["label"]
+    rows = data["search"]["pipeline"]["rows"]
+    assert rows and all(r["ep_size"] == 2 for r in rows)
+
+
+def test_ep_auto_in_a_pipeline_compares_each_pipeline_s_degrees_by_the_step(moe):
+    request = ParallelRequest(mesh=MESH, ep="auto", pp="auto")
+    sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute())
+    res = run_search(moe, sim, request, memory_budget=None, options=SearchOptions(trials=0)).result
+    note = next(n for n in res.notes if n.startswith("expert parallel in the pipeline: "))
+    assert all(f"pp{p} ep{d}: " in note for p, d in ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2)))
+    assert "pp4 ep4" not in note  # a stage of pp 4 has 2 ranks: fewer than ep 4
+    for _label, s in res.pp_rows:  # each pipeline degree's best, priced as the full mesh
+        assert s.estimate.step_s == pytest.approx(sim.simulate(s.plan).step_s)
+
+
+def test_a_current_pipeline_with_ep_is_scored_on_the_ep_view(moe):
+    """``--current "pp 2, ep 2"``: the current pipeline's mesh carries ep 2 and is priced as such (it was
+    refused before); cp with a pipeline is still refused in one line."""
+    from wrapopt.errors import OptionError
+    from wrapopt.search.current import compare_current, parse_current
+
+    sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute())
+    request = ParallelRequest(mesh=MESH, ep="auto", pp="auto", train=TrainConfig())
+    chosen = run_search(moe, sim, request, memory_budget=None, options=SearchOptions(trials=0)).result.best
+    ep1, ep2 = (parse_current(text, moe, MESH) for text in ("pp 2", "pp 2, ep 2"))
+    assert (ep1.plan.mesh.ep_size, ep2.plan.mesh.ep_size) == (1, 2) and ep2.plan.mesh.pp_size == 2
+    one, two = (compare_current(moe, sim, c, chosen.plan, request=request, chosen_micro_batch=None,
+                                chosen_estimate=chosen.estimate) for c in (ep1, ep2))
+    assert two.current.estimate.step_s != one.current.estimate.step_s
+    assert any("expert parallel 2" in n for n in two.current.estimate.notes)
+    with pytest.raises(OptionError, match="cp with a pipeline is not scored yet"):
+        parse_current("pp 2, cp 2", moe, MESH)

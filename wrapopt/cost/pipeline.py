@@ -95,6 +95,7 @@ from wrapopt.cost.pipeline_schedule import StageCost, Timeline, held_moment, run
 from wrapopt.cost.stage_view import stage_of, tied_sync_s
 from wrapopt.hardware.profiles import FabricProfile
 from wrapopt.spec import CostEstimate, PlanSpec, Shape, SimOptions, TimelineEvent, UnitCost, UnitSpec
+from wrapopt.units import ancestors
 
 __all__ = ["StageCost", "Timeline", "schedule_order", "run_timeline", "send_s", "stage_cost", "held_bytes",
            "held_moment", "stage_units", "simulate_pipeline", "stage_options", "stage_simulators", "price_stage",
@@ -202,8 +203,12 @@ def price_stage(ssim: Any, units: tuple[UnitSpec, ...], plan: PlanSpec, *, last:
     est = ssim.simulate(PlanSpec(units=units, mesh=plan.mesh.data_parallel(), forward_prefetch=plan.forward_prefetch))
     scale = ssim.options.batch_scale
     out = ssim.graph.root.output_bytes * scale  # the activation sent on; the last stage's: the model's output
-    kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale if not u.is_root else 0
-               for u in units]  # a checkpointed unit keeps its input: cost/layout.py's ``_input_bytes``
+    # a checkpointed unit keeps its input (cost/layout.py's ``_input_bytes``); one inside another checkpointed
+    # unit (an ep view's experts unit in a checkpointed block: cost/ep.py's ``expert_units``) keeps nothing more
+    ckpt = {m for u in units if u.checkpoint and not u.is_root for m in u.modules}
+    kept_in = [max((ssim.graph.info(m).output_bytes for m in u.modules), default=0) * scale
+               if not u.is_root and not any(a in ckpt for m in u.modules for a in ancestors(m)[1:]) else 0
+               for u in units]
     held = held_bytes(est, units, kept_in, ssim.graph.loss_saved_bytes * scale if last else 0.0)
     return stage_cost(est, units, loss_s=ssim.compute.loss_s * scale if last else 0.0, send_bytes=0.0 if last else out,
                       held=held, action_s=ssim.compute.pipeline_action_s, output_bytes=out)

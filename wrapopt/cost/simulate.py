@@ -210,14 +210,15 @@ class Simulator(Views):
             plan = self._plan_fix(plan)
         if plan.mesh.cp_size > 1:  # See [Note: context parallel costs] in cost/cp.py
             return self._simulate_cp(plan, record)
+        if plan.mesh.ep_size > 1:  # See [Note: expert parallel costs] in cost/ep.py
+            sub, notes = self.for_ep(plan.mesh.ep_size)  # a pipeline's stages are cut from it: [Note: ep in a pipeline]
+            mesh = replace(plan.mesh, ep_size=1) if plan.pipeline is not None else plan.mesh.data_parallel()
+            est = sub.simulate(replace(plan, mesh=mesh), record=record)
+            return replace(est, notes=tuple(sorted(set(est.notes) | notes | ep_caveats(plan.mesh))))
         if plan.pipeline is not None:  # See [Note: pipeline stages] in pipeline.py
             return simulate_pipeline(self, plan, record=record)
         if plan.tp is not None:
             return self._simulate_tp(plan, record)
-        if plan.mesh.ep_size > 1:  # See [Note: expert parallel costs] in cost/ep.py
-            sub, notes = self.for_ep(plan.mesh.ep_size)
-            est = sub.simulate(replace(plan, mesh=plan.mesh.data_parallel()), record=record)
-            return replace(est, notes=tuple(sorted(set(est.notes) | notes | ep_caveats(plan.mesh))))
         units, mesh = plan.units, plan.mesh
         if self.options.offload and not plan.offload:  # See [Note: CPU offload] in state.py
             plan = replace(plan, offload=True)

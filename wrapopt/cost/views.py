@@ -111,4 +111,6 @@ class Views:
                                                                             last=last)
             hit = views[options] = type(self)(g, self.fabric, stage_compute(self.compute, g, last=last), options,
                                              backend=self.backend, host=self.host)
+            hit._ep_alone = self._ep_alone  # an ep view's stage: its experts' own collectives (See [Note: ep in a
+            # pipeline] in search/shapes.py); the plan's experts units are made once, by the whole model's view
         return hit

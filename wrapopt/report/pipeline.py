@@ -30,7 +30,8 @@ def describe_stages(plan: PlanSpec, blocks: tuple[str, ...] = ()) -> str:
 def _mesh(plan: PlanSpec) -> str:
     m = plan.mesh
     cp = f", cp {m.cp_size}" if m.cp_size > 1 else ""  # the cp ranks are in the shard group (dp_shard x cp)
-    return f"pp{m.pp_size} x dp{m.dp_size} (shard {m.shard_size}{cp}) x tp{m.tp_size}"
+    ep = f", ep {m.ep_size}" if m.ep_size > 1 else ""  # the experts split over ep of a stage's dp ranks
+    return f"pp{m.pp_size} x dp{m.dp_size} (shard {m.shard_size}{cp}{ep}) x tp{m.tp_size}"
 
 
 def format_pipeline(result: SearchResult) -> str:
@@ -53,7 +54,7 @@ def format_pipeline(result: SearchResult) -> str:
 def _row(label: str, s: Scored) -> dict[str, Any]:
     pipe = s.plan.pipeline
     return {"row": label, "label": s.plan.label, "pp_size": s.plan.mesh.pp_size, "tp_size": s.plan.mesh.tp_size,
-            "cp_size": s.plan.mesh.cp_size,
+            "cp_size": s.plan.mesh.cp_size, "ep_size": s.plan.mesh.ep_size,
             "shard_size": s.plan.mesh.shard_size, "step_s": s.estimate.step_s, "peak_bytes": s.estimate.peak_bytes,
             "fits": s.fits, "schedule": pipe.schedule if pipe else None,
             "microbatches": pipe.microbatches if pipe else None,

@@ -133,9 +133,11 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     elif said.get("switches"):
         raise _fail(text, f"{', '.join(said['switch_words'])} needs tensor parallelism: add tp N")
     if "pp" in said or "schedule" in said:
-        if said.get("cp", 1) > 1 or said.get("ep", 1) > 1:
-            raise _fail(text, "cp and ep with a pipeline are not scored yet: drop pp, or cp and ep")
-        return replace(_pipeline(text, graph, mesh, said, units_name, spec), knobs=knobs_said(text, said, _fail))
+        if said.get("cp", 1) > 1:
+            raise _fail(text, "cp with a pipeline is not scored yet: drop pp, or cp")
+        cur = _pipeline(text, graph, mesh, said, units_name, spec)  # ep: See [Note: ep in a pipeline] in shapes.py
+        return replace(cur, plan=_with_cp_ep(text, graph, cur.plan, 1, said.get("ep", 1)),
+                       knobs=knobs_said(text, said, _fail))
     if local_batch is not None:  # TorchTitan's local batch: one forward and backward's sequences per rank
         if micro_batch not in (None, local_batch):
             raise _fail(text, f"local batch {local_batch} is the micro-batch without a pipeline (TorchTitan's "

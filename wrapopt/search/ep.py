@@ -11,7 +11,9 @@ the mesh with ``ep_size``: the loop search/axes.py runs for every such axis (See
 loop of an axis]), at a fixed global batch too (ep borrows data-parallel ranks: every degree has the
 splits FSDP alone has). Degrees are compared by the step (a degree changes no rank's tokens). Not
 searched: ep beside tensor parallelism (no cost view of experts under it: ``--ep`` with ``--tp`` is
-refused, ``--tp auto`` tries ep at tp 1 only), a pipeline or context parallelism.
+refused, ``--tp auto`` tries ep at tp 1 only) or context parallelism. Under a pipeline each
+pipeline shape takes the degrees too, where they divide its stage's data-parallel ranks (See [Note:
+ep in a pipeline] in search/shapes.py).
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ def resolve_ep(graph: ModelGraph, request: ParallelRequest) -> tuple[tuple[int, 
     if isinstance(request.tp, int) and request.tp > 1:
         raise OptionError(f"--ep {request.ep} with --tp {request.tp}: wrapopt has no cost model of experts under "
                           "tensor parallelism; pass --tp 1 (or --tp auto: expert parallelism is then tried at tp 1)")
-    if isinstance(request.pp, int) and request.pp > 1:  # under --pp auto, ep is tried on the shapes without one
-        raise OptionError(f"--ep {request.ep} with --pp {request.pp}: expert parallelism under a pipeline is not "
-                          "searched; pass --pp 1 (or --pp auto: expert parallelism is then tried without a pipeline)")
     ranks = request.mesh.world_size  # the data-parallel ranks of a flat shape without tensor parallelism
     if request.ep != AUTO:
         problem = ep_problem(graph, request.ep)

@@ -143,16 +143,17 @@ def pipeline_plan(layout: PipelineLayout, sizes: tuple[int, ...], mesh: MeshSpec
 
 
 def _mesh(mesh: MeshSpec, shape: Shape) -> MeshSpec:
-    """``shape`` on the world of ``mesh``: FSDP over each stage's data-parallel ranks (``dp_shard x cp``)."""
+    """``shape`` on the world of ``mesh``: FSDP over each stage's data-parallel ranks (``dp_shard x cp``),
+    the experts over ``ep`` of them."""
     return MeshSpec(world_size=mesh.world_size, ranks_per_node=mesh.ranks_per_node,
                     shard_size=shape.dp(mesh.world_size) * shape.cp, tp_size=shape.tp, pp_size=shape.pp,
-                    cp_size=shape.cp)
+                    cp_size=shape.cp, ep_size=shape.ep)
 
 
 def _label(schedule: str, virtual: int, m: int, fsdp: _StageFsdp, shape: Shape) -> str:
     v = f" x{virtual}" if virtual > 1 else ""
     ck = {"none": "", "half": ",ckpt-half", "all": ",ckpt"}[fsdp.checkpoint]
-    axes = "".join(f" + {n}{d}" for n, d in (("tp", shape.tp), ("cp", shape.cp)) if d > 1)
+    axes = "".join(f" + {n}{d}" for n, d in (("tp", shape.tp), ("cp", shape.cp), ("ep", shape.ep)) if d > 1)
     return f"per-block{'' if fsdp.reshard else ',keep'}{ck} + pp{shape.pp} {schedule}{v} m{m}{axes}"
 
 
@@ -175,7 +176,8 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
         return None, [], (f"dropped: the pipeline's batch of {max(1, graph.batch_size) * pp * tp} sequences is "
                           f"smaller than its {pp} stages (at least one micro-batch per stage)")
     full = _mesh(mesh, shape)
-    wsim = sim.view(Shape(tp=tp, cp=shape.cp), spec)  # under cp: one cp rank's share (See [Note: cp in a pipeline])
+    # under cp or ep: one such rank's share (See [Note: cp in a pipeline] and [Note: ep in a pipeline])
+    wsim = sim.view(Shape(tp=tp, cp=shape.cp, ep=shape.ep), spec)
     w, first, last = weights(graph, wsim, full.data_parallel(), layout)
     combos = []
     for v in (1, *VIRTUAL_STAGES):
@@ -237,9 +239,13 @@ def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: Par
     kept = _StageFsdp(blocks[0].reshard_after_forward is not False,
                       "all" if all(cks) else "half" if any(cks) else "none")
     found = {}
-    for d in degrees:
-        if d > 1 and mesh.world_size % (d * mesh.tp_size) == 0:
-            shape = Shape(pp=d, tp=mesh.tp_size)
+    for d in degrees:  # the plan's cp and ep degrees kept: See [Note: cp in a pipeline] in search/shapes.py
+        shape = Shape(pp=d, tp=mesh.tp_size, cp=mesh.cp_size, ep=mesh.ep_size)
+        if d > 1 and (mesh.world_size % (d * shape.tp * shape.cp) or (mesh.world_size // (d * shape.tp)) % shape.ep):
+            notes.append(f"pp{d}: {shape.describe().replace(' ', ' x ')} does not divide the world of "
+                         f"{mesh.world_size} ranks" + (f" (ep within a stage's {mesh.world_size // d} ranks)"
+                                                       if shape.ep > 1 else ""))
+        elif d > 1:
             counts, why = fixed.counts(shape) if fixed is not None else (None, "")
             if counts == ():
                 notes.append(f"pp{d}: {why}")

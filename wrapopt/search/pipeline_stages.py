@@ -116,4 +116,5 @@ def _tail(plan: PlanSpec) -> str:
     assert pipe is not None
     v = len(pipe.stages) // mesh.pp_size
     return (f"pp{mesh.pp_size} {pipe.schedule}{f' x{v}' if v > 1 else ''} m{pipe.microbatches}"
-            + "".join(f" + {n}{d}" for n, d in (("tp", mesh.tp_size), ("cp", mesh.cp_size)) if d > 1))
+            + "".join(f" + {n}{d}" for n, d in (("tp", mesh.tp_size), ("cp", mesh.cp_size), ("ep", mesh.ep_size))
+                      if d > 1))

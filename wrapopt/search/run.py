@@ -137,7 +137,8 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
     scored: list[Scored] = []
     whys: dict[int, dict[int | str, str]] = {}
     runs: list[Shape] = []  # the pipeline shapes that can run the global batch (all of them without one)
-    by_cp: dict[tuple[int, int], Scored] = {}  # the fastest per (pp, cp) degree: See [Note: cp in a pipeline]
+    axis = "cp" if space.cp else "ep" if space.ep else None  # the pipelines' cp or ep degrees:
+    by_axis: dict[tuple[int, int], Scored] = {}  # the fastest per (pp, cp or ep): See [Note: cp in a pipeline]
     for shape, _why in space.dropped:
         if shape.pp > 1:
             whys.setdefault(shape.pp, {})  # a degree no tensor-parallel degree divides the world with
@@ -153,10 +154,11 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
         top, mine, why = search_pipeline_degree(graph, psim, mesh, layout, shape=shape, spec=space.tp_spec,
                                                 memory_budget=memory_budget, counts=counts, refine=refine)
         scored += mine
-        why_pp[shape.tp if shape.cp == 1 else f"{shape.tp} cp{shape.cp}"] = why
+        d = getattr(shape, axis) if axis else 1
+        why_pp[shape.tp if d == 1 else f"{shape.tp} {axis}{d}"] = why
         if top is None:
             continue
-        for table, key in ((best, shape.pp), (by_cp, (shape.pp, shape.cp))):
+        for table, key in ((best, shape.pp), (by_axis, (shape.pp, d))):
             if key not in table or step_per_token(top) < step_per_token(table[key]):
                 table[key] = top
     for pp, why_pp in whys.items():
@@ -171,9 +173,11 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                           fixed=fixed) if space.tp_spec is not None else None
     out = combine(flat.result if flat is not None else None, best, tried, scored, ref, memory_budget,
                   tuple(graph.blocks))
-    if any(c > 1 for _p, c in by_cp):  # what each cp degree made of each pipeline degree, per token
-        said = "; ".join(f"pp{p} cp{c}: " + ("its best" if s is best.get(p) else
-                                              f"{step_per_token(s) / step_per_token(best[p]):.2f}x the time per token")
-                         for (p, c), s in sorted(by_cp.items()))
-        out = replace(out, notes=(*out.notes, f"context parallel in the pipeline (per token): {said}"))
+    if any(d > 1 for _p, d in by_axis):  # what each cp (ep) degree made of each pipeline degree, per token (step)
+        per = "time per token" if axis == "cp" else "step"
+        said = "; ".join(f"pp{p} {axis}{d}: " + ("its best" if s is best.get(p) else
+                                                  f"{step_per_token(s) / step_per_token(best[p]):.2f}x the {per}")
+                         for (p, d), s in sorted(by_axis.items()))
+        what = "context parallel in the pipeline (per token)" if axis == "cp" else "expert parallel in the pipeline"
+        out = replace(out, notes=(*out.notes, f"{what}: {said}"))
     return out

@@ -21,6 +21,15 @@ other shapes per token (``step x cp``), as the flat cp degrees are (See [Note: c
 search] in search/cp.py). Searched per local batch only (a fixed global batch with both is refused),
 and not applied by wrapopt (``plan/pipeline.py`` refuses it naming TorchTitan's export).
 
+[Note: ep in a pipeline] A pipeline shape with ``ep > 1`` (TorchTitan's ``pp x dp_replicate x efsdp
+x ep`` sparse mesh: the experts of each stage split over ``ep`` of its data-parallel ranks) is
+priced as the pipeline of one ep rank's model (``Simulator.view(Shape(ep=e))``: its experts
+modules ``1/ep`` of the experts, their module times holding the all-to-all dispatch and combine;
+each stage's view keeps the experts' own units and their collectives over efsdp, See [Note: expert
+parallel costs] in cost/ep.py) on the mesh ``pp x dp_shard x tp`` with ``ep_size``. Degrees are
+compared by the step, as the flat ep degrees are. Not beside tensor parallelism or cp (as without a
+pipeline), and not applied by wrapopt (``plan/pipeline.py`` refuses it naming TorchTitan's export).
+
 A shape left out is kept in ``dropped`` with the reason, for the report. Context and expert
 parallelism are two more degree loops over the flat shapes (``cp`` and ``ep``), one loop for both
 (See [Note: the degree loop of an axis] in search/axes.py); which degrees each allows is its own
@@ -48,13 +57,13 @@ class ShapeSpace:
     """The shapes a search tries (See [Note: shapes tried]) and what it needs to build their plans."""
 
     flat: tuple[Shape, ...]  # pipeline degree 1, one per tensor-parallel degree (none when a pipeline is forced)
-    piped: tuple[Shape, ...]  # pipeline degree above 1 x tensor-parallel degree, dividing the world
+    piped: tuple[Shape, ...]  # pipeline degree above 1 x tensor-parallel (x cp or ep) degree, dividing the world
     tp_spec: TPSpec | None  # how blocks split (None: no tensor-parallel degree above 1 is tried)
     layout: PipelineLayout | None  # the model's pipeline layout (None: no pipeline is tried)
     dropped: tuple[tuple[Shape, str], ...] = ()  # shapes not tried, with why
     notes: tuple[str, ...] = ()  # what the request became on this model ("--tp auto: ... not tried: ...")
     cp: tuple[int, ...] = ()  # cp degrees above 1 tried on the flat shapes: [Note: context parallel search]
-    ep: tuple[int, ...] = ()  # expert-parallel degrees above 1 tried on the flat shape: [Note: expert parallel search]
+    ep: tuple[int, ...] = ()  # expert-parallel degrees above 1 tried on the flat shapes: [Note: expert parallel search]
 
     @property
     def tp_degrees(self) -> tuple[int, ...]:
@@ -81,15 +90,17 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     world = request.mesh.world_size
     flat = tuple(Shape(tp=t) for t in tp_degrees) if 1 in pp_degrees else ()
     piped = []
-    # a pipeline's cp degrees: See [Note: cp in a pipeline]
+    # a pipeline's cp and ep degrees: See [Note: cp in a pipeline] and [Note: ep in a pipeline]
     cps = ((1,) if request.cp in (1, AUTO) else ()) + cp_degrees
+    eps = ((1,) if request.ep in (1, AUTO) else ()) + ep_degrees
     for p in (p for p in pp_degrees if p > 1):
         for t in tp_degrees:
-            for c in cps:
-                shape = Shape(pp=p, tp=t, cp=c)
-                if world % (p * t * c):
+            for c, e in ((c, e) for c in cps for e in eps if (c == 1 or e == 1) and (e == 1 or t == 1)):
+                shape = Shape(pp=p, tp=t, cp=c, ep=e)
+                if world % (p * t * c) or (world // (p * t)) % e:
                     dropped.append((shape, f"{shape.describe().replace(' ', ' x ')} does not divide the world of "
-                                           f"{world} ranks"))
+                                           f"{world} ranks" + (f" (ep within a stage's {world // p} ranks)"
+                                                                if e > 1 else "")))
                     continue
                 piped.append(shape)
     return ShapeSpace(flat=flat, piped=tuple(piped), tp_spec=spec, layout=layout, dropped=tuple(dropped),
