@@ -95,6 +95,9 @@ def test_ep_auto_in_a_pipeline_compares_each_pipeline_s_degrees_by_the_step(moe)
     assert "pp4 ep4" not in note  # a stage of pp 4 has 2 ranks: fewer than ep 4
     for _label, s in res.pp_rows:  # each pipeline degree's best, priced as the full mesh
         assert s.estimate.step_s == pytest.approx(sim.simulate(s.plan).step_s)
+    tight = run_search(moe, sim, request, memory_budget=4500 * 2**10, options=SearchOptions(trials=0)).result
+    note = next(n for n in tight.notes if n.startswith("expert parallel in the pipeline: "))
+    assert "pp2 ep1: nothing fits: the smallest peak is " in note and " MiB" in note  # a pair without a plan, named
 
 
 def test_a_current_pipeline_with_ep_is_scored_on_the_ep_view(moe):

@@ -39,6 +39,7 @@ from typing import Sequence
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, PlanError
+from wrapopt.fileio import fmt_bytes
 from wrapopt.search.choose import MEMORY_ERROR, STEP_ERROR
 from wrapopt.search.driver import SearchResult
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_at_batch, pipeline_batch
@@ -210,7 +211,7 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
     fitting = [s for s in scored if s.estimate.peak_bytes <= aim] or [s for s in scored if s.fits]
     if not fitting:
         small = min(scored, key=lambda s: s.estimate.peak_bytes)
-        return None, scored, (f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB "
+        return None, scored, (f"nothing fits: the smallest peak is {fmt_bytes(small.estimate.peak_bytes)} "
                               f"({small.plan.label})")
     top = sorted(fitting, key=lambda s: (s.estimate.step_s, s.estimate.peak_bytes))
     if fsdp or not refine:  # an FSDP shape given (``pipeline_for``), or one runtime shape: kept on every stage

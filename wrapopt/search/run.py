@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
+from wrapopt.fileio import fmt_bytes
 from wrapopt.search.batch import global_batch_search
 from wrapopt.search.axes import CP, EP, search_degrees, search_degrees_batch
 from wrapopt.search.driver import SearchOptions, SearchResult
@@ -120,7 +121,7 @@ def _why_none(whys: dict[int | str, str], scored: list[Scored]) -> str:
     """Why a pipeline degree has no plan: the smallest peak over its tensor-parallel degrees, else each reason."""
     if scored:
         small = min(scored, key=lambda s: s.estimate.peak_bytes)
-        return f"nothing fits: the smallest peak is {small.estimate.peak_bytes / 2**30:.2f} GiB ({small.plan.label})"
+        return f"nothing fits: the smallest peak is {fmt_bytes(small.estimate.peak_bytes)} ({small.plan.label})"
     return "; ".join(f"tp{t}: {w}" for t, w in whys.items()) or "no tensor-parallel degree divides the ranks left"
 
 
@@ -139,6 +140,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
     runs: list[Shape] = []  # the pipeline shapes that can run the global batch (all of them without one)
     axis = "cp" if space.cp else "ep" if space.ep else None  # the pipelines' cp or ep degrees:
     by_axis: dict[tuple[int, int], Scored] = {}  # the fastest per (pp, cp or ep): See [Note: cp in a pipeline]
+    none_axis: dict[tuple[int, int], str] = {}  # (pp, cp or ep) with no plan that fits, and why
     for shape, _why in space.dropped:
         if shape.pp > 1:
             whys.setdefault(shape.pp, {})  # a degree no tensor-parallel degree divides the world with
@@ -157,6 +159,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
         d = getattr(shape, axis) if axis else 1
         why_pp[shape.tp if d == 1 else f"{shape.tp} {axis}{d}"] = why
         if top is None:
+            none_axis[(shape.pp, d)] = why.split(" (")[0]
             continue
         for table, key in ((best, shape.pp), (by_axis, (shape.pp, d))):
             if key not in table or step_per_token(top) < step_per_token(table[key]):
@@ -175,9 +178,9 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                   tuple(graph.blocks))
     if any(d > 1 for _p, d in by_axis):  # what each cp (ep) degree made of each pipeline degree, per token (step)
         per = "time per token" if axis == "cp" else "step"
-        said = "; ".join(f"pp{p} {axis}{d}: " + ("its best" if s is best.get(p) else
+        said = "; ".join(f"pp{p} {axis}{d}: " + (none_axis[p, d] if s is None else "its best" if s is best.get(p) else
                                                   f"{step_per_token(s) / step_per_token(best[p]):.2f}x the {per}")
-                         for (p, d), s in sorted(by_axis.items()))
+                         for (p, d), s in sorted({**dict.fromkeys(none_axis), **by_axis}.items()))
         what = "context parallel in the pipeline (per token)" if axis == "cp" else "expert parallel in the pipeline"
         out = replace(out, notes=(*out.notes, f"{what}: {said}"))
     return out
