@@ -196,6 +196,17 @@ def test_current_at_another_cp_degree_names_the_degree_as_a_choice(capsys):
     assert gain["alone"]["tokens_per_s_per_gpu_ratio"] > 1  # cp 4: the same FSDP bytes for half the tokens
 
 
+def test_a_current_pipeline_of_cp_ranks_counts_the_pipelines_that_read_sequences(capsys):
+    """``--current "pp 2, cp 2"`` at a global batch of 16 on 8 ranks: 4 data-parallel ranks a stage,
+    2 cp groups of them read sequences, so 8 micro-batches of 1 on each of 2 pipelines (it was refused)."""
+    data = _search(capsys, "--pp", "2", "--global-batch", "16", "--memory", "none", "--current", "pp 2, cp 2")
+    cur = data["search"]["current"]["current"]
+    assert (cur["micro_batch"], cur["accumulation"]) == (1, 8) and cur["label"] == "current: pp 2, cp 2"
+    ratio = data["search"]["current"]["speedup"]
+    assert ratio > 0 and ratio == pytest.approx(cur["step_s"] / data["search"]["current"]["wrapopt"]["step_s"],
+                                                rel=1e-9)  # the same 16 sequences: the steps compare
+
+
 def test_optimize_wrap_takes_a_cp_degree(llama_tiny, monkeypatch):
     import wrapopt.api
     from wrapopt import optimize_wrap

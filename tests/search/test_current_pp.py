@@ -137,3 +137,24 @@ def test_tensor_parallel_switches(llama_tiny):
                         ("tp 2, no sp, async tp", "async tp overlaps sequence parallelism's collectives")):
         with pytest.raises(OptionError, match=words):
             parse_current(text, graph, MESH)
+
+
+@pytest.mark.parametrize("flags", [("--pp", "2", "--batch", "16"), ("--pp", "2", "--cp", "2")],
+                         ids=["pp2-m2-of-16", "pp2-cp2"])
+def test_a_search_s_own_pipeline_plan_read_back_scores_as_the_search(flags, tmp_path, capsys):
+    """A pipeline plan file records no micro-batch at a local batch: read back as ``--current`` it is
+    the search's own share of the traced batch (it was scored at micro-batch 1: x13.6 at batch 16),
+    and under cp its pipelines are the ranks that read different sequences (See [Note: the current
+    configuration and a pipeline])."""
+    import json
+
+    from wrapopt.cli.main import main as cli
+
+    base = ["search", "zoo:llama-tiny", "--world-size", "8", "--trials", "0", "--memory", "none", *flags]
+    path = str(tmp_path / "plan.json")
+    assert cli([*base, "--out", path]) == 0
+    capsys.readouterr()
+    assert cli([*base, "--current", path, "--json"]) == 0
+    cur = json.loads(capsys.readouterr().out)["search"]["current"]
+    assert cur["speedup"] == pytest.approx(1.0, rel=1e-9)
+    assert cur["current"]["step_s"] == pytest.approx(cur["wrapopt"]["step_s"], rel=1e-9)

@@ -102,7 +102,7 @@ def test_ep_auto_in_a_pipeline_compares_each_pipeline_s_degrees_by_the_step(moe)
 
 def test_a_current_pipeline_with_ep_is_scored_on_the_ep_view(moe):
     """``--current "pp 2, ep 2"``: the current pipeline's mesh carries ep 2 and is priced as such (it was
-    refused before); cp with a pipeline is still refused in one line."""
+    refused before); a degree a stage cannot hold is named."""
     from wrapopt.errors import OptionError
     from wrapopt.search.current import compare_current, parse_current
 
@@ -115,5 +115,5 @@ def test_a_current_pipeline_with_ep_is_scored_on_the_ep_view(moe):
                                 chosen_estimate=chosen.estimate) for c in (ep1, ep2))
     assert two.current.estimate.step_s != one.current.estimate.step_s
     assert any("expert parallel 2" in n for n in two.current.estimate.notes)
-    with pytest.raises(OptionError, match="cp with a pipeline is not scored yet"):
-        parse_current("pp 2, cp 2", moe, MESH)
+    with pytest.raises(OptionError, match="ep 3"):  # a degree the stage's ranks cannot hold: named
+        parse_current("pp 2, ep 3", moe, MESH)

@@ -27,8 +27,9 @@ def _split(c: Any) -> str:
     m = c.plan.mesh
     if c.plan.pipeline is None:
         return f"micro-batch {c.micro_batch} x {c.accumulation} accumulation"
-    return (f"{c.accumulation} micro-batches of {c.micro_batch} on each of {m.dp_size} pipelines "
-            f"(pp {m.pp_size}{f', tp {m.tp_size}' if m.tp_size > 1 else ''})")
+    axes = "".join(f", {n} {d}" for n, d in (("tp", m.tp_size), ("cp", m.cp_size), ("ep", m.ep_size)) if d > 1)
+    return (f"{c.accumulation} micro-batches of {c.micro_batch} on each of {m.batch_size} pipelines "
+            f"(pp {m.pp_size}{axes})")
 
 
 def format_current(cmp: Any, budget: float | None = None) -> str:

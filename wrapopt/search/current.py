@@ -133,10 +133,8 @@ def parse_current(text: str, graph: ModelGraph, mesh: MeshSpec, *, tp_spec: TPSp
     elif said.get("switches"):
         raise _fail(text, f"{', '.join(said['switch_words'])} needs tensor parallelism: add tp N")
     if "pp" in said or "schedule" in said:
-        if said.get("cp", 1) > 1:
-            raise _fail(text, "cp with a pipeline is not scored yet: drop pp, or cp")
-        cur = _pipeline(text, graph, mesh, said, units_name, spec)  # ep: See [Note: ep in a pipeline] in shapes.py
-        return replace(cur, plan=_with_cp_ep(text, graph, cur.plan, 1, said.get("ep", 1)),
+        cur = _pipeline(text, graph, mesh, said, units_name, spec)  # cp, ep: [Note: cp in a pipeline] in shapes.py
+        return replace(cur, plan=_with_cp_ep(text, graph, cur.plan, said.get("cp", 1), said.get("ep", 1)),
                        knobs=knobs_said(text, said, _fail))
     if local_batch is not None:  # TorchTitan's local batch: one forward and backward's sequences per rank
         if micro_batch not in (None, local_batch):
@@ -265,9 +263,13 @@ def _describe_units(plan: PlanSpec) -> str:
 # batch (``pipeline_at_batch``): the global batch N is ``--global-batch``, else its local batch x
 # its data-parallel ranks, else its pipeline's share of the traced batch on every rank; each of its
 # ``dp`` pipelines runs ``N / dp`` sequences (its local batch) a step, in micro-batches of its
-# micro-batch (the plan file's, or the description's, default 1, as TorchTitan's
-# pipeline_parallel_microbatch_size). A pipeline's micro-batches are its accumulation, so a local
-# batch said must be ``N / dp``.
+# micro-batch (the description's, default 1, as TorchTitan's pipeline_parallel_microbatch_size; a
+# plan file's, else the search's at its local batch: the pipeline's share of the traced batch over
+# its micro-batches, as the search's own pipeline plan is counted). A pipeline's micro-batches are
+# its accumulation, so a local batch said must be ``N / dp``. Under cp, ``dp`` counts the pipelines
+# that read different sequences (``MeshSpec.batch_size``: a cp group reads one), and the plan is
+# priced at N x cp, the cp view giving each rank 1/cp of its share (See [Note: cp in a pipeline]
+# in search/shapes.py).
 # [Note: current sync] A plain FSDP2 loop with gradient accumulation reduce-scatters after every
 # micro-batch: ``no_sync`` (``set_requires_gradient_sync(False)``) is something a job adds. So the
 # current configuration, and each choice applied alone to it, is scored syncing every micro-batch
@@ -306,8 +308,10 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
         return Config(plan, sp[0], sp[1], est)
 
     pipe = chosen.pipeline
+    if pipe is not None:  # the search's pipeline at its local batch: its share of the traced batch
+        chosen_micro_batch = chosen_micro_batch or _pipeline_micro_batch(graph, chosen, train.grad_accumulation)
     if current.plan.pipeline is not None:  # See [Note: the current configuration and a pipeline]
-        whole = (Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate) if pipe is not None
+        whole = (Config(chosen, chosen_micro_batch, pipe.microbatches, chosen_estimate) if pipe is not None
                  else score(chosen, chosen_micro_batch, train.accumulation_sync))
         assert whole is not None, "the search's own split divides its global batch"
         return _whole(_score_pipeline(graph, sim, current, request), whole, current.text)
@@ -325,8 +329,7 @@ def compare_current(graph: ModelGraph, sim: Simulator, current: Current, chosen:
                           f"N x {dp} dividing it")
     if pipe is not None:  # See [Note: the current configuration and a pipeline]
         assert chosen_estimate is not None, "a pipeline plan is compared with the search's own estimate"
-        return _whole(cur, Config(chosen, chosen_micro_batch or traced, pipe.microbatches, chosen_estimate),
-                      current.text)
+        return _whole(cur, Config(chosen, chosen_micro_batch, pipe.microbatches, chosen_estimate), current.text)
     best = score(chosen, chosen_micro_batch, train.accumulation_sync, {})  # the search's own mode and knobs
     assert best is not None, "the search's own split divides its global batch"
     return Comparison(cur, best, _gains(current.plan, chosen, cur, best, score, cur_sync), current.text)
@@ -385,6 +388,14 @@ def current_sync(current: Current, request: ParallelRequest) -> str:
     return current.sync or request.train.accumulation_sync or "every"
 
 
+def _pipeline_micro_batch(graph: ModelGraph, plan: PlanSpec, accumulation: int) -> int:
+    """A pipeline plan's micro-batch at the search's local batch: its pipeline's share of the traced
+    batch (``pp x tp x accumulation`` ranks' batches, as ``microbatch_counts``) over its micro-batches."""
+    assert plan.pipeline is not None
+    share = max(1, graph.batch_size) * plan.mesh.pp_size * plan.mesh.tp_size * max(1, accumulation)
+    return max(1, share // plan.pipeline.microbatches)
+
+
 def _whole(cur: Config, chosen: Config, text: str) -> Comparison:
     """Two configurations, one of them a pipeline, compared whole (See [Note: the current
     configuration and a pipeline])."""
@@ -406,7 +417,9 @@ def _score_pipeline(graph: ModelGraph, sim: Simulator, current: Current, request
     """A current pipeline plan at its global batch: See [Note: the current configuration and a pipeline]."""
     plan, pipe = current.plan, current.plan.pipeline
     assert pipe is not None
-    dp, mb = plan.mesh.dp_size, current.micro_batch or 1
+    dp = plan.mesh.batch_size  # its pipelines that read different sequences (a cp group reads one)
+    mb = current.micro_batch or (1 if not current.microbatches_said else  # a plan file without one: the search's
+                                 _pipeline_micro_batch(graph, plan, request.train.grad_accumulation))
     n = request.global_batch
     local = current.local_batch
     if n is None:  # its local batch, its micro-batches said, else its pipeline's share of the traced batch
@@ -428,8 +441,10 @@ def _score_pipeline(graph: ModelGraph, sim: Simulator, current: Current, request
     try:
         plan = replace(plan, pipeline=replace(pipe, microbatches=m))
         train = replace(request.train, micro_batch=mb, grad_accumulation=1, global_batch=None)
+        # priced at n x cp: the cp view gives each rank 1/cp of its share (See [Note: cp in a pipeline])
         at = replace(request, mesh=MeshSpec(world_size=plan.mesh.world_size, ranks_per_node=plan.mesh.ranks_per_node,
-                                            shard_size=plan.mesh.world_size), global_batch=n, train=train, pp=1, tp=1)
+                                            shard_size=plan.mesh.world_size), global_batch=n * plan.mesh.cp_size,
+                     train=train, pp=1, tp=1, cp=1, ep=1)
         psim, _train = pipeline_at_batch(graph, sim, plan, at, memory_budget=sim.options.memory_budget_bytes)
         est = psim.simulate(plan)
     except (OptionError, PlanError, ValueError) as e:
