@@ -9,7 +9,6 @@ import pytest
 
 from wrapopt import zoo
 from wrapopt.cli.main import main as cli
-from wrapopt.errors import OptionError
 from wrapopt.job import prepare
 from wrapopt.search.cp import resolve_cp
 from wrapopt.search.driver import SearchOptions
@@ -58,12 +57,27 @@ def test_a_given_degree_lifts_every_plan_and_composes_with_tp(capsys):
 # --- in a pipeline: See [Note: cp in a pipeline] in search/shapes.py ---------------------------------------
 
 
-def test_cp_in_a_pipeline_is_searched_per_local_batch_only(llama_tiny):
+def test_cp_in_a_pipeline_at_a_global_batch_runs_its_sequences_and_compares_steps(llama_tiny, tmp_path, capsys):
+    """``--pp auto --cp auto --global-batch 32`` (it was refused): every pipeline shape runs the 32
+    sequences over the pipelines that read them (``dp / cp``), so the steps compare as they are; a
+    pp x cp plan saved at the global batch reads back (``estimate``, ``--current``) as the search priced it."""
     graph = llama_tiny[2]
     assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp=2, global_batch=8)) == ((2,), ())
     assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2)) == ((2, 4), ())  # 4 ranks per stage
-    with pytest.raises(OptionError, match=r"--cp auto with --pp 2 and --global-batch: .*drop --global-batch"):
-        resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2, global_batch=16))
+    assert resolve_cp(graph, ParallelRequest(mesh=MESH, cp="auto", pp=2, global_batch=16)) == ((2, 4), ())
+    model, x = zoo.build("llama-tiny", "meta")
+    job = prepare(ParallelRequest(mesh=MESH, pp="auto", cp="auto", global_batch=32, memory_budget="none"), model, x)
+    res = run_search(job.graph, job.sim, job.request, memory_budget=None, options=SearchOptions(trials=0)).result
+    note = next(n for n in res.notes if n.startswith("context parallel in the pipeline: "))
+    assert "pp2 cp2: " in note and "x the step" in note and "per token" not in note and not res.pp_per_token
+    path = str(tmp_path / "ppcp.json")
+    data = _search(capsys, "--pp", "2", "--cp", "2", "--global-batch", "32", "--memory", "none", "--out", path)
+    train, mesh = data["train"], data["mesh"]
+    assert train["micro_batch"] * data["pipeline"]["microbatches"] * (8 // (2 * 2)) == 32  # 2 pipelines read
+    assert cli(["estimate", "zoo:llama-tiny", "--world-size", "8", "--plan", path, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["step_s"] == pytest.approx(data["prediction"]["step_s"], rel=1e-9)
+    assert (mesh["pp_size"], mesh["cp_size"]) == (2, 2)
 
 
 def test_a_pipeline_of_cp_ranks_is_priced_on_the_cp_view(llama_tiny):
@@ -168,11 +182,15 @@ def test_a_global_batch_no_cp_degree_can_split_is_one_line(capsys):
     assert "the nearest that work are 4 and 8" in err[0]
 
 
-def test_estimate_splits_a_cp_plans_global_batch_over_the_ranks_that_read_sequences(capsys):
+def test_estimate_splits_a_cp_plans_global_batch_over_the_ranks_that_read_sequences(capsys, tmp_path):
     assert cli(["estimate", "zoo:llama-tiny", "--plan", "per-block", "--world-size", "8", "--cp", "2",
                 "--global-batch", "16"]) == 0
     out = capsys.readouterr().out
     assert "micro-batch 4 x 1 accumulation (4 dp ranks, cp2)" in out
+    path = str(tmp_path / "cp.json")  # a cp plan saved at a global batch reads back (its check counted dp x cp)
+    data = _search(capsys, "--cp", "2", "--global-batch", "16", "--memory", "none", "--out", path)
+    assert cli(["estimate", "zoo:llama-tiny", "--world-size", "8", "--plan", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_s"] == pytest.approx(data["prediction"]["step_s"], rel=1e-9)
     assert cli(["estimate", "zoo:llama-tiny", "--plan", "per-block", "--world-size", "8", "--cp", "2",
                 "--global-batch", "6"]) == 1
     assert "4 data-parallel ranks under context parallelism of 2" in capsys.readouterr().err

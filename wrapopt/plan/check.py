@@ -77,7 +77,7 @@ def _check_batch(spec: PlanSpec, train: TrainConfig, source: str) -> None:
     """The recorded split multiplies out to the recorded global batch (See [Note: one plan check])."""
     if train.global_batch is None:
         return
-    dp, k = spec.mesh.dp_size, train.grad_accumulation
+    dp, k = spec.mesh.batch_size, train.grad_accumulation  # the ranks that read sequences (dp / cp)
     m = spec.pipeline.microbatches if spec.pipeline is not None else 1
     pipe = f" x pipeline.microbatches {m}" if spec.pipeline is not None else ""
     if train.micro_batch is None:

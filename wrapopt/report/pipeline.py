@@ -36,10 +36,9 @@ def _mesh(plan: PlanSpec) -> str:
 
 def format_pipeline(result: SearchResult) -> str:
     """The rows of ``SearchResult.pp_rows``: per pipeline degree its best plan, and what became of every degree."""
-    cp = any(s.plan.mesh.cp_size > 1 for _label, s in result.pp_rows)
-    # with cp a row's step runs 1/cp of the tokens per GPU: See [Note: cp in a pipeline] in search/shapes.py
-    head = ("pipeline degrees (compared per token: a cp row's step runs 1/cp of the tokens per GPU):" if cp else
-            "pipeline degrees (every row at the same global batch):")
+    # at a local batch a cp row's step runs 1/cp of the tokens per GPU: See [Note: cp in a pipeline] in search/shapes.py
+    head = ("pipeline degrees (compared per token: a cp row's step runs 1/cp of the tokens per GPU):"
+            if result.pp_per_token else "pipeline degrees (every row at the same global batch):")
     lines = ["", head, f"  {'row':48} {'mesh':30} {'step':>10} {'peak':>11} {'fits':>4}"]
     for label, s in result.pp_rows:
         e = s.estimate

@@ -38,10 +38,6 @@ def resolve_cp(graph: ModelGraph, request: ParallelRequest) -> tuple[tuple[int, 
     [Note: context parallel search]."""
     if request.cp == 1:
         return (), ()
-    if request.asks_pp and request.global_batch is not None:
-        raise OptionError(f"--cp {request.cp} with --pp {request.pp} and --global-batch: context parallelism under "
-                          "a pipeline is searched per local batch only; drop --global-batch (give --batch), or pass "
-                          "--pp 1")
     why = cp_refusal(graph)
     fixed = [d for d in (request.tp, request.pp) if isinstance(d, int)]
     ranks = request.mesh.world_size  # the data-parallel ranks cp splits (under auto: the most any degree leaves)

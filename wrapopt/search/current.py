@@ -268,8 +268,7 @@ def _describe_units(plan: PlanSpec) -> str:
 # its micro-batches, as the search's own pipeline plan is counted). A pipeline's micro-batches are
 # its accumulation, so a local batch said must be ``N / dp``. Under cp, ``dp`` counts the pipelines
 # that read different sequences (``MeshSpec.batch_size``: a cp group reads one), and the plan is
-# priced at N x cp, the cp view giving each rank 1/cp of its share (See [Note: cp in a pipeline]
-# in search/shapes.py).
+# priced as [Note: pipeline global batch] in search/pipeline_batch.py says for cp.
 # [Note: current sync] A plain FSDP2 loop with gradient accumulation reduce-scatters after every
 # micro-batch: ``no_sync`` (``set_requires_gradient_sync(False)``) is something a job adds. So the
 # current configuration, and each choice applied alone to it, is scored syncing every micro-batch
@@ -441,10 +440,9 @@ def _score_pipeline(graph: ModelGraph, sim: Simulator, current: Current, request
     try:
         plan = replace(plan, pipeline=replace(pipe, microbatches=m))
         train = replace(request.train, micro_batch=mb, grad_accumulation=1, global_batch=None)
-        # priced at n x cp: the cp view gives each rank 1/cp of its share (See [Note: cp in a pipeline])
         at = replace(request, mesh=MeshSpec(world_size=plan.mesh.world_size, ranks_per_node=plan.mesh.ranks_per_node,
-                                            shard_size=plan.mesh.world_size), global_batch=n * plan.mesh.cp_size,
-                     train=train, pp=1, tp=1, cp=1, ep=1)
+                                            shard_size=plan.mesh.world_size), global_batch=n, train=train, pp=1, tp=1,
+                     cp=1, ep=1)  # under cp, priced as [Note: pipeline global batch] says
         psim, _train = pipeline_at_batch(graph, sim, plan, at, memory_budget=sim.options.memory_budget_bytes)
         est = psim.simulate(plan)
     except (OptionError, PlanError, ValueError) as e:

@@ -79,6 +79,7 @@ class SearchResult:
     # as (label, scored), and per pipeline degree tried what became of it.
     pp_rows: tuple[tuple[str, Scored], ...] = field(default=(), repr=False)
     pp_tried: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+    pp_per_token: bool = False  # ``pp_rows`` compared per token (cp rows at a local batch: [Note: cp in a pipeline])
     # The throughput knobs of the answer's step: compile on or off and float8, each with why (one
     # line each: See [Note: knob defaults] in search/knobs.py); set by ``api.plan_model``.
     knobs: tuple[str, ...] = ()

@@ -251,7 +251,8 @@ def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: Par
             if counts == ():
                 notes.append(f"pp{d}: {why}")
                 continue
-            top, _all, why = search_pipeline_degree(graph, fixed.sim if fixed is not None else sim, base, layout,
+            top, _all, why = search_pipeline_degree(graph, fixed.sim_for(shape.cp) if fixed is not None else sim,
+                                                    base, layout,
                                                     shape=shape, spec=plan.tp, memory_budget=memory_budget,
                                                     fsdp=(kept,), counts=counts)
             if top is not None:
@@ -318,9 +319,11 @@ def torchtitan_plan(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, layout: P
 
 def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: dict[int, str],
             scored: Sequence[Scored], reference: Scored | None, memory_budget: float | None,
-            blocks: tuple[str, ...] = ()) -> SearchResult:
+            blocks: tuple[str, ...] = (), per_token: bool = True) -> SearchResult:
     """The answer over the pipeline degrees: the smallest degree within the simulator's error of
-    the fastest (degree 1's from its own search), with the rows the report prints."""
+    the fastest (degree 1's from its own search), with the rows the report prints. ``per_token``:
+    compared per token (cp rows run 1/cp of the tokens), else by the step (at a fixed global batch
+    every row runs the same sequences)."""
     best = dict(per_degree)
     if one_d is not None:
         best[1] = one_d.best
@@ -337,7 +340,7 @@ def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: di
     if not best:
         raise InfeasibleError("no pipeline degree has a plan that fits: " + "; ".join(
             f"pp{d}: {why}" for d, why in sorted(tried.items())))
-    work = step_per_token  # cp with a pipeline at a global batch is refused (search/cp.py): steps per token
+    work = step_per_token if per_token else (lambda s: s.estimate.step_s)  # See [Note: pipeline global batch]
     top = min(work(s) for s in best.values())
     chosen = min(d for d, s in best.items() if work(s) <= top * (1 + STEP_ERROR))
     shown = {**best, **rows_extra}
@@ -352,17 +355,19 @@ def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: di
                                                      f"fits, {1 / r:.3f}x faster, within the simulator's "
                                                      f"{STEP_ERROR * 100:.1f}% error")
     pp_tried = tuple(sorted(out_tried.items()))
+    tokens = per_token and any(s.plan.mesh.cp_size > 1 for s in shown.values())  # the report's rows say so
     if chosen == 1 and one_d is not None:
-        return replace(one_d, pp_rows=tuple(rows), pp_tried=pp_tried)
+        return replace(one_d, pp_rows=tuple(rows), pp_tried=pp_tried, pp_per_token=tokens)
     win = best[chosen]
     if one_d is not None:
         why = (f"pipeline degree {chosen}: {work(one_d.best) / work(win):.2f}x faster than the best plan without "
-               "a pipeline" + (" (per token)" if win.plan.mesh.cp_size != one_d.best.plan.mesh.cp_size else ""))
+               "a pipeline" + (" (per token)" if per_token and win.plan.mesh.cp_size != one_d.best.plan.mesh.cp_size
+                               else ""))
     else:
         why = f"pipeline degree {chosen}: " + ("no plan without a pipeline fits" if 1 in tried else "as asked (--pp)")
     budget = float(memory_budget) if memory_budget else float("inf")
     if one_d is not None:
         return replace(one_d, best=win, fastest=win, why=why, candidates=one_d.candidates + tuple(scored),
-                       pp_rows=tuple(rows), pp_tried=pp_tried, tp_rows=())
+                       pp_rows=tuple(rows), pp_tried=pp_tried, tp_rows=(), pp_per_token=tokens)
     return SearchResult(best=win, baselines={}, candidates=tuple(scored), memory_budget=budget, fastest=win, why=why,
-                        pp_rows=tuple(rows), pp_tried=pp_tried, blocks=blocks)
+                        pp_rows=tuple(rows), pp_tried=pp_tried, blocks=blocks, pp_per_token=tokens)

@@ -25,11 +25,17 @@ when no degree can run N, ``run_search`` raises ``OptionError`` naming ``--globa
 the nearest values that work. A pipeline plan records ``micro_batch = N / (dp x m)``,
 ``grad_accumulation`` 1 and ``global_batch`` N, so that ``N = micro_batch x microbatches x dp``
 (``plan_scale`` in search/batch.py turns it back into the simulator's scale).
+
+Under context parallelism (a shape with ``cp > 1``) ``dp`` is the pipelines that read different
+sequences, ``world / (p x t x cp)`` (``Shape.dp``, ``MeshSpec.batch_size``), and the stages are
+priced by ``sim_for(cp)``: the scale times cp, which the cp view divides by cp again, so that each
+rank prices 1/cp of its pipeline's micro-batch of ``N / (dp x m)`` sequences. Every shape runs the
+same N sequences a step, so the steps compare as they are (not per token).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import OptionError
@@ -55,6 +61,20 @@ class PipelineBatch:
     sim: Simulator  # prices a stage's micro-batch for every degree and count
     micro_batch: int | None = None  # fixed by --batch: sequences per pipeline micro-batch
     accumulation: int | None = None  # fixed by --accumulation K > 1: the micro-batch count
+    _cp_sims: dict[int, Simulator] = field(default_factory=dict, compare=False, repr=False)
+
+    def sim_for(self, cp: int) -> Simulator:
+        """The simulator that prices a stage's micro-batch of a shape with context-parallel degree ``cp``:
+        ``sim`` at ``cp`` times its share (the cp view gives each rank 1/cp of a micro-batch's sequences).
+        See [Note: cp in a pipeline] in search/shapes.py."""
+        if cp == 1:
+            return self.sim
+        hit = self._cp_sims.get(cp)
+        if hit is None:
+            s = self.sim
+            opts = replace(s.options, batch_scale=s.options.batch_scale * cp)
+            hit = self._cp_sims[cp] = Simulator(s.traced, s.fabric, s.compute, opts, backend=s.backend, host=s.host)
+        return hit
 
     def counts(self, shape: Shape) -> tuple[tuple[int, ...], str]:
         """The micro-batch counts that split the global batch at ``shape``'s pipeline and
@@ -102,7 +122,7 @@ class PipelineBatch:
         global batch: ``N / (dp x m)`` sequences per micro-batch, a whole number (the fixed
         micro-batch, if any), and ``m`` the fixed accumulation, if any."""
         assert plan.pipeline is not None
-        n, dp, m, mb = self.global_batch, plan.mesh.dp_size, plan.pipeline.microbatches, self.micro_batch
+        n, dp, m, mb = self.global_batch, plan.mesh.batch_size, plan.pipeline.microbatches, self.micro_batch
         why = ""
         if self.accumulation and self.accumulation != m:
             why = f"the plan runs {m} micro-batches, not --accumulation {self.accumulation}"
@@ -118,7 +138,7 @@ class PipelineBatch:
     def pipeline_batch_of(self, plan: PlanSpec) -> int:
         """Sequences per micro-batch of a pipeline plan at this global batch."""
         assert plan.pipeline is not None
-        return self.global_batch // (plan.mesh.dp_size * plan.pipeline.microbatches)
+        return self.global_batch // (plan.mesh.batch_size * plan.pipeline.microbatches)
 
     def train_for(self, train: TrainConfig, plan: PlanSpec) -> TrainConfig:
         """``train`` as a pipeline plan runs it: its micro-batch, no accumulation, the global batch."""
@@ -132,7 +152,7 @@ def pipeline_at_batch(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request
     ``wrapopt estimate``); ``OptionError`` when the plan's micro-batch count does not split it."""
     fixed = pipeline_batch(graph, sim, request, memory_budget=memory_budget)
     fixed.check_plan(plan)
-    return fixed.sim, fixed.train_for(request.train, plan)
+    return fixed.sim_for(plan.mesh.cp_size), fixed.train_for(request.train, plan)
 
 
 def pipeline_batch(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *,

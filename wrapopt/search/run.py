@@ -10,6 +10,7 @@ search/pipeline.py picks the answer over the pipeline degrees and keeps every sh
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 from wrapopt.cost.simulate import Simulator
 from wrapopt.errors import InfeasibleError, OptionError
@@ -83,7 +84,8 @@ def run_search(graph: ModelGraph, sim: Simulator, request: ParallelRequest, *, m
     if fixed is None:
         return SearchRun(result, request.train, sim, notes)
     rows = tuple(replace(r, chosen=False) for r in result.batch_rows)  # the flat splits; the answer is below them
-    return SearchRun(replace(result, batch_rows=rows), fixed.train_for(request.train, result.best.plan), fixed.sim,
+    return SearchRun(replace(result, batch_rows=rows), fixed.train_for(request.train, result.best.plan),
+                     fixed.sim_for(result.best.plan.mesh.cp_size),
                      notes)
 
 
@@ -115,6 +117,12 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
         return SearchRun(flat(sim, options), request.train, sim)
     return SearchRun(search_degrees(graph, sim, request, axis, degrees=axis_degrees, flat=flat, options=options),
                      request.train, sim)
+
+
+def _work(s: Scored, fixed: PipelineBatch | None) -> float:
+    """What a pipeline shape's plans compare by: the step per token (a cp plan's step runs 1/cp of the
+    tokens), or at a fixed global batch the step (every shape runs the same sequences)."""
+    return step_per_token(s) if fixed is None else s.estimate.step_s
 
 
 def _why_none(whys: dict[int | str, str], scored: list[Scored]) -> str:
@@ -153,7 +161,8 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                 why_pp[shape.tp] = why
                 continue
         runs.append(shape)
-        top, mine, why = search_pipeline_degree(graph, psim, mesh, layout, shape=shape, spec=space.tp_spec,
+        top, mine, why = search_pipeline_degree(graph, psim if fixed is None else fixed.sim_for(shape.cp), mesh,
+                                                layout, shape=shape, spec=space.tp_spec,
                                                 memory_budget=memory_budget, counts=counts, refine=refine)
         scored += mine
         d = getattr(shape, axis) if axis else 1
@@ -162,7 +171,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
             none_axis[(shape.pp, d)] = why.split(" (")[0]
             continue
         for table, key in ((best, shape.pp), (by_axis, (shape.pp, d))):
-            if key not in table or step_per_token(top) < step_per_token(table[key]):
+            if key not in table or _work(top, fixed) < _work(table[key], fixed):
                 table[key] = top
     for pp, why_pp in whys.items():
         if pp not in best:
@@ -175,12 +184,15 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
     ref = torchtitan_plan(graph, psim, mesh, layout, space.tp_spec, memory_budget,
                           fixed=fixed) if space.tp_spec is not None else None
     out = combine(flat.result if flat is not None else None, best, tried, scored, ref, memory_budget,
-                  tuple(graph.blocks))
+                  tuple(graph.blocks), per_token=fixed is None)
     if any(d > 1 for _p, d in by_axis):  # what each cp (ep) degree made of each pipeline degree, per token (step)
-        per = "time per token" if axis == "cp" else "step"
+        tokens = axis == "cp" and fixed is None  # at a global batch every shape runs the same sequences
+        work = partial(_work, fixed=fixed)
         said = "; ".join(f"pp{p} {axis}{d}: " + (none_axis[p, d] if s is None else "its best" if s is best.get(p) else
-                                                  f"{step_per_token(s) / step_per_token(best[p]):.2f}x the {per}")
+                                                  f"{work(s) / work(best[p]):.2f}x the "
+                                                  + ("time per token" if tokens else "step"))
                          for (p, d), s in sorted({**dict.fromkeys(none_axis), **by_axis}.items()))
-        what = "context parallel in the pipeline (per token)" if axis == "cp" else "expert parallel in the pipeline"
+        what = ("context parallel in the pipeline" + (" (per token)" if tokens else "") if axis == "cp" else
+                "expert parallel in the pipeline")
         out = replace(out, notes=(*out.notes, f"{what}: {said}"))
     return out

@@ -18,8 +18,9 @@ pipeline's stages) and returns the cross product of the degrees left, in two gro
 share (``Simulator.view(Shape(cp=c, tp=t))``: the stages cut from the cp view, their module times
 holding ring attention's exchanges) on the mesh ``pp x dp_shard x cp x tp``, and compared with the
 other shapes per token (``step x cp``), as the flat cp degrees are (See [Note: context parallel
-search] in search/cp.py). Searched per local batch only (a fixed global batch with both is refused),
-and not applied by wrapopt (``plan/pipeline.py`` refuses it naming TorchTitan's export).
+search] in search/cp.py). At a fixed global batch each shape runs the same sequences, priced as
+[Note: pipeline global batch] in search/pipeline_batch.py says for cp, and the steps compare as they
+are. Not applied by wrapopt (``plan/pipeline.py`` refuses it naming TorchTitan's export).
 
 [Note: ep in a pipeline] A pipeline shape with ``ep > 1`` (TorchTitan's ``pp x dp_replicate x efsdp
 x ep`` sparse mesh: the experts of each stage split over ``ep`` of its data-parallel ranks) is
