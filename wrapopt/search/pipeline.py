@@ -35,6 +35,7 @@ every block checkpointed) when the mesh has it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Sequence
 
 from wrapopt.cost.simulate import Simulator
@@ -46,7 +47,7 @@ from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_at_batch, pipe
 from wrapopt.search.pipeline_stages import REFINE_TOP, refine_stages, refined_over
 from wrapopt.search.stages import (PipelineLayout, balanced_split, check_stage_count, pipeline_layout,
                                    stage_modules, weights)
-from wrapopt.search.strategy import Scored, step_per_token
+from wrapopt.search.strategy import Scored, compared_step
 from wrapopt.spec import AUTO, ROOT, MeshSpec, ModelGraph, ParallelRequest, PlanSpec, Shape, UnitSpec
 from wrapopt.spec.plan import PipelineSpec
 from wrapopt.tp import TPSpec
@@ -242,10 +243,8 @@ def pipeline_for(graph: ModelGraph, sim: Simulator, plan: PlanSpec, request: Par
     found = {}
     for d in degrees:  # the plan's cp and ep degrees kept: See [Note: cp in a pipeline] in search/shapes.py
         shape = Shape(pp=d, tp=mesh.tp_size, cp=mesh.cp_size, ep=mesh.ep_size)
-        if d > 1 and (mesh.world_size % (d * shape.tp * shape.cp) or (mesh.world_size // (d * shape.tp)) % shape.ep):
-            notes.append(f"pp{d}: {shape.describe().replace(' ', ' x ')} does not divide the world of "
-                         f"{mesh.world_size} ranks" + (f" (ep within a stage's {mesh.world_size // d} ranks)"
-                                                       if shape.ep > 1 else ""))
+        if d > 1 and shape.misfit(mesh.world_size):
+            notes.append(f"pp{d}: {shape.misfit(mesh.world_size)}")
         elif d > 1:
             counts, why = fixed.counts(shape) if fixed is not None else (None, "")
             if counts == ():
@@ -340,7 +339,7 @@ def combine(one_d: SearchResult | None, per_degree: dict[int, Scored], tried: di
     if not best:
         raise InfeasibleError("no pipeline degree has a plan that fits: " + "; ".join(
             f"pp{d}: {why}" for d, why in sorted(tried.items())))
-    work = step_per_token if per_token else (lambda s: s.estimate.step_s)  # See [Note: pipeline global batch]
+    work = partial(compared_step, per_token=per_token)  # See [Note: pipeline global batch]
     top = min(work(s) for s in best.values())
     chosen = min(d for d, s in best.items() if work(s) <= top * (1 + STEP_ERROR))
     shown = {**best, **rows_extra}

@@ -21,7 +21,7 @@ from wrapopt.search.driver import SearchOptions, SearchResult
 from wrapopt.search.pipeline import combine, search_pipeline_degree, torchtitan_plan
 from wrapopt.search.pipeline_batch import PipelineBatch, pipeline_batch
 from wrapopt.search.shapes import ShapeSpace, shape_space
-from wrapopt.search.strategy import Scored, step_per_token
+from wrapopt.search.strategy import Scored, compared_step
 from wrapopt.search.tp import search_shape, search_tp
 from wrapopt.spec import AUTO, ModelGraph, ParallelRequest, Shape
 from wrapopt.train import TrainConfig
@@ -119,12 +119,6 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
                      request.train, sim)
 
 
-def _work(s: Scored, fixed: PipelineBatch | None) -> float:
-    """What a pipeline shape's plans compare by: the step per token (a cp plan's step runs 1/cp of the
-    tokens), or at a fixed global batch the step (every shape runs the same sequences)."""
-    return step_per_token(s) if fixed is None else s.estimate.step_s
-
-
 def _why_none(whys: dict[int | str, str], scored: list[Scored]) -> str:
     """Why a pipeline degree has no plan: the smallest peak over its tensor-parallel degrees, else each reason."""
     if scored:
@@ -171,7 +165,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
             none_axis[(shape.pp, d)] = why.split(" (")[0]
             continue
         for table, key in ((best, shape.pp), (by_axis, (shape.pp, d))):
-            if key not in table or _work(top, fixed) < _work(table[key], fixed):
+            if key not in table or compared_step(top, fixed is None) < compared_step(table[key], fixed is None):
                 table[key] = top
     for pp, why_pp in whys.items():
         if pp not in best:
@@ -187,7 +181,7 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                   tuple(graph.blocks), per_token=fixed is None)
     if any(d > 1 for _p, d in by_axis):  # what each cp (ep) degree made of each pipeline degree, per token (step)
         tokens = axis == "cp" and fixed is None  # at a global batch every shape runs the same sequences
-        work = partial(_work, fixed=fixed)
+        work = partial(compared_step, per_token=fixed is None)
         said = "; ".join(f"pp{p} {axis}{d}: " + (none_axis[p, d] if s is None else "its best" if s is best.get(p) else
                                                   f"{work(s) / work(best[p]):.2f}x the "
                                                   + ("time per token" if tokens else "step"))

@@ -98,10 +98,8 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
         for t in tp_degrees:
             for c, e in ((c, e) for c in cps for e in eps if (c == 1 or e == 1) and (e == 1 or t == 1)):
                 shape = Shape(pp=p, tp=t, cp=c, ep=e)
-                if world % (p * t * c) or (world // (p * t)) % e:
-                    dropped.append((shape, f"{shape.describe().replace(' ', ' x ')} does not divide the world of "
-                                           f"{world} ranks" + (f" (ep within a stage's {world // p} ranks)"
-                                                                if e > 1 else "")))
+                if shape.misfit(world):
+                    dropped.append((shape, shape.misfit(world)))
                     continue
                 piped.append(shape)
     return ShapeSpace(flat=flat, piped=tuple(piped), tp_spec=spec, layout=layout, dropped=tuple(dropped),

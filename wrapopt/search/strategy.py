@@ -29,6 +29,7 @@ from wrapopt.spec import CHECKPOINT_MODES, SELECTIVE_OP, CostEstimate, MeshSpec,
 
 __all__ = [
     "step_per_token",
+    "compared_step",
     "Strategy",
     "SearchOptions",
     "SearchProblem",
@@ -98,6 +99,12 @@ def step_per_token(s: Scored) -> float:
     its cp degree, since a cp plan's step runs 1/cp of the tokens per GPU (See [Note: context parallel
     search] in search/cp.py). Not for steps at a fixed global batch, which cover the same tokens."""
     return s.estimate.step_s * s.plan.mesh.cp_size
+
+
+def compared_step(s: Scored, per_token: bool) -> float:
+    """What plans of different shapes compare by: ``step_per_token`` at a local batch, the step itself
+    at a fixed global batch (every plan runs the same sequences)."""
+    return step_per_token(s) if per_token else s.estimate.step_s
 
 
 @dataclass(frozen=True, kw_only=True)

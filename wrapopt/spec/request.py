@@ -61,6 +61,14 @@ class Shape:
         """Data-parallel ranks (shard x replicate) of ``world_size`` ranks: what FSDP runs over."""
         return world_size // (self.pp * self.tp * self.cp)
 
+    def misfit(self, world_size: int) -> str:
+        """Why ``world_size`` ranks cannot take this shape ("" when they can): ``pp x tp x cp`` divides
+        them, and ``ep`` divides a stage's data-parallel ranks (the ep view prices tp 1 only)."""
+        if world_size % (self.pp * self.tp * self.cp) == 0 and (world_size // (self.pp * self.tp)) % self.ep == 0:
+            return ""
+        return (f"{self.describe().replace(' ', ' x ')} does not divide the world of {world_size} ranks"
+                + (f" (ep within a stage's {world_size // self.pp} ranks)" if self.ep > 1 else ""))
+
     def describe(self) -> str:
         """``pp2 tp4`` (the axes above 1; ``1-D`` when none is)."""
         axes = [f"{name}{d}" for name, d in (("pp", self.pp), ("tp", self.tp), ("cp", self.cp), ("ep", self.ep))
