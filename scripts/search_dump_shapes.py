@@ -60,6 +60,8 @@ CASES = [
     ("moe-tiny", 8, 8, dict(ep=2, pp=2), 0, "tight"),
     ("moe-tiny", 8, 8, dict(ep="auto", pp="auto", global_batch=32), 0, None),
     ("llama-tiny", 8, 8, dict(pp="auto", cp="auto", global_batch=32), 0, None),
+    ("moe-tiny", 8, 8, dict(cp="auto", ep="auto"), 0, "tight"),
+    ("moe-tiny", 8, 8, dict(cp="auto", ep="auto", pp="auto"), 0, None),
 ]
 
 

@@ -48,8 +48,9 @@ def test_the_search_names_the_degrees_that_would(moe):
                        ("--ep 2 with --tp 2", "no cost model of experts under tensor parallelism", "--tp 1"))
     piped = shape_space(moe, ParallelRequest(mesh=MESH8, ep=4, pp="auto")).piped  # searched since: ep in a stage
     assert [(s.pp, s.ep) for s in piped] == [(2, 4)]  # pp 4 leaves a stage 2 ranks, fewer than ep 4
-    assert_api_refuses(lambda: ParallelRequest(mesh=MESH8, ep="auto", cp="auto"), OptionError,
-                       ("--cp auto with --ep auto", "pass one of them as 1"))
+    assert ParallelRequest(mesh=MESH8, ep="auto", cp="auto").ep == "auto"  # searched since: [Note: cp with ep]
+    assert_api_refuses(lambda: ParallelRequest(mesh=MESH8, ep="auto", cp="auto", global_batch=16), OptionError,
+                       ("--cp auto with --ep auto and --global-batch", "pass one of them as 1"))
     auto = shape_space(moe, ParallelRequest(mesh=MeshSpec(world_size=2, ranks_per_node=2, shard_size=2), ep="auto"))
     assert auto.ep == (2,) and any("ep 4 not tried" in n and "2 ranks" in n for n in auto.notes)
 
@@ -67,7 +68,8 @@ def test_apply_refuses_what_it_does_not_apply():
     hsdp = PlanSpec(units, MeshSpec(world_size=8, ranks_per_node=8, shard_size=4, ep_size=2))
     assert check_ep(model, hsdp)  # applied since: ep inside each shard group (tests/plan/test_ep_apply.py)
     with_cp = PlanSpec(units, MeshSpec(world_size=8, ranks_per_node=8, shard_size=8, cp_size=2, ep_size=2))
-    assert_api_refuses(lambda: check_ep(model, with_cp), PlanError, ("mesh.cp_size 2", "--ep 1 or cp 1"))
+    assert_api_refuses(lambda: check_ep(model, with_cp), PlanError, ("mesh.cp_size 2", "--ep 1 or --cp 1",
+                                                                     "--to torchtitan"))
     odd = PlanSpec(units, replace(MESH8, ep_size=8))
     assert_api_refuses(lambda: check_ep(model, odd), PlanError, ("mesh.ep_size 8", "4 experts of blocks.0.ffn",
                                                                  "degrees that do: 2, 4"))

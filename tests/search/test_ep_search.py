@@ -5,6 +5,7 @@ global batch each degree's splits compared by the step."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -117,3 +118,30 @@ def test_a_current_pipeline_with_ep_is_scored_on_the_ep_view(moe):
     assert any("expert parallel 2" in n for n in two.current.estimate.notes)
     with pytest.raises(OptionError, match="ep 3"):  # a degree the stage's ranks cannot hold: named
         parse_current("pp 2, ep 3", moe, MESH)
+
+
+def test_cp_with_ep_searches_each_cp_degree_s_view_over_the_ep_degrees(moe, capsys):
+    """``--cp auto --ep auto`` (it was refused): each cp degree's view searched over the ep degrees
+    (See [Note: cp with ep] in search/axes.py); a plan with both is priced on the ep view of a cp
+    rank's share, exported with both degrees, and refused by wrapopt's own apply naming the export."""
+    from wrapopt.errors import OptionError, PlanError
+    from wrapopt.plan.ep import check_ep
+
+    sim = Simulator(moe, analytical_fabric(world_size=8), analytical_compute())
+    request = ParallelRequest(mesh=MESH, cp="auto", ep="auto")
+    res = run_search(moe, sim, request, memory_budget=None, options=SearchOptions(trials=0)).result
+    assert any(n.startswith("context parallel (tokens/s per GPU compared): ") for n in res.notes)
+    both = replace(res.best.plan, mesh=MESH.with_cp(2, 2))
+    assert both.mesh.cp_size == 2 and both.mesh.ep_size == 2
+    est = sim.simulate(both)
+    view = sim.for_cp(2, 8)[0].for_ep(2)[0].simulate(replace(both, mesh=MESH))
+    assert est.step_s == pytest.approx(view.step_s) and est.peak_bytes == view.peak_bytes
+    assert any("expert parallel 2" in n for n in est.notes)
+    assert est.step_s != sim.simulate(replace(both, mesh=MESH.with_cp(2))).step_s  # ep changes the cp plan's step
+    data = _search(capsys, "--cp", "2", "--ep", "2", "--memory", "none")
+    assert (data["mesh"]["cp_size"], data["mesh"]["ep_size"]) == (2, 2)
+    model, _x = zoo.build("moe-tiny", "meta")
+    with pytest.raises(PlanError, match=r"mesh.cp_size 2.*--to torchtitan"):
+        check_ep(model, both)
+    with pytest.raises(OptionError, match="searched per local batch only"):
+        ParallelRequest(mesh=MESH, cp=2, ep=2, global_batch=16)

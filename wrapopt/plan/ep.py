@@ -87,7 +87,9 @@ def check_ep(model: nn.Module, spec: PlanSpec) -> dict[str, tuple[nn.Module, int
     for what, bad in (("mesh.tp_size", mesh.tp_size), ("mesh.pp_size", mesh.pp_size), ("mesh.cp_size", mesh.cp_size)):
         if bad > 1:
             raise PlanError(f"this plan has mesh.ep_size {ep} with {what} {bad}: wrapopt applies expert parallelism "
-                            f"with FSDP or HSDP alone; search with --ep 1 or {what.split('_')[0].split('.')[1]} 1")
+                            f"with FSDP or HSDP alone; search with --ep 1 or --{what.split('_')[0].split('.')[1]} 1"
+                            + (", or run it with TorchTitan (wrapopt export PLAN --to torchtitan)"
+                               if what != "mesh.tp_size" else ""))
     found = expert_modules(model)
     if not found:
         raise PlanError(f"this plan has mesh.ep_size {ep} but the model holds no experts module (a module with an "

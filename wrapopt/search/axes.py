@@ -25,6 +25,14 @@ within the simulator's error of the fastest among those that fit (all when none 
 (no such parallelism) is tried under ``auto`` only: ``--cp 2`` and ``--ep 2`` are searched as
 given, as ``--tp 2`` is. The report's rows list each degree's best; one note says what became of
 each degree tried.
+
+[Note: cp with ep] ``--cp`` with ``--ep`` (TorchTitan's sparse mesh: ep borrows its ranks from
+``dp_shard x cp``) nests the loops: each cp degree's view is searched over the ep degrees, so a
+plan is priced on the ep view of one cp rank's share (its experts' all-to-all carries that rank's
+1/cp of the tokens), its shard groups holding whole cp and ep groups; cp degrees then compare per
+token. Searched per local batch only (``ParallelRequest`` refuses both at a fixed global batch),
+not in a pipeline (a pipeline shape takes one of them), and not applied by wrapopt
+(``plan/ep.py`` refuses it naming the TorchTitan export, which writes both degrees).
 """
 
 from __future__ import annotations

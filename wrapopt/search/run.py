@@ -115,6 +115,12 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
 
     if axis is None:
         return SearchRun(flat(sim, options), request.train, sim)
+    if space.cp and space.ep:  # each cp degree's view searched over the ep degrees: See [Note: cp with ep]
+        inner = flat
+
+        def flat(s: Simulator, opts: SearchOptions, with_tp: bool = True) -> SearchResult:
+            return search_degrees(graph, s, request, EP, degrees=space.ep, options=opts,
+                                  flat=lambda v, o, w: inner(v, o, w and with_tp))
     return SearchRun(search_degrees(graph, sim, request, axis, degrees=axis_degrees, flat=flat, options=options),
                      request.train, sim)
 
@@ -140,9 +146,9 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
     scored: list[Scored] = []
     whys: dict[int, dict[int | str, str]] = {}
     runs: list[Shape] = []  # the pipeline shapes that can run the global batch (all of them without one)
-    axis = "cp" if space.cp else "ep" if space.ep else None  # the pipelines' cp or ep degrees:
-    by_axis: dict[tuple[int, int], Scored] = {}  # the fastest per (pp, cp or ep): See [Note: cp in a pipeline]
-    none_axis: dict[tuple[int, int], str] = {}  # (pp, cp or ep) with no plan that fits, and why
+    axes = tuple(n for n, ds in (("cp", space.cp), ("ep", space.ep)) if ds)  # the pipelines' cp and ep degrees:
+    by_axis: dict[tuple[int, str], Scored] = {}  # the fastest per (pp, cp and ep): See [Note: cp in a pipeline]
+    none_axis: dict[tuple[int, str], str] = {}  # (pp, cp and ep) with no plan that fits, and why
     for shape, _why in space.dropped:
         if shape.pp > 1:
             whys.setdefault(shape.pp, {})  # a degree no tensor-parallel degree divides the world with
@@ -159,8 +165,8 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                                                 layout, shape=shape, spec=space.tp_spec,
                                                 memory_budget=memory_budget, counts=counts, refine=refine)
         scored += mine
-        d = getattr(shape, axis) if axis else 1
-        why_pp[shape.tp if d == 1 else f"{shape.tp} {axis}{d}"] = why
+        d = " ".join(f"{n}{getattr(shape, n)}" for n in axes)  # "cp2", "cp1 ep2", "" without cp and ep
+        why_pp[shape.tp if shape.cp == shape.ep == 1 else f"{shape.tp} {d}"] = why
         if top is None:
             none_axis[(shape.pp, d)] = why.split(" (")[0]
             continue
@@ -179,14 +185,15 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                           fixed=fixed) if space.tp_spec is not None else None
     out = combine(flat.result if flat is not None else None, best, tried, scored, ref, memory_budget,
                   tuple(graph.blocks), per_token=fixed is None)
-    if any(d > 1 for _p, d in by_axis):  # what each cp (ep) degree made of each pipeline degree, per token (step)
-        tokens = axis == "cp" and fixed is None  # at a global batch every shape runs the same sequences
+    if len({d for _p, d in {**none_axis, **by_axis}}) > 1:  # what each cp or ep degree made of each pipeline degree
+        tokens = "cp" in axes and fixed is None  # at a global batch every shape runs the same sequences
         work = partial(compared_step, per_token=fixed is None)
-        said = "; ".join(f"pp{p} {axis}{d}: " + (none_axis[p, d] if s is None else "its best" if s is best.get(p) else
-                                                  f"{work(s) / work(best[p]):.2f}x the "
-                                                  + ("time per token" if tokens else "step"))
-                         for (p, d), s in sorted({**dict.fromkeys(none_axis), **by_axis}.items()))
-        what = ("context parallel in the pipeline" + (" (per token)" if tokens else "") if axis == "cp" else
-                "expert parallel in the pipeline")
+        said = "; ".join(f"pp{p} {d}: " + (none_axis[p, d] if s is None else "its best" if s is best.get(p) else
+                                            f"{work(s) / work(best[p]):.2f}x the "
+                                            + ("time per token" if tokens else "step"))
+                         for (p, d), s in sorted({**dict.fromkeys(none_axis), **by_axis}.items(),
+                                                 key=lambda kv: (kv[0][0], [int(w[2:]) for w in kv[0][1].split()])))
+        what = " and ".join({"cp": "context", "ep": "expert"}[n] for n in axes) + " parallel in the pipeline" + (
+            " (per token)" if tokens else "")
         out = replace(out, notes=(*out.notes, f"{what}: {said}"))
     return out

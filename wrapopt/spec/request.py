@@ -173,9 +173,10 @@ class ParallelRequest:
                 works = [k for k in range(2, rest + 1) if rest % k == 0][:8]
                 out.append(f"--{name} {d}: the {what}-parallel degree does not divide the {rest} ranks left by "
                            f"tp and pp (world {world}); degrees that do: {', '.join(map(str, works)) or 'none'}")
-        if self.cp != 1 and self.ep != 1:
-            out.append(f"--cp {self.cp} with --ep {self.ep}: context and expert parallelism together are not "
-                       "searched yet; pass one of them as 1")
+        if self.cp != 1 and self.ep != 1 and self.global_batch is not None:
+            out.append(f"--cp {self.cp} with --ep {self.ep} and --global-batch: context and expert parallelism "
+                       "together are searched per local batch only; drop --global-batch (give --batch), or pass one "
+                       "of them as 1")
         for name in ("sequence_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be True or False, got {getattr(self, name)!r}")
