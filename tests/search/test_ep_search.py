@@ -140,6 +140,11 @@ def test_cp_with_ep_searches_each_cp_degree_s_view_over_the_ep_degrees(moe, caps
     assert est.step_s != sim.simulate(replace(both, mesh=MESH.with_cp(2))).step_s  # ep changes the cp plan's step
     data = _search(capsys, "--cp", "2", "--ep", "2", "--memory", "none")
     assert (data["mesh"]["cp_size"], data["mesh"]["ep_size"]) == (2, 2)
+    assert cli(["search", "zoo:moe-tiny", "--world-size", "8", "--trials", "0", "--cp", "2", "--ep", "2", "--pp", "2",
+                "--memory", "none"]) == 0  # in a pipeline too: [Note: ep in a pipeline] in search/shapes.py
+    choice = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("wrapopt's choice: "))
+    assert "pipeline of 2 ranks" in choice and "context parallel 2" in choice
+    assert "expert parallel 2 (each mixture's experts split over 2 ranks, each expert sharded over 2" in choice
     model, _x = zoo.build("moe-tiny", "meta")
     with pytest.raises(PlanError, match=r"mesh.cp_size 2.*--to torchtitan"):
         check_ep(model, both)

@@ -199,6 +199,9 @@ def _sharding_kind(result: SearchResult) -> str:
     if mesh.cp_size > 1:
         kind += (f", context parallel {mesh.cp_size} (each sequence split over {mesh.cp_size} ranks, "
                  f"{mesh.batch_size} data-parallel ranks; FSDP over dp_shard x cp)")
+    if mesh.ep_size > 1:
+        kind += (f", expert parallel {mesh.ep_size} (each mixture's experts split over {mesh.ep_size} ranks, "
+                 f"each expert sharded over {mesh.efsdp_size}; tokens moved by all-to-all)")
     if mesh.tp_size > 1:
         kind += f", tensor parallel {mesh.tp_size} inside each node ({mesh.dp_size} data-parallel ranks)"
         if result.best.plan.tp is not None:

@@ -30,9 +30,9 @@ each degree tried.
 ``dp_shard x cp``) nests the loops: each cp degree's view is searched over the ep degrees, so a
 plan is priced on the ep view of one cp rank's share (its experts' all-to-all carries that rank's
 1/cp of the tokens), its shard groups holding whole cp and ep groups; cp degrees then compare per
-token. Searched per local batch only (``ParallelRequest`` refuses both at a fixed global batch),
-not in a pipeline (a pipeline shape takes one of them), and not applied by wrapopt
-(``plan/ep.py`` refuses it naming the TorchTitan export, which writes both degrees).
+token. Searched per local batch only (``ParallelRequest`` refuses both at a fixed global batch);
+a pipeline shape takes both too (See [Note: ep in a pipeline] in search/shapes.py). Not applied by
+wrapopt (``plan/ep.py`` refuses it naming the TorchTitan export, which writes both degrees).
 """
 
 from __future__ import annotations

@@ -28,8 +28,10 @@ priced as the pipeline of one ep rank's model (``Simulator.view(Shape(ep=e))``: 
 modules ``1/ep`` of the experts, their module times holding the all-to-all dispatch and combine;
 each stage's view keeps the experts' own units and their collectives over efsdp, See [Note: expert
 parallel costs] in cost/ep.py) on the mesh ``pp x dp_shard x tp`` with ``ep_size``. Degrees are
-compared by the step, as the flat ep degrees are. Not beside tensor parallelism or cp (as without a
-pipeline), and not applied by wrapopt (``plan/pipeline.py`` refuses it naming TorchTitan's export).
+compared by the step, as the flat ep degrees are. With cp too (``pp x dp_shard x cp``, ep within a
+stage's ``dp_shard x cp`` ranks) the stages are cut from the ep view of a cp rank's share (See [Note:
+cp with ep] in search/axes.py). Not beside tensor parallelism (as without a pipeline), and not
+applied by wrapopt (``plan/pipeline.py`` refuses it naming TorchTitan's export).
 
 A shape left out is kept in ``dropped`` with the reason, for the report. Context and expert
 parallelism are two more degree loops over the flat shapes (``cp`` and ``ep``), one loop for both
@@ -96,7 +98,7 @@ def shape_space(graph: ModelGraph, request: ParallelRequest) -> ShapeSpace:
     eps = ((1,) if request.ep in (1, AUTO) else ()) + ep_degrees
     for p in (p for p in pp_degrees if p > 1):
         for t in tp_degrees:
-            for c, e in ((c, e) for c in cps for e in eps if (c == 1 or e == 1) and (e == 1 or t == 1)):
+            for c, e in ((c, e) for c in cps for e in eps if e == 1 or t == 1):
                 shape = Shape(pp=p, tp=t, cp=c, ep=e)
                 if shape.misfit(world):
                     dropped.append((shape, shape.misfit(world)))
