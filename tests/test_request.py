@@ -47,7 +47,8 @@ def test_every_bad_field_is_named_on_its_own_line():
     for words in ("--tp 3 does not divide the 8 GPUs per node", "--pp 5 does not divide the world of 16",
                   "--cp 3: the context-parallel degree does not divide the 16 ranks left by tp and pp",
                   "degrees that do: 2, 4, 8, 16", "--ep 6: the expert-parallel degree does not divide",
-                  "--cp 3 with --ep 6: context and expert parallelism together are not searched yet",
+                  "--cp 3 with --ep 6 and --global-batch: context and expert parallelism together are searched per "
+                  "local batch only",
                   "--global-batch must be at least 1", "--shard-size 3 must divide the world of 16",
                   "--host-memory is only read with --offload", "memory_budget (--memory) 'lots' is not a memory size"):
         assert words in body
