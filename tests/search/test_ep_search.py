@@ -131,6 +131,7 @@ def test_cp_with_ep_searches_each_cp_degree_s_view_over_the_ep_degrees(moe, caps
     request = ParallelRequest(mesh=MESH, cp="auto", ep="auto")
     res = run_search(moe, sim, request, memory_budget=None, options=SearchOptions(trials=0)).result
     assert any(n.startswith("context parallel (tokens/s per GPU compared): ") for n in res.notes)
+    assert any(n.startswith("expert parallel at the chosen cp degree: ") for n in res.notes)
     both = replace(res.best.plan, mesh=MESH.with_cp(2, 2))
     assert both.mesh.cp_size == 2 and both.mesh.ep_size == 2
     est = sim.simulate(both)

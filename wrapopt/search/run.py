@@ -119,8 +119,11 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
         inner = flat
 
         def flat(s: Simulator, opts: SearchOptions, with_tp: bool = True) -> SearchResult:
-            return search_degrees(graph, s, request, EP, degrees=space.ep, options=opts,
-                                  flat=lambda v, o, w: inner(v, o, w and with_tp))
+            res = search_degrees(graph, s, request, EP, degrees=space.ep, options=opts,
+                                 flat=lambda v, o, w: inner(v, o, w and with_tp))
+            # only the chosen cp degree's result is kept: its ep note says which cp degree it is for
+            return replace(res, notes=tuple(n.replace("expert parallel: ", "expert parallel at the chosen cp "
+                                                      "degree: ", 1) for n in res.notes))
     return SearchRun(search_degrees(graph, sim, request, axis, degrees=axis_degrees, flat=flat, options=options),
                      request.train, sim)
 
