@@ -156,11 +156,11 @@ def _tried(axis: Axis, request: ParallelRequest, degrees: tuple[int, ...]) -> tu
 
 def search_degrees(graph: ModelGraph, sim: Simulator, request: ParallelRequest, axis: Axis, *,
                    degrees: tuple[int, ...], flat: Callable[[Simulator, SearchOptions, bool], SearchResult],
-                   options: SearchOptions) -> SearchResult:
+                   options: SearchOptions, where: str = "") -> SearchResult:
     """Each degree of ``axis`` (1 too under ``auto``) searched by ``flat(view, options, with_tp)``
     (the flat search on that degree's view, its shard groups limited as the axis says; ``with_tp``:
     beside the request's tensor-parallel degrees) and combined: See [Note: the degree loop of an
-    axis]."""
+    axis]. ``where``: what the note's degrees are under, said after its head ("at the chosen cp degree")."""
     mesh = request.mesh
     tp = request.tp if isinstance(request.tp, int) else 1
     results: dict[int, SearchResult] = {}
@@ -185,7 +185,8 @@ def search_degrees(graph: ModelGraph, sim: Simulator, request: ParallelRequest, 
     rows = tuple((axis.row(d), r.best) for d, r in sorted(results.items()))
     said += [f"{axis.name} {d}: nothing fits: {why}" for d, why in sorted(failed.items())]
     out = results[chosen]
-    head = f"{axis.words} (tokens/s per GPU compared)" if axis.per_token else axis.words
+    head = (f"{axis.words} (tokens/s per GPU compared)" if axis.per_token else axis.words) + (f" {where}" if where
+                                                                                               else "")
     return replace(out, tp_rows=(*out.tp_rows, *(rows if len(results) > 1 else ())),
                    rows_head=axis.head(per_token=True) if len(results) > 1 else out.rows_head,
                    notes=(*out.notes, f"{head}: " + "; ".join(said)))

@@ -30,6 +30,7 @@ from wrapopt.search.batch import batch_scale
 from wrapopt.search.current_items import current_error as _fail, read_items as _read_items
 from wrapopt.search.current_knobs import knobs_said
 from wrapopt.search.current_pp import PipelineWords, block_checkpoints, pipeline_current
+from wrapopt.search.pipeline import pipeline_sequences
 from wrapopt.search.pipeline_batch import pipeline_at_batch
 from wrapopt.search.stages import pipeline_layout
 from wrapopt.search.tp import dp_mesh, lift_plan
@@ -391,7 +392,7 @@ def _pipeline_micro_batch(graph: ModelGraph, plan: PlanSpec, accumulation: int) 
     """A pipeline plan's micro-batch at the search's local batch: its pipeline's share of the traced
     batch (``pp x tp x accumulation`` ranks' batches, as ``microbatch_counts``) over its micro-batches."""
     assert plan.pipeline is not None
-    share = max(1, graph.batch_size) * plan.mesh.pp_size * plan.mesh.tp_size * max(1, accumulation)
+    share = pipeline_sequences(graph, plan.mesh.pp_size, plan.mesh.tp_size, accumulation)
     return max(1, share // plan.pipeline.microbatches)
 
 
@@ -423,7 +424,7 @@ def _score_pipeline(graph: ModelGraph, sim: Simulator, current: Current, request
     local = current.local_batch
     if n is None:  # its local batch, its micro-batches said, else its pipeline's share of the traced batch
         per = local or (pipe.microbatches * mb if current.microbatches_said else
-                        max(1, graph.batch_size) * plan.mesh.pp_size * plan.mesh.tp_size)
+                        pipeline_sequences(graph, plan.mesh.pp_size, plan.mesh.tp_size))
         n = dp * per
     if local is not None and local * dp != n:
         raise OptionError(f"--current {current.text!r}: local batch {local} x {dp} data-parallel ranks is "

@@ -54,8 +54,8 @@ from wrapopt.tp import TPSpec
 from wrapopt.train import TrainConfig
 
 __all__ = ["AUTO_PP", "VIRTUAL_STAGES", "CHECKPOINTS", "TORCHTITAN_PP_LABEL", "resolve_pp", "pipeline_plan",
-           "search_pipeline_degree", "combine", "microbatch_counts", "torchtitan_plan", "pipeline_for",
-           "pipeline_estimate", "pp_group_sizes"]
+           "search_pipeline_degree", "combine", "microbatch_counts", "pipeline_sequences", "torchtitan_plan",
+           "pipeline_for", "pipeline_estimate", "pp_group_sizes"]
 
 AUTO_PP = (2, 4, 8, 16)  # pipeline degrees --pp auto tries (with 1)
 VIRTUAL_STAGES = (2, 4)  # stages per rank tried for Interleaved1F1B
@@ -120,11 +120,17 @@ def pp_group_sizes(request: ParallelRequest, *, also: Sequence[int] = ()) -> tup
 # size, and of 2 (the sends, priced as a 2-rank all-gather by ``cost.pipeline.send_s``), inside a node.
 
 
+def pipeline_sequences(graph: ModelGraph, pp: int, tp: int, accumulation: int = 1) -> int:
+    """A pipeline's batch at the search's local batch (sequences per step): ``pp x tp x accumulation``
+    ranks' traced batches, at the same global batch as a plan without a pipeline."""
+    return max(1, graph.batch_size) * pp * tp * max(1, accumulation)
+
+
 def microbatch_counts(graph: ModelGraph, shape: Shape) -> tuple[int, ...]:
-    """Micro-batch counts tried: ``pp`` x 1, 2, 4, 8 where they divide the pipeline's batch of
-    ``pp x tp x accumulation`` ranks' batches (sequences)."""
+    """Micro-batch counts tried: ``pp`` x 1, 2, 4, 8 where they divide the pipeline's batch
+    (``pipeline_sequences``)."""
     pp = shape.pp
-    batch = max(1, graph.batch_size) * pp * shape.tp * shape.accumulation
+    batch = pipeline_sequences(graph, pp, shape.tp, shape.accumulation)
     return tuple(k * pp for k in (1, 2, 4, 8) if batch % (k * pp) == 0)
 
 
@@ -175,7 +181,7 @@ def search_pipeline_degree(graph: ModelGraph, sim: Simulator, mesh: MeshSpec, la
     ms = tuple(counts) if counts is not None else microbatch_counts(
         graph, replace(shape, accumulation=sim.options.grad_accumulation))
     if not ms:
-        return None, [], (f"dropped: the pipeline's batch of {max(1, graph.batch_size) * pp * tp} sequences is "
+        return None, [], (f"dropped: the pipeline's batch of {pipeline_sequences(graph, pp, tp)} sequences is "
                           f"smaller than its {pp} stages (at least one micro-batch per stage)")
     full = _mesh(mesh, shape)
     # under cp or ep: one such rank's share (See [Note: cp in a pipeline] and [Note: ep in a pipeline])

@@ -119,11 +119,9 @@ def search_flat(graph: ModelGraph, sim: Simulator, request: ParallelRequest, spa
         inner = flat
 
         def flat(s: Simulator, opts: SearchOptions, with_tp: bool = True) -> SearchResult:
-            res = search_degrees(graph, s, request, EP, degrees=space.ep, options=opts,
-                                 flat=lambda v, o, w: inner(v, o, w and with_tp))
             # only the chosen cp degree's result is kept: its ep note says which cp degree it is for
-            return replace(res, notes=tuple(n.replace("expert parallel: ", "expert parallel at the chosen cp "
-                                                      "degree: ", 1) for n in res.notes))
+            return search_degrees(graph, s, request, EP, degrees=space.ep, options=opts,
+                                  flat=lambda v, o, w: inner(v, o, w and with_tp), where="at the chosen cp degree")
     return SearchRun(search_degrees(graph, sim, request, axis, degrees=axis_degrees, flat=flat, options=options),
                      request.train, sim)
 
@@ -150,8 +148,11 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
     whys: dict[int, dict[int | str, str]] = {}
     runs: list[Shape] = []  # the pipeline shapes that can run the global batch (all of them without one)
     axes = tuple(n for n, ds in (("cp", space.cp), ("ep", space.ep)) if ds)  # the pipelines' cp and ep degrees:
-    by_axis: dict[tuple[int, str], Scored] = {}  # the fastest per (pp, cp and ep): See [Note: cp in a pipeline]
-    none_axis: dict[tuple[int, str], str] = {}  # (pp, cp and ep) with no plan that fits, and why
+    by_axis: dict[tuple[int, int, int], Scored] = {}  # the fastest per (pp, cp, ep): See [Note: cp in a pipeline]
+    none_axis: dict[tuple[int, int, int], str] = {}  # (pp, cp, ep) with no plan that fits, and why
+
+    def named(c: int, e: int) -> str:  # "cp2", "cp1 ep2": the degrees of the axes searched
+        return " ".join(f"{n}{d}" for n, d in (("cp", c), ("ep", e)) if n in axes)
     for shape, _why in space.dropped:
         if shape.pp > 1:
             whys.setdefault(shape.pp, {})  # a degree no tensor-parallel degree divides the world with
@@ -168,12 +169,11 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                                                 layout, shape=shape, spec=space.tp_spec,
                                                 memory_budget=memory_budget, counts=counts, refine=refine)
         scored += mine
-        d = " ".join(f"{n}{getattr(shape, n)}" for n in axes)  # "cp2", "cp1 ep2", "" without cp and ep
-        why_pp[shape.tp if shape.cp == shape.ep == 1 else f"{shape.tp} {d}"] = why
+        why_pp[shape.tp if shape.cp == shape.ep == 1 else f"{shape.tp} {named(shape.cp, shape.ep)}"] = why
         if top is None:
-            none_axis[(shape.pp, d)] = why.split(" (")[0]
+            none_axis[(shape.pp, shape.cp, shape.ep)] = why.split(" (")[0]
             continue
-        for table, key in ((best, shape.pp), (by_axis, (shape.pp, d))):
+        for table, key in ((best, shape.pp), (by_axis, (shape.pp, shape.cp, shape.ep))):
             if key not in table or compared_step(top, fixed is None) < compared_step(table[key], fixed is None):
                 table[key] = top
     for pp, why_pp in whys.items():
@@ -188,14 +188,13 @@ def _with_pipelines(graph: ModelGraph, psim: Simulator, request: ParallelRequest
                           fixed=fixed) if space.tp_spec is not None else None
     out = combine(flat.result if flat is not None else None, best, tried, scored, ref, memory_budget,
                   tuple(graph.blocks), per_token=fixed is None)
-    if len({d for _p, d in {**none_axis, **by_axis}}) > 1:  # what each cp or ep degree made of each pipeline degree
+    if len({k[1:] for k in {**none_axis, **by_axis}}) > 1:  # what each cp or ep degree made of each pipeline degree
         tokens = "cp" in axes and fixed is None  # at a global batch every shape runs the same sequences
         work = partial(compared_step, per_token=fixed is None)
-        said = "; ".join(f"pp{p} {d}: " + (none_axis[p, d] if s is None else "its best" if s is best.get(p) else
-                                            f"{work(s) / work(best[p]):.2f}x the "
-                                            + ("time per token" if tokens else "step"))
-                         for (p, d), s in sorted({**dict.fromkeys(none_axis), **by_axis}.items(),
-                                                 key=lambda kv: (kv[0][0], [int(w[2:]) for w in kv[0][1].split()])))
+        said = "; ".join(f"pp{p} {named(c, e)}: " + (none_axis[p, c, e] if s is None else "its best"
+                                                      if s is best.get(p) else f"{work(s) / work(best[p]):.2f}x the "
+                                                      + ("time per token" if tokens else "step"))
+                         for (p, c, e), s in sorted({**dict.fromkeys(none_axis), **by_axis}.items()))
         what = " and ".join({"cp": "context", "ep": "expert"}[n] for n in axes) + " parallel in the pipeline" + (
             " (per token)" if tokens else "")
         out = replace(out, notes=(*out.notes, f"{what}: {said}"))
